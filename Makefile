@@ -1,0 +1,18 @@
+# The two set-up commands in the README: `make run` and `make test`.
+# Both create .venv themselves (scripts/bootstrap.sh finds a Python >= 3.12).
+PY := .venv/bin/python
+export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+
+.PHONY: venv run test clean
+
+venv:
+	@bash scripts/bootstrap.sh
+
+run: venv
+	$(PY) -m experiments
+
+test: venv
+	$(PY) -m pytest -n 2 --dist loadfile tests
+
+clean:
+	rm -rf .venv results .pytest_cache

@@ -1,0 +1,179 @@
+"""Model presets.
+
+``KIMI_K2_6`` and ``GLM_5_2`` carry the full published shapes (DESIGN.md §1) and are
+used only for capacity, weight-byte and roofline math: they are never instantiated
+as weights. The small presets are for tests, CPU experiments and one-H200 runs.
+"""
+
+from mlkit.config import ModelConfig, RopeScaling
+
+# Kimi K2.6: DeepSeek-V3 layout, 64 heads, 384 experts, YaRN x32 from a 4K base.
+KIMI_K2_6 = ModelConfig(
+    name="kimi-k2.6",
+    vocab_size=163840,
+    d_model=7168,
+    n_layers=61,
+    n_heads=64,
+    attention="mla",
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    dense_ffn_dim=18432,
+    moe_ffn_dim=2048,
+    n_routed_experts=384,
+    n_shared_experts=1,
+    top_k=8,
+    first_k_dense=1,
+    router="sigmoid",
+    routed_scaling_factor=2.827,
+    norm_topk_prob=True,
+    rope_theta=50000.0,
+    rope_scaling=RopeScaling(factor=32.0, original_max_position_embeddings=4096,
+                             beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+    max_seq_len=262144,
+)
+
+# GLM 5.2: 78 layers (3 dense), 256 experts, plus a sparse-attention indexer whose
+# per-token key cache (128 values per layer) counts toward KV capacity. The dense
+# FFN width (12288) is not in DESIGN.md; it is the value that, with the published
+# shapes, reproduces the published ~744B total.
+GLM_5_2 = ModelConfig(
+    name="glm-5.2",
+    vocab_size=154880,
+    d_model=6144,
+    n_layers=78,
+    n_heads=64,
+    attention="mla",
+    q_lora_rank=2048,
+    kv_lora_rank=512,
+    qk_nope_head_dim=192,
+    qk_rope_head_dim=64,
+    v_head_dim=256,
+    dense_ffn_dim=12288,
+    moe_ffn_dim=2048,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    top_k=8,
+    first_k_dense=3,
+    router="sigmoid",
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    index_n_heads=32,
+    index_head_dim=128,
+    index_topk=2048,
+    rope_theta=1000000.0,
+    max_seq_len=202752,
+    rms_norm_eps=1e-5,
+)
+
+# Tiny MLA model for unit tests: 3 layers, first dense, 8 experts top-2, one shared.
+TINY_MLA = ModelConfig(
+    name="tiny-mla",
+    vocab_size=256,
+    d_model=64,
+    n_layers=3,
+    n_heads=4,
+    attention="mla",
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    dense_ffn_dim=128,
+    moe_ffn_dim=32,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    top_k=2,
+    first_k_dense=1,
+    router="sigmoid",
+    routed_scaling_factor=2.5,
+    n_group=2,
+    topk_group=1,
+    rope_theta=10000.0,
+    rope_scaling=RopeScaling(factor=4.0, original_max_position_embeddings=64,
+                             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+    max_seq_len=256,
+    dtype="float32",
+    param_dtype="float32",
+)
+
+# Tiny GQA model for unit tests: 2 layers, first dense, softmax router, tied embeddings.
+TINY_GQA = ModelConfig(
+    name="tiny-gqa",
+    vocab_size=256,
+    d_model=64,
+    n_layers=2,
+    n_heads=4,
+    attention="gqa",
+    n_kv_heads=2,
+    head_dim=16,
+    dense_ffn_dim=128,
+    moe_ffn_dim=32,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    top_k=2,
+    first_k_dense=1,
+    router="softmax",
+    routed_scaling_factor=1.0,
+    rope_interleave=False,
+    tie_embeddings=True,
+    rope_theta=10000.0,
+    max_seq_len=256,
+    dtype="float32",
+    param_dtype="float32",
+)
+
+# ~30M-parameter MLA model for CPU experiments and training.
+SMALL_MLA = ModelConfig(
+    name="small-mla",
+    vocab_size=512,
+    d_model=256,
+    n_layers=6,
+    n_heads=8,
+    attention="mla",
+    q_lora_rank=128,
+    kv_lora_rank=128,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    dense_ffn_dim=1024,
+    moe_ffn_dim=256,
+    n_routed_experts=32,
+    n_shared_experts=1,
+    top_k=4,
+    first_k_dense=1,
+    router="sigmoid",
+    routed_scaling_factor=2.5,
+    rope_theta=10000.0,
+    max_seq_len=2048,
+)
+
+# Kimi-shaped (MLA 512+64, 64 heads) but smaller, so the report's capacity and
+# throughput curves run on one H200 in minutes.
+H200_MLA = ModelConfig(
+    name="h200-mla",
+    vocab_size=32768,
+    d_model=2048,
+    n_layers=12,
+    n_heads=64,
+    attention="mla",
+    q_lora_rank=768,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    dense_ffn_dim=8192,
+    moe_ffn_dim=1024,
+    n_routed_experts=64,
+    n_shared_experts=1,
+    top_k=8,
+    first_k_dense=1,
+    router="sigmoid",
+    routed_scaling_factor=2.827,
+    rope_theta=50000.0,
+    max_seq_len=32768,
+)
+
+MODEL_PRESETS = {c.name: c for c in (KIMI_K2_6, GLM_5_2, TINY_MLA, TINY_GQA, SMALL_MLA, H200_MLA)}

@@ -1,0 +1,199 @@
+"""MLA and GQA attention over a cache view.
+
+The cores take a view produced by the cache (see ``mlkit.model.cache``) so that
+contiguous and paged caches share them. Softmax is always accumulated in f32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mlkit.config import ModelConfig
+from mlkit.model import rope
+from mlkit.model.layers import rms_norm
+from mlkit.quant import dequantize, matmul
+
+_NEG_INF = -1e30
+
+
+def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
+  """Softmax over the last axis in f32 where mask is True; fully masked rows give zeros."""
+  logits = jnp.where(mask, logits.astype(jnp.float32), _NEG_INF)
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  e = jnp.where(mask, jnp.exp(logits - m), 0.0)
+  return e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
+
+
+# ----------------------------------------------------------------------------- MLA
+
+def mla_project(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
+  """Query heads and this step's cache entries for MLA.
+
+  Args:
+    p: the layer's attention params.
+    x: normed hidden states [B, T, D].
+    positions: [B, T] int32.
+
+  Returns:
+    (q_nope [B, T, H, nope], q_rope [B, T, H, R], new) where new = {latent [B, T, C], k_rope [B, T, R]}
+    holds the RMS-normed latent and the rotated shared rope key, exactly what the cache stores.
+  """
+  B, T, _ = x.shape
+  H, nope, R = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+  if cfg.q_lora_rank:
+    q = matmul(rms_norm(matmul(x, p["wq_a"]), p["q_norm"], cfg.rms_norm_eps), p["wq_b"])
+  else:
+    q = matmul(x, p["wq"])
+  q = q.reshape(B, T, H, nope + R)
+  q_nope, q_rope = q[..., :nope], q[..., nope:]
+  kv = matmul(x, p["wkv_a"])  # [B, T, C + R]
+  latent = rms_norm(kv[..., :cfg.kv_lora_rank], p["kv_norm"], cfg.rms_norm_eps)
+  cos, sin = rope.cos_sin(cfg, positions)
+  q_rope = rope.apply_rope(q_rope, cos, sin, interleave=cfg.rope_interleave)
+  k_rope = rope.apply_rope(kv[..., cfg.kv_lora_rank:], cos, sin, interleave=cfg.rope_interleave)
+  return q_nope, q_rope, {"latent": latent, "k_rope": k_rope}
+
+
+def _wkv_b(p: dict, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
+  """wkv_b split into its key [C, H, nope] and value [C, H, v] halves."""
+  w = dequantize(p["wkv_b"], dtype).reshape(cfg.kv_lora_rank, cfg.n_heads,
+                                            cfg.qk_nope_head_dim + cfg.v_head_dim)
+  return w[..., :cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim:]
+
+
+def mla_attention_naive(p, q_nope, q_rope, view, mask, cfg: ModelConfig) -> jax.Array:
+  """MLA with keys/values expanded from the latent per head (the textbook form).
+
+  Args:
+    q_nope: [B, T, H, nope]; q_rope: [B, T, H, R].
+    view: {latent [B, S, C], k_rope [B, S, R]}; mask: [B, T, S].
+
+  Returns:
+    Per-head outputs [B, T, H, v].
+  """
+  dtype = q_nope.dtype
+  w_k, w_v = _wkv_b(p, cfg, dtype)
+  latent = view["latent"].astype(dtype)
+  k_nope = jnp.einsum("bsc,chd->bshd", latent, w_k, preferred_element_type=jnp.float32)
+  v = jnp.einsum("bsc,chd->bshd", latent, w_v, preferred_element_type=jnp.float32)
+  logits = (jnp.einsum("bthd,bshd->bhts", q_nope.astype(jnp.float32), k_nope)
+            + jnp.einsum("bthr,bsr->bhts", q_rope.astype(jnp.float32),
+                         view["k_rope"].astype(jnp.float32))) * cfg.softmax_scale
+  probs = masked_softmax(logits, mask[:, None])  # [B, H, T, S]
+  return jnp.einsum("bhts,bshd->bthd", probs, v).astype(dtype)
+
+
+def mla_absorb_query(p, q_nope: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """Projects q_nope [B, T, H, nope] into latent space [B, T, H, C] (absorbing wkv_b's key half)."""
+  w_k, _ = _wkv_b(p, cfg, q_nope.dtype)
+  return jnp.einsum("bthd,chd->bthc", q_nope, w_k,
+                    preferred_element_type=jnp.float32).astype(q_nope.dtype)
+
+
+def mla_absorb_output(p, out_latent: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """Projects latent-space outputs [B, T, H, C] back to per-head values [B, T, H, v]."""
+  _, w_v = _wkv_b(p, cfg, out_latent.dtype)
+  return jnp.einsum("bthc,chd->bthd", out_latent, w_v,
+                    preferred_element_type=jnp.float32).astype(out_latent.dtype)
+
+
+def mla_latent_attention(q_latent, q_rope, latent, k_rope, mask, scale) -> jax.Array:
+  """Attention in latent space, the core the paged kernels implement.
+
+  Args:
+    q_latent: [B, T, H, C]; q_rope: [B, T, H, R].
+    latent: [B, S, C]; k_rope: [B, S, R]; mask: [B, T, S].
+    scale: softmax scale.
+
+  Returns:
+    out_latent [B, T, H, C] (f32 accumulation, returned in q_latent's dtype).
+  """
+  f32 = jnp.float32
+  logits = (jnp.einsum("bthc,bsc->bhts", q_latent.astype(f32), latent.astype(f32))
+            + jnp.einsum("bthr,bsr->bhts", q_rope.astype(f32), k_rope.astype(f32))) * scale
+  probs = masked_softmax(logits, mask[:, None])
+  return jnp.einsum("bhts,bsc->bthc", probs, latent.astype(f32)).astype(q_latent.dtype)
+
+
+def mla_attention_absorbed(p, q_nope, q_rope, view, mask, cfg: ModelConfig) -> jax.Array:
+  """MLA in the absorbed form: attention runs over the latent cache directly.
+
+  Same arguments and result as :func:`mla_attention_naive`; cheaper when the
+  query chunk is short (decode), because keys are never expanded per head.
+  """
+  q_latent = mla_absorb_query(p, q_nope, cfg)
+  out_latent = mla_latent_attention(q_latent, q_rope, view["latent"], view["k_rope"], mask,
+                                    cfg.softmax_scale)
+  return mla_absorb_output(p, out_latent, cfg)
+
+
+# ----------------------------------------------------------------------------- GQA
+
+def gqa_project(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
+  """Query heads [B, T, H, hd] and this step's cache entries {k, v: [B, T, KV, hd]}."""
+  B, T, _ = x.shape
+  hd = cfg.head_dim
+  q = matmul(x, p["wq"]).reshape(B, T, cfg.n_heads, hd)
+  k = matmul(x, p["wk"]).reshape(B, T, cfg.n_kv_heads, hd)
+  v = matmul(x, p["wv"]).reshape(B, T, cfg.n_kv_heads, hd)
+  cos, sin = rope.cos_sin(cfg, positions)
+  q = rope.apply_rope(q, cos, sin, interleave=cfg.rope_interleave)
+  k = rope.apply_rope(k, cos, sin, interleave=cfg.rope_interleave)
+  return q, {"k": k, "v": v}
+
+
+def gqa_attention(q, k, v, mask, scale) -> jax.Array:
+  """Grouped-query attention.
+
+  Args:
+    q: [B, T, H, hd]; k, v: [B, S, KV, hd] with KV dividing H; mask: [B, T, S].
+
+  Returns:
+    [B, T, H, hd] in q's dtype.
+  """
+  B, T, H, hd = q.shape
+  KV = k.shape[2]
+  f32 = jnp.float32
+  qg = q.reshape(B, T, KV, H // KV, hd).astype(f32)
+  logits = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(f32)) * scale
+  probs = masked_softmax(logits, mask[:, None, None])
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(f32))
+  return out.reshape(B, T, H, hd).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- layer
+
+def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: int,
+                    cfg: ModelConfig, *, batch_meta=None, mla_mode: str = "auto"):
+  """One attention sub-layer: project, write the cache, attend, project out.
+
+  Args:
+    p: the layer's attention params.
+    x: normed hidden states [B, T, D].
+    positions: [B, T] int32.
+    cache: a cache (see ``mlkit.model.cache``) or None for a cache-free forward.
+    layer: layer index into the cache.
+    mla_mode: "naive", "absorbed" or "auto" (absorbed when T == 1).
+
+  Returns:
+    (out [B, T, D], cache).
+  """
+  from mlkit.model.cache import no_cache_view
+  B, T, _ = x.shape
+  if cfg.attention == "mla":
+    q_nope, q_rope, new = mla_project(p, x, positions, cfg)
+  else:
+    q, new = gqa_project(p, x, positions, cfg)
+  if cache is None:
+    view, mask = no_cache_view(new, positions)
+  else:
+    cache, view, mask = cache.update(layer, new, positions, batch_meta)
+  if cfg.attention == "mla":
+    absorbed = mla_mode == "absorbed" or (mla_mode == "auto" and T == 1)
+    fn = mla_attention_absorbed if absorbed else mla_attention_naive
+    heads = fn(p, q_nope, q_rope, view, mask, cfg)  # [B, T, H, v]
+  else:
+    heads = gqa_attention(q, view["k"], view["v"], mask, cfg.softmax_scale)
+  out = matmul(heads.reshape(B, T, -1), p["wo"])
+  return out, cache

@@ -1,0 +1,89 @@
+"""Contiguous per-sequence KV cache: the numerical reference for the paged cache.
+
+A cache is any pytree with an ``update(layer, new, positions, batch_meta)``
+method returning ``(cache, view, mask)``:
+
+* ``new`` holds this step's entries, keyed like the view (MLA: ``latent``
+  [B, T, C] and ``k_rope`` [B, T, R]; GQA: ``k`` and ``v`` [B, T, KV, hd]).
+* ``view`` holds every key/value the step's queries may attend to, with the same
+  keys and a length axis S in place of T.
+* ``mask`` [B, T, S] bool says which of them each query may see.
+
+The model only talks to this interface, so the paged cache can stand in for the
+contiguous one with no change to model code.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from mlkit.config import ModelConfig
+
+
+def cache_entry_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """Per-token cache entry shapes for one layer (without the batch/length axes)."""
+  if cfg.attention == "mla":
+    return {"latent": (cfg.kv_lora_rank,), "k_rope": (cfg.qk_rope_head_dim,)}
+  return {"k": (cfg.n_kv_heads, cfg.head_dim), "v": (cfg.n_kv_heads, cfg.head_dim)}
+
+
+@struct.dataclass
+class ContiguousKVCache:
+  """A dense [B, S_max, ...] cache per layer; slot s holds the token at position s.
+
+  Attributes:
+    layers: one dict per layer of arrays [B, S_max, *entry_shape].
+  """
+
+  layers: list
+
+  @property
+  def batch_size(self) -> int:
+    return jax.tree_util.tree_leaves(self.layers[0])[0].shape[0]
+
+  @property
+  def max_len(self) -> int:
+    return jax.tree_util.tree_leaves(self.layers[0])[0].shape[1]
+
+  def update(self, layer: int, new: dict, positions: jax.Array, batch_meta=None):
+    """Writes this step's entries at their positions and returns the whole layer.
+
+    Args:
+      layer: layer index.
+      new: this step's entries, each [B, T, ...].
+      positions: [B, T] int32 absolute positions (slot = position).
+      batch_meta: unused by the contiguous cache.
+
+    Returns:
+      (cache, view, mask): the updated cache, the layer's full buffers
+      [B, S_max, ...] and a causal mask [B, T, S_max] (slot <= query position).
+    """
+    del batch_meta
+    b_idx = jnp.arange(positions.shape[0])[:, None]  # [B, 1]
+    cur = self.layers[layer]
+    upd = {name: cur[name].at[b_idx, positions].set(new[name].astype(cur[name].dtype))
+           for name in cur}
+    layers = list(self.layers)
+    layers[layer] = upd
+    slots = jnp.arange(self.max_len)
+    mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    return ContiguousKVCache(layers=layers), upd, mask
+
+
+def init_cache(cfg: ModelConfig, batch_size: int, max_len: int | None = None,
+               dtype=None) -> ContiguousKVCache:
+  """An empty contiguous cache [B, max_len, ...] per layer in ``dtype`` (default cfg.dtype)."""
+  max_len = max_len or cfg.max_seq_len
+  dtype = jnp.dtype(dtype or cfg.dtype)
+  shapes = cache_entry_shapes(cfg)
+  layers = [{name: jnp.zeros((batch_size, max_len) + shp, dtype) for name, shp in shapes.items()}
+            for _ in range(cfg.n_layers)]
+  return ContiguousKVCache(layers=layers)
+
+
+def no_cache_view(new: dict, positions: jax.Array):
+  """View and causal mask for a cache-free forward: the chunk attends only to itself."""
+  mask = positions[:, None, :] <= positions[:, :, None]  # [B, T, T] key pos <= query pos
+  return new, mask

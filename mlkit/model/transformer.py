@@ -1,0 +1,96 @@
+"""The decoder: ``apply(params, tokens, positions, cache) -> (logits, cache)``."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from mlkit.config import ModelConfig
+from mlkit.model.attention import attention_block
+from mlkit.model.layers import rms_norm, swiglu
+from mlkit.model.moe import moe_ffn
+from mlkit.quant import matmul
+
+
+def _check_inputs(params: dict, tokens, positions, cfg: ModelConfig) -> None:
+  if tokens.ndim != 2:
+    raise ValueError(f"tokens must be [B, T], got shape {tokens.shape}")
+  if positions.shape != tokens.shape:
+    raise ValueError(f"positions {positions.shape} must match tokens {tokens.shape}")
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"tokens must be integers, got {tokens.dtype}")
+  if len(params["layers"]) != cfg.n_layers:
+    raise ValueError(f"params have {len(params['layers'])} layers, config says {cfg.n_layers}")
+
+
+def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
+          cfg: ModelConfig, batch_meta=None, mla_mode: str = "auto",
+          return_aux: bool = False, return_hidden: bool = False):
+  """Runs the model over a chunk of tokens, reading and writing the cache.
+
+  Args:
+    params: the params pytree (any mix of plain and quantised weights).
+    tokens: [B, T] int token ids.
+    positions: [B, T] int absolute positions of the tokens.
+    cache: a KV cache (``ContiguousKVCache``, or the paged state), or None for a
+      cache-free causal forward over the chunk (training).
+    cfg: the model config.
+    batch_meta: passed to the cache's ``update`` (block tables and lengths for paged caches).
+    mla_mode: "naive", "absorbed" or "auto" (absorbed when T == 1).
+    return_aux: also return router statistics per MoE layer.
+    return_hidden: return final hidden states [B, T, D] instead of logits.
+
+  Returns:
+    (logits [B, T, V] f32, cache), plus an aux dict
+    {expert_load, router_prob: [n_moe_layers, E]} when ``return_aux``.
+
+  Raises:
+    ValueError: on malformed shapes or a params/config mismatch.
+  """
+  _check_inputs(params, tokens, positions, cfg)
+  dtype = jnp.dtype(cfg.dtype)
+  positions = positions.astype(jnp.int32)
+  with jax.named_scope("embed"):
+    x = jnp.take(params["embed"], tokens, axis=0).astype(dtype)  # [B, T, D]
+  loads, probs = [], []
+  for i, lp in enumerate(params["layers"]):
+    with jax.named_scope(f"layer_{i}"):
+      h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+      attn_out, cache = attention_block(lp["attn"], h, positions, cache, i, cfg,
+                                        batch_meta=batch_meta, mla_mode=mla_mode)
+      x = x + attn_out
+      h = rms_norm(x, lp["ffn_norm"], cfg.rms_norm_eps)
+      if cfg.is_moe_layer(i):
+        ffn_out, aux = moe_ffn(lp["ffn"], h, cfg)
+        loads.append(aux["expert_load"])
+        probs.append(aux["router_prob"])
+      else:
+        ffn_out = swiglu(lp["ffn"], h)
+      x = x + ffn_out
+  x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+  if return_hidden:
+    out = x
+  else:
+    with jax.named_scope("lm_head"):
+      head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+      out = matmul(x, head, out_dtype=jnp.float32)  # [B, T, V]
+  if return_aux:
+    aux = {"expert_load": jnp.stack(loads) if loads else jnp.zeros((0,)),
+           "router_prob": jnp.stack(probs) if probs else jnp.zeros((0,))}
+    return out, cache, aux
+  return out, cache
+
+
+def forward(params: dict, tokens: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+  """Cache-free causal forward over whole sequences: tokens [B, T] -> logits [B, T, V] f32."""
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  logits, _ = apply(params, tokens, positions, None, cfg=cfg)
+  return logits
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mla_mode"), donate_argnames=("cache",))
+def apply_jit(params, tokens, positions, cache, *, cfg: ModelConfig, mla_mode: str = "auto"):
+  """Jitted :func:`apply` for a contiguous cache, donating the cache."""
+  return apply(params, tokens, positions, cache, cfg=cfg, mla_mode=mla_mode)

@@ -1,0 +1,1 @@
+"""Pallas GPU kernels, each package with a pure-jnp reference beside it."""
