@@ -1,0 +1,10 @@
+"""Checkpoint I/O: orbax save/restore of params + config, and Hugging Face import/export.
+
+Orbax (:mod:`mlkit.checkpoint.orbax_io`): ``save_checkpoint`` / ``load_checkpoint``.
+Hugging Face DeepSeek-V3 / Kimi-K2 layout (:mod:`mlkit.checkpoint.hf`):
+``config_from_hf``, ``config_to_hf``, ``load_hf_checkpoint``, ``save_hf_checkpoint``.
+"""
+
+from mlkit.checkpoint.orbax_io import checkpoint_steps, load_checkpoint, save_checkpoint
+
+__all__ = ["checkpoint_steps", "load_checkpoint", "save_checkpoint"]
