@@ -2,8 +2,10 @@
 
 Plain arrays are the default case. Quantised formats register their own
 implementations with ``matmul.register(Int4Weight)`` etc., so the model never
-needs to know which formats exist. ``functools.singledispatch`` keys on the
-weight's Python type, which survives ``jit`` because the formats are pytrees.
+needs to know which formats exist. Dispatch keys on the *weight's* Python type
+(the second argument of ``matmul``/``grouped_matmul``; plain
+``functools.singledispatch`` would key on the activations), which survives
+``jit`` because the formats are pytrees.
 """
 
 from __future__ import annotations
@@ -14,7 +16,21 @@ import jax
 import jax.numpy as jnp
 
 
-@functools.singledispatch
+def _dispatch_on_weight(fn):
+  """Like ``functools.singledispatch`` but keyed on argument 1 (the weight), not 0."""
+  registry = functools.singledispatch(fn)
+
+  @functools.wraps(fn)
+  def wrapper(x, w, *args, **kwargs):
+    return registry.dispatch(type(w))(x, w, *args, **kwargs)
+
+  wrapper.register = registry.register
+  wrapper.dispatch = registry.dispatch
+  wrapper.registry = registry.registry
+  return wrapper
+
+
+@_dispatch_on_weight
 def matmul(x: jax.Array, w, *, out_dtype=None) -> jax.Array:
   """``x @ w`` with fp32 accumulation.
 
@@ -31,7 +47,7 @@ def matmul(x: jax.Array, w, *, out_dtype=None) -> jax.Array:
   return y.astype(out_dtype)
 
 
-@functools.singledispatch
+@_dispatch_on_weight
 def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *, out_dtype=None) -> jax.Array:
   """Ragged grouped matmul for experts, like ``jax.lax.ragged_dot``.
 

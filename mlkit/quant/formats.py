@@ -1,0 +1,277 @@
+"""Quantised weight formats and their round-to-nearest quantisers.
+
+Two formats, both pytrees (``flax.struct.dataclass``) so they pass through
+``jit`` and keep their Python type, which is what :mod:`mlkit.quant.dispatch`
+keys on:
+
+* :class:`Int4Weight` (W4A16): symmetric group-wise int4 along the input dim K.
+  Two values per byte. **Nibble order**: byte row ``i`` of ``packed`` holds input
+  rows ``2i`` in the low nibble (bits 0-3) and ``2i+1`` in the high nibble
+  (bits 4-7), each a two's-complement int4 in [-8, 7]. Dequantised value
+  ``w[k, n] = int4[k, n] * scales[k // group_size, n]``.
+* :class:`Fp8Weight`: float8_e4m3fn values with f32 scales, either per output
+  channel ``[N]`` or per 128x128 block ``[ceil(K/128), ceil(N/128)]`` (the
+  DeepSeek-V3 / GLM fp8 checkpoint layout). ``w = values * scale``.
+
+Every layout carries an optional leading experts axis ``E``. These layouts are
+fixed: the Pallas kernels read them directly.
+
+The quantisers are offline, host-side tools: their input checks (non-finite
+values) run whenever the weight is concrete and are skipped under tracing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from mlkit.quant.dispatch import dequantize
+
+INT4_GROUP_SIZES = (32, 64, 128)
+FP8_BLOCK = 128
+# Largest finite float8_e4m3fn magnitude.
+FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
+# Symmetric RTN uses [-7, 7] so that zero is exact and the range is symmetric.
+INT4_QMAX = 7
+
+
+def _check_finite(w: jax.Array, name: str) -> None:
+  """Raises ValueError naming ``name`` if a concrete ``w`` holds NaN or inf."""
+  if isinstance(w, jax.core.Tracer):
+    return  # abstract (eval_shape / jit): nothing to check
+  if not bool(jnp.all(jnp.isfinite(w))):
+    raise ValueError(f"{name}: weight has non-finite values (NaN or inf); cannot quantise")
+
+
+def _check_rank(w, name: str) -> None:
+  if w.ndim not in (2, 3):
+    raise ValueError(f"{name}: only 2-D [K, N] or 3-D [E, K, N] weights are quantised, "
+                     f"got shape {tuple(w.shape)}")
+
+
+# ----------------------------------------------------------------------------- int4
+
+@struct.dataclass
+class Int4Weight:
+  """Symmetric group-wise int4 weight, two values per byte (see module docstring).
+
+  Attributes:
+    packed: uint8 [K//2, N] (experts [E, K//2, N]).
+    scales: bf16 or f32 [K//group_size, N] (experts [E, K//group_size, N]).
+    group_size: input rows sharing one scale: 32, 64 or 128 (static).
+  """
+
+  packed: jax.Array
+  scales: jax.Array
+  group_size: int = struct.field(pytree_node=False, default=128)
+
+  def __post_init__(self):
+    if self.group_size not in INT4_GROUP_SIZES:
+      raise ValueError(f"Int4Weight.group_size must be one of {INT4_GROUP_SIZES}, "
+                       f"got {self.group_size!r}")
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The dense weight's shape ([K, N] or [E, K, N])."""
+    *lead, k2, n = self.packed.shape
+    return (*lead, 2 * k2, n)
+
+  @property
+  def ndim(self) -> int:
+    return self.packed.ndim
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes stored (packed values plus scales)."""
+    return self.packed.nbytes + self.scales.nbytes
+
+
+def pack_int4(q: jax.Array) -> jax.Array:
+  """Packs int4 values two per byte along axis -2.
+
+  Args:
+    q: integer values in [-8, 7], [..., K, N] with K even.
+
+  Returns:
+    uint8 [..., K//2, N]: row 2i in the low nibble, row 2i+1 in the high nibble.
+
+  Raises:
+    ValueError: if K is odd.
+  """
+  if q.shape[-2] % 2:
+    raise ValueError(f"pack_int4: input dim K={q.shape[-2]} must be even to pack two per byte")
+  q = q.astype(jnp.int8)
+  *lead, k, n = q.shape
+  pairs = q.reshape(*lead, k // 2, 2, n)
+  lo = jax.lax.bitcast_convert_type(pairs[..., 0, :], jnp.uint8) & 0x0F
+  hi = jax.lax.bitcast_convert_type(pairs[..., 1, :], jnp.uint8) & 0x0F
+  return lo | (hi << 4)
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+  """Inverse of :func:`pack_int4`: uint8 [..., K//2, N] -> int8 [..., K, N] in [-8, 7]."""
+  s = jax.lax.bitcast_convert_type(packed, jnp.int8)
+  # Arithmetic right shifts sign-extend each nibble.
+  lo = jax.lax.shift_right_arithmetic(jax.lax.shift_left(s, jnp.int8(4)), jnp.int8(4))
+  hi = jax.lax.shift_right_arithmetic(s, jnp.int8(4))
+  *lead, k2, n = packed.shape
+  return jnp.stack([lo, hi], axis=-2).reshape(*lead, 2 * k2, n)
+
+
+def _check_int4_shape(shape, group_size: int, name: str) -> None:
+  k = shape[-2]
+  if k % 2:
+    raise ValueError(f"{name}: input dim K={k} is odd; int4 packing needs an even K")
+  if group_size not in INT4_GROUP_SIZES:
+    raise ValueError(f"{name}: group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
+  if k % group_size:
+    raise ValueError(f"{name}: group_size {group_size} does not divide input dim K={k}")
+
+
+def int4_group_scales(w: jax.Array, group_size: int, scale_dtype=jnp.bfloat16) -> jax.Array:
+  """Symmetric RTN scales ``max|w| / 7`` per (group, column): [..., K, N] -> [..., K//g, N]."""
+  *lead, k, n = w.shape
+  g = jnp.abs(w.astype(jnp.float32)).reshape(*lead, k // group_size, group_size, n)
+  return (jnp.max(g, axis=-2) / INT4_QMAX).astype(scale_dtype)
+
+
+def int4_quantize_with_scales(w: jax.Array, scales: jax.Array, group_size: int) -> jax.Array:
+  """Rounds w [..., K, N] to int8 codes in [-7, 7] given stored scales [..., K//g, N]."""
+  s = jnp.repeat(scales.astype(jnp.float32), group_size, axis=-2)  # [..., K, N]
+  # Zero groups have scale 0; divide by 1 there so codes are 0, not NaN.
+  q = jnp.round(w.astype(jnp.float32) / jnp.where(s == 0, 1.0, s))
+  return jnp.clip(q, -INT4_QMAX, INT4_QMAX).astype(jnp.int8)
+
+
+def quantize_int4(w: jax.Array, group_size: int = 128, *, scale_dtype=jnp.bfloat16,
+                  name: str = "weight") -> Int4Weight:
+  """Symmetric group-wise round-to-nearest int4 quantisation.
+
+  Scales are rounded to ``scale_dtype`` *before* the codes are computed, so the
+  stored (codes, scales) pair is what the codes were rounded against; the
+  per-element error is then at most half a stored scale.
+
+  Args:
+    w: weight [K, N] or experts [E, K, N] (any float dtype).
+    group_size: input rows per scale: 32, 64 or 128.
+    scale_dtype: bf16 or f32 scales.
+    name: the parameter's name, used in error messages.
+
+  Returns:
+    An :class:`Int4Weight` with packed [..., K//2, N] and scales [..., K//g, N].
+
+  Raises:
+    ValueError: naming ``name`` for a rank other than 2/3, an odd K, a group size
+      that does not divide K (or is not 32/64/128), or non-finite weights.
+  """
+  _check_rank(w, name)
+  _check_int4_shape(w.shape, group_size, name)
+  _check_finite(w, name)
+  scales = int4_group_scales(w, group_size, scale_dtype)
+  q = int4_quantize_with_scales(w, scales, group_size)
+  return Int4Weight(packed=pack_int4(q), scales=scales, group_size=group_size)
+
+
+@dequantize.register(Int4Weight)
+def _dequantize_int4(w: Int4Weight, dtype=None) -> jax.Array:
+  """Dense [..., K, N]: unpack, multiply by scales in f32, cast to ``dtype`` (default scales')."""
+  dtype = dtype or w.scales.dtype
+  q = unpack_int4(w.packed).astype(jnp.float32)
+  s = jnp.repeat(w.scales.astype(jnp.float32), w.group_size, axis=-2)
+  return (q * s).astype(dtype)
+
+
+# ----------------------------------------------------------------------------- fp8
+
+@struct.dataclass
+class Fp8Weight:
+  """float8_e4m3fn weight with f32 scales (see module docstring).
+
+  Attributes:
+    values: float8_e4m3fn [K, N] (experts [E, K, N]).
+    scales: f32 per output channel [N] (experts [E, N]) when ``block_size`` is None,
+      else per block [ceil(K/128), ceil(N/128)] (experts [E, ...]).
+    block_size: None (per-channel) or 128 (static).
+  """
+
+  values: jax.Array
+  scales: jax.Array
+  block_size: int | None = struct.field(pytree_node=False, default=FP8_BLOCK)
+
+  def __post_init__(self):
+    if self.block_size not in (None, FP8_BLOCK):
+      raise ValueError(f"Fp8Weight.block_size must be None or {FP8_BLOCK}, got {self.block_size!r}")
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(self.values.shape)
+
+  @property
+  def ndim(self) -> int:
+    return self.values.ndim
+
+  @property
+  def nbytes(self) -> int:
+    return self.values.nbytes + self.scales.nbytes
+
+
+def fp8_expand_scales(scales: jax.Array, shape: tuple[int, ...], block_size: int | None) -> jax.Array:
+  """Broadcasts stored fp8 scales to the dense weight shape [..., K, N] (f32)."""
+  *_, k, n = shape
+  s = scales.astype(jnp.float32)
+  if block_size is None:
+    return jnp.broadcast_to(s[..., None, :], shape)
+  s = jnp.repeat(jnp.repeat(s, block_size, axis=-2), block_size, axis=-1)
+  return s[..., :k, :n]
+
+
+def _fp8_scales(w: jax.Array, block_size: int | None) -> jax.Array:
+  a = jnp.abs(w.astype(jnp.float32))
+  if block_size is None:
+    return jnp.max(a, axis=-2) / FP8_MAX  # [..., N]
+  *lead, k, n = a.shape
+  bk, bn = math.ceil(k / block_size), math.ceil(n / block_size)
+  pad = [(0, 0)] * len(lead) + [(0, bk * block_size - k), (0, bn * block_size - n)]
+  a = jnp.pad(a, pad).reshape(*lead, bk, block_size, bn, block_size)
+  return jnp.max(a, axis=(-3, -1)) / FP8_MAX  # [..., bk, bn]
+
+
+def quantize_fp8(w: jax.Array, block_size: int | None = FP8_BLOCK, *,
+                 name: str = "weight") -> Fp8Weight:
+  """Round-to-nearest float8_e4m3fn quantisation with absmax scales.
+
+  Each scale maps its block's (or column's) largest magnitude to 448, so no value
+  saturates; the relative error of normal values is at most 2^-4 (3 mantissa bits).
+
+  Args:
+    w: weight [K, N] or experts [E, K, N].
+    block_size: 128 for 128x128 block scales (partial edge blocks allowed), or
+      None for one scale per output channel.
+    name: the parameter's name, used in error messages.
+
+  Returns:
+    An :class:`Fp8Weight`.
+
+  Raises:
+    ValueError: naming ``name`` for a rank other than 2/3, a block size other than
+      None/128, or non-finite weights.
+  """
+  _check_rank(w, name)
+  if block_size not in (None, FP8_BLOCK):
+    raise ValueError(f"{name}: fp8 block_size must be None or {FP8_BLOCK}, got {block_size!r}")
+  _check_finite(w, name)
+  scales = _fp8_scales(w, block_size)
+  s = fp8_expand_scales(scales, w.shape, block_size)
+  values = (w.astype(jnp.float32) / jnp.where(s == 0, 1.0, s)).astype(jnp.float8_e4m3fn)
+  return Fp8Weight(values=values, scales=scales, block_size=block_size)
+
+
+@dequantize.register(Fp8Weight)
+def _dequantize_fp8(w: Fp8Weight, dtype=None) -> jax.Array:
+  """Dense [..., K, N] = values * scales in f32, cast to ``dtype`` (default f32)."""
+  dtype = dtype or jnp.float32
+  s = fp8_expand_scales(w.scales, w.values.shape, w.block_size)
+  return (w.values.astype(jnp.float32) * s).astype(dtype)
