@@ -1,0 +1,581 @@
+"""Hugging Face checkpoints in the DeepSeek-V3 / Kimi-K2 layout: import and export.
+
+A checkpoint directory holds ``config.json`` plus ``model.safetensors``, or shards
+``model-0000i-of-0000N.safetensors`` listed in ``model.safetensors.index.json``.
+
+Name and layout mapping (HF ``nn.Linear`` weights are [out, in]; ours are [in, out])::
+
+  model.embed_tokens.weight [V, D]          -> embed [V, D]            (no transpose)
+  model.norm.weight [D]                     -> final_norm
+  lm_head.weight [V, D]                     -> lm_head [D, V]
+  model.layers.N.input_layernorm.weight     -> layers[N].attn_norm
+  model.layers.N.post_attention_layernorm.weight -> layers[N].ffn_norm
+  model.layers.N.self_attn.{q_a_proj, q_a_layernorm, q_b_proj | q_proj,
+      kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}.weight
+                                            -> attn.{wq_a, q_norm, wq_b | wq, wkv_a, kv_norm, wkv_b, wo}
+  model.layers.N.mlp.{gate,up,down}_proj.weight   -> ffn.w_{gate,up,down}     (dense layers)
+  model.layers.N.mlp.gate.weight [E, D]           -> ffn.router [D, E] (f32)
+  model.layers.N.mlp.gate.e_score_correction_bias -> ffn.router_bias (f32)
+  model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight -> ffn.w_{gate,up,down}[E] (stacked)
+  model.layers.N.mlp.shared_experts.{gate,up,down}_proj.weight -> ffn.shared.w_{gate,up,down}
+
+Our head-major layouts (wq_b [q_lora, H*(nope+rope)], wkv_b [kv_lora, H*(nope+v)],
+wo [H*v, D]) are exactly the HF weights transposed, and DeepSeek checkpoints use
+interleaved RoPE (``rope_interleave=True``). Multi-token-prediction layers (index >=
+num_hidden_layers) and rotary ``inv_freq`` buffers are skipped. Weights stored as
+float8_e4m3fn with a DeepSeek block scale ``<name>_scale_inv`` (one f32 per 128x128
+block) are dequantised on import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import logging
+import math
+import os
+import re
+import struct
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from mlkit.config import ModelConfig, RopeScaling
+from mlkit.model.params import param_specs
+from mlkit.quant import dequantize
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURE = "DeepseekV3ForCausalLM"
+MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+_ATTN = {"wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj",
+         "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj",
+         "wo": "o_proj"}
+_FFN = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def _dtype_name(value, field: str) -> str:
+  """'bfloat16' / 'float32' from an HF dtype string or a numpy/jax dtype."""
+  aliases = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32"}
+  if isinstance(value, str):
+    name = value.removeprefix("torch.")
+  else:
+    try:
+      name = jnp.dtype(value).name
+    except TypeError:
+      name = repr(value)
+  if name not in aliases:
+    raise ValueError(f"{field}: unsupported dtype {value!r} (supported: bfloat16, float32)")
+  return aliases[name]
+
+
+def config_from_hf(hf_config: dict, *, dtype=None) -> ModelConfig:
+  """Builds a ModelConfig from a DeepSeek-V3 / Kimi-K2 ``config.json`` dict.
+
+  Args:
+    hf_config: the parsed ``config.json``.
+    dtype: parameter/compute dtype override ("bfloat16", "float32" or a dtype);
+      default: the config's ``torch_dtype`` (or ``dtype``), else bfloat16.
+
+  Returns:
+    The ModelConfig (MLA attention, one MoE layer per layer after the dense prefix).
+
+  Raises:
+    ValueError: an unsupported ``architectures``/``model_type``/``moe_layer_freq``/
+      ``hidden_act``/``scoring_func``/``rope_scaling``, a missing required field, or
+      inconsistent values; the message names the HF field.
+  """
+  if not isinstance(hf_config, dict):
+    raise ValueError(f"config_from_hf: expected a dict, got {type(hf_config).__name__}")
+  arch = hf_config.get("architectures")
+  if not isinstance(arch, (list, tuple)) or ARCHITECTURE not in arch:
+    raise ValueError(f"config_from_hf: unsupported architectures {arch!r}; expected a list containing "
+                     f"{ARCHITECTURE!r}")
+  model_type = hf_config.get("model_type")
+  if model_type is not None and model_type not in MODEL_TYPES:
+    raise ValueError(f"config_from_hf: unsupported model_type {model_type!r}; expected one of {MODEL_TYPES}")
+
+  def req(name: str):
+    if name not in hf_config or hf_config[name] is None:
+      raise ValueError(f"config_from_hf: missing required field {name!r}")
+    return hf_config[name]
+
+  def req_int(name: str) -> int:
+    v = req(name)
+    if not isinstance(v, int) or isinstance(v, bool):
+      raise ValueError(f"config_from_hf: field {name!r} must be an int, got {v!r}")
+    return v
+
+  def num(name: str, v) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+      raise ValueError(f"config_from_hf: field {name!r} must be a number, got {v!r}")
+    return float(v)
+
+  if "q_lora_rank" not in hf_config:  # present-but-null means a full-rank query projection
+    raise ValueError("config_from_hf: missing required field 'q_lora_rank' (null means none)")
+  q_lora = hf_config["q_lora_rank"]
+  if q_lora is not None and (not isinstance(q_lora, int) or isinstance(q_lora, bool)):
+    raise ValueError(f"config_from_hf: field 'q_lora_rank' must be an int or null, got {q_lora!r}")
+
+  freq = hf_config.get("moe_layer_freq", 1)
+  if freq != 1:
+    raise ValueError(f"config_from_hf: moe_layer_freq={freq!r} is not supported (only 1: every layer "
+                     "after first_k_dense_replace is MoE)")
+  act = hf_config.get("hidden_act", "silu")
+  if act != "silu":
+    raise ValueError(f"config_from_hf: hidden_act={act!r} is not supported (only 'silu')")
+  scoring = hf_config.get("scoring_func", "sigmoid")
+  if scoring not in ("sigmoid", "softmax"):
+    raise ValueError(f"config_from_hf: scoring_func={scoring!r} is not supported ('sigmoid' or 'softmax')")
+
+  rope_scaling = None
+  rs = hf_config.get("rope_scaling")
+  if rs is not None:
+    if not isinstance(rs, dict):
+      raise ValueError(f"config_from_hf: rope_scaling must be a dict or null, got {rs!r}")
+    kind = rs.get("type", rs.get("rope_type"))
+    if kind == "yarn":
+      if "factor" not in rs:
+        raise ValueError("config_from_hf: missing required field 'rope_scaling.factor'")
+      # Defaults are those of DeepSeek-V3's reference modelling code.
+      rope_scaling = RopeScaling(
+          factor=num("rope_scaling.factor", rs["factor"]),
+          original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 4096)),
+          beta_fast=num("rope_scaling.beta_fast", rs.get("beta_fast", 32)),
+          beta_slow=num("rope_scaling.beta_slow", rs.get("beta_slow", 1)),
+          mscale=num("rope_scaling.mscale", rs.get("mscale", 1)),
+          mscale_all_dim=num("rope_scaling.mscale_all_dim", rs.get("mscale_all_dim", 0)))
+    elif kind != "default":
+      raise ValueError(f"config_from_hf: rope_scaling type {kind!r} is not supported (only 'yarn')")
+
+  first_k = req_int("first_k_dense_replace")
+  dense_ffn = req_int("intermediate_size") if first_k > 0 else int(hf_config.get("intermediate_size") or 0)
+  if dtype is not None:
+    dt = _dtype_name(dtype, "load dtype")
+  else:
+    dt = _dtype_name(hf_config.get("torch_dtype", hf_config.get("dtype", "bfloat16")), "torch_dtype")
+  try:
+    return ModelConfig(
+        name=str(hf_config.get("_name_or_path") or model_type or "deepseek_v3"),
+        vocab_size=req_int("vocab_size"),
+        d_model=req_int("hidden_size"),
+        n_layers=req_int("num_hidden_layers"),
+        n_heads=req_int("num_attention_heads"),
+        attention="mla",
+        q_lora_rank=q_lora or 0,
+        kv_lora_rank=req_int("kv_lora_rank"),
+        qk_nope_head_dim=req_int("qk_nope_head_dim"),
+        qk_rope_head_dim=req_int("qk_rope_head_dim"),
+        v_head_dim=req_int("v_head_dim"),
+        dense_ffn_dim=dense_ffn,
+        moe_ffn_dim=req_int("moe_intermediate_size"),
+        n_routed_experts=req_int("n_routed_experts"),
+        n_shared_experts=req_int("n_shared_experts"),
+        top_k=req_int("num_experts_per_tok"),
+        first_k_dense=first_k,
+        router=scoring,
+        routed_scaling_factor=num("routed_scaling_factor", req("routed_scaling_factor")),
+        norm_topk_prob=bool(req("norm_topk_prob")),
+        n_group=req_int("n_group"),
+        topk_group=req_int("topk_group"),
+        rope_theta=num("rope_theta", req("rope_theta")),
+        rope_scaling=rope_scaling,
+        rope_interleave=bool(hf_config.get("rope_interleave", True)),
+        rms_norm_eps=num("rms_norm_eps", req("rms_norm_eps")),
+        tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        max_seq_len=req_int("max_position_embeddings"),
+        dtype=dt,
+        param_dtype=dt,
+        n_mtp_layers=int(hf_config.get("num_nextn_predict_layers") or 0),
+    )
+  except ValueError as e:
+    raise ValueError(f"config_from_hf: inconsistent config.json: {e}") from e
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+  """The ``config.json`` dict (DeepseekV3ForCausalLM) for an MLA ModelConfig.
+
+  Raises:
+    ValueError: ``cfg`` is GQA or declares a sparse-attention indexer (no such HF layout here).
+  """
+  if cfg.attention != "mla":
+    raise ValueError(f"config_to_hf: attention={cfg.attention!r}; the DeepSeek-V3 layout needs 'mla'")
+  if cfg.index_n_heads:
+    raise ValueError("config_to_hf: index_n_heads > 0 (sparse-attention indexer) has no DeepSeek-V3 layout")
+  rs = cfg.rope_scaling
+  return {
+      "architectures": [ARCHITECTURE],
+      "model_type": "deepseek_v3",
+      "_name_or_path": cfg.name,
+      "vocab_size": cfg.vocab_size,
+      "hidden_size": cfg.d_model,
+      "num_hidden_layers": cfg.n_layers,
+      "num_attention_heads": cfg.n_heads,
+      "num_key_value_heads": cfg.n_heads,
+      "q_lora_rank": cfg.q_lora_rank or None,
+      "kv_lora_rank": cfg.kv_lora_rank,
+      "qk_nope_head_dim": cfg.qk_nope_head_dim,
+      "qk_rope_head_dim": cfg.qk_rope_head_dim,
+      "v_head_dim": cfg.v_head_dim,
+      "intermediate_size": cfg.dense_ffn_dim,
+      "moe_intermediate_size": cfg.moe_ffn_dim,
+      "n_routed_experts": cfg.n_routed_experts,
+      "n_shared_experts": cfg.n_shared_experts,
+      "num_experts_per_tok": cfg.top_k,
+      "first_k_dense_replace": cfg.first_k_dense,
+      "moe_layer_freq": 1,
+      "routed_scaling_factor": cfg.routed_scaling_factor,
+      "norm_topk_prob": cfg.norm_topk_prob,
+      "n_group": cfg.n_group,
+      "topk_group": cfg.topk_group,
+      "scoring_func": cfg.router,
+      "topk_method": "noaux_tc" if cfg.router == "sigmoid" else "greedy",
+      "hidden_act": "silu",
+      "rope_theta": cfg.rope_theta,
+      "rope_scaling": None if rs is None else {"type": "yarn", **dataclasses.asdict(rs)},
+      "rope_interleave": cfg.rope_interleave,
+      "rms_norm_eps": cfg.rms_norm_eps,
+      "tie_word_embeddings": cfg.tie_embeddings,
+      "max_position_embeddings": cfg.max_seq_len,
+      "num_nextn_predict_layers": cfg.n_mtp_layers,
+      "torch_dtype": cfg.param_dtype,
+  }
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+  """One leaf of our params and the HF tensor(s) it comes from."""
+
+  path: tuple  # keys into our params tree, e.g. ("layers", 1, "ffn", "w_gate")
+  names: tuple[str, ...]  # one HF tensor, or one per expert (stacked along axis 0)
+  hf_shape: tuple[int, ...]  # shape of each HF tensor
+  kind: str  # "copy", "T" (transpose) or "stack" (transpose each expert, then stack)
+  dtype: str | None  # fixed storage dtype (router in f32), or None for the model's param dtype
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, tuple) and len(x) in (2, 3) and isinstance(x[0], tuple)
+
+
+def _key(k):
+  return k.key if isinstance(k, jax.tree_util.DictKey) else k.idx
+
+
+def _hf_names(path: tuple, cfg: ModelConfig, shape: tuple[int, ...]) -> tuple[str, ...]:
+  if path[0] == "embed":
+    return ("model.embed_tokens.weight",)
+  if path[0] == "final_norm":
+    return ("model.norm.weight",)
+  if path[0] == "lm_head":
+    return ("lm_head.weight",)
+  i, group = path[1], path[2]
+  pre = f"model.layers.{i}."
+  if group == "attn_norm":
+    return (pre + "input_layernorm.weight",)
+  if group == "ffn_norm":
+    return (pre + "post_attention_layernorm.weight",)
+  if group == "attn":
+    return (f"{pre}self_attn.{_ATTN[path[3]]}.weight",)
+  name = path[3]
+  if not cfg.is_moe_layer(i):
+    return (f"{pre}mlp.{_FFN[name]}.weight",)
+  if name == "router":
+    return (pre + "mlp.gate.weight",)
+  if name == "router_bias":
+    return (pre + "mlp.gate.e_score_correction_bias",)
+  if name == "shared":
+    return (f"{pre}mlp.shared_experts.{_FFN[path[4]]}.weight",)
+  return tuple(f"{pre}mlp.experts.{e}.{_FFN[name]}.weight" for e in range(shape[0]))
+
+
+def hf_layout(cfg: ModelConfig) -> tuple[list[_Target], Any]:
+  """The HF tensors behind every leaf of ``param_specs(cfg)``, in flatten order, plus the treedef."""
+  if cfg.attention != "mla":
+    raise ValueError(f"hf_layout: attention={cfg.attention!r}; the DeepSeek-V3 layout needs 'mla'")
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=_is_spec)
+  targets = []
+  for kpath, spec in leaves:
+    path = tuple(_key(k) for k in kpath)
+    shape = spec[0]
+    if len(shape) == 1 or path[0] == "embed":
+      kind, hf_shape = "copy", shape
+    elif len(shape) == 2:
+      kind, hf_shape = "T", shape[::-1]
+    else:
+      kind, hf_shape = "stack", shape[1:][::-1]
+    targets.append(_Target(path, _hf_names(path, cfg, shape), tuple(hf_shape), kind,
+                           spec[2] if len(spec) == 3 else None))
+  return targets, treedef
+
+
+def _path_str(path: tuple) -> str:
+  return ".".join(str(p) for p in path)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+class _Reader:
+  """Lazy access to the tensors of a (possibly sharded) safetensors checkpoint."""
+
+  def __init__(self, path: str):
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+      # The index is authoritative: tensors in the shards that it does not list are ignored.
+      with open(index) as f:
+        weight_map = json.load(f).get("weight_map")
+      if not isinstance(weight_map, dict):
+        raise ValueError(f"load_hf_checkpoint: {index} has no 'weight_map' dict")
+      for fname in sorted(set(weight_map.values())):
+        if not os.path.exists(os.path.join(path, fname)):
+          raise FileNotFoundError(f"load_hf_checkpoint: shard {fname} listed in {INDEX_FILE} is missing")
+      self._where = {k: os.path.join(path, v) for k, v in weight_map.items()}
+      files = sorted(set(self._where.values()))
+    else:
+      self._where = {}
+      files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+      if not files:
+        raise FileNotFoundError(f"load_hf_checkpoint: no *.safetensors files in {path}")
+    self._handles = {f: safe_open(f, framework="numpy") for f in files}
+    self._headers: dict[str, dict] = {}
+    keys = {f: set(h.keys()) for f, h in self._handles.items()}
+    if os.path.exists(index):
+      for k, fname in self._where.items():
+        if k not in keys[fname]:
+          raise ValueError(f"load_hf_checkpoint: tensor {k} is listed in {INDEX_FILE} but missing from "
+                           f"{os.path.basename(fname)}")
+    else:
+      for fname in files:
+        for k in keys[fname]:
+          if k in self._where:
+            raise ValueError(f"load_hf_checkpoint: tensor {k} appears in both "
+                             f"{os.path.basename(self._where[k])} and {os.path.basename(fname)}")
+          self._where[k] = fname
+
+  def names(self) -> set[str]:
+    return set(self._where)
+
+  def _slice(self, name):
+    return self._handles[self._where[name]].get_slice(name)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self._slice(name).get_shape())
+
+  def st_dtype(self, name: str) -> str:
+    return self._slice(name).get_dtype()
+
+  def get(self, name: str) -> np.ndarray:
+    st = self.st_dtype(name)
+    if st in _FP8_DTYPES:
+      return self._read_raw(name, _FP8_DTYPES[st])
+    return self._handles[self._where[name]].get_tensor(name)
+
+  def _read_raw(self, name: str, dtype) -> np.ndarray:
+    # safetensors' numpy backend cannot build float8 arrays, so read the bytes directly
+    # (format: u64 header length, JSON header with data_offsets, then the data).
+    fname = self._where[name]
+    if fname not in self._headers:
+      with open(fname, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        self._headers[fname] = {"_base": 8 + n, **json.loads(f.read(n))}
+    hdr = self._headers[fname]
+    start, end = hdr[name]["data_offsets"]
+    with open(fname, "rb") as f:
+      f.seek(hdr["_base"] + start)
+      data = f.read(end - start)
+    return np.frombuffer(data, dtype=np.uint8).view(dtype).reshape(hdr[name]["shape"])
+
+
+def dequantize_fp8_blocks(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = (128, 128),
+                          *, name: str = "weight") -> np.ndarray:
+  """DeepSeek fp8 block dequantisation: ``w * scale_inv`` broadcast over [bo, bi] blocks.
+
+  Args:
+    w: fp8 weight [out, in].
+    scale_inv: one f32 multiplier per block [ceil(out/bo), ceil(in/bi)].
+    block: block shape (bo, bi).
+    name: tensor name for error messages.
+
+  Returns:
+    The f32 weight [out, in].
+  """
+  if w.ndim != 2:
+    raise ValueError(f"{name}: fp8 block scales need a 2-D weight, got shape {w.shape}")
+  bo, bi = block
+  expected = (math.ceil(w.shape[0] / bo), math.ceil(w.shape[1] / bi))
+  if tuple(scale_inv.shape) != expected:
+    raise ValueError(f"{name}_scale_inv: expected shape {expected} for weight {tuple(w.shape)} with "
+                     f"{bo}x{bi} blocks, got {tuple(scale_inv.shape)}")
+  s = np.repeat(np.repeat(scale_inv.astype(np.float32), bo, axis=0), bi, axis=1)
+  return w.astype(np.float32) * s[:w.shape[0], :w.shape[1]]
+
+
+def load_hf_checkpoint(path: str | os.PathLike, *, dtype=None):
+  """Loads a DeepSeek-V3 / Kimi-K2 Hugging Face checkpoint into our params tree.
+
+  Args:
+    path: directory with ``config.json`` and ``*.safetensors`` (single or sharded with
+      ``model.safetensors.index.json``).
+    dtype: parameter dtype override ("bfloat16"/"float32"); default the config's torch_dtype.
+
+  Returns:
+    (params, cfg): params laid out as ``init_params(cfg)`` (router weights/bias in f32).
+
+  Raises:
+    FileNotFoundError: the directory, ``config.json``, a shard or all safetensors are missing.
+    ValueError: bad config (names the field); a missing tensor, a wrong shape (names the
+      tensor, expected and actual shapes), or unexpected tensor names.
+  """
+  path = os.fspath(path)
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"load_hf_checkpoint: {path} is not a directory")
+  cfg_file = os.path.join(path, CONFIG_FILE)
+  if not os.path.exists(cfg_file):
+    raise FileNotFoundError(f"load_hf_checkpoint: {cfg_file} is missing")
+  with open(cfg_file) as f:
+    hf_config = json.load(f)
+  cfg = config_from_hf(hf_config, dtype=dtype)
+  qcfg = hf_config.get("quantization_config") or {}
+  block = tuple(qcfg.get("weight_block_size", (128, 128)))
+
+  reader = _Reader(path)
+  targets, treedef = hf_layout(cfg)
+  expected = {n for t in targets for n in t.names}
+  present = reader.names()
+  skipped_mtp, unexpected = [], []
+  for n in sorted(present - expected):
+    base = n.removesuffix("_scale_inv")
+    m = _LAYER_RE.match(n)
+    if m and int(m.group(1)) >= cfg.n_layers:
+      skipped_mtp.append(n)  # multi-token-prediction layers are not part of the serving model
+    elif n.endswith("rotary_emb.inv_freq"):
+      continue  # a recomputable buffer some exporters include
+    elif n.endswith("_scale_inv") and base in expected:
+      continue  # consumed with its weight below
+    else:
+      unexpected.append(n)
+  if unexpected:
+    raise ValueError(f"load_hf_checkpoint: unexpected tensor(s) {unexpected[:8]}"
+                     f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} in all) for this config")
+  if skipped_mtp:
+    log.info("load_hf_checkpoint: skipped %d multi-token-prediction tensors (layers >= %d)",
+             len(skipped_mtp), cfg.n_layers)
+  for t in targets:
+    for n in t.names:
+      if n not in present:
+        raise ValueError(f"load_hf_checkpoint: missing tensor {n} (for {_path_str(t.path)})")
+      shape = reader.shape(n)
+      if shape != t.hf_shape:
+        raise ValueError(f"load_hf_checkpoint: tensor {n} has shape {shape}, expected {t.hf_shape}")
+
+  def read(n: str) -> np.ndarray:
+    if reader.st_dtype(n) in _FP8_DTYPES:
+      if n + "_scale_inv" not in present:
+        raise ValueError(f"load_hf_checkpoint: fp8 tensor {n} has no {n}_scale_inv block scale")
+      return dequantize_fp8_blocks(reader.get(n), reader.get(n + "_scale_inv"), block, name=n)
+    if n + "_scale_inv" in present:
+      raise ValueError(f"load_hf_checkpoint: {n}_scale_inv given but {n} is {reader.st_dtype(n)}, not fp8")
+    return reader.get(n)
+
+  leaves = []
+  for t in targets:
+    out_dtype = jnp.dtype(t.dtype or cfg.param_dtype)
+    if t.kind == "stack":
+      arr = np.stack([read(n).astype(out_dtype).T for n in t.names])
+    else:
+      arr = read(t.names[0]).astype(out_dtype)
+      if t.kind == "T":
+        arr = arr.T
+    leaves.append(jnp.asarray(arr))
+  return jax.tree_util.tree_unflatten(treedef, leaves), cfg
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def save_hf_checkpoint(path: str | os.PathLike, params, cfg: ModelConfig, *, shards: int = 1) -> None:
+  """Writes params in the DeepSeek-V3 HF layout (``config.json`` + safetensors).
+
+  Args:
+    path: output directory (created if missing; existing files of the same names are replaced).
+    params: our params tree for ``cfg``; quantised leaves are written dequantised.
+    cfg: an MLA ModelConfig.
+    shards: number of safetensors files; more than one also writes ``model.safetensors.index.json``.
+
+  Raises:
+    ValueError: ``shards`` out of range, a GQA/indexer config, or a param whose shape
+      differs from ``param_specs(cfg)`` (names the param path).
+  """
+  hf_config = config_to_hf(cfg)
+  targets, _ = hf_layout(cfg)
+  flat = {tuple(_key(k) for k in p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(
+      params, is_leaf=lambda x: not isinstance(x, (dict, list, tuple)))[0]}
+  tensors: dict[str, np.ndarray] = {}
+  for t in targets:
+    if t.path not in flat:
+      raise ValueError(f"save_hf_checkpoint: params lack {_path_str(t.path)}")
+    arr = np.asarray(dequantize(flat[t.path]))
+    want = t.hf_shape[::-1] if t.kind == "T" else (
+        (len(t.names),) + t.hf_shape[::-1] if t.kind == "stack" else t.hf_shape)
+    if arr.shape != tuple(want):
+      raise ValueError(f"save_hf_checkpoint: param {_path_str(t.path)} has shape {arr.shape}, "
+                       f"expected {tuple(want)}")
+    if t.kind == "copy":
+      tensors[t.names[0]] = np.ascontiguousarray(arr)
+    elif t.kind == "T":
+      tensors[t.names[0]] = np.ascontiguousarray(arr.T)
+    else:
+      for e, n in enumerate(t.names):
+        tensors[n] = np.ascontiguousarray(arr[e].T)
+  extra = sorted(set(flat) - {t.path for t in targets})
+  if extra:
+    raise ValueError(f"save_hf_checkpoint: params have entries not in the config: "
+                     f"{[_path_str(p) for p in extra[:8]]}")
+  if not isinstance(shards, int) or not 1 <= shards <= len(tensors):
+    raise ValueError(f"save_hf_checkpoint: shards must be an int in [1, {len(tensors)}], got {shards!r}")
+
+  path = os.fspath(path)
+  os.makedirs(path, exist_ok=True)
+  names = list(tensors)
+  if shards == 1:
+    groups = [(SINGLE_FILE, names)]
+  else:
+    # Contiguous groups of roughly equal bytes, each non-empty.
+    total = sum(tensors[n].nbytes for n in names)
+    groups, cur, acc = [], [], 0
+    for i, n in enumerate(names):
+      cur.append(n)
+      acc += tensors[n].nbytes
+      left_names, left_groups = len(names) - i - 1, shards - len(groups) - 1
+      if left_groups and (acc >= total * (len(groups) + 1) / shards or left_names == left_groups):
+        groups.append(cur)
+        cur = []
+    groups.append(cur)
+    groups = [(f"model-{i + 1:05d}-of-{shards:05d}.safetensors", g) for i, g in enumerate(groups)]
+  for fname, group in groups:
+    save_file({n: tensors[n] for n in group}, os.path.join(path, fname), metadata={"format": "pt"})
+  if shards > 1:
+    index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))},
+             "weight_map": {n: fname for fname, group in groups for n in group}}
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+      json.dump(index, f, indent=2, sort_keys=True)
+  with open(os.path.join(path, CONFIG_FILE), "w") as f:
+    json.dump(hf_config, f, indent=2)
