@@ -1,0 +1,229 @@
+"""Public paged decode-attention ops: dispatch between kernel and reference."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import dispatch
+from pallas_kernels.paged_attention import reference
+from pallas_kernels.paged_attention import triton_kernels
+from pallas_kernels.paged_attention.block_sizes import BlockSizes
+
+FP8 = jnp.float8_e4m3fn
+
+
+def _check_cache(name, pages, scales, scale_shape):
+  if pages.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(FP8), jnp.dtype(jnp.float32)):
+    raise ValueError(f"{name} must be bf16, f32 or float8_e4m3fn, got {pages.dtype}")
+  if (pages.dtype == FP8) != (scales is not None):
+    raise ValueError(f"{name}: scales must be given exactly when the cache is fp8")
+  if scales is not None and scales.shape != scale_shape:
+    raise ValueError(f"{name} scales: expected shape {scale_shape}, got {scales.shape}")
+
+
+def _pad_tables(block_tables, multiple):
+  p = block_tables.shape[1]
+  pad = -p % multiple
+  # Padded entries are never read (they lie past every length) but must be
+  # valid page ids for the gather, so pad with 0.
+  return jnp.pad(block_tables, ((0, 0), (0, pad))) if pad else block_tables
+
+
+def _full_spec(x):
+  if x is None:
+    return None
+  return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "backend", "block_sizes"))
+def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
+                     k_rope_scale, block_tables, lengths, *, scale,
+                     backend=None, block_sizes=None):
+  """MLA decode attention (absorbed form) over a paged latent cache.
+
+  out[b, h] = sum_t softmax_t(scale * (q_latent[b,h].latent_t + q_rope[b,h].k_rope_t))
+  * latent_t over the first lengths[b] tokens of request b, with token t at
+  page block_tables[b, t // page_size], slot t % page_size. Softmax in f32.
+  The kernel splits each request's pages into ``block_sizes.num_splits``
+  partitions (split-K) and merges their partial (max, sum, acc) afterwards.
+
+  Args:
+    q_latent: [B, H, C] absorbed query (bf16 or f32).
+    q_rope: [B, H, R] rope part of the query.
+    latent: [N, page_size, C] latent pages, bf16 or float8_e4m3fn.
+    k_rope: [N, page_size, R] rope-key pages, same dtype as latent.
+    latent_scale: [N, page_size] f32 per-token scales when fp8, else None.
+    k_rope_scale: [N, page_size] f32 per-token scales when fp8, else None.
+    block_tables: [B, P] int32 page ids; entries past the used pages must be
+      in range but are ignored.
+    lengths: [B] int32 valid tokens per request, 1 <= lengths[b] <= P * page_size.
+    scale: softmax scale.
+    backend: "pallas" | "interpret" | "xla" | None (pallas on GPU, else xla).
+    block_sizes: BlockSizes, or None for BlockSizes.get_default.
+
+  Returns:
+    [B, H, C] in q_latent's dtype.
+
+  Raises:
+    ValueError: on inconsistent shapes or dtypes, or an unknown backend.
+  """
+  backend = dispatch.resolve_backend(backend)
+  b, h, c = q_latent.shape
+  n, ps, r = k_rope.shape
+  if latent.shape != (n, ps, c) or q_rope.shape != (b, h, r):
+    raise ValueError(f"shape mismatch: q_latent {q_latent.shape}, q_rope "
+                     f"{q_rope.shape}, latent {latent.shape}, k_rope {k_rope.shape}")
+  if latent.dtype != k_rope.dtype:
+    raise ValueError(f"latent and k_rope dtypes differ: {latent.dtype}, {k_rope.dtype}")
+  _check_cache("latent", latent, latent_scale, (n, ps))
+  _check_cache("k_rope", k_rope, k_rope_scale, (n, ps))
+  if block_tables.shape[0] != b or lengths.shape != (b,):
+    raise ValueError(f"block_tables {block_tables.shape} / lengths {lengths.shape} "
+                     f"do not match batch {b}")
+  if backend == "xla":
+    return reference.paged_mla_decode_reference(
+        q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
+        block_tables, lengths, scale=scale)
+
+  p = block_tables.shape[1]
+  bs = block_sizes or BlockSizes.get_default(
+      "mla", num_heads=h, page_size=ps, max_pages=p, batch=b)
+  bh = bs.block_h
+  h_pad = -h % bh
+  if h_pad:
+    q_latent = jnp.pad(q_latent, ((0, 0), (0, h_pad), (0, 0)))
+    q_rope = jnp.pad(q_rope, ((0, 0), (0, h_pad), (0, 0)))
+  hp = h + h_pad
+  ppb = bs.pages_per_block
+  splits = bs.num_splits
+  block_tables = _pad_tables(block_tables.astype(jnp.int32), splits * ppb)
+  pages_per_split = block_tables.shape[1] // splits
+  kernel = functools.partial(
+      triton_kernels.mla_kernel, scale=float(scale),
+      pages_per_split=pages_per_split, pages_per_block=ppb)
+  grid = (b, hp // bh, splits)
+  acc, m, l = pl.pallas_call(
+      kernel,
+      grid=grid,
+      in_specs=[
+          pl.BlockSpec((None, bh, c), lambda i, j, k: (i, j, 0)),
+          pl.BlockSpec((None, bh, r), lambda i, j, k: (i, j, 0)),
+          _full_spec(latent), _full_spec(k_rope),
+          _full_spec(latent_scale), _full_spec(k_rope_scale),
+          _full_spec(block_tables), _full_spec(lengths),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, bh, c), lambda i, j, k: (i, k, j, 0)),
+          pl.BlockSpec((None, None, bh), lambda i, j, k: (i, k, j)),
+          pl.BlockSpec((None, None, bh), lambda i, j, k: (i, k, j)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((b, splits, hp, c), jnp.float32),
+          jax.ShapeDtypeStruct((b, splits, hp), jnp.float32),
+          jax.ShapeDtypeStruct((b, splits, hp), jnp.float32),
+      ],
+      compiler_params=pltriton.CompilerParams(
+          num_warps=bs.num_warps, num_stages=bs.num_stages),
+      interpret=backend == "interpret",
+      name="paged_mla_decode",
+  )(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
+    block_tables, lengths.astype(jnp.int32))
+  out = reference.combine_splits(acc, m, l)[:, :h]
+  return out.astype(q_latent.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "backend", "block_sizes"))
+def paged_gqa_decode(q, k, v, k_scale, v_scale, block_tables, lengths, *,
+                     scale, backend=None, block_sizes=None):
+  """GQA decode attention over paged K/V.
+
+  Query head h attends with KV head h // (H // KV), over the first lengths[b]
+  tokens of request b. Softmax in f32. Split-K over pages as in
+  paged_mla_decode; one program per (request, KV head, split) handles the
+  whole query group of that KV head, so K/V are read once per group.
+
+  Args:
+    q: [B, H, hd] queries (bf16 or f32).
+    k: [N, page_size, KV, hd] key pages, bf16 or float8_e4m3fn.
+    v: [N, page_size, KV, hd] value pages, same dtype as k.
+    k_scale: [N, page_size, KV] f32 per-token-per-head scales when fp8, else None.
+    v_scale: [N, page_size, KV] f32 scales when fp8, else None.
+    block_tables: [B, P] int32 page ids.
+    lengths: [B] int32, 1 <= lengths[b] <= P * page_size.
+    scale: softmax scale.
+    backend: "pallas" | "interpret" | "xla" | None (pallas on GPU, else xla).
+    block_sizes: BlockSizes, or None for BlockSizes.get_default.
+
+  Returns:
+    [B, H, hd] in q's dtype.
+
+  Raises:
+    ValueError: on inconsistent shapes or dtypes, or an unknown backend.
+  """
+  backend = dispatch.resolve_backend(backend)
+  b, h, hd = q.shape
+  n, ps, kv, hd2 = k.shape
+  if hd2 != hd or v.shape != k.shape or h % kv:
+    raise ValueError(f"shape mismatch: q {q.shape}, k {k.shape}, v {v.shape}")
+  if k.dtype != v.dtype:
+    raise ValueError(f"k and v dtypes differ: {k.dtype}, {v.dtype}")
+  _check_cache("k", k, k_scale, (n, ps, kv))
+  _check_cache("v", v, v_scale, (n, ps, kv))
+  if block_tables.shape[0] != b or lengths.shape != (b,):
+    raise ValueError(f"block_tables {block_tables.shape} / lengths {lengths.shape} "
+                     f"do not match batch {b}")
+  if backend == "xla":
+    return reference.paged_gqa_decode_reference(
+        q, k, v, k_scale, v_scale, block_tables, lengths, scale=scale)
+
+  g = h // kv
+  p = block_tables.shape[1]
+  bs = block_sizes or BlockSizes.get_default(
+      "gqa", num_heads=g, page_size=ps, max_pages=p, batch=b * kv)
+  # One program covers a whole group: pad the group up to block_h (>= 16,
+  # the minimum dot M); the padded rows are computed and dropped.
+  bh = max(bs.block_h, 1 << (g - 1).bit_length())
+  qg = q.reshape(b, kv, g, hd)
+  if bh != g:
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, bh - g), (0, 0)))
+  ppb = bs.pages_per_block
+  splits = bs.num_splits
+  block_tables = _pad_tables(block_tables.astype(jnp.int32), splits * ppb)
+  pages_per_split = block_tables.shape[1] // splits
+  kernel = functools.partial(
+      triton_kernels.gqa_kernel, scale=float(scale),
+      pages_per_split=pages_per_split, pages_per_block=ppb)
+  kv_spec = pl.BlockSpec((n, ps, None, hd), lambda i, j, s: (0, 0, j, 0))
+  scale_spec = (pl.BlockSpec((n, ps, None), lambda i, j, s: (0, 0, j))
+                if k_scale is not None else None)
+  acc, m, l = pl.pallas_call(
+      kernel,
+      grid=(b, kv, splits),
+      in_specs=[
+          pl.BlockSpec((None, None, bh, hd), lambda i, j, s: (i, j, 0, 0)),
+          kv_spec, kv_spec, scale_spec, scale_spec,
+          _full_spec(block_tables), _full_spec(lengths),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, None, bh, hd), lambda i, j, s: (i, s, j, 0, 0)),
+          pl.BlockSpec((None, None, None, bh), lambda i, j, s: (i, s, j, 0)),
+          pl.BlockSpec((None, None, None, bh), lambda i, j, s: (i, s, j, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((b, splits, kv, bh, hd), jnp.float32),
+          jax.ShapeDtypeStruct((b, splits, kv, bh), jnp.float32),
+          jax.ShapeDtypeStruct((b, splits, kv, bh), jnp.float32),
+      ],
+      compiler_params=pltriton.CompilerParams(
+          num_warps=bs.num_warps, num_stages=bs.num_stages),
+      interpret=backend == "interpret",
+      name="paged_gqa_decode",
+  )(qg, k, v, k_scale, v_scale, block_tables, lengths.astype(jnp.int32))
+  acc = acc.reshape(b, splits, kv * bh, hd)
+  out = reference.combine_splits(acc, m.reshape(b, splits, kv * bh),
+                                 l.reshape(b, splits, kv * bh))
+  out = out.reshape(b, kv, bh, hd)[:, :, :g].reshape(b, h, hd)
+  return out.astype(q.dtype)

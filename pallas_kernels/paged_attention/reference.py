@@ -1,0 +1,111 @@
+"""Pure-jnp references for paged decode attention (the ``xla`` backend)."""
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+_HI = lax.Precision.HIGHEST
+
+
+def _gather_tokens(pages, block_tables):
+  """pages [N, ps, ...] gathered by block_tables [B, P] -> [B, P * ps, ...]."""
+  b, p = block_tables.shape
+  g = pages[block_tables]  # [B, P, ps, ...]
+  return g.reshape(b, p * pages.shape[1], *pages.shape[2:])
+
+
+def _dequant(pages, scales, block_tables):
+  x = _gather_tokens(pages, block_tables).astype(jnp.float32)
+  if scales is not None:
+    s = _gather_tokens(scales, block_tables).astype(jnp.float32)
+    x = x * s[..., None]
+  return x
+
+
+def paged_mla_decode_reference(q_latent, q_rope, latent, k_rope, latent_scale,
+                               k_rope_scale, block_tables, lengths, *, scale):
+  """MLA decode attention (absorbed form) over a paged latent cache.
+
+  out[b, h] = sum_t softmax_t(scale * (q_latent[b,h].latent_t + q_rope[b,h].k_rope_t))
+  * latent_t over the first lengths[b] tokens of request b, with token t at
+  page block_tables[b, t // page_size], slot t % page_size. Softmax in f32.
+
+  Args:
+    q_latent: [B, H, C] absorbed query (bf16 or f32).
+    q_rope: [B, H, R] rope part of the query.
+    latent: [N, page_size, C] latent pages, bf16 or float8_e4m3fn.
+    k_rope: [N, page_size, R] rope-key pages, same dtype as latent.
+    latent_scale: [N, page_size] f32 per-token scales when fp8, else None.
+    k_rope_scale: [N, page_size] f32 per-token scales when fp8, else None.
+    block_tables: [B, P] int32 page ids; entries past the used pages must be
+      in range but are ignored.
+    lengths: [B] int32 valid tokens per request, 1 <= lengths[b] <= P * page_size.
+    scale: softmax scale.
+
+  Returns:
+    [B, H, C] in q_latent's dtype.
+  """
+  lat = _dequant(latent, latent_scale, block_tables)  # [B, T, C]
+  rope = _dequant(k_rope, k_rope_scale, block_tables)  # [B, T, R]
+  logits = jnp.einsum("BHC,BTC->BHT", q_latent.astype(jnp.float32), lat, precision=_HI)
+  logits += jnp.einsum("BHR,BTR->BHT", q_rope.astype(jnp.float32), rope, precision=_HI)
+  logits *= scale
+  t = jnp.arange(lat.shape[1])
+  valid = t[None, None, :] < lengths[:, None, None]
+  logits = jnp.where(valid, logits, -jnp.inf)
+  p = jax.nn.softmax(logits, axis=-1)
+  out = jnp.einsum("BHT,BTC->BHC", p, lat, precision=_HI)
+  return out.astype(q_latent.dtype)
+
+
+def paged_gqa_decode_reference(q, k, v, k_scale, v_scale, block_tables, lengths,
+                               *, scale):
+  """GQA decode attention over paged K/V.
+
+  Query head h attends with KV head h // (H // KV), over the first lengths[b]
+  tokens of request b. Softmax in f32.
+
+  Args:
+    q: [B, H, hd] queries (bf16 or f32).
+    k: [N, page_size, KV, hd] key pages, bf16 or float8_e4m3fn.
+    v: [N, page_size, KV, hd] value pages, same dtype as k.
+    k_scale: [N, page_size, KV] f32 per-token-per-head scales when fp8, else None.
+    v_scale: [N, page_size, KV] f32 scales when fp8, else None.
+    block_tables: [B, P] int32 page ids.
+    lengths: [B] int32, 1 <= lengths[b] <= P * page_size.
+    scale: softmax scale.
+
+  Returns:
+    [B, H, hd] in q's dtype.
+  """
+  b, h, hd = q.shape
+  kv = k.shape[2]
+  kk = _dequant(k, k_scale, block_tables)  # [B, T, KV, hd]
+  vv = _dequant(v, v_scale, block_tables)
+  qg = q.astype(jnp.float32).reshape(b, kv, h // kv, hd)
+  logits = jnp.einsum("BKGD,BTKD->BKGT", qg, kk, precision=_HI) * scale
+  t = jnp.arange(kk.shape[1])
+  valid = t[None, None, None, :] < lengths[:, None, None, None]
+  logits = jnp.where(valid, logits, -jnp.inf)
+  p = jax.nn.softmax(logits, axis=-1)
+  out = jnp.einsum("BKGT,BTKD->BKGD", p, vv, precision=_HI)
+  return out.reshape(b, h, hd).astype(q.dtype)
+
+
+def combine_splits(acc, m, l):
+  """Merges split-K partials into the normalised output.
+
+  Args:
+    acc: [B, S, H, D] f32 unnormalised partial outputs sum_t exp(x_t - m) v_t.
+    m: [B, S, H] f32 running max of each partition (a very negative finite
+      number for an empty partition).
+    l: [B, S, H] f32 partial softmax denominators (0 when empty).
+
+  Returns:
+    [B, H, D] f32.
+  """
+  m_all = jnp.max(m, axis=1, keepdims=True)  # [B, 1, H]
+  w = jnp.exp(m - m_all)  # [B, S, H]; 0 for empty partitions
+  num = jnp.einsum("BSH,BSHD->BHD", w, acc, precision=_HI)
+  den = jnp.sum(w * l, axis=1)  # [B, H]
+  return num / den[..., None]

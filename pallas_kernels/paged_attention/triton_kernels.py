@@ -1,0 +1,172 @@
+"""Split-K paged decode attention kernels on the Pallas Triton backend.
+
+Why Triton and not Mosaic GPU (the preferred Hopper backend, DESIGN.md §2):
+these kernels gather pages through a block table with a data-dependent page
+id per loop step. In jax 0.11.2 the Mosaic GPU version needs per-page TMA
+copies from scalar GMEM reads, an fp8 -> f16 dequantisation pass through a
+shared-memory scratch (wgmma takes its B operand only from SMEM, and the
+interpreter also wants A there), and, for MLA's 512-wide latent, the output
+accumulator split over two warpgroups (a [64, 512] f32 accumulator is 256
+registers per thread, above the 255 limit). That kernel is `mla_mgpu.py`
+(work in progress); these Triton kernels are the correct, lowering-checked
+baseline that runs today in `interpret=True` mode on CPU and lowers for an
+abstract H200.
+
+Numerics (both kernels):
+* fp8 pages are converted to the query dtype (bf16) inside the kernel: q is
+  bf16 and a tensor-core dot wants equal operand types. Triton converts
+  e4m3 -> bf16 natively on sm_90, so the Mosaic ptxas (ISA >= 9.2) caveat
+  does not apply here.
+* Per-token scales are folded, never applied per element: the key scale
+  multiplies the [heads, tokens] logits column-wise, the value scale
+  multiplies the probabilities before the PV dot.
+* Softmax statistics (max, sum) and the accumulator are f32; probabilities
+  are rounded to the value dtype only as the PV dot's operand.
+"""
+
+import math
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+# Finite, so masked logits never make exp(-inf - -inf) = NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+_LOG2E = math.log2(math.e)
+
+
+def _dot_nt(a, b):
+  """a [m, k] @ b[n, k].T -> [m, n] accumulated in f32."""
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+
+
+def _dot_nn(a, b):
+  """a [m, k] @ b[k, n] -> [m, n] accumulated in f32."""
+  return lax.dot_general(a, b, (((1,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+
+
+def _online_softmax_step(logits, carry):
+  """One flash-decoding update; returns (p [bh, bk] f32, alpha, m_new, l_new)."""
+  acc, m_prev, l_prev = carry
+  m_new = jnp.maximum(m_prev, logits.max(axis=-1))
+  alpha = jnp.exp2((m_prev - m_new) * _LOG2E)
+  p = jnp.exp2((logits - m_new[:, None]) * _LOG2E)
+  l_new = alpha * l_prev + p.sum(axis=-1)
+  return p, alpha, m_new, l_new
+
+
+def _split_range(b, pages_per_split, page_size, lengths_ref):
+  """Page range [start, end) of this program's split for request b."""
+  split = pl.program_id(2)
+  length = lengths_ref[b]
+  num_pages = (length + page_size - 1) // page_size
+  start = split * pages_per_split
+  end = jnp.minimum(start + pages_per_split, num_pages)
+  return start, end, length
+
+
+def mla_kernel(q_lat_ref, q_rope_ref, lat_ref, rope_ref, lat_scale_ref,
+               rope_scale_ref, block_tables_ref, lengths_ref,
+               acc_ref, m_ref, l_ref, *, scale, pages_per_split,
+               pages_per_block):
+  """One (request, head block, split) program of paged MLA decode.
+
+  Refs:
+    q_lat_ref [bh, C], q_rope_ref [bh, R]: this head block's query.
+    lat_ref [N, ps, C], rope_ref [N, ps, R]: all pages (gathered here).
+    lat_scale_ref, rope_scale_ref [N, ps] or None.
+    block_tables_ref [B, P_pad], lengths_ref [B]: whole tables.
+    acc_ref [bh, C] f32, m_ref, l_ref [bh] f32: this split's partials.
+  """
+  b = pl.program_id(0)
+  bh, c = q_lat_ref.shape
+  ps = lat_ref.shape[1]
+  bk = pages_per_block * ps
+  start, end, length = _split_range(b, pages_per_split, ps, lengths_ref)
+  q_lat = q_lat_ref[...]
+  q_rope = q_rope_ref[...]
+  compute_dtype = q_lat.dtype
+
+  def body(i, carry):
+    acc, _, _ = carry
+    first = start + i * pages_per_block
+    ids = block_tables_ref[b, pl.ds(first, pages_per_block)]  # [ppb]
+    lat = lat_ref[ids].reshape(bk, c).astype(compute_dtype)
+    rope = rope_ref[ids].reshape(bk, rope_ref.shape[2]).astype(compute_dtype)
+    s_lat = _dot_nt(q_lat, lat)  # [bh, bk] f32
+    s_rope = _dot_nt(q_rope, rope)
+    if lat_scale_ref is not None:
+      lat_scale = lat_scale_ref[ids].reshape(1, bk)
+      rope_scale = rope_scale_ref[ids].reshape(1, bk)
+      logits = s_lat * lat_scale + s_rope * rope_scale
+    else:
+      lat_scale = None
+      logits = s_lat + s_rope
+    logits = logits * scale
+    pos = first * ps + lax.broadcasted_iota(jnp.int32, (bh, bk), 1)
+    logits = jnp.where(pos < length, logits, MASK_VALUE)
+    p, alpha, m_new, l_new = _online_softmax_step(logits, carry)
+    pv = p if lat_scale is None else p * lat_scale
+    acc = acc * alpha[:, None] + _dot_nn(pv.astype(compute_dtype), lat)
+    return acc, m_new, l_new
+
+  init = (jnp.zeros((bh, c), jnp.float32),
+          jnp.full((bh,), MASK_VALUE, jnp.float32),
+          jnp.zeros((bh,), jnp.float32))
+  steps = pl.cdiv(jnp.maximum(end - start, 0), pages_per_block)
+  acc, m, l = lax.fori_loop(0, steps, body, init)
+  acc_ref[...] = acc
+  m_ref[...] = m
+  l_ref[...] = l
+
+
+def gqa_kernel(q_ref, k_ref, v_ref, k_scale_ref, v_scale_ref,
+               block_tables_ref, lengths_ref, acc_ref, m_ref, l_ref, *,
+               scale, pages_per_split, pages_per_block):
+  """One (request, KV head, split) program of paged GQA decode.
+
+  Refs:
+    q_ref [bh, hd]: the query heads of this KV head's group (padded to bh).
+    k_ref, v_ref [N, ps, hd]: this KV head's slice of all pages.
+    k_scale_ref, v_scale_ref [N, ps] or None.
+    block_tables_ref [B, P_pad], lengths_ref [B].
+    acc_ref [bh, hd] f32, m_ref, l_ref [bh] f32.
+  """
+  b = pl.program_id(0)
+  bh, hd = q_ref.shape
+  ps = k_ref.shape[1]
+  bk = pages_per_block * ps
+  start, end, length = _split_range(b, pages_per_split, ps, lengths_ref)
+  q = q_ref[...]
+  compute_dtype = q.dtype
+
+  def body(i, carry):
+    acc, _, _ = carry
+    first = start + i * pages_per_block
+    ids = block_tables_ref[b, pl.ds(first, pages_per_block)]
+    k = k_ref[ids].reshape(bk, hd).astype(compute_dtype)
+    v = v_ref[ids].reshape(bk, hd).astype(compute_dtype)
+    logits = _dot_nt(q, k)
+    v_scale = None
+    if k_scale_ref is not None:
+      logits = logits * k_scale_ref[ids].reshape(1, bk)
+      v_scale = v_scale_ref[ids].reshape(1, bk)
+    logits = logits * scale
+    pos = first * ps + lax.broadcasted_iota(jnp.int32, (bh, bk), 1)
+    logits = jnp.where(pos < length, logits, MASK_VALUE)
+    p, alpha, m_new, l_new = _online_softmax_step(logits, carry)
+    pv = p if v_scale is None else p * v_scale
+    acc = acc * alpha[:, None] + _dot_nn(pv.astype(compute_dtype), v)
+    return acc, m_new, l_new
+
+  init = (jnp.zeros((bh, hd), jnp.float32),
+          jnp.full((bh,), MASK_VALUE, jnp.float32),
+          jnp.zeros((bh,), jnp.float32))
+  steps = pl.cdiv(jnp.maximum(end - start, 0), pages_per_block)
+  acc, m, l = lax.fori_loop(0, steps, body, init)
+  acc_ref[...] = acc
+  m_ref[...] = m
+  l_ref[...] = l
