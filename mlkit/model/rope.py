@@ -27,8 +27,10 @@ def inv_frequencies(cfg: ModelConfig) -> jax.Array:
   if low == high:  # equal betas: avoid a zero-width ramp
     high += 0.001
   ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
-  smooth = 1.0 - ramp  # 1 -> interpolate (divide by factor), 0 -> keep
-  return freqs / rs.factor * smooth + freqs * (1.0 - smooth)
+  # High-frequency dims (index < low) keep their frequency; low-frequency dims
+  # (index > high) are interpolated by the factor; a linear ramp in between.
+  smooth = 1.0 - ramp
+  return freqs / rs.factor * (1.0 - smooth) + freqs * smooth
 
 
 def cos_sin(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:

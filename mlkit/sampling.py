@@ -1,0 +1,80 @@
+"""Sampling parameters and a batched, per-row token sampler.
+
+The sampler takes per-row arrays so that one jitted call serves a batch whose
+requests each carry their own temperature, top-k and top-p (as the engine needs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How to pick tokens for one request."""
+
+  # Tokens to generate at most.
+  max_new_tokens: int = 16
+  # Softmax temperature; 0 means greedy (argmax).
+  temperature: float = 0.0
+  # Keep only the k most likely tokens; 0 disables.
+  top_k: int = 0
+  # Keep the smallest set of tokens whose probability reaches top_p; 1.0 disables.
+  top_p: float = 1.0
+  # Seed for this request's random stream.
+  seed: int = 0
+  # Token ids that end the request (the stop token is emitted).
+  stop_tokens: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+      raise ValueError(f"SamplingParams.max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+    if not self.temperature >= 0.0:
+      raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+    if not isinstance(self.top_k, int) or self.top_k < 0:
+      raise ValueError(f"SamplingParams.top_k must be a non-negative int, got {self.top_k!r}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+    object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+
+
+def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array,
+                  top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+  """Samples one token per row.
+
+  Args:
+    logits: [B, V] (any float dtype; computed in f32).
+    keys: [B] PRNG keys, one per row.
+    temperature: [B] f32; rows with 0 are greedy.
+    top_k: [B] int32; 0 disables the filter for that row.
+    top_p: [B] f32 in (0, 1]; 1 disables the filter for that row.
+
+  Returns:
+    [B] int32 token ids.
+  """
+  logits = logits.astype(jnp.float32)
+  V = logits.shape[-1]
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+  sorted_desc = -jnp.sort(-scaled, axis=-1)  # [B, V]
+  # top-k: drop everything below the k-th largest value.
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+  kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)  # [B, 1]
+  # top-p: keep sorted tokens whose preceding cumulative mass is below top_p.
+  probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
+  mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
+  keep_sorted = mass_before < top_p[:, None]
+  n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
+  pth = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
+  threshold = jnp.maximum(kth, pth)
+  filtered = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+  sampled = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+  return jnp.where(temperature > 0, sampled, greedy)
+
+
+def row_keys(seeds: jax.Array, step: jax.Array | int) -> jax.Array:
+  """Per-row keys for one step: key(seed_b) folded with the step index. seeds [B] -> [B] keys."""
+  return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), step))(seeds)
