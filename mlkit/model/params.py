@@ -94,6 +94,11 @@ def _is_spec(x) -> bool:
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
+  """Random params for ``cfg`` (see :func:`_init_params`); compiled once per config."""
+  return _init_params_jit(cfg, key)
+
+
+def _init_params(cfg: ModelConfig, key: jax.Array) -> dict:
   """Random params for ``cfg``: N(0, 1/fan_in) matrices, unit norms, zero router bias.
 
   Args:
@@ -124,6 +129,9 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
       fan_in = shape[-2]
       out.append((jax.random.normal(k, shape, jnp.float32) * fan_in ** -0.5).astype(dt))
   return jax.tree_util.tree_unflatten(treedef, out)
+
+
+_init_params_jit = jax.jit(_init_params, static_argnums=0)
 
 
 def indexer_param_count(cfg: ModelConfig) -> int:

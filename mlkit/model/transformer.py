@@ -83,8 +83,9 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
   return out, cache
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
 def forward(params: dict, tokens: jax.Array, *, cfg: ModelConfig) -> jax.Array:
-  """Cache-free causal forward over whole sequences: tokens [B, T] -> logits [B, T, V] f32."""
+  """Jitted cache-free causal forward: tokens [B, T] -> logits [B, T, V] f32."""
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
   logits, _ = apply(params, tokens, positions, None, cfg=cfg)
   return logits

@@ -1,0 +1,109 @@
+"""Sampling and contiguous-cache generation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from configs import TINY_MLA
+from mlkit.generate import generate
+from mlkit.model import forward, init_params
+from mlkit.sampling import SamplingParams, row_keys, sample_tokens
+
+
+class SamplerTest(parameterized.TestCase):
+
+  def _sample(self, logits, temp, top_k, top_p, seed=0, n=400):
+    B = logits.shape[0]
+
+    @jax.jit
+    def draw(step):
+      keys = row_keys(jnp.full((B,), seed, jnp.uint32), step)
+      return sample_tokens(logits, keys, jnp.full((B,), temp), jnp.full((B,), top_k, jnp.int32),
+                           jnp.full((B,), top_p))
+
+    return np.asarray(jax.vmap(draw, out_axes=1)(jnp.arange(n)))  # [B, n]
+
+  def test_greedy_is_argmax(self):
+    logits = jax.random.normal(jax.random.key(0), (4, 50))
+    out = self._sample(logits, 0.0, 0, 1.0, n=3)
+    np.testing.assert_array_equal(out, np.tile(np.argmax(logits, -1)[:, None], (1, 3)))
+
+  def test_top_k_restricts_support(self):
+    logits = jax.random.normal(jax.random.key(1), (2, 30))
+    out = self._sample(logits, 1.0, 3, 1.0)
+    for b in range(2):
+      allowed = set(np.argsort(-np.asarray(logits[b]))[:3].tolist())
+      self.assertTrue(set(out[b].tolist()) <= allowed)
+      self.assertGreater(len(set(out[b].tolist())), 1)
+
+  def test_top_p_restricts_support(self):
+    # probabilities 0.5, 0.3, 0.15, 0.05: top_p=0.7 keeps exactly the first two.
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    out = self._sample(logits, 1.0, 0, 0.7)
+    self.assertEqual(set(out[0].tolist()), {0, 1})
+
+  def test_temperature_one_matches_distribution(self):
+    probs = np.array([0.6, 0.3, 0.1])
+    out = self._sample(jnp.log(jnp.asarray([probs])), 1.0, 0, 1.0, n=1500)
+    freq = np.bincount(out[0], minlength=3) / out.shape[1]
+    np.testing.assert_allclose(freq, probs, atol=0.05)
+
+  def test_params_validation(self):
+    for kwargs, field in [({"max_new_tokens": 0}, "max_new_tokens"), ({"temperature": -1.0}, "temperature"),
+                          ({"top_k": -1}, "top_k"), ({"top_p": 0.0}, "top_p")]:
+      with self.assertRaisesRegex(ValueError, field):
+        SamplingParams(**kwargs)
+
+
+class GenerateTest(parameterized.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.cfg = TINY_MLA
+    cls.params = init_params(TINY_MLA, jax.random.key(0))
+
+  def test_greedy_matches_full_forward(self):
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10, 11]]
+    res = generate(self.params, self.cfg, prompts, SamplingParams(max_new_tokens=5))
+    for prompt, new in zip(prompts, res.tokens):
+      seq = list(prompt)
+      for _ in range(5):  # greedy continuation by repeated full forwards (fixed padded length)
+        padded = jnp.array([seq + [0] * (16 - len(seq))])
+        logits = forward(self.params, padded, cfg=self.cfg)
+        seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
+      self.assertEqual(new, seq[len(prompt):])
+
+  def test_deterministic_for_seed(self):
+    sp = SamplingParams(max_new_tokens=6, temperature=1.0, top_k=50, top_p=0.9, seed=11)
+    prompts = [[1, 2, 3], [4, 5]]
+    a = generate(self.params, self.cfg, prompts, sp).tokens
+    b = generate(self.params, self.cfg, prompts, sp).tokens
+    c = generate(self.params, self.cfg, prompts, SamplingParams(
+        max_new_tokens=6, temperature=1.0, top_k=50, top_p=0.9, seed=12)).tokens
+    self.assertEqual(a, b)
+    self.assertNotEqual(a, c)
+
+  def test_stop_tokens_and_per_request_params(self):
+    greedy = generate(self.params, self.cfg, [[1, 2, 3]], SamplingParams(max_new_tokens=6)).tokens[0]
+    stop = greedy[2]
+    res = generate(self.params, self.cfg, [[1, 2, 3], [1, 2, 3]],
+                   [SamplingParams(max_new_tokens=6, stop_tokens=(stop,)),
+                    SamplingParams(max_new_tokens=4)])
+    self.assertEqual(res.tokens[0], greedy[:greedy.index(stop) + 1])
+    self.assertEqual(res.tokens[1], greedy[:4])
+
+  def test_bad_prompts(self):
+    with self.assertRaisesRegex(ValueError, "empty"):
+      generate(self.params, self.cfg, [])
+    with self.assertRaisesRegex(ValueError, "prompt 1 is empty"):
+      generate(self.params, self.cfg, [[1], []])
+    with self.assertRaisesRegex(ValueError, "outside"):
+      generate(self.params, self.cfg, [[1, self.cfg.vocab_size]])
+    with self.assertRaisesRegex(ValueError, "max_seq_len"):
+      generate(self.params, self.cfg, [[1] * 250], SamplingParams(max_new_tokens=10))
+
+
+if __name__ == "__main__":
+  absltest.main()
