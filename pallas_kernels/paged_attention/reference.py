@@ -54,6 +54,8 @@ def paged_mla_decode_reference(q_latent, q_rope, latent, k_rope, latent_scale,
   valid = t[None, None, :] < lengths[:, None, None]
   logits = jnp.where(valid, logits, -jnp.inf)
   p = jax.nn.softmax(logits, axis=-1)
+  # Unused slots may hold anything, NaN included; 0 * NaN is NaN, so zero them.
+  lat = jnp.where(valid[:, 0, :, None], lat, 0.0)
   out = jnp.einsum("BHT,BTC->BHC", p, lat, precision=_HI)
   return out.astype(q_latent.dtype)
 
@@ -88,6 +90,7 @@ def paged_gqa_decode_reference(q, k, v, k_scale, v_scale, block_tables, lengths,
   valid = t[None, None, None, :] < lengths[:, None, None, None]
   logits = jnp.where(valid, logits, -jnp.inf)
   p = jax.nn.softmax(logits, axis=-1)
+  vv = jnp.where(valid[:, 0, 0, :, None, None], vv, 0.0)  # see the MLA reference
   out = jnp.einsum("BKGT,BTKD->BKGD", p, vv, precision=_HI)
   return out.reshape(b, h, hd).astype(q.dtype)
 

@@ -99,8 +99,11 @@ def mla_kernel(q_lat_ref, q_rope_ref, lat_ref, rope_ref, lat_scale_ref,
     s_lat = _dot_nt(q_lat, lat)  # [bh, bk] f32
     s_rope = _dot_nt(q_rope, rope)
     if lat_scale_ref is not None:
-      lat_scale = lat_scale_ref[ids].reshape(1, bk)
-      rope_scale = rope_scale_ref[ids].reshape(1, bk)
+      # Scales of unused slots may be garbage too; zero them so p * scale
+      # stays finite (a [1, bk] select, cheap).
+      col_ok = (first * ps + lax.broadcasted_iota(jnp.int32, (1, bk), 1)) < length
+      lat_scale = jnp.where(col_ok, lat_scale_ref[ids].reshape(1, bk), 0.0)
+      rope_scale = jnp.where(col_ok, rope_scale_ref[ids].reshape(1, bk), 0.0)
       logits = s_lat * lat_scale + s_rope * rope_scale
     else:
       lat_scale = None
@@ -110,6 +113,10 @@ def mla_kernel(q_lat_ref, q_rope_ref, lat_ref, rope_ref, lat_scale_ref,
     logits = jnp.where(pos < length, logits, MASK_VALUE)
     p, alpha, m_new, l_new = _online_softmax_step(logits, carry)
     pv = p if lat_scale is None else p * lat_scale
+    # Slots past the length may hold anything, NaN included (fp8 garbage
+    # bytes 0x7f/0xff are NaN), and p == 0 does not cancel NaN: zero them.
+    row = first * ps + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+    lat = jnp.where(row < length, lat, jnp.zeros_like(lat))
     acc = acc * alpha[:, None] + _dot_nn(pv.astype(compute_dtype), lat)
     return acc, m_new, l_new
 
@@ -152,13 +159,18 @@ def gqa_kernel(q_ref, k_ref, v_ref, k_scale_ref, v_scale_ref,
     logits = _dot_nt(q, k)
     v_scale = None
     if k_scale_ref is not None:
-      logits = logits * k_scale_ref[ids].reshape(1, bk)
-      v_scale = v_scale_ref[ids].reshape(1, bk)
+      # Zero garbage scales of unused slots (see mla_kernel).
+      col_ok = (first * ps + lax.broadcasted_iota(jnp.int32, (1, bk), 1)) < length
+      logits = logits * jnp.where(col_ok, k_scale_ref[ids].reshape(1, bk), 0.0)
+      v_scale = jnp.where(col_ok, v_scale_ref[ids].reshape(1, bk), 0.0)
     logits = logits * scale
     pos = first * ps + lax.broadcasted_iota(jnp.int32, (bh, bk), 1)
     logits = jnp.where(pos < length, logits, MASK_VALUE)
     p, alpha, m_new, l_new = _online_softmax_step(logits, carry)
     pv = p if v_scale is None else p * v_scale
+    # Unused slots may hold NaN; p == 0 does not cancel it (see mla_kernel).
+    row = first * ps + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+    v = jnp.where(row < length, v, jnp.zeros_like(v))
     acc = acc * alpha[:, None] + _dot_nn(pv.astype(compute_dtype), v)
     return acc, m_new, l_new
 

@@ -1,0 +1,293 @@
+"""Paged decode attention kernels (MLA and GQA) against their jnp references.
+
+Interpret-mode classes run on CPU with tiny shapes; the base classes run the
+compiled kernels at realistic shapes and are skipped without a GPU. Unused
+page slots are filled with NaN, so a kernel that reads past a request's
+length, or leaves an output element unwritten (interpret mode fills fresh
+outputs with NaN), fails.
+"""
+
+import itertools
+import math
+import zlib
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import lowering
+from pallas_kernels.paged_attention import BlockSizes
+from pallas_kernels.paged_attention import paged_gqa_decode
+from pallas_kernels.paged_attention import paged_gqa_decode_reference
+from pallas_kernels.paged_attention import paged_mla_decode
+from pallas_kernels.paged_attention import paged_mla_decode_reference
+
+FP8 = jnp.float8_e4m3fn
+# Relative-norm tolerances (DESIGN.md §4): fp8 vs an f32 reference 5e-2; a
+# bf16 cache still rounds probabilities to bf16 for the PV dot, so 1e-2.
+TOL = {"bf16": 1e-2, "fp8": 5e-2}
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _rel_err(out, ref):
+  out = np.asarray(out, np.float32)
+  ref = np.asarray(ref, np.float32)
+  return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def _quantise(x, rng, kv_dtype, scale_shape):
+  """x f32 [N, ps, ...] -> (stored pages, per-token scales or None)."""
+  if kv_dtype == "bf16":
+    return x.astype(np.float32), None
+  # Per-token scales that vary token to token, so a kernel that ignores or
+  # misplaces them fails.
+  s = rng.uniform(0.5, 2.0, scale_shape).astype(np.float32) / 64.0
+  stored = x / s[..., None]
+  return stored, s
+
+
+def _poison(pages, scales, block_tables, lengths, page_size):
+  """NaN in every slot no request uses (tails of last pages, unused pages)."""
+  used = np.zeros(pages.shape[:2], bool)
+  for b, length in enumerate(lengths):
+    for t in range(length):
+      used[block_tables[b, t // page_size], t % page_size] = True
+  pages = pages.copy()
+  pages[~used] = np.nan
+  if scales is not None:
+    scales = scales.copy()
+    scales[~used] = np.nan
+  return pages, scales
+
+
+def _tables(rng, batch, max_pages, num_pages):
+  perm = rng.permutation(num_pages)[: batch * max_pages]
+  return perm.reshape(batch, max_pages).astype(np.int32)
+
+
+def _cast(x, kv_dtype):
+  return jnp.asarray(x, jnp.bfloat16 if kv_dtype == "bf16" else FP8)
+
+
+def make_mla(seed, *, batch, heads, c, r, page_size, max_pages, lengths, kv_dtype):
+  rng = np.random.default_rng(seed)
+  num_pages = batch * max_pages + 3
+  q_lat = jnp.asarray(rng.standard_normal((batch, heads, c)), jnp.bfloat16)
+  q_rope = jnp.asarray(rng.standard_normal((batch, heads, r)), jnp.bfloat16)
+  lat = rng.standard_normal((num_pages, page_size, c)).astype(np.float32)
+  rope = rng.standard_normal((num_pages, page_size, r)).astype(np.float32)
+  lat, lat_s = _quantise(lat, rng, kv_dtype, (num_pages, page_size))
+  rope, rope_s = _quantise(rope, rng, kv_dtype, (num_pages, page_size))
+  bt = _tables(rng, batch, max_pages, num_pages)
+  lat, lat_s = _poison(lat, lat_s, bt, lengths, page_size)
+  rope, rope_s = _poison(rope, rope_s, bt, lengths, page_size)
+  sc = lambda s: None if s is None else jnp.asarray(s)
+  return (q_lat, q_rope, _cast(lat, kv_dtype), _cast(rope, kv_dtype),
+          sc(lat_s), sc(rope_s), jnp.asarray(bt),
+          jnp.asarray(lengths, jnp.int32))
+
+
+def make_gqa(seed, *, batch, heads, kv_heads, hd, page_size, max_pages, lengths,
+             kv_dtype):
+  rng = np.random.default_rng(seed)
+  num_pages = batch * max_pages + 3
+  q = jnp.asarray(rng.standard_normal((batch, heads, hd)), jnp.bfloat16)
+  shape = (num_pages, page_size, kv_heads, hd)
+  k, k_s = _quantise(rng.standard_normal(shape).astype(np.float32), rng,
+                     kv_dtype, shape[:3])
+  v, v_s = _quantise(rng.standard_normal(shape).astype(np.float32), rng,
+                     kv_dtype, shape[:3])
+  bt = _tables(rng, batch, max_pages, num_pages)
+  k, k_s = _poison(k, k_s, bt, lengths, page_size)
+  v, v_s = _poison(v, v_s, bt, lengths, page_size)
+  sc = lambda s: None if s is None else jnp.asarray(s)
+  return (q, _cast(k, kv_dtype), _cast(v, kv_dtype), sc(k_s), sc(v_s),
+          jnp.asarray(bt), jnp.asarray(lengths, jnp.int32))
+
+
+def _seed(*case):
+  """A seed per case, stable across processes (unlike hash())."""
+  return zlib.crc32(repr(case).encode())
+
+
+def _sample(cases, n, seed=0):
+  """A fixed sample of n cases from a product, so every run is the same."""
+  cases = list(cases)
+  idx = np.random.default_rng(seed).choice(len(cases), size=min(n, len(cases)),
+                                           replace=False)
+  return [cases[i] for i in sorted(idx)]
+
+
+# (kv_dtype, lengths-kind, num_splits, pages_per_block). Length kinds: one
+# token, exact page boundaries, ragged with a long request.
+_LENGTH_KINDS = ("one", "boundary", "ragged")
+_MLA_CASES = _sample(itertools.product(("bf16", "fp8"), _LENGTH_KINDS, (1, 3), (1, 2)), 6, seed=1)
+_GQA_CASES = _sample(
+    itertools.product(("bf16", "fp8"), _LENGTH_KINDS, (1, 2), (1, 4), (1, 3, 4)), 6, seed=2)
+
+
+def _lengths(kind, batch, page_size, max_pages):
+  full = page_size * max_pages
+  if kind == "one":
+    return [1] * batch
+  if kind == "boundary":
+    return [page_size * (1 + b % max_pages) for b in range(batch)]
+  return [1 + (b * 37 + 5) % full if b else full for b in range(batch)]
+
+
+class PagedMlaDecodeTest(parameterized.TestCase):
+  """Compiled kernel at realistic shapes (GPU only)."""
+
+  INTERPRET = False
+  # heads, latent, rope, page size, pages per request, batch
+  SHAPE = dict(heads=128, c=512, r=64, page_size=64, max_pages=40, batch=4)
+
+  def setUp(self):
+    super().setUp()
+    if not self.INTERPRET and not ON_GPU:
+      self.skipTest("compiled Pallas kernels need a GPU")
+
+  @property
+  def backend(self):
+    return "interpret" if self.INTERPRET else "pallas"
+
+  @parameterized.parameters(*_MLA_CASES)
+  def test_matches_reference(self, kv_dtype, length_kind, num_splits, ppb):
+    s = self.SHAPE
+    lengths = _lengths(length_kind, s["batch"], s["page_size"], s["max_pages"])
+    args = make_mla(_seed(kv_dtype, length_kind, num_splits, ppb),
+                    batch=s["batch"], heads=s["heads"], c=s["c"], r=s["r"],
+                    page_size=s["page_size"], max_pages=s["max_pages"],
+                    lengths=lengths, kv_dtype=kv_dtype)
+    scale = 1.0 / math.sqrt(s["c"] + s["r"])
+    bs = BlockSizes(block_h=64 if s["heads"] >= 64 else 16, pages_per_block=ppb,
+                    num_splits=num_splits)
+    out = paged_mla_decode(*args, scale=scale, backend=self.backend, block_sizes=bs)
+    ref = paged_mla_decode_reference(*args, scale=scale)
+    self.assertEqual(out.shape, ref.shape)
+    self.assertEqual(out.dtype, jnp.bfloat16)
+    self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
+    self.assertLessEqual(_rel_err(out, ref), TOL[kv_dtype])
+
+  def test_default_block_sizes(self):
+    s = self.SHAPE
+    lengths = _lengths("ragged", s["batch"], s["page_size"], s["max_pages"])
+    args = make_mla(7, batch=s["batch"], heads=s["heads"], c=s["c"], r=s["r"],
+                    page_size=s["page_size"], max_pages=s["max_pages"],
+                    lengths=lengths, kv_dtype="fp8")
+    out = paged_mla_decode(*args, scale=0.05, backend=self.backend)
+    ref = paged_mla_decode_reference(*args, scale=0.05)
+    self.assertTrue(bool(jnp.all(jnp.isfinite(out))))
+    self.assertLessEqual(_rel_err(out, ref), TOL["fp8"])
+
+
+class PagedMlaDecodeInterpretTest(PagedMlaDecodeTest):
+  INTERPRET = True
+  # 20 heads: not a multiple of block_h, so head padding is exercised.
+  SHAPE = dict(heads=20, c=64, r=16, page_size=8, max_pages=5, batch=3)
+
+
+class PagedGqaDecodeTest(parameterized.TestCase):
+  """Compiled kernel at realistic shapes (GPU only)."""
+
+  INTERPRET = False
+  SHAPE = dict(kv_heads=8, hd=128, page_size=16, max_pages=64, batch=4)
+
+  def setUp(self):
+    super().setUp()
+    if not self.INTERPRET and not ON_GPU:
+      self.skipTest("compiled Pallas kernels need a GPU")
+
+  @property
+  def backend(self):
+    return "interpret" if self.INTERPRET else "pallas"
+
+  @parameterized.parameters(*_GQA_CASES)
+  def test_matches_reference(self, kv_dtype, length_kind, num_splits, ppb, group):
+    s = self.SHAPE
+    lengths = _lengths(length_kind, s["batch"], s["page_size"], s["max_pages"])
+    args = make_gqa(_seed(kv_dtype, length_kind, num_splits, ppb, group),
+                    batch=s["batch"], heads=s["kv_heads"] * group,
+                    kv_heads=s["kv_heads"], hd=s["hd"], page_size=s["page_size"],
+                    max_pages=s["max_pages"], lengths=lengths, kv_dtype=kv_dtype)
+    scale = 1.0 / math.sqrt(s["hd"])
+    bs = BlockSizes(block_h=16, pages_per_block=ppb, num_splits=num_splits)
+    out = paged_gqa_decode(*args, scale=scale, backend=self.backend, block_sizes=bs)
+    ref = paged_gqa_decode_reference(*args, scale=scale)
+    self.assertEqual(out.shape, ref.shape)
+    self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
+    self.assertLessEqual(_rel_err(out, ref), TOL[kv_dtype])
+
+
+class PagedGqaDecodeInterpretTest(PagedGqaDecodeTest):
+  INTERPRET = True
+  SHAPE = dict(kv_heads=2, hd=32, page_size=4, max_pages=6, batch=3)
+
+
+class ReferenceTest(parameterized.TestCase):
+  """The references themselves, against a dense per-request softmax."""
+
+  def test_mla_reference_matches_dense(self):
+    args = make_mla(3, batch=2, heads=4, c=16, r=8, page_size=4, max_pages=3,
+                    lengths=[5, 12], kv_dtype="fp8")
+    ref = paged_mla_decode_reference(*args, scale=0.3)
+    q_lat, q_rope, lat, rope, lat_s, rope_s, bt, lengths = [
+        np.asarray(a, np.float32) if a.dtype != jnp.int32 else np.asarray(a) for a in args]
+    for b in range(2):
+      n = int(lengths[b])
+      toks = [(int(bt[b, t // 4]), t % 4) for t in range(n)]
+      l = np.stack([lat[p, s] * lat_s[p, s] for p, s in toks])
+      kr = np.stack([rope[p, s] * rope_s[p, s] for p, s in toks])
+      logits = 0.3 * (q_lat[b] @ l.T + q_rope[b] @ kr.T)
+      p = np.exp(logits - logits.max(-1, keepdims=True))
+      p /= p.sum(-1, keepdims=True)
+      np.testing.assert_allclose(np.asarray(ref[b], np.float32), p @ l, rtol=1e-2, atol=1e-2)
+
+  def test_unknown_backend_raises(self):
+    args = make_gqa(4, batch=1, heads=2, kv_heads=1, hd=16, page_size=4,
+                    max_pages=2, lengths=[3], kv_dtype="bf16")
+    with self.assertRaisesRegex(ValueError, "backend"):
+      paged_gqa_decode(*args, scale=1.0, backend="cuda")
+
+  def test_scales_required_for_fp8(self):
+    args = list(make_mla(5, batch=1, heads=2, c=16, r=8, page_size=4,
+                         max_pages=2, lengths=[3], kv_dtype="fp8"))
+    args[4] = None
+    with self.assertRaisesRegex(ValueError, "scales"):
+      paged_mla_decode(*args, scale=1.0, backend="xla")
+
+
+class LoweringTest(parameterized.TestCase):
+  """Lowers the compiled kernels for an abstract H200 at real sizes (no GPU)."""
+
+  @parameterized.product(kv_dtype=("bf16", "fp8"), heads=(16, 128))
+  def test_mla_lowers_for_h200(self, kv_dtype, heads):
+    S = jax.ShapeDtypeStruct
+    b, c, r, ps, n, p = 8, 512, 64, 64, 1024, 128  # 8K context
+    dt = jnp.bfloat16 if kv_dtype == "bf16" else FP8
+    sc = S((n, ps), jnp.float32) if kv_dtype == "fp8" else None
+    low = lowering.lower_for_h200(
+        paged_mla_decode, S((b, heads, c), jnp.bfloat16), S((b, heads, r), jnp.bfloat16),
+        S((n, ps, c), dt), S((n, ps, r), dt), sc, sc, S((b, p), jnp.int32),
+        S((b,), jnp.int32), scale=0.04, backend="pallas")
+    self.assertIn("paged_mla_decode", low.as_text())
+
+  @parameterized.product(kv_dtype=("bf16", "fp8"), group=(1, 8, 16))
+  def test_gqa_lowers_for_h200(self, kv_dtype, group):
+    S = jax.ShapeDtypeStruct
+    b, kv, hd, ps, n, p = 8, 8, 128, 16, 4096, 512
+    dt = jnp.bfloat16 if kv_dtype == "bf16" else FP8
+    sc = S((n, ps, kv), jnp.float32) if kv_dtype == "fp8" else None
+    low = lowering.lower_for_h200(
+        paged_gqa_decode, S((b, kv * group, hd), jnp.bfloat16), S((n, ps, kv, hd), dt),
+        S((n, ps, kv, hd), dt), sc, sc, S((b, p), jnp.int32), S((b,), jnp.int32),
+        scale=0.09, backend="pallas")
+    self.assertIn("paged_gqa_decode", low.as_text())
+
+
+if __name__ == "__main__":
+  absltest.main()
