@@ -1,8 +1,24 @@
-"""Test-wide setup: 8 host CPU devices for sharding tests, set before jax is imported."""
+"""Test-wide setup: 8 host CPU devices for sharding tests, and the `gpu` marker.
+
+XLA_FLAGS must be set before jax is imported anywhere, so it happens at the top
+of this file, which pytest imports before any test module.
+"""
 
 import os
 
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
   os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+  """Skips (and counts as skipped) tests marked `gpu` when no GPU backend is present."""
+  import jax
+  if jax.default_backend() == "gpu":
+    return
+  skip = pytest.mark.skip(reason="needs an NVIDIA GPU; this machine has none")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
