@@ -22,6 +22,7 @@ values) run whenever the weight is concrete and are skipped under tracing.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -38,11 +39,14 @@ FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 INT4_QMAX = 7
 
 
+_all_finite = jax.jit(lambda w: jnp.all(jnp.isfinite(w)))
+
+
 def _check_finite(w: jax.Array, name: str) -> None:
   """Raises ValueError naming ``name`` if a concrete ``w`` holds NaN or inf."""
   if isinstance(w, jax.core.Tracer):
     return  # abstract (eval_shape / jit): nothing to check
-  if not bool(jnp.all(jnp.isfinite(w))):
+  if not bool(_all_finite(w)):
     raise ValueError(f"{name}: weight has non-finite values (NaN or inf); cannot quantise")
 
 
@@ -170,9 +174,14 @@ def quantize_int4(w: jax.Array, group_size: int = 128, *, scale_dtype=jnp.bfloat
   _check_rank(w, name)
   _check_int4_shape(w.shape, group_size, name)
   _check_finite(w, name)
+  packed, scales = _rtn_int4(w, group_size, jnp.dtype(scale_dtype))
+  return Int4Weight(packed=packed, scales=scales, group_size=group_size)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _rtn_int4(w, group_size, scale_dtype):
   scales = int4_group_scales(w, group_size, scale_dtype)
-  q = int4_quantize_with_scales(w, scales, group_size)
-  return Int4Weight(packed=pack_int4(q), scales=scales, group_size=group_size)
+  return pack_int4(int4_quantize_with_scales(w, scales, group_size)), scales
 
 
 @dequantize.register(Int4Weight)
@@ -263,10 +272,15 @@ def quantize_fp8(w: jax.Array, block_size: int | None = FP8_BLOCK, *,
   if block_size not in (None, FP8_BLOCK):
     raise ValueError(f"{name}: fp8 block_size must be None or {FP8_BLOCK}, got {block_size!r}")
   _check_finite(w, name)
+  values, scales = _rtn_fp8(w, block_size)
+  return Fp8Weight(values=values, scales=scales, block_size=block_size)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _rtn_fp8(w, block_size):
   scales = _fp8_scales(w, block_size)
   s = fp8_expand_scales(scales, w.shape, block_size)
-  values = (w.astype(jnp.float32) / jnp.where(s == 0, 1.0, s)).astype(jnp.float8_e4m3fn)
-  return Fp8Weight(values=values, scales=scales, block_size=block_size)
+  return (w.astype(jnp.float32) / jnp.where(s == 0, 1.0, s)).astype(jnp.float8_e4m3fn), scales
 
 
 @dequantize.register(Fp8Weight)
