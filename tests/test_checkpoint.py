@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 from configs.models import KIMI_K2_6, TINY_GQA, TINY_MLA
 from mlkit.checkpoint import (checkpoint_steps, config_from_hf, config_to_hf, dequantize_fp8_blocks,
                               load_checkpoint, load_hf_checkpoint, save_checkpoint, save_hf_checkpoint)
-from mlkit.model import forward, init_params
+from mlkit.model import forward, param_specs
 
 TINY_BF16 = dataclasses.replace(TINY_MLA, dtype="bfloat16", param_dtype="bfloat16")
 TINY_NO_QLORA = dataclasses.replace(TINY_MLA, q_lora_rank=0)
@@ -25,16 +25,30 @@ _PARAMS: dict = {}
 
 
 def _params(cfg, seed=0):
-  """Random params, perturbed so that norms and router bias are not constants (never zeros)."""
+  """Random params in the ``param_specs`` layout, built in numpy (eager init_params compiles per shape).
+
+  Norms and the router bias are perturbed too, so that no leaf is a constant.
+  """
   key = (cfg, seed)
   if key not in _PARAMS:
-    p = init_params(cfg, jax.random.key(seed))
-    leaves, treedef = jax.tree_util.tree_flatten(p)
-    keys = jax.random.split(jax.random.key(seed + 100), len(leaves))
-    leaves = [(x.astype(jnp.float32) + 0.1 * jax.random.normal(k, x.shape)).astype(x.dtype)
-              for k, x in zip(keys, leaves)]
-    _PARAMS[key] = jax.tree_util.tree_unflatten(treedef, leaves)
+    rng = np.random.default_rng(seed)
+    def leaf(spec):
+      shape, kind = spec[0], spec[1]
+      dtype = jnp.dtype(spec[2] if len(spec) == 3 else cfg.param_dtype)
+      x = rng.standard_normal(shape).astype(np.float32)
+      if kind == "ones":
+        x = 1 + 0.1 * x
+      elif kind == "zeros":
+        x = 0.1 * x
+      elif kind == "normal":
+        x = x * shape[-2] ** -0.5
+      return jnp.asarray(x.astype(dtype))
+    is_spec = lambda x: isinstance(x, tuple) and isinstance(x[0], tuple)
+    _PARAMS[key] = jax.tree_util.tree_map(leaf, param_specs(cfg), is_leaf=is_spec)
   return _PARAMS[key]
+
+
+_forward = jax.jit(forward, static_argnames="cfg")
 
 
 def _f32(x) -> np.ndarray:
@@ -281,8 +295,8 @@ class HFImportTest(TreeAssertions):
     self.assertEqual(loaded_cfg, cfg)
     self.assertTreesIdentical(params, loaded)
     tokens = jax.random.randint(jax.random.key(1), (2, 6), 0, cfg.vocab_size)
-    want = forward(params, tokens, cfg=cfg)
-    got = forward(loaded, tokens, cfg=loaded_cfg)
+    want = _forward(params, tokens, cfg=cfg)
+    got = _forward(loaded, tokens, cfg=loaded_cfg)
     self.assertTrue(np.all(np.isfinite(np.asarray(want))))
     np.testing.assert_array_equal(np.asarray(want), np.asarray(got))
 
@@ -330,9 +344,6 @@ class HFImportTest(TreeAssertions):
     # Head-major: wkv_b's columns for head h are HF rows h*(nope+v) ... (h+1)*(nope+v).
     kv_b = hf("layers.1.self_attn.kv_b_proj.weight")
     eq(params["layers"][1]["attn"]["wkv_b"][:, 20:40], kv_b[20:40].T, "wkv_b head 1")
-    logits = forward(params, jnp.array([[1, 2, 3, 4]]), cfg=cfg)
-    self.assertEqual(logits.shape, (1, 4, 96))
-    self.assertTrue(np.all(np.isfinite(np.asarray(logits))))
 
   def test_sharded_by_index_and_dtype_override(self):
     tensors = _hand_tensors(16)
@@ -344,6 +355,18 @@ class HFImportTest(TreeAssertions):
     self.assertEqual(params["layers"][1]["ffn"]["router"].dtype, jnp.float32)
     # Same values as the single-file f32 load, rounded to bf16 (router stays f32).
     self.assertTreesIdentical(params, jax.tree_util.tree_map(lambda r, p: r.astype(p.dtype), ref, params))
+
+  def test_tied_embeddings_round_trip(self):
+    cfg = dataclasses.replace(TINY_MLA, tie_embeddings=True, n_layers=2)
+    params = _params(cfg)
+    self.assertNotIn("lm_head", params)
+    path = self.tmpdir()
+    save_hf_checkpoint(path, params, cfg)
+    with open(os.path.join(path, "config.json")) as f:
+      self.assertTrue(json.load(f)["tie_word_embeddings"])
+    loaded, loaded_cfg = load_hf_checkpoint(path)
+    self.assertEqual(loaded_cfg, cfg)
+    self.assertTreesIdentical(params, loaded)
 
   def test_fp8_block_dequantisation(self):
     rng = np.random.default_rng(3)
