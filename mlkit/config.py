@@ -142,7 +142,7 @@ class ModelConfig:
   dtype: str = "bfloat16"
   # Parameter storage dtype name.
   param_dtype: str = "bfloat16"
-  # Number of parameters in multi-token-prediction heads, counted but never instantiated.
+  # Multi-token-prediction layers a checkpoint ships (counted for checkpoint bytes, never instantiated).
   n_mtp_layers: int = 0
 
   def __post_init__(self):
