@@ -1,0 +1,30 @@
+"""Paged KV cache: fp8/bf16 page pools with per-token scales, page tags and a host allocator.
+
+Layers: ``config`` (KVCacheConfig), ``fp8`` (per-token quantisation), ``state``
+(device pytree, write/read paths, the model cache interface), ``allocator``
+(host free list, tags, refcounts, block tables), ``reference`` (pure-jnp paged
+attention and tag check), ``capacity`` (bytes per token and tokens per budget).
+"""
+
+from mlkit.kvcache.allocator import CannotAdmit, OutOfPages, PageAllocator, next_tag, tag_to_int32
+from mlkit.kvcache.capacity import bytes_per_token, bytes_per_token_breakdown, capacity
+from mlkit.kvcache.config import DEFAULT_PAGE_SIZE, KV_DTYPES, KVCacheConfig
+from mlkit.kvcache.fp8 import FP8_MAX, dequantize_fp8, quantize_fp8
+from mlkit.kvcache.reference import (paged_gqa_decode_reference, paged_gqa_prefill_reference,
+                                     paged_mla_decode_reference, paged_mla_prefill_reference,
+                                     tag_check_reference)
+from mlkit.kvcache.state import (PAD_PAGE, BatchMeta, PagedKVState, copy_pages, gather_layer,
+                                 gather_pages, init_paged_state, paged_mask, read_layer, sync_tags,
+                                 validate_batch, validate_state, write_decode, write_layer,
+                                 write_prefill)
+
+__all__ = [
+    "BatchMeta", "CannotAdmit", "DEFAULT_PAGE_SIZE", "FP8_MAX", "KVCacheConfig", "KV_DTYPES",
+    "OutOfPages", "PAD_PAGE", "PageAllocator", "PagedKVState", "bytes_per_token",
+    "bytes_per_token_breakdown", "capacity", "copy_pages", "dequantize_fp8", "gather_layer",
+    "gather_pages", "init_paged_state", "next_tag", "paged_gqa_decode_reference",
+    "paged_gqa_prefill_reference", "paged_mla_decode_reference", "paged_mla_prefill_reference",
+    "paged_mask", "quantize_fp8", "read_layer", "sync_tags", "tag_check_reference",
+    "tag_to_int32", "validate_batch", "validate_state", "write_decode", "write_layer",
+    "write_prefill",
+]

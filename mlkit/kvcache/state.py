@@ -1,0 +1,492 @@
+"""Paged KV state: page arrays per layer, per-token fp8 scales, page tags, write and read paths.
+
+Layout (fixed; the Pallas kernels are written against it):
+
+* MLA layer: ``latent`` [N, P, C] and ``k_rope`` [N, P, R]; fp8 adds
+  ``latent_scale`` and ``k_rope_scale`` [N, P] f32.
+* GQA layer: ``k`` and ``v`` [N, P, KV, hd]; fp8 adds ``k_scale`` and
+  ``v_scale`` [N, P, KV] f32.
+* ``page_tags`` [N] int32: the allocator's uint32 generation counters, bit-cast.
+
+N = num_pages and P = page_size. The token at position p of request b lives at
+page ``block_tables[b, p // P]``, slot ``p % P``. Block-table entries past a
+request's pages are padded with ``PAD_PAGE`` (-1); readers only use the first
+ceil(length / P) entries of each row.
+
+Validation: value checks (block tables inside the pool, lengths within the
+request's pages) need concrete arrays, so they run on the host in
+:func:`validate_batch`, which the public write functions call before their
+jitted (donating) core, and which ``PagedKVState.update`` calls when it runs
+eagerly. Under an outer ``jax.jit`` only static checks (dtypes, shapes, page
+size) run; call :func:`validate_batch` on the host before such a step.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from mlkit.config import ModelConfig
+from mlkit.kvcache.config import KVCacheConfig
+from mlkit.kvcache.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
+
+# Block-table entry for "no page here" (past the request's pages, or a padded batch row).
+PAD_PAGE = -1
+
+
+def entry_names(attention: str) -> tuple[str, str]:
+  """The two page arrays per layer: MLA ("latent", "k_rope"); GQA ("k", "v")."""
+  return ("latent", "k_rope") if attention == "mla" else ("k", "v")
+
+
+def scale_name(name: str) -> str:
+  """Name of the per-token f32 scale array beside page array ``name`` (fp8 only)."""
+  return name + "_scale"
+
+
+def entry_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """Per-token entry shapes for one layer (MLA: [C], [R]; GQA: [KV, hd] twice)."""
+  if cfg.attention == "mla":
+    return {"latent": (cfg.kv_lora_rank,), "k_rope": (cfg.qk_rope_head_dim,)}
+  return {"k": (cfg.n_kv_heads, cfg.head_dim), "v": (cfg.n_kv_heads, cfg.head_dim)}
+
+
+def _is_tracer(*xs) -> bool:
+  return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(xs))
+
+
+@struct.dataclass
+class BatchMeta:
+  """Per-step batch metadata for a paged pool.
+
+  Attributes:
+    block_tables: [B, max_pages_per_seq] int32 physical page ids (PAD_PAGE past a request's pages).
+    lengths: [B] int32 tokens in the cache after this step's write.
+    expected_tags: [B, max_pages_per_seq] int32 tags the request expects on its pages.
+    page_size: tokens per page the tables were built for (static; checked against the state).
+  """
+
+  block_tables: jax.Array
+  lengths: jax.Array
+  expected_tags: jax.Array
+  page_size: int = struct.field(pytree_node=False, default=0)
+
+
+@struct.dataclass
+class PagedKVState:
+  """The device side of a paged KV pool; also a cache for ``mlkit.model.apply``.
+
+  Attributes:
+    layers: one dict per layer (see the module docstring for keys and shapes).
+    page_tags: [num_pages] int32 generation tags (uint32 on the host, bit-cast).
+  """
+
+  layers: list
+  page_tags: jax.Array
+
+  @property
+  def attention(self) -> str:
+    return "mla" if "latent" in self.layers[0] else "gqa"
+
+  @property
+  def names(self) -> tuple[str, str]:
+    return entry_names(self.attention)
+
+  @property
+  def num_pages(self) -> int:
+    return self.layers[0][self.names[0]].shape[0]
+
+  @property
+  def page_size(self) -> int:
+    return self.layers[0][self.names[0]].shape[1]
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    """Storage dtype of the pages."""
+    return self.layers[0][self.names[0]].dtype
+
+  @property
+  def is_fp8(self) -> bool:
+    return self.dtype == FP8_DTYPE
+
+  @property
+  def n_layers(self) -> int:
+    return len(self.layers)
+
+  def nbytes(self) -> int:
+    """Bytes held by every array of the state (pages, scales and tags)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
+
+  def update(self, layer: int, new: dict, positions: jax.Array, batch_meta: BatchMeta):
+    """Cache interface for ``mlkit.model.apply``: write this step, return the request's pages.
+
+    Tokens whose position is >= their request's length (padded rows or padded
+    chunk positions) are not written.
+
+    Args:
+      layer: layer index.
+      new: this step's entries, each [B, T, *entry_shape].
+      positions: [B, T] int32 absolute positions.
+      batch_meta: a :class:`BatchMeta`.
+
+    Returns:
+      (state, view, mask): the updated state; the request's pages gathered and
+      dequantised to ``new``'s dtype, each [B, max_pages * page_size, ...], zero
+      past each length; mask [B, T, S] (key position <= query position and < length).
+
+    Raises:
+      ValueError: on a page-size / shape mismatch, or (when run eagerly) a bad block table or length.
+    """
+    if not isinstance(batch_meta, BatchMeta):
+      raise ValueError(f"a paged cache needs batch_meta=BatchMeta(...), got {type(batch_meta).__name__}")
+    if layer == 0 and not _is_tracer(batch_meta, positions):
+      validate_batch(self, batch_meta, positions)
+    else:
+      _check_static(self, batch_meta, positions)
+    state = write_layer(self, layer, new, positions, batch_meta)
+    dtype = new[self.names[0]].dtype
+    view = gather_layer(state, layer, batch_meta.block_tables, batch_meta.lengths, dtype=dtype)
+    S = view[self.names[0]].shape[1]
+    mask = paged_mask(positions, batch_meta.lengths, S)
+    return state, view, mask
+
+
+def init_paged_state(cfg: ModelConfig, kv_cfg: KVCacheConfig) -> PagedKVState:
+  """An empty pool: zero pages, unit scales (fp8), all tags 0 (never allocated).
+
+  Args:
+    cfg: the model config (attention kind, entry shapes, layer count).
+    kv_cfg: pool shape and dtype; page_size None takes the default for cfg.attention.
+
+  Returns:
+    A :class:`PagedKVState`.
+  """
+  kv_cfg = kv_cfg.resolve(cfg)
+  N, P = kv_cfg.num_pages, kv_cfg.page_size
+  dtype = jnp.dtype(kv_cfg.dtype)
+  layers = []
+  for _ in range(cfg.n_layers):
+    layer = {}
+    for name, shp in entry_shapes(cfg).items():
+      layer[name] = jnp.zeros((N, P) + shp, dtype)
+      if kv_cfg.is_fp8:
+        layer[scale_name(name)] = jnp.ones((N, P) + shp[:-1], jnp.float32)
+    layers.append(layer)
+  return PagedKVState(layers=layers, page_tags=jnp.zeros((N,), jnp.int32))
+
+
+# ----------------------------------------------------------------------------- validation
+
+def validate_state(state: PagedKVState, kv_cfg: KVCacheConfig, cfg: ModelConfig | None = None) -> None:
+  """Checks that ``state`` has the dtype, page size and page count ``kv_cfg`` says.
+
+  Raises:
+    ValueError: naming the mismatch.
+  """
+  if str(state.dtype) != kv_cfg.dtype:
+    raise ValueError(f"KV dtype mismatch: state pages are {state.dtype}, the call expects {kv_cfg.dtype}")
+  page_size = kv_cfg.page_size if cfg is None else kv_cfg.page_size_for(cfg)
+  if page_size is not None and state.page_size != page_size:
+    raise ValueError(f"page size mismatch: state pages hold {state.page_size} tokens, "
+                     f"the call expects {page_size}")
+  if state.num_pages != kv_cfg.num_pages:
+    raise ValueError(f"page count mismatch: state has {state.num_pages} pages, "
+                     f"the call expects {kv_cfg.num_pages}")
+  if cfg is not None:
+    shapes = entry_shapes(cfg)
+    for name, shp in shapes.items():
+      if name not in state.layers[0] or state.layers[0][name].shape[2:] != shp:
+        raise ValueError(f"state layer entry {name!r} does not match the model config {cfg.name!r}")
+    if state.n_layers != cfg.n_layers:
+      raise ValueError(f"state has {state.n_layers} layers, model config says {cfg.n_layers}")
+
+
+def _check_static(state: PagedKVState, meta: BatchMeta, positions=None) -> None:
+  """Shape and page-size checks that hold under jit (no array values needed)."""
+  if meta.page_size != state.page_size:
+    raise ValueError(f"page size mismatch: state pages hold {state.page_size} tokens, "
+                     f"batch metadata was built for {meta.page_size}")
+  bt, lengths, tags = meta.block_tables, meta.lengths, meta.expected_tags
+  if bt.ndim != 2 or lengths.shape != bt.shape[:1] or tags.shape != bt.shape:
+    raise ValueError(f"batch metadata shapes disagree: block_tables {bt.shape}, lengths "
+                     f"{lengths.shape}, expected_tags {tags.shape}")
+  for what, x in (("block_tables", bt), ("lengths", lengths), ("expected_tags", tags)):
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"{what} must be integers, got {x.dtype}")
+  if positions is not None and (positions.ndim != 2 or positions.shape[0] != bt.shape[0]):
+    raise ValueError(f"positions {positions.shape} must be [B, T] with B = {bt.shape[0]}")
+
+
+def validate_batch(state: PagedKVState, meta: BatchMeta, positions=None) -> None:
+  """Host-side checks of a step's metadata against the pool, before anything is written.
+
+  Args:
+    state: the pool.
+    meta: the step's metadata (concrete arrays).
+    positions: optional [B, T] positions of the tokens to be written.
+
+  Raises:
+    ValueError: page-size mismatch; block-table entry outside the pool (not in
+      [0, num_pages) and not PAD_PAGE); a length longer than the request's pages
+      (more than max_pages * page_size, or a needed entry that is PAD_PAGE);
+      a negative length or position.
+  """
+  _check_static(state, meta, positions)
+  bt = np.asarray(meta.block_tables)
+  lengths = np.asarray(meta.lengths)
+  N, P = state.num_pages, state.page_size
+  bad = (bt != PAD_PAGE) & ((bt < 0) | (bt >= N))
+  if bad.any():
+    b, j = map(int, np.argwhere(bad)[0])
+    raise ValueError(f"block table entry [{b}, {j}] = {int(bt[b, j])} points outside the pool "
+                     f"of {N} pages")
+  if (lengths < 0).any():
+    raise ValueError(f"lengths must be >= 0, got {lengths.tolist()}")
+  needed = -(-lengths // P)  # ceil
+  for b in range(bt.shape[0]):
+    if needed[b] > bt.shape[1] or (bt[b, :needed[b]] == PAD_PAGE).any():
+      have = int(np.sum(bt[b] != PAD_PAGE))
+      raise ValueError(f"request {b}: length {int(lengths[b])} is longer than its pages "
+                       f"({have} pages of {P} tokens)")
+  if positions is not None and (np.asarray(positions) < 0).any():
+    raise ValueError("positions must be >= 0")
+
+
+def _check_entries(state: PagedKVState, layer: int, new: dict, B: int, T: int) -> None:
+  if not 0 <= layer < state.n_layers:
+    raise ValueError(f"layer {layer} out of range for a state of {state.n_layers} layers")
+  cur = state.layers[layer]
+  for name in state.names:
+    if name not in new:
+      raise ValueError(f"new entries lack {name!r} (a {state.attention} pool)")
+    want = (B, T) + cur[name].shape[2:]
+    if new[name].shape != want:
+      raise ValueError(f"new {name!r} has shape {new[name].shape}, the pool expects {want}")
+
+
+# ----------------------------------------------------------------------------- write / read
+
+def token_slots(block_tables: jax.Array, positions: jax.Array, lengths: jax.Array,
+                page_size: int, num_pages: int) -> tuple[jax.Array, jax.Array]:
+  """Physical (page, slot) of each token; tokens at positions >= length get page num_pages.
+
+  Args:
+    block_tables: [B, M] int32; positions: [B, T] int32; lengths: [B] int32.
+
+  Returns:
+    (page [B, T], slot [B, T]) int32. An out-of-pool page id makes a scatter with
+    mode="drop" skip the token, which is how padding is never written.
+  """
+  M = block_tables.shape[1]
+  idx = jnp.clip(positions // page_size, 0, M - 1)
+  page = jnp.take_along_axis(block_tables, idx, axis=1)  # [B, T]
+  valid = (positions >= 0) & (positions < lengths[:, None]) & (page >= 0) & (page < num_pages)
+  page = jnp.where(valid, page, num_pages).astype(jnp.int32)
+  return page, (positions % page_size).astype(jnp.int32)
+
+
+def write_layer(state: PagedKVState, layer: int, new: dict, positions: jax.Array,
+                meta: BatchMeta) -> PagedKVState:
+  """Writes one layer's entries through the block tables (quantising for fp8). Pure and jittable.
+
+  Args:
+    state: the pool.
+    layer: layer index (static).
+    new: entries, each [B, T, *entry_shape].
+    positions: [B, T] int32; tokens at positions >= lengths[b] are dropped.
+    meta: batch metadata.
+
+  Returns:
+    The updated state (only layer ``layer`` changes).
+  """
+  B, T = positions.shape
+  _check_entries(state, layer, new, B, T)
+  with jax.named_scope("paged_kv_write"):
+    page, slot = token_slots(meta.block_tables, positions.astype(jnp.int32),
+                             meta.lengths.astype(jnp.int32), state.page_size, state.num_pages)
+    cur = state.layers[layer]
+    upd = dict(cur)
+    for name in state.names:
+      x = new[name]
+      if state.is_fp8:
+        q, s = quantize_fp8(x)
+        upd[name] = cur[name].at[page, slot].set(q, mode="drop")
+        sn = scale_name(name)
+        upd[sn] = cur[sn].at[page, slot].set(s, mode="drop")
+      else:
+        upd[name] = cur[name].at[page, slot].set(x.astype(cur[name].dtype), mode="drop")
+  layers = list(state.layers)
+  layers[layer] = upd
+  return state.replace(layers=layers)
+
+
+def gather_pages(pages: jax.Array, scale: jax.Array | None, block_tables: jax.Array,
+                 lengths: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """Gathers each request's pages into a dense sequence, dequantising fp8.
+
+  Args:
+    pages: [N, P, *E] page array (bf16 / f32, or fp8 with ``scale``).
+    scale: [N, P, *E[:-1]] f32 per-token scales, or None for non-fp8 pages.
+    block_tables: [B, M] int32 (PAD_PAGE entries read as page 0 and are masked).
+    lengths: [B] int32.
+    dtype: output dtype.
+
+  Returns:
+    [B, M * P, *E] in ``dtype``; slots at positions >= length are zero, so stale
+    or non-finite data in unused slots can never reach attention.
+  """
+  N, P = pages.shape[:2]
+  B, M = block_tables.shape
+  bt = jnp.clip(block_tables, 0, N - 1)
+  x = pages[bt]  # [B, M, P, *E]
+  if scale is not None:
+    x = dequantize_fp8(x, scale[bt], jnp.float32)
+  x = x.reshape((B, M * P) + pages.shape[2:])
+  live = jnp.arange(M * P)[None, :] < lengths[:, None]  # [B, S]
+  live = live.reshape(live.shape + (1,) * (x.ndim - 2))
+  return jnp.where(live, x, 0).astype(dtype)
+
+
+def gather_layer(state: PagedKVState, layer: int, block_tables: jax.Array, lengths: jax.Array,
+                 dtype=jnp.float32) -> dict:
+  """One layer's pages for each request: {name: [B, M * P, *E]} in ``dtype`` (see gather_pages)."""
+  cur = state.layers[layer]
+  with jax.named_scope("paged_kv_gather"):
+    return {name: gather_pages(cur[name], cur.get(scale_name(name)), block_tables, lengths, dtype)
+            for name in state.names}
+
+
+def paged_mask(positions: jax.Array, lengths: jax.Array, S: int) -> jax.Array:
+  """[B, T, S] bool: key slot s visible to the query at positions[b, t] iff s <= it and s < length."""
+  s = jnp.arange(S)[None, None, :]
+  return (s <= positions[:, :, None]) & (s < lengths[:, None, None])
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _write_all_jit(state: PagedKVState, new_layers: list, positions: jax.Array,
+                   meta: BatchMeta) -> PagedKVState:
+  for i, new in enumerate(new_layers):
+    state = write_layer(state, i, new, positions, meta)
+  return state
+
+
+def _check_call(state: PagedKVState, new_layers: Sequence[dict], positions, meta: BatchMeta,
+                kv_cfg: KVCacheConfig | None) -> None:
+  if kv_cfg is not None:
+    validate_state(state, kv_cfg)
+  if len(new_layers) != state.n_layers:
+    raise ValueError(f"got entries for {len(new_layers)} layers, the state has {state.n_layers}")
+  validate_batch(state, meta, positions)
+  for i, new in enumerate(new_layers):
+    _check_entries(state, i, new, *positions.shape)
+
+
+def write_prefill(state: PagedKVState, new_layers: Sequence[dict], positions: jax.Array,
+                  meta: BatchMeta, *, kv_cfg: KVCacheConfig | None = None) -> PagedKVState:
+  """Writes a chunk of T tokens per request into every layer (jitted, donates ``state``).
+
+  Validation runs on the host first, so a bad call raises with ``state`` untouched
+  (not donated).
+
+  Args:
+    state: the pool (donated on success).
+    new_layers: per layer, entries each [B, T, *entry_shape] (any float dtype).
+    positions: [B, T] int32 absolute positions; entries at positions >= lengths are skipped.
+    meta: batch metadata; lengths count the tokens after this write.
+    kv_cfg: if given, the state's dtype, page size and page count must match it.
+
+  Returns:
+    The updated state.
+
+  Raises:
+    ValueError: see :func:`validate_state` and :func:`validate_batch`, or entry shapes that
+      do not match the pool.
+  """
+  positions = jnp.asarray(positions, jnp.int32)
+  _check_call(state, new_layers, positions, meta, kv_cfg)
+  return _write_all_jit(state, list(new_layers), positions, meta)
+
+
+def write_decode(state: PagedKVState, new_layers: Sequence[dict], meta: BatchMeta, *,
+                 kv_cfg: KVCacheConfig | None = None) -> PagedKVState:
+  """Appends one token per request at position lengths[b] - 1 (jitted, donates ``state``).
+
+  Args:
+    state: the pool (donated on success).
+    new_layers: per layer, entries each [B, *entry_shape].
+    meta: batch metadata; lengths include the new token (rows with length 0 write nothing).
+    kv_cfg: optional expected pool config (see :func:`write_prefill`).
+
+  Returns:
+    The updated state.
+
+  Raises:
+    ValueError: as :func:`write_prefill`.
+  """
+  positions = jnp.maximum(jnp.asarray(meta.lengths, jnp.int32) - 1, 0)[:, None]  # [B, 1]
+  new_layers = [{k: v[:, None] for k, v in new.items()} for new in new_layers]
+  return write_prefill(state, new_layers, positions, meta, kv_cfg=kv_cfg)
+
+
+def read_layer(state: PagedKVState, layer: int, meta: BatchMeta, dtype=jnp.float32) -> dict:
+  """Reads one layer back for each request: {name: [B, M * P, *E]} dequantised, zero past length."""
+  return gather_layer(state, layer, meta.block_tables, meta.lengths, dtype)
+
+
+# ----------------------------------------------------------------------------- tags and pages
+
+def sync_tags(state: PagedKVState, tags) -> PagedKVState:
+  """Replaces the device ``page_tags`` with the allocator's (uint32 bit-cast to int32).
+
+  Args:
+    state: the pool.
+    tags: a ``PageAllocator`` (anything with ``device_tags()``) or a [num_pages] integer array.
+
+  Returns:
+    The state with the new tags.
+
+  Raises:
+    ValueError: if the tag count differs from the pool's page count.
+  """
+  if hasattr(tags, "device_tags"):
+    tags = tags.device_tags()
+  tags = np.asarray(tags)
+  if tags.shape != (state.num_pages,):
+    raise ValueError(f"tags shape {tags.shape} does not match the pool's {state.num_pages} pages")
+  if tags.dtype != np.int32:
+    tags = (tags.astype(np.int64) & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
+  return state.replace(page_tags=jnp.asarray(tags))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _copy_pages_jit(state: PagedKVState, src: jax.Array, dst: jax.Array) -> PagedKVState:
+  layers = [{k: v.at[dst].set(v[src]) for k, v in layer.items()} for layer in state.layers]
+  return state.replace(layers=layers)
+
+
+def copy_pages(state: PagedKVState, copies: Sequence[tuple[int, int]]) -> PagedKVState:
+  """Copies page contents src -> dst in every layer (copy-on-write after a fork); donates ``state``.
+
+  Args:
+    copies: (src, dst) physical page pairs, e.g. from ``PageAllocator.fork``.
+
+  Raises:
+    ValueError: if a page id is outside the pool.
+  """
+  if not copies:
+    return state
+  arr = np.asarray(copies, np.int64).reshape(-1, 2)
+  if (arr < 0).any() or (arr >= state.num_pages).any():
+    raise ValueError(f"copy_pages: page ids {arr.tolist()} outside the pool of {state.num_pages}")
+  return _copy_pages_jit(state, jnp.asarray(arr[:, 0], jnp.int32), jnp.asarray(arr[:, 1], jnp.int32))
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+  """ceil(num_tokens / page_size)."""
+  return math.ceil(num_tokens / page_size)

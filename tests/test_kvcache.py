@@ -1,0 +1,394 @@
+"""Paged KV storage: fp8 quantisation, write/read paths, reference attention, tag check, bad input."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from configs import TINY_GQA, TINY_MLA
+from mlkit import kvcache as kvc
+from mlkit.model.attention import gqa_attention, mla_latent_attention
+
+# One layer keeps every test fast; layer indexing is covered by the model tests.
+MLA1 = dataclasses.replace(TINY_MLA, n_layers=1, first_k_dense=1)
+GQA1 = dataclasses.replace(TINY_GQA, n_layers=1, first_k_dense=1)
+CFGS = {"mla": MLA1, "gqa": GQA1}
+TOL = {"float32": 1e-6, "bfloat16": 1e-2}
+FP8_TOL = 5e-2
+
+
+def rel_err(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def make_batch(lengths, page_size, num_pages, max_pages, seed=0):
+  """BatchMeta with each request on distinct, scrambled pages (PAD_PAGE past its pages)."""
+  rng = np.random.default_rng(seed)
+  perm = rng.permutation(num_pages)
+  bt = np.full((len(lengths), max_pages), kvc.PAD_PAGE, np.int32)
+  k = 0
+  for b, n in enumerate(lengths):
+    need = -(-n // page_size)
+    bt[b, :need] = perm[k:k + need]
+    k += need
+  return kvc.BatchMeta(block_tables=jnp.asarray(bt), lengths=jnp.asarray(lengths, jnp.int32),
+                       expected_tags=jnp.zeros(bt.shape, jnp.int32), page_size=page_size)
+
+
+def random_entries(cfg, B, T, seed, dtype=jnp.float32):
+  keys = jax.random.split(jax.random.key(seed), 2)
+  return {name: jax.random.normal(k, (B, T) + shp, jnp.float32).astype(dtype)
+          for k, (name, shp) in zip(keys, kvc.state.entry_shapes(cfg).items())}
+
+
+class Fp8Test(parameterized.TestCase):
+
+  @parameterized.parameters("float32", "bfloat16")
+  def test_random_error_within_tolerance(self, src_dtype):
+    x = (jax.random.normal(jax.random.key(0), (64, 4, 128)) * 3.0).astype(src_dtype)
+    q, s = kvc.quantize_fp8(x)
+    self.assertEqual(q.dtype, jnp.float8_e4m3fn)
+    self.assertEqual(s.shape, (64, 4))
+    y = kvc.dequantize_fp8(q, s)
+    err = rel_err(y, x.astype(jnp.float32))
+    self.assertTrue(np.all(np.isfinite(np.asarray(y))))
+    self.assertLessEqual(err, FP8_TOL)
+    self.assertGreater(err, 1e-3)  # it really is 3-bit-mantissa storage
+
+  def test_per_token_scale_is_absmax_over_448(self):
+    x = jax.random.normal(jax.random.key(1), (8, 32)) * jnp.logspace(-3, 3, 8)[:, None]
+    _, s = kvc.quantize_fp8(x)
+    np.testing.assert_allclose(s, np.abs(np.asarray(x)).max(-1) / 448.0, rtol=1e-6)
+
+  def test_exact_for_e4m3_values(self):
+    rng = np.random.default_rng(0)
+    # Random finite e4m3 values, each row holding +-448 so its scale is a power of two.
+    bits = rng.integers(0, 256, size=(16, 32)).astype(np.uint8)
+    vals = bits.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    vals = np.where(np.isfinite(vals), vals, 1.0)
+    vals[:, 0] = 448.0 * rng.choice([-1, 1], size=16)
+    x = vals * (2.0 ** rng.integers(-8, 8, size=(16, 1)))
+    q, s = kvc.quantize_fp8(jnp.asarray(x, jnp.float32))
+    np.testing.assert_array_equal(np.asarray(kvc.dequantize_fp8(q, s)), x)
+
+  def test_zero_token_guard(self):
+    q, s = kvc.quantize_fp8(jnp.zeros((3, 16)))
+    np.testing.assert_array_equal(np.asarray(s), 1.0)
+    np.testing.assert_array_equal(np.asarray(kvc.dequantize_fp8(q, s)), 0.0)
+
+
+class WriteReadTest(parameterized.TestCase):
+
+  @parameterized.product(attn=["mla", "gqa"], dtype=["float32", "bfloat16", "float8_e4m3fn"])
+  def test_prefill_then_decode_round_trip(self, attn, dtype):
+    cfg = CFGS[attn]
+    P, N, M, T = 4, 12, 3, 6
+    kv_cfg = kvc.KVCacheConfig(num_pages=N, page_size=P, dtype=dtype)
+    state = kvc.init_paged_state(cfg, kv_cfg)
+    # Sentinel contents, so a stray write to any slot is visible.
+    state = state.replace(layers=[{k: jnp.full_like(v, 7) for k, v in l.items()} for l in state.layers])
+    lengths = [6, 1, 4]  # a chunk of T=6 with ragged valid prefixes; 4 = a page boundary
+    meta = make_batch([7, 2, 5], P, N, M)  # room for one decode token each
+    meta_pf = meta.replace(lengths=jnp.asarray(lengths, jnp.int32))
+    new = random_entries(cfg, 3, T, seed=1)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (3, T))
+    old_leaf = state.layers[0][state.names[0]]
+    state = kvc.write_prefill(state, [new], pos, meta_pf, kv_cfg=kv_cfg)
+    self.assertTrue(old_leaf.is_deleted())  # the jitted write donated the state
+    dec = random_entries(cfg, 3, 1, seed=2)
+    state = kvc.write_decode(state, [{k: v[:, 0] for k, v in dec.items()}], meta, kv_cfg=kv_cfg)
+    view = kvc.read_layer(state, 0, meta)
+    for name in state.names:
+      got = np.asarray(view[name])
+      for b, L in enumerate(lengths):
+        want = np.concatenate([np.asarray(new[name][b, :L]), np.asarray(dec[name][b])], axis=0)
+        if dtype == "float8_e4m3fn":
+          self.assertLessEqual(rel_err(got[b, :L + 1], want), FP8_TOL)
+          q, s = kvc.quantize_fp8(jnp.asarray(want))  # exactly what was stored
+          np.testing.assert_array_equal(got[b, :L + 1], np.asarray(kvc.dequantize_fp8(q, s)))
+        else:
+          want = np.asarray(jnp.asarray(want).astype(dtype).astype(jnp.float32))
+          np.testing.assert_array_equal(got[b, :L + 1], want)
+        np.testing.assert_array_equal(got[b, L + 1:], 0.0)  # masked past the length
+      # Slots no valid token maps to still hold the sentinel.
+      pages = np.asarray(state.layers[0][name]).astype(np.float32)
+      touched = np.zeros(pages.shape[:2], bool)
+      bt = np.asarray(meta.block_tables)
+      for b, L in enumerate(lengths):
+        for p in range(L + 1):
+          touched[bt[b, p // P], p % P] = True
+      np.testing.assert_array_equal(pages[~touched], 7.0)
+
+  def test_copy_pages(self):
+    kv_cfg = kvc.KVCacheConfig(num_pages=4, page_size=2, dtype="float8_e4m3fn")
+    state = kvc.init_paged_state(MLA1, kv_cfg)
+    meta = make_batch([2], 2, 4, 1)
+    state = kvc.write_prefill(state, [random_entries(MLA1, 1, 2, 3)],
+                              jnp.arange(2, dtype=jnp.int32)[None], meta)
+    src = int(meta.block_tables[0, 0])
+    dst = (src + 1) % 4
+    state = kvc.copy_pages(state, [(src, dst)])
+    for k, v in state.layers[0].items():
+      np.testing.assert_array_equal(np.asarray(v[dst]).astype(np.float32),
+                                    np.asarray(v[src]).astype(np.float32))
+    with self.assertRaisesRegex(ValueError, "outside the pool"):
+      kvc.copy_pages(state, [(0, 4)])
+
+
+def dense_mla(q_lat, q_rope, latent, k_rope, lengths, q_pos, scale):
+  """Per-request dense attention over exactly the first L keys (causal on q_pos)."""
+  outs = []
+  for b, L in enumerate(lengths):
+    mask = jnp.arange(L)[None, None, :] <= q_pos[b][None, :, None]
+    outs.append(mla_latent_attention(q_lat[b:b + 1], q_rope[b:b + 1], latent[b:b + 1, :L],
+                                     k_rope[b:b + 1, :L], mask, scale))
+  return jnp.concatenate(outs)
+
+
+def dense_gqa(q, k, v, lengths, q_pos, scale):
+  outs = []
+  for b, L in enumerate(lengths):
+    mask = jnp.arange(L)[None, None, :] <= q_pos[b][None, :, None]
+    outs.append(gqa_attention(q[b:b + 1], k[b:b + 1, :L], v[b:b + 1, :L], mask, scale))
+  return jnp.concatenate(outs)
+
+
+class PagedAttentionTest(parameterized.TestCase):
+  # Ragged lengths: 1 token, exactly one page, a page plus one, all pages full.
+  P, M, N = 4, 3, 16
+  LENGTHS = [1, 4, 5, 12]
+
+  def _pool(self, cfg, dtype, lengths, seed):
+    kv_cfg = kvc.KVCacheConfig(num_pages=self.N, page_size=self.P, dtype=dtype)
+    state = kvc.init_paged_state(cfg, kv_cfg)
+    meta = make_batch(lengths, self.P, self.N, self.M, seed=seed)
+    S = self.P * self.M
+    dense = random_entries(cfg, len(lengths), S, seed=seed + 10)
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (len(lengths), S))
+    state = kvc.write_prefill(state, [dense], pos, meta, kv_cfg=kv_cfg)
+    return state, meta, dense
+
+  def _check(self, out, ref, dtype):
+    out = np.asarray(out, np.float32)
+    self.assertTrue(np.all(np.isfinite(out)))
+    if dtype == "float8_e4m3fn":
+      self.assertLessEqual(rel_err(out, ref), FP8_TOL)
+    else:
+      np.testing.assert_allclose(out, np.asarray(ref), rtol=TOL[dtype], atol=TOL[dtype])
+
+  @parameterized.parameters("float32", "bfloat16", "float8_e4m3fn")
+  def test_mla_decode(self, dtype):
+    state, meta, dense = self._pool(MLA1, dtype, self.LENGTHS, seed=0)
+    B, H, C, R = len(self.LENGTHS), 4, MLA1.kv_lora_rank, MLA1.qk_rope_head_dim
+    kq, kr = jax.random.split(jax.random.key(5))
+    q_lat = jax.random.normal(kq, (B, H, C)) * 0.3
+    q_rope = jax.random.normal(kr, (B, H, R)) * 0.3
+    lay = state.layers[0]
+    out = kvc.paged_mla_decode_reference(q_lat, q_rope, lay["latent"], lay["k_rope"],
+                                         lay.get("latent_scale"), lay.get("k_rope_scale"),
+                                         meta.block_tables, meta.lengths, scale=0.2)
+    self.assertEqual(out.shape, (B, H, C))
+    q_pos = [jnp.asarray([L - 1]) for L in self.LENGTHS]
+    ref = dense_mla(q_lat[:, None], q_rope[:, None], dense["latent"], dense["k_rope"],
+                    self.LENGTHS, q_pos, 0.2)[:, 0]
+    self._check(out, ref, dtype)
+
+  @parameterized.parameters("float32", "bfloat16", "float8_e4m3fn")
+  def test_gqa_decode(self, dtype):
+    state, meta, dense = self._pool(GQA1, dtype, self.LENGTHS, seed=1)
+    B, H, hd = len(self.LENGTHS), GQA1.n_heads, GQA1.head_dim
+    q = jax.random.normal(jax.random.key(6), (B, H, hd)) * 0.5
+    lay = state.layers[0]
+    out = kvc.paged_gqa_decode_reference(q, lay["k"], lay["v"], lay.get("k_scale"),
+                                         lay.get("v_scale"), meta.block_tables, meta.lengths,
+                                         scale=0.25)
+    self.assertEqual(out.shape, (B, H, hd))
+    q_pos = [jnp.asarray([L - 1]) for L in self.LENGTHS]
+    ref = dense_gqa(q[:, None], dense["k"], dense["v"], self.LENGTHS, q_pos, 0.25)[:, 0]
+    self._check(out, ref, dtype)
+
+  @parameterized.parameters("float32", "float8_e4m3fn")
+  def test_chunked_prefill(self, dtype):
+    # Chunk of T=3 queries per request at positions [L-3, L): reads earlier pages and itself.
+    lengths, T = [3, 5, 8, 12], 3
+    q_pos = jnp.asarray([[L - T + t for t in range(T)] for L in lengths], jnp.int32)
+    for cfg in (MLA1, GQA1):
+      state, meta, dense = self._pool(cfg, dtype, lengths, seed=2)
+      lay = state.layers[0]
+      ks = jax.random.split(jax.random.key(7), 2)
+      if cfg.attention == "mla":
+        q_lat = jax.random.normal(ks[0], (4, T, 4, cfg.kv_lora_rank)) * 0.3
+        q_rope = jax.random.normal(ks[1], (4, T, 4, cfg.qk_rope_head_dim)) * 0.3
+        out = kvc.paged_mla_prefill_reference(q_lat, q_rope, lay["latent"], lay["k_rope"],
+                                              lay.get("latent_scale"), lay.get("k_rope_scale"),
+                                              meta.block_tables, q_pos, meta.lengths, scale=0.2)
+        ref = dense_mla(q_lat, q_rope, dense["latent"], dense["k_rope"], lengths, q_pos, 0.2)
+      else:
+        q = jax.random.normal(ks[0], (4, T, cfg.n_heads, cfg.head_dim)) * 0.5
+        out = kvc.paged_gqa_prefill_reference(q, lay["k"], lay["v"], lay.get("k_scale"),
+                                              lay.get("v_scale"), meta.block_tables, q_pos,
+                                              meta.lengths, scale=0.25)
+        ref = dense_gqa(q, dense["k"], dense["v"], lengths, q_pos, 0.25)
+      self._check(out, ref, dtype)
+
+  def test_stale_nan_in_unused_slots_never_leaks(self):
+    state, meta, dense = self._pool(GQA1, "float32", [5], seed=3)
+    page = int(meta.block_tables[0, 1])
+    k = state.layers[0]["k"].at[page, 1:].set(jnp.nan)  # slots past length 5
+    q = jax.random.normal(jax.random.key(8), (1, GQA1.n_heads, GQA1.head_dim))
+    out = kvc.paged_gqa_decode_reference(q, k, state.layers[0]["v"], None, None,
+                                         meta.block_tables, meta.lengths, scale=0.25)
+    self.assertTrue(np.all(np.isfinite(np.asarray(out))))
+
+  def test_scale_dtype_mismatch(self):
+    state, meta, _ = self._pool(MLA1, "float8_e4m3fn", [3], seed=4)
+    lay = state.layers[0]
+    q = jnp.ones((1, 4, MLA1.kv_lora_rank))
+    qr = jnp.ones((1, 4, MLA1.qk_rope_head_dim))
+    with self.assertRaisesRegex(ValueError, "no scales were given"):
+      kvc.paged_mla_decode_reference(q, qr, lay["latent"], lay["k_rope"], None, None,
+                                     meta.block_tables, meta.lengths, scale=1.0)
+    bf = lay["latent"].astype(jnp.bfloat16)
+    with self.assertRaisesRegex(ValueError, "but scales were given"):
+      kvc.paged_mla_decode_reference(q, qr, bf, lay["k_rope"].astype(jnp.bfloat16),
+                                     lay["latent_scale"], lay["k_rope_scale"],
+                                     meta.block_tables, meta.lengths, scale=1.0)
+
+
+class TagCheckTest(absltest.TestCase):
+
+  def test_flags_exactly_reallocated_requests(self):
+    P = 4
+    alloc = kvc.PageAllocator(num_pages=6, page_size=P)  # all pages in use
+    for rid, n in (("a", 5), ("b", 4), ("c", 8), ("d", 1)):
+      self.assertIsNone(alloc.admit(rid, n))
+    meta = alloc.batch_meta(["a", "b", "c", "d"], max_pages=3)
+    state = kvc.sync_tags(kvc.init_paged_state(MLA1, kvc.KVCacheConfig(6, P)), alloc)
+    ok = kvc.tag_check_reference(state.page_tags, meta.block_tables, meta.expected_tags,
+                                 meta.lengths, page_size=P)
+    np.testing.assert_array_equal(np.asarray(ok), [True] * 4)
+    # Free b's page and c's pages behind the scheduler's back; reallocate them to someone else.
+    b_pages = [p for p, _ in alloc.block_table("b")]
+    c_pages = [p for p, _ in alloc.block_table("c")]
+    alloc.free(b_pages)
+    alloc.free(c_pages[1:])  # only c's second page is reused below
+    self.assertEqual(sorted(alloc.allocate(2)), sorted(b_pages + c_pages[1:]))
+    state = kvc.sync_tags(state, alloc)
+    ok = kvc.tag_check_reference(state.page_tags, meta.block_tables, meta.expected_tags,
+                                 meta.lengths, page_size=P)
+    np.testing.assert_array_equal(np.asarray(ok), [True, False, False, True])
+    # c with a length that only reaches its first page uses no reallocated page.
+    ok = kvc.tag_check_reference(state.page_tags, meta.block_tables, meta.expected_tags,
+                                 jnp.asarray([5, 4, 4, 1]), page_size=P)
+    np.testing.assert_array_equal(np.asarray(ok), [True, False, True, True])
+
+  def test_tags_past_wrap_and_pad_entries(self):
+    alloc = kvc.PageAllocator(num_pages=3, page_size=2)
+    alloc.tags[:] = 0xFFFFFFFF  # next allocation wraps (skipping the reserved 0)
+    self.assertIsNone(alloc.admit("a", 3))
+    meta = alloc.batch_meta(["a", None], max_pages=3)
+    self.assertEqual([t for _, t in alloc.block_table("a")], [1, 1])
+    state = kvc.sync_tags(kvc.init_paged_state(MLA1, kvc.KVCacheConfig(3, 2)), alloc)
+    self.assertEqual(int(state.page_tags[2]), -1)  # 0xFFFFFFFF bit-cast
+    ok = kvc.tag_check_reference(state.page_tags, meta.block_tables, meta.expected_tags,
+                                 meta.lengths, page_size=2)
+    np.testing.assert_array_equal(np.asarray(ok), [True, True])
+    # A used entry that is PAD_PAGE (a corrupt table) fails.
+    bad = meta.block_tables.at[0, 1].set(kvc.PAD_PAGE)
+    ok = kvc.tag_check_reference(state.page_tags, bad, meta.expected_tags, meta.lengths,
+                                 page_size=2)
+    np.testing.assert_array_equal(np.asarray(ok), [False, True])
+
+
+class BadInputTest(parameterized.TestCase):
+  """Every bad call raises a clear ValueError and leaves the (donatable) state as it was."""
+
+  def setUp(self):
+    super().setUp()
+    self.kv_cfg = kvc.KVCacheConfig(num_pages=6, page_size=4, dtype="float8_e4m3fn")
+    self.state = kvc.init_paged_state(GQA1, self.kv_cfg)
+    self.meta = make_batch([5, 3], 4, 6, 2)
+    self.new = [random_entries(GQA1, 2, 5, seed=9)]
+    self.pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+    self.before = jax.tree_util.tree_map(np.asarray, self.state)
+
+  def _assert_untouched(self):
+    for leaf in jax.tree_util.tree_leaves(self.state):
+      self.assertFalse(leaf.is_deleted())
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b),
+                           self.state, self.before)
+
+  def test_block_table_outside_pool(self):
+    for bad_page in (6, -2):
+      meta = self.meta.replace(block_tables=self.meta.block_tables.at[1, 0].set(bad_page))
+      with self.assertRaisesRegex(ValueError, rf"= {bad_page} points outside the pool of 6"):
+        kvc.write_prefill(self.state, self.new, self.pos, meta, kv_cfg=self.kv_cfg)
+    self._assert_untouched()
+
+  def test_length_longer_than_pages(self):
+    meta = self.meta.replace(lengths=jnp.asarray([5, 6], jnp.int32))  # request 1 holds 1 page
+    with self.assertRaisesRegex(ValueError, "request 1: length 6 is longer than its pages"):
+      kvc.write_prefill(self.state, self.new, self.pos, meta)
+    meta = self.meta.replace(lengths=jnp.asarray([9, 3], jnp.int32))  # beyond the table width
+    with self.assertRaisesRegex(ValueError, "request 0: length 9 is longer than its pages"):
+      kvc.write_decode(self.state, [{k: v[:, 0] for k, v in self.new[0].items()}], meta)
+    meta = self.meta.replace(lengths=jnp.asarray([-1, 3], jnp.int32))
+    with self.assertRaisesRegex(ValueError, "lengths must be >= 0"):
+      kvc.write_prefill(self.state, self.new, self.pos, meta)
+    self._assert_untouched()
+
+  def test_dtype_mismatch(self):
+    with self.assertRaisesRegex(ValueError, "KV dtype mismatch: state pages are float8_e4m3fn"):
+      kvc.write_prefill(self.state, self.new, self.pos, self.meta,
+                        kv_cfg=dataclasses.replace(self.kv_cfg, dtype="bfloat16"))
+    self._assert_untouched()
+
+  def test_page_size_mismatch(self):
+    with self.assertRaisesRegex(ValueError, "page size mismatch: state pages hold 4 tokens, the call"):
+      kvc.write_prefill(self.state, self.new, self.pos, self.meta,
+                        kv_cfg=dataclasses.replace(self.kv_cfg, page_size=8))
+    with self.assertRaisesRegex(ValueError, "batch metadata was built for 8"):
+      kvc.write_prefill(self.state, self.new, self.pos, self.meta.replace(page_size=8))
+    with self.assertRaisesRegex(ValueError, "page count mismatch"):
+      kvc.write_prefill(self.state, self.new, self.pos, self.meta,
+                        kv_cfg=dataclasses.replace(self.kv_cfg, num_pages=7))
+    self._assert_untouched()
+
+  def test_shape_mismatches(self):
+    bad = [{"k": self.new[0]["k"][..., :8], "v": self.new[0]["v"]}]
+    with self.assertRaisesRegex(ValueError, "new 'k' has shape"):
+      kvc.write_prefill(self.state, bad, self.pos, self.meta)
+    with self.assertRaisesRegex(ValueError, "lack 'v'"):
+      kvc.write_prefill(self.state, [{"k": self.new[0]["k"]}], self.pos, self.meta)
+    with self.assertRaisesRegex(ValueError, "entries for 2 layers"):
+      kvc.write_prefill(self.state, self.new * 2, self.pos, self.meta)
+    with self.assertRaisesRegex(ValueError, "batch metadata shapes disagree"):
+      kvc.write_prefill(self.state, self.new, self.pos,
+                        self.meta.replace(lengths=jnp.asarray([5], jnp.int32)))
+    with self.assertRaisesRegex(ValueError, "positions must be >= 0"):
+      kvc.write_prefill(self.state, self.new, self.pos - 1, self.meta)
+    with self.assertRaisesRegex(ValueError, "does not match the model config"):
+      kvc.validate_state(self.state, self.kv_cfg, MLA1)
+    self._assert_untouched()
+
+  def test_sync_tags_shape(self):
+    with self.assertRaisesRegex(ValueError, "does not match the pool's 6 pages"):
+      kvc.sync_tags(self.state, np.zeros(5, np.uint32))
+
+  def test_config_errors(self):
+    with self.assertRaisesRegex(ValueError, "num_pages must be a positive int"):
+      kvc.KVCacheConfig(num_pages=0)
+    with self.assertRaisesRegex(ValueError, "page_size must be a positive int or None"):
+      kvc.KVCacheConfig(num_pages=4, page_size=0)
+    with self.assertRaisesRegex(ValueError, "dtype must be one of"):
+      kvc.KVCacheConfig(num_pages=4, dtype="float16")
+    self.assertEqual(kvc.KVCacheConfig(4).page_size_for(TINY_MLA), 64)
+    self.assertEqual(kvc.KVCacheConfig(4).page_size_for(TINY_GQA), 16)
+
+
+if __name__ == "__main__":
+  absltest.main()
