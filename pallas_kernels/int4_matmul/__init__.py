@@ -1,0 +1,11 @@
+"""INT4 weight-only (W4A16) matmuls, dense and grouped (MoE), for Hopper."""
+
+from pallas_kernels.int4_matmul.block_sizes import BlockSizes
+from pallas_kernels.int4_matmul.int4_matmul import BACKENDS
+from pallas_kernels.int4_matmul.int4_matmul import int4_matmul
+from pallas_kernels.int4_matmul.int4_matmul import resolve_backend
+from pallas_kernels.int4_matmul.reference import dequantize_int4
+from pallas_kernels.int4_matmul.reference import int4_grouped_matmul_reference
+from pallas_kernels.int4_matmul.reference import int4_matmul_reference
+from pallas_kernels.int4_matmul.reference import pack_int4
+from pallas_kernels.int4_matmul.reference import unpack_int4

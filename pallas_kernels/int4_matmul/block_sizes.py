@@ -1,0 +1,108 @@
+"""Block sizes for the INT4 matmul kernels: a frozen dataclass plus a tuned table."""
+
+import dataclasses
+
+import jax
+
+# Token counts at or below this are "decode" (weight streaming, memory-bound);
+# above it "prefill" (compute-bound). The kernels swap operands, so tokens sit
+# in wgmma's N dimension, which goes up to 256.
+DECODE_MAX_M = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes of the INT4 kernels (operands swapped: out^T = W^T @ x^T).
+
+  Attributes:
+    tile_n: weight columns per CTA; wgmma's M dimension, so a multiple of 64.
+    tile_m: tokens per CTA; wgmma's N dimension, a multiple of 8 and <= 256.
+    tile_k: K rows per pipeline step; a multiple of 128 (64 packed rows, one
+      WGMMA-layout register tile) and of group_size.
+    k_splits: dense only; K is split over this many CTAs whose f32 partials are
+      summed outside the kernel, so a decode matmul with few N tiles still
+      fills the 132 SMs of an H200.
+    max_concurrent_steps: pipeline depth (TMA buffers in flight).
+  """
+
+  tile_n: int = 128
+  tile_m: int = 8
+  tile_k: int = 128
+  k_splits: int = 1
+  max_concurrent_steps: int = 2
+
+  def __post_init__(self):
+    if self.tile_n % 64 or self.tile_n <= 0:
+      raise ValueError(f"tile_n={self.tile_n} must be a positive multiple of 64")
+    if self.tile_m % 8 or not 8 <= self.tile_m <= 256:
+      raise ValueError(f"tile_m={self.tile_m} must be a multiple of 8 in [8, 256]")
+    if self.tile_k % 128 or self.tile_k <= 0:
+      raise ValueError(f"tile_k={self.tile_k} must be a positive multiple of 128")
+    if self.k_splits < 1:
+      raise ValueError(f"k_splits={self.k_splits} must be >= 1")
+    if self.max_concurrent_steps < 1:
+      raise ValueError("max_concurrent_steps must be >= 1")
+
+  @classmethod
+  def get_default(cls, m: int, n: int, k: int, *, grouped: bool = False,
+                  device_kind: str | None = None) -> "BlockSizes":
+    """Tuned block sizes for an [m, k] x [k, n] problem on `device_kind`.
+
+    Looks the device kind and shape class up in `TUNED`, then shrinks the tiles
+    to fit the problem (tile_n divides n, tile_k divides k, k_splits divides the
+    K steps, tile_m no larger than m rounded up to 8).
+
+    Raises:
+      ValueError: if n is not a multiple of 64 or k not a multiple of 128.
+    """
+    if device_kind is None:
+      device_kind = _device_kind()
+    shape_class = "decode" if m <= DECODE_MAX_M else "prefill"
+    op = "grouped" if grouped else "dense"
+    base = TUNED.get((device_kind, op, shape_class)) or TUNED[
+        ("default", op, shape_class)]
+    return base.fit(m, n, k)
+
+  def fit(self, m: int, n: int, k: int) -> "BlockSizes":
+    """Returns these block sizes shrunk to divide an [m, k] x [k, n] problem."""
+    if n % 64:
+      raise ValueError(f"N={n} must be a multiple of 64")
+    if k % 128:
+      raise ValueError(f"K={k} must be a multiple of 128")
+    tile_n = self.tile_n
+    while n % tile_n:
+      tile_n -= 64
+    tile_k = self.tile_k
+    while k % tile_k:
+      tile_k -= 128
+    tile_m = min(self.tile_m, -(-m // 8) * 8)
+    k_steps = k // tile_k
+    k_splits = max(1, min(self.k_splits, k_steps))
+    while k_steps % k_splits:
+      k_splits -= 1
+    return dataclasses.replace(self, tile_n=tile_n, tile_k=tile_k,
+                               tile_m=tile_m, k_splits=k_splits)
+
+
+def _device_kind() -> str:
+  try:
+    return jax.devices()[0].device_kind
+  except RuntimeError:
+    return "cpu"
+
+
+# Keyed by (device kind, "dense" | "grouped", "decode" | "prefill").
+# H200 values are first guesses from the roofline, not yet measured on a GPU:
+# decode streams weights, so it wants many CTAs (split K: 7168x2048 gives 16
+# N tiles x 8 splits = 128 CTAs) and deep pipelines; prefill wants wide token
+# tiles so each dequantised weight tile feeds more MMA work.
+TUNED: dict[tuple[str, str, str], BlockSizes] = {
+    ("default", "dense", "decode"): BlockSizes(128, 8, 128, 1, 2),
+    ("default", "dense", "prefill"): BlockSizes(128, 64, 128, 1, 2),
+    ("default", "grouped", "decode"): BlockSizes(128, 8, 128, 1, 2),
+    ("default", "grouped", "prefill"): BlockSizes(128, 64, 128, 1, 2),
+    ("NVIDIA H200", "dense", "decode"): BlockSizes(128, 16, 256, 8, 4),
+    ("NVIDIA H200", "dense", "prefill"): BlockSizes(128, 128, 128, 1, 3),
+    ("NVIDIA H200", "grouped", "decode"): BlockSizes(128, 16, 256, 1, 4),
+    ("NVIDIA H200", "grouped", "prefill"): BlockSizes(128, 128, 128, 1, 3),
+}

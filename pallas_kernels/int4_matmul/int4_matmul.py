@@ -1,0 +1,230 @@
+"""INT4 weight-only (W4A16) matmuls for Hopper in Pallas Mosaic GPU.
+
+Both kernels swap operands: they compute out^T[N, M] = W^T[N, K] @ x^T[K, M],
+so the weight tile fills wgmma's M dimension (a multiple of 64) and the few
+decode tokens sit in wgmma's N dimension (multiple of 8). Both SMEM operands are
+read transposed (MN-major), which wgmma supports for 16-bit types.
+
+Unpacking. A packed byte row i holds K rows 2i (low nibble) and 2i+1 (high
+nibble). Rather than interleave the two nibble planes in registers (Mosaic GPU
+has no such relayout), the wrapper splits x into its even and odd columns
+(x[:, 0::2], x[:, 1::2]) and each pipeline step issues two wgmmas: the low
+nibbles against the even columns and the high nibbles against the odd ones.
+
+Dequantisation. Each step TMA-loads the uint8 tile [tile_k/2, tile_n] and its
+scales [tile_k/group_size, tile_n] into SMEM, loads 64-row chunks into registers
+in the WGMMA layout, sign-extends the nibbles in int32 (Mosaic GPU refuses
+arithmetic on 8-bit types), multiplies by the scale row broadcast along rows
+(a WGMMA_COL vector, selected per group with a row iota when a chunk holds
+several groups), and stores bf16 into an SMEM scratch that wgmma reads. Going
+through SMEM rather than feeding wgmma from registers is what the Mosaic GPU
+interpreter needs (both wgmma operands in SMEM) and keeps one code path.
+Accumulation is f32 in the wgmma accumulator.
+
+Not expressible in Mosaic GPU with jax 0.11.2 (so worked around as above):
+  * arithmetic on uint8/int8 registers ("Pointwise operations on 8-bit types
+    are unsupported"), hence the int32 upcast;
+  * broadcasting a scale row in a WG_STRIDED layout and storing it into an
+    SMEM ref that wgmma also reads ("Layout inference failed to find a
+    solution"), hence the WGMMA layout and 64-row chunks (tile_k % 128 == 0);
+  * TMA stores of a dynamic, sub-16-byte column range, so the grouped kernel
+    (tokens are columns of out^T) writes one masked [tile_n, tile_m] slab per
+    scheduled tile and the wrapper sums slabs of the same token block.
+"""
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.int4_matmul import reference
+from pallas_kernels.int4_matmul.block_sizes import BlockSizes
+
+BACKENDS = ("pallas", "interpret", "xla")
+
+# One register chunk of packed rows: the WGMMA register layout is 64 rows tall.
+_CHUNK = 64
+
+
+def resolve_backend(backend: str | None) -> str:
+  """Returns `backend`, or the platform default: "pallas" on GPU, else "xla".
+
+  Raises:
+    ValueError: if `backend` is not one of BACKENDS.
+  """
+  if backend is None:
+    try:  # Shared helper, when present; keeps every kernel's default in step.
+      from pallas_kernels import dispatch  # pylint: disable=g-import-not-at-top
+      backend = dispatch.default_backend()
+    except (ImportError, AttributeError):
+      backend = "pallas" if jax.default_backend() == "gpu" else "xla"
+  if backend not in BACKENDS:
+    raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
+  return backend
+
+
+def _interpret_params(backend: str):
+  if backend == "interpret":
+    return plgpu.InterpretGPUParams(detect_races=True)
+  return None
+
+
+def _dequant_tile(p_smem, s_smem, wlo_smem, whi_smem, *, tile_n, tile_k,
+                  group_size):
+  """Dequantises one packed SMEM tile into the two bf16 wgmma operand scratches.
+
+  p_smem: [tile_k/2, tile_n] uint8; s_smem: [tile_k/g, tile_n];
+  wlo_smem / whi_smem: [tile_k/2, tile_n] bf16 (even / odd K rows).
+  """
+  wgmma_layout = plgpu.Layout.WGMMA
+  half_group = group_size // 2  # packed rows per scale group
+  groups_per_chunk = max(1, _CHUNK // half_group)
+  for c in range(tile_k // 2 // _CHUNK):
+    rows = pl.ds(c * _CHUNK, _CHUNK)
+    v = plgpu.load(p_smem.at[rows], layout=wgmma_layout).astype(jnp.int32)
+    first_group = c * _CHUNK // half_group
+    scale = None
+    if groups_per_chunk > 1:
+      row_group = lax.broadcasted_iota(jnp.int32, (_CHUNK, tile_n), 0) // half_group
+    for j in range(groups_per_chunk):
+      s_row = plgpu.load(s_smem.at[first_group + j],
+                         layout=wgmma_layout.reduce(0)).astype(jnp.float32)
+      s_j = jnp.broadcast_to(s_row[None, :], (_CHUNK, tile_n))
+      scale = s_j if scale is None else jnp.where(row_group == j, s_j, scale)
+    # (v ^ 8) - 8 sign-extends a nibble: 0..15 -> two's-complement -8..7.
+    lo = ((v & 0xF) ^ 8) - 8
+    hi = (((v >> 4) & 0xF) ^ 8) - 8
+    wlo_smem[rows, :] = (lo.astype(jnp.float32) * scale).astype(wlo_smem.dtype)
+    whi_smem[rows, :] = (hi.astype(jnp.float32) * scale).astype(whi_smem.dtype)
+
+
+def _mma_step(xe_smem, xo_smem, p_smem, s_smem, wlo_smem, whi_smem, acc_ref, *,
+              tile_n, tile_k, group_size):
+  # The previous step's wgmmas read the scratches; they completed at its
+  # wgmma_wait, so overwriting them here is safe.
+  _dequant_tile(p_smem, s_smem, wlo_smem, whi_smem, tile_n=tile_n,
+                tile_k=tile_k, group_size=group_size)
+  plgpu.commit_smem()  # make generic-proxy SMEM stores visible to wgmma
+  plgpu.wgmma(acc_ref, wlo_smem.T, xe_smem.T)  # [tn, tk/2] @ [tk/2, tm]
+  plgpu.wgmma(acc_ref, whi_smem.T, xo_smem.T)
+  plgpu.wgmma_wait(0)
+
+
+def _in_specs(tile_m, tile_n, tile_k, ng, m_block, n_block, k_offset):
+  tkh = tile_k // 2
+  return [
+      plgpu.BlockSpec((tile_m, tkh), lambda kk: (m_block, kk + k_offset)),
+      plgpu.BlockSpec((tile_m, tkh), lambda kk: (m_block, kk + k_offset)),
+      plgpu.BlockSpec((tkh, tile_n), lambda kk: (kk + k_offset, n_block)),
+      plgpu.BlockSpec((ng, tile_n), lambda kk: (kk + k_offset, n_block)),
+  ]
+
+
+def _int4_matmul_kernel(xe_gmem, xo_gmem, p_gmem, s_gmem, o_gmem,
+                        wlo_smem, whi_smem, o_smem, *, group_size, tile_n,
+                        tile_m, tile_k, k_steps, max_concurrent_steps):
+  """Dense kernel body: one CTA computes o[split, n tile, m tile] (f32).
+
+  xe/xo_gmem: [Mp, K/2] bf16 even/odd columns of x; p_gmem: [K/2, N] uint8;
+  s_gmem: [K/g, N]; o_gmem: [k_splits, N, Mp] f32 partial sums of out^T.
+  """
+  ni = lax.axis_index("n")
+  mi = lax.axis_index("m")
+  si = lax.axis_index("k")
+  ng = tile_k // group_size
+
+  def acc_scope(acc_ref):
+    step = functools.partial(_mma_step, tile_n=tile_n, tile_k=tile_k,
+                             group_size=group_size)
+    plgpu.emit_pipeline(
+        lambda _, xe, xo, p, s: step(xe, xo, p, s, wlo_smem, whi_smem, acc_ref),
+        grid=(k_steps,),
+        in_specs=_in_specs(tile_m, tile_n, tile_k, ng, mi, ni, si * k_steps),
+        max_concurrent_steps=max_concurrent_steps,
+    )(xe_gmem, xo_gmem, p_gmem, s_gmem)
+    return acc_ref[...]
+
+  acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, tile_m), jnp.float32))
+  o_smem[...] = acc
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(
+      o_smem, o_gmem.at[si, pl.ds(ni * tile_n, tile_n), pl.ds(mi * tile_m, tile_m)])
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _split_even_odd(x, m_pad):
+  x = jnp.pad(x, ((0, m_pad - x.shape[0]), (0, 0)))
+  return x[:, 0::2], x[:, 1::2]  # [Mp, K/2] each
+
+
+def _compiler_params():
+  return plgpu.CompilerParams(
+      lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+
+def _check_kernel_dtypes(x):
+  if x.dtype != jnp.bfloat16:
+    raise ValueError(f"the Pallas kernels take bf16 x, got {x.dtype}")
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("group_size", "backend", "block_sizes"))
+def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *,
+                group_size: int, backend: str | None = None,
+                block_sizes: BlockSizes | None = None) -> jax.Array:
+  """W4A16 matmul: x @ dequantize(packed, scales), f32 accumulation.
+
+  Args:
+    x: [M, K] activations (bf16).
+    packed: [K//2, N] uint8, two int4 per byte along K (see module docstring).
+    scales: [K//group_size, N] bf16 or f32.
+    group_size: 32, 64 or 128.
+    backend: "pallas" (Mosaic GPU), "interpret" (Mosaic GPU interpreter with
+      race detection, CPU) or "xla" (the reference); None picks by platform.
+    block_sizes: tiles; None uses BlockSizes.get_default for this shape.
+
+  Returns:
+    [M, N] in x's dtype.
+
+  Raises:
+    ValueError: on shape, dtype, group-size or backend mismatch; for the kernel
+      backends also if N % 64 or K % 128 is nonzero or x is not bf16.
+  """
+  m, k, n = reference.check_int4_args(x, packed, scales, group_size,
+                                      experts=False)
+  backend = resolve_backend(backend)
+  if backend == "xla":
+    return reference.int4_matmul_reference(x, packed, scales,
+                                           group_size=group_size)
+  _check_kernel_dtypes(x)
+  bs = (block_sizes or BlockSizes.get_default(m, n, k)).fit(m, n, k)
+  tile_n, tile_m, tile_k = bs.tile_n, bs.tile_m, bs.tile_k
+  m_pad = -(-m // tile_m) * tile_m
+  x_even, x_odd = _split_even_odd(x, m_pad)
+  k_steps = k // tile_k // bs.k_splits
+  kernel = functools.partial(
+      _int4_matmul_kernel, group_size=group_size, tile_n=tile_n, tile_m=tile_m,
+      tile_k=tile_k, k_steps=k_steps,
+      max_concurrent_steps=min(bs.max_concurrent_steps, k_steps))
+  tkh = tile_k // 2
+  out_t = plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((bs.k_splits, n, m_pad), jnp.float32),
+      grid=(n // tile_n, m_pad // tile_m, bs.k_splits),
+      grid_names=("n", "m", "k"),
+      scratch_types=[
+          plgpu.SMEM((tkh, tile_n), jnp.bfloat16),
+          plgpu.SMEM((tkh, tile_n), jnp.bfloat16),
+          plgpu.SMEM((tile_n, tile_m), jnp.float32),
+      ],
+      compiler_params=_compiler_params(),
+      interpret=_interpret_params(backend),
+  )(x_even, x_odd, packed, scales)
+  # [k_splits, N, Mp] -> [M, N]; the split-K sum stays in f32.
+  return out_t.sum(axis=0)[:, :m].T.astype(x.dtype)
+
+
+int4_matmul_reference = reference.int4_matmul_reference

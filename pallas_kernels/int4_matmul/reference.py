@@ -1,0 +1,171 @@
+"""Pure-jnp references for the INT4 weight-only matmuls, plus pack/unpack helpers.
+
+The layout is fixed (mlkit's ``Int4Weight`` uses exactly this):
+  * ``packed`` uint8 [K//2, N] (experts: [E, K//2, N]); byte row i holds input
+    rows 2i (low nibble, bits 0-3) and 2i+1 (high nibble, bits 4-7), each a
+    two's-complement int4 in [-8, 7].
+  * ``scales`` [K//group_size, N] (experts: [E, K//group_size, N]), bf16 or f32.
+  * w[k, n] = int4[k, n] * scales[k // group_size, n].
+"""
+
+import jax
+import jax.numpy as jnp
+
+# Group sizes the kernels are written for; a group spans whole packed rows
+# and a whole number of 16-row MMA K-steps.
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+
+
+def pack_int4(values: jax.Array) -> jax.Array:
+  """Packs int4 values two per byte along K.
+
+  Args:
+    values: [K, N] (or [..., K, N]) integer array with entries in [-8, 7].
+      K must be even.
+
+  Returns:
+    [K//2, N] (or [..., K//2, N]) uint8; byte row i holds rows 2i (low
+    nibble) and 2i+1 (high nibble).
+
+  Raises:
+    ValueError: if K is odd.
+  """
+  k = values.shape[-2]
+  if k % 2:
+    raise ValueError(f"K={k} must be even to pack two int4 values per byte")
+  v = values.astype(jnp.int32) & 0xF
+  lo = v[..., 0::2, :]
+  hi = v[..., 1::2, :]
+  return (lo | (hi << 4)).astype(jnp.uint8)
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+  """Inverse of `pack_int4`.
+
+  Args:
+    packed: [K//2, N] (or [..., K//2, N]) uint8.
+
+  Returns:
+    [K, N] (or [..., K, N]) int8 with entries in [-8, 7].
+  """
+  p = packed.astype(jnp.int32)
+  # Sign-extend each nibble: (v ^ 8) - 8 maps 0..15 to -8..7 two's-complement.
+  lo = ((p & 0xF) ^ 8) - 8
+  hi = (((p >> 4) & 0xF) ^ 8) - 8
+  both = jnp.stack([lo, hi], axis=-2)  # [..., K//2, 2, N]
+  shape = packed.shape[:-2] + (2 * packed.shape[-2], packed.shape[-1])
+  return both.reshape(shape).astype(jnp.int8)
+
+
+def dequantize_int4(packed: jax.Array, scales: jax.Array, group_size: int,
+                    dtype=jnp.float32) -> jax.Array:
+  """Dequantises packed int4 weights: w[k, n] = int4[k, n] * scales[k // g, n].
+
+  Args:
+    packed: [K//2, N] (or [E, K//2, N]) uint8.
+    scales: [K//group_size, N] (or [E, K//group_size, N]) bf16 or f32.
+    group_size: rows of K sharing one scale.
+    dtype: result dtype.
+
+  Returns:
+    [K, N] (or [E, K, N]) array of `dtype`.
+  """
+  q = unpack_int4(packed).astype(jnp.float32)
+  s = jnp.repeat(scales.astype(jnp.float32), group_size, axis=-2)
+  return (q * s).astype(dtype)
+
+
+def check_int4_args(x, packed, scales, group_size, experts: bool):
+  """Validates shapes and dtypes shared by the kernels and the references.
+
+  Returns:
+    (M, K, N) and, for experts, E as a 4th element.
+
+  Raises:
+    ValueError: on any shape, dtype or group-size mismatch.
+  """
+  if group_size not in SUPPORTED_GROUP_SIZES:
+    raise ValueError(
+        f"group_size={group_size} not in {SUPPORTED_GROUP_SIZES}")
+  if x.ndim != 2:
+    raise ValueError(f"x must be [M, K], got shape {x.shape}")
+  want_ndim = 3 if experts else 2
+  if packed.ndim != want_ndim or scales.ndim != want_ndim:
+    raise ValueError(
+        f"packed/scales must be {want_ndim}-D, got {packed.shape} and "
+        f"{scales.shape}")
+  if packed.dtype != jnp.uint8:
+    raise ValueError(f"packed must be uint8, got {packed.dtype}")
+  if scales.dtype not in (jnp.bfloat16, jnp.float32):
+    raise ValueError(f"scales must be bf16 or f32, got {scales.dtype}")
+  m, k = x.shape
+  k_half, n = packed.shape[-2:]
+  if 2 * k_half != k:
+    raise ValueError(f"x has K={k} but packed has K//2={k_half}")
+  if k % group_size:
+    raise ValueError(f"K={k} must be a multiple of group_size={group_size}")
+  if scales.shape[-2:] != (k // group_size, n):
+    raise ValueError(
+        f"scales must be [..., {k // group_size}, {n}], got {scales.shape}")
+  if experts:
+    e = packed.shape[0]
+    if scales.shape[0] != e:
+      raise ValueError(
+          f"packed has E={e} experts but scales has {scales.shape[0]}")
+    return m, k, n, e
+  return m, k, n
+
+
+def int4_matmul_reference(x: jax.Array, packed: jax.Array, scales: jax.Array,
+                          *, group_size: int) -> jax.Array:
+  """W4A16 matmul: x @ dequantize(packed, scales), f32 accumulation.
+
+  Args:
+    x: [M, K] activations (bf16).
+    packed: [K//2, N] uint8, two int4 per byte along K (see module docstring).
+    scales: [K//group_size, N] bf16 or f32.
+    group_size: 32, 64 or 128.
+
+  Returns:
+    [M, N] in x's dtype.
+
+  Raises:
+    ValueError: on shape, dtype or group-size mismatch.
+  """
+  check_int4_args(x, packed, scales, group_size, experts=False)
+  w = dequantize_int4(packed, scales, group_size, jnp.float32)
+  out = jnp.dot(x.astype(jnp.float32), w, preferred_element_type=jnp.float32,
+                precision=jax.lax.Precision.HIGHEST)
+  return out.astype(x.dtype)
+
+
+def int4_grouped_matmul_reference(x: jax.Array, packed: jax.Array,
+                                  scales: jax.Array, group_sizes: jax.Array,
+                                  *, group_size: int) -> jax.Array:
+  """Grouped (MoE) W4A16 matmul, like `jax.lax.ragged_dot` with int4 experts.
+
+  Rows of x are sorted by expert: rows [sum(gs[:e]), sum(gs[:e+1])) use
+  expert e. Rows past sum(group_sizes) are zero in the output.
+
+  Args:
+    x: [M, K] activations (bf16), sorted by expert.
+    packed: [E, K//2, N] uint8, two int4 per byte along K.
+    scales: [E, K//group_size, N] bf16 or f32.
+    group_sizes: [E] int32, rows per expert; sum(group_sizes) <= M.
+    group_size: 32, 64 or 128 (quantisation group along K).
+
+  Returns:
+    [M, N] in x's dtype.
+
+  Raises:
+    ValueError: on shape, dtype or group-size mismatch.
+  """
+  _, _, _, e = check_int4_args(x, packed, scales, group_size, experts=True)
+  if group_sizes.shape != (e,):
+    raise ValueError(f"group_sizes must be [{e}], got {group_sizes.shape}")
+  w = dequantize_int4(packed, scales, group_size, jnp.float32)  # [E, K, N]
+  out = jax.lax.ragged_dot(x.astype(jnp.float32), w,
+                           group_sizes.astype(jnp.int32),
+                           precision=jax.lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
+  return out.astype(x.dtype)
