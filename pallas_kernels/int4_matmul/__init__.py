@@ -2,6 +2,7 @@
 
 from pallas_kernels.int4_matmul.block_sizes import BlockSizes
 from pallas_kernels.int4_matmul.int4_matmul import BACKENDS
+from pallas_kernels.int4_matmul.int4_matmul import int4_grouped_matmul
 from pallas_kernels.int4_matmul.int4_matmul import int4_matmul
 from pallas_kernels.int4_matmul.int4_matmul import resolve_backend
 from pallas_kernels.int4_matmul.reference import dequantize_int4

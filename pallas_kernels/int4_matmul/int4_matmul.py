@@ -227,4 +227,155 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *,
   return out_t.sum(axis=0)[:, :m].T.astype(x.dtype)
 
 
+def _grouped_schedule(group_sizes, m, tile_m, num_tiles):
+  """Maps each scheduled tile to (expert, token block, first row, end row).
+
+  Tile t covers rows [block*tile_m + lo, block*tile_m + hi) of expert e; a token
+  block split between experts gets one tile per expert. Tiles past the last one
+  in use get block = cdiv(m, tile_m) (dropped by the wrapper's segment sum) and
+  lo = hi = 0 (skipped by the kernel). Empty experts get no tile.
+
+  Returns:
+    [4, num_tiles] int32: rows expert, block, lo, hi.
+  """
+  m_tiles = -(-m // tile_m)
+  gs = group_sizes.astype(jnp.int32)
+  ends = jnp.minimum(jnp.cumsum(gs), m)  # rows past M are never computed
+  starts = jnp.minimum(ends - gs, m)
+  first = starts // tile_m
+  last = (ends - 1) // tile_m
+  n_tiles = jnp.where(ends > starts, last - first + 1, 0)
+  tile_ends = jnp.cumsum(n_tiles)
+  tile_starts = tile_ends - n_tiles
+  t = jnp.arange(num_tiles, dtype=jnp.int32)
+  e = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right"),
+                  gs.shape[0] - 1).astype(jnp.int32)
+  valid = t < tile_ends[-1]
+  block = first[e] + t - tile_starts[e]
+  lo = jnp.clip(starts[e] - block * tile_m, 0, tile_m)
+  hi = jnp.clip(ends[e] - block * tile_m, 0, tile_m)
+  return jnp.stack([
+      jnp.where(valid, e, 0),
+      jnp.where(valid, block, m_tiles),
+      jnp.where(valid, lo, 0),
+      jnp.where(valid, hi, 0),
+  ]).astype(jnp.int32)
+
+
+def _int4_grouped_matmul_kernel(meta_gmem, xe_gmem, xo_gmem, p_gmem, s_gmem,
+                                o_gmem, wlo_smem, whi_smem, o_smem, *,
+                                group_size, tile_n, tile_m, tile_k, k_steps,
+                                max_concurrent_steps):
+  """Grouped kernel body: one CTA computes one (n tile, scheduled tile) slab.
+
+  meta_gmem: [4, T] int32 from _grouped_schedule; xe/xo_gmem: [Mp, K/2] bf16;
+  p_gmem: [E, K/2, N] uint8; s_gmem: [E, K/g, N]; o_gmem: [T, N, tile_m] with
+  the token columns outside [lo, hi) of the tile zeroed.
+  """
+  ni = lax.axis_index("n")
+  ti = lax.axis_index("t")
+  expert = meta_gmem[0, ti]
+  block = meta_gmem[1, ti]
+  lo = meta_gmem[2, ti]
+  hi = meta_gmem[3, ti]
+  ng = tile_k // group_size
+
+  @pl.when(hi > lo)
+  def _():
+    def acc_scope(acc_ref):
+      step = functools.partial(_mma_step, tile_n=tile_n, tile_k=tile_k,
+                               group_size=group_size)
+      plgpu.emit_pipeline(
+          lambda _, xe, xo, p, s: step(xe, xo, p, s, wlo_smem, whi_smem,
+                                       acc_ref),
+          grid=(k_steps,),
+          in_specs=_in_specs(tile_m, tile_n, tile_k, ng, block, ni, 0),
+          max_concurrent_steps=max_concurrent_steps,
+      )(xe_gmem, xo_gmem, p_gmem.at[expert], s_gmem.at[expert])
+      return acc_ref[...]
+
+    acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, tile_m), jnp.float32))
+    # Token block rows owned by another expert (or past sum(group_sizes)) are
+    # zeroed so the wrapper can sum the slabs of one token block.
+    col = lax.broadcasted_iota(jnp.int32, (tile_n, tile_m), 1)
+    acc = jnp.where((col >= lo) & (col < hi), acc, 0.0)
+    o_smem[...] = acc.astype(o_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[ti, pl.ds(ni * tile_n, tile_n)])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("group_size", "backend", "block_sizes"))
+def int4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
+                        group_sizes: jax.Array, *, group_size: int,
+                        backend: str | None = None,
+                        block_sizes: BlockSizes | None = None) -> jax.Array:
+  """Grouped (MoE) W4A16 matmul, like `jax.lax.ragged_dot` with int4 experts.
+
+  Rows of x are sorted by expert: rows [sum(gs[:e]), sum(gs[:e+1])) use
+  expert e. Rows past sum(group_sizes) are zero in the output.
+
+  Args:
+    x: [M, K] activations (bf16), sorted by expert.
+    packed: [E, K//2, N] uint8, two int4 per byte along K.
+    scales: [E, K//group_size, N] bf16 or f32.
+    group_sizes: [E] int32, rows per expert; sum(group_sizes) <= M.
+    group_size: 32, 64 or 128 (quantisation group along K).
+    backend: "pallas", "interpret" or "xla"; None picks by platform.
+    block_sizes: tiles (k_splits is ignored); None uses the tuned default.
+
+  Returns:
+    [M, N] in x's dtype.
+
+  Raises:
+    ValueError: on shape, dtype, group-size or backend mismatch; for the kernel
+      backends also if N % 64 or K % 128 is nonzero or x is not bf16.
+  """
+  m, k, n, e = reference.check_int4_args(x, packed, scales, group_size,
+                                         experts=True)
+  if group_sizes.shape != (e,):
+    raise ValueError(f"group_sizes must be [{e}], got {group_sizes.shape}")
+  backend = resolve_backend(backend)
+  if backend == "xla":
+    return reference.int4_grouped_matmul_reference(
+        x, packed, scales, group_sizes, group_size=group_size)
+  _check_kernel_dtypes(x)
+  bs = (block_sizes or BlockSizes.get_default(m, n, k, grouped=True)).fit(
+      m, n, k)
+  tile_n, tile_m, tile_k = bs.tile_n, bs.tile_m, bs.tile_k
+  m_tiles = -(-m // tile_m)
+  m_pad = m_tiles * tile_m
+  # Each expert boundary inside a token block adds at most one tile.
+  num_tiles = m_tiles + e - 1
+  meta = _grouped_schedule(group_sizes, m, tile_m, num_tiles)
+  x_even, x_odd = _split_even_odd(x, m_pad)
+  k_steps = k // tile_k
+  kernel = functools.partial(
+      _int4_grouped_matmul_kernel, group_size=group_size, tile_n=tile_n,
+      tile_m=tile_m, tile_k=tile_k, k_steps=k_steps,
+      max_concurrent_steps=min(bs.max_concurrent_steps, k_steps))
+  tkh = tile_k // 2
+  slabs = plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((num_tiles, n, tile_m), x.dtype),
+      grid=(n // tile_n, num_tiles),
+      grid_names=("n", "t"),
+      scratch_types=[
+          plgpu.SMEM((tkh, tile_n), jnp.bfloat16),
+          plgpu.SMEM((tkh, tile_n), jnp.bfloat16),
+          plgpu.SMEM((tile_n, tile_m), x.dtype),
+      ],
+      compiler_params=_compiler_params(),
+      interpret=_interpret_params(backend),
+  )(meta, x_even, x_odd, packed, scales)
+  # Unused slabs (never written) carry block id m_tiles and are dropped here;
+  # each output element has exactly one nonzero contributor, so the sum is
+  # exact in x's dtype.
+  out_t = jax.ops.segment_sum(slabs, meta[1], num_segments=m_tiles)
+  out = out_t.transpose(0, 2, 1).reshape(m_pad, n)  # [Mp, N]
+  return out[:m]
+
+
 int4_matmul_reference = reference.int4_matmul_reference
+int4_grouped_matmul_reference = reference.int4_grouped_matmul_reference
