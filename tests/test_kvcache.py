@@ -1,6 +1,7 @@
 """Paged KV storage: fp8 quantisation, write/read paths, reference attention, tag check, bad input."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,11 @@ from mlkit.model.attention import gqa_attention, mla_latent_attention
 MLA1 = dataclasses.replace(TINY_MLA, n_layers=1, first_k_dense=1)
 GQA1 = dataclasses.replace(TINY_GQA, n_layers=1, first_k_dense=1)
 CFGS = {"mla": MLA1, "gqa": GQA1}
+# Jitted references: one compile each instead of op-by-op dispatch.
+MLA_PREFILL = jax.jit(kvc.paged_mla_prefill_reference, static_argnames="scale")
+MLA_DECODE = jax.jit(kvc.paged_mla_decode_reference, static_argnames="scale")
+GQA_PREFILL = jax.jit(kvc.paged_gqa_prefill_reference, static_argnames="scale")
+GQA_DECODE = jax.jit(kvc.paged_gqa_decode_reference, static_argnames="scale")
 TOL = {"float32": 1e-6, "bfloat16": 1e-2}
 FP8_TOL = 5e-2
 
@@ -39,17 +45,21 @@ def make_batch(lengths, page_size, num_pages, max_pages, seed=0):
                        expected_tags=jnp.zeros(bt.shape, jnp.int32), page_size=page_size)
 
 
-def random_entries(cfg, B, T, seed, dtype=jnp.float32):
-  keys = jax.random.split(jax.random.key(seed), 2)
-  return {name: jax.random.normal(k, (B, T) + shp, jnp.float32).astype(dtype)
-          for k, (name, shp) in zip(keys, kvc.state.entry_shapes(cfg).items())}
+def randn(seed, shape, scale=1.0):
+  """Fresh normal data from numpy (no per-shape XLA compiles for the generator)."""
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * scale, jnp.float32)
+
+
+def random_entries(cfg, B, T, seed):
+  return {name: randn(seed + i, (B, T) + shp)
+          for i, (name, shp) in enumerate(kvc.state.entry_shapes(cfg).items())}
 
 
 class Fp8Test(parameterized.TestCase):
 
   @parameterized.parameters("float32", "bfloat16")
   def test_random_error_within_tolerance(self, src_dtype):
-    x = (jax.random.normal(jax.random.key(0), (64, 4, 128)) * 3.0).astype(src_dtype)
+    x = randn(0, (64, 4, 128), 3.0).astype(src_dtype)
     q, s = kvc.quantize_fp8(x)
     self.assertEqual(q.dtype, jnp.float8_e4m3fn)
     self.assertEqual(s.shape, (64, 4))
@@ -60,7 +70,7 @@ class Fp8Test(parameterized.TestCase):
     self.assertGreater(err, 1e-3)  # it really is 3-bit-mantissa storage
 
   def test_per_token_scale_is_absmax_over_448(self):
-    x = jax.random.normal(jax.random.key(1), (8, 32)) * jnp.logspace(-3, 3, 8)[:, None]
+    x = randn(1, (8, 32)) * jnp.logspace(-3, 3, 8)[:, None]
     _, s = kvc.quantize_fp8(x)
     np.testing.assert_allclose(s, np.abs(np.asarray(x)).max(-1) / 448.0, rtol=1e-6)
 
@@ -139,8 +149,9 @@ class WriteReadTest(parameterized.TestCase):
       kvc.copy_pages(state, [(0, 4)])
 
 
-def dense_mla(q_lat, q_rope, latent, k_rope, lengths, q_pos, scale):
-  """Per-request dense attention over exactly the first L keys (causal on q_pos)."""
+@functools.partial(jax.jit, static_argnames=("lengths", "scale"))
+def dense_mla(q_lat, q_rope, latent, k_rope, q_pos, *, lengths, scale):
+  """Per-request dense attention over exactly the first L keys (causal on q_pos [B, T])."""
   outs = []
   for b, L in enumerate(lengths):
     mask = jnp.arange(L)[None, None, :] <= q_pos[b][None, :, None]
@@ -149,7 +160,8 @@ def dense_mla(q_lat, q_rope, latent, k_rope, lengths, q_pos, scale):
   return jnp.concatenate(outs)
 
 
-def dense_gqa(q, k, v, lengths, q_pos, scale):
+@functools.partial(jax.jit, static_argnames=("lengths", "scale"))
+def dense_gqa(q, k, v, q_pos, *, lengths, scale):
   outs = []
   for b, L in enumerate(lengths):
     mask = jnp.arange(L)[None, None, :] <= q_pos[b][None, :, None]
@@ -184,31 +196,31 @@ class PagedAttentionTest(parameterized.TestCase):
   def test_mla_decode(self, dtype):
     state, meta, dense = self._pool(MLA1, dtype, self.LENGTHS, seed=0)
     B, H, C, R = len(self.LENGTHS), 4, MLA1.kv_lora_rank, MLA1.qk_rope_head_dim
-    kq, kr = jax.random.split(jax.random.key(5))
-    q_lat = jax.random.normal(kq, (B, H, C)) * 0.3
-    q_rope = jax.random.normal(kr, (B, H, R)) * 0.3
+    q_lat = randn(5, (B, H, C), 0.3)
+    q_rope = randn(6, (B, H, R), 0.3)
     lay = state.layers[0]
-    out = kvc.paged_mla_decode_reference(q_lat, q_rope, lay["latent"], lay["k_rope"],
+    out = MLA_DECODE(q_lat, q_rope, lay["latent"], lay["k_rope"],
                                          lay.get("latent_scale"), lay.get("k_rope_scale"),
                                          meta.block_tables, meta.lengths, scale=0.2)
     self.assertEqual(out.shape, (B, H, C))
-    q_pos = [jnp.asarray([L - 1]) for L in self.LENGTHS]
-    ref = dense_mla(q_lat[:, None], q_rope[:, None], dense["latent"], dense["k_rope"],
-                    self.LENGTHS, q_pos, 0.2)[:, 0]
+    q_pos = jnp.asarray([[L - 1] for L in self.LENGTHS])
+    ref = dense_mla(q_lat[:, None], q_rope[:, None], dense["latent"], dense["k_rope"], q_pos,
+                    lengths=tuple(self.LENGTHS), scale=0.2)[:, 0]
     self._check(out, ref, dtype)
 
   @parameterized.parameters("float32", "bfloat16", "float8_e4m3fn")
   def test_gqa_decode(self, dtype):
     state, meta, dense = self._pool(GQA1, dtype, self.LENGTHS, seed=1)
     B, H, hd = len(self.LENGTHS), GQA1.n_heads, GQA1.head_dim
-    q = jax.random.normal(jax.random.key(6), (B, H, hd)) * 0.5
+    q = randn(6, (B, H, hd), 0.5)
     lay = state.layers[0]
-    out = kvc.paged_gqa_decode_reference(q, lay["k"], lay["v"], lay.get("k_scale"),
+    out = GQA_DECODE(q, lay["k"], lay["v"], lay.get("k_scale"),
                                          lay.get("v_scale"), meta.block_tables, meta.lengths,
                                          scale=0.25)
     self.assertEqual(out.shape, (B, H, hd))
-    q_pos = [jnp.asarray([L - 1]) for L in self.LENGTHS]
-    ref = dense_gqa(q[:, None], dense["k"], dense["v"], self.LENGTHS, q_pos, 0.25)[:, 0]
+    q_pos = jnp.asarray([[L - 1] for L in self.LENGTHS])
+    ref = dense_gqa(q[:, None], dense["k"], dense["v"], q_pos, lengths=tuple(self.LENGTHS),
+                    scale=0.25)[:, 0]
     self._check(out, ref, dtype)
 
   @parameterized.parameters("float32", "float8_e4m3fn")
@@ -219,28 +231,28 @@ class PagedAttentionTest(parameterized.TestCase):
     for cfg in (MLA1, GQA1):
       state, meta, dense = self._pool(cfg, dtype, lengths, seed=2)
       lay = state.layers[0]
-      ks = jax.random.split(jax.random.key(7), 2)
       if cfg.attention == "mla":
-        q_lat = jax.random.normal(ks[0], (4, T, 4, cfg.kv_lora_rank)) * 0.3
-        q_rope = jax.random.normal(ks[1], (4, T, 4, cfg.qk_rope_head_dim)) * 0.3
-        out = kvc.paged_mla_prefill_reference(q_lat, q_rope, lay["latent"], lay["k_rope"],
+        q_lat = randn(7, (4, T, 4, cfg.kv_lora_rank), 0.3)
+        q_rope = randn(8, (4, T, 4, cfg.qk_rope_head_dim), 0.3)
+        out = MLA_PREFILL(q_lat, q_rope, lay["latent"], lay["k_rope"],
                                               lay.get("latent_scale"), lay.get("k_rope_scale"),
                                               meta.block_tables, q_pos, meta.lengths, scale=0.2)
-        ref = dense_mla(q_lat, q_rope, dense["latent"], dense["k_rope"], lengths, q_pos, 0.2)
+        ref = dense_mla(q_lat, q_rope, dense["latent"], dense["k_rope"], q_pos,
+                        lengths=tuple(lengths), scale=0.2)
       else:
-        q = jax.random.normal(ks[0], (4, T, cfg.n_heads, cfg.head_dim)) * 0.5
-        out = kvc.paged_gqa_prefill_reference(q, lay["k"], lay["v"], lay.get("k_scale"),
+        q = randn(7, (4, T, cfg.n_heads, cfg.head_dim), 0.5)
+        out = GQA_PREFILL(q, lay["k"], lay["v"], lay.get("k_scale"),
                                               lay.get("v_scale"), meta.block_tables, q_pos,
                                               meta.lengths, scale=0.25)
-        ref = dense_gqa(q, dense["k"], dense["v"], lengths, q_pos, 0.25)
+        ref = dense_gqa(q, dense["k"], dense["v"], q_pos, lengths=tuple(lengths), scale=0.25)
       self._check(out, ref, dtype)
 
   def test_stale_nan_in_unused_slots_never_leaks(self):
     state, meta, dense = self._pool(GQA1, "float32", [5], seed=3)
     page = int(meta.block_tables[0, 1])
     k = state.layers[0]["k"].at[page, 1:].set(jnp.nan)  # slots past length 5
-    q = jax.random.normal(jax.random.key(8), (1, GQA1.n_heads, GQA1.head_dim))
-    out = kvc.paged_gqa_decode_reference(q, k, state.layers[0]["v"], None, None,
+    q = randn(8, (1, GQA1.n_heads, GQA1.head_dim))
+    out = GQA_DECODE(q, k, state.layers[0]["v"], None, None,
                                          meta.block_tables, meta.lengths, scale=0.25)
     self.assertTrue(np.all(np.isfinite(np.asarray(out))))
 

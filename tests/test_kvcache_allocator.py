@@ -1,0 +1,222 @@
+"""Host page allocator (tags, refcounts, admission, block tables) and capacity accounting."""
+
+import dataclasses
+
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from configs import GLM_5_2, KIMI_K2_6, TINY_GQA, TINY_MLA
+from mlkit import kvcache as kvc
+
+
+class AllocatorPropertyTest(parameterized.TestCase):
+
+  @parameterized.parameters(0, 1, 2, 3)
+  def test_random_alloc_free_sequences(self, seed):
+    """Random alloc/free/share sequences: fresh tags on reallocation, no double ownership, no leaks."""
+    rng = np.random.default_rng(seed)
+    N = 13
+    alloc = kvc.PageAllocator(num_pages=N, page_size=4)
+    owned = {}  # owner id -> list of pages
+    refs = np.zeros(N, int)  # model refcounts
+    last_tag = {}  # page -> tag at its previous allocation
+    next_owner = 0
+    for _ in range(400):
+      op = rng.integers(0, 3)
+      if op == 0:
+        n = int(rng.integers(0, 5))
+        if n > alloc.num_free:
+          with self.assertRaisesRegex(kvc.OutOfPages, f"{n} pages requested, {alloc.num_free} free"):
+            alloc.allocate(n)
+          continue
+        pages = alloc.allocate(n)
+        self.assertLen(set(pages), n)
+        for p in pages:
+          self.assertEqual(refs[p], 0, f"page {p} handed out while owned")
+          tag = int(alloc.tags[p])
+          self.assertNotEqual(tag, 0)
+          if p in last_tag:
+            self.assertNotEqual(tag, last_tag[p], f"page {p} reallocated with its old tag")
+          last_tag[p] = tag
+          refs[p] = 1
+        owned[next_owner] = pages
+        next_owner += 1
+      elif op == 1 and owned:
+        key = list(owned)[rng.integers(0, len(owned))]
+        alloc.free(owned.pop(key))
+      elif op == 2 and owned:  # share an owner's pages with a new owner (prefix sharing)
+        key = list(owned)[rng.integers(0, len(owned))]
+        alloc.share(owned[key])
+        owned[next_owner] = list(owned[key])
+        next_owner += 1
+      # Recompute the model refcounts from the owners and compare with the allocator's.
+      refs = np.zeros(N, int)
+      for pages in owned.values():
+        for p in pages:
+          refs[p] += 1
+      np.testing.assert_array_equal(alloc.refcounts, refs)
+      self.assertEqual(alloc.num_free, int(np.sum(refs == 0)))
+    for pages in owned.values():
+      alloc.free(pages)
+    self.assertEqual(alloc.num_free, N)  # all pages come back
+    np.testing.assert_array_equal(alloc.refcounts, 0)
+    self.assertEqual(sorted(alloc.allocate(N)), list(range(N)))
+
+  def test_tag_wraps_and_skips_zero(self):
+    self.assertEqual(kvc.next_tag(0xFFFFFFFF), 1)
+    self.assertEqual(kvc.next_tag(0xFFFFFFFE), 0xFFFFFFFF)
+    self.assertEqual(kvc.next_tag(7), 8)
+    self.assertEqual(kvc.tag_to_int32(0xFFFFFFFF), -1)
+    self.assertEqual(kvc.tag_to_int32(0x80000000), -2**31)
+    alloc = kvc.PageAllocator(2, 4)
+    alloc.tags[0] = 0xFFFFFFFF
+    (p,) = alloc.allocate(1)
+    self.assertEqual((p, int(alloc.tags[0])), (0, 1))
+    alloc.tags[1] = 0x7FFFFFFF
+    alloc.allocate(1)
+    np.testing.assert_array_equal(alloc.device_tags(), np.array([1, -2**31], np.int32))
+
+  def test_free_errors_leave_state_unchanged(self):
+    alloc = kvc.PageAllocator(4, 4)
+    pages = alloc.allocate(2)
+    with self.assertRaisesRegex(ValueError, "page 9 is outside the pool of 4"):
+      alloc.free([9])
+    with self.assertRaisesRegex(ValueError, f"page {pages[0]} freed 2 times but holds 1"):
+      alloc.free([pages[0], pages[0]])
+    free_page = [p for p in range(4) if p not in pages][0]
+    with self.assertRaisesRegex(ValueError, f"free: page {free_page} is not allocated"):
+      alloc.free([pages[1], free_page])  # the valid part must not be applied either
+    with self.assertRaisesRegex(ValueError, "share: page .* is not allocated"):
+      alloc.share([free_page])
+    with self.assertRaisesRegex(ValueError, "n must be >= 0"):
+      alloc.allocate(-1)
+    np.testing.assert_array_equal(alloc.refcounts[pages], [1, 1])
+    self.assertEqual(alloc.num_free, 2)
+    with self.assertRaisesRegex(ValueError, "positive num_pages and page_size"):
+      kvc.PageAllocator(0, 4)
+
+
+class RequestTest(absltest.TestCase):
+
+  def test_admission_when_pages_run_out(self):
+    alloc = kvc.PageAllocator(num_pages=5, page_size=4)
+    self.assertIsNone(alloc.admit("a", 9))  # 3 pages
+    refused = alloc.admit("b", 9)  # needs 3, 2 free
+    self.assertIsInstance(refused, kvc.CannotAdmit)
+    self.assertEqual((refused.pages_needed, refused.pages_free), (3, 2))
+    self.assertIn("cannot admit request 'b': needs 3 pages, 2 free", str(refused))
+    self.assertFalse(alloc.has_request("b"))
+    self.assertEqual(alloc.num_free, 2)  # nothing was taken
+    self.assertIsNone(alloc.admit("c", 8))  # exactly the 2 remaining pages
+    self.assertEqual(alloc.num_free, 0)
+    self.assertIsInstance(alloc.extend("a", 13), kvc.CannotAdmit)  # decode growth needs a page
+    self.assertEqual(alloc.length("a"), 9)
+    self.assertIsNone(alloc.extend("a", 12))  # fits in a's last page
+    alloc.release("c")
+    self.assertIsNone(alloc.admit("b", 4))  # 1 page, leaving 1
+    self.assertIsNone(alloc.extend("a", 13))
+    self.assertEqual(alloc.num_free, 0)
+    with self.assertRaisesRegex(ValueError, "already admitted"):
+      alloc.admit("a", 1)
+    with self.assertRaisesRegex(ValueError, "cannot shrink"):
+      alloc.extend("a", 3)
+    with self.assertRaisesRegex(ValueError, "unknown request 'zz'"):
+      alloc.release("zz")
+    with self.assertRaisesRegex(ValueError, "num_tokens must be >= 0"):
+      alloc.admit("d", -1)
+
+  def test_block_tables_and_batch_meta(self):
+    alloc = kvc.PageAllocator(num_pages=8, page_size=4)
+    alloc.admit("a", 6)
+    alloc.admit("b", 1)
+    table = alloc.block_table("a")
+    self.assertLen(table, 2)
+    for p, t in table:
+      self.assertEqual(t, int(alloc.tags[p]))
+    meta = alloc.batch_meta(["b", None, "a"], max_pages=3)
+    self.assertEqual(meta.page_size, 4)
+    np.testing.assert_array_equal(np.asarray(meta.lengths), [1, 0, 6])
+    bt = np.asarray(meta.block_tables)
+    np.testing.assert_array_equal(bt[2, :2], [p for p, _ in table])
+    np.testing.assert_array_equal(bt[2, 2:], kvc.PAD_PAGE)
+    np.testing.assert_array_equal(bt[1], kvc.PAD_PAGE)
+    np.testing.assert_array_equal(np.asarray(meta.expected_tags)[2, :2], [t for _, t in table])
+    with self.assertRaisesRegex(ValueError, "holds 2 pages, max_pages is 1"):
+      alloc.batch_meta(["a"], max_pages=1)
+
+  def test_fork_shares_full_pages_and_copies_the_tail(self):
+    alloc = kvc.PageAllocator(num_pages=6, page_size=4)
+    alloc.admit("parent", 10)  # pages: full, full, partial
+    parent = alloc.block_table("parent")
+    copies = alloc.fork("parent", "child")
+    child = alloc.block_table("child")
+    self.assertEqual(child[:2], parent[:2])  # shared prefix, same tags
+    self.assertNotEqual(child[2][0], parent[2][0])
+    self.assertEqual(copies, [(parent[2][0], child[2][0])])
+    np.testing.assert_array_equal(alloc.refcounts[[p for p, _ in parent]], [2, 2, 1])
+    self.assertEqual(alloc.fork("parent", "c2", 8), [])  # page-aligned prefix: nothing to copy
+    alloc.release("parent")
+    alloc.release("child")
+    alloc.release("c2")
+    self.assertEqual(alloc.num_free, 6)
+    alloc.admit("p", 3)
+    alloc.admit("filler", 20)
+    self.assertIsInstance(alloc.fork("p", "q"), kvc.CannotAdmit)
+    self.assertFalse(alloc.has_request("q"))
+    with self.assertRaisesRegex(ValueError, "parent holds 3"):
+      alloc.fork("p", "r", 4)
+
+
+class CapacityTest(parameterized.TestCase):
+
+  def test_kimi_per_gpu(self):
+    self.assertEqual(kvc.bytes_per_token(KIMI_K2_6, "bfloat16"), 70_272)
+    bd = kvc.bytes_per_token_breakdown(KIMI_K2_6, "float8_e4m3fn", tp=8)
+    self.assertEqual(bd["values"], 35_136)
+    self.assertEqual(bd["scales"], 61 * 2 * 4)
+    self.assertEqual(bd["total"], 35_136 + 488)
+    bf = kvc.capacity(KIMI_K2_6, "bfloat16", 48 * 10**9)
+    f8 = kvc.capacity(KIMI_K2_6, "float8_e4m3fn", 48 * 10**9)
+    self.assertEqual(bf["tokens"], 683_008)  # the report: ~686K
+    self.assertEqual(f8["tokens"], 1_347_392)  # the report: ~1.37M (it omits scales)
+    self.assertGreaterEqual(f8["tokens"] / bf["tokens"], 1.95)
+
+  def test_glm_indexer(self):
+    bf = kvc.bytes_per_token_breakdown(GLM_5_2, "bfloat16")
+    self.assertEqual(bf["values"], 78 * 576 * 2)
+    self.assertEqual(bf["indexer"], 78 * 128 * 2)  # bf16 indexer keys by default
+    f8 = kvc.bytes_per_token_breakdown(GLM_5_2, "float8_e4m3fn")
+    self.assertEqual(f8["indexer"], bf["indexer"])  # the KV dtype does not change it
+    f8i = kvc.bytes_per_token_breakdown(GLM_5_2, "float8_e4m3fn", index_dtype="float8_e4m3fn")
+    self.assertEqual(f8i["indexer"], 78 * (128 + 4))
+    self.assertEqual(kvc.bytes_per_token_breakdown(KIMI_K2_6, "bfloat16")["indexer"], 0)
+
+  def test_gqa_tensor_parallel(self):
+    cfg = dataclasses.replace(TINY_GQA, n_kv_heads=4, n_heads=8)
+    self.assertEqual(kvc.bytes_per_token(cfg, "bfloat16"), 2 * 2 * 4 * 16 * 2)
+    self.assertEqual(kvc.bytes_per_token(cfg, "bfloat16", tp=2), 2 * 2 * 2 * 16 * 2)
+    self.assertEqual(kvc.bytes_per_token(cfg, "float8_e4m3fn", tp=4), 2 * (2 * 16 + 2 * 4))
+
+  @parameterized.product(cfg=[TINY_MLA, TINY_GQA], dtype=["bfloat16", "float8_e4m3fn", "float32"])
+  def test_accounting_matches_allocated_pool(self, cfg, dtype):
+    cap = kvc.capacity(cfg, dtype, 100_000, page_size=4)
+    state = kvc.init_paged_state(cfg, kvc.KVCacheConfig(cap["pages"], 4, dtype))
+    self.assertEqual(state.nbytes(), cap["pages"] * cap["bytes_per_page"])
+    self.assertLessEqual(state.nbytes(), 100_000)
+    self.assertGreater(state.nbytes() + cap["bytes_per_page"], 100_000)
+
+  def test_errors(self):
+    with self.assertRaisesRegex(ValueError, "dtype must be one of"):
+      kvc.bytes_per_token(KIMI_K2_6, "int8")
+    with self.assertRaisesRegex(ValueError, "index_dtype must be one of"):
+      kvc.bytes_per_token(GLM_5_2, "bfloat16", index_dtype="fp8")
+    with self.assertRaisesRegex(ValueError, "tp must be >= 1"):
+      kvc.bytes_per_token(KIMI_K2_6, "bfloat16", tp=0)
+    with self.assertRaisesRegex(ValueError, "budget_bytes must be >= 0"):
+      kvc.capacity(KIMI_K2_6, "bfloat16", -1)
+    with self.assertRaisesRegex(ValueError, "page_size must be positive"):
+      kvc.capacity(KIMI_K2_6, "bfloat16", 10, page_size=0)
+
+
+if __name__ == "__main__":
+  absltest.main()
