@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gpu_interpret
 from pallas_kernels import lowering
 from pallas_kernels.paged_attention import BlockSizes
 from pallas_kernels.paged_attention import paged_gqa_decode
@@ -122,12 +123,13 @@ def _sample(cases, n, seed=0):
   return [cases[i] for i in sorted(idx)]
 
 
-# (kv_dtype, lengths-kind, num_splits, pages_per_block). Length kinds: one
+# (kv_dtype, lengths-kind, num_splits, pages_per_block[, group]); seeds chosen
+# so each sample covers both dtypes, all length kinds and split counts. Length kinds: one
 # token, exact page boundaries, ragged with a long request.
 _LENGTH_KINDS = ("one", "boundary", "ragged")
-_MLA_CASES = _sample(itertools.product(("bf16", "fp8"), _LENGTH_KINDS, (1, 3), (1, 2)), 6, seed=1)
+_MLA_CASES = _sample(itertools.product(("bf16", "fp8"), _LENGTH_KINDS, (1, 3), (1, 2)), 4, seed=0)
 _GQA_CASES = _sample(
-    itertools.product(("bf16", "fp8"), _LENGTH_KINDS, (1, 2), (1, 4), (1, 3, 4)), 6, seed=2)
+    itertools.product(("bf16", "fp8"), _LENGTH_KINDS, (1, 2), (1, 4), (1, 3, 4)), 5, seed=21)
 
 
 def _lengths(kind, batch, page_size, max_pages):
@@ -165,7 +167,7 @@ class PagedMlaDecodeTest(parameterized.TestCase):
                     lengths=lengths, kv_dtype=kv_dtype)
     scale = 1.0 / math.sqrt(s["c"] + s["r"])
     bs = BlockSizes(block_h=64 if s["heads"] >= 64 else 16, pages_per_block=ppb,
-                    num_splits=num_splits)
+                    num_splits=num_splits, impl="triton")
     out = paged_mla_decode(*args, scale=scale, backend=self.backend, block_sizes=bs)
     ref = paged_mla_decode_reference(*args, scale=scale)
     self.assertEqual(out.shape, ref.shape)
@@ -189,6 +191,53 @@ class PagedMlaDecodeInterpretTest(PagedMlaDecodeTest):
   INTERPRET = True
   # 20 heads: not a multiple of block_h, so head padding is exercised.
   SHAPE = dict(heads=20, c=64, r=16, page_size=8, max_pages=5, batch=3)
+
+
+class PagedMlaDecodeMgpuTest(parameterized.TestCase):
+  """The Mosaic GPU MLA kernel (C % 128, page % 64, R % 64); GPU only."""
+
+  INTERPRET = False
+  SHAPE = dict(heads=128, c=512, r=64, page_size=64, max_pages=40, batch=4)
+
+  def setUp(self):
+    super().setUp()
+    if not self.INTERPRET and not ON_GPU:
+      self.skipTest("compiled Pallas kernels need a GPU")
+
+  @parameterized.parameters(
+      ("bf16", "ragged", 1), ("fp8", "ragged", 2), ("fp8", "one", 1),
+      ("fp8", "boundary", 3))
+  def test_matches_reference(self, kv_dtype, length_kind, num_splits):
+    s = self.SHAPE
+    lengths = _lengths(length_kind, s["batch"], s["page_size"], s["max_pages"])
+    args = make_mla(_seed("mgpu", kv_dtype, length_kind, num_splits),
+                    batch=s["batch"], heads=s["heads"], c=s["c"], r=s["r"],
+                    page_size=s["page_size"], max_pages=s["max_pages"],
+                    lengths=lengths, kv_dtype=kv_dtype)
+    scale = 1.0 / math.sqrt(s["c"] + s["r"])
+    bs = BlockSizes(num_splits=num_splits, impl="mgpu")
+    out = paged_mla_decode(*args, scale=scale,
+                           backend="interpret" if self.INTERPRET else "pallas",
+                           block_sizes=bs)
+    ref = paged_mla_decode_reference(*args, scale=scale)
+    self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
+    self.assertLessEqual(_rel_err(out, ref), TOL[kv_dtype])
+    if self.INTERPRET:
+      # The interpreter ran with detect_races=True (ops.mgpu_interpret_params).
+      self.assertFalse(gpu_interpret.get_races().races_found, "data race")
+
+  def test_unsupported_shape_raises(self):
+    args = make_mla(9, batch=1, heads=4, c=32, r=16, page_size=8, max_pages=2,
+                    lengths=[3], kv_dtype="bf16")
+    with self.assertRaisesRegex(ValueError, "mla_mgpu"):
+      paged_mla_decode(*args, scale=1.0, backend="interpret",
+                       block_sizes=BlockSizes(impl="mgpu"))
+
+
+class PagedMlaDecodeMgpuInterpretTest(PagedMlaDecodeMgpuTest):
+  INTERPRET = True
+  # 20 heads pad to one 64-head block; 3 pages of 64 tokens.
+  SHAPE = dict(heads=20, c=128, r=64, page_size=64, max_pages=3, batch=2)
 
 
 class PagedGqaDecodeTest(parameterized.TestCase):
@@ -264,8 +313,9 @@ class ReferenceTest(parameterized.TestCase):
 class LoweringTest(parameterized.TestCase):
   """Lowers the compiled kernels for an abstract H200 at real sizes (no GPU)."""
 
-  @parameterized.product(kv_dtype=("bf16", "fp8"), heads=(16, 128))
-  def test_mla_lowers_for_h200(self, kv_dtype, heads):
+  @parameterized.product(kv_dtype=("bf16", "fp8"), heads=(16, 128),
+                         impl=("mgpu", "triton"))
+  def test_mla_lowers_for_h200(self, kv_dtype, heads, impl):
     S = jax.ShapeDtypeStruct
     b, c, r, ps, n, p = 8, 512, 64, 64, 1024, 128  # 8K context
     dt = jnp.bfloat16 if kv_dtype == "bf16" else FP8
@@ -273,8 +323,12 @@ class LoweringTest(parameterized.TestCase):
     low = lowering.lower_for_h200(
         paged_mla_decode, S((b, heads, c), jnp.bfloat16), S((b, heads, r), jnp.bfloat16),
         S((n, ps, c), dt), S((n, ps, r), dt), sc, sc, S((b, p), jnp.int32),
-        S((b,), jnp.int32), scale=0.04, backend="pallas")
-    self.assertIn("paged_mla_decode", low.as_text())
+        S((b,), jnp.int32), scale=0.04, backend="pallas",
+        block_sizes=BlockSizes(num_splits=4, impl=impl,
+                               block_h=64 if heads >= 64 else 16))
+    text = low.as_text()
+    self.assertIn("paged_mla_decode", text)
+    self.assertIn("mosaic_gpu" if impl == "mgpu" else "triton", text)
 
   @parameterized.product(kv_dtype=("bf16", "fp8"), group=(1, 8, 16))
   def test_gqa_lowers_for_h200(self, kv_dtype, group):

@@ -20,6 +20,8 @@ class BlockSizes:
       splits fill the GPU when the batch is small and contexts are long.
     num_warps: Triton warps per program.
     num_stages: Triton software-pipelining stages.
+    impl: "auto" (Mosaic GPU where the op supports the shape, else Triton),
+      "mgpu" (Mosaic GPU, error if unsupported) or "triton".
   """
 
   block_h: int = 16
@@ -27,12 +29,15 @@ class BlockSizes:
   num_splits: int = 1
   num_warps: int = 4
   num_stages: int = 2
+  impl: str = "auto"
 
   def __post_init__(self):
     if self.block_h < 16 or self.block_h & (self.block_h - 1):
       raise ValueError(f"block_h must be a power of two >= 16, got {self.block_h}")
     if self.pages_per_block < 1 or self.pages_per_block & (self.pages_per_block - 1):
       raise ValueError(f"pages_per_block must be a power of two, got {self.pages_per_block}")
+    if self.impl not in ("auto", "mgpu", "triton"):
+      raise ValueError(f"impl must be auto, mgpu or triton, got {self.impl!r}")
     if self.num_splits < 1:
       raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
 

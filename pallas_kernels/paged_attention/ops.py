@@ -5,9 +5,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import dispatch
+from pallas_kernels.paged_attention import mla_mgpu
 from pallas_kernels.paged_attention import reference
 from pallas_kernels.paged_attention import triton_kernels
 from pallas_kernels.paged_attention.block_sizes import BlockSizes
@@ -32,6 +34,21 @@ def _pad_tables(block_tables, multiple):
   return jnp.pad(block_tables, ((0, 0), (0, pad))) if pad else block_tables
 
 
+def mgpu_interpret_params():
+  """Interpret-mode parameters for the Mosaic GPU kernels (races detected)."""
+  return plgpu.InterpretGPUParams(detect_races=True)
+
+
+def _mla_mgpu_supported(q_latent, latent, k_rope):
+  """Whether mla_mgpu handles this shape/dtype (else the Triton kernel runs)."""
+  _, ps, r = k_rope.shape
+  c = latent.shape[-1]
+  dt = jnp.dtype(latent.dtype)
+  return (c % 128 == 0 and ps % 64 == 0 and r % 64 == 0 and c // 2 <= 256
+          and (dt == jnp.dtype(FP8) or dt == jnp.dtype(q_latent.dtype))
+          and dt in (jnp.dtype(FP8), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+
+
 def _full_spec(x):
   if x is None:
     return None
@@ -47,7 +64,8 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
   out[b, h] = sum_t softmax_t(scale * (q_latent[b,h].latent_t + q_rope[b,h].k_rope_t))
   * latent_t over the first lengths[b] tokens of request b, with token t at
   page block_tables[b, t // page_size], slot t % page_size. Softmax in f32.
-  The kernel splits each request's pages into ``block_sizes.num_splits``
+  On Mosaic GPU (mla_mgpu.py) where the shape allows, else on Triton
+  (triton_kernels.py). The kernel splits each request's pages into ``block_sizes.num_splits``
   partitions (split-K) and merges their partial (max, sum, acc) afterwards.
 
   Args:
@@ -91,6 +109,16 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
   p = block_tables.shape[1]
   bs = block_sizes or BlockSizes.get_default(
       "mla", num_heads=h, page_size=ps, max_pages=p, batch=b)
+  supported = _mla_mgpu_supported(q_latent, latent, k_rope)
+  if bs.impl == "mgpu" and not supported:
+    raise ValueError(
+        f"mla_mgpu needs C % 128 == 0 (C <= 512), page_size % 64 == 0, R % 64 == 0 "
+        f"and a bf16/f16/fp8 cache matching q; got C={c}, page_size={ps}, R={r}, "
+        f"cache {latent.dtype}, q {q_latent.dtype}")
+  if bs.impl == "mgpu" or (bs.impl == "auto" and supported):
+    return _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
+                     k_rope_scale, block_tables, lengths, scale=scale,
+                     num_splits=bs.num_splits, interpret=backend == "interpret")
   bh = bs.block_h
   h_pad = -h % bh
   if h_pad:
@@ -133,6 +161,25 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
     block_tables, lengths.astype(jnp.int32))
   out = reference.combine_splits(acc, m, l)[:, :h]
   return out.astype(q_latent.dtype)
+
+
+def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
+              block_tables, lengths, *, scale, num_splits, interpret):
+  """Runs mla_mgpu: pads heads to 64, casts q, merges the splits."""
+  b, h, _ = q_latent.shape
+  h_pad = -h % mla_mgpu.BLOCK_H
+  # fp8 pages are converted to f16 in the kernel (see mla_mgpu), and wgmma
+  # wants equal operand types, so q goes to f16 too.
+  cdt = jnp.float16 if latent.dtype == FP8 else latent.dtype
+  ql = jnp.pad(q_latent, ((0, 0), (0, h_pad), (0, 0))).astype(cdt)
+  qr = jnp.pad(q_rope, ((0, 0), (0, h_pad), (0, 0))).astype(cdt)
+  bt = _pad_tables(block_tables.astype(jnp.int32), num_splits)
+  o, lse = mla_mgpu.mla_decode_mgpu(
+      ql, qr, latent, k_rope, latent_scale, k_rope_scale, bt,
+      lengths.astype(jnp.int32), scale=float(scale),
+      pages_per_split=bt.shape[1] // num_splits, num_splits=num_splits,
+      interpret=mgpu_interpret_params() if interpret else False)
+  return reference.combine_lse(o, lse)[:, :h].astype(q_latent.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "backend", "block_sizes"))

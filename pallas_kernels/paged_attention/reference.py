@@ -112,3 +112,20 @@ def combine_splits(acc, m, l):
   num = jnp.einsum("BSH,BSHD->BHD", w, acc, precision=_HI)
   den = jnp.sum(w * l, axis=1)  # [B, H]
   return num / den[..., None]
+
+
+def combine_lse(o, lse):
+  """Merges split-K partials given as normalised outputs and log-sum-exps.
+
+  Args:
+    o: [B, S, H, D] f32 per-split outputs, each already divided by its own
+      softmax sum (0 for an empty split).
+    lse: [B, S, H] f32 per-split log-sum-exp of the scaled logits (a very
+      negative finite number for an empty split).
+
+  Returns:
+    [B, H, D] f32.
+  """
+  w = jnp.exp(lse - jnp.max(lse, axis=1, keepdims=True))  # [B, S, H]
+  num = jnp.einsum("BSH,BSHD->BHD", w, o, precision=_HI)
+  return num / jnp.sum(w, axis=1)[..., None]
