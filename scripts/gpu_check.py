@@ -17,6 +17,7 @@ Check to CHECKS (the INT4 matmul goes here later).
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -122,17 +123,21 @@ def _add_bf16_ratios(records):
 def check_mla(smoke):
   """Paged MLA decode, fp8 and bf16 caches, 8K and 32K contexts."""
   if smoke:
-    cases = [dict(batch=2, heads=16, c=64, r=16, page_size=8, context=40)]
+    cases = [dict(batch=2, heads=16, c=128, r=64, page_size=64, context=100)]
   else:
     # batch * context * 576 B >= 150 MB in fp8: larger than L2 (60 MB).
     cases = [dict(batch=32, heads=64, c=512, r=64, page_size=64, context=8192),
              dict(batch=8, heads=128, c=512, r=64, page_size=64, context=32768),
              dict(batch=64, heads=16, c=512, r=64, page_size=64, context=8192)]
   records = []
-  for shape in cases:
-    for kv in ("bf16", "fp8"):
-      case = dict(shape, kv=kv)
+  for shape, kv, impl in itertools.product(cases, ("bf16", "fp8"), ("mgpu", "triton")):
+    if True:
+      case = dict(shape, kv=kv, impl=impl)
       b, h, c, r, ps, ctx = (shape[k] for k in ("batch", "heads", "c", "r", "page_size", "context"))
+      bs = pa.BlockSizes.get_default("mla", num_heads=h, page_size=ps,
+                                     max_pages=-(-ctx // ps), batch=b)
+      bs = dataclasses.replace(bs, impl=impl)
+      case["num_splits"] = bs.num_splits
       max_pages = -(-ctx // ps)
       n = b * max_pages + 1
       keys = jax.random.split(jax.random.key(0), 5)
@@ -143,7 +148,8 @@ def check_mla(smoke):
       bt, lengths = _tables(keys[4], b, max_pages, n, ps, ctx)
       args = (q_lat, q_rope, lat, rope, lat_s, rope_s, bt, lengths)
       scale = 1 / math.sqrt(192)
-      run_kernel = lambda: pa.paged_mla_decode(*args, scale=scale, backend=kernel_backend(smoke))
+      run_kernel = lambda: pa.paged_mla_decode(*args, scale=scale, backend=kernel_backend(smoke),
+                                               block_sizes=bs)
       run_xla = lambda: pa.paged_mla_decode(*args, scale=scale, backend="xla")  # jitted reference
       tokens = int(np.sum(np.asarray(lengths)))
       per_token = (c + r) * jnp.dtype(lat.dtype).itemsize + (8 if kv == "fp8" else 0)
