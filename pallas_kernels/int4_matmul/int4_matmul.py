@@ -40,35 +40,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import dispatch
 from pallas_kernels.int4_matmul import reference
 from pallas_kernels.int4_matmul.block_sizes import BlockSizes
-
-BACKENDS = ("pallas", "interpret", "xla")
 
 # One register chunk of packed rows: the WGMMA register layout is 64 rows tall.
 _CHUNK = 64
 
-
-def resolve_backend(backend: str | None) -> str:
-  """Returns `backend`, or the platform default: "pallas" on GPU, else "xla".
-
-  Raises:
-    ValueError: if `backend` is not one of BACKENDS.
-  """
-  if backend is None:
-    try:  # Shared helper, when present; keeps every kernel's default in step.
-      from pallas_kernels import dispatch  # pylint: disable=g-import-not-at-top
-      backend = dispatch.default_backend()
-    except (ImportError, AttributeError):
-      backend = "pallas" if jax.default_backend() == "gpu" else "xla"
-  if backend not in BACKENDS:
-    raise ValueError(f"backend={backend!r} must be one of {BACKENDS}")
-  return backend
+BACKENDS = dispatch.BACKENDS
+resolve_backend = dispatch.resolve_backend
 
 
 def _interpret_params(backend: str):
   if backend == "interpret":
-    return plgpu.InterpretGPUParams(detect_races=True)
+    # NaN-filled fresh buffers poison any output element the kernel skips.
+    return plgpu.InterpretGPUParams(detect_races=True,
+                                    uninitialized_memory="nan")
   return None
 
 
@@ -215,6 +202,7 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *,
       out_type=jax.ShapeDtypeStruct((bs.k_splits, n, m_pad), jnp.float32),
       grid=(n // tile_n, m_pad // tile_m, bs.k_splits),
       grid_names=("n", "m", "k"),
+      kernel_name="int4_matmul",
       scratch_types=[
           plgpu.SMEM((tkh, tile_n), jnp.bfloat16),
           plgpu.SMEM((tkh, tile_n), jnp.bfloat16),
@@ -361,6 +349,7 @@ def int4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
       out_type=jax.ShapeDtypeStruct((num_tiles, n, tile_m), x.dtype),
       grid=(n // tile_n, num_tiles),
       grid_names=("n", "t"),
+      kernel_name="int4_grouped_matmul",
       scratch_types=[
           plgpu.SMEM((tkh, tile_n), jnp.bfloat16),
           plgpu.SMEM((tkh, tile_n), jnp.bfloat16),

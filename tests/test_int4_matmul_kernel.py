@@ -1,0 +1,334 @@
+"""INT4 weight-only matmul kernels (dense and grouped MoE) against references.
+
+Interpret-mode classes run the Mosaic GPU kernels in the GPU interpreter on CPU
+with tiny shapes and race detection; the base classes run the compiled kernels
+at realistic shapes and are skipped without a GPU. The interpreter fills fresh
+buffers with NaN, so an output element the kernel never writes fails the
+finiteness check, and so does a grouped slab the wrapper should have dropped.
+"""
+
+import itertools
+import random
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gpu_interpret
+from pallas_kernels import lowering
+from pallas_kernels.int4_matmul import BlockSizes
+from pallas_kernels.int4_matmul import dequantize_int4
+from pallas_kernels.int4_matmul import int4_grouped_matmul
+from pallas_kernels.int4_matmul import int4_grouped_matmul_reference
+from pallas_kernels.int4_matmul import int4_matmul
+from pallas_kernels.int4_matmul import int4_matmul_reference
+from pallas_kernels.int4_matmul import pack_int4
+from pallas_kernels.int4_matmul import unpack_int4
+
+ON_GPU = jax.default_backend() == "gpu"
+# DESIGN.md §4: bf16 1e-2 (long K reductions by relative norm), f32 1e-6.
+TOL = {"bf16": 1e-2, "f32": 1e-6}
+SCALE_DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+
+
+def _rel_err(out, ref):
+  out = np.asarray(out, np.float32)
+  ref = np.asarray(ref, np.float32)
+  return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def _make(seed, m, k, n, group_size, *, experts=None, scale_dtype="bf16"):
+  """Fresh random x [M, K] bf16, packed [(E,) K//2, N], scales [(E,) K//g, N]."""
+  kx, kq, ks = jax.random.split(jax.random.key(seed), 3)
+  lead = () if experts is None else (experts,)
+  x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+  q = jax.random.randint(kq, lead + (k, n), -8, 8, jnp.int8)
+  # Scales that vary by group and column, so a misplaced scale row fails.
+  s = jax.random.uniform(ks, lead + (k // group_size, n), jnp.float32, 0.25, 2.0)
+  return x, pack_int4(q), (s / 16).astype(SCALE_DTYPES[scale_dtype])
+
+
+def _sampled(cases, count, seed):
+  """A fixed, reproducible sample of a product of cases."""
+  cases = list(cases)
+  return random.Random(seed).sample(cases, min(count, len(cases)))
+
+
+class _KernelTestBase(parameterized.TestCase):
+
+  INTERPRET = False
+
+  def setUp(self):
+    super().setUp()
+    if not self.INTERPRET and not ON_GPU:
+      self.skipTest("compiled Pallas kernels need a GPU")
+    if self.INTERPRET:
+      # A failed interpreted kernel leaves state behind; start clean.
+      gpu_interpret.reset_gpu_interpret_mode_state()
+
+  @property
+  def backend(self):
+    return "interpret" if self.INTERPRET else "pallas"
+
+  def assert_close(self, out, ref, tol=TOL["bf16"]):
+    self.assertEqual(out.shape, ref.shape)
+    self.assertEqual(out.dtype, ref.dtype)
+    self.assertTrue(bool(jnp.all(jnp.isfinite(out))),
+                    "non-finite or unwritten output")
+    self.assertLessEqual(_rel_err(out, ref), tol)
+    if self.INTERPRET:
+      self.assertFalse(gpu_interpret.get_races().races_found,
+                       "interpreter detected a shared-memory race")
+
+
+# M (tokens), K, N, group size, scales dtype, block sizes (tile_n, tile_m,
+# tile_k, k_splits). M values cover 1, non-multiples of tile_m and a full tile.
+_DENSE_INTERPRET_CASES = _sampled(
+    itertools.product((1, 5, 8, 13, 24), (128, 256), (64, 128), (32, 64, 128),
+                      ("bf16", "f32"),
+                      ((64, 8, 128, 1), (128, 8, 128, 2), (64, 16, 256, 1))),
+    count=5, seed=6)
+_DENSE_GPU_CASES = list(itertools.product(
+    (1, 16, 100, 256), (2048, 7168), (2048, 7168), (32, 64, 128), ("bf16",),
+    (None,)))
+
+
+class Int4MatmulTest(_KernelTestBase):
+  """Compiled dense kernel at Kimi-like shapes (GPU only).
+
+  The gpu marks sit on the methods, not the class: pytest collects class marks
+  along the MRO, so a class mark would also skip the interpret subclass, which
+  re-declares the tests without the mark.
+  """
+
+  CASES = _DENSE_GPU_CASES
+
+  @pytest.mark.gpu
+  def test_matches_reference(self):
+    self._matches_reference()
+
+  @pytest.mark.gpu
+  def test_default_block_sizes(self):
+    self._default_block_sizes()
+
+  def _matches_reference(self):
+    # Block sizes that do not divide a shape are shrunk by BlockSizes.fit
+    # (e.g. tile_k=256 on K=128), which is itself under test here.
+    for i, (m, k, n, g, sdt, bs) in enumerate(self.CASES):
+      with self.subTest(m=m, k=k, n=n, g=g, sdt=sdt, bs=bs):
+        x, p, s = _make(100 + i, m, k, n, g, scale_dtype=sdt)
+        block_sizes = None if bs is None else BlockSizes(*bs)
+        out = int4_matmul(x, p, s, group_size=g, backend=self.backend,
+                          block_sizes=block_sizes)
+        ref = int4_matmul_reference(x, p, s, group_size=g)
+        self.assert_close(out, ref)
+
+  def _default_block_sizes(self):
+    x, p, s = _make(7, 3, 256, 128, 64)
+    out = int4_matmul(x, p, s, group_size=64, backend=self.backend)
+    self.assert_close(out, int4_matmul_reference(x, p, s, group_size=64))
+
+
+class Int4MatmulInterpretTest(Int4MatmulTest):
+  INTERPRET = True
+  CASES = _DENSE_INTERPRET_CASES
+
+  def test_matches_reference(self):
+    self._matches_reference()
+
+  def test_default_block_sizes(self):
+    self._default_block_sizes()
+
+
+def _group_cases(m, e):
+  """Named expert group sizes for M tokens over E experts."""
+  rng = np.random.default_rng(m * 31 + e)
+  cuts = np.sort(rng.integers(0, m + 1, e - 1))
+  ragged = np.diff(np.concatenate([[0], cuts, [m]]))
+  return {
+      # Empty experts between and at both ends.
+      "empty_experts": [0] + [m // 2, 0, m - m // 2 - 3] + [0] * (e - 4),
+      "one_expert_all": [0] * (e - 1) + [m],
+      "ragged": list(ragged),
+      # sum(group_sizes) < M: trailing rows must come back zero.
+      "short": [m // 3] + [0] * (e - 2) + [m // 3],
+  }
+
+
+class Int4GroupedMatmulTest(_KernelTestBase):
+  """Compiled grouped kernel at Kimi-expert-like shapes (GPU only)."""
+
+  # M, K, N, E, group size, block sizes (tile_n, tile_m, tile_k)
+  SHAPES = [(64, 7168, 2048, 8, 128, None), (256, 2048, 7168, 16, 64, None)]
+  GROUPINGS = ("empty_experts", "one_expert_all", "ragged", "short")
+
+  @pytest.mark.gpu
+  def test_matches_reference(self):
+    self._matches_reference()
+
+  def _matches_reference(self):
+    for i, (m, k, n, e, g, bs) in enumerate(self.SHAPES):
+      for name in self.GROUPINGS:
+        with self.subTest(m=m, k=k, n=n, e=e, g=g, grouping=name):
+          gs = jnp.asarray(_group_cases(m, e)[name], jnp.int32)
+          self.assertEqual(gs.shape, (e,))
+          x, p, s = _make(200 + i, m, k, n, g, experts=e)
+          block_sizes = None if bs is None else BlockSizes(*bs)
+          out = int4_grouped_matmul(x, p, s, gs, group_size=g,
+                                    backend=self.backend,
+                                    block_sizes=block_sizes)
+          ref = int4_grouped_matmul_reference(x, p, s, gs, group_size=g)
+          self.assert_close(out, ref)
+          total = int(gs.sum())
+          np.testing.assert_array_equal(np.asarray(out[total:], np.float32), 0)
+
+
+class Int4GroupedMatmulInterpretTest(Int4GroupedMatmulTest):
+  INTERPRET = True
+  # M=13 and 19 are not multiples of tile_m=8; (64, 8, 128) puts an expert
+  # boundary inside a token tile.
+  SHAPES = [(13, 128, 64, 4, 32, (64, 8, 128)),
+            (19, 256, 64, 5, 128, (64, 8, 128))]
+  GROUPINGS = ("empty_experts", "one_expert_all", "short")
+
+  def test_matches_reference(self):
+    self._matches_reference()
+
+
+class ReferenceTest(parameterized.TestCase):
+  """The plain-jnp references and helpers the kernels are checked against."""
+
+  def test_pack_roundtrip_and_nibble_order(self):
+    q = jax.random.randint(jax.random.key(1), (2, 64, 24), -8, 8, jnp.int8)
+    packed = pack_int4(q)
+    self.assertEqual(packed.shape, (2, 32, 24))
+    self.assertEqual(packed.dtype, jnp.uint8)
+    np.testing.assert_array_equal(unpack_int4(packed), q)
+    # Byte row i: row 2i in bits 0-3, row 2i+1 in bits 4-7, two's complement.
+    p = np.asarray(packed, np.int32)
+    qn = np.asarray(q, np.int32) & 0xF
+    np.testing.assert_array_equal(p & 0xF, qn[:, 0::2])
+    np.testing.assert_array_equal(p >> 4, qn[:, 1::2])
+    np.testing.assert_array_equal(
+        pack_int4(jnp.array([[-8], [7]], jnp.int8)), [[0x78]])
+
+  @parameterized.parameters(32, 64, 128)
+  def test_dequantize_f32(self, g):
+    x, p, s = _make(3, 4, 256, 16, g, scale_dtype="f32")
+    del x
+    q = np.asarray(unpack_int4(p), np.float64)
+    want = q * np.repeat(np.asarray(s, np.float64), g, axis=0)
+    got = dequantize_int4(p, s, g, jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=TOL["f32"], atol=0)
+
+  def test_matmul_reference_matches_numpy(self):
+    x, p, s = _make(4, 6, 256, 32, 64, scale_dtype="f32")
+    w = np.asarray(dequantize_int4(p, s, 64, jnp.float32), np.float64)
+    want = np.asarray(x, np.float64) @ w
+    got = int4_matmul_reference(x, p, s, group_size=64)
+    self.assertEqual(got.dtype, jnp.bfloat16)
+    self.assertLessEqual(_rel_err(got, want), TOL["bf16"])
+
+  def test_grouped_reference_per_expert(self):
+    gs = [3, 0, 5, 2]
+    x, p, s = _make(5, 12, 128, 32, 32, experts=4)
+    out = np.asarray(int4_grouped_matmul_reference(
+        x, p, s, jnp.asarray(gs, jnp.int32), group_size=32), np.float32)
+    start = 0
+    for e, size in enumerate(gs):
+      ref = int4_matmul_reference(x[start:start + size], p[e], s[e],
+                                  group_size=32)
+      np.testing.assert_array_equal(out[start:start + size],
+                                    np.asarray(ref, np.float32))
+      start += size
+    np.testing.assert_array_equal(out[start:], 0)
+
+  def test_xla_backend_is_reference_and_cpu_default(self):
+    x, p, s = _make(6, 5, 128, 64, 32)
+    ref = int4_matmul_reference(x, p, s, group_size=32)
+    np.testing.assert_array_equal(
+        int4_matmul(x, p, s, group_size=32, backend="xla"), ref)
+    if not ON_GPU:
+      np.testing.assert_array_equal(int4_matmul(x, p, s, group_size=32), ref)
+
+  def test_bad_inputs_raise(self):
+    x, p, s = _make(8, 4, 128, 64, 32)
+    with self.assertRaisesRegex(ValueError, "group_size"):
+      int4_matmul(x, p, s, group_size=16)
+    with self.assertRaisesRegex(ValueError, "backend"):
+      int4_matmul(x, p, s, group_size=32, backend="triton")
+    with self.assertRaisesRegex(ValueError, "K//2"):
+      int4_matmul(x[:, :64], p, s, group_size=32)
+    with self.assertRaisesRegex(ValueError, "bf16 x"):
+      int4_matmul(x.astype(jnp.float32), p, s, group_size=32,
+                  backend="interpret")
+    with self.assertRaisesRegex(ValueError, "group_sizes"):
+      int4_grouped_matmul(x, p[None], s[None], jnp.array([1, 2], jnp.int32),
+                          group_size=32, backend="xla")
+    with self.assertRaisesRegex(ValueError, "multiple of 64"):
+      BlockSizes(tile_n=96)
+
+
+class BlockSizesTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      (1, 2048, 7168, False), (16, 7168, 2048, False), (256, 2048, 7168, False),
+      (64, 2048, 7168, True), (200, 7168, 2048, True))
+  def test_h200_defaults_fit(self, m, n, k, grouped):
+    bs = BlockSizes.get_default(m, n, k, grouped=grouped,
+                                device_kind="NVIDIA H200")
+    self.assertEqual(n % bs.tile_n, 0)
+    self.assertEqual(k % bs.tile_k, 0)
+    self.assertEqual((k // bs.tile_k) % bs.k_splits, 0)
+    self.assertLessEqual(bs.tile_m, max(8, -(-m // 8) * 8))
+
+  def test_decode_and_prefill_differ(self):
+    dec = BlockSizes.get_default(8, 2048, 7168, device_kind="NVIDIA H200")
+    pre = BlockSizes.get_default(256, 2048, 7168, device_kind="NVIDIA H200")
+    self.assertGreater(dec.k_splits, 1)  # decode fills SMs by splitting K
+    self.assertGreater(pre.tile_m, dec.tile_m)
+
+  def test_unknown_device_uses_default_row(self):
+    bs = BlockSizes.get_default(4, 128, 256, device_kind="Some GPU")
+    self.assertEqual(bs, BlockSizes(128, 8, 128, 1, 2))
+
+
+class LoweringTest(parameterized.TestCase):
+  """Lowers the compiled kernels for an abstract H200 at real sizes (no GPU)."""
+
+  # Kimi K2.6 expert up/gate (7168 -> 2048) and down (2048 -> 7168) shapes.
+  @parameterized.product(m=(1, 256), kn=((7168, 2048), (2048, 7168)),
+                         group_size=(32, 128))
+  def test_dense_lowers_for_h200(self, m, kn, group_size):
+    k, n = kn
+    S = jax.ShapeDtypeStruct
+    bs = BlockSizes.get_default(m, n, k, device_kind="NVIDIA H200")
+    low = lowering.lower_for_h200(
+        int4_matmul, S((m, k), jnp.bfloat16), S((k // 2, n), jnp.uint8),
+        S((k // group_size, n), jnp.bfloat16), group_size=group_size,
+        backend="pallas", block_sizes=bs)
+    text = low.as_text()
+    self.assertIn("mosaic_gpu", text)
+    self.assertIn("int4_matmul", text)
+
+  @parameterized.parameters((64, 64, "bf16"), (256, 128, "f32"))
+  def test_grouped_lowers_for_h200(self, m, group_size, scale_dtype):
+    S = jax.ShapeDtypeStruct
+    e, k, n = 16, 7168, 2048
+    bs = BlockSizes.get_default(m, n, k, grouped=True, device_kind="NVIDIA H200")
+    low = lowering.lower_for_h200(
+        int4_grouped_matmul, S((m, k), jnp.bfloat16),
+        S((e, k // 2, n), jnp.uint8),
+        S((e, k // group_size, n), SCALE_DTYPES[scale_dtype]),
+        S((e,), jnp.int32), group_size=group_size, backend="pallas",
+        block_sizes=bs)
+    text = low.as_text()
+    self.assertIn("mosaic_gpu", text)
+    self.assertIn("int4_grouped_matmul", text)
+
+
+if __name__ == "__main__":
+  absltest.main()
