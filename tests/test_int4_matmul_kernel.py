@@ -27,6 +27,8 @@ from pallas_kernels.int4_matmul import int4_matmul
 from pallas_kernels.int4_matmul import int4_matmul_reference
 from pallas_kernels.int4_matmul import pack_int4
 from pallas_kernels.int4_matmul import unpack_int4
+from pallas_kernels.int4_matmul.block_sizes import H200_SMEM_BYTES
+from pallas_kernels.int4_matmul.block_sizes import TUNED
 
 ON_GPU = jax.default_backend() == "gpu"
 # DESIGN.md §4: bf16 1e-2 (long K reductions by relative norm), f32 1e-6.
@@ -290,6 +292,14 @@ class BlockSizesTest(parameterized.TestCase):
     pre = BlockSizes.get_default(256, 2048, 7168, device_kind="NVIDIA H200")
     self.assertGreater(dec.k_splits, 1)  # decode fills SMs by splitting K
     self.assertGreater(pre.tile_m, dec.tile_m)
+
+  def test_tuned_table_fits_hopper_smem(self):
+    # Worst case: group 32 (most scale rows per step) with f32 scales.
+    for (kind, op, shape_class), bs in TUNED.items():
+      with self.subTest(kind=kind, op=op, shape_class=shape_class):
+        self.assertLessEqual(
+            bs.smem_bytes(group_size=32, scale_bytes=4, grouped=op == "grouped"),
+            H200_SMEM_BYTES)
 
   def test_unknown_device_uses_default_row(self):
     bs = BlockSizes.get_default(4, 128, 256, device_kind="Some GPU")
