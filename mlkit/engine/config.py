@@ -1,0 +1,106 @@
+"""Engine configuration: model, KV pool, batch buckets, prefill budget, integrity switch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mlkit.config import ModelConfig
+from mlkit.kvcache import KVCacheConfig
+from pallas_kernels import dispatch
+
+
+def _pos_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """How one serving engine is shaped. Every device shape derives from these fields.
+
+  Raises:
+    ValueError: naming the offending field (non-positive sizes, unsorted or
+      duplicated buckets, a max_running no bucket can hold, chunk/budget/prefill
+      buckets that disagree, an unknown backend).
+  """
+
+  # The model served (its dtype decides the compute precision).
+  model: ModelConfig
+  # The paged KV pool (page count, page size, storage dtype).
+  kv: KVCacheConfig
+  # Requests that may hold pages at once (prefilling plus decoding).
+  max_running: int = 8
+  # Allowed batch sizes of a device step, ascending; a step pads its rows up to the next one.
+  batch_buckets: tuple[int, ...] = (1, 2, 4, 8)
+  # Allowed prefill chunk lengths, ascending; the largest is the longest chunk one request gets per step.
+  prefill_buckets: tuple[int, ...] = (8, 16, 32)
+  # Prompt tokens prefilled per engine step, summed over requests (at least the largest chunk).
+  prefill_token_budget: int = 64
+  # Static block-table width: the most pages one sequence may hold.
+  max_pages_per_seq: int = 16
+  # Run the batched page-tag check before every step reads the cache (off only for overhead ablations).
+  integrity_check: bool = True
+  # Kernel backend for the tag check: "pallas" | "interpret" | "xla" | None (platform default).
+  backend: str | None = None
+  # Free pages that must remain after admitting a request, so running requests can still grow.
+  admission_reserve: int = 1
+  # Let tests corrupt the allocator through mlkit.engine.faults (off in serving).
+  enable_fault_injection: bool = False
+  # Also return each step's sampled-position logits (host copy per step; for accuracy tests only).
+  record_logits: bool = False
+  # Write engine metrics to the log every this many steps (0: never).
+  log_every: int = 0
+
+  def __post_init__(self):
+    if not isinstance(self.model, ModelConfig):
+      raise ValueError(f"EngineConfig.model must be a ModelConfig, got {type(self.model).__name__}")
+    if not isinstance(self.kv, KVCacheConfig):
+      raise ValueError(f"EngineConfig.kv must be a KVCacheConfig, got {type(self.kv).__name__}")
+    for name in ("max_running", "prefill_token_budget", "max_pages_per_seq"):
+      if not _pos_int(getattr(self, name)):
+        raise ValueError(f"EngineConfig.{name} must be a positive int, got {getattr(self, name)!r}")
+    for name in ("batch_buckets", "prefill_buckets"):
+      b = tuple(getattr(self, name))
+      if not b or not all(_pos_int(x) for x in b) or list(b) != sorted(set(b)):
+        raise ValueError(f"EngineConfig.{name} must be strictly ascending positive ints, got {b!r}")
+      object.__setattr__(self, name, b)
+    if self.max_running > self.batch_buckets[-1]:
+      raise ValueError(f"EngineConfig.max_running ({self.max_running}) exceeds the largest "
+                       f"batch bucket ({self.batch_buckets[-1]})")
+    if self.prefill_token_budget < self.prefill_buckets[-1]:
+      raise ValueError(f"EngineConfig.prefill_token_budget ({self.prefill_token_budget}) must be at "
+                       f"least the largest prefill bucket ({self.prefill_buckets[-1]})")
+    if self.backend is not None and self.backend not in dispatch.BACKENDS:
+      raise ValueError(f"EngineConfig.backend must be one of {dispatch.BACKENDS} or None, "
+                       f"got {self.backend!r}")
+    if not isinstance(self.admission_reserve, int) or self.admission_reserve < 0:
+      raise ValueError(f"EngineConfig.admission_reserve must be a non-negative int, "
+                       f"got {self.admission_reserve!r}")
+    if not isinstance(self.log_every, int) or self.log_every < 0:
+      raise ValueError(f"EngineConfig.log_every must be a non-negative int, got {self.log_every!r}")
+    # Resolve the page size now so every shape below is concrete.
+    object.__setattr__(self, "kv", self.kv.resolve(self.model))
+
+  @property
+  def page_size(self) -> int:
+    """Tokens per KV page."""
+    return self.kv.page_size
+
+  @property
+  def max_seq_tokens(self) -> int:
+    """The longest sequence (prompt + output) one request may reach."""
+    return min(self.model.max_seq_len, self.max_pages_per_seq * self.page_size,
+               self.kv.num_pages * self.page_size)
+
+  def batch_bucket(self, n: int) -> int:
+    """The smallest batch bucket >= n (n <= the largest bucket)."""
+    for b in self.batch_buckets:
+      if b >= n:
+        return b
+    raise ValueError(f"batch of {n} exceeds the largest bucket {self.batch_buckets[-1]}")
+
+  def prefill_bucket(self, n: int) -> int:
+    """The smallest prefill chunk bucket >= n (n <= the largest bucket)."""
+    for b in self.prefill_buckets:
+      if b >= n:
+        return b
+    raise ValueError(f"chunk of {n} exceeds the largest prefill bucket {self.prefill_buckets[-1]}")

@@ -1,0 +1,89 @@
+"""Engine and per-request metrics: TTFT, time per output token, throughput, host overhead."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+from mlkit.engine.request import Request
+
+
+def request_metrics(req: Request) -> dict:
+  """Per-request numbers (seconds; None where not yet defined).
+
+  Returns:
+    {status, prompt_tokens, output_tokens, ttft_s, tpot_s, latency_s, preemptions,
+     finish_reason, abort_reason}. tpot_s is (last token - first token) / (tokens - 1).
+  """
+  ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
+  tpot = None
+  if req.first_token_time is not None and req.finish_time is not None and len(req.output) > 1:
+    tpot = (req.finish_time - req.first_token_time) / (len(req.output) - 1)
+  latency = None if req.finish_time is None else req.finish_time - req.arrival_time
+  return {
+      "status": req.status.value, "prompt_tokens": len(req.prompt),
+      "output_tokens": len(req.output), "ttft_s": ttft, "tpot_s": tpot, "latency_s": latency,
+      "preemptions": req.num_preemptions, "finish_reason": req.finish_reason,
+      "abort_reason": req.abort_reason,
+  }
+
+
+@dataclasses.dataclass
+class EngineMetrics:
+  """Counters the engine updates every step (host-side, no device sync)."""
+
+  steps: int = 0
+  prefill_steps: int = 0
+  decode_steps: int = 0
+  generated_tokens: int = 0
+  prefill_tokens: int = 0
+  # Host time spent scheduling and bookkeeping, excluding the device steps.
+  host_seconds: float = 0.0
+  # Wall time from dispatching the device steps until their results were on the host.
+  device_seconds: float = 0.0
+  finished: int = 0
+  preemptions: int = 0
+  integrity_failures: int = 0
+  aborted: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  first_step_time: float | None = None
+  last_step_time: float | None = None
+  last_host_seconds: float = 0.0
+  last_device_seconds: float = 0.0
+
+  def record_step(self, *, host_s: float, device_s: float, prefill: bool, decode: bool,
+                  generated: int, prefilled: int, start: float) -> None:
+    """Adds one step's timings and counts."""
+    if self.first_step_time is None:
+      self.first_step_time = start
+    self.last_step_time = time.perf_counter()
+    self.steps += 1
+    self.prefill_steps += int(prefill)
+    self.decode_steps += int(decode)
+    self.generated_tokens += generated
+    self.prefill_tokens += prefilled
+    self.host_seconds += host_s
+    self.device_seconds += device_s
+    self.last_host_seconds, self.last_device_seconds = host_s, device_s
+
+  def as_dict(self) -> dict:
+    """Counters plus derived rates: throughput_tok_s, host_overhead_fraction, per-step means."""
+    elapsed = ((self.last_step_time - self.first_step_time)
+               if self.first_step_time is not None else 0.0)
+    busy = self.host_seconds + self.device_seconds
+    return {
+        "steps": self.steps, "prefill_steps": self.prefill_steps,
+        "decode_steps": self.decode_steps, "generated_tokens": self.generated_tokens,
+        "prefill_tokens": self.prefill_tokens, "elapsed_s": elapsed,
+        "throughput_tok_s": self.generated_tokens / elapsed if elapsed > 0 else 0.0,
+        "host_seconds": self.host_seconds, "device_seconds": self.device_seconds,
+        "host_overhead_s_per_step": self.host_seconds / self.steps if self.steps else 0.0,
+        "device_s_per_step": self.device_seconds / self.steps if self.steps else 0.0,
+        "host_overhead_fraction": self.host_seconds / busy if busy > 0 else 0.0,
+        "last_host_overhead_s": self.last_host_seconds,
+        "last_device_s": self.last_device_seconds,
+        "finished": self.finished, "preemptions": self.preemptions,
+        "integrity_failures": self.integrity_failures,
+        "aborted": dict(self.aborted), "rejected": dict(self.rejected),
+    }

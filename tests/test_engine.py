@@ -1,0 +1,436 @@
+"""Serving engine tests on TINY_MLA (f32) with one shared set of shapes.
+
+Every engine here uses the same pool (12 pages of 8 tokens), block-table width
+(8 pages), batch bucket (4) and prefill bucket (16), so the jitted steps compile
+once for the f32 pool and are reused by every test (the machine is a shared
+2-core CPU). Comparisons of tokens are exact: f32 end to end.
+"""
+
+import dataclasses
+import logging as pylogging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from configs import TINY_MLA
+from mlkit.engine import (ABORT_CANCELLED, ABORT_INTEGRITY, ABORT_TOO_LONG, TRACE_COUNTS, Engine,
+                          EngineConfig, Fault, FaultKind, RequestRejected, RequestStatus,
+                          StepBatch, UniqueTagAllocator)
+from mlkit.generate import generate
+from mlkit.kvcache import PAD_PAGE, KVCacheConfig
+from mlkit.model import forward, init_params
+from mlkit.sampling import SamplingParams
+
+CFG = TINY_MLA
+NUM_PAGES, PAGE = 12, 8
+
+
+def engine_config(**kw) -> EngineConfig:
+  base = dict(model=CFG, kv=KVCacheConfig(num_pages=NUM_PAGES, page_size=PAGE, dtype="float32"),
+              max_running=4, batch_buckets=(4,), prefill_buckets=(16,), prefill_token_budget=32,
+              max_pages_per_seq=8, record_logits=True, enable_fault_injection=True)
+  base.update(kw)
+  return EngineConfig(**base)
+
+
+_PARAMS = None
+
+
+def params():
+  global _PARAMS
+  if _PARAMS is None:
+    _PARAMS = init_params(CFG, jax.random.key(0))
+  return _PARAMS
+
+
+def prompt(n: int, seed: int) -> list[int]:
+  return np.random.default_rng(seed).integers(0, CFG.vocab_size, n).tolist()
+
+
+# Reference workload: lengths span one chunk, several chunks (30 > 16) and a single token.
+REF_PROMPTS = [prompt(n, i) for i, n in enumerate([3, 9, 16, 30, 1, 12])]
+REF_SAMPLING = [
+    SamplingParams(max_new_tokens=8, seed=1),
+    SamplingParams(max_new_tokens=5, seed=2, temperature=0.0),
+    SamplingParams(max_new_tokens=8, seed=3, temperature=0.9, top_k=20),
+    SamplingParams(max_new_tokens=6, seed=4),
+    SamplingParams(max_new_tokens=8, seed=5, temperature=1.2, top_p=0.8),
+    SamplingParams(max_new_tokens=3, seed=6),
+]
+_REF = None
+
+
+def reference_tokens():
+  """generate() outputs for REF_PROMPTS (compiled once)."""
+  global _REF
+  if _REF is None:
+    _REF = generate(params(), CFG, REF_PROMPTS, REF_SAMPLING).tokens
+  return _REF
+
+
+class EngineConfigTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      ("max_running", dict(max_running=0)),
+      ("max_running", dict(max_running=5)),  # above the largest bucket
+      ("batch_buckets", dict(batch_buckets=(4, 2))),
+      ("batch_buckets", dict(batch_buckets=())),
+      ("prefill_buckets", dict(prefill_buckets=(16, 16))),
+      ("prefill_token_budget", dict(prefill_token_budget=8)),
+      ("max_pages_per_seq", dict(max_pages_per_seq=0)),
+      ("backend", dict(backend="cuda")),
+      ("admission_reserve", dict(admission_reserve=-1)),
+      ("log_every", dict(log_every=-1)),
+  )
+  def test_invalid_field_is_named(self, field, kw):
+    with self.assertRaisesRegex(ValueError, f"EngineConfig.{field}"):
+      engine_config(**kw)
+
+  def test_buckets_and_capacity(self):
+    c = engine_config(batch_buckets=(1, 2, 4), prefill_buckets=(8, 16))
+    self.assertEqual([c.batch_bucket(n) for n in (1, 2, 3, 4)], [1, 2, 4, 4])
+    self.assertEqual([c.prefill_bucket(n) for n in (1, 8, 9, 16)], [8, 8, 16, 16])
+    with self.assertRaises(ValueError):
+      c.batch_bucket(5)
+    self.assertEqual(c.max_seq_tokens, 64)  # 8 pages x 8 tokens < 96-token pool < 256
+    self.assertEqual(engine_config(kv=KVCacheConfig(num_pages=4)).page_size, 64)  # MLA default
+
+  def test_defaults_are_safe(self):
+    c = EngineConfig(model=CFG, kv=KVCacheConfig(num_pages=8))
+    self.assertTrue(c.integrity_check)
+    self.assertFalse(c.enable_fault_injection)
+    self.assertIsNone(c.backend)
+
+
+class SubmitValidationTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.eng = Engine(params(), engine_config())
+
+  def _bypass(self, **fields):
+    sp = SamplingParams()
+    for k, v in fields.items():
+      object.__setattr__(sp, k, v)  # a SamplingParams that skipped its own validation
+    return sp
+
+  @parameterized.named_parameters(
+      ("empty", [], SamplingParams(), "empty"),
+      ("above_vocab", [1, 256], SamplingParams(), "outside"),
+      ("negative_id", [-1, 3], SamplingParams(), "outside"),
+      ("float_ids", [1.5, 2.0], SamplingParams(), "integers"),
+      ("nested", [[1, 2]], SamplingParams(), "flat"),
+      ("longer_than_model", [1] * 257, SamplingParams(), "maximum length"),
+      ("zero_new_tokens", [1], "max_new_tokens=0", "max_new_tokens"),
+      ("negative_temperature", [1], "temperature=-1.0", "temperature"),
+      ("nan_temperature", [1], "temperature=nan", "temperature"),
+      ("bad_top_p", [1], "top_p=0.0", "top_p"),
+      ("bad_top_k", [1], "top_k=-2", "top_k"),
+      ("stop_outside_vocab", [1], "stop_tokens=(300,)", "stop tokens"),
+      ("negative_seed", [1], "seed=-1", "seed"),
+      ("not_sampling_params", [1], "dict", "SamplingParams"),
+  )
+  def test_bad_input_raises_and_queues_nothing(self, ids, sampling, msg):
+    if isinstance(sampling, str):
+      if sampling == "dict":
+        sampling = {"max_new_tokens": 3}
+      else:
+        k, v = sampling.split("=")
+        sampling = self._bypass(**{k: eval(v, {"nan": float("nan")})})
+    with self.assertRaisesRegex(ValueError, msg):
+      self.eng.submit(ids, sampling)
+    self.assertEmpty(self.eng.requests)
+    self.assertFalse(self.eng.has_unfinished())
+
+  def test_sampling_params_reject_non_positive_max_new_tokens(self):
+    for n in (0, -3):
+      with self.assertRaisesRegex(ValueError, "max_new_tokens"):
+        SamplingParams(max_new_tokens=n)
+
+  def test_request_that_can_never_fit_is_rejected_too_long(self):
+    with self.assertRaises(RequestRejected) as cm:
+      self.eng.submit([1] * 60, SamplingParams(max_new_tokens=5))  # 65 > 64 tokens per sequence
+    self.assertEqual(cm.exception.reason, ABORT_TOO_LONG)
+    self.assertIn("can never fit", str(cm.exception))
+    self.assertEqual(self.eng.metrics()["rejected"], {ABORT_TOO_LONG: 1})
+    self.eng.submit([1] * 60, SamplingParams(max_new_tokens=4))  # exactly 64 fits
+
+  def test_unknown_request_id(self):
+    with self.assertRaises(KeyError):
+      self.eng.cancel(123)
+
+
+class EngineMatchesGenerateTest(parameterized.TestCase):
+
+  def test_tokens_identical_to_generate_with_continuous_batching(self):
+    ref = reference_tokens()
+    eng = Engine(params(), engine_config())
+    ids = [eng.submit(p, s) for p, s in zip(REF_PROMPTS[:3], REF_SAMPLING[:3])]
+    saw_mixed_step = False
+    for _ in range(3):
+      eng.step()
+    # Late arrivals join the running batch between steps, and bad input in between
+    # affects nobody.
+    with self.assertRaises(ValueError):
+      eng.submit([], SamplingParams())
+    with self.assertRaises(ValueError):
+      eng.submit([999], SamplingParams())
+    ids += [eng.submit(p, s) for p, s in zip(REF_PROMPTS[3:], REF_SAMPLING[3:])]
+    streamed = []
+    while eng.has_unfinished():
+      before = (eng.stats.prefill_steps, eng.stats.decode_steps)
+      for out in eng.step():
+        if out.request_id == ids[3]:
+          streamed += out.new_tokens
+      after = (eng.stats.prefill_steps, eng.stats.decode_steps)
+      saw_mixed_step |= after[0] > before[0] and after[1] > before[1]
+    self.assertTrue(saw_mixed_step, "prefill of a new request never overlapped with decoding")
+    out = [eng.get(i).output for i in ids]
+    self.assertEqual(out, ref)
+    self.assertEqual(streamed, ref[3])
+    for i in ids:
+      self.assertEqual(eng.get(i).status, RequestStatus.FINISHED)
+    self.assertEqual(eng.allocator.num_free, NUM_PAGES)
+
+  def test_stream_and_stop_tokens(self):
+    ref = reference_tokens()
+    eng = Engine(params(), engine_config())
+    # Stop on the 3rd greedy token of request 0: the stop token is emitted and ends it.
+    stop = ref[0][2]
+    rid = eng.submit(REF_PROMPTS[0], dataclasses.replace(REF_SAMPLING[0], stop_tokens=(stop,)))
+    toks = list(eng.stream(rid))
+    self.assertEqual(toks, ref[0][:ref[0].index(stop) + 1])
+    self.assertEqual(eng.get(rid).finish_reason, "stop")
+
+  def test_f32_logits_match_cache_free_forward(self):
+    # Decode uses absorbed MLA and the reference the naive form, so the f32 sums run in a
+    # different order through 3 layers: ~1e-6, not bit-exact.
+    errs = self._logit_errors("float32")
+    self.assertLessEqual(errs.max(), 1e-5)
+
+  def test_bf16_cache_logits_within_tolerance(self):
+    errs = self._logit_errors("bfloat16")
+    self.assertLessEqual(errs.max(), 1e-2)
+
+  def test_fp8_cache_logits_within_tolerance(self):
+    # Per-token errors sit at 2-4%; a MoE router is discontinuous, so the cache's
+    # rounding occasionally flips one expert choice at one token and that token's
+    # logits move by far more (seen: 2 of 38 tokens). Hence the bound on the bulk.
+    errs = self._logit_errors("float8_e4m3fn")
+    self.assertLessEqual(np.median(errs), 5e-2)
+    self.assertGreaterEqual(np.mean(errs <= 5e-2), 0.9)
+    self.assertGreater(errs.max(), 1e-3)  # it really is quantised (not silently f32)
+
+  def _logit_errors(self, dtype) -> np.ndarray:
+    """Per generated token: ||engine logits - f32 forward logits|| / ||f32 forward logits||."""
+    eng = Engine(params(), engine_config(kv=KVCacheConfig(num_pages=NUM_PAGES, page_size=PAGE,
+                                                          dtype=dtype)))
+    greedy = [dataclasses.replace(s, temperature=0.0) for s in REF_SAMPLING]
+    ids = [eng.submit(p, s) for p, s in zip(REF_PROMPTS, greedy)]
+    eng.run_until_done()
+    seqs = np.zeros((len(ids), 64), np.int32)
+    for b, i in enumerate(ids):
+      full = list(REF_PROMPTS[b]) + eng.get(i).output
+      seqs[b, :len(full)] = full
+    ref = np.asarray(forward(params(), jnp.asarray(seqs), cfg=CFG))  # [B, 64, V] f32
+    errs = []
+    for b, i in enumerate(ids):
+      got = np.stack(eng.logits[i])  # [n_out, V]: logits each token was sampled from
+      self.assertEqual(len(got), len(eng.get(i).output))
+      self.assertTrue(np.isfinite(got).all(), f"{dtype}: non-finite logits")
+      L = len(REF_PROMPTS[b])
+      want = ref[b, L - 1:L - 1 + len(got)]
+      errs.append(np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want, axis=-1))
+    return np.concatenate(errs)
+
+
+class CompilationTest(absltest.TestCase):
+
+  def test_shapes_come_from_buckets(self):
+    eng = Engine(params(), engine_config())
+    before = dict(TRACE_COUNTS)
+
+    def workload(seed):
+      rng = np.random.default_rng(seed)
+      ids = []
+      for n in range(1, 9):  # batch sizes 1..4, prompt lengths 1..40 (1..3 chunks)
+        ids.append(eng.submit(rng.integers(0, 256, int(rng.integers(1, 41))).tolist(),
+                              SamplingParams(max_new_tokens=int(rng.integers(1, 6)))))
+        eng.step()
+      eng.run_until_done()
+      return ids
+
+    workload(0)
+    first = {k: TRACE_COUNTS[k] - before.get(k, 0) for k in ("prefill", "decode")}
+    self.assertLessEqual(first["prefill"], 1)  # one prefill shape, one decode shape
+    self.assertLessEqual(first["decode"], 1)
+    steps = eng.stats.steps
+    workload(1)
+    self.assertGreater(eng.stats.steps - steps, 10)
+    second = {k: TRACE_COUNTS[k] - before.get(k, 0) for k in ("prefill", "decode")}
+    self.assertEqual(second, first, "a second workload with new lengths recompiled")
+    self.assertGreaterEqual(TRACE_COUNTS["decode"], 1)  # the counter does count
+
+
+class SchedulingTest(absltest.TestCase):
+
+  def _solo_outputs(self, prompts, samplings):
+    """Outputs with one request at a time (max_running=1): no sharing, no preemption."""
+    eng = Engine(params(), engine_config(max_running=1))
+    out = eng.generate(prompts, samplings)
+    self.assertEqual(eng.stats.preemptions, 0)
+    return out
+
+  def test_preemption_recomputes_identically(self):
+    prompts = [prompt(14, 100 + i) for i in range(4)]
+    samplings = [SamplingParams(max_new_tokens=18, seed=i, temperature=0.7 * (i % 2))
+                 for i in range(4)]
+    want = self._solo_outputs(prompts, samplings)
+    eng = Engine(params(), engine_config())  # 4 x 32 tokens = 16 pages > 12 in the pool
+    got = eng.generate(prompts, samplings)
+    self.assertGreater(eng.stats.preemptions, 0)
+    self.assertGreater(max(r.num_preemptions for r in eng.requests.values()), 0)
+    self.assertEqual(got, want)
+    self.assertEqual(eng.allocator.num_free, NUM_PAGES)
+
+  def test_request_that_cannot_fit_yet_waits(self):
+    eng = Engine(params(), engine_config())
+    small = [eng.submit(prompt(20, i), SamplingParams(max_new_tokens=6)) for i in range(2)]
+    eng.step()
+    big = eng.submit(prompt(56, 7), SamplingParams(max_new_tokens=8))  # 7 prompt pages
+    eng.step()
+    self.assertEqual(eng.get(big).status, RequestStatus.WAITING)
+    self.assertEqual(eng.metrics()["waiting"], 1)
+    eng.run_until_done()
+    for i in small + [big]:
+      self.assertEqual(eng.get(i).status, RequestStatus.FINISHED)
+    self.assertLen(eng.get(big).output, 8)
+    self.assertEqual(eng.allocator.num_free, NUM_PAGES)
+
+  def test_cancel_waiting_running_and_finished(self):
+    prompts = [prompt(10, 200 + i) for i in range(6)]
+    samplings = [SamplingParams(max_new_tokens=6, seed=i) for i in range(6)]
+    want = self._solo_outputs(prompts, samplings)
+    eng = Engine(params(), engine_config())
+    ids = [eng.submit(p, s) for p, s in zip(prompts, samplings)]
+    eng.step()
+    eng.step()
+    running, waiting = ids[1], ids[5]
+    self.assertIn(eng.get(running).status, (RequestStatus.PREFILLING, RequestStatus.DECODING))
+    self.assertEqual(eng.get(waiting).status, RequestStatus.WAITING)
+    used = eng.allocator.num_used
+    self.assertTrue(eng.cancel(running))
+    self.assertEqual(eng.allocator.num_used, used - 2)  # its two pages came back
+    self.assertTrue(eng.cancel(waiting))
+    eng.run_until_done()
+    for i in (running, waiting):
+      self.assertEqual(eng.get(i).status, RequestStatus.ABORTED)
+      self.assertEqual(eng.get(i).abort_reason, ABORT_CANCELLED)
+    self.assertFalse(eng.cancel(ids[0]))  # finished: nothing to cancel
+    for j in (0, 2, 3, 4):
+      self.assertEqual(eng.get(ids[j]).output, want[j])
+    self.assertEqual(eng.allocator.num_free, NUM_PAGES)
+    self.assertEqual(eng.metrics()["aborted"], {ABORT_CANCELLED: 2})
+
+
+class MetricsTest(absltest.TestCase):
+
+  def test_metrics_dict_and_log(self):
+    eng = Engine(params(), engine_config(log_every=2))
+    with self.assertLogs(level=pylogging.INFO) as logs:
+      ids = [eng.submit(prompt(12, i), SamplingParams(max_new_tokens=5)) for i in range(3)]
+      eng.run_until_done()
+    self.assertTrue(any("host overhead" in line for line in logs.output))
+    m = eng.metrics(include_requests=True)
+    self.assertEqual(m["generated_tokens"], 15)
+    self.assertEqual(m["prefill_tokens"], 36)
+    self.assertEqual((m["running"], m["waiting"], m["pages_used"], m["pages_free"]),
+                     (0, 0, 0, NUM_PAGES))
+    self.assertGreater(m["throughput_tok_s"], 0)
+    self.assertGreater(m["host_overhead_s_per_step"], 0)
+    self.assertGreater(m["host_overhead_fraction"], 0)
+    self.assertLess(m["host_overhead_fraction"], 1)
+    self.assertAlmostEqual(m["host_seconds"] / m["steps"], m["host_overhead_s_per_step"])
+    for i in ids:
+      r = m["requests"][i]
+      self.assertEqual((r["prompt_tokens"], r["output_tokens"]), (12, 5))
+      self.assertGreater(r["ttft_s"], 0)
+      self.assertGreater(r["tpot_s"], 0)
+      self.assertGreaterEqual(r["latency_s"], r["ttft_s"])
+    self.assertEqual(eng.request_metrics(ids[0])["status"], "finished")
+
+  def test_metrics_mid_run(self):
+    eng = Engine(params(), engine_config())
+    for i in range(6):
+      eng.submit(prompt(10, i), SamplingParams(max_new_tokens=4))
+    eng.step()
+    m = eng.metrics()
+    self.assertEqual((m["running"], m["waiting"]), (4, 2))
+    self.assertEqual(m["pages_used"] + m["pages_free"], NUM_PAGES)
+    self.assertEqual(m["pages_used"], 8)  # 4 running x 2 pages
+    eng.run_until_done()
+
+
+class UniqueTagAllocatorTest(absltest.TestCase):
+
+  def test_tags_are_unique_across_pages(self):
+    a = UniqueTagAllocator(4, 8)
+    self.assertIsNone(a.admit("x", 16))
+    self.assertIsNone(a.admit("y", 16))
+    tags = [t for r in ("x", "y") for _, t in a.block_table(r)]
+    self.assertLen(set(tags), 4)
+    a.release("x")
+    self.assertIsNone(a.admit("z", 8))
+    self.assertNotIn(a.block_table("z")[0][1], tags)
+
+  def test_drop_and_reconcile_keeps_pages_others_list(self):
+    a = UniqueTagAllocator(6, 8)
+    a.admit("v", 16)
+    a.admit("b", 8)
+    (p_v0, _), (p_v1, _) = a.block_table("v")
+    p_b = a.block_table("b")[0][0]
+    # Corrupt: v's second entry points at b's page; v's own second page is orphaned.
+    a._requests["v"].pages[1] = p_b
+    reclaimed = a.drop_and_reconcile("v")
+    self.assertCountEqual(reclaimed, [p_v0, p_v1])
+    self.assertEqual(a.num_free, 5)
+    self.assertEqual(int(a.refcounts[p_b]), 1)
+    a.release("b")
+    self.assertEqual(a.num_free, 6)
+
+
+class RunnerTest(absltest.TestCase):
+
+  def test_failed_row_neither_writes_nor_emits(self):
+    """A row whose tags mismatch gets length 0: the page it points at keeps its bytes."""
+    eng = Engine(params(), engine_config())
+    rid = eng.submit(prompt(8, 0), SamplingParams(max_new_tokens=4))
+    eng.step()  # prefill: 8 tokens fill page 0 exactly
+    page = eng.allocator.block_table(rid)[0][0]
+    eng.state = eng.state.replace(page_tags=jnp.asarray(eng.allocator.device_tags()))
+    before = np.asarray(eng.state.layers[0]["latent"][page])
+    # Row 0: honest, appends at position 8 (a new page). Row 1: bad tag, claims page `page`
+    # and would write slot 3 of it.
+    eng.allocator.extend(rid, 9)
+    eng.state = eng.state.replace(page_tags=jnp.asarray(eng.allocator.device_tags()))
+    bt = np.full((4, 8), PAD_PAGE, np.int32)
+    et = np.zeros((4, 8), np.int32)
+    for j, (p, t) in enumerate(eng.allocator.block_table(rid)):
+      bt[0, j], et[0, j] = p, np.uint32(t).view(np.int32)
+    bt[1, 0], et[1, 0] = page, 12345
+    z = np.zeros(4, np.int32)
+    batch = StepBatch(tokens=np.array([[1], [2], [0], [0]], np.int32),
+                      positions=np.array([[8], [3], [0], [0]], np.int32), block_tables=bt,
+                      expected_tags=et, lengths=np.array([9, 4, 0, 0], np.int32), last_index=z,
+                      seeds=z.astype(np.uint32), sample_steps=z,
+                      temperature=np.zeros(4, np.float32), top_k=z, top_p=np.ones(4, np.float32))
+    tok, ok, eng.state, _ = eng.runner.run("decode", eng.state, batch)
+    self.assertEqual(np.asarray(ok).tolist(), [True, False, True, True])
+    after = np.asarray(eng.state.layers[0]["latent"][page])
+    np.testing.assert_array_equal(after, before)
+
+
+if __name__ == "__main__":
+  absltest.main()
