@@ -9,13 +9,15 @@ input channels carry outlier activations. The result is an ordinary symmetric
 
 Calibration is collected without hooks: :func:`collect_calibration` wraps the
 chosen weights in a recording format that :func:`mlkit.quant.matmul` /
-:func:`grouped_matmul` dispatch to, runs any forward function eagerly, and
-accumulates ``X^T X`` per weight (per expert for grouped weights). Only the
-Gram matrix is kept, never the activations.
+:func:`grouped_matmul` dispatch to, runs any (jitted or eager) forward function,
+and accumulates ``X^T X`` per weight (per expert for grouped weights) on the
+host through ``jax.debug.callback``. Only the Gram matrix leaves the device,
+never the activations.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterable
 
 import jax
@@ -148,11 +150,29 @@ def gptq_quantize_int4(w: jax.Array, stats: CalibrationStats | jax.Array, group_
 
 # ----------------------------------------------------------------------------- calibration
 
-class _Tap:
-  """A weight wrapper that records the inputs of every matmul it takes part in."""
+# Stores of the collect_calibration calls in progress (innermost last). Kept out
+# of the taps' pytree aux data so a jitted forward is traced once, not per call.
+_STORES: list[dict] = []
 
-  def __init__(self, w, path: str, store: dict):
-    self.w, self.path, self.store = w, path, store
+
+def _accumulate(path: str, xtx, count) -> None:
+  store = _STORES[-1]
+  xtx, count = np.asarray(xtx, np.float64), np.asarray(count, np.float64)
+  if path in store:
+    old_xtx, old_count = store[path]
+    xtx, count = old_xtx + xtx, old_count + count
+  store[path] = (xtx, count)
+
+
+class _Tap:
+  """A weight wrapper whose matmuls send X^T X of their inputs to the host.
+
+  A pytree (the weight is its only child), so it works inside a jitted forward:
+  the statistics are computed on device and leave through ``jax.debug.callback``.
+  """
+
+  def __init__(self, w, path: str):
+    self.w, self.path = w, path
 
   @property
   def shape(self):
@@ -162,32 +182,24 @@ class _Tap:
   def ndim(self):
     return len(self.w.shape)
 
-  def _add(self, xtx, count):
-    old = self.store.get(self.path)
-    if old is not None:
-      xtx, count = old.xtx + xtx, old.count + count
-    self.store[self.path] = CalibrationStats(xtx=xtx, count=count)
-
   def record(self, x):
-    if isinstance(x, jax.core.Tracer):
-      raise ValueError(f"collect_calibration: {self.path} was called under a jax transform; "
-                       "forward_fn must run eagerly (not under jit)")
-    s = calibration_stats(x)
-    self._add(s.xtx, s.count)
+    x2 = x.astype(jnp.float32).reshape(-1, x.shape[-1])  # [M, K]
+    jax.debug.callback(functools.partial(_accumulate, self.path), x2.T @ x2,
+                       jnp.float32(x2.shape[0]))
 
   def record_grouped(self, x, group_sizes):
-    if isinstance(x, jax.core.Tracer) or isinstance(group_sizes, jax.core.Tracer):
-      raise ValueError(f"collect_calibration: {self.path} was called under a jax transform; "
-                       "forward_fn must run eagerly (not under jit)")
-    sizes = np.asarray(group_sizes).astype(np.int64)
-    offsets = np.concatenate([[0], np.cumsum(sizes)])
-    x = jnp.asarray(x, jnp.float32)
-    k = x.shape[-1]
-    xtx = []
-    for e in range(len(sizes)):
-      xe = x[offsets[e]:offsets[e + 1]]
-      xtx.append(xe.T @ xe if sizes[e] else jnp.zeros((k, k), jnp.float32))
-    self._add(jnp.stack(xtx), jnp.asarray(sizes, jnp.float32))
+    x = x.astype(jnp.float32)  # [M, K], rows sorted by expert
+    n_experts = group_sizes.shape[0]
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    expert_of_row = jnp.searchsorted(ends, jnp.arange(x.shape[0]), side="right")  # E = unused row
+    onehot = (expert_of_row[:, None] == jnp.arange(n_experts)[None, :]).astype(jnp.float32)
+    xtx = jnp.einsum("me,mk,ml->ekl", onehot, x, x)  # [E, K, K]
+    jax.debug.callback(functools.partial(_accumulate, self.path), xtx,
+                       group_sizes.astype(jnp.float32))
+
+
+jax.tree_util.register_pytree_node(
+    _Tap, lambda t: ((t.w,), t.path), lambda path, ch: _Tap(ch[0], path))
 
 
 @matmul.register(_Tap)
@@ -210,25 +222,27 @@ def _dequantize_tap(w: _Tap, dtype=None):
 
 def collect_calibration(forward_fn: Callable[[Any], Any], params, paths: Iterable[str]
                         ) -> dict[str, CalibrationStats]:
-  """Runs ``forward_fn(params)`` eagerly and records X^T X for the weights in ``paths``.
+  """Runs ``forward_fn(params)`` and records X^T X for the weights in ``paths``.
 
   Works with any model that calls :func:`mlkit.quant.matmul` / ``grouped_matmul``
-  on its weights, e.g. ``lambda p: mlkit.model.forward(p, tokens, cfg=cfg)``. Call
-  it once per calibration batch and merge with :func:`merge_calibration`, or pass
-  a batch of several sequences at once.
+  on its weights, jitted or not, e.g.
+  ``lambda p: mlkit.model.forward(p, tokens, cfg=cfg)``. Call it once per
+  calibration batch and merge with :func:`merge_calibration`, or pass a batch of
+  several sequences at once.
 
   Args:
-    forward_fn: params -> anything; must not be jitted (recording is a side effect).
+    forward_fn: params -> anything.
     params: the params tree (plain arrays).
     paths: parameter paths (``"layers/1/ffn/w_gate"``) to record.
 
   Returns:
     {path: CalibrationStats}: xtx [K, K] for 2-D weights, [E, K, K] for experts
-    fed through ``grouped_matmul``. Weights the forward never multiplied (e.g.
-    MLA's ``wkv_b``, which the model only dequantises) are absent.
+    fed through ``grouped_matmul`` (count [E]: rows routed to each). Weights the
+    forward never multiplied (e.g. MLA's ``wkv_b``, which the model only
+    dequantises) are absent.
 
   Raises:
-    ValueError: if a path is not a parameter, or forward_fn runs under jit.
+    ValueError: if a path is not a parameter.
   """
   paths = set(paths)
   flat, treedef = flatten_params(params)
@@ -236,10 +250,16 @@ def collect_calibration(forward_fn: Callable[[Any], Any], params, paths: Iterabl
   missing = sorted(paths - known)
   if missing:
     raise ValueError(f"collect_calibration: no parameter named {missing[0]!r}")
-  store: dict[str, CalibrationStats] = {}
-  leaves = [_Tap(leaf, p, store) if p in paths else leaf for p, leaf in flat]
-  forward_fn(jax.tree_util.tree_unflatten(treedef, leaves))
-  return store
+  leaves = [_Tap(leaf, p) if p in paths else leaf for p, leaf in flat]
+  _STORES.append({})
+  try:
+    jax.block_until_ready(forward_fn(jax.tree_util.tree_unflatten(treedef, leaves)))
+    jax.effects_barrier()  # all callbacks have run
+    store = _STORES[-1]
+  finally:
+    _STORES.pop()
+  return {p: CalibrationStats(xtx=jnp.asarray(x, jnp.float32), count=jnp.asarray(c, jnp.float32))
+          for p, (x, c) in store.items()}
 
 
 def merge_calibration(*stats: dict[str, CalibrationStats]) -> dict[str, CalibrationStats]:
