@@ -1,0 +1,156 @@
+"""capacity: tokens that fit a fixed KV byte budget, bf16 vs fp8 pages (lever 1).
+
+Measured part: on the local device, size a paged pool to the budget with
+``mlkit.kvcache.capacity``, actually allocate it, and count its bytes. The
+measured model is H200_MLA, whose cache entry is Kimi's (512 latent + 64 rope per
+layer): the fp8 pool's per-token f32 scales (8 bytes per layer) are then 1.4% of
+its size, as they are for Kimi. The tiny presets' entries are so small (40 and
+144 values) that the same 8 bytes cap their ratio at 1.67 and 1.89; the quick
+run records SMALL_MLA beside it to show that.
+
+Paper-scale part: bytes per token and tokens per GPU for KIMI_K2_6 and GLM_5_2
+with 48 GB of KV space per H200 (DESIGN.md §1), next to the report's figures.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from configs import GLM_5_2, H200_MLA, KIMI_K2_6, SMALL_MLA
+from experiments import common
+from mlkit import kvcache as kvc
+
+# KV bytes per H200 that the report's 686K-token figure implies (DESIGN.md §1).
+PAPER_BUDGET = 48 * 10**9
+# The report's figures for Kimi K2.6 (tokens per GPU).
+REPORT_TOKENS = {"bfloat16": 686_000, "float8_e4m3fn": 1_370_000}
+DTYPES = ("bfloat16", "float8_e4m3fn")
+PAGE_SIZE = 64
+MIN_RATIO = 1.95
+
+
+def _measure(cfg, dtype: str, budget: int) -> dict:
+  """Allocates the largest pool of ``cfg`` pages that fits ``budget`` and counts its bytes."""
+  plan = kvc.capacity(cfg, dtype, budget, page_size=PAGE_SIZE)
+  state = kvc.init_paged_state(cfg, kvc.KVCacheConfig(plan["pages"], PAGE_SIZE, dtype))
+  jax.block_until_ready(state)
+  allocated = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
+  if allocated > budget:
+    raise RuntimeError(f"{cfg.name} {dtype}: pool of {allocated} B exceeds the {budget} B budget")
+  del state
+  return {"model": cfg.name, "dtype": dtype, "budget_bytes": budget, "pages": plan["pages"],
+          "tokens": plan["pages"] * PAGE_SIZE, "allocated_bytes": int(allocated),
+          "bytes_per_token": plan["bytes_per_token"], "unused_bytes": budget - int(allocated)}
+
+
+def _paper(cfg) -> list[dict]:
+  rows = []
+  for dtype in DTYPES:
+    bd = kvc.bytes_per_token_breakdown(cfg, dtype, tp=8)
+    cap = kvc.capacity(cfg, dtype, PAPER_BUDGET, page_size=PAGE_SIZE, tp=8)
+    rows.append({"model": cfg.name, "dtype": dtype, "bytes_per_token": bd["total"],
+                 "value_bytes": bd["values"], "scale_bytes": bd["scales"],
+                 "indexer_bytes": bd["indexer"], "tokens_per_gpu": cap["tokens"],
+                 "report_tokens": REPORT_TOKENS[dtype] if cfg is KIMI_K2_6 else None})
+  return rows
+
+
+def _plot(path: str, measured: list[dict], paper: list[dict]) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+  ax = axes[0]
+  labels = sorted({r["model"] for r in measured})
+  width = 0.38
+  for i, dtype in enumerate(DTYPES):
+    vals = [next(r["tokens"] for r in measured if r["model"] == m and r["dtype"] == dtype)
+            for m in labels]
+    ax.bar([j + (i - 0.5) * width for j in range(len(labels))], vals, width, label=dtype)
+  ax.set_xticks(range(len(labels)), labels)
+  ax.set_ylabel("tokens in budget")
+  ax.set_title(f"measured on {jax.default_backend()} ({measured[0]['budget_bytes'] / 2**20:.0f} MiB)")
+  ax.legend()
+  ax = axes[1]
+  models = [KIMI_K2_6.name, GLM_5_2.name]
+  for i, dtype in enumerate(DTYPES):
+    vals = [next(r["tokens_per_gpu"] for r in paper if r["model"] == m and r["dtype"] == dtype) / 1e6
+            for m in models]
+    ax.bar([j + (i - 0.5) * width for j in range(len(models))], vals, width, label=f"ours {dtype}")
+  ax.scatter([-0.5 * width, 0.5 * width], [REPORT_TOKENS[d] / 1e6 for d in DTYPES], color="k",
+             marker="x", zorder=3, label="report (Kimi)")
+  ax.set_xticks(range(len(models)), models)
+  ax.set_ylabel("million tokens per H200 (48 GB KV)")
+  ax.set_title("paper scale, per GPU")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def run(out_dir: str, *, quick: bool = True) -> dict:
+  """Measures tokens per budget (bf16 vs fp8) and computes paper-scale capacity.
+
+  Args:
+    out_dir: folder for capacity.json, capacity.md and capacity.png.
+    quick: a 64 MiB budget (CPU friendly) instead of 1 GiB.
+
+  Returns:
+    The record written to capacity.json; ``ratio`` is the measured fp8/bf16 token ratio
+    for H200_MLA and ``ratio_ok`` whether it reaches 1.95.
+  """
+  budget = (64 if quick else 1024) * 2**20
+  common.progress(f"capacity: allocating pools inside {budget / 2**20:.0f} MiB on "
+                  f"{jax.default_backend()}")
+  measured = [_measure(cfg, dtype, budget) for cfg in (H200_MLA, SMALL_MLA) for dtype in DTYPES]
+  tok = {(r["model"], r["dtype"]): r["tokens"] for r in measured}
+  ratio = tok[(H200_MLA.name, "float8_e4m3fn")] / tok[(H200_MLA.name, "bfloat16")]
+  small_ratio = tok[(SMALL_MLA.name, "float8_e4m3fn")] / tok[(SMALL_MLA.name, "bfloat16")]
+  paper = _paper(KIMI_K2_6) + _paper(GLM_5_2)
+  kimi = {r["dtype"]: r["tokens_per_gpu"] for r in paper if r["model"] == KIMI_K2_6.name}
+  record = {
+      "experiment": "capacity",
+      "machine": common.machine_info(),
+      "config": {"measured_model": H200_MLA.to_dict(), "also_measured": SMALL_MLA.name,
+                 "page_size": PAGE_SIZE, "budget_bytes": budget, "paper_budget_bytes": PAPER_BUDGET,
+                 "paper_tp": 8, "glm_indexer_dtype": "bfloat16"},
+      "measured": measured,
+      "ratio": ratio,
+      "ratio_ok": ratio >= MIN_RATIO,
+      "small_mla_ratio": small_ratio,
+      "paper": paper,
+      "kimi_ratio": kimi["float8_e4m3fn"] / kimi["bfloat16"],
+  }
+  os.makedirs(out_dir, exist_ok=True)
+  common.write_json(out_dir, "capacity", record)
+  _plot(os.path.join(out_dir, "capacity.png"), measured, paper)
+  md = [
+      "# capacity\n",
+      f"Tokens that fit a {budget / 2**20:.0f} MiB KV budget on `{record['machine']['device_kind']}` "
+      f"(pools really allocated; page size {PAGE_SIZE}).\n\n",
+      common.markdown_table(
+          ["model", "dtype", "B/token", "pages", "tokens", "allocated B"],
+          [[r["model"], r["dtype"], r["bytes_per_token"], r["pages"], r["tokens"],
+            r["allocated_bytes"]] for r in measured]),
+      f"\nfp8/bf16 ratio: **{ratio:.3f}** for {H200_MLA.name} (Kimi's 512+64 entry; target >= "
+      f"{MIN_RATIO}); {small_ratio:.3f} for {SMALL_MLA.name}, whose 144-value entry makes the "
+      "8 B/layer of f32 scales a larger share.\n",
+      "\n## Paper scale (per H200, 48 GB of KV, TP 8: the MLA latent is replicated per rank)\n\n",
+      common.markdown_table(
+          ["model", "dtype", "B/token", "values", "scales", "indexer", "tokens/GPU", "report"],
+          [[r["model"], r["dtype"], r["bytes_per_token"], r["value_bytes"], r["scale_bytes"],
+            r["indexer_bytes"], r["tokens_per_gpu"],
+            "-" if r["report_tokens"] is None else f"~{r['report_tokens']:,}"] for r in paper]),
+      "\nThe report's 1.37M fp8 figure divides the budget by 35,136 B/token (no scales); our "
+      "per-token scales add 488 B/token for Kimi, hence 1.35M. GLM's indexer keys are counted "
+      "in bf16 (128 values per token per layer).\n",
+      "\n![capacity](capacity.png)\n",
+  ]
+  common.write_markdown(out_dir, "capacity", "".join(md))
+  print(f"capacity: fp8/bf16 token ratio {ratio:.3f} ({H200_MLA.name}, {budget / 2**20:.0f} MiB); "
+        f"Kimi per GPU: {kimi['bfloat16']:,} bf16 vs {kimi['float8_e4m3fn']:,} fp8 tokens "
+        f"(report ~686K vs ~1.37M)")
+  return record
