@@ -92,7 +92,7 @@ _DENSE_INTERPRET_CASES = _sampled(
     itertools.product((1, 5, 8, 13, 24), (128, 256), (64, 128), (32, 64, 128),
                       ("bf16", "f32"),
                       ((64, 8, 128, 1), (128, 8, 128, 2), (64, 16, 256, 1))),
-    count=5, seed=6)
+    count=4, seed=6)
 _DENSE_GPU_CASES = list(itertools.product(
     (1, 16, 100, 256), (2048, 7168), (2048, 7168), (32, 64, 128), ("bf16",),
     (None,)))
@@ -165,7 +165,8 @@ class Int4GroupedMatmulTest(_KernelTestBase):
 
   # M, K, N, E, group size, block sizes (tile_n, tile_m, tile_k)
   SHAPES = [(64, 7168, 2048, 8, 128, None), (256, 2048, 7168, 16, 64, None)]
-  GROUPINGS = ("empty_experts", "one_expert_all", "ragged", "short")
+  # Groupings per shape (same index as SHAPES).
+  GROUPINGS = (("empty_experts", "one_expert_all", "ragged", "short"),) * 2
 
   @pytest.mark.gpu
   def test_matches_reference(self):
@@ -173,7 +174,7 @@ class Int4GroupedMatmulTest(_KernelTestBase):
 
   def _matches_reference(self):
     for i, (m, k, n, e, g, bs) in enumerate(self.SHAPES):
-      for name in self.GROUPINGS:
+      for name in self.GROUPINGS[i]:
         with self.subTest(m=m, k=k, n=n, e=e, g=g, grouping=name):
           gs = jnp.asarray(_group_cases(m, e)[name], jnp.int32)
           self.assertEqual(gs.shape, (e,))
@@ -194,7 +195,7 @@ class Int4GroupedMatmulInterpretTest(Int4GroupedMatmulTest):
   # boundary inside a token tile.
   SHAPES = [(13, 128, 64, 4, 32, (64, 8, 128)),
             (19, 256, 64, 5, 128, (64, 8, 128))]
-  GROUPINGS = ("empty_experts", "one_expert_all", "short")
+  GROUPINGS = (("empty_experts", "short"), ("one_expert_all",))
 
   def test_matches_reference(self):
     self._matches_reference()
@@ -300,6 +301,11 @@ class BlockSizesTest(parameterized.TestCase):
         self.assertLessEqual(
             bs.smem_bytes(group_size=32, scale_bytes=4, grouped=op == "grouped"),
             H200_SMEM_BYTES)
+        if kind == "NVIDIA H200" and shape_class == "decode":
+          # Decode rows are sized for two CTAs per SM (see block_sizes.TUNED).
+          self.assertLessEqual(
+              bs.smem_bytes(group_size=32, scale_bytes=4,
+                            grouped=op == "grouped"), H200_SMEM_BYTES // 2)
 
   def test_unknown_device_uses_default_row(self):
     bs = BlockSizes.get_default(4, 128, 256, device_kind="Some GPU")

@@ -110,17 +110,21 @@ def _device_kind() -> str:
 
 
 # Keyed by (device kind, "dense" | "grouped", "decode" | "prefill").
-# H200 values are first guesses from the roofline, not yet measured on a GPU:
-# decode streams weights, so it wants many CTAs (split K: 7168x2048 gives 16
-# N tiles x 8 splits = 128 CTAs) and deep pipelines; prefill wants wide token
-# tiles so each dequantised weight tile feeds more MMA work.
+# H200 values are first guesses from the roofline, not yet measured on a GPU.
+# Decode streams weights and is limited by how fast one warpgroup dequantises
+# (about 8 integer/float ops per weight), so the decode rows keep a CTA under
+# half of the SM's shared memory (~91 KiB): two CTAs per SM then overlap one's
+# dequantisation with the other's TMA and wgmma waits. Split K fills the SMs:
+# expert up (7168 -> 2048) gives 16 N tiles x 8 splits = 128 CTAs, expert
+# down (2048 -> 7168) 56 x 8 = 448. Prefill is compute-bound: wide token tiles
+# so each dequantised weight tile feeds more MMA work.
 TUNED: dict[tuple[str, str, str], BlockSizes] = {
     ("default", "dense", "decode"): BlockSizes(128, 8, 128, 1, 2),
     ("default", "dense", "prefill"): BlockSizes(128, 64, 128, 1, 2),
     ("default", "grouped", "decode"): BlockSizes(128, 8, 128, 1, 2),
     ("default", "grouped", "prefill"): BlockSizes(128, 64, 128, 1, 2),
-    ("NVIDIA H200", "dense", "decode"): BlockSizes(128, 16, 256, 8, 4),
+    ("NVIDIA H200", "dense", "decode"): BlockSizes(128, 16, 128, 8, 4),
     ("NVIDIA H200", "dense", "prefill"): BlockSizes(128, 128, 128, 1, 2),
-    ("NVIDIA H200", "grouped", "decode"): BlockSizes(128, 16, 256, 1, 4),
+    ("NVIDIA H200", "grouped", "decode"): BlockSizes(128, 16, 128, 1, 4),
     ("NVIDIA H200", "grouped", "prefill"): BlockSizes(128, 128, 128, 1, 2),
 }
