@@ -387,6 +387,38 @@ class BadInputTest(parameterized.TestCase):
       kvc.validate_state(self.state, self.kv_cfg, MLA1)
     self._assert_untouched()
 
+  def test_metadata_and_layer_errors(self):
+    with self.assertRaisesRegex(ValueError, "block_tables must be integers"):
+      kvc.write_prefill(self.state, self.new, self.pos,
+                        self.meta.replace(block_tables=self.meta.block_tables.astype(jnp.float32)))
+    with self.assertRaisesRegex(ValueError, r"positions \(5,\) must be \[B, T\] with B = 2"):
+      kvc.validate_batch(self.state, self.meta, self.pos[0])
+    with self.assertRaisesRegex(ValueError, "layer 1 out of range for a state of 1 layers"):
+      kvc.write_layer(self.state, 1, self.new[0], self.pos, self.meta)
+    with self.assertRaisesRegex(ValueError, "state has 1 layers, model config says 2"):
+      kvc.validate_state(self.state, self.kv_cfg, dataclasses.replace(GQA1, n_layers=2,
+                                                                       first_k_dense=2))
+    lay = self.state.layers[0]
+    q = jnp.ones((2, GQA1.n_heads, GQA1.head_dim))
+    with self.assertRaisesRegex(ValueError, r"k scales have shape \(6, 4\), pages need"):
+      kvc.paged_gqa_decode_reference(q, lay["k"], lay["v"], lay["k_scale"][..., 0], lay["v_scale"],
+                                     self.meta.block_tables, self.meta.lengths, scale=1.0)
+    with self.assertRaisesRegex(ValueError, "must be \\[B, M\\] and lengths"):
+      kvc.paged_gqa_decode_reference(q, lay["k"], lay["v"], lay["k_scale"], lay["v_scale"],
+                                     self.meta.block_tables[0], self.meta.lengths, scale=1.0)
+    self._assert_untouched()
+
+  def test_padded_row_writes_nothing(self):
+    meta = self.meta.replace(
+        block_tables=self.meta.block_tables.at[1].set(kvc.PAD_PAGE),
+        lengths=jnp.asarray([5, 0], jnp.int32))
+    dec = {k: v[:, 0] for k, v in self.new[0].items()}
+    state = kvc.write_decode(self.state, [dec], meta)
+    pages = np.asarray(state.layers[0]["k"]).astype(np.float32)
+    written = np.argwhere(np.any(pages != 0, axis=(-1, -2)))
+    bt = np.asarray(self.meta.block_tables)
+    self.assertEqual(written.tolist(), [[int(bt[0, 1]), 0]])  # only row 0's position 4
+
   def test_sync_tags_shape(self):
     with self.assertRaisesRegex(ValueError, "does not match the pool's 6 pages"):
       kvc.sync_tags(self.state, np.zeros(5, np.uint32))

@@ -165,6 +165,12 @@ class RequestTest(absltest.TestCase):
     self.assertFalse(alloc.has_request("q"))
     with self.assertRaisesRegex(ValueError, "parent holds 3"):
       alloc.fork("p", "r", 4)
+    with self.assertRaisesRegex(ValueError, "fork: request 'filler' is already admitted"):
+      alloc.fork("p", "filler")
+    with self.assertRaisesRegex(ValueError, "unknown request 'nobody'"):
+      alloc.fork("nobody", "r")
+    with self.assertRaisesRegex(ValueError, "unknown request 'nobody'"):
+      alloc.batch_meta(["p", "nobody"])
 
 
 class CapacityTest(parameterized.TestCase):
