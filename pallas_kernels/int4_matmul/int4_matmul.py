@@ -152,9 +152,27 @@ def _compiler_params():
       lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 
 
-def _check_kernel_dtypes(x):
-  if x.dtype != jnp.bfloat16:
-    raise ValueError(f"the Pallas kernels take bf16 x, got {x.dtype}")
+def _kernel_operands(x, packed, scales, group_size):
+  """Casts x to bf16 and zero-pads K to a multiple of 128 and N of 64.
+
+  Padding copies the weights, so it is meant for small test models only; every
+  Kimi K2.6 / GLM 5.2 matrix is aligned and passes through untouched. Zero
+  packed bytes are int4 zeros, so padded K rows add nothing; padded N columns
+  are sliced off by the caller.
+
+  Returns:
+    (x bf16 [M, Kp], packed [..., Kp/2, Np], scales [..., Kp/g, Np]).
+  """
+  k, n = x.shape[1], packed.shape[-1]
+  k_pad = -(-k // 128) * 128 - k  # a multiple of group_size, since g | 128
+  n_pad = -(-n // 64) * 64 - n
+  x = x.astype(jnp.bfloat16)  # W4A16: activations enter the MMA as bf16
+  if k_pad or n_pad:
+    lead = ((0, 0),) * (packed.ndim - 2)
+    x = jnp.pad(x, ((0, 0), (0, k_pad)))
+    packed = jnp.pad(packed, lead + ((0, k_pad // 2), (0, n_pad)))
+    scales = jnp.pad(scales, lead + ((0, k_pad // group_size), (0, n_pad)))
+  return x, packed, scales
 
 
 @functools.partial(jax.jit,
@@ -164,8 +182,11 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *,
                 block_sizes: BlockSizes | None = None) -> jax.Array:
   """W4A16 matmul: x @ dequantize(packed, scales), f32 accumulation.
 
+  The kernel backends round x to bf16 (W4A16) and zero-pad K to a multiple of
+  128 and N to a multiple of 64 (a weight copy; real model shapes need none).
+
   Args:
-    x: [M, K] activations (bf16).
+    x: [M, K] activations (bf16; f32 is rounded to bf16 by the kernels).
     packed: [K//2, N] uint8, two int4 per byte along K (see module docstring).
     scales: [K//group_size, N] bf16 or f32.
     group_size: 32, 64 or 128.
@@ -177,8 +198,7 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *,
     [M, N] in x's dtype.
 
   Raises:
-    ValueError: on shape, dtype, group-size or backend mismatch; for the kernel
-      backends also if N % 64 or K % 128 is nonzero or x is not bf16.
+    ValueError: on shape, dtype, group-size or backend mismatch.
   """
   m, k, n = reference.check_int4_args(x, packed, scales, group_size,
                                       experts=False)
@@ -186,7 +206,9 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *,
   if backend == "xla":
     return reference.int4_matmul_reference(x, packed, scales,
                                            group_size=group_size)
-  _check_kernel_dtypes(x)
+  out_dtype, n_out = x.dtype, n
+  x, packed, scales = _kernel_operands(x, packed, scales, group_size)
+  k, n = x.shape[1], packed.shape[-1]
   bs = (block_sizes or BlockSizes.get_default(m, n, k)).fit(m, n, k)
   tile_n, tile_m, tile_k = bs.tile_n, bs.tile_m, bs.tile_k
   m_pad = -(-m // tile_m) * tile_m
@@ -212,7 +234,7 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *,
       interpret=_interpret_params(backend),
   )(x_even, x_odd, packed, scales)
   # [k_splits, N, Mp] -> [M, N]; the split-K sum stays in f32.
-  return out_t.sum(axis=0)[:, :m].T.astype(x.dtype)
+  return out_t.sum(axis=0)[:n_out, :m].T.astype(out_dtype)
 
 
 def _grouped_schedule(group_sizes, m, tile_m, num_tiles):
@@ -304,8 +326,12 @@ def int4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
   Rows of x are sorted by expert: rows [sum(gs[:e]), sum(gs[:e+1])) use
   expert e. Rows past sum(group_sizes) are zero in the output.
 
+  The kernel backends round x to bf16 (W4A16) and zero-pad K to a multiple of
+  128 and N to a multiple of 64 (a weight copy; real model shapes need none).
+
   Args:
-    x: [M, K] activations (bf16), sorted by expert.
+    x: [M, K] activations (bf16; f32 is rounded to bf16 by the kernels),
+      sorted by expert.
     packed: [E, K//2, N] uint8, two int4 per byte along K.
     scales: [E, K//group_size, N] bf16 or f32.
     group_sizes: [E] int32, rows per expert; sum(group_sizes) <= M.
@@ -317,8 +343,7 @@ def int4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
     [M, N] in x's dtype.
 
   Raises:
-    ValueError: on shape, dtype, group-size or backend mismatch; for the kernel
-      backends also if N % 64 or K % 128 is nonzero or x is not bf16.
+    ValueError: on shape, dtype, group-size or backend mismatch.
   """
   m, k, n, e = reference.check_int4_args(x, packed, scales, group_size,
                                          experts=True)
@@ -328,7 +353,9 @@ def int4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
   if backend == "xla":
     return reference.int4_grouped_matmul_reference(
         x, packed, scales, group_sizes, group_size=group_size)
-  _check_kernel_dtypes(x)
+  out_dtype, n_out = x.dtype, n
+  x, packed, scales = _kernel_operands(x, packed, scales, group_size)
+  k, n = x.shape[1], packed.shape[-1]
   bs = (block_sizes or BlockSizes.get_default(m, n, k, grouped=True)).fit(
       m, n, k)
   tile_n, tile_m, tile_k = bs.tile_n, bs.tile_m, bs.tile_k
@@ -362,8 +389,8 @@ def int4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
   # each output element has exactly one nonzero contributor, so the sum is
   # exact in x's dtype.
   out_t = jax.ops.segment_sum(slabs, meta[1], num_segments=m_tiles)
-  out = out_t.transpose(0, 2, 1).reshape(m_pad, n)  # [Mp, N]
-  return out[:m]
+  out = out_t.transpose(0, 2, 1).reshape(m_pad, n)  # [Mp, Np]
+  return out[:m, :n_out].astype(out_dtype)
 
 
 int4_matmul_reference = reference.int4_matmul_reference

@@ -89,6 +89,8 @@ def check_int4_args(x, packed, scales, group_size, experts: bool):
         f"group_size={group_size} not in {SUPPORTED_GROUP_SIZES}")
   if x.ndim != 2:
     raise ValueError(f"x must be [M, K], got shape {x.shape}")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"x must be floating point, got {x.dtype}")
   want_ndim = 3 if experts else 2
   if packed.ndim != want_ndim or scales.ndim != want_ndim:
     raise ValueError(
