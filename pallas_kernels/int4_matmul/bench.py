@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.int4_matmul import reference
+from pallas_kernels.int4_matmul.block_sizes import H200_SMEM_BYTES
+from pallas_kernels.int4_matmul.block_sizes import BlockSizes
 from pallas_kernels.int4_matmul.int4_matmul import int4_grouped_matmul
 from pallas_kernels.int4_matmul.int4_matmul import int4_matmul
 
@@ -212,3 +214,63 @@ def gpu_checks(group_size: int = 128, *, backend: str = "pallas",
     checks.append(GpuCheck(f"int4_grouped_matmul/{name}/g{group_size}",
                            _grouped_check(e, k, n, m, group_size, backend)))
   return checks
+
+
+def _sweep_candidates(m, k, n, grouped):
+  """Block sizes worth timing for one shape: decode rows favour many small CTAs."""
+  # Kept to a few dozen per shape: each candidate compiles on the device.
+  tile_ms = sorted({min(t, -(-m // 8) * 8) for t in (16, 64, 128)})
+  splits = (1,) if grouped or m > 64 else (1, 4, 8, 14)
+  out = []
+  for tile_n in (64, 128):
+    for tile_m in tile_ms:
+      for tile_k in (128, 256):
+        for k_splits in splits:
+          for steps in (2, 4):
+            try:
+              bs = BlockSizes(tile_n, tile_m, tile_k, k_splits, steps)
+            except ValueError:
+              continue
+            if n % tile_n or k % tile_k or (k // tile_k) % k_splits:
+              continue
+            if bs.smem_bytes(group_size=32, grouped=grouped) > H200_SMEM_BYTES:
+              continue
+            out.append(bs)
+  return out
+
+
+def tuning_checks(group_size: int = 128, *, ms=(1, 16, 64, 256),
+                  dense_shapes=DENSE_SHAPES[:2],
+                  backend: str = "pallas") -> list[GpuCheck]:
+  """One check per (shape, M) that times every candidate BlockSizes on the GPU.
+
+  Each check returns the candidates' median times and the fastest, from which
+  the H200 rows of block_sizes.TUNED are filled in.
+  """
+  def sweep(k, n, m):
+    def run():
+      x, p, s = _make_dense(0, m, k, n, group_size)
+      sets = [_make_dense(i + 1, m, k, n, group_size)
+              for i in range(_copies(p.nbytes + s.nbytes + x.nbytes))]
+      results = []
+      for bs in _sweep_candidates(m, k, n, grouped=False):
+        f = jax.jit(lambda x_, p_, s_, bs=bs: int4_matmul(
+            x_, p_, s_, group_size=group_size, backend=backend,
+            block_sizes=bs))
+        try:
+          t = _median_seconds(f, sets, warmup=2, iters=10)
+        except Exception as e:  # pylint: disable=broad-except
+          # A candidate may still overflow registers or SMEM at compile time.
+          results.append(dict(block_sizes=dataclasses.asdict(bs),
+                              error=str(e).splitlines()[0][:200]))
+          continue
+        results.append(dict(block_sizes=dataclasses.asdict(bs), time_us=t * 1e6))
+      timed = [r for r in results if "time_us" in r]
+      best = min(timed, key=lambda r: r["time_us"]) if timed else None
+      return dict(m=m, k=k, n=n, group_size=group_size, candidates=results,
+                  best=best)
+    return run
+
+  return [GpuCheck(f"int4_matmul_tuning/{name}/m{m}/g{group_size}",
+                   sweep(k, n, m))
+          for name, k, n in dense_shapes for m in ms]
