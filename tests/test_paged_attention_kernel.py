@@ -44,9 +44,12 @@ def _quantise(x, rng, kv_dtype, scale_shape):
   """x f32 [N, ps, ...] -> (stored pages, per-token scales or None)."""
   if kv_dtype == "bf16":
     return x.astype(np.float32), None
-  # Per-token scales that vary token to token, so a kernel that ignores or
-  # misplaces them fails.
-  s = rng.uniform(0.5, 2.0, scale_shape).astype(np.float32) / 64.0
+  # Per-token scales as a quantiser sets them (amax / 448, so e4m3 never
+  # overflows to NaN), times a random factor in [1, 2) so they vary token to
+  # token and a kernel that ignores or misplaces them fails.
+  assert x.shape[:-1] == scale_shape
+  s = np.abs(x).max(-1) / 448.0 * rng.uniform(1.0, 2.0, scale_shape)
+  s = s.astype(np.float32)
   stored = x / s[..., None]
   return stored, s
 
@@ -264,7 +267,8 @@ class PagedGqaDecodeTest(parameterized.TestCase):
                     kv_heads=s["kv_heads"], hd=s["hd"], page_size=s["page_size"],
                     max_pages=s["max_pages"], lengths=lengths, kv_dtype=kv_dtype)
     scale = 1.0 / math.sqrt(s["hd"])
-    bs = BlockSizes(block_h=16, pages_per_block=ppb, num_splits=num_splits)
+    bs = BlockSizes(block_h=16, pages_per_block=ppb, num_splits=num_splits,
+                    impl="triton")
     out = paged_gqa_decode(*args, scale=scale, backend=self.backend, block_sizes=bs)
     ref = paged_gqa_decode_reference(*args, scale=scale)
     self.assertEqual(out.shape, ref.shape)
@@ -275,6 +279,42 @@ class PagedGqaDecodeTest(parameterized.TestCase):
 class PagedGqaDecodeInterpretTest(PagedGqaDecodeTest):
   INTERPRET = True
   SHAPE = dict(kv_heads=2, hd=32, page_size=4, max_pages=6, batch=3)
+
+
+class PagedGqaDecodeMgpuTest(parameterized.TestCase):
+  """The Mosaic GPU GQA kernel (head_dim % 64, 64 % page, fp8: KV % 8); GPU only."""
+
+  INTERPRET = False
+  SHAPE = dict(kv_heads=8, hd=128, page_size=16, max_pages=64, batch=4)
+
+  def setUp(self):
+    super().setUp()
+    if not self.INTERPRET and not ON_GPU:
+      self.skipTest("compiled Pallas kernels need a GPU")
+
+  @parameterized.parameters(
+      ("bf16", "boundary", 2, 4), ("fp8", "ragged", 2, 1), ("fp8", "one", 1, 16))
+  def test_matches_reference(self, kv_dtype, length_kind, num_splits, group):
+    s = self.SHAPE
+    lengths = _lengths(length_kind, s["batch"], s["page_size"], s["max_pages"])
+    args = make_gqa(_seed("mgpu", kv_dtype, length_kind, num_splits, group),
+                    batch=s["batch"], heads=s["kv_heads"] * group,
+                    kv_heads=s["kv_heads"], hd=s["hd"], page_size=s["page_size"],
+                    max_pages=s["max_pages"], lengths=lengths, kv_dtype=kv_dtype)
+    scale = 1.0 / math.sqrt(s["hd"])
+    out = paged_gqa_decode(*args, scale=scale,
+                           backend="interpret" if self.INTERPRET else "pallas",
+                           block_sizes=BlockSizes(num_splits=num_splits, impl="mgpu"))
+    ref = paged_gqa_decode_reference(*args, scale=scale)
+    self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
+    self.assertLessEqual(_rel_err(out, ref), TOL[kv_dtype])
+    if self.INTERPRET:
+      self.assertFalse(gpu_interpret.get_races().races_found, "data race")
+
+
+class PagedGqaDecodeMgpuInterpretTest(PagedGqaDecodeMgpuTest):
+  INTERPRET = True
+  SHAPE = dict(kv_heads=8, hd=64, page_size=16, max_pages=8, batch=2)
 
 
 class ReferenceTest(parameterized.TestCase):
@@ -330,8 +370,9 @@ class LoweringTest(parameterized.TestCase):
     self.assertIn("paged_mla_decode", text)
     self.assertIn("mosaic_gpu" if impl == "mgpu" else "triton", text)
 
-  @parameterized.product(kv_dtype=("bf16", "fp8"), group=(1, 8, 16))
-  def test_gqa_lowers_for_h200(self, kv_dtype, group):
+  @parameterized.product(kv_dtype=("bf16", "fp8"), group=(1, 16),
+                         impl=("mgpu", "triton"))
+  def test_gqa_lowers_for_h200(self, kv_dtype, group, impl):
     S = jax.ShapeDtypeStruct
     b, kv, hd, ps, n, p = 8, 8, 128, 16, 4096, 512
     dt = jnp.bfloat16 if kv_dtype == "bf16" else FP8
@@ -339,8 +380,11 @@ class LoweringTest(parameterized.TestCase):
     low = lowering.lower_for_h200(
         paged_gqa_decode, S((b, kv * group, hd), jnp.bfloat16), S((n, ps, kv, hd), dt),
         S((n, ps, kv, hd), dt), sc, sc, S((b, p), jnp.int32), S((b,), jnp.int32),
-        scale=0.09, backend="pallas")
-    self.assertIn("paged_gqa_decode", low.as_text())
+        scale=0.09, backend="pallas",
+        block_sizes=BlockSizes(num_splits=4, pages_per_block=4, impl=impl))
+    text = low.as_text()
+    self.assertIn("paged_gqa_decode", text)
+    self.assertIn("mosaic_gpu" if impl == "mgpu" else "triton", text)
 
 
 if __name__ == "__main__":

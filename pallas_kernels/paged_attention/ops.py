@@ -9,6 +9,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import dispatch
+from pallas_kernels.paged_attention import gqa_mgpu
 from pallas_kernels.paged_attention import mla_mgpu
 from pallas_kernels.paged_attention import reference
 from pallas_kernels.paged_attention import triton_kernels
@@ -46,6 +47,18 @@ def _mla_mgpu_supported(q_latent, latent, k_rope):
   dt = jnp.dtype(latent.dtype)
   return (c % 128 == 0 and ps % 64 == 0 and r % 64 == 0 and c // 2 <= 256
           and (dt == jnp.dtype(FP8) or dt == jnp.dtype(q_latent.dtype))
+          and dt in (jnp.dtype(FP8), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+
+
+def _gqa_mgpu_supported(q, k):
+  """Whether gqa_mgpu handles this shape/dtype (else the Triton kernel runs)."""
+  _, ps, kv, hd = k.shape
+  g = q.shape[1] // kv
+  dt = jnp.dtype(k.dtype)
+  fp8 = dt == jnp.dtype(FP8)
+  return (hd % 64 == 0 and hd <= 256 and gqa_mgpu.BLOCK_K % ps == 0 and ps % 8 == 0
+          and g <= gqa_mgpu.BLOCK_H and (not fp8 or kv % 8 == 0)
+          and (fp8 or dt == jnp.dtype(q.dtype))
           and dt in (jnp.dtype(FP8), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
 
@@ -188,7 +201,8 @@ def paged_gqa_decode(q, k, v, k_scale, v_scale, block_tables, lengths, *,
   """GQA decode attention over paged K/V.
 
   Query head h attends with KV head h // (H // KV), over the first lengths[b]
-  tokens of request b. Softmax in f32. Split-K over pages as in
+  tokens of request b. Softmax in f32. On Mosaic GPU (gqa_mgpu.py) where the
+  shape allows, else on Triton (triton_kernels.py). Split-K over pages as in
   paged_mla_decode; one program per (request, KV head, split) handles the
   whole query group of that KV head, so K/V are read once per group.
 
@@ -230,6 +244,16 @@ def paged_gqa_decode(q, k, v, k_scale, v_scale, block_tables, lengths, *,
   p = block_tables.shape[1]
   bs = block_sizes or BlockSizes.get_default(
       "gqa", num_heads=g, page_size=ps, max_pages=p, batch=b * kv)
+  supported = _gqa_mgpu_supported(q, k)
+  if bs.impl == "mgpu" and not supported:
+    raise ValueError(
+        f"gqa_mgpu needs head_dim % 64 == 0, 64 % page_size == 0, group <= 64, "
+        f"KV % 8 == 0 for fp8 and a bf16/f16/fp8 cache matching q; got k "
+        f"{k.shape} {k.dtype}, q {q.shape} {q.dtype}")
+  if bs.impl == "mgpu" or (bs.impl == "auto" and supported):
+    return _gqa_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths,
+                     scale=scale, num_splits=bs.num_splits,
+                     interpret=backend == "interpret")
   # One program covers a whole group: pad the group up to block_h (>= 16,
   # the minimum dot M); the padded rows are computed and dropped.
   bh = max(bs.block_h, 1 << (g - 1).bit_length())
@@ -272,5 +296,28 @@ def paged_gqa_decode(q, k, v, k_scale, v_scale, block_tables, lengths, *,
   acc = acc.reshape(b, splits, kv * bh, hd)
   out = reference.combine_splits(acc, m.reshape(b, splits, kv * bh),
                                  l.reshape(b, splits, kv * bh))
+  out = out.reshape(b, kv, bh, hd)[:, :, :g].reshape(b, h, hd)
+  return out.astype(q.dtype)
+
+
+def _gqa_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, *, scale,
+              num_splits, interpret):
+  """Runs gqa_mgpu: pads each group to 64 rows, casts q, merges the splits."""
+  b, h, hd = q.shape
+  ps, kv = k.shape[1], k.shape[2]
+  g = h // kv
+  cdt = jnp.float16 if k.dtype == FP8 else k.dtype  # see gqa_mgpu: fp8 -> f16
+  qg = q.reshape(b, kv, g, hd).astype(cdt)
+  qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gqa_mgpu.BLOCK_H - g), (0, 0)))
+  ppb = gqa_mgpu.BLOCK_K // ps
+  bt = _pad_tables(block_tables.astype(jnp.int32), num_splits * ppb)
+  o, lse = gqa_mgpu.gqa_decode_mgpu(
+      qg, k, v, k_scale, v_scale, bt, lengths.astype(jnp.int32),
+      scale=float(scale), pages_per_split=bt.shape[1] // num_splits,
+      num_splits=num_splits,
+      interpret=mgpu_interpret_params() if interpret else False)
+  bh = gqa_mgpu.BLOCK_H
+  out = reference.combine_lse(o.reshape(b, num_splits, kv * bh, hd),
+                              lse.reshape(b, num_splits, kv * bh))
   out = out.reshape(b, kv, bh, hd)[:, :, :g].reshape(b, h, hd)
   return out.astype(q.dtype)

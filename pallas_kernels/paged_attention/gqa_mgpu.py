@@ -1,0 +1,229 @@
+"""Paged GQA decode on Pallas Mosaic GPU (Hopper): TMA page gathers + wgmma.
+
+One CTA (one warpgroup) per (KV head, split, request). The query group of
+that KV head (1..16 heads) is padded to wgmma's M = 64 rows: decode GQA is
+bandwidth-bound (~64 flop/byte even padded, under the H200's ~180), so the
+idle MMA rows cost no time, and K/V are read once per group.
+
+Each step gathers `64 // page_size` pages (64 tokens) with one TMA per page
+and tensor (K, V, and for fp8 the [page, KV] scale rows), driven by scalar
+block-table reads from GMEM.
+
+fp8: e4m3 -> f16 (exact; works with any ptxas, while fp8 -> bf16 needs ISA
+>= 9.2, DESIGN.md §3) in a conversion pass through SMEM, because wgmma reads
+B only from SMEM. The per-(token, head) scale is applied inside that pass:
+the values are in registers anyway, and a K scale folded into the logits
+would need a per-column vector that the [page, KV] scale layout (head
+minor) cannot be TMA'd into. Rows past the length are zeroed in the same
+pass (bf16: in place, on the partial block only), so garbage, even NaN,
+never reaches the output.
+
+Outputs per split: o [B, S, KV, 64, hd] f32 normalised by the split's
+softmax sum, lse [B, S, KV, 64] f32; combine_lse merges them.
+"""
+
+import math
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+FP8 = jnp.float8_e4m3fn
+BLOCK_H = 64  # wgmma M
+BLOCK_K = 64  # tokens per step
+NEG = -1e30
+_LOG2E = math.log2(math.e)
+_OUT_CHUNK = 32
+
+
+def _transforms(cols, dtype):
+  bits = jnp.dtype(dtype).itemsize * 8
+  swizzle = plgpu.find_swizzle(cols * bits, "rhs")
+  return (plgpu.TilingTransform((8, swizzle * 8 // bits)),
+          plgpu.SwizzleTransform(swizzle))
+
+
+def gqa_decode_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, *, scale,
+                    pages_per_split, num_splits, interpret=False):
+  """Split-K paged GQA decode partials on Mosaic GPU.
+
+  Args:
+    q: [B, KV, 64, hd] query groups padded to 64 rows, in the compute dtype
+      (f16 for an fp8 cache, else the cache dtype).
+    k, v: [N, ps, KV, hd] pages (bf16/f16 or fp8 e4m3); 64 % ps == 0.
+    k_scale, v_scale: [N, ps, KV] f32 or None; KV % 8 == 0 when given.
+    block_tables: [B, num_splits * pages_per_split] int32, pages_per_split a
+      multiple of 64 // ps.
+    lengths: [B] int32.
+    scale: softmax scale.
+    pages_per_split, num_splits: split-K partition.
+    interpret: False, or a plgpu.InterpretGPUParams.
+
+  Returns:
+    (o [B, S, KV, 64, hd] f32 normalised per split, lse [B, S, KV, 64] f32).
+  """
+  b, nkv, bh, hd = q.shape
+  n, ps, _, _ = k.shape
+  fp8 = k.dtype == FP8
+  cdt = q.dtype
+  ppb = BLOCK_K // ps
+  if bh != BLOCK_H or hd % 64 or BLOCK_K % ps or pages_per_split % ppb:
+    raise ValueError(f"unsupported shape: q {q.shape}, page_size {ps}, "
+                     f"pages_per_split {pages_per_split}")
+  if fp8 and (cdt != jnp.float16 or nkv % 8):
+    raise ValueError("an fp8 cache needs an f16 query and KV % 8 == 0")
+  p_in_smem = bool(interpret)
+
+  def kernel(q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref, len_ref, o_ref,
+             lse_ref, scratch):
+    (q_smem, k_st, v_st, ks_st, vs_st, k16, v16, p_smem, o_smem, lse_smem,
+     q_bar, tma_bar) = scratch
+    kvh = lax.axis_index("kv")
+    split = lax.axis_index("s")
+    bi = lax.axis_index("b")
+    length = len_ref[bi]
+    num_pages = lax.div(length + (ps - 1), ps)
+    start = split * pages_per_split
+    used = jnp.maximum(jnp.minimum(start + pages_per_split, num_pages) - start, 0)
+    steps = lax.div(used + (ppb - 1), ppb)
+
+    def issue(step):
+      for j in range(ppb):
+        page = bt_ref[bi, start + step * ppb + j]
+        rows = pl.ds(j * ps, ps)
+        plgpu.copy_gmem_to_smem(k_ref.at[page, :, kvh], k_st.at[rows], tma_bar)
+        plgpu.copy_gmem_to_smem(v_ref.at[page, :, kvh], v_st.at[rows], tma_bar)
+        if fp8:
+          plgpu.copy_gmem_to_smem(ks_ref.at[page], ks_st.at[rows], tma_bar)
+          plgpu.copy_gmem_to_smem(vs_ref.at[page], vs_st.at[rows], tma_bar)
+
+    plgpu.copy_gmem_to_smem(q_ref.at[bi, kvh], q_smem, q_bar)
+    @pl.when(steps > 0)
+    def _():
+      issue(0)
+    plgpu.barrier_wait(q_bar)
+
+    def head_scale(ref):
+      """[64 tokens] scales of this KV head, as a per-row vector."""
+      x = plgpu.load(ref, layout=plgpu.Layout.WGMMA, optimized=False)  # [64, KV]
+      col = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=plgpu.Layout.WGMMA)
+      return jnp.sum(jnp.where(col == kvh, x, 0.0), axis=1)
+
+    def body(i, carry):
+      acc, m_i, l_i = carry
+      pos0 = (start + i * ppb) * ps
+      plgpu.barrier_wait(tma_bar)
+      rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K, hd), 0, layout=plgpu.Layout.WGMMA)
+      row_ok = rows + pos0 < length
+      if fp8:
+        ks = lax.broadcast_in_dim(head_scale(ks_st), (BLOCK_K, hd), [0])
+        vs = lax.broadcast_in_dim(head_scale(vs_st), (BLOCK_K, hd), [0])
+        kx = k_st[...].astype(jnp.float32) * ks
+        vx = v_st[...].astype(jnp.float32) * vs
+        k16[...] = jnp.where(row_ok, kx, 0.0).astype(cdt)
+        v16[...] = jnp.where(row_ok, vx, 0.0).astype(cdt)
+        plgpu.commit_smem()
+        # Staging is free once converted: prefetch the next block now.
+        @pl.when(i + 1 < steps)
+        def _():
+          issue(i + 1)
+        kk, vv = k16, v16
+      else:
+        @pl.when(pos0 + BLOCK_K > length)
+        def _():
+          x = v_st[...]
+          v_st[...] = jnp.where(row_ok, x, jnp.zeros_like(x))
+          plgpu.commit_smem()
+        kk, vv = k_st, v_st
+
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, kk.transpose((1, 0)))
+        return acc_ref[...]
+      logits = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_K), jnp.float32)) * scale
+      kpos = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, BLOCK_K), 1, layout=plgpu.Layout.WGMMA)
+      valid = kpos + pos0 < length
+      logits = jnp.where(valid, logits, NEG)
+      m_new = jnp.maximum(m_i, logits.max(axis=1))
+      alpha = jnp.exp2((m_i - m_new) * _LOG2E)
+      p = jnp.exp2((logits - lax.broadcast_in_dim(m_new, logits.shape, [0])) * _LOG2E)
+      p = jnp.where(valid, p, 0.0)
+      l_new = l_i * alpha + p.sum(axis=1)
+      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+      p16 = p.astype(cdt)
+      if p_in_smem:
+        p_smem[...] = p16
+        plgpu.commit_smem()
+        p_op = p_smem
+      else:
+        p_op = p16
+      if interpret:
+        # See mla_mgpu: the interpreter cannot run_state an accumulator.
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p_op, vv)
+          return acc_ref[...]
+        acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_H, hd), jnp.float32))
+      else:
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p_op, vv)
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+      if not fp8:
+        plgpu.wgmma_wait(0)
+        @pl.when(i + 1 < steps)
+        def _():
+          issue(i + 1)
+      return acc, m_new, l_new
+
+    acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_H, hd), jnp.float32), plgpu.Layout.WGMMA)
+    m0 = plgpu.layout_cast(jnp.full((BLOCK_H,), NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    l0 = plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    acc, m_i, l_i = lax.fori_loop(0, steps, body, (acc0, m0, l0))
+    nonempty = l_i > 0
+    inv = 1.0 / jnp.where(nonempty, l_i, 1.0)
+    acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+    for j in range(hd // _OUT_CHUNK):
+      o_smem[...] = acc[:, j * _OUT_CHUNK:(j + 1) * _OUT_CHUNK]
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(
+          o_smem, o_ref.at[bi, split, kvh, :, pl.ds(j * _OUT_CHUNK, _OUT_CHUNK)])
+      plgpu.wait_smem_to_gmem(0)
+    lse_smem[...] = jnp.where(nonempty, m_i + jnp.log(jnp.where(nonempty, l_i, 1.0)), NEG)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, split, kvh])
+    plgpu.wait_smem_to_gmem(0)
+
+  def entry(*refs):
+    st = k.dtype
+    scratch = [
+        plgpu.SMEM((BLOCK_H, hd), cdt, transforms=_transforms(hd, cdt)),
+        plgpu.SMEM((BLOCK_K, hd), st, transforms=_transforms(hd, st)),
+        plgpu.SMEM((BLOCK_K, hd), st, transforms=_transforms(hd, st)),
+        plgpu.SMEM((BLOCK_K, nkv), jnp.float32) if fp8 else None,
+        plgpu.SMEM((BLOCK_K, nkv), jnp.float32) if fp8 else None,
+        plgpu.SMEM((BLOCK_K, hd), cdt, transforms=_transforms(hd, cdt)) if fp8 else None,
+        plgpu.SMEM((BLOCK_K, hd), cdt, transforms=_transforms(hd, cdt)) if fp8 else None,
+        (plgpu.SMEM((BLOCK_H, BLOCK_K), cdt, transforms=_transforms(BLOCK_K, cdt))
+         if p_in_smem else None),
+        plgpu.SMEM((BLOCK_H, _OUT_CHUNK), jnp.float32),
+        plgpu.SMEM((BLOCK_H,), jnp.float32),
+    ]
+    barriers = [
+        plgpu.Barrier(num_arrivals=1),  # q loaded
+        # Every TMA issued with a barrier is one arrival on it.
+        plgpu.Barrier(num_arrivals=ppb * (4 if fp8 else 2)),
+    ]
+    pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, *barriers)
+
+  out_type = (jax.ShapeDtypeStruct((b, num_splits, nkv, BLOCK_H, hd), jnp.float32),
+              jax.ShapeDtypeStruct((b, num_splits, nkv, BLOCK_H), jnp.float32))
+  kwargs = dict(interpret=interpret) if interpret else {}
+  return plgpu.kernel(
+      entry,
+      out_type=out_type,
+      grid=(nkv, num_splits, b),
+      grid_names=("kv", "s", "b"),
+      kernel_name="paged_gqa_decode_mgpu",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      **kwargs,
+  )(q, k, v, k_scale, v_scale, block_tables, lengths)
