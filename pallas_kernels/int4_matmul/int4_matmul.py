@@ -21,15 +21,33 @@ through SMEM rather than feeding wgmma from registers is what the Mosaic GPU
 interpreter needs (both wgmma operands in SMEM) and keeps one code path.
 Accumulation is f32 in the wgmma accumulator.
 
-Not expressible in Mosaic GPU with jax 0.11.2 (so worked around as above):
-  * arithmetic on uint8/int8 registers ("Pointwise operations on 8-bit types
-    are unsupported"), hence the int32 upcast;
-  * broadcasting a scale row in a WG_STRIDED layout and storing it into an
-    SMEM ref that wgmma also reads ("Layout inference failed to find a
-    solution"), hence the WGMMA layout and 64-row chunks (tile_k % 128 == 0);
-  * TMA stores of a dynamic, sub-16-byte column range, so the grouped kernel
-    (tokens are columns of out^T) writes one masked [tile_n, tile_m] slab per
-    scheduled tile and the wrapper sums slabs of the same token block.
+Not expressible in Mosaic GPU with jax 0.11.2 (checked by lowering for an
+abstract H200), so worked around as above:
+  * arithmetic on uint8/int8 registers: "NotImplementedError: Pointwise
+    operations on 8-bit types are unsupported (except bitwise operations)",
+    hence the int32 upcast;
+  * a scale row broadcast along rows with inferred layouts ("Failed to infer a
+    possible set of layouts"), or in an explicit WG_STRIDED layout stored into
+    the SMEM scratch that wgmma also reads ("Layout inference failed to find a
+    solution"), hence explicit WGMMA layouts and 64-row register chunks, which
+    is why tile_k must be a multiple of 128;
+  * the grouped kernel's tokens are the minor (column) axis of out^T, and a TMA
+    store needs a static box whose minor extent is at least 16 bytes, so a tile
+    cannot store just its expert's dynamic column range. It writes a full
+    [tile_n, tile_m] slab with the other columns zeroed, and the wrapper sums
+    the slabs of each token block (segment_sum; exactly one nonzero term).
+
+Performance notes (not yet measured on a GPU):
+  * The wrapper adds XLA ops around each kernel: the even/odd split of x (fuses
+    into x's producer inside a model), and the split-K sum, transpose and cast
+    of the output (one small fusion for decode shapes).
+  * One warpgroup per CTA both dequantises and issues wgmma, waiting for each
+    step's wgmma before reusing the scratch. Dequantisation costs about 8 ALU
+    ops per weight, so a single warpgroup per SM would cap decode well below
+    the copy bandwidth; the H200 decode block sizes keep SMEM under half an SM
+    so two CTAs share each SM. Warp specialisation (a producer warpgroup and
+    two dequant/MMA warpgroups, as in hopper_mixed_type_matmul_mgpu) is the
+    next step once the GPU numbers are in.
 """
 
 import functools
