@@ -169,7 +169,7 @@ class Engine:
       outs.append((tok, ok, lg))
     host = jax.device_get(outs)  # the step's only synchronisation
     t2 = time.perf_counter()
-    touched: dict[int, Request] = {}
+    touched: dict[int, tuple[Request, int]] = {}  # id -> (request, tokens before this step)
     generated = 0
     now = t2
     k = 0
@@ -178,7 +178,7 @@ class Engine:
       k += 1
       for i, item in enumerate(plan.prefill):
         req = item.req
-        touched[req.request_id] = req
+        touched[req.request_id] = (req, len(req.output))
         if not ok[i]:
           self._integrity_abort(req)
           continue
@@ -189,13 +189,13 @@ class Engine:
     if dec is not None:
       tok, ok, lg = host[k]
       for i, req in enumerate(plan.decode):
-        touched[req.request_id] = req
+        touched[req.request_id] = (req, len(req.output))
         if not ok[i]:
           self._integrity_abort(req)
           continue
         generated += self._emit(req, tok[i], lg[i] if lg is not None else None, now)
-    results = [RequestOutput(r.request_id, tuple(r.take_pending()), r.status, r.finish_reason,
-                             r.abort_reason) for r in touched.values()]
+    results = [RequestOutput(r.request_id, tuple(r.output[n:]), r.status, r.finish_reason,
+                             r.abort_reason) for r, n in touched.values()]
     t3 = time.perf_counter()
     self.stats.record_step(host_s=(t1 - t0) + (t3 - t2), device_s=t2 - t1,
                            prefill=pre is not None, decode=dec is not None, generated=generated,
@@ -234,11 +234,14 @@ class Engine:
     their Request objects.
     """
     req = self.get(request_id)
-    yield from req.take_pending()
-    while not req.done:
+    n = 0
+    while True:
+      while n < len(req.output):
+        n += 1
+        yield req.output[n - 1]
+      if req.done:
+        return
       self.step()
-      yield from req.take_pending()
-    yield from req.take_pending()
 
   def generate(self, prompts: Sequence[Sequence[int]],
                sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams()

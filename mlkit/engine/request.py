@@ -73,8 +73,6 @@ class Request:
   admit_seq: int = -1
   first_token_time: float | None = None
   finish_time: float | None = None
-  # Tokens emitted but not yet handed out by Engine.step / stream.
-  _pending: list = dataclasses.field(default_factory=list)
 
   @property
   def done(self) -> bool:
@@ -86,15 +84,10 @@ class Request:
     return len(self.prompt) + len(self.output)
 
   def emit(self, token: int, now: float) -> None:
-    """Appends a generated token and marks it for streaming."""
+    """Appends a generated token."""
     if self.first_token_time is None:
       self.first_token_time = now
     self.output.append(int(token))
-    self._pending.append(int(token))
-
-  def take_pending(self) -> list[int]:
-    out, self._pending = self._pending, []
-    return out
 
   def should_stop(self) -> str | None:
     """The finish reason if the last token ends the request, else None."""

@@ -1,0 +1,110 @@
+"""engine_overhead: host time per engine step with 64 running requests on SMALL_MLA.
+
+The engine times each step in two parts: host work (scheduling, building the
+step inputs, bookkeeping after the results arrive) and the device step (from
+dispatch until the sampled tokens and integrity flags are on the host). This
+benchmark fills the running batch with 64 decoding requests and reports the
+host share of the decode-step time, with the integrity check on (the default)
+and off, both measured in the same run, plus the check's cost as a ratio.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from configs import SMALL_MLA
+from experiments import common
+from mlkit.engine import Engine, EngineConfig
+from mlkit.kvcache import KVCacheConfig
+from mlkit.model import count_params, init_params
+from mlkit.sampling import SamplingParams
+
+_RUNNING = 64
+_PROMPT = 16
+_PAGE = 16
+
+
+def _measure(params, cfg, *, integrity_check: bool, warmup: int, steps: int, seed: int) -> dict:
+  """Runs 64 requests to steady decode, then times ``steps`` decode-only engine steps."""
+  new_tokens = warmup + steps + 2
+  pages_per_seq = -(-(_PROMPT + new_tokens) // _PAGE)
+  ecfg = EngineConfig(
+      model=cfg, kv=KVCacheConfig(num_pages=_RUNNING * pages_per_seq + 8, page_size=_PAGE),
+      max_running=_RUNNING, batch_buckets=(_RUNNING,), prefill_buckets=(_PROMPT,),
+      prefill_token_budget=_RUNNING * _PROMPT, max_pages_per_seq=pages_per_seq,
+      integrity_check=integrity_check)
+  eng = Engine(params, ecfg)
+  rng = np.random.default_rng(seed)
+  for i in range(_RUNNING):
+    eng.submit(rng.integers(0, cfg.vocab_size, _PROMPT).tolist(),
+               SamplingParams(max_new_tokens=new_tokens, seed=i))
+  eng.step()  # one prefill step for all 64 (compiles it)
+  for _ in range(warmup):  # compiles the decode step, then settles
+    eng.step()
+  assert len(eng.scheduler.running) == _RUNNING, len(eng.scheduler.running)
+  host, device = [], []
+  for _ in range(steps):
+    eng.step()
+    host.append(eng.stats.last_host_seconds)
+    device.append(eng.stats.last_device_seconds)
+  host, device = np.asarray(host), np.asarray(device)
+  total = host + device
+  return {
+      "integrity_check": integrity_check, "steps": steps,
+      "host_ms_median": 1e3 * float(np.median(host)),
+      "device_ms_median": 1e3 * float(np.median(device)),
+      "step_ms_median": 1e3 * float(np.median(total)),
+      "host_fraction": float(host.sum() / total.sum()),
+      "host_fraction_median": float(np.median(host / total)),
+      "engine_metrics": eng.metrics(),
+  }
+
+
+def run(out_dir: str, *, quick: bool = True) -> dict:
+  """Measures host overhead with 64 running requests; writes engine_overhead.{json,md}.
+
+  Args:
+    out_dir: folder for the results.
+    quick: fewer timed steps (the model is SMALL_MLA either way).
+
+  Returns:
+    The JSON record.
+  """
+  cfg = SMALL_MLA
+  warmup, steps = (2, 8) if quick else (4, 48)
+  common.progress(f"engine_overhead: {cfg.name} ({count_params(cfg) / 1e6:.1f}M params), "
+                  f"{_RUNNING} running requests, {steps} timed decode steps")
+  import jax
+  params = init_params(cfg, jax.random.key(0))
+  runs = []
+  for check in (True, False):
+    common.progress(f"engine_overhead: integrity check {'on' if check else 'off'}")
+    runs.append(_measure(params, cfg, integrity_check=check, warmup=warmup, steps=steps, seed=0))
+    common.progress(f"engine_overhead: host {runs[-1]['host_ms_median']:.2f} ms / step "
+                    f"{runs[-1]['step_ms_median']:.2f} ms ({100 * runs[-1]['host_fraction']:.2f}%)")
+  on, off = runs
+  record = {
+      "experiment": "engine_overhead",
+      "machine": common.machine_info(),
+      "config": cfg.to_dict(),
+      "running_requests": _RUNNING, "prompt_len": _PROMPT, "page_size": _PAGE,
+      "quick": quick, "runs": runs,
+      "host_fraction_check_on": on["host_fraction"],
+      "host_overhead_under_5_percent": on["host_fraction"] < 0.05,
+      "integrity_check_step_time_ratio": on["step_ms_median"] / off["step_ms_median"],
+  }
+  common.write_json(out_dir, "engine_overhead", record)
+  rows = [["on" if r["integrity_check"] else "off", r["steps"], r["host_ms_median"],
+           r["device_ms_median"], r["step_ms_median"], 100 * r["host_fraction"]] for r in runs]
+  md = (f"# engine_overhead\n\nHost overhead per decode step with {_RUNNING} running requests on "
+        f"`{cfg.name}` on `{record['machine']['device_kind']}` "
+        f"({record['machine']['backend']}); medians over the timed steps.\n\n"
+        + common.markdown_table(["integrity check", "steps", "host ms", "device ms", "step ms",
+                                 "host %"], rows)
+        + f"\nStep time with the check / without: {record['integrity_check_step_time_ratio']:.3f}."
+        + "\nOn a CPU the 'device' is the same cores, so only the ratios carry over.\n")
+  common.write_markdown(out_dir, "engine_overhead", md)
+  print(f"host overhead {100 * on['host_fraction']:.2f}% of step time "
+        f"({on['host_ms_median']:.2f} of {on['step_ms_median']:.2f} ms), "
+        f"check on/off step time ratio {record['integrity_check_step_time_ratio']:.3f}")
+  return record
