@@ -24,7 +24,6 @@ size) run; call :func:`validate_batch` on the host before such a step.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Sequence
 
 import jax
@@ -75,7 +74,7 @@ class BatchMeta:
   block_tables: jax.Array
   lengths: jax.Array
   expected_tags: jax.Array
-  page_size: int = struct.field(pytree_node=False, default=0)
+  page_size: int = struct.field(pytree_node=False)
 
 
 @struct.dataclass
@@ -485,8 +484,3 @@ def copy_pages(state: PagedKVState, copies: Sequence[tuple[int, int]]) -> PagedK
   if (arr < 0).any() or (arr >= state.num_pages).any():
     raise ValueError(f"copy_pages: page ids {arr.tolist()} outside the pool of {state.num_pages}")
   return _copy_pages_jit(state, jnp.asarray(arr[:, 0], jnp.int32), jnp.asarray(arr[:, 1], jnp.int32))
-
-
-def pages_needed(num_tokens: int, page_size: int) -> int:
-  """ceil(num_tokens / page_size)."""
-  return math.ceil(num_tokens / page_size)
