@@ -133,6 +133,23 @@ class WriteReadTest(parameterized.TestCase):
           touched[bt[b, p // P], p % P] = True
       np.testing.assert_array_equal(pages[~touched], 7.0)
 
+  def test_bf16_entries_into_fp8_pool(self):
+    # The decode pool's case: a bf16 model writing to fp8 pages and reading bf16 back.
+    kv_cfg = kvc.KVCacheConfig(num_pages=4, page_size=4, dtype="float8_e4m3fn")
+    state = kvc.init_paged_state(MLA1, kv_cfg)
+    meta = make_batch([7, 3], 4, 4, 2)
+    new = {k: v.astype(jnp.bfloat16) for k, v in random_entries(MLA1, 2, 7, seed=4).items()}
+    pos = jnp.broadcast_to(jnp.arange(7, dtype=jnp.int32), (2, 7))
+    state = kvc.write_prefill(state, [new], pos, meta, kv_cfg=kv_cfg)
+    view = kvc.read_layer(state, 0, meta, dtype=jnp.bfloat16)
+    for name in state.names:
+      self.assertEqual(view[name].dtype, jnp.bfloat16)
+      got = np.concatenate([np.asarray(view[name][0, :7], np.float32),
+                            np.asarray(view[name][1, :3], np.float32)])
+      want = np.concatenate([np.asarray(new[name][0], np.float32),
+                             np.asarray(new[name][1, :3], np.float32)])
+      self.assertLessEqual(rel_err(got, want), FP8_TOL)
+
   def test_copy_pages(self):
     kv_cfg = kvc.KVCacheConfig(num_pages=4, page_size=2, dtype="float8_e4m3fn")
     state = kvc.init_paged_state(MLA1, kv_cfg)

@@ -1,9 +1,24 @@
 """Paged KV cache: fp8/bf16 page pools with per-token scales, page tags and a host allocator.
 
-Layers: ``config`` (KVCacheConfig), ``fp8`` (per-token quantisation), ``state``
+Modules: ``config`` (KVCacheConfig), ``fp8`` (per-token quantisation), ``state``
 (device pytree, write/read paths, the model cache interface), ``allocator``
 (host free list, tags, refcounts, block tables), ``reference`` (pure-jnp paged
 attention and tag check), ``capacity`` (bytes per token and tokens per budget).
+
+One step, end to end::
+
+  alloc = PageAllocator(kv_cfg.num_pages, kv_cfg.page_size_for(cfg))
+  state = init_paged_state(cfg, kv_cfg)
+  if (refused := alloc.admit(rid, prompt_len)) is not None: ...  # CannotAdmit: queue it
+  meta = alloc.batch_meta(batch_ids, max_pages=M)               # host -> device arrays
+  state = sync_tags(state, alloc)                               # device page_tags mirror
+  validate_batch(state, meta, positions)                        # host-side value checks
+  ok = tag_check_reference(state.page_tags, meta.block_tables, meta.expected_tags,
+                           meta.lengths, page_size=meta.page_size)  # before attention reads
+  logits, state = jitted_apply(params, tokens, positions, state, batch_meta=meta)  # donates state
+
+The paged state is itself the cache ``mlkit.model.apply`` expects (it has
+``update(layer, new, positions, batch_meta)``), so the model runs unchanged.
 """
 
 from mlkit.kvcache.allocator import CannotAdmit, OutOfPages, PageAllocator, next_tag, tag_to_int32
