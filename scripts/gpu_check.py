@@ -167,15 +167,19 @@ def check_mla(smoke):
 def check_gqa(smoke):
   """Paged GQA decode, head_dim 128, group sizes 1 and 8."""
   if smoke:
-    cases = [dict(batch=2, kv_heads=2, group=4, hd=32, page_size=4, context=24)]
+    cases = [dict(batch=2, kv_heads=8, group=2, hd=64, page_size=16, context=40)]
   else:
     cases = [dict(batch=32, kv_heads=8, group=8, hd=128, page_size=16, context=8192),
              dict(batch=8, kv_heads=8, group=1, hd=128, page_size=16, context=32768)]
   records = []
-  for shape in cases:
-    for kv in ("bf16", "fp8"):
-      case = dict(shape, kv=kv)
+  for shape, kv, impl in itertools.product(cases, ("bf16", "fp8"), ("mgpu", "triton")):
+    if True:
+      case = dict(shape, kv=kv, impl=impl)
       b, nkv, g, hd, ps, ctx = (shape[k] for k in ("batch", "kv_heads", "group", "hd", "page_size", "context"))
+      bs = pa.BlockSizes.get_default("gqa", num_heads=g, page_size=ps,
+                                     max_pages=-(-ctx // ps), batch=b * nkv)
+      bs = dataclasses.replace(bs, impl=impl)
+      case["num_splits"] = bs.num_splits
       max_pages = -(-ctx // ps)
       n = b * max_pages + 1
       keys = jax.random.split(jax.random.key(1), 4)
@@ -185,7 +189,8 @@ def check_gqa(smoke):
       bt, lengths = _tables(keys[3], b, max_pages, n, ps, ctx)
       args = (q, k, v, k_s, v_s, bt, lengths)
       scale = 1 / math.sqrt(hd)
-      run_kernel = lambda: pa.paged_gqa_decode(*args, scale=scale, backend=kernel_backend(smoke))
+      run_kernel = lambda: pa.paged_gqa_decode(*args, scale=scale, backend=kernel_backend(smoke),
+                                               block_sizes=bs)
       run_xla = lambda: pa.paged_gqa_decode(*args, scale=scale, backend="xla")  # jitted reference
       tokens = int(np.sum(np.asarray(lengths)))
       per_token = 2 * nkv * (hd * jnp.dtype(k.dtype).itemsize + (4 if kv == "fp8" else 0))
