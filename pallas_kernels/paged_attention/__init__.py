@@ -1,7 +1,8 @@
 """Paged decode attention (MLA absorbed form and GQA), bf16 or fp8 KV pages.
 
-Three layers, as in JAX's Pallas ops: the kernels (triton_kernels.py), the
-public jitted wrappers with ``backend=`` (ops.py) and the pure-jnp references
+Three layers, as in JAX's Pallas ops: the kernels (Mosaic GPU: mla_mgpu.py,
+gqa_mgpu.py; Triton fallback for other shapes: triton_kernels.py), the public
+jitted wrappers with ``backend=`` (ops.py) and the pure-jnp references
 (reference.py); block sizes in block_sizes.py.
 """
 

@@ -1,16 +1,14 @@
 """Split-K paged decode attention kernels on the Pallas Triton backend.
 
-Why Triton and not Mosaic GPU (the preferred Hopper backend, DESIGN.md §2):
-these kernels gather pages through a block table with a data-dependent page
-id per loop step. In jax 0.11.2 the Mosaic GPU version needs per-page TMA
-copies from scalar GMEM reads, an fp8 -> f16 dequantisation pass through a
-shared-memory scratch (wgmma takes its B operand only from SMEM, and the
-interpreter also wants A there), and, for MLA's 512-wide latent, the output
-accumulator split over two warpgroups (a [64, 512] f32 accumulator is 256
-registers per thread, above the 255 limit). That kernel is `mla_mgpu.py`
-(work in progress); these Triton kernels are the correct, lowering-checked
-baseline that runs today in `interpret=True` mode on CPU and lowers for an
-abstract H200.
+These are the fallback for shapes the Mosaic GPU kernels (mla_mgpu.py,
+gqa_mgpu.py; the preferred Hopper backend, DESIGN.md §2) do not take:
+MLA with C % 128 != 0, page_size % 64 != 0 or R % 64 != 0; GQA with
+head_dim % 64 != 0, 64 % page_size != 0 or an fp8 cache with KV % 8 != 0
+(gqa_mgpu reads the [64 tokens, KV] scale tile in the wgmma layout, which
+needs KV % 8 == 0); f32 caches; and queries whose dtype differs from a bf16
+cache. They also serve as a second implementation to compare against on the
+GPU (BlockSizes(impl="triton")). Here block-table gathers are plain
+vectorised loads (`ref[ids]`), which Triton lowers to pointer arithmetic.
 
 Numerics (both kernels):
 * fp8 pages are converted to the query dtype (bf16) inside the kernel: q is
