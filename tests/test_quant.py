@@ -54,7 +54,8 @@ def _np_dequant_fp8(w: Fp8Weight) -> np.ndarray:
 
 
 def _normal(seed, shape, dtype=jnp.float32):
-  return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+  # numpy draws: jax.random would compile a threefry program per shape on CPU.
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32).astype(dtype)
 
 
 class PackTest(parameterized.TestCase):
@@ -73,11 +74,21 @@ class PackTest(parameterized.TestCase):
     np.testing.assert_array_equal(_np_unpack(packed), q)
 
   def test_round_trip_experts(self):
-    q = jax.random.randint(jax.random.key(0), (3, 8, 5), -8, 8).astype(jnp.int8)
+    q = jnp.asarray(np.random.default_rng(0).integers(-8, 8, (3, 8, 5)), jnp.int8)
     packed = pack_int4(q)
     self.assertEqual(packed.shape, (3, 4, 5))
     np.testing.assert_array_equal(np.asarray(unpack_int4(packed)), np.asarray(q))
     np.testing.assert_array_equal(np.asarray(unpack_int4(jax.jit(pack_int4)(q))), np.asarray(q))
+
+  def test_same_layout_as_the_int4_kernels(self):
+    # pallas_kernels.int4_matmul reads Int4Weight's buffers directly.
+    from pallas_kernels.int4_matmul import reference as kernel_ref
+    w = _normal(11, (2, 64, 8))
+    qw = quantize_int4(w, 32)
+    codes = unpack_int4(qw.packed)
+    np.testing.assert_array_equal(np.asarray(kernel_ref.pack_int4(codes)), np.asarray(qw.packed))
+    np.testing.assert_array_equal(np.asarray(kernel_ref.dequantize_int4(qw.packed, qw.scales, 32)),
+                                  np.asarray(dequantize(qw, jnp.float32)))
 
   def test_pack_odd_k_raises(self):
     with self.assertRaisesRegex(ValueError, "K=3 must be even"):
@@ -252,10 +263,11 @@ class ReferenceMatmulTest(parameterized.TestCase):
 
 def _outlier_acts(seed, m, k):
   """Correlated activations where ~6% of channels are 20x larger (LLM-style outliers)."""
-  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-  mix = jax.random.normal(k1, (k, k)) / k ** 0.5 + jnp.eye(k)
-  gain = jnp.where(jax.random.uniform(k2, (k,)) < 0.06, 20.0, 1.0)
-  return (jax.random.normal(jax.random.key(seed), (m, k)) @ mix) * gain
+  rng = np.random.default_rng(0)  # the same channel mix and outliers for every draw
+  mix = rng.standard_normal((k, k)) / k ** 0.5 + np.eye(k)
+  gain = np.where(rng.uniform(size=k) < 0.06, 20.0, 1.0)
+  x = np.random.default_rng(seed).standard_normal((m, k))
+  return jnp.asarray((x @ mix) * gain, jnp.float32)
 
 
 class GptqTest(parameterized.TestCase):

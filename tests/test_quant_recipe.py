@@ -63,11 +63,11 @@ def _shapes(cfg_name):
 
 
 def _toy_tree():
-  k = jax.random.split(jax.random.key(0), 4)
-  return {"embed": jax.random.normal(k[0], (16, 64)), "final_norm": jnp.ones((64,)),
-          "layers": [{"attn": {"wq": jax.random.normal(k[1], (64, 32))},
-                      "ffn": {"router": jax.random.normal(k[2], (64, 4)),
-                              "w_up": jax.random.normal(k[3], (4, 64, 32))}}]}
+  rng = np.random.default_rng(0)
+  n = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  return {"embed": n(16, 64), "final_norm": jnp.ones((64,)),
+          "layers": [{"attn": {"wq": n(64, 32)},
+                      "ffn": {"router": n(64, 4), "w_up": n(4, 64, 32)}}]}
 
 
 @functools.cache
@@ -83,8 +83,7 @@ def _gqa_calibration():
 
 def _toy_stats(params, path):
   w = dict(flatten_params(params)[0])[path]
-  x = jax.random.normal(jax.random.key(7), (64, w.shape[-2]))
-  return x  # raw activations are accepted as calibration
+  return jnp.asarray(np.random.default_rng(7).standard_normal((64, w.shape[-2])), jnp.float32)  # raw activations are accepted as calibration
 
 
 class RuleTest(parameterized.TestCase):
@@ -226,7 +225,7 @@ class QuantizeParamsErrorTest(parameterized.TestCase):
       quantize_params(params, INT4_EXPERTS_GPTQ)
 
   def test_gptq_missing_path_warns_and_uses_rtn(self):
-    tree = {"wkv_b": jax.random.normal(jax.random.key(0), (64, 16))}
+    tree = {"wkv_b": jnp.asarray(np.random.default_rng(0).standard_normal((64, 16)), jnp.float32)}
     r = Recipe("r", (Rule("wkv_b", Int4Spec(32, method="gptq")),))
     with self.assertWarnsRegex(UserWarning, r"no calibration for \['wkv_b'\]"):
       out = quantize_params(tree, r, calibration={})
@@ -270,16 +269,16 @@ class QuantisedModelTest(parameterized.TestCase):
       self._cache[cfg_name] = (cfg, params, tokens, fwd, fwd(params, tokens))
     return self._cache[cfg_name]
 
-  def _noise_equivalent(self, params, qparams, seed=3):
+  def _noise_equivalent(self, params, qparams, seed):
     """params with each quantised weight perturbed by Gaussian noise of its quantisation RMS."""
     flat, treedef = flatten_params(qparams)
     dense, _ = flatten_params(params)
-    keys = jax.random.split(jax.random.key(seed), len(flat))
+    rng = np.random.default_rng(seed)
     out = []
-    for (_, q), (_, w), k in zip(flat, dense, keys):
+    for (_, q), (_, w) in zip(flat, dense):
       if is_quantised(q):
         rms = jnp.sqrt(jnp.mean((dequantize(q, jnp.float32) - w) ** 2))
-        w = w + rms * jax.random.normal(k, w.shape, w.dtype)
+        w = w + rms * jnp.asarray(rng.standard_normal(w.shape), w.dtype)
       out.append(w)
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -308,13 +307,14 @@ class QuantisedModelTest(parameterized.TestCase):
     # 2. Against the f32 model. These random tiny MoE models are chaotic (1% weight
     #    noise moves tiny-mla's logits by ~20%, via routing flips), so a fixed
     #    tolerance would be arbitrary. Instead: quantisation must hurt no more than
-    #    unbiased Gaussian noise of the same per-tensor RMS (x3 for run-to-run spread
-    #    of the noise draw). A layout bug (nibble order, scale indexing) gives O(1)
-    #    relative weight error, i.e. ~10x that noise, and fails.
+    #    2x unbiased Gaussian noise of the same per-tensor RMS (mean of 3 draws;
+    #    measured ratios 0.9-1.3). Swapping the int4 nibbles, for example, gives
+    #    3.1x on tiny-mla and 8x on tiny-gqa, and fails.
     err = _rel(out, ref)
-    noise_err = _rel(fwd(self._noise_equivalent(params, qparams), tokens), ref)
+    noise_err = np.mean([_rel(fwd(self._noise_equivalent(params, qparams, seed), tokens), ref)
+                         for seed in range(3)])
     self.assertGreater(err, 0.0)
-    self.assertLessEqual(err, 3.0 * noise_err, (err, noise_err))
+    self.assertLessEqual(err, 2.0 * noise_err, (err, noise_err))
 
   @parameterized.product(cfg_name=list(CONFIGS), recipe_name=list(RECIPES))
   def test_every_preset_quantises(self, cfg_name, recipe_name):

@@ -1,17 +1,30 @@
-"""Weight formats and the matmuls that dispatch on them.
+"""Weight formats, quantisers, recipes and the matmuls that dispatch on formats.
 
 Model code calls :func:`matmul`, :func:`grouped_matmul` and :func:`dequantize`
 and never branches on precision: a weight's format lives in its type.
 Importing this package registers the int4 and fp8 formats on those functions.
 """
 
+from mlkit.quant.accounting import GB, GIB, WeightBytes, checkpoint_specs, weight_bytes
 from mlkit.quant.dispatch import dequantize, grouped_matmul, matmul
 from mlkit.quant.formats import (Fp8Weight, Int4Weight, pack_int4, quantize_fp8, quantize_int4,
                                  unpack_int4)
+from mlkit.quant.gptq import (CalibrationStats, calibration_stats, collect_calibration,
+                              gptq_quantize_int4, merge_calibration)
+from mlkit.quant.recipe import (BF16, FP8_ALL, INT4_EXPERTS, INT4_EXPERTS_FP8_REST,
+                                INT4_EXPERTS_GPTQ, KEEP, RECIPES, Fp8Spec, Int4Spec, Keep, Recipe,
+                                Rule, assign_formats, calibration_paths, dequantize_params, fp8_all,
+                                int4_all, int4_experts, quantize_params)
 from mlkit.quant.reference import (fp8_grouped_matmul_reference, fp8_matmul_reference,
                                    int4_grouped_matmul_reference, int4_matmul_reference)
 
-__all__ = ["Fp8Weight", "Int4Weight", "dequantize", "fp8_grouped_matmul_reference",
-           "fp8_matmul_reference", "grouped_matmul", "int4_grouped_matmul_reference",
-           "int4_matmul_reference", "matmul", "pack_int4", "quantize_fp8", "quantize_int4",
-           "unpack_int4"]
+__all__ = [
+    "BF16", "FP8_ALL", "GB", "GIB", "INT4_EXPERTS", "INT4_EXPERTS_FP8_REST", "INT4_EXPERTS_GPTQ",
+    "KEEP", "RECIPES", "CalibrationStats", "Fp8Spec", "Fp8Weight", "Int4Spec", "Int4Weight", "Keep",
+    "Recipe", "Rule", "WeightBytes", "assign_formats", "calibration_paths", "calibration_stats",
+    "checkpoint_specs", "collect_calibration", "dequantize", "dequantize_params", "fp8_all",
+    "fp8_grouped_matmul_reference", "fp8_matmul_reference", "gptq_quantize_int4", "grouped_matmul",
+    "int4_all", "int4_experts", "int4_grouped_matmul_reference", "int4_matmul_reference", "matmul",
+    "merge_calibration", "pack_int4", "quantize_fp8", "quantize_int4", "quantize_params",
+    "unpack_int4", "weight_bytes",
+]
