@@ -317,12 +317,13 @@ class TagCheckTest(absltest.TestCase):
 
   def test_tags_past_wrap_and_pad_entries(self):
     alloc = kvc.PageAllocator(num_pages=3, page_size=2)
-    alloc.tags[:] = 0xFFFFFFFF  # next allocation wraps (skipping the reserved 0)
+    alloc.generation = 0xFFFFFFFE  # the second allocation wraps (skipping the reserved 0)
     self.assertIsNone(alloc.admit("a", 3))
     meta = alloc.batch_meta(["a", None], max_pages=3)
-    self.assertEqual([t for _, t in alloc.block_table("a")], [1, 1])
+    self.assertEqual(alloc.block_table("a"), [(0, 0xFFFFFFFF), (1, 1)])
     state = kvc.sync_tags(kvc.init_paged_state(MLA1, kvc.KVCacheConfig(3, 2)), alloc)
-    self.assertEqual(int(state.page_tags[2]), -1)  # 0xFFFFFFFF bit-cast
+    self.assertEqual(int(state.page_tags[0]), -1)  # 0xFFFFFFFF bit-cast
+    self.assertEqual(int(meta.expected_tags[0, 0]), -1)
     ok = kvc.tag_check_reference(state.page_tags, meta.block_tables, meta.expected_tags,
                                  meta.lengths, page_size=2)
     np.testing.assert_array_equal(np.asarray(ok), [True, True])

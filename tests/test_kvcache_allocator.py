@@ -20,6 +20,7 @@ class AllocatorPropertyTest(parameterized.TestCase):
     owned = {}  # owner id -> list of pages
     refs = np.zeros(N, int)  # model refcounts
     last_tag = {}  # page -> tag at its previous allocation
+    issued = set()  # every tag handed out so far
     next_owner = 0
     for _ in range(400):
       op = rng.integers(0, 3)
@@ -35,6 +36,8 @@ class AllocatorPropertyTest(parameterized.TestCase):
           self.assertEqual(refs[p], 0, f"page {p} handed out while owned")
           tag = int(alloc.tags[p])
           self.assertNotEqual(tag, 0)
+          self.assertNotIn(tag, issued, "a tag was issued twice")
+          issued.add(tag)
           if p in last_tag:
             self.assertNotEqual(tag, last_tag[p], f"page {p} reallocated with its old tag")
           last_tag[p] = tag
@@ -68,13 +71,22 @@ class AllocatorPropertyTest(parameterized.TestCase):
     self.assertEqual(kvc.next_tag(7), 8)
     self.assertEqual(kvc.tag_to_int32(0xFFFFFFFF), -1)
     self.assertEqual(kvc.tag_to_int32(0x80000000), -2**31)
-    alloc = kvc.PageAllocator(2, 4)
-    alloc.tags[0] = 0xFFFFFFFF
-    (p,) = alloc.allocate(1)
-    self.assertEqual((p, int(alloc.tags[0])), (0, 1))
-    alloc.tags[1] = 0x7FFFFFFF
-    alloc.allocate(1)
-    np.testing.assert_array_equal(alloc.device_tags(), np.array([1, -2**31], np.int32))
+    alloc = kvc.PageAllocator(3, 4)
+    alloc.generation = 0x7FFFFFFF
+    self.assertEqual(alloc.allocate(1), [0])  # tag 0x80000000
+    alloc.generation = 0xFFFFFFFE
+    self.assertEqual(alloc.allocate(2), [1, 2])  # tags 0xFFFFFFFF, then wrap past 0 to 1
+    np.testing.assert_array_equal(alloc.tags, np.array([0x80000000, 0xFFFFFFFF, 1], np.uint32))
+    np.testing.assert_array_equal(alloc.device_tags(), np.array([-2**31, -1, 1], np.int32))
+
+  def test_tags_unique_across_pages(self):
+    # One pool-wide counter: a table entry pointing at the wrong page cannot match by accident.
+    alloc = kvc.PageAllocator(4, 4)
+    first = alloc.allocate(4)
+    alloc.free(first[:2])
+    alloc.allocate(2)
+    self.assertLen(set(alloc.tags.tolist()), 4)
+    self.assertEqual(sorted(alloc.tags.tolist()), [3, 4, 5, 6])
 
   def test_free_errors_leave_state_unchanged(self):
     alloc = kvc.PageAllocator(4, 4)

@@ -3,11 +3,13 @@
 Plain Python and numpy; the device only ever sees the arrays it produces
 (``BatchMeta`` and the ``page_tags`` mirror, see ``state.sync_tags``).
 
-Tags: every allocation of a page bumps its uint32 tag. The tag wraps modulo
-2**32 and skips 0, which is reserved for "never allocated" (the value a fresh
-device ``page_tags`` array holds), so a freshly allocated page never carries the
-tag it had when it was last handed out until 2**32 - 1 further allocations of
-that same page.
+Tags: every allocation of a page gives it a new uint32 tag drawn from one
+pool-wide generation counter, which wraps modulo 2**32 and skips 0 (reserved for
+"never allocated", the value a fresh device ``page_tags`` array holds). So a
+reallocated page never carries its old tag, and, until the counter wraps after
+2**32 - 1 allocations, no two allocations anywhere share a tag: a block-table
+entry that points at the wrong page fails the tag check too, which per-page
+counters (every page's first tag being 1) would miss.
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ class PageAllocator:
     self._free = collections.deque(range(self.num_pages))
     self.tags = np.zeros(self.num_pages, np.uint32)  # host truth; 0 = never allocated
     self.refcounts = np.zeros(self.num_pages, np.int32)
+    # The last tag handed out (uint32); the next allocation gets next_tag(self.generation).
+    self.generation = 0
     self._requests: dict[object, _Request] = {}
 
   # --------------------------------------------------------------- pages
@@ -95,7 +99,7 @@ class PageAllocator:
     return -(-int(num_tokens) // self.page_size)
 
   def allocate(self, n: int) -> list[int]:
-    """Takes ``n`` pages off the free list, bumping each page's tag; refcount becomes 1.
+    """Takes ``n`` pages off the free list, giving each a fresh tag; refcount becomes 1.
 
     Raises:
       OutOfPages: if fewer than ``n`` pages are free (nothing is taken).
@@ -107,7 +111,8 @@ class PageAllocator:
       raise OutOfPages(f"allocate: {n} pages requested, {len(self._free)} free")
     pages = [self._free.popleft() for _ in range(n)]
     for p in pages:
-      self.tags[p] = next_tag(self.tags[p])
+      self.generation = next_tag(self.generation)
+      self.tags[p] = self.generation
       self.refcounts[p] = 1
     return pages
 
