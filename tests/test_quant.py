@@ -14,7 +14,8 @@ from mlkit.quant import (Fp8Weight, Int4Weight, dequantize, fp8_grouped_matmul_r
                          fp8_matmul_reference, grouped_matmul, int4_grouped_matmul_reference,
                          int4_matmul_reference, matmul, pack_int4, quantize_fp8, quantize_int4,
                          unpack_int4)
-from mlkit.quant.gptq import CalibrationStats, calibration_stats, gptq_quantize_int4
+from mlkit.quant.gptq import (CalibrationStats, calibration_stats, gptq_quantize_int4,
+                              merge_calibration)
 
 F32_TOL = 1e-6
 # K-long f32 reductions against a float64 reference: rounding grows ~sqrt(K) eps.
@@ -305,6 +306,14 @@ class GptqTest(parameterized.TestCase):
     q0 = gptq_quantize_int4(w[0], CalibrationStats(xtx[0], jnp.float32(64)), 32,
                             scale_dtype=jnp.float32)
     np.testing.assert_array_equal(np.asarray(q.packed[0]), np.asarray(q0.packed))
+
+  def test_merge_calibration_sums(self):
+    a, b = calibration_stats(_normal(1, (5, 8))), calibration_stats(_normal(2, (7, 8)))
+    both = calibration_stats(jnp.concatenate([_normal(1, (5, 8)), _normal(2, (7, 8))]))
+    m = merge_calibration({"w": a}, {"w": b}, {"v": a})
+    np.testing.assert_allclose(np.asarray(m["w"].xtx), np.asarray(both.xtx), rtol=1e-5, atol=1e-5)
+    self.assertEqual(float(m["w"].count), 12.0)
+    self.assertEqual(float(m["v"].count), 5.0)
 
   def test_stats_shape_mismatch_names_param(self):
     with self.assertRaisesRegex(ValueError, r"w_gate: calibration xtx has shape \(32, 32\)"):

@@ -12,7 +12,7 @@ import mlkit.model as M
 from configs.models import TINY_GQA, TINY_MLA
 from mlkit.quant import Fp8Weight, Int4Weight, dequantize
 from mlkit.quant.gptq import collect_calibration
-from mlkit.quant.recipe import (BF16, FP8_ALL, INT4_EXPERTS, INT4_EXPERTS_FP8_REST,
+from mlkit.quant.recipe import (FP8_ALL, INT4_EXPERTS, INT4_EXPERTS_FP8_REST,
                                 INT4_EXPERTS_GPTQ, KEEP, RECIPES, Fp8Spec, Int4Spec, Keep, Recipe,
                                 Rule, assign_formats, calibration_paths, dequantize_params,
                                 int4_experts, quantize_params)
@@ -218,6 +218,10 @@ class QuantizeParamsErrorTest(parameterized.TestCase):
     self.assertIsInstance(once["layers"][0]["attn"]["wq"], Fp8Weight)
     with self.assertRaisesRegex(ValueError, r"layers/0/attn/wq: parameter is already quantised"):
       quantize_params(once, r)
+    # Keeping (even with a cast) leaves a quantised weight as it is.
+    kept = quantize_params(once, Recipe("r", (Rule("**", Keep("bfloat16")),)))
+    self.assertIs(kept["layers"][0]["attn"]["wq"], once["layers"][0]["attn"]["wq"])
+    self.assertEqual(kept["embed"].dtype, jnp.bfloat16)
 
   def test_gptq_needs_calibration(self):
     params = _params(TINY_GQA.name)
@@ -320,7 +324,7 @@ class QuantisedModelTest(parameterized.TestCase):
   def test_every_preset_quantises(self, cfg_name, recipe_name):
     params, recipe = _params(cfg_name), RECIPES[recipe_name]
     calib = None
-    if recipe_name.endswith("gptq"):  # identity-free stand-in: any PSD stats will do here
+    if recipe_name.endswith("gptq"):  # random activations stand in for model calibration here
       calib = {p: _toy_stats(params, p) for p in calibration_paths(params, recipe)}
     out = quantize_params(params, recipe, calibration=calib)
     self.assertEqual(jax.tree_util.tree_structure(dequantize_params(out)),

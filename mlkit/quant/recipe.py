@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
-from typing import Any, Mapping, Union
+from typing import Mapping, Union
 
 import jax
 import jax.numpy as jnp
@@ -232,7 +232,8 @@ def quantize_leaf(w, spec: FormatSpec, *, name: str = "weight",
                   calibration: CalibrationStats | None = None):
   """Applies one format spec to one dense weight (see :func:`quantize_params`)."""
   if isinstance(spec, Keep):
-    return w if spec.dtype is None else w.astype(spec.dtype)
+    # A quantised weight kept by a later recipe stays as it is (no dense cast).
+    return w if spec.dtype is None or is_quantised(w) else w.astype(spec.dtype)
   if is_quantised(w):
     raise ValueError(f"{name}: parameter is already quantised ({type(w).__name__})")
   if isinstance(spec, Fp8Spec):
