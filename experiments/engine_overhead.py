@@ -24,9 +24,8 @@ _PROMPT = 16
 _PAGE = 16
 
 
-def _measure(params, cfg, *, integrity_check: bool, warmup: int, steps: int, seed: int) -> dict:
-  """Runs 64 requests to steady decode, then times ``steps`` decode-only engine steps."""
-  new_tokens = warmup + steps + 2
+def _engine(params, cfg, *, integrity_check: bool, new_tokens: int, seed: int) -> Engine:
+  """An engine with 64 requests submitted (prompt _PROMPT, ``new_tokens`` to generate)."""
   pages_per_seq = -(-(_PROMPT + new_tokens) // _PAGE)
   ecfg = EngineConfig(
       model=cfg, kv=KVCacheConfig(num_pages=_RUNNING * pages_per_seq + 8, page_size=_PAGE),
@@ -38,19 +37,14 @@ def _measure(params, cfg, *, integrity_check: bool, warmup: int, steps: int, see
   for i in range(_RUNNING):
     eng.submit(rng.integers(0, cfg.vocab_size, _PROMPT).tolist(),
                SamplingParams(max_new_tokens=new_tokens, seed=i))
-  eng.step()  # one prefill step for all 64 (compiles it)
-  for _ in range(warmup):  # compiles the decode step, then settles
-    eng.step()
-  assert len(eng.scheduler.running) == _RUNNING, len(eng.scheduler.running)
-  host, device = [], []
-  for _ in range(steps):
-    eng.step()
-    host.append(eng.stats.last_host_seconds)
-    device.append(eng.stats.last_device_seconds)
+  return eng
+
+
+def _summary(eng: Engine, host: list, device: list) -> dict:
   host, device = np.asarray(host), np.asarray(device)
   total = host + device
   return {
-      "integrity_check": integrity_check, "steps": steps,
+      "integrity_check": eng.config.integrity_check, "steps": len(host),
       "host_ms_median": 1e3 * float(np.median(host)),
       "device_ms_median": 1e3 * float(np.median(device)),
       "step_ms_median": 1e3 * float(np.median(total)),
@@ -76,12 +70,26 @@ def run(out_dir: str, *, quick: bool = True) -> dict:
                   f"{_RUNNING} running requests, {steps} timed decode steps")
   import jax
   params = init_params(cfg, jax.random.key(0))
-  runs = []
-  for check in (True, False):
-    common.progress(f"engine_overhead: integrity check {'on' if check else 'off'}")
-    runs.append(_measure(params, cfg, integrity_check=check, warmup=warmup, steps=steps, seed=0))
-    common.progress(f"engine_overhead: host {runs[-1]['host_ms_median']:.2f} ms / step "
-                    f"{runs[-1]['step_ms_median']:.2f} ms ({100 * runs[-1]['host_fraction']:.2f}%)")
+  new_tokens = warmup + steps + 2
+  engines = [_engine(params, cfg, integrity_check=c, new_tokens=new_tokens, seed=0)
+             for c in (True, False)]
+  common.progress("engine_overhead: prefill and warm-up (compiles both variants)")
+  for eng in engines:
+    for _ in range(1 + warmup):  # one prefill step for all 64, then decode steps
+      eng.step()
+    assert len(eng.scheduler.running) == _RUNNING, len(eng.scheduler.running)
+  # Alternate the two variants step by step so both see the same machine load.
+  times = [([], []) for _ in engines]
+  for _ in range(steps):
+    for eng, (host, device) in zip(engines, times):
+      eng.step()
+      host.append(eng.stats.last_host_seconds)
+      device.append(eng.stats.last_device_seconds)
+  runs = [_summary(eng, *t) for eng, t in zip(engines, times)]
+  for r in runs:
+    common.progress(f"engine_overhead: check {'on ' if r['integrity_check'] else 'off'}: host "
+                    f"{r['host_ms_median']:.2f} ms of {r['step_ms_median']:.2f} ms per step "
+                    f"({100 * r['host_fraction']:.2f}%)")
   on, off = runs
   record = {
       "experiment": "engine_overhead",

@@ -16,8 +16,8 @@ from absl.testing import absltest, parameterized
 
 from configs import TINY_MLA
 from mlkit.engine import (ABORT_CANCELLED, ABORT_INTEGRITY, ABORT_TOO_LONG, TRACE_COUNTS, Engine,
-                          EngineConfig, Fault, FaultKind, RequestRejected, RequestStatus,
-                          StepBatch, UniqueTagAllocator)
+                          EngineConfig, EngineStalled, Fault, FaultKind, RequestRejected,
+                          RequestStatus, StepBatch, UniqueTagAllocator)
 from mlkit.generate import generate
 from mlkit.kvcache import PAD_PAGE, KVCacheConfig
 from mlkit.model import forward, init_params
@@ -334,6 +334,15 @@ class SchedulingTest(absltest.TestCase):
       self.assertEqual(eng.get(ids[j]).output, want[j])
     self.assertEqual(eng.allocator.num_free, NUM_PAGES)
     self.assertEqual(eng.metrics()["aborted"], {ABORT_CANCELLED: 2})
+
+
+  def test_run_until_done_reports_unfinished_work(self):
+    eng = Engine(params(), engine_config())
+    eng.submit(prompt(10, 0), SamplingParams(max_new_tokens=5))
+    with self.assertRaisesRegex(EngineStalled, "unfinished after 2 steps"):
+      eng.run_until_done(max_steps=2)
+    eng.run_until_done()
+    self.assertFalse(eng.has_unfinished())
 
 
 class MetricsTest(absltest.TestCase):

@@ -96,6 +96,9 @@ def inject(allocator: PageAllocator, fault: Fault) -> FaultRecord:
   page = int(rec.pages[i])
   kind = fault.kind
   if kind is FaultKind.USE_AFTER_FREE:
+    if int(allocator.refcounts[page]) != 1:
+      raise ValueError(f"USE_AFTER_FREE needs an unshared page; page {page} has "
+                       f"{int(allocator.refcounts[page])} references")
     allocator.free([page])  # refcount 0, back on the free list, still in the victim's table
     allocator._free.remove(page)
     allocator._free.appendleft(page)  # the next allocation reuses it

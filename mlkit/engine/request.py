@@ -41,7 +41,7 @@ class RequestRejected(ValueError):
     self.reason = reason
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity semantics: queues test membership with `in`
 class Request:
   """One generation request and its progress (host-side bookkeeping only).
 
