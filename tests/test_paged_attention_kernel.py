@@ -207,9 +207,9 @@ class PagedMlaDecodeMgpuTest(parameterized.TestCase):
     if not self.INTERPRET and not ON_GPU:
       self.skipTest("compiled Pallas kernels need a GPU")
 
+  # ("fp8", "one", 3): two of the three splits are empty.
   @parameterized.parameters(
-      ("bf16", "ragged", 1), ("fp8", "ragged", 2), ("fp8", "one", 1),
-      ("fp8", "boundary", 3))
+      ("bf16", "ragged", 1), ("fp8", "boundary", 2), ("fp8", "one", 3))
   def test_matches_reference(self, kv_dtype, length_kind, num_splits):
     s = self.SHAPE
     lengths = _lengths(length_kind, s["batch"], s["page_size"], s["max_pages"])
@@ -292,8 +292,7 @@ class PagedGqaDecodeMgpuTest(parameterized.TestCase):
     if not self.INTERPRET and not ON_GPU:
       self.skipTest("compiled Pallas kernels need a GPU")
 
-  @parameterized.parameters(
-      ("bf16", "boundary", 2, 4), ("fp8", "ragged", 2, 1), ("fp8", "one", 1, 16))
+  @parameterized.parameters(("bf16", "one", 1, 1), ("fp8", "ragged", 2, 16))
   def test_matches_reference(self, kv_dtype, length_kind, num_splits, group):
     s = self.SHAPE
     lengths = _lengths(length_kind, s["batch"], s["page_size"], s["max_pages"])
