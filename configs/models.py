@@ -66,6 +66,8 @@ GLM_5_2 = ModelConfig(
     rope_theta=1000000.0,
     max_seq_len=202752,
     rms_norm_eps=1e-5,
+    # The checkpoint ships one multi-token-prediction layer (counted in weight bytes).
+    n_mtp_layers=1,
 )
 
 # Tiny MLA model for unit tests: 3 layers, first dense, 8 experts top-2, one shared.

@@ -15,7 +15,7 @@ from mlkit.quant.recipe import (BF16, FP8_ALL, INT4_EXPERTS, Fp8Spec, Int4Spec, 
 
 # GLM 5.2's checkpoint ships one multi-token-prediction layer (the presets leave
 # n_mtp_layers at 0 because the serving model never runs it).
-GLM_CKPT = dataclasses.replace(GLM_5_2, n_mtp_layers=1)
+GLM_CKPT = GLM_5_2  # ships one MTP layer (n_mtp_layers=1 in the preset)
 
 
 def _n_params(tree) -> int:
@@ -44,12 +44,13 @@ class PaperScaleTest(parameterized.TestCase):
 
   def test_checkpoint_specs_counts(self):
     # Without MTP: exactly count_params (which adds the indexer analytically).
-    self.assertEqual(_n_params(checkpoint_specs(GLM_5_2)), count_params(GLM_5_2))
+    glm_no_mtp = dataclasses.replace(GLM_5_2, n_mtp_layers=0)
+    self.assertEqual(_n_params(checkpoint_specs(glm_no_mtp)), count_params(GLM_5_2))
     self.assertEqual(_n_params(checkpoint_specs(KIMI_K2_6)), count_params(KIMI_K2_6))
     self.assertEqual(indexer_param_count(KIMI_K2_6), 0)
     # One MTP layer = one MoE block (+ its indexer) + eh_proj [2D, D] + 3 norms [D].
     D = GLM_5_2.d_model
-    moe_layer = _n_params(checkpoint_specs(GLM_5_2)["layers"][-1])
+    moe_layer = _n_params(checkpoint_specs(glm_no_mtp)["layers"][-1])
     self.assertEqual(_n_params(checkpoint_specs(GLM_CKPT)) - count_params(GLM_5_2),
                      moe_layer + 2 * D * D + 3 * D)
     self.assertEqual(checkpoint_specs(GLM_CKPT)["layers"][-1]["eh_proj"].shape, (2 * D, D))

@@ -11,7 +11,7 @@ scales).
 * What a checkpoint holds (:func:`checkpoint_specs`): the serving model's
   params, plus the ``n_mtp_layers`` multi-token-prediction layers a checkpoint
   ships (GLM 5.2 ships one: a full MoE block plus ``eh_proj`` [2D, D] and three
-  norms; pass ``dataclasses.replace(GLM_5_2, n_mtp_layers=1)``), plus GLM's
+  norms; the GLM_5_2 preset sets n_mtp_layers=1), plus GLM's
   sparse-attention indexer weights (``indexer_*`` in each attention block). Both
   extras stay bf16 in every preset recipe, as do ``embed``, ``lm_head``, norms and
   routers (routers are f32 in this model).
