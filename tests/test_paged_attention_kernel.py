@@ -73,6 +73,14 @@ def _tables(rng, batch, max_pages, num_pages):
   return perm.reshape(batch, max_pages).astype(np.int32)
 
 
+def _pad_unused(block_tables, lengths, page_size):
+  """Entries past each request's pages become PAD_PAGE (-1), as the cache does."""
+  bt = block_tables.copy()
+  for b, length in enumerate(lengths):
+    bt[b, -(-length // page_size):] = -1
+  return bt
+
+
 def _cast(x, kv_dtype):
   return jnp.asarray(x, jnp.bfloat16 if kv_dtype == "bf16" else FP8)
 
@@ -89,6 +97,7 @@ def make_mla(seed, *, batch, heads, c, r, page_size, max_pages, lengths, kv_dtyp
   bt = _tables(rng, batch, max_pages, num_pages)
   lat, lat_s = _poison(lat, lat_s, bt, lengths, page_size)
   rope, rope_s = _poison(rope, rope_s, bt, lengths, page_size)
+  bt = _pad_unused(bt, lengths, page_size)
   sc = lambda s: None if s is None else jnp.asarray(s)
   return (q_lat, q_rope, _cast(lat, kv_dtype), _cast(rope, kv_dtype),
           sc(lat_s), sc(rope_s), jnp.asarray(bt),
@@ -108,6 +117,7 @@ def make_gqa(seed, *, batch, heads, kv_heads, hd, page_size, max_pages, lengths,
   bt = _tables(rng, batch, max_pages, num_pages)
   k, k_s = _poison(k, k_s, bt, lengths, page_size)
   v, v_s = _poison(v, v_s, bt, lengths, page_size)
+  bt = _pad_unused(bt, lengths, page_size)
   sc = lambda s: None if s is None else jnp.asarray(s)
   return (q, _cast(k, kv_dtype), _cast(v, kv_dtype), sc(k_s), sc(v_s),
           jnp.asarray(bt), jnp.asarray(lengths, jnp.int32))
@@ -141,7 +151,11 @@ def _lengths(kind, batch, page_size, max_pages):
     return [1] * batch
   if kind == "boundary":
     return [page_size * (1 + b % max_pages) for b in range(batch)]
-  return [1 + (b * 37 + 5) % full if b else full for b in range(batch)]
+  # Full, ragged, and (with 3+ requests) an empty padded row: zeros out.
+  lengths = [1 + (b * 37 + 5) % full if b else full for b in range(batch)]
+  if batch >= 3:
+    lengths[-1] = 0
+  return lengths
 
 
 class PagedMlaDecodeTest(parameterized.TestCase):

@@ -36,6 +36,13 @@ def make_case(seed, *, batch, max_pages, num_pages, page_size):
     elif action == 2 and used[b] < max_pages:
       # A mismatch past the used pages is ignored.
       expected[b, rng.integers(used[b], max_pages)] += 1
+  # PAD_PAGE (-1) past the used pages is ignored; a used -1 fails.
+  for b in range(batch):
+    if used[b] < max_pages:
+      bt[b, max_pages - 1] = -1
+  if batch > 5 and used[5] > 0:
+    bt[5, used[5] - 1] = -1
+    want[5] = False
   # The last request's first page mismatches: checks the first page is read.
   if used[-1] > 0:
     expected[-1, 0] += 1

@@ -91,7 +91,11 @@ def gqa_decode_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, *, scale,
 
     def issue(step):
       for j in range(ppb):
-        page = bt_ref[bi, start + step * ppb + j]
+        idx = start + step * ppb + j
+        # Entries past the used pages may be PAD_PAGE (-1): read page 0
+        # instead (masked), and clamp used ids, so a TMA never goes OOB.
+        page = jnp.where(idx < num_pages,
+                         jnp.clip(bt_ref[bi, idx], 0, n - 1), 0)
         rows = pl.ds(j * ps, ps)
         plgpu.copy_gmem_to_smem(k_ref.at[page, :, kvh], k_st.at[rows], tma_bar)
         plgpu.copy_gmem_to_smem(v_ref.at[page, :, kvh], v_st.at[rows], tma_bar)

@@ -105,7 +105,9 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
     heads = pl.ds(hb * BLOCK_H, BLOCK_H)
 
     def issue(step):
-      page = bt_ref[bi, start + step]
+      # Only used pages are read (steps stops at them); clamp so a corrupt
+      # id never sends the TMA out of bounds.
+      page = jnp.clip(bt_ref[bi, start + step], 0, n - 1)
       plgpu.copy_gmem_to_smem(lat_ref.at[page], lat_st, tma_bar)
       plgpu.copy_gmem_to_smem(rope_ref.at[page], rope_st, tma_bar)
       if fp8:

@@ -30,8 +30,7 @@ def _check_cache(name, pages, scales, scale_shape):
 def _pad_tables(block_tables, multiple):
   p = block_tables.shape[1]
   pad = -p % multiple
-  # Padded entries are never read (they lie past every length) but must be
-  # valid page ids for the gather, so pad with 0.
+  # Padded entries lie past every length, so the kernels never read them.
   return jnp.pad(block_tables, ((0, 0), (0, pad))) if pad else block_tables
 
 
@@ -88,9 +87,10 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
     k_rope: [N, page_size, R] rope-key pages, same dtype as latent.
     latent_scale: [N, page_size] f32 per-token scales when fp8, else None.
     k_rope_scale: [N, page_size] f32 per-token scales when fp8, else None.
-    block_tables: [B, P] int32 page ids; entries past the used pages must be
-      in range but are ignored.
-    lengths: [B] int32 valid tokens per request, 1 <= lengths[b] <= P * page_size.
+    block_tables: [B, P] int32 page ids; entries past the used pages are
+      ignored and may be out of the pool (PAD_PAGE = -1).
+    lengths: [B] int32 valid tokens per request, 0 <= lengths[b] <= P * page_size
+      (a length-0 row gives zeros).
     scale: softmax scale.
     backend: "pallas" | "interpret" | "xla" | None (pallas on GPU, else xla).
     block_sizes: BlockSizes, or None for BlockSizes.get_default.
@@ -212,8 +212,9 @@ def paged_gqa_decode(q, k, v, k_scale, v_scale, block_tables, lengths, *,
     v: [N, page_size, KV, hd] value pages, same dtype as k.
     k_scale: [N, page_size, KV] f32 per-token-per-head scales when fp8, else None.
     v_scale: [N, page_size, KV] f32 scales when fp8, else None.
-    block_tables: [B, P] int32 page ids.
-    lengths: [B] int32, 1 <= lengths[b] <= P * page_size.
+    block_tables: [B, P] int32 page ids; entries past the used pages are
+    ignored and may be out of the pool (PAD_PAGE = -1).
+    lengths: [B] int32, 0 <= lengths[b] <= P * page_size (length 0: zeros).
     scale: softmax scale.
     backend: "pallas" | "interpret" | "xla" | None (pallas on GPU, else xla).
     block_sizes: BlockSizes, or None for BlockSizes.get_default.

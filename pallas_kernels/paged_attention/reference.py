@@ -8,9 +8,13 @@ _HI = lax.Precision.HIGHEST
 
 
 def _gather_tokens(pages, block_tables):
-  """pages [N, ps, ...] gathered by block_tables [B, P] -> [B, P * ps, ...]."""
+  """pages [N, ps, ...] gathered by block_tables [B, P] -> [B, P * ps, ...].
+
+  Out-of-pool ids (PAD_PAGE = -1 past a request's pages) are clamped; their
+  tokens lie past the length and are masked by the callers.
+  """
   b, p = block_tables.shape
-  g = pages[block_tables]  # [B, P, ps, ...]
+  g = pages[jnp.clip(block_tables, 0, pages.shape[0] - 1)]  # [B, P, ps, ...]
   return g.reshape(b, p * pages.shape[1], *pages.shape[2:])
 
 
@@ -37,9 +41,10 @@ def paged_mla_decode_reference(q_latent, q_rope, latent, k_rope, latent_scale,
     k_rope: [N, page_size, R] rope-key pages, same dtype as latent.
     latent_scale: [N, page_size] f32 per-token scales when fp8, else None.
     k_rope_scale: [N, page_size] f32 per-token scales when fp8, else None.
-    block_tables: [B, P] int32 page ids; entries past the used pages must be
-      in range but are ignored.
-    lengths: [B] int32 valid tokens per request, 1 <= lengths[b] <= P * page_size.
+    block_tables: [B, P] int32 page ids; entries past the used pages are
+      ignored and may be out of the pool (PAD_PAGE = -1).
+    lengths: [B] int32 valid tokens per request, 0 <= lengths[b] <= P * page_size
+      (a length-0 row gives zeros).
     scale: softmax scale.
 
   Returns:
@@ -57,6 +62,7 @@ def paged_mla_decode_reference(q_latent, q_rope, latent, k_rope, latent_scale,
   # Unused slots may hold anything, NaN included; 0 * NaN is NaN, so zero them.
   lat = jnp.where(valid[:, 0, :, None], lat, 0.0)
   out = jnp.einsum("BHT,BTC->BHC", p, lat, precision=_HI)
+  out = jnp.where(lengths[:, None, None] > 0, out, 0.0)  # empty rows: zeros
   return out.astype(q_latent.dtype)
 
 
@@ -73,8 +79,9 @@ def paged_gqa_decode_reference(q, k, v, k_scale, v_scale, block_tables, lengths,
     v: [N, page_size, KV, hd] value pages, same dtype as k.
     k_scale: [N, page_size, KV] f32 per-token-per-head scales when fp8, else None.
     v_scale: [N, page_size, KV] f32 scales when fp8, else None.
-    block_tables: [B, P] int32 page ids.
-    lengths: [B] int32, 1 <= lengths[b] <= P * page_size.
+    block_tables: [B, P] int32 page ids; entries past the used pages are
+    ignored and may be out of the pool (PAD_PAGE = -1).
+    lengths: [B] int32, 0 <= lengths[b] <= P * page_size (length 0: zeros).
     scale: softmax scale.
 
   Returns:
@@ -92,6 +99,7 @@ def paged_gqa_decode_reference(q, k, v, k_scale, v_scale, block_tables, lengths,
   p = jax.nn.softmax(logits, axis=-1)
   vv = jnp.where(valid[:, 0, 0, :, None, None], vv, 0.0)  # see the MLA reference
   out = jnp.einsum("BKGT,BTKD->BKGD", p, vv, precision=_HI)
+  out = jnp.where(lengths[:, None, None, None] > 0, out, 0.0)  # empty rows: zeros
   return out.reshape(b, h, hd).astype(q.dtype)
 
 
@@ -110,8 +118,8 @@ def combine_splits(acc, m, l):
   m_all = jnp.max(m, axis=1, keepdims=True)  # [B, 1, H]
   w = jnp.exp(m - m_all)  # [B, S, H]; 0 for empty partitions
   num = jnp.einsum("BSH,BSHD->BHD", w, acc, precision=_HI)
-  den = jnp.sum(w * l, axis=1)  # [B, H]
-  return num / den[..., None]
+  den = jnp.sum(w * l, axis=1)  # [B, H]; 0 only for a length-0 request
+  return num / jnp.where(den > 0, den, 1.0)[..., None]
 
 
 def combine_lse(o, lse):

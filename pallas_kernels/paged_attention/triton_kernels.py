@@ -66,6 +66,18 @@ def _split_range(b, pages_per_split, page_size, lengths_ref):
   return start, end, length
 
 
+def _page_ids(block_tables_ref, b, first, pages_per_block, num_pages_total,
+              length, page_size):
+  """Page ids of one step; entries past the used pages (e.g. the cache's
+  PAD_PAGE = -1) become page 0 and used ids are clamped, so no load is ever
+  out of bounds. Their tokens are masked anyway."""
+  ids = block_tables_ref[b, pl.ds(first, pages_per_block)]
+  used = (length + page_size - 1) // page_size
+  idx = first + lax.broadcasted_iota(jnp.int32, (pages_per_block,), 0)
+  ids = jnp.clip(ids, 0, num_pages_total - 1)
+  return jnp.where(idx < used, ids, 0)
+
+
 def mla_kernel(q_lat_ref, q_rope_ref, lat_ref, rope_ref, lat_scale_ref,
                rope_scale_ref, block_tables_ref, lengths_ref,
                acc_ref, m_ref, l_ref, *, scale, pages_per_split,
@@ -91,7 +103,8 @@ def mla_kernel(q_lat_ref, q_rope_ref, lat_ref, rope_ref, lat_scale_ref,
   def body(i, carry):
     acc, _, _ = carry
     first = start + i * pages_per_block
-    ids = block_tables_ref[b, pl.ds(first, pages_per_block)]  # [ppb]
+    ids = _page_ids(block_tables_ref, b, first, pages_per_block,
+                    lat_ref.shape[0], length, ps)  # [ppb]
     lat = lat_ref[ids].reshape(bk, c).astype(compute_dtype)
     rope = rope_ref[ids].reshape(bk, rope_ref.shape[2]).astype(compute_dtype)
     s_lat = _dot_nt(q_lat, lat)  # [bh, bk] f32
@@ -151,7 +164,8 @@ def gqa_kernel(q_ref, k_ref, v_ref, k_scale_ref, v_scale_ref,
   def body(i, carry):
     acc, _, _ = carry
     first = start + i * pages_per_block
-    ids = block_tables_ref[b, pl.ds(first, pages_per_block)]
+    ids = _page_ids(block_tables_ref, b, first, pages_per_block,
+                    k_ref.shape[0], length, ps)
     k = k_ref[ids].reshape(bk, hd).astype(compute_dtype)
     v = v_ref[ids].reshape(bk, hd).astype(compute_dtype)
     logits = _dot_nt(q, k)

@@ -27,9 +27,11 @@ def tag_check_kernel(page_tags_ref, block_tables_ref, expected_ref,
   used = (lengths_ref[...] + page_size - 1) // page_size  # [bb]
   col = jnp.arange(p, dtype=jnp.int32)[None, :]
   live = col < used[:, None]
-  # Unused slots may hold anything in range; redirect them to page 0 so the
-  # gather never reads a stale id, and ignore their result.
-  safe_ids = jnp.where(live, ids, 0)
+  # Unused slots may hold anything (PAD_PAGE = -1); a used id outside the
+  # pool is itself a failure. Either way gather page 0 instead, so the load
+  # is never out of bounds.
+  in_pool = (ids >= 0) & (ids < page_tags_ref.shape[0])
+  safe_ids = jnp.where(live & in_pool, ids, 0)
   tags = page_tags_ref[safe_ids.reshape(bb * p)].reshape(bb, p)
-  bad = live & (tags != expected_ref[...])
+  bad = live & ((tags != expected_ref[...]) | ~in_pool)
   ok_ref[...] = jnp.where(jnp.max(bad.astype(jnp.int32), axis=1) > 0, 0, 1)

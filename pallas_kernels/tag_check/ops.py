@@ -47,8 +47,8 @@ def tag_check(page_tags, block_tables, expected_tags, lengths, *, page_size,
   """Per-request page-integrity check: do the used pages still carry our tags?
 
   Request b is ok iff page_tags[block_tables[b, i]] == expected_tags[b, i]
-  for every i < ceil(lengths[b] / page_size). Entries past that are ignored
-  (they may hold stale ids or tags, but must be valid page ids).
+  for every i < ceil(lengths[b] / page_size); a used id outside the pool
+  fails. Entries past that are ignored (stale ids or tags, or PAD_PAGE = -1).
   One kernel launch for the whole batch; the result stays on device so the
   attention launch follows without a host round trip.
 
