@@ -567,6 +567,7 @@ class SoakTest(absltest.TestCase):
     self.assertGreater(rejected, 0)
     self.assertGreater(cancelled, 0)
     self.assertGreater(eng.stats.preemptions, 0)
+    self.assertEqual(eng.stats.integrity_failures, 0)  # no false alarms from honest bookkeeping
     for i in ids:
       r = eng.get(i)
       self.assertTrue(r.done, f"request {i} is {r.status}")
