@@ -336,6 +336,25 @@ class SchedulingTest(absltest.TestCase):
     self.assertEqual(eng.metrics()["aborted"], {ABORT_CANCELLED: 2})
 
 
+  def test_prefill_is_chunked_within_the_token_budget(self):
+    eng = Engine(params(), engine_config())
+    ids = [eng.submit(prompt(n, i), SamplingParams(max_new_tokens=2))
+           for i, n in enumerate([40, 16, 16])]
+    eng.step()  # budget 32: 16 of the 40-token prompt, then 16 of the next; the third waits
+    self.assertEqual([eng.get(i).num_computed for i in ids], [16, 16, 0])
+    self.assertEqual(eng.stats.prefill_tokens, 32)
+    self.assertEqual(eng.get(ids[1]).status, RequestStatus.DECODING)
+    eng.step()
+    self.assertEqual([eng.get(i).num_computed for i in ids], [32, 16, 16])
+    eng.run_until_done()
+    self.assertEqual(eng.stats.prefill_tokens, 72)
+
+  def test_generate_checks_sampling_count(self):
+    eng = Engine(params(), engine_config())
+    with self.assertRaisesRegex(ValueError, "2 SamplingParams for 1 prompts"):
+      eng.generate([[1, 2]], [SamplingParams(), SamplingParams()])
+    self.assertEmpty(eng.requests)
+
   def test_run_until_done_reports_unfinished_work(self):
     eng = Engine(params(), engine_config())
     eng.submit(prompt(10, 0), SamplingParams(max_new_tokens=5))

@@ -246,8 +246,15 @@ class Engine:
   def generate(self, prompts: Sequence[Sequence[int]],
                sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams()
                ) -> list[list[int]]:
-    """Submits every prompt, runs to completion and returns each request's tokens (in order)."""
+    """Submits every prompt, runs to completion and returns each request's tokens (in order).
+
+    Raises:
+      ValueError: as :meth:`submit` (nothing is queued), or a SamplingParams list whose
+        length differs from the prompts'.
+    """
     samplings = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
+    if len(samplings) != len(prompts):
+      raise ValueError(f"generate: {len(samplings)} SamplingParams for {len(prompts)} prompts")
     ids = [self.submit(p, s) for p, s in zip(prompts, samplings)]
     self.run_until_done()
     return [list(self.requests[i].output) for i in ids]
