@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from configs import TINY_MLA
+from configs import TINY_GQA, TINY_MLA
 from mlkit.engine import (ABORT_CANCELLED, ABORT_INTEGRITY, ABORT_TOO_LONG, TRACE_COUNTS, Engine,
                           EngineConfig, EngineStalled, Fault, FaultKind, RequestRejected,
                           RequestStatus, StepBatch, UniqueTagAllocator)
@@ -600,6 +600,28 @@ class SoakTest(absltest.TestCase):
     self.assertEqual((eng.metrics()["running"], eng.metrics()["waiting"]), (0, 0))
     for k in ("prefill", "decode"):
       self.assertLessEqual(TRACE_COUNTS[k] - traces.get(k, 0), 1)
+
+
+class GqaEngineTest(absltest.TestCase):
+  """The same engine over a GQA pool (k/v pages per KV head) on TINY_GQA."""
+
+  def test_matches_generate_and_survives_a_fault(self):
+    cfg = TINY_GQA
+    gparams = init_params(cfg, jax.random.key(1))
+    prompts = [prompt(n, 500 + i) for i, n in enumerate((5, 20, 9))]
+    sps = [SamplingParams(max_new_tokens=6, seed=i, temperature=0.7 * (i == 1)) for i in range(3)]
+    want = generate(gparams, cfg, prompts, sps).tokens
+    eng = Engine(gparams, engine_config(model=cfg, record_logits=False))
+    self.assertEqual(eng.generate(prompts, sps), want)
+    # A wrong block-table entry on request 2 aborts it and nobody else.
+    ids = [eng.submit(p, s) for p, s in zip(prompts, sps)]
+    for _ in range(3):
+      eng.step()
+    eng.inject_fault(Fault(FaultKind.WRONG_PAGE, ids[2]))
+    eng.run_until_done()
+    self.assertEqual(eng.get(ids[2]).abort_reason, ABORT_INTEGRITY)
+    self.assertEqual([eng.get(i).output for i in ids[:2]], want[:2])
+    self.assertEqual(eng.allocator.num_free, NUM_PAGES)
 
 if __name__ == "__main__":
   absltest.main()
