@@ -10,6 +10,7 @@ and off, both measured in the same run, plus the check's cost as a ratio.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from configs import SMALL_MLA
@@ -68,7 +69,6 @@ def run(out_dir: str, *, quick: bool = True) -> dict:
   warmup, steps = (2, 8) if quick else (4, 48)
   common.progress(f"engine_overhead: {cfg.name} ({count_params(cfg) / 1e6:.1f}M params), "
                   f"{_RUNNING} running requests, {steps} timed decode steps")
-  import jax
   params = init_params(cfg, jax.random.key(0))
   new_tokens = warmup + steps + 2
   engines = [_engine(params, cfg, integrity_check=c, new_tokens=new_tokens, seed=0)

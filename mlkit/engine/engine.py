@@ -129,8 +129,7 @@ class Engine:
     req = self.get(request_id)
     if req.done:
       return False
-    if self.scheduler.remove(req):
-      self._tags_dirty = True
+    self.scheduler.remove(req)  # frees pages; tags only change on allocation, so no sync
     self._abort(req, ABORT_CANCELLED)
     return True
 
@@ -319,7 +318,6 @@ class Engine:
     reason = req.should_stop()
     if reason is not None:
       self.scheduler.remove(req)
-      self._tags_dirty = True
       req.status = RequestStatus.FINISHED
       req.finish_reason = reason
       req.finish_time = now
@@ -329,7 +327,6 @@ class Engine:
   def _integrity_abort(self, req: Request) -> None:
     logging.error("engine: request %d failed its page-tag check; aborting it", req.request_id)
     self.scheduler.drop_failed(req)
-    self._tags_dirty = True
     self.stats.integrity_failures += 1
     self._abort(req, ABORT_INTEGRITY)
 
