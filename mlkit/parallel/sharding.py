@@ -1,0 +1,300 @@
+"""Logical-axis rules and the placement of params and paged KV state on a mesh.
+
+Every parameter axis gets a *logical* name from the parameter's path (see
+:func:`param_logical_axes`); :class:`ShardingRules` maps logical names to mesh
+axes. Defaults:
+
+* tensor parallel: attention heads (``wq``/``wq_b``/``wkv_b`` columns, ``wo``
+  rows), GQA KV heads, dense/shared FFN width and the vocabulary;
+* expert parallel: the routed experts' leading axis;
+* replicated: norms, routers, MLA's low-rank down projections (``wq_a``,
+  ``wkv_a``: tiny, and every head needs their whole output).
+
+Quantised weights shard like the dense weight they replace. ``Int4Weight``'s
+``packed`` [..., K//2, N] and ``scales`` [..., K//g, N] get the same spec, and
+K is only split when every shard holds whole groups (so a shard's packed rows
+and its scale rows describe the same input rows). ``Fp8Weight`` with 128x128
+block scales only splits an axis whose shards hold whole blocks; per-channel
+scales drop the K entry. An axis that cannot be split that way, or whose size the
+mesh axis does not divide, is replicated instead: placement only changes
+communication, never results, since GSPMD keeps every computation exact.
+
+Paged KV state: MLA pages (one latent + rope key per token, shared by all heads)
+are replicated across the tensor axis, as SGLang does, which is why KV capacity
+is per device; with ``data_parallel=True`` the page axis is split over ``data``.
+GQA pages are split over KV heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Union
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mlkit.kvcache import PagedKVState
+from mlkit.parallel.mesh import AXES, axis_size
+from mlkit.quant import Fp8Weight, Int4Weight
+from mlkit.quant.tree import flatten_params, is_quantised
+
+# A mesh-axis assignment: one axis name, a tuple of names (split over their product), or None.
+MeshAxes = Union[str, tuple, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+  """Logical axis name -> mesh axes.
+
+  Raises:
+    ValueError: naming the field if it names an axis outside ("data", "tensor", "expert").
+  """
+
+  # Attention heads: columns of wq / wq_b / wkv_b, rows of wo.
+  heads: MeshAxes = "tensor"
+  # GQA KV heads: columns of wk / wv, and the head axis of GQA KV pages.
+  kv_heads: MeshAxes = "tensor"
+  # Dense-layer and shared-expert FFN width.
+  mlp: MeshAxes = "tensor"
+  # The routed experts' leading axis.
+  experts: MeshAxes = "expert"
+  # FFN width inside each routed expert (None: each expert lives whole on its devices).
+  expert_mlp: MeshAxes = None
+  # Vocabulary: embedding rows, lm_head columns.
+  vocab: MeshAxes = "tensor"
+  # Model width (the residual stream); replicated by default.
+  embed: MeshAxes = None
+  # KV page axis under data-parallel attention (used only with data_parallel=True).
+  pages: MeshAxes = "data"
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      names = () if v is None else (v,) if isinstance(v, str) else tuple(v)
+      bad = [a for a in names if a not in AXES]
+      if bad or not all(isinstance(a, str) for a in names):
+        raise ValueError(f"ShardingRules.{f.name} must name mesh axes from {AXES}, got {v!r}")
+
+  def mesh_axes(self, logical: str | None) -> MeshAxes:
+    """The mesh axes for a logical axis name (None for None or an unknown name)."""
+    if logical is None or logical not in self.__dataclass_fields__:
+      return None
+    return getattr(self, logical)
+
+  def as_rules(self) -> tuple[tuple[str, MeshAxes], ...]:
+    """The rules as (logical, mesh axes) pairs, flax's logical-axis-rules form."""
+    return tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+
+
+DEFAULT_RULES = ShardingRules()
+
+# Attention projections by name: logical axes of the dense [in, out] weight.
+_ATTN_AXES = {
+    "wq": (None, "heads"), "wq_b": (None, "heads"), "wkv_b": (None, "heads"),
+    "wq_a": (None, None), "wkv_a": (None, None), "wo": ("heads", None),
+    "wk": (None, "kv_heads"), "wv": (None, "kv_heads"),
+}
+
+
+def logical_axes_for(path: str, ndim: int) -> tuple:
+  """Logical axis names of one parameter's dense shape, from its path and rank.
+
+  Args:
+    path: "/"-joined parameter path, e.g. "layers/2/ffn/w_down".
+    ndim: rank of the dense weight.
+
+  Returns:
+    A tuple of ndim logical names (None = never split).
+  """
+  parts = path.split("/")
+  name = parts[-1]
+  if path == "embed":
+    return ("vocab", "embed")
+  if path == "lm_head":
+    return ("embed", "vocab")
+  if ndim == 1 or name.startswith("router"):
+    return (None,) * ndim
+  if "attn" in parts and name in _ATTN_AXES and ndim == 2:
+    return _ATTN_AXES[name]
+  if "ffn" in parts and name in ("w_gate", "w_up", "w_down"):
+    if ndim == 3:  # routed experts [E, in, out]
+      return ("experts", None, "expert_mlp") if name != "w_down" else ("experts", "expert_mlp", None)
+    return (None, "mlp") if name != "w_down" else ("mlp", None)
+  return (None,) * ndim
+
+
+def param_logical_axes(params) -> Any:
+  """{path: logical axes} for every parameter (quantised weights as one entry)."""
+  flat, _ = flatten_params(params)
+  return {p: logical_axes_for(p, len(leaf.shape)) for p, leaf in flat}
+
+
+def _axis_ok(size: int, n: int, unit: int = 1) -> bool:
+  """Whether ``size`` splits into n shards that each hold whole ``unit``s."""
+  return n == 1 or size % (n * unit) == 0
+
+
+def _dense_spec(shape, logical, rules: ShardingRules, mesh: Mesh, units=None) -> list:
+  """Per-axis mesh axes for a dense shape; axes that cannot split cleanly stay None."""
+  units = units or (1,) * len(shape)
+  used: set = set()
+  spec = []
+  for size, name, unit in zip(shape, logical, units):
+    axes = rules.mesh_axes(name)
+    names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    n = axis_size(mesh, axes)
+    if not names or used & set(names) or not _axis_ok(size, n, unit) or n == 1:
+      spec.append(None)
+      continue
+    used |= set(names)
+    spec.append(axes)
+  return spec
+
+
+def leaf_partition_spec(leaf, logical: tuple, rules: ShardingRules, mesh: Mesh):
+  """The PartitionSpec(s) for one parameter (a matching Int4Weight / Fp8Weight of specs for quantised ones).
+
+  Args:
+    leaf: an array, a ShapeDtypeStruct, or an Int4Weight / Fp8Weight.
+    logical: its dense logical axes (see :func:`logical_axes_for`).
+    rules: the sharding rules.
+    mesh: the mesh (axis sizes decide what divides).
+
+  Returns:
+    A PartitionSpec, or for quantised weights the same dataclass holding one
+    PartitionSpec per array.
+  """
+  shape = tuple(leaf.shape)  # the dense shape for quantised weights too
+  nd = len(shape)
+  if isinstance(leaf, Int4Weight):
+    # K (axis -2) splits only into shards of whole groups, so packed rows and scale rows agree.
+    units = [1] * nd
+    units[-2] = leaf.group_size
+    spec = _dense_spec(shape, logical, rules, mesh, units)
+    ps = PartitionSpec(*spec)
+    return Int4Weight(packed=ps, scales=ps, group_size=leaf.group_size)
+  if isinstance(leaf, Fp8Weight):
+    if leaf.block_size is None:
+      spec = _dense_spec(shape, logical, rules, mesh)
+      scale_spec = spec[:-2] + spec[-1:]  # per-channel scales [..., N] have no K axis
+      return Fp8Weight(values=PartitionSpec(*spec), scales=PartitionSpec(*scale_spec),
+                       block_size=None)
+    units = [1] * nd
+    units[-2] = units[-1] = leaf.block_size  # whole 128x128 blocks per shard
+    spec = _dense_spec(shape, logical, rules, mesh, units)
+    ps = PartitionSpec(*spec)
+    return Fp8Weight(values=ps, scales=ps, block_size=leaf.block_size)
+  return PartitionSpec(*_dense_spec(shape, logical, rules, mesh))
+
+
+def param_partition_specs(params, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
+  """A tree like ``params`` with a PartitionSpec per array (see :func:`leaf_partition_spec`)."""
+  flat, treedef = flatten_params(params)
+  specs = [leaf_partition_spec(leaf, logical_axes_for(p, len(leaf.shape)), rules, mesh)
+           for p, leaf in flat]
+  return jax.tree_util.tree_unflatten(treedef, specs)
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, PartitionSpec)
+
+
+def param_shardings(params, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
+  """A tree like ``params`` with a NamedSharding per array (e.g. for jit's in/out_shardings)."""
+  specs = param_partition_specs(params, mesh, rules)
+  return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+
+
+def put(x, sharding: NamedSharding) -> jax.Array:
+  """Places one array with ``sharding``, also when the mesh spans several processes.
+
+  ``jax.device_put`` cannot target devices of other processes; there every
+  process builds its own shards from the (identical) host value instead.
+  """
+  if sharding.is_fully_addressable:
+    return jax.device_put(x, sharding)
+  host = np.asarray(jax.device_get(x) if isinstance(x, jax.Array) else x)
+  return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+def _put_tree(tree, shardings):
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  shard_leaves = jax.tree_util.tree_leaves(shardings)
+  if len(leaves) != len(shard_leaves):
+    raise ValueError(f"sharding tree has {len(shard_leaves)} leaves, the value tree {len(leaves)}")
+  return jax.tree_util.tree_unflatten(treedef, [put(x, s) for x, s in zip(leaves, shard_leaves)])
+
+
+def shard_params(params, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
+  """Places a params tree (dense and/or quantised leaves) on ``mesh``.
+
+  Args:
+    params: the params pytree (as from init_params / quantize_params).
+    mesh: a mesh with axes ("data", "tensor", "expert").
+    rules: logical-axis rules (see the module docstring for the defaults).
+
+  Returns:
+    The same tree with every array a jax.Array sharded by the rules (values unchanged).
+  """
+  return _put_tree(params, param_shardings(params, mesh, rules))
+
+
+# ----------------------------------------------------------------------------- KV state
+
+def kv_state_partition_specs(state: PagedKVState, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES,
+                             *, data_parallel: bool = False) -> PagedKVState:
+  """PartitionSpecs for a paged KV state, as a PagedKVState of specs.
+
+  Args:
+    state: the pool (arrays or ShapeDtypeStructs).
+    mesh: the mesh.
+    rules: ``pages`` and ``kv_heads`` are used.
+    data_parallel: split the page axis over ``rules.pages`` (data-parallel attention).
+
+  Returns:
+    A PagedKVState whose leaves are PartitionSpecs. MLA: pages and scales
+    replicated across tensor (page axis over data when data_parallel); GQA:
+    additionally the KV-head axis (axis 2) over ``rules.kv_heads``. ``page_tags``
+    is always replicated (every row's check reads any page's tag).
+  """
+  N = state.num_pages
+  page_axes = rules.pages if data_parallel else None
+  if page_axes is not None and not _axis_ok(N, axis_size(mesh, page_axes)):
+    raise ValueError(f"data-parallel attention: {N} pages do not split over mesh axis "
+                     f"{page_axes!r} of size {axis_size(mesh, page_axes)}")
+  layers = []
+  for layer in state.layers:
+    specs = {}
+    for name, x in layer.items():
+      spec = [page_axes] + [None] * (x.ndim - 1)
+      if state.attention == "gqa" and x.ndim >= 3:
+        kv_axes = rules.kv_heads
+        n = axis_size(mesh, kv_axes)
+        if kv_axes is not None and n > 1 and x.shape[2] % n == 0 and kv_axes != page_axes:
+          spec[2] = kv_axes
+      specs[name] = PartitionSpec(*spec)
+    layers.append(specs)
+  return PagedKVState(layers=layers, page_tags=PartitionSpec())
+
+
+def kv_state_shardings(state: PagedKVState, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, *,
+                       data_parallel: bool = False) -> PagedKVState:
+  """NamedShardings for a paged KV state (see :func:`kv_state_partition_specs`)."""
+  specs = kv_state_partition_specs(state, mesh, rules, data_parallel=data_parallel)
+  return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
+
+
+def shard_kv_state(state: PagedKVState, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, *,
+                   data_parallel: bool = False) -> PagedKVState:
+  """Places a paged KV state on ``mesh`` (see :func:`kv_state_partition_specs`).
+
+  Raises:
+    ValueError: with data_parallel, if the page count does not split over the data axis.
+  """
+  return _put_tree(state, kv_state_shardings(state, mesh, rules, data_parallel=data_parallel))
+
+
+def replicate(tree, mesh: Mesh):
+  """Places every array of ``tree`` fully replicated on ``mesh``."""
+  return jax.tree_util.tree_map(lambda x: put(x, NamedSharding(mesh, PartitionSpec())), tree)
