@@ -1,0 +1,156 @@
+"""Tests for mlkit.train: schedule, balancing rules, capacity dispatch, loss decrease, resume."""
+
+import dataclasses
+import os
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from configs import TINY_MLA
+from mlkit.evals.tasks import TaskConfig, packed_batch
+from mlkit.model.moe import route
+from mlkit.quant import grouped_matmul
+from mlkit.train import (CapacityExperts, TrainConfig, compute_config, expert_capacity,
+                         lr_schedule, plot_loss, train, update_router_bias)
+
+# A 2-layer TINY_MLA (one dense, one MoE layer) keeps compilation short.
+CFG = dataclasses.replace(TINY_MLA, n_layers=2)
+TASKS = TaskConfig(arith_digits=(1, 2), retrieval_pairs=(2, 4))
+TCFG = TrainConfig(steps=40, batch_size=4, seq_len=96, learning_rate=3e-3, warmup_steps=5,
+                   log_every=1, checkpoint_every=0, bias_update_rate=1e-2, seed=0)
+
+
+def batch_fn(step):
+  return packed_batch(np.random.default_rng([7, step]), TCFG.batch_size, TCFG.seq_len, tc=TASKS)
+
+
+class TrainConfigTest(parameterized.TestCase):
+
+  @parameterized.parameters(("steps", 0), ("learning_rate", 0.0), ("balance", "magic"),
+                            ("capacity_factor", 0.5), ("compute_dtype", "float16"),
+                            ("min_lr_ratio", 1.5), ("seq_len", 1))
+  def test_invalid_field_named(self, field, value):
+    with self.assertRaisesRegex(ValueError, f"TrainConfig.{field}"):
+      TrainConfig(**{field: value})
+
+  def test_schedule_warmup_peak_and_floor(self):
+    tc = TrainConfig(steps=100, warmup_steps=10, learning_rate=1e-3, min_lr_ratio=0.1)
+    s = lr_schedule(tc)
+    self.assertEqual(float(s(0)), 0.0)
+    self.assertAlmostEqual(float(s(5)), 5e-4, places=8)
+    self.assertAlmostEqual(float(s(10)), 1e-3, places=8)
+    self.assertAlmostEqual(float(s(100)), 1e-4, places=8)
+    self.assertGreater(float(s(40)), float(s(70)))
+
+
+class BalancingTest(absltest.TestCase):
+
+  def test_bias_moves_against_load(self):
+    cfg = compute_config(CFG, TCFG)
+    from mlkit.model import init_params
+    params = init_params(cfg, jax.random.key(0))
+    E = cfg.n_routed_experts
+    load = np.full((cfg.n_moe_layers, E), 1.0 / E, np.float32)
+    load[0, 0] += 0.2  # overloaded
+    load[0, 1] -= 0.1  # underloaded
+    load[0, 2] -= 0.1
+    new = update_router_bias(params, jnp.asarray(load), cfg, rate=0.05)
+    b = np.asarray(new["layers"][1]["ffn"]["router_bias"])
+    self.assertAlmostEqual(b[0], -0.05, places=6)
+    self.assertAlmostEqual(b[1], 0.05, places=6)
+    self.assertAlmostEqual(b[3], 0.0, places=6)  # exactly at the mean: no move
+    # A large enough bias steers selection away from expert 0 without changing the combine weights.
+    x = jax.random.normal(jax.random.key(1), (64, cfg.d_model))
+    ffn = dict(new["layers"][1]["ffn"], router_bias=jnp.zeros(E).at[0].set(-10.0))
+    ids, w, _ = route(ffn, x, cfg)
+    self.assertFalse(np.any(np.asarray(ids) == 0))
+    ids0, w0, _ = route(dict(ffn, router_bias=jnp.zeros(E)), x, cfg)
+    self.assertTrue(np.any(np.asarray(ids0) == 0))
+
+
+class CapacityExpertsTest(parameterized.TestCase):
+
+  def _inputs(self, sizes, K=8, N=4):
+    E = len(sizes)
+    M = sum(sizes) + 3  # trailing rows past sum(group_sizes) must come out zero
+    x = jax.random.normal(jax.random.key(0), (M, K))
+    w = jax.random.normal(jax.random.key(1), (E, K, N))
+    return x, w, jnp.asarray(sizes, jnp.int32)
+
+  def test_matches_ragged_dot_with_enough_capacity(self):
+    x, w, gs = self._inputs([3, 0, 7, 2])
+    ref = jax.lax.ragged_dot(x, w, gs)
+    got = grouped_matmul(x, CapacityExperts(w, capacity_factor=4.0), gs, out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    self.assertTrue(np.all(np.asarray(got)[12:] == 0))
+
+  def test_overflow_rows_dropped(self):
+    x, w, gs = self._inputs([12, 1, 1, 1])
+    C = expert_capacity(x.shape[0], 4, 1.0)  # ceil(18 / 4) = 5
+    self.assertEqual(C, 5)
+    ref = np.asarray(jax.lax.ragged_dot(x, w, gs))
+    got = np.asarray(grouped_matmul(x, CapacityExperts(w, capacity_factor=1.0), gs,
+                                    out_dtype=jnp.float32))
+    np.testing.assert_allclose(got[:C], ref[:C], rtol=1e-5, atol=1e-5)
+    self.assertTrue(np.all(got[C:12] == 0))  # expert 0's rows past its capacity
+    np.testing.assert_allclose(got[12:15], ref[12:15], rtol=1e-5, atol=1e-5)
+
+  def test_gradient_flows_to_weight(self):
+    x, w, gs = self._inputs([3, 2, 2, 2])
+    g = jax.grad(lambda w: jnp.sum(grouped_matmul(x, CapacityExperts(w, 4.0), gs)))(w)
+    g_ref = jax.grad(lambda w: jnp.sum(jax.lax.ragged_dot(x, w, gs)))(w)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-5, atol=1e-5)
+
+
+class TrainLoopTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.full = train(CFG, TCFG, batch_fn, progress=None)
+
+  def test_loss_decreases(self):
+    h = self.full.history
+    first = np.mean([m["loss"] for m in h[:3]])
+    last = np.mean([m["loss"] for m in h[-5:]])
+    # Random init starts near ln(256) = 5.5; the packed task data is highly predictable.
+    self.assertGreater(first, 4.5)
+    self.assertLess(last, 0.6 * first, msg=f"loss {first:.3f} -> {last:.3f}")
+    self.assertTrue(all(np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]) for m in h))
+
+  def test_master_weights_f32_and_router_bias_moved_by_rule(self):
+    p = self.full.params
+    self.assertTrue(all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(p)))
+    b = np.asarray(p["layers"][1]["ffn"]["router_bias"])
+    # Each step moves every bias by exactly +-rate or 0, so it stays on the rate's grid.
+    steps = b / TCFG.bias_update_rate
+    np.testing.assert_allclose(steps, np.round(steps), atol=1e-3)
+    self.assertGreater(np.abs(b).max(), 0)
+
+  def test_resume_gives_same_next_step(self):
+    with tempfile.TemporaryDirectory() as d:
+      first = train(CFG, TCFG, batch_fn, checkpoint_dir=d, progress=None, stop_at=6)
+      self.assertIsNone(first.resumed_from)
+      resumed = train(CFG, TCFG, batch_fn, checkpoint_dir=d, progress=None, stop_at=7)
+      self.assertEqual(resumed.resumed_from, 6)
+      self.assertEqual(int(resumed.state["step"]), 7)
+    straight = train(CFG, TCFG, batch_fn, progress=None, stop_at=7)
+    for a, b in zip(jax.tree_util.tree_leaves(resumed.state), jax.tree_util.tree_leaves(straight.state)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    self.assertAlmostEqual(resumed.history[-1]["loss"], straight.history[-1]["loss"], places=5)
+    # The resumed run is not trivially equal to its starting point.
+    self.assertFalse(np.allclose(np.asarray(first.params["lm_head"]),
+                                 np.asarray(resumed.params["lm_head"])))
+
+  def test_plot_written(self):
+    with tempfile.TemporaryDirectory() as d:
+      path = plot_loss(self.full.history, os.path.join(d, "loss.png"))
+      with open(path, "rb") as f:
+        self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+
+
+if __name__ == "__main__":
+  absltest.main()
