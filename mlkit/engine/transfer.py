@@ -1,0 +1,278 @@
+"""Moving one request's KV pages from the prefill pool to the decode pool.
+
+The two pools may differ in storage dtype (bf16 -> fp8 with per-token scales),
+page size, page count and devices. A transfer is four jitted pieces:
+
+1. :func:`extract_kv` on the source devices gathers the request's tokens out
+   of its pages into a dense *payload*, in the source storage format
+   ({name: [T, *E]}, plus {name_scale: [T, *E[:-1]]} for fp8 sources), zero
+   past the request's length, and :func:`payload_checksum` sums it.
+2. The payload is copied to the destination devices; the checksum is recomputed
+   there. A mismatch means the bytes changed in transit.
+3. :func:`write_kv` on the destination dequantises the payload to f32 and
+   writes it through the destination block table with the destination's own
+   write path (``mlkit.kvcache.write_layer``), so an fp8 pool quantises per
+   token exactly as a decode step would, and re-paging to a different page size
+   is only a different block table.
+4. :func:`landing_checksums` converts the received payload to the destination
+   format independently, reads the stored bytes back out of the destination
+   pages, and sums both: a mismatch means the write went wrong.
+
+Checksums are position-weighted sums of the raw bits (uint32, wrapping): every
+word is multiplied by an odd weight that depends on its index, so any single
+changed word always changes the sum, and swapped tokens almost always do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mlkit.kvcache import BatchMeta, PagedKVState
+from mlkit.kvcache.fp8 import dequantize_fp8, quantize_fp8
+from mlkit.kvcache.state import scale_name, write_layer
+
+# A payload: per layer, {entry name (and scale name for fp8): [T, ...] array}.
+Payload = list
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferResult:
+  """What one transfer attempt found.
+
+  Attributes:
+    ok: both checksums matched.
+    reason: None when ok, else which check failed and where (layer, entry).
+    nbytes: payload bytes moved between the pools.
+  """
+
+  ok: bool
+  reason: str | None
+  nbytes: int
+
+
+def _entry_keys(state: PagedKVState) -> list[str]:
+  keys = []
+  for name in state.names:
+    keys.append(name)
+    if state.is_fp8:
+      keys.append(scale_name(name))
+  return keys
+
+
+def _mask_past(x: jax.Array, length) -> jax.Array:
+  live = jnp.arange(x.shape[0]) < length
+  return jnp.where(live.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
+
+
+def _gather_raw(arr: jax.Array, pages: jax.Array, length) -> jax.Array:
+  """A request's slots [M * P, ...] in storage format, zero past length (pages [M], PAD < 0)."""
+  N, P = arr.shape[:2]
+  x = arr[jnp.clip(pages, 0, N - 1)]  # [M, P, ...]
+  x = x.reshape((pages.shape[0] * P,) + arr.shape[2:])
+  return _mask_past(x, length)
+
+
+@jax.jit
+def extract_kv(state: PagedKVState, pages: jax.Array, length: jax.Array) -> Payload:
+  """Gathers one request's tokens out of its pages, in the pool's storage format.
+
+  Args:
+    state: the source pool.
+    pages: [M] int32 the request's pages in position order (PAD_PAGE past them).
+    length: int32 scalar, tokens to move.
+
+  Returns:
+    Per layer {name: [M * P, *E] storage dtype, (fp8) name_scale: [M * P, *E[:-1]] f32},
+    zero past ``length``.
+  """
+  return [{k: _gather_raw(layer[k], pages, length) for k in _entry_keys(state)}
+          for layer in state.layers]
+
+
+def _words(x: jax.Array) -> jax.Array:
+  """The raw bits of x as a flat uint32 vector (one word per element)."""
+  bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+  return jax.lax.bitcast_convert_type(x, bits).reshape(-1).astype(jnp.uint32)
+
+
+def checksum(x: jax.Array) -> jax.Array:
+  """Position-weighted uint32 checksum of an array's raw bits (wrapping arithmetic).
+
+  Args:
+    x: any 1-, 2- or 4-byte dtype array.
+
+  Returns:
+    uint32 scalar sum_i word_i * weight_i. Every weight is odd (Knuth's
+    multiplicative hash of the index, low bit set), so changing any single word
+    always changes the sum (an odd multiple of a non-zero difference is non-zero
+    mod 2**32); two swapped words change it unless (a - b) * (w_i - w_j) happens
+    to be a multiple of 2**32.
+  """
+  w = _words(x)
+  idx = jnp.arange(w.shape[0], dtype=jnp.uint32)
+  weights = (idx * jnp.uint32(2654435761)) | jnp.uint32(1)
+  return jnp.sum(w * weights, dtype=jnp.uint32)
+
+
+@jax.jit
+def payload_checksum(payload: Payload) -> jax.Array:
+  """[n_layers, n_entries] uint32 checksums of a payload (entries in sorted key order)."""
+  return jnp.stack([jnp.stack([checksum(layer[k]) for k in sorted(layer)]) for layer in payload])
+
+
+def _to_f32(payload_layer: dict, names) -> dict:
+  """Dequantised f32 entries of one payload layer."""
+  out = {}
+  for name in names:
+    x = payload_layer[name]
+    sn = scale_name(name)
+    out[name] = (dequantize_fp8(x, payload_layer[sn]) if sn in payload_layer
+                 else x.astype(jnp.float32))
+  return out
+
+
+def _meta(pages: jax.Array, length, page_size: int) -> BatchMeta:
+  return BatchMeta(block_tables=pages[None], lengths=jnp.reshape(length, (1,)).astype(jnp.int32),
+                   expected_tags=jnp.zeros_like(pages)[None], page_size=page_size)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def write_kv(state: PagedKVState, payload: Payload, pages: jax.Array,
+             length: jax.Array) -> PagedKVState:
+  """Writes a payload into the destination pool through its block table (donates ``state``).
+
+  Args:
+    state: the destination pool (any storage dtype and page size).
+    payload: from :func:`extract_kv` (any source format), T tokens per entry.
+    pages: [M'] int32 destination pages with M' * page_size >= length.
+    length: int32 scalar; tokens at positions >= length are not written.
+
+  Returns:
+    The updated pool: fp8 pools get per-token scales computed here.
+  """
+  for i, layer in enumerate(payload):
+    new = _to_f32(layer, state.names)
+    T = new[state.names[0]].shape[0]
+    positions = jnp.arange(T, dtype=jnp.int32)[None]
+    state = write_layer(state, i, {k: v[None] for k, v in new.items()}, positions,
+                        _meta(pages, length, state.page_size))
+  return state
+
+
+@jax.jit
+def landing_checksums(state: PagedKVState, payload: Payload, pages: jax.Array,
+                      length: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Checksums of what should be in the destination pages and of what is there.
+
+  Args:
+    state: the destination pool after :func:`write_kv`.
+    payload: the payload that was written.
+    pages: [M'] destination pages; length: int32 scalar.
+
+  Returns:
+    (expected, stored), each [n_layers, n_entries] uint32: the payload converted
+    to the destination format, and the destination pages read back, both over
+    the first ``length`` tokens.
+  """
+  expected, stored = [], []
+  keys = sorted(_entry_keys(state))
+  for i, layer in enumerate(payload):
+    new = _to_f32(layer, state.names)
+    conv = {}
+    for name in state.names:
+      if state.is_fp8:
+        conv[name], conv[scale_name(name)] = quantize_fp8(new[name])
+      else:
+        conv[name] = new[name].astype(state.dtype)
+    got = {k: _gather_raw(state.layers[i][k], pages, length) for k in keys}
+    expected.append(jnp.stack([checksum(_mask_past(_fit(conv[k], got[k].shape[0]), length))
+                               for k in keys]))
+    stored.append(jnp.stack([checksum(got[k]) for k in keys]))
+  return jnp.stack(expected), jnp.stack(stored)
+
+
+def _fit(x: jax.Array, n: int) -> jax.Array:
+  """x [T, ...] cut or zero-padded to [n, ...] along the token axis."""
+  T = x.shape[0]
+  if T >= n:
+    return x[:n]
+  return jnp.concatenate([x, jnp.zeros((n - T,) + x.shape[1:], x.dtype)])
+
+
+def _where(sums_a: np.ndarray, sums_b: np.ndarray, keys: list[str]) -> str:
+  layer, entry = map(int, np.argwhere(sums_a != sums_b)[0])
+  return f"layer {layer} entry {keys[entry]!r}"
+
+
+def transfer_kv(src: PagedKVState, src_pages, dst: PagedKVState, dst_pages, length: int, *,
+                dst_mesh: Mesh | None = None,
+                corrupt_payload: Callable[[Payload], Payload] | None = None,
+                corrupt_landing: Callable[[PagedKVState], PagedKVState] | None = None
+                ) -> tuple[PagedKVState, TransferResult]:
+  """Moves ``length`` tokens from ``src_pages`` of one pool to ``dst_pages`` of another, checked.
+
+  Args:
+    src: the source pool (not modified).
+    src_pages: the request's source pages in position order (ints).
+    dst: the destination pool (donated: use the returned state).
+    dst_pages: destination pages in position order, enough for ``length`` tokens
+      at the destination page size.
+    length: tokens to move (> 0).
+    dst_mesh: the destination pool's mesh; the payload is replicated on it
+      (None: the destination state's devices, replicated).
+    corrupt_payload: test hook applied to the payload after it arrived
+      (simulates corruption in transit).
+    corrupt_landing: test hook applied to the destination state after the write
+      (simulates a bad write).
+
+  Returns:
+    (dst state, TransferResult). On a mismatch the destination pages may hold
+    garbage: the caller must not hand them to the request without a retry.
+
+  Raises:
+    ValueError: too few pages on either side for ``length``, or pools whose
+      attention kinds or layer counts differ.
+  """
+  if src.attention != dst.attention or src.n_layers != dst.n_layers:
+    raise ValueError(f"transfer between incompatible pools: {src.attention}/{src.n_layers} layers "
+                     f"-> {dst.attention}/{dst.n_layers} layers")
+  if length <= 0:
+    raise ValueError(f"transfer length must be > 0, got {length}")
+  if len(src_pages) * src.page_size < length:
+    raise ValueError(f"{len(src_pages)} source pages of {src.page_size} hold fewer than {length} tokens")
+  if len(dst_pages) * dst.page_size < length:
+    raise ValueError(f"{len(dst_pages)} destination pages of {dst.page_size} hold fewer than "
+                     f"{length} tokens")
+  src_pages = np.asarray(src_pages, np.int32)
+  dst_pages = np.asarray(dst_pages, np.int32)
+  n = np.int32(length)
+  payload = extract_kv(src, src_pages, n)
+  sent = payload_checksum(payload)
+  if dst_mesh is None:
+    dev = sorted(dst.page_tags.sharding.device_set, key=lambda d: d.id)
+    dst_mesh = Mesh(np.asarray(dev, dtype=object), ("all",))
+  payload = jax.device_put(payload, NamedSharding(dst_mesh, PartitionSpec()))
+  nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(payload))
+  if corrupt_payload is not None:
+    payload = corrupt_payload(payload)
+  received = payload_checksum(payload)
+  sent, received = np.asarray(sent), np.asarray(received)
+  keys = sorted(payload[0])
+  if not np.array_equal(sent, received):
+    return dst, TransferResult(False, f"transfer checksum mismatch in transit at "
+                                      f"{_where(sent, received, keys)}", nbytes)
+  dst = write_kv(dst, payload, dst_pages, n)
+  if corrupt_landing is not None:
+    dst = corrupt_landing(dst)
+  expected, stored = map(np.asarray, landing_checksums(dst, payload, dst_pages, n))
+  if not np.array_equal(expected, stored):
+    return dst, TransferResult(False, f"transfer checksum mismatch after the write at "
+                                      f"{_where(expected, stored, sorted(_entry_keys(dst)))}", nbytes)
+  return dst, TransferResult(True, None, nbytes)

@@ -1,0 +1,333 @@
+"""Disaggregated prefill/decode pools: transfer format, re-paging, checksums, equivalence, engine on a mesh."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from configs import TINY_GQA, TINY_MLA
+from mlkit import kvcache as kvc
+from mlkit import parallel
+from mlkit.engine import Engine, EngineConfig, RequestRejected, RequestStatus
+from mlkit.engine import transfer as tr
+from mlkit.engine.disagg import (ABORT_TRANSFER, DisaggConfig, DisaggEngine, PoolConfig,
+                                 TransferFault, default_disagg_config)
+from mlkit.quant import BF16, FP8_ALL, INT4_EXPERTS
+from mlkit.sampling import SamplingParams
+from test_parallel import init_params_np
+
+CFG = dataclasses.replace(TINY_MLA, n_layers=2)  # one dense + one MoE layer
+# One bucket per step kind, so each pool compiles one prefill and one decode step.
+ENGINE_KW = dict(max_running=4, batch_buckets=(4,), prefill_buckets=(8,), prefill_token_budget=16,
+                 max_pages_per_seq=8, record_logits=True)
+SAMPLING = SamplingParams(max_new_tokens=6)
+_rng = np.random.default_rng(0)
+# Two prompts start at once; two more arrive while those decode (the 13-token one needs two chunks).
+EARLY = [list(map(int, _rng.integers(0, 256, n))) for n in (5, 9)]
+LATE = [list(map(int, _rng.integers(0, 256, n))) for n in (13, 7)]
+
+
+def _pool(page_size, kv_dtype, recipe, mesh, num_pages=32):
+  eng = EngineConfig(model=CFG, kv=kvc.KVCacheConfig(num_pages, page_size, kv_dtype), **ENGINE_KW)
+  return PoolConfig(eng, recipe, mesh)
+
+
+def _drive(engine, early=EARLY, late=LATE, steps_between=2):
+  """Submits ``early``, steps, submits ``late`` (arriving mid-decode), runs to completion."""
+  ids = [engine.submit(p, SAMPLING) for p in early]
+  for _ in range(steps_between):
+    engine.step()
+  ids += [engine.submit(p, SAMPLING) for p in late]
+  engine.run_until_done(max_steps=200)
+  reqs = [engine.get(i) for i in ids]
+  return [list(r.output) for r in reqs], [np.stack(engine.logits[i]) for i in ids], reqs
+
+
+def _rel(a, b):
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+class DisaggEngineTest(parameterized.TestCase):
+  """One checkpoint served four ways; the engines are built once (compiles dominate)."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.ckpt = init_params_np(CFG)
+    # Same recipe and (f32) KV format in both pools, different page sizes: exact re-paging.
+    cls.same_cfg = DisaggConfig(
+        prefill=_pool(4, "float32", BF16, parallel.MeshConfig(tensor=4)),
+        decode=_pool(8, "float32", BF16, parallel.MeshConfig(tensor=2, expert=2)),
+        enable_fault_injection=True)
+    cls.disagg = DisaggEngine(cls.ckpt, cls.same_cfg)
+    cls.d_out, cls.d_logits, cls.d_reqs = _drive(cls.disagg)
+    cls.timeline = list(cls.disagg.metrics_.timeline)
+    cls.coloc = DisaggEngine(cls.ckpt, dataclasses.replace(cls.same_cfg, mode="colocated",
+                                                                  enable_fault_injection=False))
+    cls.c_out, cls.c_logits, _ = _drive(cls.coloc)
+
+  def test_disaggregated_equals_colocated_same_recipe(self):
+    self.assertEqual(self.d_out, self.c_out)
+    self.assertTrue(all(len(o) == SAMPLING.max_new_tokens for o in self.d_out))
+    for a, b in zip(self.d_logits, self.c_logits):
+      self.assertTrue(np.isfinite(a).all())
+      np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    m = self.disagg.metrics()["disagg"]
+    self.assertEqual(m["transfers"], len(EARLY) + len(LATE))
+    self.assertEqual(m["transfer_failures"], 0)
+    self.assertGreater(m["transfer_bytes"], 0)
+
+  def test_pools_are_disjoint_submeshes_with_their_formats(self):
+    d = self.disagg
+    p_dev = set(d.prefill_mesh.devices.flat)
+    d_dev = set(d.decode_mesh.devices.flat)
+    self.assertEmpty(p_dev & d_dev)
+    self.assertEqual(set(d.prefill.state.layers[0]["latent"].sharding.device_set), p_dev)
+    self.assertEqual(set(d.decode.state.layers[0]["latent"].sharding.device_set), d_dev)
+    self.assertEqual(d.prefill.state.page_size, 4)
+    self.assertEqual(d.decode.state.page_size, 8)
+
+  def test_decode_keeps_stepping_while_prefills_run(self):
+    # Iterations that dispatched a prefill step while the decode pool emitted tokens:
+    # the late prompts (one of them two chunks long) are prefilled while the early ones decode.
+    overlapped = [t for t in self.timeline if t[0] > 0 and t[1] > 0]
+    self.assertGreaterEqual(len(overlapped), 2, self.timeline)
+    self.assertEqual(self.disagg.metrics_.overlapped_iterations, len(overlapped))
+
+  def test_engine_runs_unchanged_on_a_mesh(self):
+    # The colocated engine above is a plain Engine whose params and KV live on a
+    # 4-device mesh; a 1-device Engine gives the same tokens and logits.
+    plain = Engine(self.ckpt, self.same_cfg.decode.engine)
+    out, logits, _ = _drive(plain)
+    self.assertEqual(out, self.c_out)
+    for a, b in zip(logits, self.c_logits):
+      np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5)
+    # The pages stayed on the mesh through the donated steps.
+    self.assertLen(self.coloc.decode.state.layers[0]["latent"].sharding.device_set, 4)
+
+  def test_disaggregated_across_recipes_within_quant_tolerance(self):
+    # The report's split: prefill FP8_ALL weights + bf16 KV, decode INT4_EXPERTS + fp8 KV.
+    cfg = DisaggConfig(prefill=_pool(4, "bfloat16", FP8_ALL, parallel.MeshConfig(tensor=4)),
+                       decode=_pool(8, "float8_e4m3fn", INT4_EXPERTS,
+                                    parallel.MeshConfig(tensor=2, expert=2)))
+    eng = DisaggEngine(self.ckpt, cfg)
+    out, logits, _ = _drive(eng)
+    self.assertEqual(str(eng.decode.state.dtype), "float8_e4m3fn")
+    self.assertEqual(str(eng.prefill.state.dtype), "bfloat16")
+    agree_first = 0
+    for o, ref_o, lg, ref_lg in zip(out, self.c_out, logits, self.c_logits):
+      self.assertTrue(np.isfinite(lg).all())
+      # The first token comes from the fp8-weight prefill pool. Per matmul fp8 stays within
+      # 5e-2, but through two layers, a bf16 cache and top-k routing (one 128x128 scale
+      # block per tiny matrix) the logits move by up to ~8%; a transfer or format bug moves
+      # them by O(1).
+      self.assertLessEqual(_rel(lg[0], ref_lg[0]), 0.1)
+      agree_first += o[0] == ref_o[0]
+      # Decode steps run int4 experts on an fp8 cache. Int4 RTN of tiny random experts
+      # moves logits by up to ~20% through routing flips (see test_quant_recipe), so the
+      # bound is 0.25, checked while the two continuations still see the same tokens.
+      n = next((i for i in range(len(o)) if o[i] != ref_o[i]), len(o))
+      for i in range(1, min(n + 1, len(o))):
+        self.assertLessEqual(_rel(lg[i], ref_lg[i]), 0.25, (i, o, ref_o))
+    self.assertGreaterEqual(agree_first, len(out) - 1)
+
+  def test_transit_corruption_is_retried(self):
+    eng = self.disagg
+    before = eng.metrics_.transfer_retries
+    eng.inject_transfer_fault(TransferFault("transit", times=1, layer=1))
+    out, _, reqs = _drive(eng, early=[EARLY[0]], late=[], steps_between=0)
+    self.assertEqual(reqs[0].status, RequestStatus.FINISHED)
+    self.assertEqual(out[0], self.c_out[0])  # the retry delivered the right KV
+    self.assertEqual(eng.metrics_.transfer_retries, before + 1)
+
+  @parameterized.parameters("transit", "landing")
+  def test_persistent_corruption_aborts_with_reason(self, where):
+    eng = self.disagg
+    eng.inject_transfer_fault(TransferFault(where, times=self.same_cfg.transfer_attempts))
+    failures = eng.metrics_.transfer_failures
+    _, _, reqs = _drive(eng, early=[EARLY[1]], late=[], steps_between=0)
+    req = reqs[0]
+    self.assertEqual(req.status, RequestStatus.ABORTED)
+    self.assertEqual(req.abort_reason, ABORT_TRANSFER)
+    self.assertIn("checksum mismatch", req.transfer_error)
+    self.assertIn("in transit" if where == "transit" else "after the write", req.transfer_error)
+    self.assertLen(req.output, 1)  # only the prefill pool's first token, nothing decoded
+    self.assertEqual(eng.metrics_.transfer_failures, failures + 1)
+    # Both pools got every page back.
+    self.assertEqual(eng.prefill.allocator.num_free, eng.prefill.allocator.num_pages)
+    self.assertEqual(eng.decode.allocator.num_free, eng.decode.allocator.num_pages)
+
+  def test_full_decode_pool_holds_requests_in_transfer_queue(self):
+    # Six requests against a decode pool of max_running 4: two finish prefill while the
+    # decode pool is full and wait (holding prefill pages) until it has room.
+    eng = self.disagg
+    prompts = EARLY + LATE + [EARLY[0][:3], LATE[1][:4]]
+    ids = [eng.submit(p, SAMPLING) for p in prompts]
+    waited = 0
+    while eng.has_unfinished():
+      eng.step()
+      waited = max(waited, len(eng._transfer_queue))
+    self.assertGreater(waited, 0)
+    out = [eng.get(i).output for i in ids]
+    self.assertEqual(out[:4], self.c_out)
+    ref = self.coloc.generate(prompts[4:], SAMPLING)
+    self.assertEqual(out[4:], ref)
+
+  def test_submit_too_long_for_decode_pool_rejected(self):
+    with self.assertRaises(RequestRejected):
+      self.disagg.submit([1] * 60, SamplingParams(max_new_tokens=10))
+
+  def test_fault_injection_disabled_raises(self):
+    with self.assertRaisesRegex(RuntimeError, "fault injection is disabled"):
+      self.coloc.inject_transfer_fault(TransferFault())
+
+
+class DisaggConfigTest(parameterized.TestCase):
+
+  def test_default_is_the_reports_split(self):
+    c = default_disagg_config(CFG, prefill_page_size=4, decode_page_size=8)
+    self.assertEqual((c.prefill.recipe, c.prefill.engine.kv.dtype), (FP8_ALL, "bfloat16"))
+    self.assertEqual((c.decode.recipe, c.decode.engine.kv.dtype), (INT4_EXPERTS, "float8_e4m3fn"))
+    self.assertEqual((c.prefill.num_devices, c.decode.num_devices), (4, 4))
+    self.assertEqual((c.prefill.engine.page_size, c.decode.engine.page_size), (4, 8))
+
+  def test_validation_names_fields(self):
+    c = default_disagg_config(CFG)
+    with self.assertRaisesRegex(ValueError, "DisaggConfig.mode"):
+      dataclasses.replace(c, mode="split")
+    with self.assertRaisesRegex(ValueError, "DisaggConfig.transfer_attempts"):
+      dataclasses.replace(c, transfer_attempts=0)
+    other = dataclasses.replace(c.decode, engine=dataclasses.replace(c.decode.engine, model=TINY_MLA))
+    with self.assertRaisesRegex(ValueError, "same model"):
+      dataclasses.replace(c, decode=other)
+    small = dataclasses.replace(c.decode, engine=dataclasses.replace(
+        c.decode.engine, kv=kvc.KVCacheConfig(1, 8, "float8_e4m3fn")))
+    with self.assertRaisesRegex(ValueError, "DisaggConfig.decode holds at most 8"):
+      dataclasses.replace(c, decode=small)
+    with self.assertRaisesRegex(ValueError, "PoolConfig.recipe"):
+      PoolConfig(c.decode.engine, "int4")
+    with self.assertRaisesRegex(ValueError, "TransferFault.where"):
+      TransferFault("disk")
+
+  def test_too_many_devices_raises(self):
+    c = default_disagg_config(CFG, prefill_devices=4, decode_devices=8)
+    with self.assertRaisesRegex(ValueError, "need 12 devices"):
+      DisaggEngine(init_params_np(CFG), c)
+
+
+def _filled_state(cfg, dtype, page_size, pages, length, seed=0, num_pages=12):
+  """A pool whose ``pages`` hold ``length`` tokens of random entries; returns (state, entries)."""
+  state = kvc.init_paged_state(cfg, kvc.KVCacheConfig(num_pages, page_size, dtype))
+  rng = np.random.default_rng(seed)
+  shapes = kvc.state.entry_shapes(cfg)
+  entries = [{k: jnp.asarray(rng.standard_normal((1, length) + s) * (1 + 3 * (k == "k_rope")),
+                             jnp.float32) for k, s in shapes.items()} for _ in range(cfg.n_layers)]
+  bt = np.full((1, 8), kvc.PAD_PAGE, np.int32)
+  bt[0, :len(pages)] = pages
+  meta = kvc.BatchMeta(jnp.asarray(bt), jnp.asarray([length], jnp.int32),
+                       jnp.zeros((1, 8), jnp.int32), page_size)
+  positions = jnp.arange(length, dtype=jnp.int32)[None]
+  return kvc.write_prefill(state, entries, positions, meta), entries
+
+
+def _read(state, pages, length):
+  bt = np.full((1, 8), kvc.PAD_PAGE, np.int32)
+  bt[0, :len(pages)] = pages
+  meta = kvc.BatchMeta(jnp.asarray(bt), jnp.asarray([length], jnp.int32),
+                       jnp.zeros((1, 8), jnp.int32), state.page_size)
+  return [{k: np.asarray(v[0, :length]) for k, v in kvc.read_layer(state, i, meta).items()}
+          for i in range(state.n_layers)]
+
+
+class TransferTest(parameterized.TestCase):
+  LENGTH = 11  # crosses page boundaries in both pools, ends mid-page
+
+  @parameterized.named_parameters(("mla", TINY_MLA), ("gqa", TINY_GQA))
+  def test_bf16_to_fp8_with_per_token_scales(self, cfg):
+    src, entries = _filled_state(cfg, "bfloat16", 4, [5, 2, 9], self.LENGTH)
+    dst = kvc.init_paged_state(cfg, kvc.KVCacheConfig(12, 8, "float8_e4m3fn"))
+    dst, res = tr.transfer_kv(src, [5, 2, 9], dst, [7, 3], self.LENGTH)
+    self.assertTrue(res.ok, res.reason)
+    got = _read(dst, [7, 3], self.LENGTH)
+    for i, layer in enumerate(entries):
+      for k, x in layer.items():
+        x_bf16 = np.asarray(x[0].astype(jnp.bfloat16).astype(jnp.float32))
+        # Exactly what per-token fp8 quantisation of the bf16 source gives ...
+        q, s = kvc.quantize_fp8(jnp.asarray(x_bf16))
+        np.testing.assert_array_equal(got[i][k], np.asarray(kvc.dequantize_fp8(q, s)))
+        # ... one scale per token (and KV head): absmax / 448.
+        scales = np.asarray(dst.layers[i][k + "_scale"])[[7] * 8 + [3] * 3, list(range(8)) + [0, 1, 2]]
+        np.testing.assert_allclose(scales, np.abs(x_bf16).max(-1) / kvc.FP8_MAX, rtol=1e-6)
+        # ... and within the fp8 tolerance of the source.
+        self.assertLessEqual(_rel(got[i][k], x_bf16), 5e-2)
+
+  @parameterized.parameters((4, 6), (8, 3), (4, 4))
+  def test_repaging_is_exact(self, src_page, dst_page):
+    src_pages = list(range(3, 3 + -(-self.LENGTH // src_page)))[::-1]
+    dst_pages = list(range(10, 10 - -(-self.LENGTH // dst_page), -1))
+    src, entries = _filled_state(TINY_MLA, "float32", src_page, src_pages, self.LENGTH)
+    dst = kvc.init_paged_state(TINY_MLA, kvc.KVCacheConfig(12, dst_page, "float32"))
+    dst, res = tr.transfer_kv(src, src_pages, dst, dst_pages, self.LENGTH)
+    self.assertTrue(res.ok, res.reason)
+    got = _read(dst, dst_pages, self.LENGTH)
+    for i, layer in enumerate(entries):
+      for k, x in layer.items():
+        np.testing.assert_array_equal(got[i][k], np.asarray(x[0]))
+    # Pages the request does not own are untouched.
+    other = [p for p in range(12) if p not in dst_pages]
+    self.assertEqual(float(jnp.abs(dst.layers[0]["latent"][jnp.asarray(other)]).max()), 0.0)
+
+  def test_checksum_catches_corrupted_page_in_transit(self):
+    src, _ = _filled_state(TINY_MLA, "bfloat16", 4, [0, 1, 2], self.LENGTH)
+    dst = kvc.init_paged_state(TINY_MLA, kvc.KVCacheConfig(12, 8, "float8_e4m3fn"))
+
+    def corrupt(payload):  # one token of layer 2's rope keys, slightly changed
+      payload[2]["k_rope"] = payload[2]["k_rope"].at[9, 0].add(1.0)
+      return payload
+
+    dst, res = tr.transfer_kv(src, [0, 1, 2], dst, [4, 5], self.LENGTH, corrupt_payload=corrupt)
+    self.assertFalse(res.ok)
+    self.assertEqual(res.reason, "transfer checksum mismatch in transit at layer 2 entry 'k_rope'")
+
+  def test_checksum_catches_bad_landing(self):
+    src, _ = _filled_state(TINY_GQA, "bfloat16", 4, [0, 1, 2], self.LENGTH)
+    dst = kvc.init_paged_state(TINY_GQA, kvc.KVCacheConfig(12, 8, "float8_e4m3fn"))
+
+    def corrupt(state):  # a token's scale lands wrong
+      layers = list(state.layers)
+      layers[1] = dict(layers[1], v_scale=layers[1]["v_scale"].at[5, 2, 1].multiply(2.0))
+      return state.replace(layers=layers)
+
+    dst, res = tr.transfer_kv(src, [0, 1, 2], dst, [4, 5], self.LENGTH, corrupt_landing=corrupt)
+    self.assertFalse(res.ok)
+    self.assertEqual(res.reason, "transfer checksum mismatch after the write at layer 1 entry 'v_scale'")
+
+  def test_checksum_sensitivity(self):
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((16, 8)), jnp.bfloat16)
+    base = int(tr.checksum(x))
+    self.assertNotEqual(int(tr.checksum(x.at[7, 3].set(-x[7, 3]))), base)  # sign bit
+    swapped = x.at[2].set(x[5]).at[5].set(x[2])
+    self.assertNotEqual(int(tr.checksum(swapped)), base)  # two tokens swapped
+    self.assertEqual(int(tr.checksum(x + 0)), base)  # deterministic
+    # Every single-bit flip of every word is caught (odd weights), including word 0.
+    words = jax.lax.bitcast_convert_type(x, jnp.uint16).reshape(-1)
+    for i in (0, 1, 77, words.shape[0] - 1):
+      for bit in (0, 7, 15):
+        flipped = words.at[i].set(words[i] ^ jnp.uint16(1 << bit))
+        y = jax.lax.bitcast_convert_type(flipped.reshape(x.shape), jnp.bfloat16)
+        self.assertNotEqual(int(tr.checksum(y)), base, (i, bit))
+
+  def test_transfer_rejects_short_page_lists(self):
+    src, _ = _filled_state(TINY_MLA, "float32", 4, [0, 1, 2], self.LENGTH)
+    dst = kvc.init_paged_state(TINY_MLA, kvc.KVCacheConfig(12, 4, "float32"))
+    with self.assertRaisesRegex(ValueError, "2 destination pages of 4 hold fewer than 11"):
+      tr.transfer_kv(src, [0, 1, 2], dst, [4, 5], self.LENGTH)
+    with self.assertRaisesRegex(ValueError, "incompatible pools"):
+      tr.transfer_kv(src, [0, 1, 2], kvc.init_paged_state(TINY_GQA, kvc.KVCacheConfig(12, 4)),
+                     [4, 5, 6], self.LENGTH)
+
+
+if __name__ == "__main__":
+  absltest.main()
