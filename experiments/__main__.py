@@ -17,8 +17,11 @@ from absl import app, flags, logging
 EXPERIMENTS = {
     "generate": ("experiments.generate", "greedy generation from a tiny model; prints tokens/s"),
     "capacity": ("experiments.capacity", "tokens that fit a KV budget, bf16 vs fp8 (lever 1)"),
+    "engine_overhead": ("experiments.engine_overhead",
+                        "host overhead per engine step, 64 running requests on SMALL_MLA, "
+                        "integrity check on/off"),
 }
-DEFAULT_SUITE = ("generate", "capacity")
+DEFAULT_SUITE = ("generate", "capacity", "engine_overhead")
 
 _OUT = flags.DEFINE_string("out", "results", "Output folder for JSON, markdown and PNG.")
 _FULL = flags.DEFINE_bool("full", False, "Run the full-size variant instead of the quick one.")

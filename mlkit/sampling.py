@@ -76,5 +76,14 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array,
 
 
 def row_keys(seeds: jax.Array, step: jax.Array | int) -> jax.Array:
-  """Per-row keys for one step: key(seed_b) folded with the step index. seeds [B] -> [B] keys."""
-  return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), step))(seeds)
+  """Per-row keys: key(seed_b) folded with the step index (one step, or one per row).
+
+  Args:
+    seeds: [B] per-request seeds.
+    step: scalar or [B]: index of the token being generated (0 = the one after prefill).
+
+  Returns:
+    [B] PRNG keys.
+  """
+  steps = jnp.broadcast_to(jnp.asarray(step, jnp.uint32), seeds.shape)
+  return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, steps)

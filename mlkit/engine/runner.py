@@ -75,10 +75,11 @@ def _step(params, state: PagedKVState, tokens, positions, block_tables, expected
   lengths = jnp.where(ok, lengths, 0)
   meta = BatchMeta(block_tables=block_tables, lengths=lengths, expected_tags=expected_tags,
                    page_size=page_size)
-  logits, state = apply(params, tokens, positions, state, cfg=cfg, batch_meta=meta)  # [B, T, V]
+  logits, state = apply(params, tokens, positions, state, cfg=cfg, batch_meta=meta,
+                        backend=backend)  # [B, T, V]
   last = jnp.take_along_axis(logits, last_index[:, None, None], axis=1)[:, 0]  # [B, V]
   # Same key derivation as mlkit.generate: fold_in(key(seed), index of the generated token).
-  keys = jax.vmap(lambda s, k: row_keys(s[None], k)[0])(seeds, sample_steps)
+  keys = row_keys(seeds, sample_steps)
   tok = sample_tokens(last, keys, temperature, top_k, top_p)  # [B]
   if record_logits:
     return tok, ok, state, last

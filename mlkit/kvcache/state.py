@@ -142,18 +142,51 @@ class PagedKVState:
     Raises:
       ValueError: on a page-size / shape mismatch, or (when run eagerly) a bad block table or length.
     """
+    state = self.write(layer, new, positions, batch_meta)
+    dtype = new[self.names[0]].dtype
+    view = gather_layer(state, layer, batch_meta.block_tables, batch_meta.lengths, dtype=dtype)
+    S = view[self.names[0]].shape[1]
+    mask = paged_mask(positions, batch_meta.lengths, S)
+    return state, view, mask
+
+  def write(self, layer: int, new: dict, positions: jax.Array, batch_meta: BatchMeta):
+    """Writes this step's entries [B, T, ...] through the block tables; returns the new state.
+
+    Tokens whose position is >= their request's length are not written. Values
+    (block tables, lengths) are validated on the host when run eagerly.
+
+    Raises:
+      ValueError: on a page-size / shape mismatch, or (eagerly) a bad block table or length.
+    """
     if not isinstance(batch_meta, BatchMeta):
       raise ValueError(f"a paged cache needs batch_meta=BatchMeta(...), got {type(batch_meta).__name__}")
     if layer == 0 and not _is_tracer(batch_meta, positions):
       validate_batch(self, batch_meta, positions)
     else:
       _check_static(self, batch_meta, positions)
-    state = write_layer(self, layer, new, positions, batch_meta)
-    dtype = new[self.names[0]].dtype
-    view = gather_layer(state, layer, batch_meta.block_tables, batch_meta.lengths, dtype=dtype)
-    S = view[self.names[0]].shape[1]
-    mask = paged_mask(positions, batch_meta.lengths, S)
-    return state, view, mask
+    return write_layer(self, layer, new, positions, batch_meta)
+
+  def decode_attention(self, layer: int, queries: tuple, batch_meta: BatchMeta, *,
+                       scale: float, backend: str | None = None) -> jax.Array:
+    """One decode query per request attending to its pages, via the paged-attention kernels.
+
+    Args:
+      layer: layer index.
+      queries: MLA (q_latent [B, H, C], q_rope [B, H, R]); GQA (q [B, H, hd],).
+      batch_meta: block tables and lengths (tokens in the cache, the current one included).
+      scale: softmax scale.
+      backend: "pallas" | "interpret" | "xla" | None (platform default).
+
+    Returns:
+      MLA out_latent [B, H, C]; GQA [B, H, hd]; rows of length 0 give zeros.
+    """
+    from pallas_kernels import paged_attention as kernels
+    lp = self.layers[layer]
+    a, b = self.names
+    sa, sb = (lp[scale_name(a)], lp[scale_name(b)]) if self.is_fp8 else (None, None)
+    fn = kernels.paged_mla_decode if self.attention == "mla" else kernels.paged_gqa_decode
+    return fn(*queries, lp[a], lp[b], sa, sb, batch_meta.block_tables, batch_meta.lengths,
+              scale=float(scale), backend=backend)
 
 
 def init_paged_state(cfg: ModelConfig, kv_cfg: KVCacheConfig) -> PagedKVState:

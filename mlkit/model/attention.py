@@ -6,6 +6,8 @@ contiguous and paged caches share them. Softmax is always accumulated in f32.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -27,7 +29,8 @@ def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
 
 # ----------------------------------------------------------------------------- MLA
 
-def mla_project(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
+def mla_project(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, *,
+                backend: str | None = None):
   """Query heads and this step's cache entries for MLA.
 
   Args:
@@ -41,13 +44,14 @@ def mla_project(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
   """
   B, T, _ = x.shape
   H, nope, R = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+  mm = functools.partial(matmul, backend=backend)
   if cfg.q_lora_rank:
-    q = matmul(rms_norm(matmul(x, p["wq_a"]), p["q_norm"], cfg.rms_norm_eps), p["wq_b"])
+    q = mm(rms_norm(mm(x, p["wq_a"]), p["q_norm"], cfg.rms_norm_eps), p["wq_b"])
   else:
-    q = matmul(x, p["wq"])
+    q = mm(x, p["wq"])
   q = q.reshape(B, T, H, nope + R)
   q_nope, q_rope = q[..., :nope], q[..., nope:]
-  kv = matmul(x, p["wkv_a"])  # [B, T, C + R]
+  kv = mm(x, p["wkv_a"])  # [B, T, C + R]
   latent = rms_norm(kv[..., :cfg.kv_lora_rank], p["kv_norm"], cfg.rms_norm_eps)
   cos, sin = rope.cos_sin(cfg, positions)
   q_rope = rope.apply_rope(q_rope, cos, sin, interleave=cfg.rope_interleave)
@@ -130,13 +134,15 @@ def mla_attention_absorbed(p, q_nope, q_rope, view, mask, cfg: ModelConfig) -> j
 
 # ----------------------------------------------------------------------------- GQA
 
-def gqa_project(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
+def gqa_project(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, *,
+                backend: str | None = None):
   """Query heads [B, T, H, hd] and this step's cache entries {k, v: [B, T, KV, hd]}."""
   B, T, _ = x.shape
   hd = cfg.head_dim
-  q = matmul(x, p["wq"]).reshape(B, T, cfg.n_heads, hd)
-  k = matmul(x, p["wk"]).reshape(B, T, cfg.n_kv_heads, hd)
-  v = matmul(x, p["wv"]).reshape(B, T, cfg.n_kv_heads, hd)
+  mm = functools.partial(matmul, backend=backend)
+  q = mm(x, p["wq"]).reshape(B, T, cfg.n_heads, hd)
+  k = mm(x, p["wk"]).reshape(B, T, cfg.n_kv_heads, hd)
+  v = mm(x, p["wv"]).reshape(B, T, cfg.n_kv_heads, hd)
   cos, sin = rope.cos_sin(cfg, positions)
   q = rope.apply_rope(q, cos, sin, interleave=cfg.rope_interleave)
   k = rope.apply_rope(k, cos, sin, interleave=cfg.rope_interleave)
@@ -165,8 +171,13 @@ def gqa_attention(q, k, v, mask, scale) -> jax.Array:
 # ----------------------------------------------------------------------------- layer
 
 def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: int,
-                    cfg: ModelConfig, *, batch_meta=None, mla_mode: str = "auto"):
+                    cfg: ModelConfig, *, batch_meta=None, mla_mode: str = "auto",
+                    backend: str | None = None):
   """One attention sub-layer: project, write the cache, attend, project out.
+
+  Decode steps (T == 1) on a cache that offers ``decode_attention`` (the paged
+  cache) run attention through it, i.e. through the paged-attention kernels,
+  always in MLA's absorbed form; everything else attends over the cache's view.
 
   Args:
     p: the layer's attention params.
@@ -175,25 +186,39 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: i
     cache: a cache (see ``mlkit.model.cache``) or None for a cache-free forward.
     layer: layer index into the cache.
     mla_mode: "naive", "absorbed" or "auto" (absorbed when T == 1).
+    backend: kernel backend ("pallas" | "interpret" | "xla" | None for the platform default).
 
   Returns:
     (out [B, T, D], cache).
   """
   from mlkit.model.cache import no_cache_view
   B, T, _ = x.shape
-  if cfg.attention == "mla":
-    q_nope, q_rope, new = mla_project(p, x, positions, cfg)
+  mla = cfg.attention == "mla"
+  if mla:
+    q_nope, q_rope, new = mla_project(p, x, positions, cfg, backend=backend)
   else:
-    q, new = gqa_project(p, x, positions, cfg)
-  if cache is None:
-    view, mask = no_cache_view(new, positions)
+    q, new = gqa_project(p, x, positions, cfg, backend=backend)
+  if T == 1 and cache is not None and hasattr(cache, "decode_attention"):
+    with jax.named_scope("paged_decode_attention"):
+      cache = cache.write(layer, new, positions, batch_meta)
+      if mla:
+        q_latent = mla_absorb_query(p, q_nope, cfg)  # [B, 1, H, C]
+        out_latent = cache.decode_attention(layer, (q_latent[:, 0], q_rope[:, 0]), batch_meta,
+                                            scale=cfg.softmax_scale, backend=backend)
+        heads = mla_absorb_output(p, out_latent[:, None], cfg)  # [B, 1, H, v]
+      else:
+        heads = cache.decode_attention(layer, (q[:, 0],), batch_meta, scale=cfg.softmax_scale,
+                                       backend=backend)[:, None]  # [B, 1, H, hd]
   else:
-    cache, view, mask = cache.update(layer, new, positions, batch_meta)
-  if cfg.attention == "mla":
-    absorbed = mla_mode == "absorbed" or (mla_mode == "auto" and T == 1)
-    fn = mla_attention_absorbed if absorbed else mla_attention_naive
-    heads = fn(p, q_nope, q_rope, view, mask, cfg)  # [B, T, H, v]
-  else:
-    heads = gqa_attention(q, view["k"], view["v"], mask, cfg.softmax_scale)
-  out = matmul(heads.reshape(B, T, -1), p["wo"])
+    if cache is None:
+      view, mask = no_cache_view(new, positions)
+    else:
+      cache, view, mask = cache.update(layer, new, positions, batch_meta)
+    if mla:
+      absorbed = mla_mode == "absorbed" or (mla_mode == "auto" and T == 1)
+      fn = mla_attention_absorbed if absorbed else mla_attention_naive
+      heads = fn(p, q_nope, q_rope, view, mask, cfg)  # [B, T, H, v]
+    else:
+      heads = gqa_attention(q, view["k"], view["v"], mask, cfg.softmax_scale)
+  out = matmul(heads.reshape(B, T, -1), p["wo"], backend=backend)
   return out, cache

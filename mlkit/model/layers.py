@@ -15,7 +15,8 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
   return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def swiglu(p: dict, x: jax.Array) -> jax.Array:
+def swiglu(p: dict, x: jax.Array, *, backend: str | None = None) -> jax.Array:
   """Dense SwiGLU FFN: w_down(silu(w_gate x) * w_up x). x [..., D] -> [..., D]."""
-  h = jax.nn.silu(matmul(x, p["w_gate"])) * matmul(x, p["w_up"])
-  return matmul(h, p["w_down"])
+  h = (jax.nn.silu(matmul(x, p["w_gate"], backend=backend))
+       * matmul(x, p["w_up"], backend=backend))
+  return matmul(h, p["w_down"], backend=backend)

@@ -6,6 +6,8 @@ projection, so no [tokens, experts, hidden] tensor is ever built.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -52,7 +54,7 @@ def route(p: dict, x: jax.Array, cfg: ModelConfig):
 
 
 def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
-                     n_experts: int) -> jax.Array:
+                     n_experts: int, *, backend: str | None = None) -> jax.Array:
   """Runs each token through its chosen experts and combines the results.
 
   Args:
@@ -61,6 +63,7 @@ def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
     expert_ids: [N, k] int32.
     weights: [N, k] combine weights.
     n_experts: E.
+    backend: kernel backend for quantised expert weights.
 
   Returns:
     [N, D] in x's dtype: sum_k weights[n, k] * expert_{ids[n, k]}(x[n]).
@@ -71,15 +74,15 @@ def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
   token_of = order // k  # [N*k]
   xs = x[token_of]  # [N*k, D]
   group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)  # [E]
-  h = jax.nn.silu(grouped_matmul(xs, p["w_gate"], group_sizes)) * grouped_matmul(
-      xs, p["w_up"], group_sizes)
-  ys = grouped_matmul(h, p["w_down"], group_sizes, out_dtype=jnp.float32)  # [N*k, D]
+  gmm = functools.partial(grouped_matmul, group_sizes=group_sizes, backend=backend)
+  h = jax.nn.silu(gmm(xs, p["w_gate"])) * gmm(xs, p["w_up"])  # [N*k, F]
+  ys = gmm(h, p["w_down"], out_dtype=jnp.float32)  # [N*k, D]
   ys = ys * weights.reshape(-1)[order][:, None].astype(jnp.float32)
   out = jnp.zeros((N, x.shape[-1]), jnp.float32).at[token_of].add(ys)
   return out.astype(x.dtype)
 
 
-def moe_ffn(p: dict, x: jax.Array, cfg: ModelConfig):
+def moe_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, backend: str | None = None):
   """MoE FFN over tokens x [..., D]: routed experts plus shared expert(s).
 
   Returns:
@@ -90,9 +93,9 @@ def moe_ffn(p: dict, x: jax.Array, cfg: ModelConfig):
   shape = x.shape
   xf = x.reshape(-1, shape[-1])  # [N, D]
   expert_ids, weights, scores = route(p, xf, cfg)
-  out = dispatch_experts(p, xf, expert_ids, weights, cfg.n_routed_experts)
+  out = dispatch_experts(p, xf, expert_ids, weights, cfg.n_routed_experts, backend=backend)
   if "shared" in p:
-    out = out + swiglu(p["shared"], xf)
+    out = out + swiglu(p["shared"], xf, backend=backend)
   load = jnp.bincount(expert_ids.reshape(-1), length=cfg.n_routed_experts) / expert_ids.size
   aux = {"expert_load": load.astype(jnp.float32), "router_prob": jnp.mean(scores, axis=0)}
   return out.reshape(shape), aux

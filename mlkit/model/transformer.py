@@ -27,7 +27,7 @@ def _check_inputs(params: dict, tokens, positions, cfg: ModelConfig) -> None:
 
 def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
           cfg: ModelConfig, batch_meta=None, mla_mode: str = "auto",
-          return_aux: bool = False, return_hidden: bool = False):
+          backend: str | None = None, return_aux: bool = False, return_hidden: bool = False):
   """Runs the model over a chunk of tokens, reading and writing the cache.
 
   Args:
@@ -39,6 +39,8 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
     cfg: the model config.
     batch_meta: passed to the cache's ``update`` (block tables and lengths for paged caches).
     mla_mode: "naive", "absorbed" or "auto" (absorbed when T == 1).
+    backend: kernel backend for quantised matmuls and paged decode attention:
+      "pallas" | "interpret" | "xla", or None for the platform default.
     return_aux: also return router statistics per MoE layer.
     return_hidden: return final hidden states [B, T, D] instead of logits.
 
@@ -59,15 +61,16 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
     with jax.named_scope(f"layer_{i}"):
       h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
       attn_out, cache = attention_block(lp["attn"], h, positions, cache, i, cfg,
-                                        batch_meta=batch_meta, mla_mode=mla_mode)
+                                        batch_meta=batch_meta, mla_mode=mla_mode,
+                                        backend=backend)
       x = x + attn_out
       h = rms_norm(x, lp["ffn_norm"], cfg.rms_norm_eps)
       if cfg.is_moe_layer(i):
-        ffn_out, aux = moe_ffn(lp["ffn"], h, cfg)
+        ffn_out, aux = moe_ffn(lp["ffn"], h, cfg, backend=backend)
         loads.append(aux["expert_load"])
         probs.append(aux["router_prob"])
       else:
-        ffn_out = swiglu(lp["ffn"], h)
+        ffn_out = swiglu(lp["ffn"], h, backend=backend)
       x = x + ffn_out
   x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   if return_hidden:
@@ -75,7 +78,7 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
   else:
     with jax.named_scope("lm_head"):
       head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-      out = matmul(x, head, out_dtype=jnp.float32)  # [B, T, V]
+      out = matmul(x, head, out_dtype=jnp.float32, backend=backend)  # [B, T, V]
   if return_aux:
     aux = {"expert_load": jnp.stack(loads) if loads else jnp.zeros((0,)),
            "router_prob": jnp.stack(probs) if probs else jnp.zeros((0,))}
@@ -83,15 +86,18 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
   return out, cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def forward(params: dict, tokens: jax.Array, *, cfg: ModelConfig) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"))
+def forward(params: dict, tokens: jax.Array, *, cfg: ModelConfig,
+            backend: str | None = None) -> jax.Array:
   """Jitted cache-free causal forward: tokens [B, T] -> logits [B, T, V] f32."""
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-  logits, _ = apply(params, tokens, positions, None, cfg=cfg)
+  logits, _ = apply(params, tokens, positions, None, cfg=cfg, backend=backend)
   return logits
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mla_mode"), donate_argnames=("cache",))
-def apply_jit(params, tokens, positions, cache, *, cfg: ModelConfig, mla_mode: str = "auto"):
+@functools.partial(jax.jit, static_argnames=("cfg", "mla_mode", "backend"),
+                   donate_argnames=("cache",))
+def apply_jit(params, tokens, positions, cache, *, cfg: ModelConfig, mla_mode: str = "auto",
+              backend: str | None = None):
   """Jitted :func:`apply` for a contiguous cache, donating the cache."""
-  return apply(params, tokens, positions, cache, cfg=cfg, mla_mode=mla_mode)
+  return apply(params, tokens, positions, cache, cfg=cfg, mla_mode=mla_mode, backend=backend)

@@ -15,6 +15,7 @@ from mlkit.quant.recipe import (BF16, FP8_ALL, INT4_EXPERTS, INT4_EXPERTS_FP8_RE
                                 INT4_EXPERTS_GPTQ, KEEP, RECIPES, Fp8Spec, Int4Spec, Keep, Recipe,
                                 Rule, assign_formats, calibration_paths, dequantize_params, fp8_all,
                                 int4_all, int4_experts, quantize_params)
+from mlkit.quant import kernels as _kernels  # noqa: F401  (registers the formats' matmuls)
 from mlkit.quant.reference import (fp8_grouped_matmul_reference, fp8_matmul_reference,
                                    int4_grouped_matmul_reference, int4_matmul_reference)
 

@@ -203,15 +203,15 @@ jax.tree_util.register_pytree_node(
 
 
 @matmul.register(_Tap)
-def _matmul_tap(x, w: _Tap, *, out_dtype=None):
+def _matmul_tap(x, w: _Tap, *, out_dtype=None, backend=None):
   w.record(x)
-  return matmul(x, w.w, out_dtype=out_dtype)
+  return matmul(x, w.w, out_dtype=out_dtype, backend=backend)
 
 
 @grouped_matmul.register(_Tap)
-def _grouped_matmul_tap(x, w: _Tap, group_sizes, *, out_dtype=None):
+def _grouped_matmul_tap(x, w: _Tap, group_sizes, *, out_dtype=None, backend=None):
   w.record_grouped(x, group_sizes)
-  return grouped_matmul(x, w.w, group_sizes, out_dtype=out_dtype)
+  return grouped_matmul(x, w.w, group_sizes, out_dtype=out_dtype, backend=backend)
 
 
 @dequantize.register(_Tap)

@@ -1,8 +1,8 @@
 """XLA reference matmuls for the quantised formats: unpack, dequantise, dot in f32.
 
-These are the numerical references the Pallas kernels must match, and the
-implementations :func:`mlkit.quant.matmul` / :func:`grouped_matmul` use for
-:class:`Int4Weight` and :class:`Fp8Weight` until a kernel is plugged in here.
+These are the numerical references the Pallas kernels must match, and what
+:func:`mlkit.quant.matmul` / :func:`grouped_matmul` run for the "xla" backend
+(see ``mlkit.quant.kernels``).
 
 Dequantisation is exact in f32 (int4 * scale, fp8 * scale); the dense weight is
 then cast to the activation dtype, so a bf16 run rounds each weight once, as a
@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mlkit.quant.dispatch import dequantize, grouped_matmul, matmul
+from mlkit.quant.dispatch import dequantize
 from mlkit.quant.formats import Fp8Weight, Int4Weight
 
 
@@ -98,25 +98,3 @@ def fp8_grouped_matmul_reference(x: jax.Array, w: Fp8Weight, group_sizes: jax.Ar
   """
   with jax.named_scope("fp8_grouped_matmul_reference"):
     return _dense_grouped(x, dequantize(w, jnp.float32), group_sizes, out_dtype)
-
-
-# The model's dispatch points. A Pallas kernel replaces these bodies (choosing
-# pallas / interpret / xla) without the model noticing.
-@matmul.register(Int4Weight)
-def _matmul_int4(x, w, *, out_dtype=None):
-  return int4_matmul_reference(x, w, out_dtype=out_dtype)
-
-
-@grouped_matmul.register(Int4Weight)
-def _grouped_matmul_int4(x, w, group_sizes, *, out_dtype=None):
-  return int4_grouped_matmul_reference(x, w, group_sizes, out_dtype=out_dtype)
-
-
-@matmul.register(Fp8Weight)
-def _matmul_fp8(x, w, *, out_dtype=None):
-  return fp8_matmul_reference(x, w, out_dtype=out_dtype)
-
-
-@grouped_matmul.register(Fp8Weight)
-def _grouped_matmul_fp8(x, w, group_sizes, *, out_dtype=None):
-  return fp8_grouped_matmul_reference(x, w, group_sizes, out_dtype=out_dtype)

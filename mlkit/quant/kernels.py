@@ -1,0 +1,52 @@
+"""Registers the quantised formats on ``matmul`` / ``grouped_matmul``.
+
+Each registration chooses by backend: "xla" runs the XLA reference in
+``mlkit.quant.reference``; "pallas" and "interpret" run the Pallas W4A16 kernels
+in ``pallas_kernels.int4_matmul`` (on a GPU, the default backend is "pallas", so
+the model runs the kernels with no code change). FP8 weights have no Pallas
+kernel yet and always use the XLA reference.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from mlkit.quant.dispatch import grouped_matmul, matmul
+from mlkit.quant.formats import Fp8Weight, Int4Weight
+from mlkit.quant.reference import (fp8_grouped_matmul_reference, fp8_matmul_reference,
+                                   int4_grouped_matmul_reference, int4_matmul_reference)
+from pallas_kernels import dispatch as kernel_dispatch
+from pallas_kernels import int4_matmul as int4_kernels
+
+
+@matmul.register(Int4Weight)
+def _matmul_int4(x, w: Int4Weight, *, out_dtype=None, backend=None):
+  if kernel_dispatch.resolve_backend(backend) == "xla":
+    return int4_matmul_reference(x, w, out_dtype=out_dtype)
+  if w.packed.ndim != 2:
+    raise ValueError(f"matmul: Int4Weight must be 2-D [K, N], got packed {w.packed.shape}")
+  lead = x.shape[:-1]
+  y = int4_kernels.int4_matmul(x.reshape(-1, x.shape[-1]), w.packed, w.scales,
+                               group_size=w.group_size, backend=backend)  # [M, N]
+  return y.reshape(*lead, y.shape[-1]).astype(out_dtype or x.dtype)
+
+
+@grouped_matmul.register(Int4Weight)
+def _grouped_matmul_int4(x, w: Int4Weight, group_sizes, *, out_dtype=None, backend=None):
+  if kernel_dispatch.resolve_backend(backend) == "xla":
+    return int4_grouped_matmul_reference(x, w, group_sizes, out_dtype=out_dtype)
+  y = int4_kernels.int4_grouped_matmul(x, w.packed, w.scales, group_sizes.astype(jax.numpy.int32),
+                                       group_size=w.group_size, backend=backend)  # [M, N]
+  return y.astype(out_dtype or x.dtype)
+
+
+@matmul.register(Fp8Weight)
+def _matmul_fp8(x, w: Fp8Weight, *, out_dtype=None, backend=None):
+  kernel_dispatch.resolve_backend(backend)  # validate the name even though only XLA exists
+  return fp8_matmul_reference(x, w, out_dtype=out_dtype)
+
+
+@grouped_matmul.register(Fp8Weight)
+def _grouped_matmul_fp8(x, w: Fp8Weight, group_sizes, *, out_dtype=None, backend=None):
+  kernel_dispatch.resolve_backend(backend)
+  return fp8_grouped_matmul_reference(x, w, group_sizes, out_dtype=out_dtype)
