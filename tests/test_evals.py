@@ -131,13 +131,23 @@ class StatsTest(absltest.TestCase):
 
   def test_paired_difference(self):
     a = [True] * 90 + [False] * 10
-    self.assertEqual(paired_difference_interval(a, a), (0.0, 0.0, 0.0))
+    d, lo, hi = paired_difference_interval(a, a)
+    self.assertEqual(d, 0.0)
+    # No disagreements on 100 items still leaves about +-2/100 of doubt, never a zero width.
+    self.assertAlmostEqual(hi, -lo)
+    self.assertGreater(hi, 0.005)
+    self.assertLess(hi, 0.03)
     b = [True] * 95 + [False] * 5
     d, lo, hi = paired_difference_interval(a, b)
     self.assertAlmostEqual(d, 0.05)
-    self.assertLess(lo, 0.05)
-    self.assertGreater(lo, 0.0)
+    self.assertGreater(lo, 0.0)  # 5 one-way disagreements out of 100 are significant
     self.assertGreater(hi, 0.05)
+    c = [False] * 5 + [True] * 90 + [False] * 5  # loses items 0-4, wins items 90-94
+    d, lo, hi = paired_difference_interval(a, c)
+    self.assertEqual(d, 0.0)
+    self.assertLess(lo, -0.03)
+    with self.assertRaises(ValueError):
+      paired_difference_interval(a, b[:-1])
     # A 1-point difference needs ~10^4 independent samples at 50% for a +-1-point interval.
     self.assertEqual(samples_for_halfwidth(0.01), 9604)
 

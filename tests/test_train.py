@@ -71,6 +71,34 @@ class BalancingTest(absltest.TestCase):
     self.assertTrue(np.any(np.asarray(ids0) == 0))
 
 
+class AuxLossTest(absltest.TestCase):
+
+  def test_aux_loss_reaches_the_router(self):
+    from mlkit.model import init_params
+    from mlkit.train import loss_fn
+    tc = dataclasses.replace(TCFG, balance="aux", aux_loss_weight=1.0, compute_dtype="float32")
+    cfg = compute_config(CFG, tc)
+    params = init_params(cfg, jax.random.key(0))
+    tokens, weights = packed_batch(np.random.default_rng(0), 2, 40, tc=TASKS, tasks=("arithmetic",))
+    tokens, weights = jnp.asarray(tokens), jnp.asarray(weights)
+
+    @jax.jit
+    def both(p):
+      total, m = loss_fn(p, tokens, weights, cfg=cfg, tcfg=tc)
+      g_total = jax.grad(lambda q: loss_fn(q, tokens, weights, cfg=cfg, tcfg=tc)[0])(p)
+      g_ce = jax.grad(lambda q: loss_fn(q, tokens, weights, cfg=cfg, tcfg=tc)[1]["loss"])(p)
+      return total, m, g_total, g_ce
+
+    total, m, g_total, g_ce = both(params)
+    self.assertAlmostEqual(float(total - m["loss"]), float(m["balance_loss"]), places=4)
+    self.assertGreaterEqual(float(m["balance_loss"]), 0.5)  # E * sum f_i P_i ~ 1 when balanced
+    gr_total = np.asarray(g_total["layers"][1]["ffn"]["router"])
+    gr_ce = np.asarray(g_ce["layers"][1]["ffn"]["router"])
+    self.assertGreater(np.abs(gr_total - gr_ce).max(), 1e-6)  # the aux term reaches the router
+    # Selection through top-k gives the bias no gradient: it is trained by the bias rule only.
+    np.testing.assert_array_equal(np.asarray(g_total["layers"][1]["ffn"]["router_bias"]), 0.0)
+
+
 class CapacityExpertsTest(parameterized.TestCase):
 
   def _inputs(self, sizes, K=8, N=4):

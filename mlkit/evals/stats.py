@@ -32,16 +32,20 @@ def wilson_interval(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 def paired_difference_interval(a: list[bool], b: list[bool], z: float = 1.96
                                ) -> tuple[float, float, float]:
-  """Difference of two accuracies on the same items, with a paired normal interval.
+  """Difference of two accuracies on the same items, with a paired 95% interval.
 
   Paired items share their difficulty, so the interval depends only on the items
-  where the two recipes disagree; it is far tighter than two independent intervals.
+  where the two recipes disagree, and is far tighter than two independent
+  intervals. Uses Agresti & Min (2005): add 0.5 to each cell of the 2x2
+  agreement table before the Wald interval, so that zero disagreements on a few
+  items still give an honest, non-zero width (about +-1.96 / n on n items).
 
   Args:
     a, b: per-item correctness of two recipes on the same items (same length).
+    z: normal quantile.
 
   Returns:
-    (diff, low, high): mean(b) - mean(a) and its interval, in [-1, 1].
+    (diff, low, high): the observed mean(b) - mean(a) and the interval, in [-1, 1].
 
   Raises:
     ValueError: lengths differ.
@@ -51,11 +55,14 @@ def paired_difference_interval(a: list[bool], b: list[bool], z: float = 1.96
   n = len(a)
   if n == 0:
     return 0.0, -1.0, 1.0
-  d = [int(y) - int(x) for x, y in zip(a, b)]
-  mean = sum(d) / n
-  var = sum((x - mean) ** 2 for x in d) / max(n - 1, 1)
-  half = z * math.sqrt(var / n)
-  return mean, max(-1.0, mean - half), min(1.0, mean + half)
+  only_b = sum(1 for x, y in zip(a, b) if y and not x)
+  only_a = sum(1 for x, y in zip(a, b) if x and not y)
+  diff = (only_b - only_a) / n
+  n2 = n + 2.0
+  p_b, p_a = (only_b + 0.5) / n2, (only_a + 0.5) / n2
+  d2 = p_b - p_a
+  half = z * math.sqrt(max(p_b + p_a - d2 * d2, 0.0) / n2)
+  return diff, max(-1.0, d2 - half), min(1.0, d2 + half)
 
 
 def samples_for_halfwidth(halfwidth: float, p: float = 0.5, z: float = 1.96) -> int:

@@ -1,0 +1,405 @@
+"""accuracy: train SMALL_MLA on the generated tasks, then evaluate every precision
+recipe through the serving engine (paged KV cache in bf16 or fp8; weights in bf16,
+fp8, int4 round-to-nearest or int4 GPTQ) and compare with the report's claims.
+
+The trained model is cached under ``$MLKIT_CACHE`` (default ``checkpoints/`` in the
+repository, git-ignored) and reused by later runs. ``quick`` trains a much smaller
+budget when no checkpoint exists and evaluates fewer samples; its numbers are
+labelled as such.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+from configs import SMALL_MLA
+from experiments import common
+from mlkit.checkpoint import checkpoint_steps, load_checkpoint, save_checkpoint
+from mlkit.evals.tasks import TaskConfig, max_example_tokens, packed_batch
+from mlkit.train import TrainConfig, compute_config, plot_loss, train
+
+# Task difficulty shared by training and evaluation.
+TASKS_TRAIN = TaskConfig(arith_digits=(1, 3), retrieval_pairs=(4, 24))
+# Training budgets: "full" is the model the results are about; "quick" only exists so that a
+# first quick run on a fresh checkout finishes in minutes (its accuracies are near chance).
+TRAIN_BUDGETS = {
+    "full": TrainConfig(steps=260, batch_size=6, seq_len=192, learning_rate=3e-3, warmup_steps=25,
+                        bias_update_rate=1e-2, capacity_factor=3.0,
+                        log_every=10, checkpoint_every=50, seed=0),
+    "quick": TrainConfig(steps=60, batch_size=4, seq_len=192, learning_rate=3e-3, warmup_steps=10,
+                         bias_update_rate=1e-2, capacity_factor=3.0,
+                         log_every=5, checkpoint_every=20, seed=0),
+}
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cache_dir() -> str:
+  """Where trained models live: ``$MLKIT_CACHE`` or ``<repo>/checkpoints`` (git-ignored)."""
+  return os.path.join(os.environ.get("MLKIT_CACHE", os.path.join(_REPO, "checkpoints")), "accuracy")
+
+
+def _paths(budget: str) -> tuple[str, str]:
+  base = os.path.join(cache_dir(), f"{SMALL_MLA.name}-{budget}")
+  return os.path.join(base, "train"), os.path.join(base, "model")
+
+
+def model_config():
+  """SMALL_MLA as trained: f32 master weights (compute dtype comes from the train config)."""
+  return compute_config(SMALL_MLA, TRAIN_BUDGETS["full"])
+
+
+def batch_fn(tcfg: TrainConfig):
+  """Step -> packed batch; a pure function of (seed, step) so resumes are exact."""
+  if max_example_tokens(TASKS_TRAIN) > tcfg.seq_len:
+    raise ValueError("accuracy: seq_len is shorter than the longest task example")
+  return lambda step: packed_batch(np.random.default_rng([tcfg.seed, step]), tcfg.batch_size,
+                                   tcfg.seq_len, tc=TASKS_TRAIN)
+
+
+def train_or_load(budget: str, out_dir: str | None = None) -> tuple[dict, dict]:
+  """The trained params of ``budget`` (training, or resuming, if no finished model is cached).
+
+  Returns:
+    (f32 params, info dict: budget, steps, train config, history, seconds, cached flag).
+  """
+  tcfg = TRAIN_BUDGETS[budget]
+  train_dir, model_dir = _paths(budget)
+  cfg = model_config()
+  if checkpoint_steps(model_dir):
+    params, _, meta = _load(model_dir, cfg)
+    common.progress(f"accuracy: using the cached {budget} model in {model_dir}")
+    return params, dict(meta, cached=True)
+  common.progress(f"accuracy: training {cfg.name} ({budget} budget: {tcfg.steps} steps of "
+                  f"{tcfg.batch_size}x{tcfg.seq_len} tokens) into {train_dir}")
+  res = train(cfg, tcfg, batch_fn(tcfg), checkpoint_dir=train_dir, progress=common.progress)
+  info = {"budget": budget, "steps": tcfg.steps, "train_config": dataclasses.asdict(tcfg),
+          "history": res.history, "train_seconds_this_run": res.seconds,
+          "resumed_from": res.resumed_from}
+  _save_meta(model_dir, info)  # before the checkpoint, whose presence marks the model finished
+  save_checkpoint(model_dir, res.params, cfg, step=tcfg.steps, overwrite=True)
+  if out_dir:
+    plot_loss(res.history, os.path.join(out_dir, "accuracy_loss.png"),
+              title=f"{cfg.name} training loss ({budget} budget)")
+  return res.params, dict(info, cached=False)
+
+
+def _save_meta(model_dir: str, info: dict) -> None:
+  common.write_json(model_dir, "train_info", info)
+
+
+def _load(model_dir: str, cfg):
+  import json
+  params, _ = load_checkpoint(model_dir, cfg=cfg)
+  with open(os.path.join(model_dir, "train_info.json")) as f:
+    meta = json.load(f)
+  return params, None, meta
+
+
+# ----------------------------------------------------------------------------- recipes
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionRecipe:
+  """One serving precision: a weight recipe name and a KV-cache dtype."""
+
+  # Weight format: "bf16", "fp8", "int4-rtn" or "int4-gptq".
+  weights: str
+  # KV pool storage: "bfloat16" or "float8_e4m3fn".
+  kv: str
+
+  @property
+  def name(self) -> str:
+    return f"w-{self.weights}/kv-{'fp8' if self.kv == 'float8_e4m3fn' else 'bf16'}"
+
+
+WEIGHT_FORMATS = ("bf16", "fp8", "int4-rtn", "int4-gptq")
+KV_FORMATS = ("bfloat16", "float8_e4m3fn")
+RECIPES = tuple(PrecisionRecipe(w, kv) for w in WEIGHT_FORMATS for kv in KV_FORMATS)
+REFERENCE = PrecisionRecipe("bf16", "bfloat16")
+
+
+def weight_recipe(name: str):
+  """The mlkit.quant recipe behind a weight format name.
+
+  int4 recipes quantise the routed experts (group 32, as Kimi K2.6 ships) and keep
+  attention, shared experts and the dense FFN in fp8, so "int4 vs fp8" isolates
+  the experts, as in the report's GLM 5.2 comparison (fp8 -> int4 checkpoint).
+  """
+  from mlkit.quant.recipe import Fp8Spec, bf16, fp8_all, int4_experts
+  return {"bf16": bf16(), "fp8": fp8_all(),
+          "int4-rtn": int4_experts(32, method="rtn", rest=Fp8Spec()),
+          "int4-gptq": int4_experts(32, method="gptq", rest=Fp8Spec())}[name]
+
+
+def serving_params(params_f32: dict):
+  """The bf16 serving weights: every matrix in bf16, the router and its bias kept f32."""
+  import jax
+  import jax.numpy as jnp
+
+  def cast(path, x):
+    keys = [getattr(k, "key", None) for k in path]
+    return x if any(isinstance(k, str) and k.startswith("router") for k in keys) \
+        else x.astype(jnp.bfloat16)
+  return jax.tree_util.tree_map_with_path(cast, params_f32)
+
+
+def serving_config():
+  """SMALL_MLA as served: bf16 weights and activations."""
+  return dataclasses.replace(SMALL_MLA, dtype="bfloat16", param_dtype="bfloat16")
+
+
+def quantised_params(params_bf16: dict, weights: str, cfg, calib_tokens):
+  """``params_bf16`` in the weight format ``weights`` (GPTQ calibrated on ``calib_tokens``)."""
+  import jax.numpy as jnp
+  from mlkit.model import forward
+  from mlkit.quant.gptq import collect_calibration
+  from mlkit.quant.recipe import calibration_paths, quantize_params
+  recipe = weight_recipe(weights)
+  calib = None
+  if weights == "int4-gptq":
+    tokens = jnp.asarray(calib_tokens)
+    calib = collect_calibration(lambda p: forward(p, tokens, cfg=cfg), params_bf16,
+                                calibration_paths(params_bf16, recipe))
+  return quantize_params(params_bf16, recipe, calibration=calib)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  """Evaluation sizes of one mode."""
+
+  # Items per generation task (same items for every recipe).
+  n_per_task: int
+  # Held-out sequences for perplexity and KL.
+  n_heldout: int
+  # Rows of the GPTQ calibration batch.
+  calib_rows: int
+
+
+EVAL_BUDGETS = {"quick": Budget(n_per_task=48, n_heldout=24, calib_rows=8),
+                "full": Budget(n_per_task=400, n_heldout=192, calib_rows=32)}
+
+
+def evaluate_recipe(params, cfg, recipe: PrecisionRecipe, ecfg, heldout, *, engine_kwargs=None,
+                    ref_logprobs=None, backend_factory=None) -> tuple[dict, list, dict]:
+  """Scores one recipe: task accuracy through the engine, and teacher-forced ppl / KL.
+
+  Args:
+    params: params already in ``recipe.weights`` format.
+    cfg: the serving config.
+    recipe: the precision recipe.
+    ecfg: the EvalConfig.
+    heldout: [(ids, is_answer)] held-out sequences.
+    engine_kwargs: extra EngineBackend arguments.
+    ref_logprobs: the reference recipe's per-sequence log-probs (None: this is the reference).
+    backend_factory: (params, cfg, kv_dtype) -> backend; default the engine.
+
+  Returns:
+    (record, logprobs, task_results).
+  """
+  from mlkit.evals import evaluate, paged_logprobs, perplexity, token_kl, token_nll
+  if backend_factory is None:
+    from mlkit.evals.backends import EngineBackend
+    kw = dict(engine_kwargs or {})
+    backend = EngineBackend(params, cfg, kv_dtype=recipe.kv, **kw)
+  else:
+    backend = backend_factory(params, cfg, recipe.kv)
+  results = evaluate(backend, ecfg)
+  seqs = [s for s, _ in heldout]
+  masks = [m for _, m in heldout]
+  page_size = (engine_kwargs or {}).get("page_size")
+  lps = paged_logprobs(params, cfg, seqs, kv_dtype=recipe.kv, page_size=page_size)
+  nll = token_nll(lps, seqs, masks)
+  rec = {"recipe": recipe.name, "weights": recipe.weights, "kv": recipe.kv,
+         "tasks": {t: r.summary() for t, r in results.items()},
+         "heldout_answer_ppl": perplexity(nll), "heldout_answer_nll": float(np.mean(nll)),
+         "heldout_tokens": int(nll.size)}
+  if ref_logprobs is not None:
+    kl_all = token_kl(ref_logprobs, lps)
+    kl_ans = token_kl(ref_logprobs, lps, masks)
+    rec.update(kl_mean=float(np.mean(kl_all)), kl_answer_mean=float(np.mean(kl_ans)),
+               kl_p99=float(np.quantile(kl_all, 0.99)), kl_tokens=int(kl_all.size))
+  else:
+    rec.update(kl_mean=0.0, kl_answer_mean=0.0, kl_p99=0.0, kl_tokens=0)
+  return rec, lps, results
+
+
+def compare_claims(records: dict[str, dict], results: dict[str, dict]) -> list[dict]:
+  """The report's two claims against the measured paired differences, per task.
+
+  * fp8 KV vs bf16 KV (same weights): |delta| <= ~1 point.
+  * int4 weights vs fp8 weights (same KV): |delta| <= 0.8 points.
+
+  Returns:
+    Rows {claim, task, a, b, delta_points, ci95_points, holds}: ``holds`` is
+    "yes" when the whole 95% interval of the paired difference is inside the
+    claimed band, "no" when it is wholly outside, else "not resolved".
+  """
+  from mlkit.evals import paired_difference_interval
+  rows = []
+
+  def add(claim, band, a, b):
+    if a.name not in results or b.name not in results:
+      return
+    for task in results[a.name]:
+      ra, rb = results[a.name][task], results[b.name][task]
+      d, lo, hi = paired_difference_interval(ra.correct, rb.correct)
+      holds = ("yes" if -band <= lo and hi <= band else
+               "no" if lo > band or hi < -band else "not resolved")
+      rows.append({"claim": claim, "task": task, "a": a.name, "b": b.name,
+                   "delta_points": 100 * d, "ci95_points": [100 * lo, 100 * hi],
+                   "band_points": 100 * band, "holds": holds})
+
+  for w in WEIGHT_FORMATS:
+    add("fp8 KV within ~1 point", 0.01, PrecisionRecipe(w, "bfloat16"),
+        PrecisionRecipe(w, "float8_e4m3fn"))
+  for kv in KV_FORMATS:
+    for w in ("int4-rtn", "int4-gptq"):
+      add("int4 weights within 0.8 points of fp8", 0.008, PrecisionRecipe("fp8", kv),
+          PrecisionRecipe(w, kv))
+  return rows
+
+
+def run(out_dir: str, *, quick: bool = True) -> dict:
+  """Trains (or loads) the model, evaluates every recipe, writes JSON, markdown and a PNG.
+
+  Args:
+    out_dir: output folder.
+    quick: small eval budget; trains the quick budget only if no model is cached.
+
+  Returns:
+    The JSON record.
+  """
+  from mlkit.evals import EvalConfig
+  from mlkit.evals.tasks import TaskConfig as TC, eval_sequences, make_examples
+  mode = "quick" if quick else "full"
+  train_budget = "full" if (not quick or checkpoint_steps(_paths("full")[1])) else "quick"
+  params_f32, train_info = train_or_load(train_budget, out_dir)
+  cfg = serving_config()
+  params = serving_params(params_f32)
+  budget = EVAL_BUDGETS[mode]
+  ecfg = EvalConfig(n_per_task=budget.n_per_task, seed=1234,
+                    task_config=TC(arith_digits=(1, 3), retrieval_pairs=(16, 24)))
+  heldout = []
+  for i, task in enumerate(ecfg.tasks):
+    k = budget.n_heldout // len(ecfg.tasks)
+    heldout += eval_sequences(make_examples(task, k, seed=98765 + i, tc=TASKS_TRAIN))
+  calib, _ = packed_batch(np.random.default_rng([4321]), budget.calib_rows,
+                          TRAIN_BUDGETS["full"].seq_len, tc=TASKS_TRAIN)
+  # One prefill bucket and one batch bucket: three compilations per recipe (prefill, decode,
+  # teacher forcing) dominate the CPU run time, so fewer shapes beat less padding.
+  engine_kwargs = dict(max_seq_tokens=192, max_running=16, prefill_chunk=192)
+  records, results, ref_lps = {}, {}, None
+  order = [REFERENCE] + [r for r in RECIPES if r != REFERENCE]
+  qparams_cache = {}
+  for i, rec in enumerate(order, 1):
+    common.progress(f"accuracy: [{i}/{len(order)}] {rec.name}")
+    if rec.weights not in qparams_cache:
+      qparams_cache = {rec.weights: quantised_params(params, rec.weights, cfg, calib)}
+    r, lps, res = evaluate_recipe(qparams_cache[rec.weights], cfg, rec, ecfg, heldout,
+                                  engine_kwargs=engine_kwargs, ref_logprobs=ref_lps)
+    if rec == REFERENCE:
+      ref_lps = lps
+    records[rec.name], results[rec.name] = r, res
+    common.progress("accuracy:   " + ", ".join(
+        f"{t} {100 * s['accuracy']:.1f}%" for t, s in r["tasks"].items())
+        + f", ppl {r['heldout_answer_ppl']:.3f}, KL {r['kl_mean']:.2e}")
+  claims = compare_claims(records, results)
+  record = {
+      "experiment": "accuracy", "mode": mode, "machine": common.machine_info(),
+      "model": cfg.to_dict(), "train": {k: v for k, v in train_info.items() if k != "history"},
+      "train_history": train_info.get("history", []),
+      "eval": {"n_per_task": budget.n_per_task, "n_heldout": budget.n_heldout,
+               "calib_rows": budget.calib_rows, "seed": ecfg.seed,
+               "task_config": dataclasses.asdict(ecfg.task_config),
+               "backend": "mlkit.engine.Engine (paged KV, tag check on)",
+               "teacher_forcing": "mlkit.model.apply through a paged pool in the recipe's KV dtype"},
+      "recipes": records, "claims": claims,
+  }
+  common.write_json(out_dir, "accuracy", record)
+  common.write_markdown(out_dir, "accuracy", _markdown(record))
+  _plot(record, os.path.join(out_dir, "accuracy.png"))
+  if train_info.get("history"):
+    plot_loss(train_info["history"], os.path.join(out_dir, "accuracy_loss.png"),
+              title=f"{cfg.name} training loss ({train_info.get('budget')} budget)")
+  return record
+
+
+def _markdown(record: dict) -> str:
+  tr = record["train"]
+  lines = [f"# accuracy ({record['mode']} mode)", ""]
+  if record["mode"] == "quick" or tr.get("budget") == "quick":
+    lines += [f"**Quick mode**: {record['eval']['n_per_task']} items per task"
+              f"{' and a quick-budget model (' + str(tr.get('steps')) + ' steps)' if tr.get('budget') == 'quick' else ''}; "
+              "intervals are wide. Run with `--full` for the reported numbers.", ""]
+  hist = record.get("train_history") or []
+  last = f", final loss {hist[-1]['loss']:.3f}" if hist else ""
+  lines += [f"Model: `{record['model']['name']}` trained {tr.get('steps')} steps "
+            f"({tr.get('budget')} budget){last}. Evaluation through `{record['eval']['backend']}`; "
+            f"perplexity and KL by teacher forcing through the paged pool. "
+            f"Accuracy in %, 95% Wilson intervals; KL(bf16 ref || recipe) in nats per token.", ""]
+  tasks = list(next(iter(record["recipes"].values()))["tasks"])
+  headers = ["recipe"] + [f"{t} % [95% CI]" for t in tasks] + ["tool validity %", "answer ppl",
+                                                               "KL mean", "KL p99"]
+  rows = []
+  for name, r in record["recipes"].items():
+    row = [name]
+    for t in tasks:
+      s = r["tasks"][t]
+      row.append(f"{100 * s['accuracy']:.1f} [{100 * s['ci95'][0]:.1f}, {100 * s['ci95'][1]:.1f}]")
+    tc = r["tasks"].get("tool_call")
+    row.append(f"{100 * tc['validity']:.1f}" if tc else "-")
+    row += [f"{r['heldout_answer_ppl']:.4f}", f"{r['kl_mean']:.2e}", f"{r['kl_p99']:.2e}"]
+    rows.append(row)
+  lines += [common.markdown_table(headers, rows), "", "## The report's claims", "",
+            "Paired differences (b - a) on the same items, in points, with 95% intervals. "
+            "`holds`: yes = the whole interval is inside the band; no = wholly outside; "
+            "not resolved = the interval is wider than the band (more items needed).", ""]
+  lines.append(common.markdown_table(
+      ["claim", "task", "a", "b", "delta (pts)", "95% CI (pts)", "holds"],
+      [[c["claim"], c["task"], c["a"], c["b"], f"{c['delta_points']:+.1f}",
+        f"[{c['ci95_points'][0]:+.1f}, {c['ci95_points'][1]:+.1f}]", c["holds"]]
+       for c in record["claims"]]))
+  return "\n".join(lines) + "\n"
+
+
+def _plot(record: dict, path: str) -> str:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  names = list(record["recipes"])
+  tasks = list(record["recipes"][names[0]]["tasks"])
+  fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [3, 1]})
+  width = 0.8 / len(tasks)
+  x = np.arange(len(names))
+  for j, t in enumerate(tasks):
+    acc = np.array([100 * record["recipes"][n]["tasks"][t]["accuracy"] for n in names])
+    lo = np.array([100 * record["recipes"][n]["tasks"][t]["ci95"][0] for n in names])
+    hi = np.array([100 * record["recipes"][n]["tasks"][t]["ci95"][1] for n in names])
+    ax.bar(x + (j - (len(tasks) - 1) / 2) * width, acc, width, yerr=[acc - lo, hi - acc],
+           capsize=2, label=t)
+  ax.set_xticks(x)
+  ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+  ax.set_ylabel("accuracy % (95% Wilson CI)")
+  ax.set_title(f"accuracy per recipe ({record['mode']} mode)")
+  ax.legend(fontsize=8)
+  ax.grid(axis="y", alpha=0.3)
+  kl = [max(record["recipes"][n]["kl_mean"], 1e-12) for n in names]
+  ax2.barh(np.arange(len(names)), kl, color="gray")
+  ax2.set_yticks(np.arange(len(names)))
+  ax2.set_yticklabels(names, fontsize=8)
+  ax2.set_xscale("log")
+  ax2.set_xlabel("mean KL vs bf16 (nats/token)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+if __name__ == "__main__":
+  import sys
+  args = [a for a in sys.argv[1:] if not a.startswith("--")]
+  run(args[0] if args else "results", quick="--full" not in sys.argv)
