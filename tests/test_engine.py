@@ -215,19 +215,21 @@ class EngineMatchesGenerateTest(parameterized.TestCase):
     self.assertLessEqual(errs.max(), 1e-2)
 
   def test_fp8_cache_logits_within_tolerance(self):
-    # Per-token errors sit at 2-4%; a MoE router is discontinuous, so the cache's
-    # rounding occasionally flips one expert choice at one token and that token's
-    # logits move by far more (seen: 0.29 and 0.45; 4 of 38 tokens above 5e-2).
-    # Hence the bound is on the bulk: the median and the 75th percentile.
-    errs = self._logit_errors("float8_e4m3fn")
-    self.assertLessEqual(np.median(errs), 5e-2)
-    self.assertLessEqual(np.percentile(errs, 75), 5e-2)
+    # The tolerance table's fp8 bound, on every token, for a dense-FFN variant: a
+    # MoE router is discontinuous, so with experts the cache's rounding can flip one
+    # expert choice at one token (seen on TINY_MLA: 4 of 38 tokens above 5e-2, two at
+    # 0.29 and 0.45), which measures routing, not the cache's numerics.
+    dense = dataclasses.replace(CFG, first_k_dense=CFG.n_layers)
+    errs = self._logit_errors("float8_e4m3fn", cfg=dense,
+                              params_=init_params(dense, jax.random.key(0)))
+    self.assertLessEqual(errs.max(), 5e-2)
     self.assertGreater(errs.max(), 1e-3)  # it really is quantised (not silently f32)
 
-  def _logit_errors(self, dtype) -> np.ndarray:
+  def _logit_errors(self, dtype, cfg=CFG, params_=None) -> np.ndarray:
     """Per generated token: ||engine logits - f32 forward logits|| / ||f32 forward logits||."""
-    eng = Engine(params(), engine_config(kv=KVCacheConfig(num_pages=NUM_PAGES, page_size=PAGE,
-                                                          dtype=dtype)))
+    params_ = params() if params_ is None else params_
+    eng = Engine(params_, engine_config(model=cfg, kv=KVCacheConfig(
+        num_pages=NUM_PAGES, page_size=PAGE, dtype=dtype)))
     greedy = [dataclasses.replace(s, temperature=0.0) for s in REF_SAMPLING]
     ids = [eng.submit(p, s) for p, s in zip(REF_PROMPTS, greedy)]
     eng.run_until_done()
@@ -235,7 +237,7 @@ class EngineMatchesGenerateTest(parameterized.TestCase):
     for b, i in enumerate(ids):
       full = list(REF_PROMPTS[b]) + eng.get(i).output
       seqs[b, :len(full)] = full
-    ref = np.asarray(forward(params(), jnp.asarray(seqs), cfg=CFG))  # [B, 64, V] f32
+    ref = np.asarray(forward(params_, jnp.asarray(seqs), cfg=cfg))  # [B, 64, V] f32
     errs = []
     for b, i in enumerate(ids):
       got = np.stack(eng.logits[i])  # [n_out, V]: logits each token was sampled from
