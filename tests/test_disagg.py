@@ -64,6 +64,7 @@ class DisaggEngineTest(parameterized.TestCase):
     cls.disagg = DisaggEngine(cls.ckpt, cls.same_cfg)
     cls.d_out, cls.d_logits, cls.d_reqs = _drive(cls.disagg)
     cls.timeline = list(cls.disagg.metrics_.timeline)
+    cls.d_metrics = cls.disagg.metrics()["disagg"]  # other tests add requests to this engine
     cls.coloc = DisaggEngine(cls.ckpt, dataclasses.replace(cls.same_cfg, mode="colocated",
                                                                   enable_fault_injection=False))
     cls.c_out, cls.c_logits, _ = _drive(cls.coloc)
@@ -74,7 +75,7 @@ class DisaggEngineTest(parameterized.TestCase):
     for a, b in zip(self.d_logits, self.c_logits):
       self.assertTrue(np.isfinite(a).all())
       np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
-    m = self.disagg.metrics()["disagg"]
+    m = self.d_metrics
     self.assertEqual(m["transfers"], len(EARLY) + len(LATE))
     self.assertEqual(m["transfer_failures"], 0)
     self.assertGreater(m["transfer_bytes"], 0)
@@ -94,7 +95,7 @@ class DisaggEngineTest(parameterized.TestCase):
     # the late prompts (one of them two chunks long) are prefilled while the early ones decode.
     overlapped = [t for t in self.timeline if t[0] > 0 and t[1] > 0]
     self.assertGreaterEqual(len(overlapped), 2, self.timeline)
-    self.assertEqual(self.disagg.metrics_.overlapped_iterations, len(overlapped))
+    self.assertEqual(self.d_metrics["overlapped_iterations"], len(overlapped))
 
   def test_engine_runs_unchanged_on_a_mesh(self):
     # The colocated engine above is a plain Engine whose params and KV live on a
@@ -151,8 +152,10 @@ class DisaggEngineTest(parameterized.TestCase):
     req = reqs[0]
     self.assertEqual(req.status, RequestStatus.ABORTED)
     self.assertEqual(req.abort_reason, ABORT_TRANSFER)
-    self.assertIn("checksum mismatch", req.transfer_error)
-    self.assertIn("in transit" if where == "transit" else "after the write", req.transfer_error)
+    error = eng.transfer_errors[req.request_id]
+    self.assertIn("checksum mismatch", error)
+    self.assertIn("in transit" if where == "transit" else "after the write", error)
+    self.assertIn(f"after {self.same_cfg.transfer_attempts} attempts", error)
     self.assertLen(req.output, 1)  # only the prefill pool's first token, nothing decoded
     self.assertEqual(eng.metrics_.transfer_failures, failures + 1)
     # Both pools got every page back.
@@ -174,6 +177,25 @@ class DisaggEngineTest(parameterized.TestCase):
     self.assertEqual(out[:4], self.c_out)
     ref = self.coloc.generate(prompts[4:], SAMPLING)
     self.assertEqual(out[4:], ref)
+
+  def test_decode_preemption_recomputes_in_prefill_pool(self):
+    # Another tenant holds all but 4 decode pages: the second request outgrows what is
+    # left, the decode pool preempts it, and it is re-prefilled (prompt + its output so
+    # far) in the prefill pool, transferred again and finished with the same tokens.
+    eng = self.disagg
+    alloc = eng.decode.allocator
+    self.assertIsNone(alloc.admit("hog", (alloc.num_free - 4) * alloc.page_size))
+    requeued, preempted = eng.metrics_.requeued, eng.decode.stats.preemptions
+    sampling = SamplingParams(max_new_tokens=12)
+    try:
+      ids = [eng.submit(p, sampling) for p in EARLY]
+      eng.run_until_done(max_steps=200)
+    finally:
+      alloc.release("hog")
+    self.assertGreater(eng.metrics_.requeued, requeued)
+    self.assertGreater(eng.decode.stats.preemptions, preempted)
+    self.assertEqual([eng.get(i).output for i in ids], self.coloc.generate(EARLY, sampling))
+    self.assertEqual(eng.decode.allocator.num_free, eng.decode.allocator.num_pages)
 
   def test_submit_too_long_for_decode_pool_rejected(self):
     with self.assertRaises(RequestRejected):

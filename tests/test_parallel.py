@@ -2,6 +2,11 @@
 
 import dataclasses
 import functools
+import os
+import socket
+import subprocess
+import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -272,6 +277,48 @@ class ShardedEqualsUnshardedTest(parameterized.TestCase):
       self.assertTrue(np.isfinite(got[0]).all() and np.isfinite(got[1, :live_b]).all())
       np.testing.assert_allclose(got[0], ref[0], atol=tol, rtol=tol)
       np.testing.assert_allclose(got[1, :live_b], ref[1, :live_b], atol=tol, rtol=tol)
+
+
+class MultiProcessTest(absltest.TestCase):
+  """Two processes on this machine run the engine's sharded steps together (gloo collectives)."""
+
+  TIMEOUT_S = 240
+
+  def test_two_process_decode_step_matches_single_process(self):
+    import multihost_worker
+    with socket.socket() as s:  # a free port (released just before the coordinator binds it)
+      s.bind(("127.0.0.1", 0))
+      port = s.getsockname()[1]
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multihost_worker.py")
+    root = os.path.dirname(os.path.dirname(worker))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)  # the worker sets 2 devices per process itself
+    with tempfile.TemporaryDirectory() as out:
+      procs = [subprocess.Popen([sys.executable, worker, "--port", str(port), "--process_id",
+                                 str(i), "--out", out], cwd=root, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for i in range(2)]
+      logs = []
+      try:
+        for p in procs:
+          logs.append(p.communicate(timeout=self.TIMEOUT_S)[0])
+      except subprocess.TimeoutExpired:
+        for p in procs:
+          p.kill()
+        self.fail(f"2-process run exceeded {self.TIMEOUT_S} s")
+      for i, p in enumerate(procs):
+        self.assertEqual(p.returncode, 0, f"process {i} failed:\n{logs[i][-3000:]}")
+      results = [dict(np.load(os.path.join(out, f"result_{i}.npz"))) for i in range(2)]
+    ref = multihost_worker.run_scenario(None)
+    for r in results:
+      self.assertEqual(int(r["process_count"]), 2)
+      self.assertEqual(int(r["num_devices"]), 4)
+      self.assertTrue(r["ok1"].all() and r["ok2"].all())
+      np.testing.assert_array_equal(r["tok1"], ref["tok1"])
+      np.testing.assert_array_equal(r["tok2"], ref["tok2"])
+      for k in ("lg1", "lg2"):
+        self.assertTrue(np.isfinite(r[k]).all())
+        np.testing.assert_allclose(r[k], ref[k], atol=1e-5, rtol=1e-5)
 
 
 if __name__ == "__main__":

@@ -47,12 +47,12 @@ from absl import logging
 from mlkit.config import ModelConfig
 from mlkit.engine.config import EngineConfig
 from mlkit.engine.engine import Engine, EngineStalled
-from mlkit.engine.request import (ABORT_CANCELLED, ABORT_INTEGRITY, FINISH_LENGTH, Request,
-                                  RequestOutput, RequestRejected, RequestStatus)
+from mlkit.engine.request import (ABORT_CANCELLED, ABORT_INTEGRITY, Request, RequestOutput,
+                                  RequestRejected, RequestStatus)
 from mlkit.engine.runner import StepBatch
 from mlkit.engine.transfer import Payload, TransferResult, transfer_kv
 from mlkit.kvcache import KVCacheConfig, PagedKVState, sync_tags
-from mlkit.parallel import (DEFAULT_RULES, MeshConfig, ShardingRules, make_mesh, shard_kv_state,
+from mlkit.parallel import (DEFAULT_RULES, MeshConfig, ShardingRules, shard_kv_state,
                             shard_params, split_mesh)
 from mlkit.quant import FP8_ALL, INT4_EXPERTS, Recipe, quantize_params
 from mlkit.sampling import SamplingParams
@@ -253,9 +253,10 @@ class DisaggEngine:
     self._faults: collections.deque = collections.deque()
     devices = list(jax.devices() if devices is None else devices)
     d = config.decode
+    # Why a request's transfer failed (request id -> reason), for requests aborted with ABORT_TRANSFER.
+    self.transfer_errors: dict[int, str] = {}
     if config.mode == "colocated":
-      self.decode_mesh = make_mesh(d.mesh, devices[:d.num_devices]) if d.num_devices <= len(
-          devices) else split_mesh([d.mesh], devices)[0]
+      (self.decode_mesh,) = split_mesh([d.mesh], devices)
       self.prefill_mesh = None
       self.decode = make_sharded_engine(quantize_params(checkpoint, d.recipe), d.engine,
                                         self.decode_mesh, rules,
@@ -360,7 +361,6 @@ class DisaggEngine:
     """
     if self.colocated:
       return self.decode.step()
-    P = self.prefill
     m = self.metrics_
     plan, pending = self._dispatch_prefill()
     outs: dict[int, RequestOutput] = {}
@@ -379,7 +379,6 @@ class DisaggEngine:
     m.timeline.append((len(plan.prefill) if plan is not None else 0, decoded))
     if pending is not None and decoded:
       m.overlapped_iterations += 1
-    del P
     return list(outs.values())
 
   def run_until_done(self, max_steps: int | None = None) -> dict[int, Request]:
@@ -434,6 +433,7 @@ class DisaggEngine:
   def _dispatch_prefill(self):
     """Schedules the prefill pool and dispatches its step; returns (plan, device outputs or None)."""
     P = self.prefill
+    self._prefill_t0 = time.perf_counter()
     plan = P.scheduler.schedule()
     # Nothing lives in the prefill pool in DECODING state, so the plan decodes nothing.
     assert not plan.decode, "prefill pool planned a decode step"
@@ -452,6 +452,8 @@ class DisaggEngine:
     P = self.prefill
     tok, ok, lg = jax.device_get(pending)
     now = time.perf_counter()
+    P.stats.record_step(host_s=0.0, device_s=now - self._prefill_t0, prefill=True, decode=False,
+                        generated=0, prefilled=0, start=self._prefill_t0)
     outs = []
     for i, item in enumerate(plan.prefill):
       req = item.req
@@ -515,7 +517,7 @@ class DisaggEngine:
         self.metrics_.transfer_failures += 1
         logging.error("disagg: aborting request %d: %s", req.request_id, result.reason)
         self._end(req, RequestStatus.ABORTED, abort_reason=ABORT_TRANSFER)
-        req.transfer_error = result.reason
+        self.transfer_errors[req.request_id] = result.reason
         outs.append(RequestOutput(req.request_id, (), req.status, None, req.abort_reason))
     return outs
 

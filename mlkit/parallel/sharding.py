@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mlkit.kvcache import PagedKVState
 from mlkit.parallel.mesh import AXES, axis_size
 from mlkit.quant import Fp8Weight, Int4Weight
-from mlkit.quant.tree import flatten_params, is_quantised
+from mlkit.quant.tree import flatten_params
 
 # A mesh-axis assignment: one axis name, a tuple of names (split over their product), or None.
 MeshAxes = Union[str, tuple, None]
