@@ -274,18 +274,20 @@ class PagedAttentionTest(parameterized.TestCase):
     self.assertTrue(np.all(np.isfinite(np.asarray(out))))
 
   def test_scale_dtype_mismatch(self):
+    # Validation lives in the public op (the kernels' dispatcher), not the bare reference.
+    from pallas_kernels.paged_attention import paged_mla_decode
     state, meta, _ = self._pool(MLA1, "float8_e4m3fn", [3], seed=4)
     lay = state.layers[0]
     q = jnp.ones((1, 4, MLA1.kv_lora_rank))
     qr = jnp.ones((1, 4, MLA1.qk_rope_head_dim))
-    with self.assertRaisesRegex(ValueError, "no scales were given"):
-      kvc.paged_mla_decode_reference(q, qr, lay["latent"], lay["k_rope"], None, None,
-                                     meta.block_tables, meta.lengths, scale=1.0)
+    with self.assertRaisesRegex(ValueError, "scales must be given exactly when the cache is fp8"):
+      paged_mla_decode(q, qr, lay["latent"], lay["k_rope"], None, None,
+                       meta.block_tables, meta.lengths, scale=1.0, backend="xla")
     bf = lay["latent"].astype(jnp.bfloat16)
-    with self.assertRaisesRegex(ValueError, "but scales were given"):
-      kvc.paged_mla_decode_reference(q, qr, bf, lay["k_rope"].astype(jnp.bfloat16),
-                                     lay["latent_scale"], lay["k_rope_scale"],
-                                     meta.block_tables, meta.lengths, scale=1.0)
+    with self.assertRaisesRegex(ValueError, "scales must be given exactly when the cache is fp8"):
+      paged_mla_decode(q, qr, bf, lay["k_rope"].astype(jnp.bfloat16),
+                       lay["latent_scale"], lay["k_rope_scale"],
+                       meta.block_tables, meta.lengths, scale=1.0, backend="xla")
 
 
 class TagCheckTest(absltest.TestCase):
@@ -418,12 +420,14 @@ class BadInputTest(parameterized.TestCase):
                                                                        first_k_dense=2))
     lay = self.state.layers[0]
     q = jnp.ones((2, GQA1.n_heads, GQA1.head_dim))
-    with self.assertRaisesRegex(ValueError, r"k scales have shape \(6, 4\), pages need"):
-      kvc.paged_gqa_decode_reference(q, lay["k"], lay["v"], lay["k_scale"][..., 0], lay["v_scale"],
-                                     self.meta.block_tables, self.meta.lengths, scale=1.0)
-    with self.assertRaisesRegex(ValueError, "must be \\[B, M\\] and lengths"):
-      kvc.paged_gqa_decode_reference(q, lay["k"], lay["v"], lay["k_scale"], lay["v_scale"],
-                                     self.meta.block_tables[0], self.meta.lengths, scale=1.0)
+    # Decode attention validates in its public op (the kernels' dispatcher).
+    from pallas_kernels.paged_attention import paged_gqa_decode
+    with self.assertRaisesRegex(ValueError, r"k scales: expected shape \(6, 4, 2\), got \(6, 4\)"):
+      paged_gqa_decode(q, lay["k"], lay["v"], lay["k_scale"][..., 0], lay["v_scale"],
+                       self.meta.block_tables, self.meta.lengths, scale=1.0, backend="xla")
+    with self.assertRaisesRegex(ValueError, "do not match batch 2"):
+      paged_gqa_decode(q, lay["k"], lay["v"], lay["k_scale"], lay["v_scale"],
+                       self.meta.block_tables[:1], self.meta.lengths, scale=1.0, backend="xla")
     self._assert_untouched()
 
   def test_padded_row_writes_nothing(self):

@@ -14,6 +14,11 @@ import jax.numpy as jnp
 from mlkit.kvcache.fp8 import FP8_DTYPE
 from mlkit.kvcache.state import gather_pages, paged_mask
 from mlkit.model.attention import gqa_attention, mla_latent_attention
+# Decode attention and the tag check have one reference each, beside their kernels;
+# re-exported here so the cache's users find every paged reference in one place.
+from pallas_kernels.paged_attention.reference import (  # noqa: F401
+    paged_gqa_decode_reference, paged_mla_decode_reference)
+from pallas_kernels.tag_check.reference import tag_check_reference  # noqa: F401
 
 
 def _check_scales(what: str, pages: jax.Array, scale) -> None:
@@ -61,30 +66,6 @@ def paged_mla_prefill_reference(q_latent, q_rope, latent_pages, k_rope_pages, la
     return mla_latent_attention(q_latent, q_rope, latent, k_rope, mask, scale)
 
 
-def paged_mla_decode_reference(q_latent, q_rope, latent_pages, k_rope_pages, latent_scale,
-                               k_rope_scale, block_tables, lengths, *, scale):
-  """Decode MLA (absorbed) over paged latents: one query per request at position length - 1.
-
-  Args:
-    q_latent: [B, H, C]; q_rope: [B, H, R].
-    latent_pages: [N, P, C]; k_rope_pages: [N, P, R].
-    latent_scale, k_rope_scale: [N, P] f32 for fp8 pages, else None.
-    block_tables: [B, M] int32; lengths: [B] int32 (keys at positions >= length are masked).
-    scale: softmax scale.
-
-  Returns:
-    [B, H, C] in q_latent's dtype (zeros for a request of length 0).
-
-  Raises:
-    ValueError: on missing/unexpected scales or malformed metadata.
-  """
-  q_pos = jnp.maximum(lengths - 1, 0)[:, None]  # [B, 1]
-  out = paged_mla_prefill_reference(q_latent[:, None], q_rope[:, None], latent_pages, k_rope_pages,
-                                    latent_scale, k_rope_scale, block_tables, q_pos, lengths,
-                                    scale=scale)
-  return out[:, 0]
-
-
 def paged_gqa_prefill_reference(q, k_pages, v_pages, k_scale, v_scale, block_tables, q_positions,
                                 lengths, *, scale):
   """Chunked-prefill GQA over paged K/V: a chunk attends to earlier pages and itself.
@@ -110,49 +91,3 @@ def paged_gqa_prefill_reference(q, k_pages, v_pages, k_scale, v_scale, block_tab
     v = gather_pages(v_pages, v_scale, block_tables, lengths)
     mask = paged_mask(q_positions, lengths, k.shape[1])
     return gqa_attention(q, k, v, mask, scale)
-
-
-def paged_gqa_decode_reference(q, k_pages, v_pages, k_scale, v_scale, block_tables, lengths, *,
-                               scale):
-  """Decode GQA over paged K/V: one query per request at position length - 1.
-
-  Args:
-    q: [B, H, hd].
-    k_pages, v_pages: [N, P, KV, hd]; k_scale, v_scale: [N, P, KV] f32 for fp8, else None.
-    block_tables: [B, M] int32; lengths: [B] int32.
-    scale: softmax scale.
-
-  Returns:
-    [B, H, hd] in q's dtype.
-
-  Raises:
-    ValueError: on missing/unexpected scales or malformed metadata.
-  """
-  q_pos = jnp.maximum(lengths - 1, 0)[:, None]
-  out = paged_gqa_prefill_reference(q[:, None], k_pages, v_pages, k_scale, v_scale, block_tables,
-                                    q_pos, lengths, scale=scale)
-  return out[:, 0]
-
-
-def tag_check_reference(page_tags, block_tables, expected_tags, lengths, *, page_size: int):
-  """Batched integrity check: does every page a request uses still carry the tag it expects?
-
-  Args:
-    page_tags: [N] int32 device tags.
-    block_tables: [B, M] int32.
-    expected_tags: [B, M] int32.
-    lengths: [B] int32; only the first ceil(lengths[b] / page_size) pages of row b are checked.
-    page_size: tokens per page.
-
-  Returns:
-    ok [B] bool. A used entry outside the pool (e.g. PAD_PAGE) fails the check.
-  """
-  N = page_tags.shape[0]
-  M = block_tables.shape[1]
-  with jax.named_scope("tag_check_reference"):
-    n_used = (lengths + page_size - 1) // page_size  # [B]
-    used = jnp.arange(M)[None, :] < n_used[:, None]  # [B, M]
-    in_pool = (block_tables >= 0) & (block_tables < N)
-    actual = page_tags[jnp.clip(block_tables, 0, N - 1)]
-    good = in_pool & (actual == expected_tags)
-    return jnp.all(jnp.where(used, good, True), axis=1)
