@@ -1,4 +1,4 @@
-"""One process of the 2-process test: a sharded prefill + decode step of the engine's runner.
+"""One process of the 2-process test: a sharded decode step of the engine's runner.
 
 Run as ``python tests/multihost_worker.py --port P --process_id I --out DIR``; the
 test starts two of these on 127.0.0.1. Each process has 2 CPU devices, so the
@@ -26,76 +26,60 @@ import numpy as np  # noqa: E402
 
 
 def run_scenario(mesh=None) -> dict:
-  """Prefills two requests and decodes one token each with the engine's Runner.
+  """One decode step of the engine's Runner over two requests with a filled paged cache.
 
   Args:
     mesh: a (possibly multi-process) mesh to shard params, KV state and inputs
       over, or None for the plain single-device run.
 
   Returns:
-    {name: numpy array}: tokens, ok flags and sampled logits of both steps.
+    {name: numpy array}: the sampled tokens, ok flags and sampled logits.
   """
   import jax
+  import jax.numpy as jnp
   from configs import TINY_MLA
   from mlkit import parallel
   from mlkit.engine import EngineConfig, Runner, StepBatch, UniqueTagAllocator
   from mlkit.kvcache import KVCacheConfig, PAD_PAGE, init_paged_state, sync_tags
   from test_parallel import init_params_np
 
-  cfg = dataclasses.replace(TINY_MLA, n_layers=2)
+  cfg = dataclasses.replace(TINY_MLA, n_layers=1, first_k_dense=0)
   ecfg = EngineConfig(model=cfg, kv=KVCacheConfig(8, 4, "float32"), max_running=2,
                       batch_buckets=(2,), prefill_buckets=(8,), prefill_token_budget=16,
                       max_pages_per_seq=4, record_logits=True)
   params = init_params_np(cfg)
-  state = init_paged_state(cfg, ecfg.kv)
   alloc = UniqueTagAllocator(8, 4)
-  lengths = [6, 4]
+  lengths = [7, 5]  # after this step's token
   for rid, n in enumerate(lengths):
     alloc.admit(rid, n)
-
-  def place(x):
-    return x if mesh is None else parallel.replicate(x, mesh)
-
-  def tables():
-    bt = np.full((2, 4), PAD_PAGE, np.int32)
-    et = np.zeros((2, 4), np.int32)
-    for rid in range(2):
-      row = alloc.block_table(rid)
-      bt[rid, :len(row)] = [p for p, _ in row]
-      et[rid, :len(row)] = np.asarray([t for _, t in row], np.uint32).view(np.int32)
-    return bt, et
-
-  def batch(tokens, positions, lens, last):
-    bt, et = tables()
-    z = np.zeros(2, np.int32)
-    fields = StepBatch(tokens.astype(np.int32), positions.astype(np.int32), bt, et,
-                       np.asarray(lens, np.int32), np.asarray(last, np.int32),
-                       np.zeros(2, np.uint32), z, np.zeros(2, np.float32), z, np.ones(2, np.float32))
-    return StepBatch(*[place(getattr(fields, f.name)) for f in dataclasses.fields(StepBatch)])
-
-  def synced(state):
-    state = sync_tags(state, alloc)
-    return state if mesh is None else state.replace(page_tags=place(state.page_tags))
-
+  # A cache as a prefill would leave it: random entries in every slot (the step masks
+  # slots past each length), drawn with numpy so both processes hold the same values.
+  rng = np.random.default_rng(7)
+  state = init_paged_state(cfg, ecfg.kv)
+  state = state.replace(layers=[{k: jnp.asarray(rng.standard_normal(v.shape), v.dtype)
+                                 for k, v in layer.items()} for layer in state.layers])
+  state = sync_tags(state, alloc)
+  bt = np.full((2, 4), PAD_PAGE, np.int32)
+  et = np.zeros((2, 4), np.int32)
+  for rid in range(2):
+    row = alloc.block_table(rid)
+    bt[rid, :len(row)] = [p for p, _ in row]
+    et[rid, :len(row)] = np.asarray([t for _, t in row], np.uint32).view(np.int32)
+  z = np.zeros(2, np.int32)
+  batch = StepBatch(rng.integers(0, cfg.vocab_size, (2, 1)).astype(np.int32),
+                    np.asarray([[n - 1] for n in lengths], np.int32), bt, et,
+                    np.asarray(lengths, np.int32), z, np.zeros(2, np.uint32), z,
+                    np.zeros(2, np.float32), z, np.ones(2, np.float32))
   if mesh is not None:
     params = parallel.shard_params(params, mesh)
     state = parallel.shard_kv_state(state, mesh)
     if jax.process_count() > 1:  # the weights really are split across the processes
-      assert not params["layers"][1]["ffn"]["w_gate"].is_fully_addressable
-  runner = Runner(params, ecfg)
-  rng = np.random.default_rng(7)
-  prompt = rng.integers(0, cfg.vocab_size, (2, 8))
-  positions = np.broadcast_to(np.arange(8), (2, 8))
-  tok1, ok1, state, lg1 = runner.run("prefill", synced(state),
-                                     batch(prompt, positions, lengths, [n - 1 for n in lengths]))
-  tok1_host = _host(tok1)
-  for rid, n in enumerate(lengths):
-    alloc.extend(rid, n + 1)
-  tok2, ok2, state, lg2 = runner.run("decode", synced(state),
-                                     batch(tok1_host[:, None], np.asarray([[6], [4]]),
-                                           [n + 1 for n in lengths], [0, 0]))
-  return {"tok1": tok1_host, "ok1": _host(ok1), "lg1": _host(lg1), "tok2": _host(tok2),
-          "ok2": _host(ok2), "lg2": _host(lg2)}
+      assert not params["layers"][0]["ffn"]["w_gate"].is_fully_addressable
+    # Inputs as global (replicated) arrays: host numpy cannot address other processes' devices.
+    batch = StepBatch(*[parallel.replicate(getattr(batch, f.name), mesh)
+                        for f in dataclasses.fields(StepBatch)])
+  tok, ok, state, logits = Runner(params, ecfg).run("decode", state, batch)
+  return {"tok": _host(tok), "ok": _host(ok), "logits": _host(logits)}
 
 
 def _host(x) -> np.ndarray:

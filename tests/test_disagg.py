@@ -18,7 +18,8 @@ from mlkit.quant import BF16, FP8_ALL, INT4_EXPERTS
 from mlkit.sampling import SamplingParams
 from test_parallel import init_params_np
 
-CFG = dataclasses.replace(TINY_MLA, n_layers=2)  # one dense + one MoE layer
+# One MoE layer: the pools' logic does not depend on depth, and compiles scale with it.
+CFG = dataclasses.replace(TINY_MLA, n_layers=1, first_k_dense=0)
 # One bucket per step kind, so each pool compiles one prefill and one decode step.
 ENGINE_KW = dict(max_running=4, batch_buckets=(4,), prefill_buckets=(8,), prefill_token_budget=16,
                  max_pages_per_seq=8, record_logits=True)
@@ -137,7 +138,7 @@ class DisaggEngineTest(parameterized.TestCase):
   def test_transit_corruption_is_retried(self):
     eng = self.disagg
     before = eng.metrics_.transfer_retries
-    eng.inject_transfer_fault(TransferFault("transit", times=1, layer=1))
+    eng.inject_transfer_fault(TransferFault("transit", times=1, layer=0))
     out, _, reqs = _drive(eng, early=[EARLY[0]], late=[], steps_between=0)
     self.assertEqual(reqs[0].status, RequestStatus.FINISHED)
     self.assertEqual(out[0], self.c_out[0])  # the retry delivered the right KV
@@ -200,6 +201,10 @@ class DisaggEngineTest(parameterized.TestCase):
   def test_submit_too_long_for_decode_pool_rejected(self):
     with self.assertRaises(RequestRejected):
       self.disagg.submit([1] * 60, SamplingParams(max_new_tokens=10))
+
+  def test_fault_layer_out_of_range_raises(self):
+    with self.assertRaisesRegex(ValueError, "TransferFault.layer 1 is outside the model's 1 layers"):
+      self.disagg.inject_transfer_fault(TransferFault(layer=1))
 
   def test_fault_injection_disabled_raises(self):
     with self.assertRaisesRegex(RuntimeError, "fault injection is disabled"):

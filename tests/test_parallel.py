@@ -246,20 +246,21 @@ def _bf16(cfg):
   return dataclasses.replace(cfg, dtype="bfloat16", param_dtype="bfloat16")
 
 
-def _two_layers(cfg):
-  return dataclasses.replace(cfg, n_layers=2)
+def _one_moe_layer(cfg):
+  # One MoE layer has every sharded kind of weight (attention, shared expert = dense FFN
+  # layout, routed experts); compiles dominate the time and scale with the layer count.
+  return dataclasses.replace(cfg, n_layers=1, first_k_dense=0)
 
 
 class ShardedEqualsUnshardedTest(parameterized.TestCase):
   """Model outputs on an 8-device mesh equal the 1-device outputs."""
 
-  # MLA shrunk to one dense + one MoE layer (the layers are alike, and compiles dominate the
-  # time); the bf16 case also carries int4 experts and an fp8 cache, so one compile covers both.
+  # The bf16 case also carries int4 experts and an fp8 cache, so one compile covers both.
   @parameterized.named_parameters(
-      ("mla_f32_dp_attention", _two_layers(TINY_MLA), None, "float32", (2, 2, 2), True),
-      ("mla_bf16_int4_experts_fp8_kv", _bf16(_two_layers(TINY_MLA)), INT4_EXPERTS,
+      ("mla_f32_dp_attention", _one_moe_layer(TINY_MLA), None, "float32", (2, 2, 2), True),
+      ("mla_bf16_int4_experts_fp8_kv", _bf16(_one_moe_layer(TINY_MLA)), INT4_EXPERTS,
        "float8_e4m3fn", (1, 4, 2), False),
-      ("gqa_fp8_weights", TINY_GQA, fp8_all(None), "float32", (1, 2, 4), False),
+      ("gqa_fp8_weights", _one_moe_layer(TINY_GQA), fp8_all(None), "float32", (1, 2, 4), False),
   )
   def test_prefill_and_decode_match(self, cfg, recipe, kv_dtype, shape, data_parallel):
     params = init_params_np(cfg)
@@ -313,13 +314,10 @@ class MultiProcessTest(absltest.TestCase):
     for r in results:
       self.assertEqual(int(r["process_count"]), 2)
       self.assertEqual(int(r["num_devices"]), 4)
-      self.assertTrue(r["ok1"].all() and r["ok2"].all())
-      np.testing.assert_array_equal(r["tok1"], ref["tok1"])
-      np.testing.assert_array_equal(r["tok2"], ref["tok2"])
-      for k in ("lg1", "lg2"):
-        self.assertTrue(np.isfinite(r[k]).all())
-        np.testing.assert_allclose(r[k], ref[k], atol=1e-5, rtol=1e-5)
-
+      self.assertTrue(r["ok"].all())
+      np.testing.assert_array_equal(r["tok"], ref["tok"])
+      self.assertTrue(np.isfinite(r["logits"]).all())
+      np.testing.assert_allclose(r["logits"], ref["logits"], atol=1e-5, rtol=1e-5)
 
 if __name__ == "__main__":
   absltest.main()

@@ -347,9 +347,13 @@ class DisaggEngine:
 
     Raises:
       RuntimeError: fault injection is disabled in the config.
+      ValueError: the fault names a layer the model does not have.
     """
     if not self.config.enable_fault_injection:
       raise RuntimeError("fault injection is disabled (DisaggConfig.enable_fault_injection=False)")
+    n_layers = self.config.model.n_layers
+    if not 0 <= fault.layer < n_layers:
+      raise ValueError(f"TransferFault.layer {fault.layer} is outside the model's {n_layers} layers")
     self._faults.extend([fault] * fault.times)
 
   # --------------------------------------------------------------- the loop
