@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
 import statistics
 import time
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import jax
+import numpy as np
 
 
 def machine_info() -> dict:
@@ -69,3 +71,147 @@ def write_markdown(out_dir: str, name: str, text: str) -> str:
 
 def progress(msg: str) -> None:
   print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- engine runs
+# Shared by the engine experiments (kv_dtype, weight_quant, integrity, disagg): the model
+# each mode runs, step-level interleaving of variants, and summary statistics.
+
+
+def local_backend() -> str:
+  """The fastest kernel backend here: "pallas" on a GPU, the XLA reference elsewhere."""
+  return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
+def local_model(quick: bool, smoke: bool = False):
+  """The model an engine experiment runs on this machine.
+
+  smoke: TINY_MLA cut to 2 layers (one dense, one MoE) so tests compile little;
+  quick on CPU: TINY_MLA; full on CPU: SMALL_MLA; on a GPU: H200_MLA (Kimi-shaped
+  attention, sized to run the curves on one H200 in minutes).
+  """
+  from configs import H200_MLA, SMALL_MLA, TINY_MLA
+  if smoke:
+    return dataclasses.replace(TINY_MLA, n_layers=2)
+  if jax.default_backend() == "gpu":
+    return H200_MLA
+  return TINY_MLA if quick else SMALL_MLA
+
+
+def stats(xs: Sequence[float]) -> dict:
+  """{median, min, max, p95, n} of a sample (None fields when empty)."""
+  if len(xs) == 0:
+    return {"median": None, "min": None, "max": None, "p95": None, "n": 0}
+  a = np.asarray(xs, np.float64)
+  return {"median": float(np.median(a)), "min": float(a.min()), "max": float(a.max()),
+          "p95": float(np.percentile(a, 95)), "n": int(a.size)}
+
+
+@dataclasses.dataclass
+class StepLog:
+  """What one engine did in each step of an interleaved run (wall seconds per step)."""
+
+  seconds: list = dataclasses.field(default_factory=list)
+  # Tokens emitted by the step.
+  tokens: list = dataclasses.field(default_factory=list)
+  # Whether the step ran a prefill chunk (else it was decode-only).
+  prefill: list = dataclasses.field(default_factory=list)
+  # Requests decoding or prefilling after the step.
+  running: list = dataclasses.field(default_factory=list)
+
+  def decode_only(self, min_running: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(seconds, tokens) of the decode-only steps that ran at least ``min_running`` rows."""
+    s, t = np.asarray(self.seconds), np.asarray(self.tokens)
+    keep = ~np.asarray(self.prefill, bool) & (t >= max(min_running, 1))
+    return s[keep], t[keep]
+
+
+def step_interleaved(engines: Mapping[str, object], *, max_steps: int = 100_000,
+                     on_step: Callable[[int], None] | None = None) -> dict[str, StepLog]:
+  """Steps every engine in turn, one step each per round, until all are done.
+
+  Alternating step by step makes the variants share the machine's load, so their
+  ratio is trustworthy even when absolute CPU times drift.
+
+  Args:
+    engines: name -> an ``Engine`` with requests submitted.
+    max_steps: rounds before giving up (raises RuntimeError).
+    on_step: called with the round number after every round (progress).
+
+  Returns:
+    name -> StepLog.
+  """
+  logs = {n: StepLog() for n in engines}
+  for i in range(max_steps):
+    live = [(n, e) for n, e in engines.items() if e.has_unfinished()]
+    if not live:
+      return logs
+    for name, eng in live:
+      before_prefill, before_tok = eng.stats.prefill_steps, eng.stats.generated_tokens
+      t0 = time.perf_counter()
+      eng.step()
+      dt = time.perf_counter() - t0
+      log = logs[name]
+      log.seconds.append(dt)
+      log.tokens.append(eng.stats.generated_tokens - before_tok)
+      log.prefill.append(eng.stats.prefill_steps > before_prefill)
+      log.running.append(len(eng.scheduler.running))
+    if on_step is not None:
+      on_step(i)
+  raise RuntimeError(f"step_interleaved: engines still busy after {max_steps} rounds")
+
+
+def plot_lines(path: str, series: Mapping[str, tuple[Sequence, Sequence]], *, xlabel: str,
+               ylabel: str, title: str, marks: Mapping[str, Sequence] | None = None,
+               logx: bool = False, reference: Mapping[str, tuple[Sequence, Sequence]] | None = None
+               ) -> str:
+  """One PNG line plot (matplotlib Agg).
+
+  Args:
+    path: output file.
+    series: label -> (xs, ys); None ys are skipped.
+    marks: label -> xs to mark with a red "x" at the bottom (e.g. out-of-memory points).
+    reference: label -> (xs, ys) drawn dashed (e.g. the report's figures).
+
+  Returns:
+    The path written.
+  """
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(6.4, 4.2))
+  for label, (xs, ys) in series.items():
+    pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+    if pts:
+      ax.plot(*zip(*pts), marker="o", label=label)
+  for label, (xs, ys) in (reference or {}).items():
+    pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+    if pts:
+      ax.plot(*zip(*pts), linestyle="--", marker=".", label=label)
+  first_mark = True
+  for label, xs in (marks or {}).items():
+    if len(xs):
+      ax.scatter(list(xs), [0] * len(xs), marker="x", color="red", s=80, zorder=5,
+                 label="out of memory" if first_mark else None)
+      ax.annotate(f"{label}: OOM", (list(xs)[0], 0), textcoords="offset points", xytext=(4, 8),
+                  fontsize=8, color="red")
+      first_mark = False
+  if logx:
+    ax.set_xscale("log", base=2)
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title, fontsize=10)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def record_header(name: str, *, quick: bool, smoke: bool, config: dict) -> dict:
+  """The fields every experiment's JSON starts with: name, mode, machine, backend, config."""
+  return {"experiment": name, "mode": "smoke" if smoke else ("quick" if quick else "full"),
+          "machine": machine_info(), "kernel_backend": local_backend(), "config": config}
