@@ -198,6 +198,29 @@ class DisaggEngineTest(parameterized.TestCase):
     self.assertEqual([eng.get(i).output for i in ids], self.coloc.generate(EARLY, sampling))
     self.assertEqual(eng.decode.allocator.num_free, eng.decode.allocator.num_pages)
 
+  def test_cancel_in_each_place(self):
+    eng = self.disagg
+    waiting = eng.submit(EARLY[0], SAMPLING)
+    self.assertTrue(eng.cancel(waiting))  # still queued in the prefill pool
+    decoding = eng.submit(EARLY[1], SAMPLING)
+    for _ in range(10):
+      eng.step()
+      if eng.get(decoding) in eng.decode.scheduler.running:
+        break
+    self.assertIn(eng.get(decoding), eng.decode.scheduler.running)
+    self.assertTrue(eng.cancel(decoding))  # decoding in the decode pool
+    for rid in (waiting, decoding):
+      self.assertEqual(eng.get(rid).status, RequestStatus.ABORTED)
+      self.assertEqual(eng.get(rid).abort_reason, "cancelled")
+    self.assertFalse(eng.cancel(decoding))  # already ended
+    self.assertFalse(eng.has_unfinished())
+    self.assertEqual(eng.decode.allocator.num_free, eng.decode.allocator.num_pages)
+    self.assertEqual(eng.prefill.allocator.num_free, eng.prefill.allocator.num_pages)
+    with self.assertRaises(KeyError):
+      eng.get(10_000)
+    with self.assertRaisesRegex(ValueError, "prompt is empty"):
+      eng.submit([], SAMPLING)
+
   def test_submit_too_long_for_decode_pool_rejected(self):
     with self.assertRaises(RequestRejected):
       self.disagg.submit([1] * 60, SamplingParams(max_new_tokens=10))

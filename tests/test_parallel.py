@@ -18,7 +18,7 @@ from configs import TINY_GQA, TINY_MLA
 from mlkit import kvcache as kvc
 from mlkit import model
 from mlkit import parallel
-from mlkit.quant import (INT4_EXPERTS, Fp8Weight, Int4Weight, dequantize, fp8_all, quantize_fp8,
+from mlkit.quant import (INT4_EXPERTS, Int4Weight, dequantize, fp8_all, quantize_fp8,
                          quantize_int4, quantize_params)
 
 PAGE = 4
@@ -41,6 +41,22 @@ def init_params_np(cfg, seed=0):
     return jnp.asarray(rng.standard_normal(shape) * std, jnp.float32).astype(dt)
 
   return jax.tree_util.tree_map(leaf, model.param_specs(cfg), is_leaf=is_spec)
+
+
+def _np_int4(packed, scales, group):
+  """Dense [..., K, N] from int4 packed [..., K//2, N] and scales [..., K//g, N], in numpy."""
+  b = np.asarray(packed).astype(np.int16)
+  lo, hi = b & 0xF, b >> 4
+  lo, hi = np.where(lo > 7, lo - 16, lo), np.where(hi > 7, hi - 16, hi)
+  q = np.stack([lo, hi], axis=-2).reshape(b.shape[:-2] + (2 * b.shape[-2], b.shape[-1]))
+  return q * np.repeat(np.asarray(scales, np.float32), group, axis=-2)
+
+
+def _np_fp8_blocks(values, scales, block):
+  """Dense [K, N] from fp8 values and 128x128 block scales, in numpy."""
+  v = np.asarray(values).astype(np.float32)
+  s = np.repeat(np.repeat(np.asarray(scales, np.float32), block, 0), block, 1)
+  return v * s[:v.shape[0], :v.shape[1]]
 
 
 def _spec_of(x):
@@ -177,7 +193,7 @@ class ParamSpecTest(parameterized.TestCase):
       self.assertEqual(ps.data.shape, (2, rows // 2, 16))
       self.assertEqual(ss.data.shape, (2, rows // 32, 16))
       # Each shard's packed rows and scale rows describe the same input rows.
-      local = np.asarray(dequantize(Int4Weight(ps.data, ss.data, 32), jnp.float32))
+      local = _np_int4(ps.data, ss.data, 32)
       k0 = (ps.index[1].start or 0) * 2
       np.testing.assert_array_equal(local, dense[:, k0:k0 + rows])
 
@@ -195,7 +211,7 @@ class ParamSpecTest(parameterized.TestCase):
       self.assertEqual(vs.data.shape, (256, 128))
       self.assertEqual(ss.data.shape, (2, 1))
       n0 = vs.index[1].start or 0
-      local = np.asarray(dequantize(Fp8Weight(vs.data, ss.data, 128), jnp.float32))
+      local = _np_fp8_blocks(vs.data, ss.data, 128)
       np.testing.assert_array_equal(local, dense[:, n0:n0 + 128])
     # 512 columns in 8 shards would cut 128-column scale blocks: replicated instead.
     spec8 = parallel.leaf_partition_spec(q, (None, "heads"), parallel.DEFAULT_RULES,

@@ -294,7 +294,10 @@ class DisaggEngine:
     """
     if self.colocated:
       return self.decode.submit(prompt_ids, sampling)
-    total = len(prompt_ids) + getattr(sampling, "max_new_tokens", 0)
+    try:
+      total = len(prompt_ids) + int(sampling.max_new_tokens)
+    except (TypeError, AttributeError):
+      total = 0  # malformed input: the prefill pool's submit raises the precise error
     limit = self.config.decode.engine.max_seq_tokens
     if total > limit:
       raise RequestRejected(f"submit: prompt ({len(prompt_ids)} tokens) + max_new_tokens = {total} "
