@@ -165,6 +165,21 @@ class ParamSpecTest(parameterized.TestCase):
                                          self.mesh)
     self.assertEqual(gqa["layers"][0]["attn"]["wk"], P(None, "tensor"))
 
+  def test_heads_and_experts_stay_whole_with_cfg(self):
+    # TINY_MLA has 4 heads and 8 experts: on 8-way tensor x 1 expert the head columns
+    # (4 * 24 = 96) split evenly but would cut heads; with the config they stay whole.
+    mesh = parallel.make_mesh(parallel.MeshConfig(tensor=8))
+    params = jax.eval_shape(lambda: init_params_np(TINY_MLA))
+    blind = parallel.param_partition_specs(params, mesh)
+    aware = parallel.param_partition_specs(params, mesh, cfg=TINY_MLA)
+    self.assertEqual(blind["layers"][1]["attn"]["wq_b"], P(None, "tensor"))
+    self.assertEqual(aware["layers"][1]["attn"]["wq_b"], P(None, None))
+    self.assertEqual(aware["layers"][1]["ffn"]["shared"]["w_up"], P(None, "tensor"))  # not heads
+    four = parallel.make_mesh(parallel.MeshConfig(tensor=4), jax.devices()[:4])
+    aware4 = parallel.param_partition_specs(params, four, cfg=TINY_MLA)
+    self.assertEqual(aware4["layers"][1]["attn"]["wq_b"], P(None, "tensor"))
+    self.assertEqual(parallel.model_counts(TINY_GQA)["kv_heads"], 2)
+
   def test_indivisible_axis_is_replicated(self):
     mesh = parallel.make_mesh(parallel.MeshConfig(tensor=8))
     # 2 KV heads * 16 = 32 columns split 8 ways is fine; 7 columns are not.

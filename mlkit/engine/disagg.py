@@ -76,7 +76,7 @@ def make_sharded_engine(params, config: EngineConfig, mesh, rules: ShardingRules
   Returns:
     The Engine; every jitted step runs SPMD over the mesh because its inputs live there.
   """
-  engine = Engine(shard_params(params, mesh, rules), config)
+  engine = Engine(shard_params(params, mesh, rules, config.model), config)
   engine.state = shard_kv_state(engine.state, mesh, rules, data_parallel=data_parallel_attention)
   return engine
 

@@ -11,12 +11,12 @@ from mlkit.parallel.distributed import initialize_distributed, is_multiprocess
 from mlkit.parallel.mesh import AXES, MeshConfig, axis_size, make_mesh, split_mesh
 from mlkit.parallel.sharding import (DEFAULT_RULES, ShardingRules, kv_state_partition_specs,
                                      kv_state_shardings, leaf_partition_spec, logical_axes_for,
-                                     param_logical_axes, param_partition_specs, param_shardings,
-                                     put, replicate, shard_kv_state, shard_params)
+                                     model_counts, param_logical_axes, param_partition_specs,
+                                     param_shardings, put, replicate, shard_kv_state, shard_params)
 
 __all__ = [
     "AXES", "DEFAULT_RULES", "MeshConfig", "ShardingRules", "axis_size", "initialize_distributed",
     "is_multiprocess", "kv_state_partition_specs", "kv_state_shardings", "leaf_partition_spec",
-    "logical_axes_for", "make_mesh", "param_logical_axes", "param_partition_specs",
+    "logical_axes_for", "make_mesh", "model_counts", "param_logical_axes", "param_partition_specs",
     "param_shardings", "put", "replicate", "shard_kv_state", "shard_params", "split_mesh",
 ]

@@ -135,16 +135,24 @@ def _axis_ok(size: int, n: int, unit: int = 1) -> bool:
   return n == 1 or size % (n * unit) == 0
 
 
-def _dense_spec(shape, logical, rules: ShardingRules, mesh: Mesh, units=None) -> list:
-  """Per-axis mesh axes for a dense shape; axes that cannot split cleanly stay None."""
+def _dense_spec(shape, logical, rules: ShardingRules, mesh: Mesh, units=None, counts=None) -> list:
+  """Per-axis mesh axes for a dense shape; axes that cannot split cleanly stay None.
+
+  ``units[i]``: each shard of axis i must hold whole multiples of it (int4 groups,
+  fp8 blocks). ``counts[logical]``: the axis holds that many equal items (heads,
+  experts), and each shard must hold whole items.
+  """
   units = units or (1,) * len(shape)
+  counts = counts or {}
   used: set = set()
   spec = []
   for size, name, unit in zip(shape, logical, units):
     axes = rules.mesh_axes(name)
     names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
     n = axis_size(mesh, axes)
-    if not names or used & set(names) or not _axis_ok(size, n, unit) or n == 1:
+    whole_items = name not in counts or counts[name] % n == 0
+    if (not names or used & set(names) or not _axis_ok(size, n, unit) or n == 1
+        or not whole_items):
       spec.append(None)
       continue
     used |= set(names)
@@ -152,7 +160,8 @@ def _dense_spec(shape, logical, rules: ShardingRules, mesh: Mesh, units=None) ->
   return spec
 
 
-def leaf_partition_spec(leaf, logical: tuple, rules: ShardingRules, mesh: Mesh):
+def leaf_partition_spec(leaf, logical: tuple, rules: ShardingRules, mesh: Mesh,
+                        counts: dict | None = None):
   """The PartitionSpec(s) for one parameter (a matching Int4Weight / Fp8Weight of specs for quantised ones).
 
   Args:
@@ -160,6 +169,8 @@ def leaf_partition_spec(leaf, logical: tuple, rules: ShardingRules, mesh: Mesh):
     logical: its dense logical axes (see :func:`logical_axes_for`).
     rules: the sharding rules.
     mesh: the mesh (axis sizes decide what divides).
+    counts: optional {logical name: items along it} (e.g. {"heads": 64}); such an
+      axis is only split when every shard holds whole items.
 
   Returns:
     A PartitionSpec, or for quantised weights the same dataclass holding one
@@ -171,27 +182,45 @@ def leaf_partition_spec(leaf, logical: tuple, rules: ShardingRules, mesh: Mesh):
     # K (axis -2) splits only into shards of whole groups, so packed rows and scale rows agree.
     units = [1] * nd
     units[-2] = leaf.group_size
-    spec = _dense_spec(shape, logical, rules, mesh, units)
+    spec = _dense_spec(shape, logical, rules, mesh, units, counts)
     ps = PartitionSpec(*spec)
     return Int4Weight(packed=ps, scales=ps, group_size=leaf.group_size)
   if isinstance(leaf, Fp8Weight):
     if leaf.block_size is None:
-      spec = _dense_spec(shape, logical, rules, mesh)
+      spec = _dense_spec(shape, logical, rules, mesh, counts=counts)
       scale_spec = spec[:-2] + spec[-1:]  # per-channel scales [..., N] have no K axis
       return Fp8Weight(values=PartitionSpec(*spec), scales=PartitionSpec(*scale_spec),
                        block_size=None)
     units = [1] * nd
     units[-2] = units[-1] = leaf.block_size  # whole 128x128 blocks per shard
-    spec = _dense_spec(shape, logical, rules, mesh, units)
+    spec = _dense_spec(shape, logical, rules, mesh, units, counts)
     ps = PartitionSpec(*spec)
     return Fp8Weight(values=ps, scales=ps, block_size=leaf.block_size)
-  return PartitionSpec(*_dense_spec(shape, logical, rules, mesh))
+  return PartitionSpec(*_dense_spec(shape, logical, rules, mesh, counts=counts))
 
 
-def param_partition_specs(params, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
-  """A tree like ``params`` with a PartitionSpec per array (see :func:`leaf_partition_spec`)."""
+def model_counts(cfg) -> dict:
+  """{logical axis: items along it} for a ModelConfig: heads, KV heads and experts stay whole."""
+  counts = {"heads": cfg.n_heads, "experts": cfg.n_routed_experts}
+  if cfg.attention == "gqa":
+    counts["kv_heads"] = cfg.n_kv_heads
+  return counts
+
+
+def param_partition_specs(params, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, cfg=None):
+  """A tree like ``params`` with a PartitionSpec per array (see :func:`leaf_partition_spec`).
+
+  Args:
+    params: params tree (arrays, ShapeDtypeStructs or quantised weights).
+    mesh: the mesh.
+    rules: logical-axis rules.
+    cfg: optional ModelConfig; with it, head and expert axes are only split into
+      whole heads / experts (without it, any even split is taken: still exact,
+      but a head cut in two costs communication).
+  """
+  counts = model_counts(cfg) if cfg is not None else None
   flat, treedef = flatten_params(params)
-  specs = [leaf_partition_spec(leaf, logical_axes_for(p, len(leaf.shape)), rules, mesh)
+  specs = [leaf_partition_spec(leaf, logical_axes_for(p, len(leaf.shape)), rules, mesh, counts)
            for p, leaf in flat]
   return jax.tree_util.tree_unflatten(treedef, specs)
 
@@ -200,9 +229,9 @@ def _is_spec(x) -> bool:
   return isinstance(x, PartitionSpec)
 
 
-def param_shardings(params, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
+def param_shardings(params, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, cfg=None):
   """A tree like ``params`` with a NamedSharding per array (e.g. for jit's in/out_shardings)."""
-  specs = param_partition_specs(params, mesh, rules)
+  specs = param_partition_specs(params, mesh, rules, cfg)
   return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
 
 
@@ -226,18 +255,20 @@ def _put_tree(tree, shardings):
   return jax.tree_util.tree_unflatten(treedef, [put(x, s) for x, s in zip(leaves, shard_leaves)])
 
 
-def shard_params(params, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES):
+def shard_params(params, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, cfg=None):
   """Places a params tree (dense and/or quantised leaves) on ``mesh``.
 
   Args:
     params: the params pytree (as from init_params / quantize_params).
     mesh: a mesh with axes ("data", "tensor", "expert").
     rules: logical-axis rules (see the module docstring for the defaults).
+    cfg: optional ModelConfig, so that heads and experts are never cut (see
+      :func:`param_partition_specs`).
 
   Returns:
     The same tree with every array a jax.Array sharded by the rules (values unchanged).
   """
-  return _put_tree(params, param_shardings(params, mesh, rules))
+  return _put_tree(params, param_shardings(params, mesh, rules, cfg))
 
 
 # ----------------------------------------------------------------------------- KV state
