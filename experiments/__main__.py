@@ -1,30 +1,65 @@
-"""`python -m experiments [name ...] [--out DIR] [--full]`.
+"""`python -m experiments [name ...] [--out DIR] [--full] [--smoke]`.
 
-With no name, runs the default quick suite on the local device and writes
-``<out>/REPORT.md`` linking every table and plot.
+With no name, runs the default quick suite on the local device (at most 10
+minutes on an idle 2-core CPU) and writes ``<out>/REPORT.md`` linking every
+table and plot. ``--help`` lists the experiments.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 import time
+import traceback
 
-from absl import app, flags, logging
+# The disagg experiment needs two devices (one per pool). On a CPU, JAX makes one host
+# device unless told otherwise, and only before it starts, so this comes first.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=2").strip()
 
-# name -> (module, one-line description). Modules expose run(out_dir, *, quick) -> dict.
+from absl import app, flags, logging  # noqa: E402
+
+# name -> (module, one-line description with the quick run's budget on a 2-core CPU).
+# Modules expose run(out_dir, *, quick) -> dict (most also take smoke=True: tiny, for tests).
 EXPERIMENTS = {
-    "generate": ("experiments.generate", "greedy generation from a tiny model; prints tokens/s"),
-    "capacity": ("experiments.capacity", "tokens that fit a KV budget, bf16 vs fp8 (lever 1)"),
+    "generate": ("experiments.generate",
+                 "greedy generation from a tiny model; tokens/s (quick: ~20 s)"),
+    "capacity": ("experiments.capacity",
+                 "lever 1: tokens that fit a KV budget, bf16 vs fp8, local and paper scale "
+                 "(quick: ~10 s)"),
     "engine_overhead": ("experiments.engine_overhead",
                         "host overhead per engine step, 64 running requests on SMALL_MLA, "
-                        "integrity check on/off"),
+                        "integrity check on/off (quick: ~1 min)"),
+    "kv_dtype": ("experiments.kv_dtype",
+                 "lever 1: decode tok/s at concurrency 1-64, bf16 vs fp8 KV at one KV budget, "
+                 "OOM points marked (quick: ~1.5 min)"),
+    "weight_quant": ("experiments.weight_quant",
+                     "lever 2: decode tok/s vs concurrency and prefill tok/s for dense/FP8/INT4 "
+                     "weights; weight memory per device (quick: ~1.5 min)"),
+    "disagg": ("experiments.disagg",
+               "lever 3: disaggregated prefill/decode pools vs colocated bf16: throughput, TTFT, "
+               "TPOT (quick: ~1 min)"),
+    "integrity": ("experiments.integrity",
+                  "lever 4: page-tag check on vs off at concurrency 1-8 (paired, interleaved) and "
+                  "a fault-injection run (quick: ~1.5 min)"),
+    "paper": ("experiments.paper",
+              "analytic model of the report's Kimi K2.6 and GLM 5.2 deployments on 8x H200: "
+              "calibrated, then predicted (~5 s)"),
+    "kernels": ("experiments.kernels",
+                "GPU only: per-kernel time and bandwidth vs references (skips on CPU)"),
+    "accuracy": ("experiments.accuracy",
+                 "train SMALL_MLA on generated tasks, evaluate every KV x weight recipe through "
+                 "the engine (not in the default suite: trains for minutes on a CPU)"),
 }
-DEFAULT_SUITE = ("generate", "capacity", "engine_overhead")
+DEFAULT_SUITE = ("generate", "capacity", "engine_overhead", "kv_dtype", "weight_quant", "disagg",
+                 "integrity", "paper", "kernels")
 
 _OUT = flags.DEFINE_string("out", "results", "Output folder for JSON, markdown and PNG.")
 _FULL = flags.DEFINE_bool("full", False, "Run the full-size variant instead of the quick one.")
+_SMOKE = flags.DEFINE_bool("smoke", False, "Tiny smoke variant (seconds each; what the tests run).")
 
 
 def _available(name: str) -> bool:
@@ -36,11 +71,45 @@ def _available(name: str) -> bool:
 
 
 def _usage() -> str:
-  lines = ["usage: python -m experiments [name ...] [--out DIR] [--full]", "", "experiments:"]
+  lines = ["usage: python -m experiments [name ...] [--out DIR] [--full] [--smoke]", "",
+           "experiments:"]
   for name, (_, desc) in EXPERIMENTS.items():
-    lines.append(f"  {name:<12} {desc}")
-  lines.append(f"\nWith no name, runs: {', '.join(DEFAULT_SUITE)}")
+    lines.append(f"  {name:<16} {desc}")
+  lines.append(f"\nWith no name, runs: {', '.join(DEFAULT_SUITE)}; then writes <out>/REPORT.md.")
   return "\n".join(lines)
+
+
+def _run_one(name: str, out: str) -> dict:
+  module = importlib.import_module(EXPERIMENTS[name][0])
+  kwargs = {"quick": not _FULL.value}
+  if _SMOKE.value and "smoke" in inspect.signature(module.run).parameters:
+    kwargs["smoke"] = True
+  return module.run(out, **kwargs)
+
+
+def write_report(out: str, done: list[tuple[str, float, str | None]]) -> str:
+  """Writes <out>/REPORT.md: per experiment its time, status and links to its files."""
+  lines = ["# Experiment report", "",
+           f"Mode: {'smoke' if _SMOKE.value else ('full' if _FULL.value else 'quick')}. "
+           "Each section links the experiment's JSON record (machine, backend, jax version and "
+           "config beside the numbers), its markdown table and its plots.", ""]
+  for name, secs, error in done:
+    lines.append(f"## {name} ({secs:.0f} s)\n")
+    lines.append(f"{EXPERIMENTS[name][1]}\n")
+    if error:
+      lines.append(f"**Failed:** `{error}`\n")
+    if os.path.exists(os.path.join(out, f"{name}.json")):
+      lines.append(f"- data: [{name}.json]({name}.json)")
+    if os.path.exists(os.path.join(out, f"{name}.md")):
+      lines.append(f"- table: [{name}.md]({name}.md)")
+    for f in sorted(os.listdir(out)):
+      if f.startswith(name) and f.endswith(".png"):
+        lines.append(f"- plot: ![{f}]({f})")
+    lines.append("")
+  path = os.path.join(out, "REPORT.md")
+  with open(path, "w") as f:
+    f.write("\n".join(lines))
+  return path
 
 
 def main(argv):
@@ -53,25 +122,24 @@ def main(argv):
   out = _OUT.value
   os.makedirs(out, exist_ok=True)
   done = []
+  t_all = time.perf_counter()
   for i, name in enumerate(names, 1):
-    print(f"=== [{i}/{len(names)}] {name} ===", flush=True)
+    print(f"=== [{i}/{len(names)}] {name} ({time.perf_counter() - t_all:.0f} s so far) ===",
+          flush=True)
     t0 = time.perf_counter()
-    module = importlib.import_module(EXPERIMENTS[name][0])
-    module.run(out, quick=not _FULL.value)
-    done.append((name, time.perf_counter() - t0))
-  lines = ["# Experiment report", ""]
-  for name, secs in done:
-    lines.append(f"## {name} ({secs:.0f} s)\n")
-    lines.append(f"- data: [{name}.json]({name}.json)")
-    if os.path.exists(os.path.join(out, f"{name}.md")):
-      lines.append(f"- table: [{name}.md]({name}.md)")
-    for f in sorted(os.listdir(out)):
-      if f.startswith(name) and f.endswith(".png"):
-        lines.append(f"- plot: ![{f}]({f})")
-    lines.append("")
-  with open(os.path.join(out, "REPORT.md"), "w") as f:
-    f.write("\n".join(lines))
-  print(f"wrote {os.path.join(out, 'REPORT.md')}")
+    error = None
+    try:
+      _run_one(name, out)
+    except Exception as e:  # one broken experiment must not lose the others' results
+      traceback.print_exc()
+      error = f"{type(e).__name__}: {e}"
+    done.append((name, time.perf_counter() - t0, error))
+  path = write_report(out, done)
+  print(f"wrote {path} ({time.perf_counter() - t_all:.0f} s in total)")
+  failed = [n for n, _, e in done if e]
+  if failed:
+    print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1
   return 0
 
 
