@@ -149,8 +149,15 @@ class DisaggEngineTest(parameterized.TestCase):
     eng = self.disagg
     eng.inject_transfer_fault(TransferFault(where, times=self.same_cfg.transfer_attempts))
     failures = eng.metrics_.transfer_failures
-    _, _, reqs = _drive(eng, early=[EARLY[1]], late=[], steps_between=0)
-    req = reqs[0]
+    rid = eng.submit(EARLY[1], SAMPLING)
+    outs = []
+    while eng.has_unfinished():
+      outs += [o for o in eng.step() if o.request_id == rid]
+    req = eng.get(rid)
+    # The last iteration's one output merges the prefill pool's first token and the abort.
+    self.assertEqual(outs[-1].new_tokens, tuple(req.output))
+    self.assertEqual(outs[-1].abort_reason, ABORT_TRANSFER)
+    self.assertEqual(sum(len(o.new_tokens) for o in outs), 1)
     self.assertEqual(req.status, RequestStatus.ABORTED)
     self.assertEqual(req.abort_reason, ABORT_TRANSFER)
     error = eng.transfer_errors[req.request_id]

@@ -371,16 +371,24 @@ class DisaggEngine:
     m = self.metrics_
     plan, pending = self._dispatch_prefill()
     outs: dict[int, RequestOutput] = {}
+
+    def add(o: RequestOutput) -> None:
+      # A request can appear twice in one iteration (first token, then a failed transfer).
+      prev = outs.get(o.request_id)
+      if prev is not None:
+        o = dataclasses.replace(o, new_tokens=prev.new_tokens + o.new_tokens)
+      outs[o.request_id] = o
+
     decoded = 0
     if self.decode.has_unfinished():  # runs while the prefill step is in flight
       for o in self.decode.step():
-        outs[o.request_id] = o
+        add(o)
         decoded += len(o.new_tokens)
     if pending is not None:
       for o in self._collect_prefill(plan, pending):
-        outs[o.request_id] = o
+        add(o)
     for o in self._run_transfers():
-      outs[o.request_id] = o
+      add(o)
     self._requeue_preempted()
     m.iterations += 1
     m.timeline.append((len(plan.prefill) if plan is not None else 0, decoded))
