@@ -131,9 +131,10 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   def prompts():
     return [rng.integers(0, cfg.vocab_size, shape["prompt"]).tolist()
             for _ in range(shape["requests"])]
-  for v in VARIANTS:  # warm-up: compiles every step and the transfer
+  warm = prompts()
+  for v in VARIANTS:  # warm-up: one whole run each compiles every step and transfer shape
     common.progress(f"disagg: warm-up {v}")
-    _serve(engines[v], prompts()[:max(2, shape["max_running"] // 2)], 3)
+    _serve(engines[v], warm, shape["new_tokens"])
   pairs = []
   for rep in range(shape["repeats"]):
     ps = prompts()

@@ -39,11 +39,12 @@ KV_DTYPE = "float8_e4m3fn"  # the decode pool's cache in the report's recipe
 # Steady decode steps dropped per run as warm-up (the first may compile its batch bucket).
 WARMUP_STEPS = 2
 SHAPES = {
-    # Smoke: one batch bucket, so the check-on and check-off engines compile once each.
-    "smoke": dict(concurrency=(1, 2), prompt=16, new_tokens=4, page_size=8, repeats=1,
-                  batch_buckets=(2,), fault_concurrency=2, fault_new_tokens=12),
-    "quick": dict(concurrency=(1, 2, 4, 8), prompt=192, new_tokens=24, page_size=16, repeats=2,
-                  fault_concurrency=8, fault_new_tokens=40),
+    # Smoke: one batch bucket, so the check-on and check-off engines compile once each; the
+    # shapes equal kv_dtype's smoke fp8 engine, so a test session compiles those steps once.
+    "smoke": dict(concurrency=(1, 2), prompt=8, new_tokens=4, page_size=8, repeats=1,
+                  batch_buckets=(2,), fault_concurrency=2, fault_new_tokens=8),
+    "quick": dict(concurrency=(1, 2, 4, 8), prompt=216, new_tokens=36, page_size=16, repeats=6,
+                  fault_concurrency=8, fault_new_tokens=36),
     "full": dict(concurrency=(1, 2, 4, 8), prompt=1024, new_tokens=128, page_size=16, repeats=3,
                  fault_concurrency=8, fault_new_tokens=64),
 }
@@ -51,11 +52,13 @@ FAULT_ORDER = (FaultKind.WRONG_PAGE, FaultKind.STALE_TAG, FaultKind.USE_AFTER_FR
                FaultKind.DOUBLE_ALLOCATION)
 
 
-def _config(cfg, shape: dict, *, check: bool, buckets, new_tokens: int, faults: bool = False):
-  pps = -(-(shape["prompt"] + new_tokens) // shape["page_size"])
+def _config(cfg, shape: dict, *, check: bool, buckets, faults: bool = False):
+  """Every engine of the experiment: room for max(buckets) full sequences plus one reserve page."""
+  longest = shape["prompt"] + max(shape["new_tokens"], shape["fault_new_tokens"])
+  pps = -(-longest // shape["page_size"])
   c = max(buckets)
   return EngineConfig(
-      model=cfg, kv=kvc.KVCacheConfig(num_pages=c * pps + 4, page_size=shape["page_size"],
+      model=cfg, kv=kvc.KVCacheConfig(num_pages=c * pps + 1, page_size=shape["page_size"],
                                       dtype=KV_DTYPE),
       max_running=c, batch_buckets=tuple(buckets), prefill_buckets=(shape["prompt"],),
       prefill_token_budget=shape["prompt"], max_pages_per_seq=pps, integrity_check=check,
@@ -74,8 +77,7 @@ def _run_summary(log: common.StepLog, eng: Engine, gen_before: int) -> dict:
 
 def _timing(params, cfg, shape, rng) -> list[dict]:
   buckets = shape.get("batch_buckets") or shape["concurrency"]
-  engines = {on: Engine(params, _config(cfg, shape, check=on, buckets=buckets,
-                                        new_tokens=shape["new_tokens"]))
+  engines = {on: Engine(params, _config(cfg, shape, check=on, buckets=buckets))
              for on in (True, False)}
   # Warm-up: every concurrency once with a few tokens, so each batch bucket and the prefill
   # step are compiled before anything is timed.
@@ -120,8 +122,7 @@ def _timing(params, cfg, shape, rng) -> list[dict]:
 def _serve(params, cfg, shape, prompts, *, check: bool, faults: bool) -> tuple[Engine, list]:
   """Serves ``prompts`` (greedy), injecting one fault of each kind once all decode."""
   c = len(prompts)
-  eng = Engine(params, _config(cfg, shape, check=check, buckets=(c,),
-                               new_tokens=shape["fault_new_tokens"], faults=True))
+  eng = Engine(params, _config(cfg, shape, check=check, buckets=(c,), faults=True))
   ids = [eng.submit(p, SamplingParams(max_new_tokens=shape["fault_new_tokens"], temperature=0.0))
          for p in prompts]
   injected = []
@@ -150,6 +151,10 @@ def _faults(params, cfg, shape, rng) -> dict:
     finished = [r for r in reqs.values() if r.status is RequestStatus.FINISHED]
     contaminated = [r.request_id for r in finished if list(r.output) != ref[r.request_id]]
     aborted = [r.request_id for r in reqs.values() if r.abort_reason == ABORT_INTEGRITY]
+    for f in injected:  # what became of each victim
+      r = reqs[f["victim"]]
+      f["outcome"] = ("aborted" if r.abort_reason == ABORT_INTEGRITY else
+                      "contaminated" if r.request_id in contaminated else "finished clean")
     out["check_on" if check else "check_off"] = {
         "requests": c, "faults": injected,
         "detected": int(eng.stats.integrity_failures),
@@ -170,7 +175,7 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
 
   Args:
     out_dir: folder for integrity.json, integrity.md and integrity.png.
-    quick: TINY_MLA, 192-token prompts, 24 new tokens, 2 pairs per concurrency.
+    quick: TINY_MLA, 216-token prompts, 36 new tokens, 6 pairs per concurrency.
     smoke: 2-layer TINY_MLA, concurrency 1 and 2, a few tokens (tests).
 
   Returns:
@@ -229,6 +234,12 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
       "request. Contaminated = finished normally with tokens that differ from a clean run.\n\n",
       common.markdown_table(["run", "requests", "faults", "detected", "aborted",
                              "aborted non-victims", "contaminated", "finished clean"], frows),
+      "\nPer victim (check on | check off): "
+      + "; ".join(f"{a['kind']}: {a['outcome']} | {b['outcome']}"
+                  for a, b in zip(faults["check_on"]["faults"], faults["check_off"]["faults"]))
+      + ". A victim can finish clean when its corrupted page is never handed to anyone else "
+      "before it ends (an abort's reconciliation returns a leaked or doubly listed page to its "
+      "owner first).\n",
       "\n![integrity](integrity.png)\n",
   ]
   common.write_markdown(out_dir, "integrity", "".join(md))

@@ -45,8 +45,10 @@ WARMUP_STEPS = 2
 SHAPES = {
     # One batch bucket in smoke mode, so each dtype compiles one prefill and one decode step.
     "smoke": dict(concurrency=(1, 2), prompt=8, new_tokens=6, page_size=8, batch_buckets=(2,)),
-    "quick": dict(concurrency=(1, 8, 16, 32, 64), prompt=96, new_tokens=24, page_size=16),
-    "full": dict(concurrency=(1, 8, 16, 32, 64), prompt=448, new_tokens=64, page_size=16),
+    # Outputs longer than the top concurrency: prefill admits one prompt per step, so the
+    # first request must still be decoding when the last one starts.
+    "quick": dict(concurrency=(1, 8, 16, 32, 64), prompt=64, new_tokens=96, page_size=16),
+    "full": dict(concurrency=(1, 8, 16, 32, 64), prompt=384, new_tokens=128, page_size=16),
 }
 
 
@@ -58,10 +60,14 @@ def kv_budget(cfg, shape: dict) -> dict:
     that fit at full length}}.
 
   Raises:
-    ValueError: if the bf16 pool would also hold them all (then the shape cannot appear).
+    ValueError: if the bf16 pool would also hold them all (then the shape cannot appear), or
+      the outputs are too short for all requests to decode together (one prefill per step).
   """
   page = shape["page_size"]
   cmax = max(shape["concurrency"])
+  if shape["new_tokens"] <= cmax + WARMUP_STEPS:
+    raise ValueError(f"kv_dtype: {shape['new_tokens']} new tokens end before {cmax} prompts "
+                     "(one per step) are all prefilled")
   pps = -(-(shape["prompt"] + shape["new_tokens"]) // page)
   reserve = 1  # EngineConfig.admission_reserve
   fp8 = kvc.capacity(cfg, "float8_e4m3fn", 0, page_size=page)

@@ -35,6 +35,8 @@ from mlkit.quant import weight_bytes
 from mlkit.sampling import SamplingParams
 
 RECIPES = (BF16, FP8_ALL, INT4_EXPERTS)
+# Smoke mode compares only the two the lever is about (each recipe's tree compiles its own steps).
+SMOKE_RECIPES = (FP8_ALL, INT4_EXPERTS)
 # The report's GLM 5.2 decode tok/s with fp8 weights at concurrency 1/8/16/32/64 (DESIGN.md §1).
 REPORT_FP8 = {1: 60, 8: 425, 16: 683, 32: 994, 64: 1672}
 # The report's GLM 5.2 weight memory per GPU at TP 8 (GiB, see mlkit.quant.accounting).
@@ -43,9 +45,11 @@ WARMUP_STEPS = 2
 SHAPES = {
     "smoke": dict(concurrency=(2,), prompt=16, new_tokens=5, page_size=8, prefill_requests=2,
                   batch_buckets=(2,)),
-    "quick": dict(concurrency=(1, 8, 32), prompt=64, new_tokens=16, page_size=16,
+    # Outputs longer than the top concurrency: one prompt is prefilled per step, and all
+    # requests must be decoding together for the steady steps.
+    "quick": dict(concurrency=(1, 8, 32), prompt=64, new_tokens=48, page_size=16,
                   prefill_requests=4),
-    "full": dict(concurrency=(1, 8, 16, 32, 64), prompt=256, new_tokens=64, page_size=16,
+    "full": dict(concurrency=(1, 8, 16, 32, 64), prompt=256, new_tokens=96, page_size=16,
                  prefill_requests=8),
 }
 
@@ -90,11 +94,13 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   mode = "smoke" if smoke else ("quick" if quick else "full")
   shape = SHAPES[mode]
   cfg = common.local_model(quick, smoke)
-  common.progress(f"weight_quant: {cfg.name}, recipes {[r.name for r in RECIPES]}, concurrency "
+  recipes = SMOKE_RECIPES if smoke else RECIPES
+  common.progress(f"weight_quant: {cfg.name}, recipes {[r.name for r in recipes]}, concurrency "
                   f"{shape['concurrency']}, prompt {shape['prompt']} + {shape['new_tokens']}")
   ckpt = init_params(cfg, jax.random.key(0))
-  trees = {r.name: quantize_params(ckpt, r) for r in RECIPES}
+  trees = {r.name: quantize_params(ckpt, r) for r in recipes}
   local_mem = {n: weight_bytes(t).per_device for n, t in trees.items()}
+  local_dense = weight_bytes(ckpt).per_device
   engines = {n: _engine(t, cfg, shape) for n, t in trees.items()}
   rng = np.random.default_rng(0)
   decode = []
@@ -109,12 +115,13 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
       s, t = log.decode_only(min_running=c)
       s, t = s[WARMUP_STEPS:], t[WARMUP_STEPS:]
       row[name] = common.stats(list(t / s))
-    b, f, q = (row[r.name]["median"] for r in RECIPES)
+    f, q = row[FP8_ALL.name]["median"], row[INT4_EXPERTS.name]["median"]
+    b = row[BF16.name]["median"] if BF16.name in row else None
     row["int4_over_fp8"] = q / f if q and f else None
     row["int4_over_dense"] = q / b if q and b else None
     decode.append(row)
     common.progress(f"weight_quant: decode c={c}: " + ", ".join(
-        f"{r.name} {row[r.name]['median']:,.0f}" for r in RECIPES) + " tok/s")
+        f"{r.name} {row[r.name]['median'] or float('nan'):,.0f}" for r in recipes) + " tok/s")
   # Prefill: one-token requests, every step is one full-prompt chunk.
   prompts = [rng.integers(0, cfg.vocab_size, shape["prompt"]).tolist()
              for _ in range(shape["prefill_requests"] + 1)]
@@ -126,28 +133,29 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   for name, log in logs.items():
     secs = [s for s, p in zip(log.seconds, log.prefill) if p][1:]  # first one: warm-up
     prefill[name] = common.stats([shape["prompt"] / s for s in secs])
-  pf = {r.name: prefill[r.name]["median"] for r in RECIPES}
+  pf = {r.name: prefill[r.name]["median"] for r in recipes}
   prefill_ratio = pf[INT4_EXPERTS.name] / pf[FP8_ALL.name]
   common.progress("weight_quant: prefill " + ", ".join(
       f"{n} {v:,.0f}" for n, v in pf.items()) + f" tok/s; INT4/FP8 {prefill_ratio:.3f}")
   paper = paper_weight_memory()
   record = common.record_header("weight_quant", quick=quick, smoke=smoke, config={
-      "model": cfg.to_dict(), "shape": shape, "recipes": [r.name for r in RECIPES],
+      "model": cfg.to_dict(), "shape": shape, "recipes": [r.name for r in recipes],
       "kv_dtype": "bfloat16", "warmup_steps": WARMUP_STEPS})
   record.update(decode=decode, prefill=prefill, prefill_int4_over_fp8=prefill_ratio,
-                local_weight_bytes_per_device=local_mem, paper_weight_memory=paper,
+                local_weight_bytes_per_device=local_mem, local_checkpoint_bytes=local_dense,
+                paper_weight_memory=paper,
                 report_fp8_decode_tok_s=REPORT_FP8)
   common.write_json(out_dir, "weight_quant", record)
   conc = [d["concurrency"] for d in decode]
   common.plot_lines(os.path.join(out_dir, "weight_quant.png"),
-                    {r.name: (conc, [d[r.name]["median"] for d in decode]) for r in RECIPES},
+                    {r.name: (conc, [d[r.name]["median"] for d in decode]) for r in recipes},
                     xlabel="concurrency", ylabel="decode tok/s", logx=len(conc) > 1,
                     title=f"{cfg.name} on {record['machine']['device_kind']}: decode tok/s by "
                           "weight recipe")
 
   def fmt(s):
     return "-" if s["median"] is None else f"{s['median']:,.0f} [{s['min']:,.0f}, {s['max']:,.0f}]"
-  rows = [[d["concurrency"]] + [fmt(d[r.name]) for r in RECIPES]
+  rows = [[d["concurrency"]] + [fmt(d[r.name]) for r in recipes]
           + ["-" if d["int4_over_fp8"] is None else f"{d['int4_over_fp8']:.2f}",
              REPORT_FP8.get(d["concurrency"], "-")] for d in decode]
   md = [
@@ -155,11 +163,11 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
       f"`{cfg.name}` on `{record['machine']['device_kind']}` ({record['kernel_backend']} kernels), "
       f"bf16 KV, prompts of {shape['prompt']} + {shape['new_tokens']} new tokens; the recipes "
       "are stepped alternately. Decode tok/s: median [min, max] of steady decode steps.\n\n",
-      common.markdown_table(["concurrency"] + [r.name for r in RECIPES]
+      common.markdown_table(["concurrency"] + [r.name for r in recipes]
                             + ["INT4/FP8", "report fp8 (GLM, 8xH200)"], rows),
       f"\n## Prefill (one {shape['prompt']}-token chunk per step)\n\n",
       common.markdown_table(["recipe", "prefill tok/s", "weights on this device (B)"],
-                            [[r.name, fmt(prefill[r.name]), local_mem[r.name]] for r in RECIPES]),
+                            [[r.name, fmt(prefill[r.name]), local_mem[r.name]] for r in recipes]),
       f"\nINT4/FP8 prefill ratio: **{prefill_ratio:.3f}** (the report: INT4 prefill is slower, "
       "it pays for unpacking).\n",
       "\n## Weight memory per GPU at paper scale (TP 8, GiB)\n\n",

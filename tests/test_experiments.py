@@ -1,0 +1,246 @@
+"""Experiments: smoke runs write well-formed JSON, markdown and PNG; paper-scale arithmetic; CLI.
+
+The engine experiments run their smoke modes (2-layer TINY_MLA, a few tokens) once per
+class; their smoke shapes are chosen so that several share compiled steps.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from absl.testing import absltest, parameterized
+
+from configs import GLM_5_2, H200, KIMI_K2_6
+from experiments import common
+from mlkit import kvcache as kvc
+from mlkit import perfmodel as pm
+from mlkit.quant import FP8_ALL, INT4_EXPERTS
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+class SmokeRunsTest(parameterized.TestCase):
+  """Runs every experiment's smoke mode once into one folder, then checks the files."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    from experiments import disagg, integrity, kernels, kv_dtype, paper, weight_quant
+    cls.out = tempfile.mkdtemp(prefix="experiments_smoke_")
+    cls.records = {}
+    for name, mod in (("kv_dtype", kv_dtype), ("integrity", integrity), ("paper", paper),
+                      ("weight_quant", weight_quant), ("disagg", disagg), ("kernels", kernels)):
+      cls.records[name] = mod.run(cls.out, quick=True, smoke=True)
+
+  @parameterized.parameters("kv_dtype", "integrity", "paper", "weight_quant", "disagg")
+  def test_files_well_formed(self, name):
+    with open(os.path.join(self.out, f"{name}.json")) as f:
+      rec = json.load(f)
+    self.assertEqual(rec["experiment"], name)
+    self.assertEqual(rec["mode"], "smoke")
+    for key in ("backend", "jax", "device_kind", "time_utc"):
+      self.assertIn(key, rec["machine"])
+    self.assertIn(rec["kernel_backend"], ("xla", "pallas"))
+    self.assertTrue(rec["config"])
+    with open(os.path.join(self.out, f"{name}.md")) as f:
+      md = f.read()
+    self.assertTrue(md.startswith(f"# {name}"), md[:80])
+    self.assertIn("|---|", md)
+    self.assertIn(f"]({name}.png)", md)
+    with open(os.path.join(self.out, f"{name}.png"), "rb") as f:
+      png = f.read()
+    self.assertEqual(png[:8], PNG_MAGIC)
+    self.assertGreater(len(png), 5000)
+
+  def test_kv_dtype_bf16_runs_out_fp8_does_not(self):
+    rec = self.records["kv_dtype"]
+    self.assertEqual(rec["oom_concurrency"], {"bfloat16": [2], "float8_e4m3fn": []})
+    self.assertTrue(rec["report_shape_reproduced"])
+    for r in rec["runs"]:
+      self.assertEqual(r["oom"], r["predicted_oom"], r)  # observed agrees with the page count
+      if not r["oom"]:
+        s = r["decode_tok_s_stats"]
+        self.assertGreater(s["n"], 0)
+        self.assertLessEqual(s["min"], s["median"])
+        self.assertLessEqual(s["median"], s["max"])
+    oom = next(r for r in rec["runs"] if r["oom"])
+    self.assertTrue(oom["preemptions"] > 0 or oom["peak_decoding"] < oom["concurrency"])
+    self.assertIsNone(oom["decode_tok_s"])
+
+  def test_integrity_faults_detected_and_never_contaminate(self):
+    f = self.records["integrity"]["faults"]
+    on, off = f["check_on"], f["check_off"]
+    self.assertEqual(len(on["faults"]), 2)
+    self.assertEqual(on["contaminated"], 0)
+    self.assertGreaterEqual(on["detected"], 1)
+    self.assertEqual(on["aborted"], on["detected"])
+    self.assertEqual(on["aborted_non_victims"], [])
+    # The control: the same faults without the check corrupt someone's answer.
+    self.assertEqual(off["detected"], 0)
+    self.assertGreaterEqual(off["contaminated"], 1)
+    for t in self.records["integrity"]["timing"]:
+      self.assertGreater(t["throughput_ratio"]["median"], 0)
+
+  def test_weight_quant_memory(self):
+    rec = self.records["weight_quant"]
+    local = rec["local_weight_bytes_per_device"]
+    for recipe in (FP8_ALL, INT4_EXPERTS):  # both shrink the (f32 here) checkpoint
+      self.assertLess(local[recipe.name], 0.8 * rec["local_checkpoint_bytes"])
+    glm = {p["recipe"]: p["per_gpu_gib"] for p in rec["paper_weight_memory"]
+           if p["model"] == GLM_5_2.name}
+    self.assertAlmostEqual(glm[FP8_ALL.name] / 88, 1, delta=0.02)
+    self.assertAlmostEqual(glm[INT4_EXPERTS.name] / 52, 1, delta=0.02)
+    self.assertGreater(rec["prefill_int4_over_fp8"], 0)
+
+  def test_disagg_serves_everything(self):
+    rec = self.records["disagg"]
+    for pair in rec["pairs"]:
+      for v in ("disaggregated", "colocated_bf16"):
+        self.assertEqual(pair[v]["aborted"], 0)
+        self.assertEqual(pair[v]["finished"], rec["config"]["shape"]["requests"])
+    self.assertGreater(rec["transfer_metrics"]["transfers"], 0)
+    self.assertEqual(rec["transfer_metrics"]["transfer_failures"], 0)
+
+  def test_kernels_skips_cleanly_without_gpu(self):
+    rec = self.records["kernels"]
+    if rec["machine"]["backend"] == "gpu":
+      self.assertFalse(rec["skipped"])
+      self.assertTrue(rec["records"])
+    else:
+      self.assertTrue(rec["skipped"])
+      self.assertIn("needs an NVIDIA GPU", rec["reason"])
+      with open(os.path.join(self.out, "kernels.md")) as f:
+        self.assertIn("needs an NVIDIA GPU", f.read())
+
+  def test_paper_predictions(self):
+    rec = self.records["paper"]
+    for key in ("kimi", "glm"):
+      self.assertLess(rec["calibration"][key]["fits"]["overhead"]["max_abs_error"], 0.10)
+    rows = {(r["column"], r["concurrency"]): r for r in rec["columns"]}
+    self.assertTrue(rows[("kimi bf16 KV", 64)]["predicted_oom"])
+    self.assertFalse(rows[("kimi bf16 KV", 32)]["predicted_oom"])
+    self.assertFalse(rows[("kimi fp8 KV", 64)]["predicted_oom"])
+    # fp8 KV reads half the cache bytes: never slower at high concurrency.
+    self.assertGreater(rows[("kimi fp8 KV", 32)]["predicted_tok_s"],
+                       rows[("kimi bf16 KV", 32)]["predicted_tok_s"])
+    names = [a["name"] for a in rec["assumptions"]]
+    self.assertIn("allreduce_latency_s", names)
+    self.assertTrue(all(a["note"] for a in rec["assumptions"]))
+
+
+class PaperScaleTest(parameterized.TestCase):
+  """The report's capacity figures are arithmetic, so they are asserted."""
+
+  @parameterized.parameters(("bfloat16", 686_000), ("float8_e4m3fn", 1_370_000))
+  def test_kimi_capacity_within_5_percent(self, dtype, report):
+    cap = kvc.capacity(KIMI_K2_6, dtype, 48 * 10**9, tp=8)
+    self.assertAlmostEqual(cap["tokens"] / report, 1.0, delta=0.05)
+    kimi = pm.Deployment("kimi", KIMI_K2_6, INT4_EXPERTS, dtype, H200)
+    budget = pm.kv_budget(kimi, pm.static_memory_fraction(kimi))
+    self.assertAlmostEqual(budget / 48e9, 1.0, places=6)
+    self.assertEqual(pm.capacity(kimi, budget)["tokens"], cap["tokens"])
+
+  def test_kimi_bytes_per_token(self):
+    self.assertEqual(kvc.bytes_per_token(KIMI_K2_6, "bfloat16"), 70_272)
+    self.assertEqual(kvc.bytes_per_token_breakdown(KIMI_K2_6, "float8_e4m3fn")["values"], 35_136)
+
+  def test_glm_int4_frees_kv_budget(self):
+    frac = pm.static_memory_fraction(pm.Deployment("k", KIMI_K2_6, INT4_EXPERTS, "bfloat16", H200))
+    fp8 = pm.Deployment("g", GLM_5_2, FP8_ALL, "float8_e4m3fn", H200)
+    int4 = fp8.replace(recipe=INT4_EXPERTS)
+    freed = pm.kv_budget(int4, frac) - pm.kv_budget(fp8, frac)
+    w = pm.weight_split(fp8)["per_gpu"] - pm.weight_split(int4)["per_gpu"]
+    self.assertAlmostEqual(freed, w, delta=1.0)
+    self.assertGreater(pm.capacity(int4, pm.kv_budget(int4, frac))["tokens"],
+                       2 * pm.capacity(fp8, pm.kv_budget(fp8, frac))["tokens"])
+
+
+class PerfModelTest(parameterized.TestCase):
+
+  def test_distinct_experts(self):
+    self.assertAlmostEqual(pm.distinct_experts(384, 8, 1), 8.0)
+    self.assertAlmostEqual(pm.distinct_experts(384, 8, 10_000), 384.0, places=3)
+    self.assertLess(pm.distinct_experts(384, 8, 64), 64 * 8)
+
+  @parameterized.parameters("overhead", "efficiency")
+  def test_calibrate_recovers_a_known_factor(self, factor):
+    dep = pm.Deployment("glm", GLM_5_2, FP8_ALL, "bfloat16", H200)
+    work = pm.Workload(2048, 1024)
+    truth = 3.7 if factor == "overhead" else 0.42
+    data = {c: pm.decode_throughput(dep, c, work, **{factor: truth}) for c in (1, 8, 64)}
+    self.assertAlmostEqual(pm.calibrate(dep, data, work, factor=factor), truth, places=4)
+
+  def test_calibrate_errors(self):
+    dep = pm.Deployment("glm", GLM_5_2, FP8_ALL, "bfloat16", H200)
+    with self.assertRaisesRegex(ValueError, "no reported points"):
+      pm.calibrate(dep, {64: None}, pm.Workload(1, 1))
+    with self.assertRaisesRegex(ValueError, "factor must be one of"):
+      pm.calibrate(dep, {1: 60}, pm.Workload(1, 1), factor="magic")
+
+  def test_weight_split_adds_up(self):
+    dep = pm.Deployment("glm", GLM_5_2, INT4_EXPERTS, "bfloat16", H200)
+    w = pm.weight_split(dep)
+    self.assertEqual(w["experts_per_gpu"] + w["dense_per_gpu"], w["per_gpu"])
+    self.assertGreater(w["experts_per_gpu"], 10 * w["dense_per_gpu"])
+
+  def test_int4_prefill_slower_than_fp8(self):
+    glm = pm.Deployment("glm", GLM_5_2, FP8_ALL, "bfloat16", H200)
+    fp8 = pm.prefill_throughput(glm)["tok_s"]
+    int4 = pm.prefill_throughput(glm.replace(recipe=INT4_EXPERTS))
+    self.assertLess(int4["tok_s"], fp8)
+    self.assertGreater(int4["t_dequant"], 0)
+
+
+class CommonTest(absltest.TestCase):
+
+  def test_stats(self):
+    s = common.stats([3.0, 1.0, 2.0])
+    self.assertEqual((s["median"], s["min"], s["max"], s["n"]), (2.0, 1.0, 3.0, 3))
+    self.assertIsNone(common.stats([])["median"])
+
+  def test_kv_budget(self):
+    from experiments import kv_dtype
+    cfg = common.local_model(True, smoke=True)
+    plan = kv_dtype.kv_budget(cfg, dict(concurrency=(1, 8), prompt=8, new_tokens=24, page_size=8))
+    self.assertEqual(plan["pages_per_seq"], 4)
+    self.assertEqual(plan["fits"]["float8_e4m3fn"], 8)
+    self.assertLess(plan["fits"]["bfloat16"], 8)
+    with self.assertRaisesRegex(ValueError, "end before"):
+      kv_dtype.kv_budget(cfg, dict(concurrency=(1, 8), prompt=8, new_tokens=8, page_size=8))
+
+
+class CliTest(absltest.TestCase):
+
+  def _run(self, *args):
+    return subprocess.run([sys.executable, "-m", "experiments", *args], cwd=_REPO,
+                          capture_output=True, text=True, timeout=120)
+
+  def test_help_lists_every_experiment(self):
+    from experiments.__main__ import DEFAULT_SUITE, EXPERIMENTS
+    r = self._run("--help")
+    self.assertEqual(r.returncode, 0, r.stderr)
+    for name in EXPERIMENTS:
+      self.assertIn(name, r.stdout)
+    self.assertTrue(set(DEFAULT_SUITE) <= set(EXPERIMENTS))
+
+  def test_unknown_name_is_an_error(self):
+    r = self._run("no_such_experiment", "--out", tempfile.mkdtemp())
+    self.assertEqual(r.returncode, 2)
+    self.assertIn("unknown experiment(s): no_such_experiment", r.stderr)
+    self.assertIn("kv_dtype", r.stderr)  # the usage follows
+
+  def test_report_links_tables_and_plots(self):
+    out = tempfile.mkdtemp()
+    r = self._run("paper", "--out", out)
+    self.assertEqual(r.returncode, 0, r.stderr[-2000:])
+    with open(os.path.join(out, "REPORT.md")) as f:
+      report = f.read()
+    for link in ("[paper.json](paper.json)", "[paper.md](paper.md)", "![paper.png](paper.png)"):
+      self.assertIn(link, report)
+
+
+if __name__ == "__main__":
+  absltest.main()
