@@ -10,14 +10,19 @@ from mlkit.engine.config import EngineConfig
 from mlkit.engine.engine import Engine, EngineStalled
 from mlkit.engine.faults import Fault, FaultKind, FaultRecord
 from mlkit.engine.metrics import EngineMetrics, request_metrics
+from mlkit.engine.disagg import (DisaggConfig, DisaggEngine, PoolConfig, default_disagg_config,
+                                 make_sharded_engine)
 from mlkit.engine.request import (ABORT_CANCELLED, ABORT_INTEGRITY, ABORT_REASONS, ABORT_TOO_LONG,
+                                  ABORT_TRANSFER,
                                   FINISH_LENGTH, FINISH_STOP, Request, RequestOutput,
                                   RequestRejected, RequestStatus)
 from mlkit.engine.runner import TRACE_COUNTS, Runner, StepBatch
 from mlkit.engine.scheduler import Scheduler, UniqueTagAllocator
 
 __all__ = [
-    "ABORT_CANCELLED", "ABORT_INTEGRITY", "ABORT_REASONS", "ABORT_TOO_LONG", "Engine",
+    "ABORT_CANCELLED", "ABORT_INTEGRITY", "ABORT_REASONS", "ABORT_TOO_LONG", "ABORT_TRANSFER",
+    "DisaggConfig", "DisaggEngine", "PoolConfig", "default_disagg_config", "make_sharded_engine",
+    "Engine",
     "EngineConfig", "EngineMetrics", "EngineStalled", "FINISH_LENGTH", "FINISH_STOP", "Fault",
     "FaultKind", "FaultRecord", "Request", "RequestOutput", "RequestRejected", "RequestStatus",
     "Runner", "Scheduler", "StepBatch", "TRACE_COUNTS", "UniqueTagAllocator", "request_metrics",

@@ -46,9 +46,9 @@ from absl import logging
 
 from mlkit.config import ModelConfig
 from mlkit.engine.config import EngineConfig
-from mlkit.engine.engine import Engine, EngineStalled
-from mlkit.engine.request import (ABORT_CANCELLED, ABORT_INTEGRITY, Request, RequestOutput,
-                                  RequestRejected, RequestStatus)
+from mlkit.engine.engine import Engine, EngineStalled, build_prefill_batch
+from mlkit.engine.request import (ABORT_CANCELLED, ABORT_INTEGRITY, ABORT_TRANSFER, Request,
+                                  RequestOutput, RequestRejected, RequestStatus)
 from mlkit.engine.runner import StepBatch
 from mlkit.engine.transfer import Payload, TransferResult, transfer_kv
 from mlkit.kvcache import KVCacheConfig, PagedKVState, sync_tags
@@ -58,7 +58,6 @@ from mlkit.quant import FP8_ALL, INT4_EXPERTS, Recipe, quantize_params
 from mlkit.sampling import SamplingParams
 
 # Abort reason: the request's KV failed the transfer checksum on every attempt.
-ABORT_TRANSFER = "transfer"
 MODES = ("disaggregated", "colocated")
 
 
@@ -608,37 +607,3 @@ def _landing_corrupter(fault: TransferFault, page: int):
   return corrupt
 
 
-def build_prefill_batch(config: EngineConfig, scheduler, items) -> StepBatch:
-  """The StepBatch of one prefill step over scheduler PrefillItems (as ``Engine`` builds it).
-
-  Args:
-    config: the pool's EngineConfig (buckets).
-    scheduler: the pool's Scheduler (block tables).
-    items: PrefillItems from ``Scheduler.schedule``.
-
-  Returns:
-    A StepBatch with B = the batch bucket of len(items) rows and T = the prefill bucket
-    of the longest chunk; padded rows have length 0.
-  """
-  reqs = [it.req for it in items]
-  B = config.batch_bucket(len(items))
-  T = config.prefill_bucket(max(it.n for it in items))
-  tokens = np.zeros((B, T), np.int32)
-  positions = np.zeros((B, T), np.int32)
-  lengths = np.zeros(B, np.int32)
-  last = np.zeros(B, np.int32)
-  seeds = np.zeros(B, np.uint32)
-  temp = np.zeros(B, np.float32)
-  top_k = np.zeros(B, np.int32)
-  top_p = np.ones(B, np.float32)
-  steps = np.zeros(B, np.int32)
-  for i, it in enumerate(items):
-    tokens[i, :it.n] = it.req.prefill_tokens[it.start:it.start + it.n]
-    positions[i] = np.arange(it.start, it.start + T)
-    lengths[i] = it.start + it.n
-    last[i] = it.n - 1
-    s = it.req.sampling
-    seeds[i], temp[i], top_k[i], top_p[i] = s.seed, s.temperature, s.top_k, s.top_p
-    steps[i] = len(it.req.output)  # index of the token this row samples
-  bt, et = scheduler.fill_tables(reqs, B)
-  return StepBatch(tokens, positions, bt, et, lengths, last, seeds, steps, temp, top_k, top_p)

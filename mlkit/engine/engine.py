@@ -336,50 +336,70 @@ class Engine:
     req.finish_time = time.perf_counter()
     self.stats.aborted[reason] += 1
 
-  def _sampling_rows(self, reqs, B: int):
-    seeds = np.zeros(B, np.uint32)
-    temp = np.zeros(B, np.float32)
-    top_k = np.zeros(B, np.int32)
-    top_p = np.ones(B, np.float32)
-    steps = np.zeros(B, np.int32)
-    for i, r in enumerate(reqs):
-      s = r.sampling
-      seeds[i], temp[i], top_k[i], top_p[i] = s.seed, s.temperature, s.top_k, s.top_p
-      steps[i] = len(r.output)  # index of the token this row samples
-    return seeds, temp, top_k, top_p, steps
-
   def _prefill_batch(self, items) -> StepBatch:
-    cfg = self.config
-    reqs = [it.req for it in items]
-    B = cfg.batch_bucket(len(items))
-    T = cfg.prefill_bucket(max(it.n for it in items))
-    tokens = np.zeros((B, T), np.int32)
-    positions = np.zeros((B, T), np.int32)
-    lengths = np.zeros(B, np.int32)
-    last = np.zeros(B, np.int32)
-    for i, it in enumerate(items):
-      tokens[i, :it.n] = it.req.prefill_tokens[it.start:it.start + it.n]
-      positions[i] = np.arange(it.start, it.start + T)
-      lengths[i] = it.start + it.n
-      last[i] = it.n - 1
-    bt, et = self.scheduler.fill_tables(reqs, B)
-    seeds, temp, top_k, top_p, steps = self._sampling_rows(reqs, B)
-    return StepBatch(tokens, positions, bt, et, lengths, last, seeds, steps, temp, top_k, top_p)
+    return build_prefill_batch(self.config, self.scheduler, items)
 
   def _decode_batch(self, reqs) -> StepBatch:
-    cfg = self.config
-    B = cfg.batch_bucket(len(reqs))
-    tokens = np.zeros((B, 1), np.int32)
-    positions = np.zeros((B, 1), np.int32)
-    lengths = np.zeros(B, np.int32)
-    for i, r in enumerate(reqs):
-      tokens[i, 0] = r.output[-1]
-      positions[i, 0] = r.context_len - 1
-      lengths[i] = r.context_len
-    bt, et = self.scheduler.fill_tables(reqs, B)
-    seeds, temp, top_k, top_p, steps = self._sampling_rows(reqs, B)
-    return StepBatch(tokens, positions, bt, et, lengths, np.zeros(B, np.int32), seeds, steps, temp,
-                     top_k, top_p)
+    return build_decode_batch(self.config, self.scheduler, reqs)
+
+
+def _sampling_rows(reqs, B: int):
+  """Per-row sampling arrays [B] for a step; padded rows are greedy with seed 0."""
+  seeds = np.zeros(B, np.uint32)
+  temp = np.zeros(B, np.float32)
+  top_k = np.zeros(B, np.int32)
+  top_p = np.ones(B, np.float32)
+  steps = np.zeros(B, np.int32)
+  for i, r in enumerate(reqs):
+    s = r.sampling
+    seeds[i], temp[i], top_k[i], top_p[i] = s.seed, s.temperature, s.top_k, s.top_p
+    steps[i] = len(r.output)  # index of the token this row samples
+  return seeds, temp, top_k, top_p, steps
+
+
+def build_prefill_batch(config: EngineConfig, scheduler, items) -> StepBatch:
+  """The StepBatch of one prefill step over scheduler PrefillItems.
+
+  Args:
+    config: the pool's EngineConfig (buckets).
+    scheduler: the pool's Scheduler (block tables).
+    items: PrefillItems from ``Scheduler.schedule``.
+
+  Returns:
+    A StepBatch with B = the batch bucket of len(items) rows and T = the prefill bucket
+    of the longest chunk; padded rows have length 0.
+  """
+  reqs = [it.req for it in items]
+  B = config.batch_bucket(len(items))
+  T = config.prefill_bucket(max(it.n for it in items))
+  tokens = np.zeros((B, T), np.int32)
+  positions = np.zeros((B, T), np.int32)
+  lengths = np.zeros(B, np.int32)
+  last = np.zeros(B, np.int32)
+  for i, it in enumerate(items):
+    tokens[i, :it.n] = it.req.prefill_tokens[it.start:it.start + it.n]
+    positions[i] = np.arange(it.start, it.start + T)
+    lengths[i] = it.start + it.n
+    last[i] = it.n - 1
+  bt, et = scheduler.fill_tables(reqs, B)
+  seeds, temp, top_k, top_p, steps = _sampling_rows(reqs, B)
+  return StepBatch(tokens, positions, bt, et, lengths, last, seeds, steps, temp, top_k, top_p)
+
+
+def build_decode_batch(config: EngineConfig, scheduler, reqs) -> StepBatch:
+  """The StepBatch of one decode step: each request's last token at position context_len - 1."""
+  B = config.batch_bucket(len(reqs))
+  tokens = np.zeros((B, 1), np.int32)
+  positions = np.zeros((B, 1), np.int32)
+  lengths = np.zeros(B, np.int32)
+  for i, r in enumerate(reqs):
+    tokens[i, 0] = r.output[-1]
+    positions[i, 0] = r.context_len - 1
+    lengths[i] = r.context_len
+  bt, et = scheduler.fill_tables(reqs, B)
+  seeds, temp, top_k, top_p, steps = _sampling_rows(reqs, B)
+  return StepBatch(tokens, positions, bt, et, lengths, np.zeros(B, np.int32), seeds, steps, temp,
+                   top_k, top_p)
 
 
 def _validate_sampling(sampling, vocab_size: int) -> SamplingParams:

@@ -22,7 +22,8 @@ class RequestStatus(enum.Enum):
 ABORT_INTEGRITY = "integrity"  # its page-tag check failed: it may have read another request's page
 ABORT_TOO_LONG = "too_long"  # prompt + max_new_tokens can never fit (rejected at submit)
 ABORT_CANCELLED = "cancelled"  # the user cancelled it
-ABORT_REASONS = (ABORT_INTEGRITY, ABORT_TOO_LONG, ABORT_CANCELLED)
+ABORT_TRANSFER = "transfer"  # its KV failed the checksum on every prefill->decode transfer try
+ABORT_REASONS = (ABORT_INTEGRITY, ABORT_TOO_LONG, ABORT_CANCELLED, ABORT_TRANSFER)
 
 # Why a request finished (Request.finish_reason).
 FINISH_STOP = "stop"  # it sampled one of its stop tokens (which is emitted)
