@@ -11,6 +11,7 @@ labelled as such.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import numpy as np
@@ -69,7 +70,7 @@ def train_or_load(budget: str, out_dir: str | None = None) -> tuple[dict, dict]:
   train_dir, model_dir = _paths(budget)
   cfg = model_config()
   if checkpoint_steps(model_dir):
-    params, _, meta = _load(model_dir, cfg)
+    params, meta = _load(model_dir, cfg)
     common.progress(f"accuracy: using the cached {budget} model in {model_dir}")
     return params, dict(meta, cached=True)
   common.progress(f"accuracy: training {cfg.name} ({budget} budget: {tcfg.steps} steps of "
@@ -90,15 +91,18 @@ def _save_meta(model_dir: str, info: dict) -> None:
   common.write_json(model_dir, "train_info", info)
 
 
-def _load(model_dir: str, cfg):
-  import json
+def _load(model_dir: str, cfg) -> tuple[dict, dict]:
   params, _ = load_checkpoint(model_dir, cfg=cfg)
   with open(os.path.join(model_dir, "train_info.json")) as f:
-    meta = json.load(f)
-  return params, None, meta
+    return params, json.load(f)
 
 
 # ----------------------------------------------------------------------------- recipes
+
+# Weight formats (see weight_recipe) and KV pool dtypes evaluated.
+WEIGHT_FORMATS = ("bf16", "fp8", "int4-rtn", "int4-gptq")
+KV_FORMATS = ("bfloat16", "float8_e4m3fn")
+
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionRecipe:
@@ -109,13 +113,17 @@ class PrecisionRecipe:
   # KV pool storage: "bfloat16" or "float8_e4m3fn".
   kv: str
 
+  def __post_init__(self):
+    if self.weights not in WEIGHT_FORMATS:
+      raise ValueError(f"PrecisionRecipe.weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
+    if self.kv not in KV_FORMATS:
+      raise ValueError(f"PrecisionRecipe.kv must be one of {KV_FORMATS}, got {self.kv!r}")
+
   @property
   def name(self) -> str:
     return f"w-{self.weights}/kv-{'fp8' if self.kv == 'float8_e4m3fn' else 'bf16'}"
 
 
-WEIGHT_FORMATS = ("bf16", "fp8", "int4-rtn", "int4-gptq")
-KV_FORMATS = ("bfloat16", "float8_e4m3fn")
 RECIPES = tuple(PrecisionRecipe(w, kv) for w in WEIGHT_FORMATS for kv in KV_FORMATS)
 REFERENCE = PrecisionRecipe("bf16", "bfloat16")
 
@@ -200,7 +208,8 @@ def evaluate_recipe(params, cfg, recipe: PrecisionRecipe, ecfg, heldout, *, engi
   Returns:
     (record, logprobs, task_results).
   """
-  from mlkit.evals import evaluate, paged_logprobs, perplexity, token_kl, token_nll
+  from mlkit.evals import (TaskResult, evaluate, paged_logprobs, perplexity, token_kl, token_nll,
+                           token_top1_correct, wilson_interval)
   if backend_factory is None:
     from mlkit.evals.backends import EngineBackend
     kw = dict(engine_kwargs or {})
@@ -213,10 +222,16 @@ def evaluate_recipe(params, cfg, recipe: PrecisionRecipe, ecfg, heldout, *, engi
   page_size = (engine_kwargs or {}).get("page_size")
   lps = paged_logprobs(params, cfg, seqs, kv_dtype=recipe.kv, page_size=page_size)
   nll = token_nll(lps, seqs, masks)
+  top1 = token_top1_correct(lps, seqs, masks)
   rec = {"recipe": recipe.name, "weights": recipe.weights, "kv": recipe.kv,
          "tasks": {t: r.summary() for t, r in results.items()},
+         "samples": {t: [{"prompt_tail": ex.prompt[-24:], "answer": ex.answer, "output": o}
+                         for ex, o in zip(ecfg.examples(t)[:3], r.outputs[:3])]
+                     for t, r in results.items()},
          "heldout_answer_ppl": perplexity(nll), "heldout_answer_nll": float(np.mean(nll)),
-         "heldout_tokens": int(nll.size)}
+         "heldout_tokens": int(nll.size),
+         "heldout_answer_top1": float(np.mean(top1)),
+         "heldout_answer_top1_ci95": list(wilson_interval(int(top1.sum()), int(top1.size)))}
   if ref_logprobs is not None:
     kl_all = token_kl(ref_logprobs, lps)
     kl_ans = token_kl(ref_logprobs, lps, masks)
@@ -224,6 +239,11 @@ def evaluate_recipe(params, cfg, recipe: PrecisionRecipe, ecfg, heldout, *, engi
                kl_p99=float(np.quantile(kl_all, 0.99)), kl_tokens=int(kl_all.size))
   else:
     rec.update(kl_mean=0.0, kl_answer_mean=0.0, kl_p99=0.0, kl_tokens=0)
+  # Teacher-forced answer tokens join the paired claim checks as a finer-grained "task" (tokens of
+  # one sequence are correlated, so its interval is optimistic; it is labelled as such).
+  results = dict(results)
+  results["answer_top1 (tokens)"] = TaskResult(task="answer_top1 (tokens)", correct=top1.tolist(),
+                                               valid=None, outputs=[], chance=0.0)
   return rec, lps, results
 
 
@@ -342,8 +362,8 @@ def _markdown(record: dict) -> str:
             f"perplexity and KL by teacher forcing through the paged pool. "
             f"Accuracy in %, 95% Wilson intervals; KL(bf16 ref || recipe) in nats per token.", ""]
   tasks = list(next(iter(record["recipes"].values()))["tasks"])
-  headers = ["recipe"] + [f"{t} % [95% CI]" for t in tasks] + ["tool validity %", "answer ppl",
-                                                               "KL mean", "KL p99"]
+  headers = ["recipe"] + [f"{t} % [95% CI]" for t in tasks] + [
+      "tool validity %", "answer top-1 % [95% CI]", "answer ppl", "KL mean", "KL p99"]
   rows = []
   for name, r in record["recipes"].items():
     row = [name]
@@ -352,6 +372,11 @@ def _markdown(record: dict) -> str:
       row.append(f"{100 * s['accuracy']:.1f} [{100 * s['ci95'][0]:.1f}, {100 * s['ci95'][1]:.1f}]")
     tc = r["tasks"].get("tool_call")
     row.append(f"{100 * tc['validity']:.1f}" if tc else "-")
+    if "heldout_answer_top1" in r:
+      lo, hi = r["heldout_answer_top1_ci95"]
+      row.append(f"{100 * r['heldout_answer_top1']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]")
+    else:
+      row.append("-")
     row += [f"{r['heldout_answer_ppl']:.4f}", f"{r['kl_mean']:.2e}", f"{r['kl_p99']:.2e}"]
     rows.append(row)
   lines += [common.markdown_table(headers, rows), "", "## The report's claims", "",

@@ -13,7 +13,8 @@ from configs import TINY_MLA
 from mlkit.evals import (TASKS, CharTokenizer, EvalConfig, TaskConfig, evaluate, is_correct,
                          make_examples, packed_batch, paged_logprobs, paired_difference_interval,
                          parse_tool_call, perplexity, samples_for_halfwidth, score_outputs,
-                         token_kl, token_nll, tool_call_valid, wilson_interval)
+                         token_kl, token_nll, token_top1_correct, tool_call_valid,
+                         wilson_interval)
 from mlkit.evals.tasks import EOS, PAD, eval_sequences, format_tool_call
 from mlkit.model import forward, init_params
 
@@ -231,6 +232,12 @@ class TeacherForcingTest(absltest.TestCase):
     self.assertEqual(nll.size, sum(int(np.sum(m[1:])) for m in self.masks))
     self.assertAlmostEqual(perplexity(nll), float(np.exp(np.mean(nll))))
     self.assertGreater(perplexity(nll), 10.0)  # a random model is far from the answers
+    top1 = token_top1_correct(lps, self.seqs, self.masks)
+    self.assertEqual(top1.shape, nll.shape)
+    self.assertLess(top1.mean(), 0.3)
+    # With the answers' own log-probs as "logits", top-1 is perfect.
+    perfect = [np.log(np.eye(TINY_MLA.vocab_size)[np.r_[s[1:], 0]] + 1e-9) for s in self.seqs]
+    self.assertTrue(np.all(token_top1_correct(perfect, self.seqs, self.masks)))
 
   def test_kl_zero_for_same_and_positive_for_fp8_kv(self):
     ref = paged_logprobs(self.params, TINY_MLA, self.seqs, kv_dtype="float32", page_size=16,

@@ -11,12 +11,14 @@ from mlkit.evals.stats import paired_difference_interval, samples_for_halfwidth,
 from mlkit.evals.tasks import (TASKS, TOOL_SCHEMAS, Example, TaskConfig, chance_accuracy,
                                is_correct, make_examples, packed_batch, parse_tool_call,
                                tool_call_valid)
-from mlkit.evals.teacher_forcing import paged_logprobs, perplexity, token_kl, token_nll
+from mlkit.evals.teacher_forcing import (paged_logprobs, perplexity, token_kl, token_nll,
+                                        token_top1_correct)
 from mlkit.evals.tokenizer import BOS, EOS, PAD, CharTokenizer
 
 __all__ = ["BOS", "Backend", "CharTokenizer", "EOS", "EvalConfig", "Example", "MAX_NEW_TOKENS",
            "PAD", "TASKS", "TOOL_SCHEMAS", "TaskConfig", "TaskResult", "chance_accuracy",
            "evaluate", "evaluate_task", "is_correct", "make_examples", "packed_batch",
            "paged_logprobs", "paired_difference_interval", "parse_tool_call", "perplexity",
-           "samples_for_halfwidth", "score_outputs", "token_kl", "token_nll", "tool_call_valid",
+           "samples_for_halfwidth", "score_outputs", "token_kl", "token_nll", "token_top1_correct",
+           "tool_call_valid",
            "wilson_interval"]

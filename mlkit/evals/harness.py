@@ -14,8 +14,8 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from mlkit.evals.stats import wilson_interval
-from mlkit.evals.tasks import Example, TaskConfig, chance_accuracy, is_correct, make_examples, \
-    tool_call_valid
+from mlkit.evals.tasks import (TASKS, Example, TaskConfig, chance_accuracy, is_correct,
+                               make_examples, tool_call_valid)
 from mlkit.evals.tokenizer import CharTokenizer
 
 # Generated tokens allowed per task: the longest answer plus EOS, with slack.
@@ -43,7 +43,6 @@ class EvalConfig:
   task_config: TaskConfig = TaskConfig(arith_digits=(1, 3), retrieval_pairs=(16, 24))
 
   def __post_init__(self):
-    from mlkit.evals.tasks import TASKS
     bad = [t for t in self.tasks if t not in TASKS]
     if bad or not self.tasks:
       raise ValueError(f"EvalConfig.tasks must be a non-empty subset of {TASKS}, got {self.tasks!r}")

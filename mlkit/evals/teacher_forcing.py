@@ -123,3 +123,26 @@ def token_kl(ref_logprobs: Sequence[np.ndarray], logprobs: Sequence[np.ndarray],
       kl = kl[np.asarray(m[1:], bool)]
     vals.append(kl)
   return np.concatenate(vals) if vals else np.zeros(0)
+
+
+def token_top1_correct(logprobs: Sequence[np.ndarray], sequences: Sequence[Sequence[int]],
+                       masks: Sequence[Sequence[int]] | None = None) -> np.ndarray:
+  """Whether each next token is the model's argmax (teacher-forced top-1), concatenated.
+
+  A finer-grained signal than exact match: an under-trained model that gets whole
+  answers wrong still gets most answer tokens right, and precision recipes move it.
+
+  Args:
+    logprobs, sequences, masks: as for :func:`token_nll`.
+
+  Returns:
+    [N] bool, one per counted target token.
+  """
+  vals = []
+  for lp, s, m in zip(logprobs, sequences, masks or [None] * len(sequences)):
+    s = np.asarray(s)
+    hit = np.argmax(lp[:-1], axis=-1) == s[1:]
+    if m is not None:
+      hit = hit[np.asarray(m[1:], bool)]
+    vals.append(hit)
+  return np.concatenate(vals) if vals else np.zeros(0, bool)
