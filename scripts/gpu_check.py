@@ -11,8 +11,8 @@ reference, finiteness), timings (median of many runs after warm-up, with
 jax.block_until_ready, on random non-zero inputs larger than L2 where the
 real case is), achieved bandwidth = bytes the op must move / time, its
 fraction of the H200's ~4.3 TB/s copy bandwidth, and ratios to the XLA
-reference path and to the bf16-cache kernel. Add a kernel by appending a
-Check to CHECKS (the INT4 matmul goes here later).
+reference path and to the bf16-cache kernel (for INT4: to the XLA INT4
+reference and the bf16 dot). Add a kernel by appending a Check to CHECKS.
 """
 
 import argparse
@@ -234,10 +234,37 @@ def check_tag(smoke):
                  traceback=traceback.format_exc()[-4000:])]
 
 
+def check_int4(smoke):
+  """W4A16 dense and grouped matmuls at Kimi shapes (pallas_kernels/int4_matmul/bench.py).
+
+  The full run uses decode-sized M (1, 8, 16) and the grouped decode shapes with
+  group size 32 (Kimi's checkpoints) to fit one device command; smoke runs one
+  tiny dense and one tiny grouped case in interpret mode.
+  """
+  from pallas_kernels.int4_matmul import bench
+  if smoke:
+    checks = bench.gpu_checks(32, backend="interpret", dense_shapes=(("tiny", 256, 128),),
+                              dense_ms=(8,), grouped_shapes=(("tiny", 4, 256, 128, 16),))
+  else:
+    checks = [c for c in bench.gpu_checks(32)
+              if "grouped" in c.name or any(f"/m{m}/" in c.name for m in (1, 8, 16))]
+  records = []
+  for c in checks:
+    try:
+      r = c()
+      records.append(dict(check="int4_matmul", case=c.name, ok=bool(r.get("correct")), **{
+          k: v for k, v in r.items() if k not in ("correct",)}))
+    except Exception as e:
+      records.append(dict(check="int4_matmul", case=c.name, ok=False, error=repr(e)[:2000],
+                          traceback=traceback.format_exc()[-4000:]))
+  return records
+
+
 CHECKS = [
     Check("paged_mla_decode", check_mla),
     Check("paged_gqa_decode", check_gqa),
     Check("tag_check", check_tag),
+    Check("int4_matmul", check_int4),
 ]
 
 
