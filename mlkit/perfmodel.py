@@ -319,6 +319,9 @@ def prefill_throughput(dep: Deployment, a: Assumptions = Assumptions()) -> dict:
   heads = cfg.n_heads / dep.tp
   ctx = _attended(cfg, a.prefill_chunk / 2)
   attn_flops = 2 * heads * (cfg.qk_head_dim + cfg.v_head_dim) * ctx * cfg.n_layers
+  if cfg.index_topk:  # the indexer scores every earlier token to pick the top index_topk
+    attn_flops += (2 * cfg.index_n_heads * cfg.index_head_dim * a.prefill_chunk / 2
+                   * cfg.n_layers / dep.tp)
   t_attention = attn_flops / hw.measured_bf16_flops
   t_dequant = 0.0
   if "int4" in name:
