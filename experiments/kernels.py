@@ -1,9 +1,8 @@
 """kernels (GPU only): per-kernel time and achieved bandwidth against the references.
 
-Wraps the prepared device checks: ``scripts/gpu_check.py``'s CHECKS (paged MLA
-and GQA decode attention with bf16 and fp8 pages, the page-tag check) and
-``pallas_kernels/int4_matmul/bench.py``'s ``gpu_checks`` (dense and grouped INT4
-matmuls at Kimi K2.6 shapes). Each record carries correctness against the
+Wraps the one prepared device script, ``scripts/gpu_check.py``: its CHECKS time
+paged MLA and GQA decode attention with bf16 and fp8 pages, the page-tag check,
+and the dense and grouped INT4 matmuls at Kimi K2.6 shapes. Each record carries correctness against the
 pure-jnp reference, the median kernel time, the achieved bandwidth and its
 fraction of the H200's measured 4.3 TB/s copy bandwidth, and the speedup over
 the XLA reference path.
@@ -39,7 +38,22 @@ def _gpu_check_module():
   return mod
 
 
-def _attention_and_tag(quick: bool) -> list[dict]:
+def _normalise(r: dict) -> dict:
+  """One row from a gpu_check record (attention/tag records in s, INT4 records in us)."""
+  if "time_s" in r:
+    t, ref = 1e6 * r["time_s"], 1e6 * r["xla_time_s"] if "xla_time_s" in r else None
+    bw = r["achieved_bw"] / 1e9 if "achieved_bw" in r else None
+    frac, speedup = r.get("fraction_of_copy_bw"), r.get("speedup_vs_xla")
+  else:
+    t, ref, bw = r.get("time_us"), r.get("xla_int4_us"), r.get("achieved_bw_gbs")
+    frac, speedup = r.get("copy_bw_fraction"), r.get("speedup_vs_xla_int4")
+  return {"kernel": r.get("check"), "case": r.get("case"), "ok": bool(r.get("ok")),
+          "time_us": t, "reference_time_us": ref, "achieved_bw_gbs": bw,
+          "copy_bw_fraction": frac, "speedup_vs_reference": speedup, "raw": r}
+
+
+def _records() -> list[dict]:
+  """Runs every check of scripts/gpu_check.py (attention, tag check, INT4 matmuls) on the GPU."""
   gc = _gpu_check_module()
   records = []
   for check in gc.CHECKS:
@@ -54,34 +68,7 @@ def _attention_and_tag(quick: bool) -> list[dict]:
       r["check_wall_s"] = time.perf_counter() - t0
     records.extend(recs)
   gc._tag_vs_step(records)  # noqa: SLF001 - the script's own derived figure
-  return [{"kernel": r.get("check"), "case": r.get("case"), "ok": bool(r.get("ok")),
-           "time_us": 1e6 * r["time_s"] if "time_s" in r else None,
-           "reference_time_us": 1e6 * r["xla_time_s"] if "xla_time_s" in r else None,
-           "achieved_bw_gbs": r["achieved_bw"] / 1e9 if "achieved_bw" in r else None,
-           "copy_bw_fraction": r.get("fraction_of_copy_bw"),
-           "speedup_vs_reference": r.get("speedup_vs_xla"), "raw": r} for r in records]
-
-
-def _int4(quick: bool) -> list[dict]:
-  from pallas_kernels.int4_matmul import bench
-  checks = bench.gpu_checks()
-  if quick:  # decode-sized rows only; the full sweep adds the prefill-sized ones
-    checks = [c for c in checks if any(f"/m{m}/" in c.name for m in (1, 8, 16))
-              or "grouped" in c.name]
-  out = []
-  for c in checks:
-    common.progress(f"kernels: {c.name}")
-    try:
-      r = c()
-    except Exception as e:
-      r = {"error": f"{type(e).__name__}: {e}", "correct": False}
-    out.append({"kernel": c.name, "case": {k: r.get(k) for k in ("m", "k", "n", "group_size")},
-                "ok": bool(r.get("correct")), "time_us": r.get("time_us"),
-                "reference_time_us": r.get("xla_int4_us"),
-                "achieved_bw_gbs": r.get("achieved_bw_gbs"),
-                "copy_bw_fraction": r.get("copy_bw_fraction"),
-                "speedup_vs_reference": r.get("speedup_vs_xla_int4"), "raw": r})
-  return out
+  return [_normalise(r) for r in records]
 
 
 def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
@@ -89,8 +76,8 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
 
   Args:
     out_dir: folder for kernels.json, kernels.md and kernels.png.
-    quick: decode-sized INT4 rows only.
-    smoke: same as quick (a GPU run is already short).
+    quick, smoke: accepted for a uniform interface; the prepared device checks are one
+      fixed set (decode-sized INT4 rows, group 32).
 
   Returns:
     The record; ``skipped`` is True without a GPU.
@@ -103,9 +90,14 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
     common.write_json(out_dir, "kernels", record)
     common.write_markdown(out_dir, "kernels", f"# kernels\n\n{reason}\n")
     return record
-  records = _attention_and_tag(quick) + _int4(quick or smoke)
-  record.update(skipped=False, records=records,
-                all_ok=all(r["ok"] for r in records), copy_bw_reference_gbs=4300.0)
+  record.update(skipped=False, records=_records())
+  return write_outputs(out_dir, record)
+
+
+def write_outputs(out_dir: str, record: dict) -> dict:
+  """Writes kernels.{json,md,png} for a GPU record whose ``records`` are normalised rows."""
+  records = record["records"]
+  record.update(all_ok=all(r["ok"] for r in records), copy_bw_reference_gbs=4300.0)
   common.write_json(out_dir, "kernels", record)
   _plot(os.path.join(out_dir, "kernels.png"), records)
   rows = [[r["kernel"], _case(r["case"]), "yes" if r["ok"] else "NO", _f(r["time_us"]),
@@ -125,6 +117,8 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
 def _case(case) -> str:
   if not case:
     return "-"
+  if isinstance(case, str):
+    return case
   return ", ".join(f"{k}={v}" for k, v in case.items() if v is not None)
 
 
