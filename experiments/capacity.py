@@ -57,6 +57,33 @@ def _paper(cfg) -> list[dict]:
   return rows
 
 
+def _paper_recipes() -> list[dict]:
+  """Tokens per H200 for each weight recipe x KV dtype at TP 8 (lever 1 x lever 2).
+
+  The KV budget is what is left of the static HBM fraction after the recipe's
+  weights; the fraction is the one that gives Kimi (INT4 experts) its 48 GB of KV
+  (``mlkit.perfmodel.static_memory_fraction``), applied unchanged to every recipe.
+  """
+  from configs import H200
+  from mlkit import perfmodel as pm
+  from mlkit.quant import FP8_ALL, INT4_EXPERTS
+  kimi = pm.Deployment("kimi", KIMI_K2_6, INT4_EXPERTS, "bfloat16", H200)
+  frac = pm.static_memory_fraction(kimi)
+  rows = []
+  for cfg in (KIMI_K2_6, GLM_5_2):
+    for recipe in (FP8_ALL, INT4_EXPERTS):
+      for dtype in DTYPES:
+        dep = pm.Deployment(f"{cfg.name} {recipe.name} {dtype}", cfg, recipe, dtype, H200)
+        budget = pm.kv_budget(dep, frac)
+        # A negative budget: the weights alone overflow the static fraction (no KV at all).
+        tokens = pm.capacity(dep, budget)["tokens"] if budget > 0 else 0
+        rows.append({"model": cfg.name, "recipe": recipe.name, "kv_dtype": dtype,
+                     "weights_per_gpu_gib": pm.weight_split(dep)["per_gpu"] / 2**30,
+                     "kv_budget_gb": budget / 1e9, "tokens_per_gpu": tokens,
+                     "static_memory_fraction": frac})
+  return rows
+
+
 def _plot(path: str, measured: list[dict], paper: list[dict]) -> None:
   import matplotlib
   matplotlib.use("Agg")
@@ -110,6 +137,7 @@ def run(out_dir: str, *, quick: bool = True) -> dict:
   ratio = tok[(H200_MLA.name, "float8_e4m3fn")] / tok[(H200_MLA.name, "bfloat16")]
   small_ratio = tok[(SMALL_MLA.name, "float8_e4m3fn")] / tok[(SMALL_MLA.name, "bfloat16")]
   paper = _paper(KIMI_K2_6) + _paper(GLM_5_2)
+  by_recipe = _paper_recipes()
   kimi = {r["dtype"]: r["tokens_per_gpu"] for r in paper if r["model"] == KIMI_K2_6.name}
   record = {
       "experiment": "capacity",
@@ -122,6 +150,7 @@ def run(out_dir: str, *, quick: bool = True) -> dict:
       "ratio_ok": ratio >= MIN_RATIO,
       "small_mla_ratio": small_ratio,
       "paper": paper,
+      "paper_by_recipe": by_recipe,
       "kimi_ratio": kimi["float8_e4m3fn"] / kimi["bfloat16"],
   }
   os.makedirs(out_dir, exist_ok=True)
@@ -147,6 +176,13 @@ def run(out_dir: str, *, quick: bool = True) -> dict:
       "\nThe report's 1.37M fp8 figure divides the budget by 35,136 B/token (no scales); our "
       "per-token scales add 488 B/token for Kimi, hence 1.35M. GLM's indexer keys are counted "
       "in bf16 (128 values per token per layer).\n",
+      "\n## Paper scale by weight recipe (per H200, TP 8)\n\n"
+      f"KV budget = {by_recipe[0]['static_memory_fraction']:.4f} of HBM (the fraction that gives "
+      "Kimi with INT4 experts its 48 GB of KV) minus the recipe's weights per GPU.\n\n",
+      common.markdown_table(
+          ["model", "weights", "KV dtype", "weights GiB/GPU", "KV budget GB", "tokens/GPU"],
+          [[r["model"], r["recipe"], r["kv_dtype"], r["weights_per_gpu_gib"], r["kv_budget_gb"],
+            r["tokens_per_gpu"]] for r in by_recipe]),
       "\n![capacity](capacity.png)\n",
   ]
   common.write_markdown(out_dir, "capacity", "".join(md))

@@ -13,7 +13,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from configs import SMALL_MLA
+import os
+
+from configs import SMALL_MLA, TINY_MLA
 from experiments import common
 from mlkit.engine import Engine, EngineConfig
 from mlkit.kvcache import KVCacheConfig
@@ -55,18 +57,40 @@ def _summary(eng: Engine, host: list, device: list) -> dict:
   }
 
 
-def run(out_dir: str, *, quick: bool = True) -> dict:
+def _plot(path: str, runs: list[dict]) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(5.5, 3.6))
+  labels = ["check on" if r["integrity_check"] else "check off" for r in runs]
+  device = [r["device_ms_median"] for r in runs]
+  host = [r["host_ms_median"] for r in runs]
+  ax.bar(labels, device, label="device step")
+  ax.bar(labels, host, bottom=device, label="host (scheduling, bookkeeping)")
+  for i, r in enumerate(runs):
+    ax.annotate(f"host {100 * r['host_fraction']:.2f}%", (i, device[i] + host[i]),
+                ha="center", va="bottom", fontsize=8)
+  ax.set_ylabel("ms per decode step (median)")
+  ax.set_title(f"Engine step time, {_RUNNING} running requests")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   """Measures host overhead with 64 running requests; writes engine_overhead.{json,md}.
 
   Args:
     out_dir: folder for the results.
     quick: fewer timed steps (the model is SMALL_MLA either way).
+    smoke: TINY_MLA and two timed steps, to test the experiment itself in seconds.
 
   Returns:
     The JSON record.
   """
-  cfg = SMALL_MLA
-  warmup, steps = (2, 8) if quick else (4, 48)
+  cfg = TINY_MLA if smoke else SMALL_MLA
+  warmup, steps = (1, 2) if smoke else (2, 8) if quick else (4, 48)
   common.progress(f"engine_overhead: {cfg.name} ({count_params(cfg) / 1e6:.1f}M params), "
                   f"{_RUNNING} running requests, {steps} timed decode steps")
   params = init_params(cfg, jax.random.key(0))
@@ -102,6 +126,7 @@ def run(out_dir: str, *, quick: bool = True) -> dict:
       "integrity_check_step_time_ratio": on["step_ms_median"] / off["step_ms_median"],
   }
   common.write_json(out_dir, "engine_overhead", record)
+  _plot(os.path.join(out_dir, "engine_overhead.png"), runs)
   rows = [["on" if r["integrity_check"] else "off", r["steps"], r["host_ms_median"],
            r["device_ms_median"], r["step_ms_median"], 100 * r["host_fraction"]] for r in runs]
   md = (f"# engine_overhead\n\nHost overhead per decode step with {_RUNNING} running requests on "
@@ -110,7 +135,8 @@ def run(out_dir: str, *, quick: bool = True) -> dict:
         + common.markdown_table(["integrity check", "steps", "host ms", "device ms", "step ms",
                                  "host %"], rows)
         + f"\nStep time with the check / without: {record['integrity_check_step_time_ratio']:.3f}."
-        + "\nOn a CPU the 'device' is the same cores, so only the ratios carry over.\n")
+        + "\nOn a CPU the 'device' is the same cores, so only the ratios carry over.\n"
+        + "\n![engine_overhead](engine_overhead.png)\n")
   common.write_markdown(out_dir, "engine_overhead", md)
   print(f"host overhead {100 * on['host_fraction']:.2f}% of step time "
         f"({on['host_ms_median']:.2f} of {on['step_ms_median']:.2f} ms), "
