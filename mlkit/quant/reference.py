@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from mlkit.quant.dispatch import dequantize
+from mlkit.quant.dispatch import dequantize, ragged_dot_f32
 from mlkit.quant.formats import Fp8Weight, Int4Weight
 
 
@@ -30,8 +30,7 @@ def _dense_grouped(x: jax.Array, w_dense: jax.Array, group_sizes: jax.Array, out
     raise ValueError(f"grouped_matmul: expert weight must be [G, K, N], got {w_dense.shape}")
   if x.shape[-1] != w_dense.shape[-2]:
     raise ValueError(f"grouped_matmul: x has K={x.shape[-1]} but the weight has K={w_dense.shape[-2]}")
-  y = jax.lax.ragged_dot(x, w_dense.astype(x.dtype), group_sizes.astype(jnp.int32),
-                         preferred_element_type=jnp.float32)
+  y = ragged_dot_f32(x, w_dense.astype(x.dtype), group_sizes)
   return y.astype(out_dtype or x.dtype)
 
 
