@@ -132,6 +132,24 @@ class CapacityExpertsTest(parameterized.TestCase):
     g_ref = jax.grad(lambda w: jnp.sum(jax.lax.ragged_dot(x, w, gs)))(w)
     np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-5, atol=1e-5)
 
+  def test_dropless_loss_equals_roomy_capacity_loss(self):
+    # Dropless training (the default) and slabs with room for every row compute the same loss.
+    from mlkit.train import init_train_state
+    from mlkit.train import loss_fn as eager_loss
+    loss_fn = jax.jit(eager_loss, static_argnames=("cfg", "tcfg"))
+    tcfg32 = dataclasses.replace(TCFG, compute_dtype="float32")
+    params = init_train_state(CFG, tcfg32)["params"]
+    tokens, weights = map(jnp.asarray, batch_fn(0))
+    ccfg = compute_config(CFG, tcfg32)
+    dropless, _ = loss_fn(params, tokens, weights, cfg=ccfg, tcfg=tcfg32)
+    roomy = dataclasses.replace(tcfg32, capacity_factor=float(CFG.n_routed_experts))
+    slabs, m = loss_fn(params, tokens, weights, cfg=ccfg, tcfg=roomy)
+    self.assertIsNone(TCFG.capacity_factor)
+    np.testing.assert_allclose(float(dropless), float(slabs), rtol=1e-5)
+    tight = dataclasses.replace(tcfg32, capacity_factor=1.0)
+    self.assertNotAlmostEqual(float(loss_fn(params, tokens, weights, cfg=ccfg, tcfg=tight)[0]),
+                              float(dropless), places=6)
+
 
 class TrainLoopTest(absltest.TestCase):
 

@@ -40,8 +40,11 @@ class TrainConfig:
   bias_update_rate: float = 1e-3
   # Weight of the auxiliary balance loss alpha * E * sum_i f_i P_i for "aux".
   aux_loss_weight: float = 1e-2
-  # Expert slab capacity as a multiple of the mean rows per expert (training-only dispatch).
-  capacity_factor: float = 2.0
+  # None: dropless training through the same exact ragged grouped matmul serving uses (on CPU
+  # its block-sparse form, ``mlkit.quant.dispatch.ragged_dot_f32``). A float: capacity-slab
+  # dispatch (``mlkit.train.experts.CapacityExperts``) with this many slab rows per expert as a
+  # multiple of the mean, dropping overflow rows as GShard/Switch training does.
+  capacity_factor: float | None = None
   # Compute dtype of activations and matmuls ("bfloat16" or "float32"); master weights stay f32.
   compute_dtype: str = "bfloat16"
   # Seed of parameter init and of the data stream (batch s uses seed (seed, s)).
@@ -79,8 +82,10 @@ class TrainConfig:
       raise ValueError(f"TrainConfig.bias_update_rate must be >= 0, got {self.bias_update_rate}")
     if not self.aux_loss_weight >= 0:
       raise ValueError(f"TrainConfig.aux_loss_weight must be >= 0, got {self.aux_loss_weight}")
-    if not self.capacity_factor >= 1:
-      raise ValueError(f"TrainConfig.capacity_factor must be >= 1, got {self.capacity_factor}")
+    if self.capacity_factor is not None and not (
+        isinstance(self.capacity_factor, (int, float)) and self.capacity_factor >= 1):
+      raise ValueError(f"TrainConfig.capacity_factor must be None (dropless) or >= 1, "
+                       f"got {self.capacity_factor!r}")
     if self.compute_dtype not in ("bfloat16", "float32"):
       raise ValueError(f"TrainConfig.compute_dtype must be 'bfloat16' or 'float32', "
                        f"got {self.compute_dtype!r}")

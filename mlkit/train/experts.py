@@ -1,11 +1,14 @@
-"""Capacity-slab expert matmuls for training on hosts without a fast ragged dot.
+"""Capacity-slab expert matmuls: GShard/Switch-style training dispatch (opt-in).
 
-``jax.lax.ragged_dot`` lowers on CPU to one masked dense matmul per expert, so a
-32-expert layer does 32x the useful FLOPs (and its backward pass again): a
-SMALL_MLA training step took over a minute. Training therefore wraps each routed
-expert weight in :class:`CapacityExperts`; ``mlkit.quant.grouped_matmul``
-dispatches on the weight's type, so the model runs unchanged and instead packs
-each expert's rows into a fixed [E, C, K] slab and does one batched einsum.
+Training is dropless by default (``TrainConfig.capacity_factor=None``): the model's
+own exact ragged grouped matmul, which on CPU runs a block-sparse form
+(``mlkit.quant.dispatch.ragged_dot_f32``) as fast as these slabs. Slabs remain for
+capacity-factor training runs and ablations.
+
+With a capacity factor, training wraps each routed expert weight in
+:class:`CapacityExperts`; ``mlkit.quant.grouped_matmul`` dispatches on the
+weight's type, so the model runs unchanged and instead packs each expert's rows
+into a fixed [E, C, K] slab and does one batched einsum.
 
 Rows beyond an expert's capacity C are dropped (their output is zero), as in
 capacity-factor MoE training (GShard, Switch). With ``capacity_factor`` >= 2 and

@@ -83,8 +83,9 @@ def loss_fn(params, tokens: jax.Array, weights: jax.Array, *, cfg: ModelConfig, 
   """
   inputs, targets, w = tokens[:, :-1], tokens[:, 1:], weights[:, 1:]
   positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
-  logits, _, aux = apply(wrap_experts(params, tcfg.capacity_factor), inputs, positions, None,
-                         cfg=cfg, return_aux=True)  # [B, T-1, V] f32
+  if tcfg.capacity_factor is not None:
+    params = wrap_experts(params, tcfg.capacity_factor)
+  logits, _, aux = apply(params, inputs, positions, None, cfg=cfg, return_aux=True)  # [B, T-1, V]
   logp = jax.nn.log_softmax(logits, axis=-1)
   nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [B, T-1]
   ce = jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1e-6)
@@ -165,7 +166,7 @@ def train_step(state: dict, tokens: jax.Array, weights: jax.Array, *, cfg: Model
       "lr": lr_schedule(tcfg)(state["step"]),
       "max_load": (jnp.mean(jnp.max(load, axis=-1)) * load.shape[-1]) if load.size else jnp.ones(()),
       "dropped": (dropped_fraction(load, cfg.top_k, n_tok, tcfg.capacity_factor)
-                  if load.size else jnp.zeros(())),
+                  if load.size and tcfg.capacity_factor is not None else jnp.zeros(())),
   }
   return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
