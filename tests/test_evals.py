@@ -15,7 +15,7 @@ from mlkit.evals import (TASKS, CharTokenizer, EvalConfig, TaskConfig, evaluate,
                          parse_tool_call, perplexity, samples_for_halfwidth, score_outputs,
                          token_kl, token_nll, token_top1_correct, tool_call_valid,
                          wilson_interval)
-from mlkit.evals.tasks import EOS, PAD, eval_sequences, format_tool_call
+from mlkit.evals.tasks import EOS, PAD, eval_sequences, format_tool_call, max_example_tokens
 from mlkit.model import forward, init_params
 
 TOK = CharTokenizer()
@@ -58,12 +58,24 @@ class TaskTest(parameterized.TestCase):
       a, b = ex.prompt[:-1].split("+")
       self.assertEqual(int(ex.answer), int(a) + int(b))
 
-  def test_retrieval_answer_is_the_keys_value(self):
-    for ex in make_examples("retrieval", 50, 0, SMALL_TASKS):
+  @parameterized.parameters(1, 2, 3)
+  def test_retrieval_answer_is_the_keys_value(self, key_letters):
+    tc = dataclasses.replace(SMALL_TASKS, key_letters=key_letters)
+    for ex in make_examples("retrieval", 50, 0, tc):
       context, query = ex.prompt.split("|")
       pairs = dict(p.split("=") for p in context.split(","))
       self.assertEqual(len(pairs), context.count(",") + 1)  # keys are distinct
+      self.assertTrue(all(len(k) == key_letters for k in pairs))
       self.assertEqual(pairs[query[:-1]], ex.answer)
+      self.assertLessEqual(len(ex.prompt) + len(ex.answer) + 3, max_example_tokens(tc))
+
+  def test_task_config_errors_name_the_field(self):
+    with self.assertRaisesRegex(ValueError, "key_letters"):
+      TaskConfig(key_letters=4)
+    with self.assertRaisesRegex(ValueError, "at most 26 distinct keys"):
+      TaskConfig(retrieval_pairs=(4, 27), key_letters=1)
+    with self.assertRaisesRegex(ValueError, "arith_digits"):
+      TaskConfig(arith_digits=(3, 1))
 
   def test_checkers_reject_wrong_answers(self):
     ar = make_examples("arithmetic", 30, 0)
@@ -113,6 +125,37 @@ class TaskTest(parameterized.TestCase):
       n_examples = int(np.sum(row == TOK.bos_id))
       self.assertEqual(n_examples, int(np.sum(row == EOS)))
       self.assertGreater(n_examples, 0)
+
+  def test_packed_batch_token_mix_balances_tasks(self):
+    def task_tokens(mix):
+      tokens, _ = packed_batch(np.random.default_rng(5), 16, 128, tc=SMALL_TASKS, mix=mix)
+      counts = {"arithmetic": 0, "tool_call": 0}
+      # Count examples by their prompt shape: a sum prompt holds "+", a tool call "{".
+      ids = tokens.ravel().tolist()
+      starts = [i for i, t in enumerate(ids) if t == TOK.bos_id]
+      for a, b in zip(starts, starts[1:] + [len(ids)]):
+        text = TOK.decode(ids[a:b], stop_at_eos=False)
+        if "+" in text:
+          counts["arithmetic"] += b - a
+        elif "{" in text:
+          counts["tool_call"] += b - a
+      return counts
+    by_examples, by_tokens = task_tokens("examples"), task_tokens("tokens")
+    # Drawn in inverse proportion to their length, short sums take a larger share of tokens.
+    ratio = lambda c: c["arithmetic"] / c["tool_call"]
+    self.assertGreater(ratio(by_tokens), 1.5 * ratio(by_examples))
+    with self.assertRaisesRegex(ValueError, "mix"):
+      packed_batch(np.random.default_rng(5), 1, 128, tc=SMALL_TASKS, mix="tasks")
+
+  def test_packed_batch_per_example_weights(self):
+    tokens, weights = packed_batch(np.random.default_rng(3), 4, 128, tc=SMALL_TASKS,
+                                   prompt_weight=0.0, per_example=True)
+    tokens2, _ = packed_batch(np.random.default_rng(3), 4, 128, tc=SMALL_TASKS, prompt_weight=0.0)
+    np.testing.assert_array_equal(tokens, tokens2)  # same examples, only the weights differ
+    for row, w in zip(tokens, weights):
+      starts = list(np.flatnonzero(row == TOK.bos_id)) + [int(np.sum(row != PAD))]
+      for a, b in zip(starts[:-1], starts[1:]):  # each example's answer weighs 1 in total
+        self.assertAlmostEqual(float(np.sum(w[a:b])), 1.0, places=5)
 
 
 class StatsTest(absltest.TestCase):

@@ -18,6 +18,7 @@ imports the engine: backends live in :mod:`mlkit.evals.backends`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Callable, Sequence
 
@@ -46,8 +47,13 @@ class TaskConfig:
 
   # Digits per addend, inclusive range.
   arith_digits: tuple[int, int] = (1, 3)
-  # Key/value pairs in a retrieval context, inclusive range (each pair is 7 characters).
+  # Key/value pairs in a retrieval context, inclusive range (each pair is key_letters + 4
+  # characters).
   retrieval_pairs: tuple[int, int] = (4, 24)
+  # Letters per retrieval key (1..3). One-letter keys need a two-hop lookup (find the key,
+  # read the two tokens after it); longer keys need each key's letters gathered first, which
+  # a small model learns much later.
+  key_letters: int = 3
 
   def __post_init__(self):
     for name in ("arith_digits", "retrieval_pairs"):
@@ -55,8 +61,11 @@ class TaskConfig:
       if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
         raise ValueError(f"TaskConfig.{name} must be (lo, hi) ints with 1 <= lo <= hi, "
                          f"got {getattr(self, name)!r}")
-    if self.retrieval_pairs[1] > 26 ** 3:
-      raise ValueError(f"TaskConfig.retrieval_pairs allows at most {26 ** 3} distinct keys")
+    if not isinstance(self.key_letters, int) or not 1 <= self.key_letters <= 3:
+      raise ValueError(f"TaskConfig.key_letters must be 1, 2 or 3, got {self.key_letters!r}")
+    if self.retrieval_pairs[1] > 26 ** self.key_letters:
+      raise ValueError(f"TaskConfig.retrieval_pairs allows at most {26 ** self.key_letters} "
+                       f"distinct keys of {self.key_letters} letters")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,10 +92,11 @@ def gen_arithmetic(rng: np.random.Generator, tc: TaskConfig = TaskConfig()) -> E
 
 
 def gen_retrieval(rng: np.random.Generator, tc: TaskConfig = TaskConfig()) -> Example:
-  """``k1=v1,k2=v2,...|kq=`` -> ``vq``: distinct 3-letter keys, 2-digit values."""
+  """``k1=v1,k2=v2,...|kq=`` -> ``vq``: distinct ``key_letters``-letter keys, 2-digit values."""
   n = int(rng.integers(tc.retrieval_pairs[0], tc.retrieval_pairs[1] + 1))
-  codes = rng.choice(26 ** 3, size=n, replace=False)
-  keys = ["".join(_LETTERS[(c // 26 ** j) % 26] for j in range(3)) for c in codes]
+  kl = tc.key_letters
+  codes = rng.choice(26 ** kl, size=n, replace=False)
+  keys = ["".join(_LETTERS[(c // 26 ** j) % 26] for j in range(kl)) for c in codes]
   values = [f"{int(v):02d}" for v in rng.integers(0, 100, size=n)]
   q = int(rng.integers(n))
   context = ",".join(f"{k}={v}" for k, v in zip(keys, values))
@@ -205,7 +215,8 @@ def example_tokens(tok: CharTokenizer, ex: Example) -> tuple[list[int], list[int
 
 def packed_batch(rng: np.random.Generator, batch: int, seq_len: int, *,
                  tasks: Sequence[str] = TASKS, tc: TaskConfig = TaskConfig(),
-                 prompt_weight: float = 0.1, tok: CharTokenizer | None = None
+                 prompt_weight: float = 0.1, per_example: bool = False,
+                 mix: str = "examples", tok: CharTokenizer | None = None
                  ) -> tuple[np.ndarray, np.ndarray]:
   """A training batch of whole examples packed into rows, uniformly mixing ``tasks``.
 
@@ -213,7 +224,9 @@ def packed_batch(rng: np.random.Generator, batch: int, seq_len: int, *,
   are per *target* position: ``weights[b, t]`` weighs predicting ``tokens[b, t]``
   from the tokens before it. Answer tokens (and EOS) weigh 1; prompt tokens weigh
   ``prompt_weight``, because keys, operands and cities are random and
-  unpredictable; BOS weighs 0.
+  unpredictable; BOS weighs 0. With ``per_example``, every weight of an example is
+  divided by its answer length (answer + EOS), so each example's answer counts the
+  same in the loss: otherwise a 45-token tool call outweighs a 3-token sum 15:1.
 
   Args:
     rng: the generator (the caller seeds it per step for reproducible resumes).
@@ -222,6 +235,10 @@ def packed_batch(rng: np.random.Generator, batch: int, seq_len: int, *,
     tasks: tasks to mix.
     tc: task difficulty.
     prompt_weight: loss weight of prompt tokens.
+    per_example: weigh examples equally instead of answer tokens equally.
+    mix: "examples" draws each task equally often; "tokens" draws tasks in inverse
+      proportion to their mean length, so each task fills the same share of tokens
+      (a 10-token sum then comes ~6x as often as a 60-token tool call).
     tok: the tokenizer (default CharTokenizer()).
 
   Returns:
@@ -231,29 +248,45 @@ def packed_batch(rng: np.random.Generator, batch: int, seq_len: int, *,
     ValueError: a generated example longer than seq_len (raise seq_len or shrink tc).
   """
   tok = tok or CharTokenizer()
+  if mix not in ("examples", "tokens"):
+    raise ValueError(f"packed_batch: mix must be 'examples' or 'tokens', got {mix!r}")
+  probs = None if mix == "examples" else _token_mix(tuple(tasks), tc)
   tokens = np.full((batch, seq_len), PAD, np.int32)
   weights = np.zeros((batch, seq_len), np.float32)
   for b in range(batch):
     t = 0
     while True:
-      task = tasks[int(rng.integers(len(tasks)))]
+      task = tasks[int(rng.integers(len(tasks)))] if probs is None else \
+          tasks[int(rng.choice(len(tasks), p=probs))]
       ids, ans = example_tokens(tok, GENERATORS[task](rng, tc))
       if len(ids) > seq_len:
         raise ValueError(f"packed_batch: a {task} example has {len(ids)} tokens > seq_len {seq_len}")
       if t + len(ids) > seq_len:
         break
       tokens[b, t:t + len(ids)] = ids
-      weights[b, t:t + len(ids)] = np.where(np.asarray(ans) == 1, 1.0, prompt_weight)
+      scale = 1.0 / sum(ans) if per_example else 1.0
+      weights[b, t:t + len(ids)] = scale * np.where(np.asarray(ans) == 1, 1.0, prompt_weight)
       weights[b, t] = 0.0  # BOS is never predicted
       t += len(ids)
   return tokens, weights
+
+
+@functools.lru_cache(maxsize=64)
+def _token_mix(tasks: tuple[str, ...], tc: TaskConfig) -> np.ndarray:
+  """Task probabilities inversely proportional to mean example length (from a fixed sample)."""
+  tok = CharTokenizer()
+  rng = np.random.default_rng(0)
+  mean_len = np.array([np.mean([len(example_tokens(tok, GENERATORS[t](rng, tc))[0])
+                                for _ in range(64)]) for t in tasks])
+  p = 1.0 / mean_len
+  return p / p.sum()
 
 
 def max_example_tokens(tc: TaskConfig = TaskConfig()) -> int:
   """An upper bound on ``len(BOS prompt answer EOS)`` for any task under ``tc``."""
   d = tc.arith_digits[1]
   arith = 2 * d + 2 + (d + 1) + 2
-  retr = tc.retrieval_pairs[1] * 7 + 5 + 2 + 2
+  retr = tc.retrieval_pairs[1] * (tc.key_letters + 4) + tc.key_letters + 2 + 2 + 2
   tool = 80
   return max(arith, retr, tool)
 
