@@ -152,6 +152,33 @@ SMALL_MLA = ModelConfig(
     max_seq_len=2048,
 )
 
+# ~7M-parameter MLA MoE (DeepSeek-V3 layout: one dense layer, then 16 routed experts top-2
+# plus a shared expert) for the accuracy ablation: small enough to learn the generated tasks
+# in minutes on 2 CPU cores. The vocabulary covers the character tokenizer (98 ids).
+MINI_MLA = ModelConfig(
+    name="mini-mla",
+    vocab_size=128,
+    d_model=192,
+    n_layers=4,
+    n_heads=6,
+    attention="mla",
+    q_lora_rank=96,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    dense_ffn_dim=768,
+    moe_ffn_dim=192,
+    n_routed_experts=16,
+    n_shared_experts=1,
+    top_k=2,
+    first_k_dense=1,
+    router="sigmoid",
+    routed_scaling_factor=2.5,
+    rope_theta=10000.0,
+    max_seq_len=512,
+)
+
 # Kimi-shaped (MLA 512+64, 64 heads) but smaller, so the report's capacity and
 # throughput curves run on one H200 in minutes.
 H200_MLA = ModelConfig(
@@ -178,4 +205,5 @@ H200_MLA = ModelConfig(
     max_seq_len=32768,
 )
 
-MODEL_PRESETS = {c.name: c for c in (KIMI_K2_6, GLM_5_2, TINY_MLA, TINY_GQA, SMALL_MLA, H200_MLA)}
+MODEL_PRESETS = {c.name: c for c in (KIMI_K2_6, GLM_5_2, TINY_MLA, TINY_GQA, MINI_MLA, SMALL_MLA,
+                                      H200_MLA)}

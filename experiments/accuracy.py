@@ -1,39 +1,30 @@
 """accuracy: train SMALL_MLA on the generated tasks, then evaluate every precision
 recipe through the serving engine (paged KV cache in bf16 or fp8; weights in bf16,
-fp8, int4 round-to-nearest or int4 GPTQ) and compare with the report's claims.
+fp8, int4 round-to-nearest or int4 GPTQ), and the report's disaggregated recipe
+through the two-pool engine, and compare with the report's claims.
 
 The trained model is cached under ``$MLKIT_CACHE`` (default ``checkpoints/`` in the
-repository, git-ignored) and reused by later runs. ``quick`` trains a much smaller
-budget when no checkpoint exists and evaluates fewer samples; its numbers are
-labelled as such.
+repository, git-ignored), in a folder named by a fingerprint of the model, training
+and task configs, and reused by later runs. Quick and full runs evaluate the same
+model (quick: fewer items, wider intervals); smoke runs train TINY_MLA a few steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 
 import numpy as np
 
-from configs import SMALL_MLA
+from configs import SMALL_MLA, TINY_MLA
 from experiments import common
 from mlkit.checkpoint import checkpoint_steps, load_checkpoint, save_checkpoint
+from mlkit.config import ModelConfig
 from mlkit.evals.tasks import TaskConfig, max_example_tokens, packed_batch
 from mlkit.train import TrainConfig, compute_config, plot_loss, train
 
-# Task difficulty shared by training and evaluation.
-TASKS_TRAIN = TaskConfig(arith_digits=(1, 3), retrieval_pairs=(4, 24))
-# Training budgets: "full" is the model the results are about; "quick" only exists so that a
-# first quick run on a fresh checkout finishes in minutes (its accuracies are near chance).
-TRAIN_BUDGETS = {
-    "full": TrainConfig(steps=260, batch_size=6, seq_len=192, learning_rate=3e-3, warmup_steps=25,
-                        bias_update_rate=1e-2, capacity_factor=3.0,
-                        log_every=10, checkpoint_every=50, seed=0),
-    "quick": TrainConfig(steps=60, batch_size=4, seq_len=192, learning_rate=3e-3, warmup_steps=10,
-                         bias_update_rate=1e-2, capacity_factor=3.0,
-                         log_every=5, checkpoint_every=20, seed=0),
-}
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -42,48 +33,117 @@ def cache_dir() -> str:
   return os.path.join(os.environ.get("MLKIT_CACHE", os.path.join(_REPO, "checkpoints")), "accuracy")
 
 
-def _paths(budget: str) -> tuple[str, str]:
-  base = os.path.join(cache_dir(), f"{SMALL_MLA.name}-{budget}")
-  return os.path.join(base, "train"), os.path.join(base, "model")
+@dataclasses.dataclass(frozen=True)
+class TrainSetup:
+  """The trained model: which preset, on which tasks, with which recipe.
+
+  Its fingerprint names the cache folder, so a changed field never loads a stale model.
+  """
+
+  # The preset (trained with f32 master weights, served in bf16).
+  model: ModelConfig
+  # The training run.
+  train: TrainConfig
+  # Task difficulty of the training stream.
+  tasks: TaskConfig
+  # Loss weight of prompt tokens (keys, operands and cities are random: unpredictable).
+  prompt_weight: float = 0.0
+
+  def fingerprint(self) -> str:
+    """A short stable hash of every field."""
+    blob = json.dumps([self.model.to_dict(), dataclasses.asdict(self.train),
+                       dataclasses.asdict(self.tasks), self.prompt_weight],
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+  def paths(self) -> tuple[str, str]:
+    """(orbax train-state folder, finished-model folder) under :func:`cache_dir`."""
+    base = os.path.join(cache_dir(), f"{self.model.name}-{self.fingerprint()}")
+    return os.path.join(base, "train"), os.path.join(base, "model")
 
 
-def model_config():
-  """SMALL_MLA as trained: f32 master weights (compute dtype comes from the train config)."""
-  return compute_config(SMALL_MLA, TRAIN_BUDGETS["full"])
+@dataclasses.dataclass(frozen=True)
+class EvalSetup:
+  """Evaluation sizes and tasks of one mode."""
+
+  # Items per generation task (the same items for every recipe, so differences are paired).
+  n_per_task: int
+  # Held-out sequences for perplexity and KL.
+  n_heldout: int
+  # Rows of the GPTQ calibration batch.
+  calib_rows: int
+  # Task difficulty of the evaluation items (the long end of the retrieval contexts).
+  tasks: TaskConfig
+  # The longest prompt + answer served (the engine's max_seq_tokens and prefill chunk).
+  max_seq_tokens: int
+  # Recipe names evaluated (None: every one).
+  recipes: tuple[str, ...] | None = None
 
 
-def batch_fn(tcfg: TrainConfig):
-  """Step -> packed batch; a pure function of (seed, step) so resumes are exact."""
-  if max_example_tokens(TASKS_TRAIN) > tcfg.seq_len:
-    raise ValueError("accuracy: seq_len is shorter than the longest task example")
+# The model the results are about: quick and full evaluate the same trained model (trained
+# once, then cached), so a quick run's numbers describe the real model with wider intervals.
+TRAIN_SETUPS = {
+    "main": TrainSetup(
+        model=SMALL_MLA,
+        train=TrainConfig(steps=1500, batch_size=16, seq_len=96, learning_rate=3e-3,
+                          warmup_steps=50, bias_update_rate=1e-2, log_every=25,
+                          checkpoint_every=250, seed=0),
+        tasks=TaskConfig(arith_digits=(1, 2), retrieval_pairs=(1, 10))),
+    "smoke": TrainSetup(
+        model=dataclasses.replace(TINY_MLA, n_layers=2),
+        train=TrainConfig(steps=6, batch_size=2, seq_len=96, warmup_steps=2, log_every=2,
+                          checkpoint_every=3, seed=0),
+        tasks=TaskConfig(arith_digits=(1, 2), retrieval_pairs=(1, 4))),
+}
+_SMOKE_RECIPES = ("w-bf16/kv-bf16", "w-bf16/kv-fp8", "w-int4-rtn/kv-fp8")
+EVAL_SETUPS = {
+    "smoke": EvalSetup(n_per_task=4, n_heldout=6, calib_rows=2, max_seq_tokens=96,
+                       tasks=TaskConfig(arith_digits=(1, 2), retrieval_pairs=(2, 4)),
+                       recipes=_SMOKE_RECIPES),
+    "quick": EvalSetup(n_per_task=64, n_heldout=24, calib_rows=8, max_seq_tokens=96,
+                       tasks=TaskConfig(arith_digits=(1, 2), retrieval_pairs=(6, 10))),
+    "full": EvalSetup(n_per_task=400, n_heldout=192, calib_rows=32, max_seq_tokens=96,
+                      tasks=TaskConfig(arith_digits=(1, 2), retrieval_pairs=(6, 10))),
+}
+
+
+def batch_fn(setup: TrainSetup):
+  """Step -> packed batch; a pure function of (seed, step) so resumes are exact.
+
+  Raises:
+    ValueError: the rows are shorter than the longest task example.
+  """
+  tcfg = setup.train
+  if max_example_tokens(setup.tasks) > tcfg.seq_len:
+    raise ValueError(f"accuracy: seq_len {tcfg.seq_len} is shorter than the longest task example "
+                     f"({max_example_tokens(setup.tasks)} tokens)")
   return lambda step: packed_batch(np.random.default_rng([tcfg.seed, step]), tcfg.batch_size,
-                                   tcfg.seq_len, tc=TASKS_TRAIN)
+                                   tcfg.seq_len, tc=setup.tasks, prompt_weight=setup.prompt_weight)
 
 
-def train_or_load(budget: str, out_dir: str | None = None) -> tuple[dict, dict]:
-  """The trained params of ``budget`` (training, or resuming, if no finished model is cached).
+def train_or_load(setup: TrainSetup, out_dir: str | None = None) -> tuple[dict, dict]:
+  """The trained params of ``setup`` (training, or resuming, if no finished model is cached).
 
   Returns:
-    (f32 params, info dict: budget, steps, train config, history, seconds, cached flag).
+    (f32 params, info dict: steps, train config, history, seconds, cached flag).
   """
-  tcfg = TRAIN_BUDGETS[budget]
-  train_dir, model_dir = _paths(budget)
-  cfg = model_config()
+  tcfg = setup.train
+  train_dir, model_dir = setup.paths()
+  cfg = compute_config(setup.model, tcfg)
   if checkpoint_steps(model_dir):
     params, meta = _load(model_dir, cfg)
-    common.progress(f"accuracy: using the cached {budget} model in {model_dir}")
+    common.progress(f"accuracy: using the cached model in {model_dir}")
     return params, dict(meta, cached=True)
-  common.progress(f"accuracy: training {cfg.name} ({budget} budget: {tcfg.steps} steps of "
-                  f"{tcfg.batch_size}x{tcfg.seq_len} tokens) into {train_dir}")
-  res = train(cfg, tcfg, batch_fn(tcfg), checkpoint_dir=train_dir, progress=common.progress)
-  info = {"budget": budget, "steps": tcfg.steps, "train_config": dataclasses.asdict(tcfg),
-          "history": res.history, "train_seconds_this_run": res.seconds,
-          "resumed_from": res.resumed_from}
+  common.progress(f"accuracy: training {cfg.name} ({tcfg.steps} steps of {tcfg.batch_size}x"
+                  f"{tcfg.seq_len} tokens) into {train_dir}")
+  res = train(cfg, tcfg, batch_fn(setup), checkpoint_dir=train_dir, progress=common.progress)
+  info = {"fingerprint": setup.fingerprint(), "steps": tcfg.steps,
+          "train_config": dataclasses.asdict(tcfg), "train_tasks": dataclasses.asdict(setup.tasks),
+          "prompt_weight": setup.prompt_weight, "history": res.history,
+          "train_seconds_this_run": res.seconds, "resumed_from": res.resumed_from,
+          "machine": common.machine_info()}
   _save_meta(model_dir, info)  # before the checkpoint, whose presence marks the model finished
   save_checkpoint(model_dir, res.params, cfg, step=tcfg.steps, overwrite=True)
-  if out_dir:
-    plot_loss(res.history, os.path.join(out_dir, "accuracy_loss.png"),
-              title=f"{cfg.name} training loss ({budget} budget)")
   return res.params, dict(info, cached=False)
 
 
@@ -126,6 +186,9 @@ class PrecisionRecipe:
 
 RECIPES = tuple(PrecisionRecipe(w, kv) for w in WEIGHT_FORMATS for kv in KV_FORMATS)
 REFERENCE = PrecisionRecipe("bf16", "bfloat16")
+# The report's disaggregated serving (mlkit.evals.backends.DisaggBackend defaults): prefill with
+# FP8_ALL weights into a bf16 KV cache, transfer, decode with INT4_EXPERTS weights from fp8 KV.
+DISAGG = "disagg: w-fp8/kv-bf16 -> w-int4/kv-fp8"
 
 
 def weight_recipe(name: str):
@@ -153,9 +216,9 @@ def serving_params(params_f32: dict):
   return jax.tree_util.tree_map_with_path(cast, params_f32)
 
 
-def serving_config():
-  """SMALL_MLA as served: bf16 weights and activations."""
-  return dataclasses.replace(SMALL_MLA, dtype="bfloat16", param_dtype="bfloat16")
+def serving_config(model: ModelConfig) -> ModelConfig:
+  """``model`` as served: bf16 weights and activations."""
+  return dataclasses.replace(model, dtype="bfloat16", param_dtype="bfloat16")
 
 
 def quantised_params(params_bf16: dict, weights: str, cfg, calib_tokens):
@@ -174,22 +237,6 @@ def quantised_params(params_bf16: dict, weights: str, cfg, calib_tokens):
 
 
 # ----------------------------------------------------------------------------- evaluation
-
-@dataclasses.dataclass(frozen=True)
-class Budget:
-  """Evaluation sizes of one mode."""
-
-  # Items per generation task (same items for every recipe).
-  n_per_task: int
-  # Held-out sequences for perplexity and KL.
-  n_heldout: int
-  # Rows of the GPTQ calibration batch.
-  calib_rows: int
-
-
-EVAL_BUDGETS = {"quick": Budget(n_per_task=48, n_heldout=24, calib_rows=8),
-                "full": Budget(n_per_task=400, n_heldout=192, calib_rows=32)}
-
 
 def evaluate_recipe(params, cfg, recipe: PrecisionRecipe, ecfg, heldout, *, engine_kwargs=None,
                     ref_logprobs=None, backend_factory=None) -> tuple[dict, list, dict]:
@@ -247,11 +294,38 @@ def evaluate_recipe(params, cfg, recipe: PrecisionRecipe, ecfg, heldout, *, engi
   return rec, lps, results
 
 
+def evaluate_disagg(params_bf16, cfg, ecfg, *, engine_kwargs=None) -> tuple[dict, dict]:
+  """Task accuracy of the disaggregated recipe (:data:`DISAGG`) through the DisaggEngine.
+
+  Teacher-forced perplexity and KL are not defined for it (prompt and answer tokens
+  see different weights), so the record has None there.
+
+  Returns:
+    (record, task_results).
+  """
+  from mlkit.evals import evaluate
+  from mlkit.evals.backends import DisaggBackend
+  backend = DisaggBackend(params_bf16, cfg, **dict(engine_kwargs or {}))
+  results = evaluate(backend, ecfg)
+  rec = {"recipe": DISAGG, "weights": "prefill fp8-all, decode int4-experts (rtn, g32)",
+         "kv": "prefill bfloat16, decode float8_e4m3fn",
+         "tasks": {t: r.summary() for t, r in results.items()},
+         "samples": {t: [{"prompt_tail": ex.prompt[-24:], "answer": ex.answer, "output": o}
+                         for ex, o in zip(ecfg.examples(t)[:3], r.outputs[:3])]
+                     for t, r in results.items()},
+         "transfers": backend.engine.metrics()["disagg"],
+         "heldout_answer_ppl": None, "heldout_answer_nll": None, "heldout_tokens": 0,
+         "kl_mean": None, "kl_answer_mean": None, "kl_p99": None, "kl_tokens": 0}
+  return rec, dict(results)
+
+
 def compare_claims(records: dict[str, dict], results: dict[str, dict]) -> list[dict]:
-  """The report's two claims against the measured paired differences, per task.
+  """The report's claims against the measured paired differences, per task.
 
   * fp8 KV vs bf16 KV (same weights): |delta| <= ~1 point.
   * int4 weights vs fp8 weights (same KV): |delta| <= 0.8 points.
+  * the disaggregated recipe vs bf16 weights and KV: |delta| <= ~1 point (the
+    report: none of the levers costs accuracy).
 
   Returns:
     Rows {claim, task, a, b, delta_points, ci95_points, holds}: ``holds`` is
@@ -262,14 +336,17 @@ def compare_claims(records: dict[str, dict], results: dict[str, dict]) -> list[d
   rows = []
 
   def add(claim, band, a, b):
-    if a.name not in results or b.name not in results:
+    a, b = getattr(a, "name", a), getattr(b, "name", b)
+    if a not in results or b not in results:
       return
-    for task in results[a.name]:
-      ra, rb = results[a.name][task], results[b.name][task]
+    for task in results[a]:
+      if task not in results[b]:
+        continue
+      ra, rb = results[a][task], results[b][task]
       d, lo, hi = paired_difference_interval(ra.correct, rb.correct)
       holds = ("yes" if -band <= lo and hi <= band else
                "no" if lo > band or hi < -band else "not resolved")
-      rows.append({"claim": claim, "task": task, "a": a.name, "b": b.name,
+      rows.append({"claim": claim, "task": task, "a": a, "b": b,
                    "delta_points": 100 * d, "ci95_points": [100 * lo, 100 * hi],
                    "band_points": 100 * band, "holds": holds})
 
@@ -280,43 +357,50 @@ def compare_claims(records: dict[str, dict], results: dict[str, dict]) -> list[d
     for w in ("int4-rtn", "int4-gptq"):
       add("int4 weights within 0.8 points of fp8", 0.008, PrecisionRecipe("fp8", kv),
           PrecisionRecipe(w, kv))
+  add("disaggregated within ~1 point of bf16", 0.01, REFERENCE, DISAGG)
   return rows
 
 
-def run(out_dir: str, *, quick: bool = True) -> dict:
-  """Trains (or loads) the model, evaluates every recipe, writes JSON, markdown and a PNG.
+def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
+  """Trains (or loads) the model, evaluates every recipe, writes JSON, markdown and PNGs.
 
   Args:
     out_dir: output folder.
-    quick: small eval budget; trains the quick budget only if no model is cached.
+    quick: fewer evaluation items (the same trained model as the full run).
+    smoke: TINY_MLA trained a few steps, three recipes and the disaggregated one, a
+      handful of items (tests; accuracies are meaningless).
 
   Returns:
     The JSON record.
   """
+  import jax
+
   from mlkit.evals import EvalConfig
-  from mlkit.evals.tasks import TaskConfig as TC, eval_sequences, make_examples
-  mode = "quick" if quick else "full"
-  train_budget = "full" if (not quick or checkpoint_steps(_paths("full")[1])) else "quick"
-  params_f32, train_info = train_or_load(train_budget, out_dir)
-  cfg = serving_config()
+  from mlkit.evals.tasks import eval_sequences, make_examples
+  mode = "smoke" if smoke else ("quick" if quick else "full")
+  tsetup = TRAIN_SETUPS["smoke" if smoke else "main"]
+  esetup = EVAL_SETUPS[mode]
+  params_f32, train_info = train_or_load(tsetup, out_dir)
+  cfg = serving_config(tsetup.model)
   params = serving_params(params_f32)
-  budget = EVAL_BUDGETS[mode]
-  ecfg = EvalConfig(n_per_task=budget.n_per_task, seed=1234,
-                    task_config=TC(arith_digits=(1, 3), retrieval_pairs=(16, 24)))
+  ecfg = EvalConfig(n_per_task=esetup.n_per_task, seed=1234, task_config=esetup.tasks)
   heldout = []
   for i, task in enumerate(ecfg.tasks):
-    k = budget.n_heldout // len(ecfg.tasks)
-    heldout += eval_sequences(make_examples(task, k, seed=98765 + i, tc=TASKS_TRAIN))
-  calib, _ = packed_batch(np.random.default_rng([4321]), budget.calib_rows,
-                          TRAIN_BUDGETS["full"].seq_len, tc=TASKS_TRAIN)
+    k = esetup.n_heldout // len(ecfg.tasks)
+    heldout += eval_sequences(make_examples(task, k, seed=98765 + i, tc=esetup.tasks))
+  calib, _ = packed_batch(np.random.default_rng([4321]), esetup.calib_rows, tsetup.train.seq_len,
+                          tc=tsetup.tasks)
   # One prefill bucket and one batch bucket: three compilations per recipe (prefill, decode,
   # teacher forcing) dominate the CPU run time, so fewer shapes beat less padding.
-  engine_kwargs = dict(max_seq_tokens=192, max_running=16, prefill_chunk=192)
+  engine_kwargs = dict(max_seq_tokens=esetup.max_seq_tokens, max_running=16,
+                       prefill_chunk=esetup.max_seq_tokens, backend=common.local_backend())
   records, results, ref_lps = {}, {}, None
-  order = [REFERENCE] + [r for r in RECIPES if r != REFERENCE]
+  chosen = [r for r in RECIPES if esetup.recipes is None or r.name in esetup.recipes]
+  order = [REFERENCE] + [r for r in chosen if r != REFERENCE]
+  n_total = len(order) + 1
   qparams_cache = {}
   for i, rec in enumerate(order, 1):
-    common.progress(f"accuracy: [{i}/{len(order)}] {rec.name}")
+    common.progress(f"accuracy: [{i}/{n_total}] {rec.name}")
     if rec.weights not in qparams_cache:
       qparams_cache = {rec.weights: quantised_params(params, rec.weights, cfg, calib)}
     r, lps, res = evaluate_recipe(qparams_cache[rec.weights], cfg, rec, ecfg, heldout,
@@ -327,40 +411,61 @@ def run(out_dir: str, *, quick: bool = True) -> dict:
     common.progress("accuracy:   " + ", ".join(
         f"{t} {100 * s['accuracy']:.1f}%" for t, s in r["tasks"].items())
         + f", ppl {r['heldout_answer_ppl']:.3f}, KL {r['kl_mean']:.2e}")
+  skipped = {}
+  if len(jax.devices()) >= 2:
+    common.progress(f"accuracy: [{n_total}/{n_total}] {DISAGG}")
+    r, res = evaluate_disagg(params, cfg, ecfg, engine_kwargs=engine_kwargs)
+    records[DISAGG], results[DISAGG] = r, res
+    common.progress("accuracy:   " + ", ".join(
+        f"{t} {100 * s['accuracy']:.1f}%" for t, s in r["tasks"].items()))
+  else:
+    skipped[DISAGG] = "needs two devices (one per pool)"
+    common.progress(f"accuracy: skipping {DISAGG}: {skipped[DISAGG]}")
   claims = compare_claims(records, results)
   record = {
       "experiment": "accuracy", "mode": mode, "machine": common.machine_info(),
+      "kernel_backend": common.local_backend(),
+      "config": {"model": cfg.name, "train_fingerprint": tsetup.fingerprint(),
+                 "eval_tasks": dataclasses.asdict(esetup.tasks)},
       "model": cfg.to_dict(), "train": {k: v for k, v in train_info.items() if k != "history"},
       "train_history": train_info.get("history", []),
-      "eval": {"n_per_task": budget.n_per_task, "n_heldout": budget.n_heldout,
-               "calib_rows": budget.calib_rows, "seed": ecfg.seed,
+      "eval": {"n_per_task": esetup.n_per_task, "n_heldout": esetup.n_heldout,
+               "calib_rows": esetup.calib_rows, "seed": ecfg.seed,
                "task_config": dataclasses.asdict(ecfg.task_config),
                "backend": "mlkit.engine.Engine (paged KV, tag check on)",
                "teacher_forcing": "mlkit.model.apply through a paged pool in the recipe's KV dtype"},
-      "recipes": records, "claims": claims,
+      "recipes": records, "skipped": skipped, "claims": claims,
   }
   common.write_json(out_dir, "accuracy", record)
-  common.write_markdown(out_dir, "accuracy", _markdown(record))
   _plot(record, os.path.join(out_dir, "accuracy.png"))
   if train_info.get("history"):
     plot_loss(train_info["history"], os.path.join(out_dir, "accuracy_loss.png"),
-              title=f"{cfg.name} training loss ({train_info.get('budget')} budget)")
+              title=f"{cfg.name} training loss ({train_info.get('steps')} steps)")
+    record["loss_plot"] = "accuracy_loss.png"
+  common.write_markdown(out_dir, "accuracy", _markdown(record))
   return record
 
 
 def _markdown(record: dict) -> str:
   tr = record["train"]
   lines = [f"# accuracy ({record['mode']} mode)", ""]
-  if record["mode"] == "quick" or tr.get("budget") == "quick":
-    lines += [f"**Quick mode**: {record['eval']['n_per_task']} items per task"
-              f"{' and a quick-budget model (' + str(tr.get('steps')) + ' steps)' if tr.get('budget') == 'quick' else ''}; "
-              "intervals are wide. Run with `--full` for the reported numbers.", ""]
+  if record["mode"] == "smoke":
+    lines += ["**Smoke mode**: a tiny model trained a few steps on a handful of items; the "
+              "numbers only show that the pipeline runs.", ""]
+  elif record["mode"] == "quick":
+    lines += [f"**Quick mode**: {record['eval']['n_per_task']} items per task; intervals are "
+              "wide. Run with `--full` for the reported numbers.", ""]
   hist = record.get("train_history") or []
   last = f", final loss {hist[-1]['loss']:.3f}" if hist else ""
-  lines += [f"Model: `{record['model']['name']}` trained {tr.get('steps')} steps "
-            f"({tr.get('budget')} budget){last}. Evaluation through `{record['eval']['backend']}`; "
+  secs = tr.get("train_seconds_this_run")
+  when = (f" in {secs:.0f} s" if secs and not tr.get("resumed_from") else "")
+  lines += [f"Model: `{record['model']['name']}` trained {tr.get('steps')} steps{when}{last} "
+            f"({'cached' if tr.get('cached') else 'trained in this run'}; train fingerprint "
+            f"`{tr.get('fingerprint')}`). Evaluation through `{record['eval']['backend']}`; "
             f"perplexity and KL by teacher forcing through the paged pool. "
             f"Accuracy in %, 95% Wilson intervals; KL(bf16 ref || recipe) in nats per token.", ""]
+  if record.get("skipped"):
+    lines += [f"Skipped: {', '.join(f'{k} ({v})' for k, v in record['skipped'].items())}.", ""]
   tasks = list(next(iter(record["recipes"].values()))["tasks"])
   headers = ["recipe"] + [f"{t} % [95% CI]" for t in tasks] + [
       "tool validity %", "answer top-1 % [95% CI]", "answer ppl", "KL mean", "KL p99"]
@@ -377,9 +482,13 @@ def _markdown(record: dict) -> str:
       row.append(f"{100 * r['heldout_answer_top1']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]")
     else:
       row.append("-")
-    row += [f"{r['heldout_answer_ppl']:.4f}", f"{r['kl_mean']:.2e}", f"{r['kl_p99']:.2e}"]
+    row += ["-" if r[k] is None else fmt.format(r[k]) for k, fmt in
+            (("heldout_answer_ppl", "{:.4f}"), ("kl_mean", "{:.2e}"), ("kl_p99", "{:.2e}"))]
     rows.append(row)
-  lines += [common.markdown_table(headers, rows), "", "## The report's claims", "",
+  lines += [common.markdown_table(headers, rows), "", "![accuracy per recipe](accuracy.png)", ""]
+  if record.get("loss_plot"):
+    lines += [f"![training loss]({record['loss_plot']})", ""]
+  lines += ["## The report's claims", "",
             "Paired differences (b - a) on the same items, in points, with 95% intervals. "
             "`holds`: yes = the whole interval is inside the band; no = wholly outside; "
             "not resolved = the interval is wider than the band (more items needed).", ""]
@@ -412,10 +521,11 @@ def _plot(record: dict, path: str) -> str:
   ax.set_title(f"accuracy per recipe ({record['mode']} mode)")
   ax.legend(fontsize=8)
   ax.grid(axis="y", alpha=0.3)
-  kl = [max(record["recipes"][n]["kl_mean"], 1e-12) for n in names]
-  ax2.barh(np.arange(len(names)), kl, color="gray")
-  ax2.set_yticks(np.arange(len(names)))
-  ax2.set_yticklabels(names, fontsize=8)
+  kl_names = [n for n in names if record["recipes"][n]["kl_mean"] is not None]
+  kl = [max(record["recipes"][n]["kl_mean"], 1e-12) for n in kl_names]
+  ax2.barh(np.arange(len(kl_names)), kl, color="gray")
+  ax2.set_yticks(np.arange(len(kl_names)))
+  ax2.set_yticklabels(kl_names, fontsize=8)
   ax2.set_xscale("log")
   ax2.set_xlabel("mean KL vs bf16 (nats/token)")
   fig.tight_layout()

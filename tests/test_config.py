@@ -5,7 +5,7 @@ import dataclasses
 from absl.testing import absltest, parameterized
 
 import configs
-from configs import GLM_5_2, H200, KIMI_K2_6, SMALL_MLA, TINY_GQA, TINY_MLA
+from configs import GLM_5_2, H200, KIMI_K2_6, MINI_MLA, SMALL_MLA, TINY_GQA, TINY_MLA
 from mlkit.config import HardwareConfig, ModelConfig, RopeScaling
 from mlkit.model import count_params
 
@@ -78,6 +78,7 @@ class ParamCountTest(absltest.TestCase):
 
   def test_small_preset_size(self):
     self.assertBetween(count_params(SMALL_MLA), 20e6, 50e6)
+    self.assertBetween(count_params(MINI_MLA), 5e6, 10e6)
 
 
 if __name__ == "__main__":

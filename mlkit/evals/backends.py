@@ -1,5 +1,6 @@
 """Generation backends for the harness: the serving engine, and the contiguous-cache
-reference generator. Both decode greedily and stop after EOS.
+reference generator, and the disaggregated prefill/decode pools. All decode greedily
+and stop after EOS.
 
 This is the only evals module that imports :mod:`mlkit.engine`.
 """
@@ -13,6 +14,19 @@ from mlkit.evals.tokenizer import EOS
 from mlkit.generate import generate
 from mlkit.kvcache import KVCacheConfig
 from mlkit.sampling import SamplingParams
+
+
+def _greedy(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, who: str
+            ) -> list[list[int]]:
+  """Greedy outputs of ``engine.generate`` (stopping after EOS); any aborted request raises,
+  because scoring a partial answer would make the accuracy meaningless."""
+  sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_tokens=(EOS,))
+  outs = engine.generate([list(p) for p in prompts], sp)
+  failed = [r for r in engine.requests.values() if r.abort_reason is not None]
+  if failed:
+    raise RuntimeError(f"{who}: {len(failed)} requests aborted "
+                       f"({failed[0].abort_reason}); accuracy would be meaningless")
+  return outs
 
 
 class GenerateBackend:
@@ -67,10 +81,64 @@ class EngineBackend:
     self.engine = Engine(params, self.config)
 
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-    sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_tokens=(EOS,))
-    outs = self.engine.generate([list(p) for p in prompts], sp)
-    failed = [r for r in self.engine.requests.values() if r.abort_reason is not None]
-    if failed:
-      raise RuntimeError(f"EngineBackend: {len(failed)} requests aborted "
-                         f"({failed[0].abort_reason}); accuracy would be meaningless")
-    return outs
+    return _greedy(self.engine, prompts, max_new_tokens, "EngineBackend")
+
+
+class DisaggBackend:
+  """Greedy generation through :class:`mlkit.engine.disagg.DisaggEngine`: the report's
+  disaggregated recipe, each pool quantising the same checkpoint its own way.
+
+  By default the prefill pool runs FP8_ALL weights over a bf16 KV cache, and the decode
+  pool INT4_EXPERTS weights over an fp8 KV cache; every prompt's KV moves from the
+  prefill pool to the decode pool (bf16 -> fp8, checksummed) before decoding, and the
+  page tags are checked on every decode step. Each pool gets its own device.
+
+  Args:
+    checkpoint: the bf16 params both pools quantise.
+    cfg: the model config (its dtype is the compute dtype).
+    max_seq_tokens: the longest prompt + output to serve.
+    max_running: concurrent requests per pool (each pool's batch bucket).
+    prefill_chunk: the one prefill chunk length.
+    page_size: tokens per page in both pools (default: the model kind's default).
+    prefill_recipe / decode_recipe: the pools' weight recipes (default the report's).
+    prefill_kv / decode_kv: the pools' KV dtypes (default the report's).
+    devices: at least two devices (default ``jax.devices()``); the first is the
+      prefill pool's, the second the decode pool's.
+    backend: kernel backend for both engines (None: platform default).
+
+  Raises:
+    ValueError: fewer than two devices.
+  """
+
+  def __init__(self, checkpoint, cfg: ModelConfig, *, max_seq_tokens: int = 256,
+               max_running: int = 8, prefill_chunk: int = 256, page_size: int | None = None,
+               prefill_recipe=None, decode_recipe=None, prefill_kv: str = "bfloat16",
+               decode_kv: str = "float8_e4m3fn", devices=None, backend: str | None = None):
+    import jax
+
+    from mlkit.engine import EngineConfig
+    from mlkit.engine.disagg import DisaggConfig, DisaggEngine, PoolConfig
+    from mlkit.parallel import MeshConfig
+    from mlkit.quant import FP8_ALL, INT4_EXPERTS
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < 2:
+      raise ValueError(f"DisaggBackend needs two devices (one per pool), got {len(devices)}; on "
+                       "CPU set XLA_FLAGS=--xla_force_host_platform_device_count=2 before JAX starts")
+
+    def pool(kv_dtype, recipe):
+      kv = KVCacheConfig(num_pages=1, page_size=page_size, dtype=kv_dtype).resolve(cfg)
+      pages_per_seq = -(-max_seq_tokens // kv.page_size)
+      kv = KVCacheConfig(num_pages=max_running * pages_per_seq + 1, page_size=kv.page_size,
+                         dtype=kv_dtype)
+      eng = EngineConfig(model=cfg, kv=kv, max_running=max_running, batch_buckets=(max_running,),
+                         prefill_buckets=(prefill_chunk,),
+                         prefill_token_budget=prefill_chunk * max_running,
+                         max_pages_per_seq=pages_per_seq, backend=backend)
+      return PoolConfig(eng, recipe, MeshConfig())
+
+    self.config = DisaggConfig(prefill=pool(prefill_kv, prefill_recipe or FP8_ALL),
+                               decode=pool(decode_kv, decode_recipe or INT4_EXPERTS))
+    self.engine = DisaggEngine(checkpoint, self.config, devices=devices[:2])
+
+  def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+    return _greedy(self.engine, prompts, max_new_tokens, "DisaggBackend")

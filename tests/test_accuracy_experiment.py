@@ -1,0 +1,120 @@
+"""The accuracy experiment: its smoke run trains TINY_MLA, evaluates three recipes through
+the engine and the disaggregated recipe through the two-pool engine, and writes
+well-formed JSON, markdown and PNGs; the trained model is cached by fingerprint."""
+
+import dataclasses
+import json
+import os
+import tempfile
+from unittest import mock
+
+import jax
+import numpy as np
+from absl.testing import absltest
+
+from experiments import accuracy
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+class AccuracySmokeTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.cache = tempfile.mkdtemp(prefix="accuracy_cache_")
+    cls.out = tempfile.mkdtemp(prefix="accuracy_smoke_")
+    cls.env = mock.patch.dict(os.environ, {"MLKIT_CACHE": cls.cache})
+    cls.env.start()
+    cls.record = accuracy.run(cls.out, quick=True, smoke=True)
+
+  @classmethod
+  def tearDownClass(cls):
+    cls.env.stop()
+    super().tearDownClass()
+
+  def test_files_well_formed(self):
+    with open(os.path.join(self.out, "accuracy.json")) as f:
+      rec = json.load(f)
+    self.assertEqual(rec["experiment"], "accuracy")
+    self.assertEqual(rec["mode"], "smoke")
+    for key in ("backend", "jax", "device_kind", "time_utc"):
+      self.assertIn(key, rec["machine"])
+    self.assertIn(rec["kernel_backend"], ("xla", "pallas"))
+    with open(os.path.join(self.out, "accuracy.md")) as f:
+      md = f.read()
+    self.assertTrue(md.startswith("# accuracy"), md[:80])
+    self.assertIn("|---|", md)
+    for png in ("accuracy.png", "accuracy_loss.png"):
+      self.assertIn(f"]({png})", md)
+      with open(os.path.join(self.out, png), "rb") as f:
+        self.assertEqual(f.read(8), PNG_MAGIC)
+
+  def test_every_recipe_scored_on_every_task(self):
+    names = set(accuracy.EVAL_SETUPS["smoke"].recipes) | {accuracy.DISAGG}
+    self.assertEqual(set(self.record["recipes"]), names)
+    for name, r in self.record["recipes"].items():
+      self.assertEqual(set(r["tasks"]), {"arithmetic", "retrieval", "tool_call"}, name)
+      for t, s in r["tasks"].items():
+        self.assertEqual(s["n"], accuracy.EVAL_SETUPS["smoke"].n_per_task)
+        self.assertLessEqual(s["ci95"][0], s["accuracy"])
+        self.assertLessEqual(s["accuracy"], s["ci95"][1])
+    ref = self.record["recipes"]["w-bf16/kv-bf16"]
+    self.assertEqual(ref["kl_mean"], 0.0)
+    self.assertGreater(self.record["recipes"]["w-bf16/kv-fp8"]["kl_mean"], 0.0)
+    self.assertIsNone(self.record["recipes"][accuracy.DISAGG]["kl_mean"])
+    # Every request of the disaggregated recipe moved its KV between the pools.
+    n = 3 * accuracy.EVAL_SETUPS["smoke"].n_per_task
+    transfers = self.record["recipes"][accuracy.DISAGG]["transfers"]
+    self.assertEqual(transfers["transfers"], n)
+    self.assertEqual(transfers["transfer_failures"], 0)
+
+  def test_claims_cover_kv_weights_and_disagg(self):
+    claims = {c["claim"] for c in self.record["claims"]}
+    self.assertIn("fp8 KV within ~1 point", claims)
+    self.assertIn("disaggregated within ~1 point of bf16", claims)
+    for c in self.record["claims"]:
+      self.assertIn(c["holds"], ("yes", "no", "not resolved"))
+      lo, hi = c["ci95_points"]
+      self.assertLessEqual(lo, c["delta_points"] + 1e-9)
+      self.assertLessEqual(c["delta_points"], hi + 1e-9)
+
+  def test_trained_model_is_cached_and_reloaded(self):
+    self.assertFalse(self.record["train"]["cached"])
+    setup = accuracy.TRAIN_SETUPS["smoke"]
+    params, info = accuracy.train_or_load(setup)
+    self.assertTrue(info["cached"])
+    self.assertEqual(info["fingerprint"], setup.fingerprint())
+    self.assertEqual(len(info["history"]), len(self.record["train_history"]))
+    leaves = jax.tree_util.tree_leaves(params)
+    self.assertTrue(all(np.all(np.isfinite(np.asarray(x))) for x in leaves))
+
+  def test_fingerprint_tracks_every_field(self):
+    setup = accuracy.TRAIN_SETUPS["smoke"]
+    other = [dataclasses.replace(setup, train=dataclasses.replace(setup.train, steps=7)),
+             dataclasses.replace(setup, prompt_weight=0.5),
+             dataclasses.replace(setup, model=dataclasses.replace(setup.model, n_layers=3))]
+    fps = {setup.fingerprint()} | {o.fingerprint() for o in other}
+    self.assertLen(fps, 4)
+    self.assertEqual(setup.fingerprint(), dataclasses.replace(setup).fingerprint())
+
+  def test_short_rows_rejected(self):
+    setup = accuracy.TRAIN_SETUPS["smoke"]
+    bad = dataclasses.replace(setup, train=dataclasses.replace(setup.train, seq_len=16))
+    with self.assertRaisesRegex(ValueError, "seq_len 16"):
+      accuracy.batch_fn(bad)
+
+
+class DisaggBackendTest(absltest.TestCase):
+
+  def test_needs_two_devices(self):
+    from configs import TINY_MLA
+    from mlkit.evals.backends import DisaggBackend
+    from mlkit.model import init_params
+    params = init_params(TINY_MLA, jax.random.key(0))
+    with self.assertRaisesRegex(ValueError, "two devices"):
+      DisaggBackend(params, TINY_MLA, devices=jax.devices()[:1])
+
+
+if __name__ == "__main__":
+  absltest.main()
