@@ -1,12 +1,14 @@
-"""accuracy: train SMALL_MLA on the generated tasks, then evaluate every precision
+"""accuracy: train MINI_MLA on the generated tasks, then evaluate every precision
 recipe through the serving engine (paged KV cache in bf16 or fp8; weights in bf16,
 fp8, int4 round-to-nearest or int4 GPTQ), and the report's disaggregated recipe
 through the two-pool engine, and compare with the report's claims.
 
 The trained model is cached under ``$MLKIT_CACHE`` (default ``checkpoints/`` in the
 repository, git-ignored), in a folder named by a fingerprint of the model, training
-and task configs, and reused by later runs. Quick and full runs evaluate the same
-model (quick: fewer items, wider intervals); smoke runs train TINY_MLA a few steps.
+and task configs, and reused by later runs. Training runs in stages, each continuing
+its parent's finished model (see ``TRAIN_SETUPS``); an interrupted stage resumes from
+its orbax checkpoints. Quick and full runs evaluate the same model (quick: fewer
+items, wider intervals); smoke runs train TINY_MLA a few steps in two stages.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 
 import numpy as np
 
-from configs import SMALL_MLA, TINY_MLA
+from configs import MINI_MLA, TINY_MLA
 from experiments import common
 from mlkit.checkpoint import checkpoint_steps, load_checkpoint, save_checkpoint
 from mlkit.config import ModelConfig
@@ -48,11 +50,19 @@ class TrainSetup:
   tasks: TaskConfig
   # Loss weight of prompt tokens (keys, operands and cities are random: unpredictable).
   prompt_weight: float = 0.0
+  # How tasks share a batch: "tokens" (each task fills the same share of tokens, so short sums
+  # come often) or "examples" (see mlkit.evals.tasks.packed_batch).
+  mix: str = "tokens"
+  # Tasks drawn (a task listed twice is drawn twice as often).
+  task_mix: tuple[str, ...] = ("arithmetic", "retrieval", "tool_call")
+  # A stage this one continues from (its finished model is the starting point), or None.
+  parent: "TrainSetup | None" = None
 
   def fingerprint(self) -> str:
-    """A short stable hash of every field."""
+    """A short stable hash of every field (and the parent's)."""
     blob = json.dumps([self.model.to_dict(), dataclasses.asdict(self.train),
-                       dataclasses.asdict(self.tasks), self.prompt_weight],
+                       dataclasses.asdict(self.tasks), self.prompt_weight, self.mix,
+                       list(self.task_mix), self.parent.fingerprint() if self.parent else None],
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:10]
 
@@ -82,28 +92,63 @@ class EvalSetup:
 
 # The model the results are about: quick and full evaluate the same trained model (trained
 # once, then cached), so a quick run's numbers describe the real model with wider intervals.
+# Task difficulty: two-digit sums (carries decide the leading digit), one-letter retrieval keys
+# (a two-hop lookup; three-letter keys were not learned in this budget) and the tool calls.
+# Training mixes every context length from 1 pair; evaluation takes the long end.
+_TRAIN_TASKS = TaskConfig(arith_digits=(1, 2), retrieval_pairs=(1, 10), key_letters=1)
+_EVAL_TASKS = TaskConfig(arith_digits=(1, 2), retrieval_pairs=(6, 10), key_letters=1,
+                         query_first=True)
+# Stage 1 learns the sums, the tool-call format and copying a value from the context (~18 min
+# on 2 cores). It does not learn which key's value to copy: its retrieval accuracy falls to
+# chance with 2 or more pairs.
+_STAGE1 = TrainSetup(
+    model=MINI_MLA,
+    train=TrainConfig(steps=2400, batch_size=16, seq_len=96, learning_rate=3e-3, warmup_steps=50,
+                      bias_update_rate=1e-3, log_every=25, checkpoint_every=200, seed=0),
+    tasks=_TRAIN_TASKS)
+# Stage 2 continues it with retrieval drawn twice as often, over 2-10 pairs, where matching the
+# key is the only way to the answer (~8 min). Measured: tool calls rose from 76.8% to 85.5% exact,
+# retrieval stayed at chance.
+_STAGE2 = TrainSetup(
+    model=MINI_MLA,
+    train=TrainConfig(steps=1000, batch_size=16, seq_len=96, learning_rate=2e-3, warmup_steps=30,
+                      bias_update_rate=1e-3, log_every=25, checkpoint_every=200, seed=1),
+    tasks=TaskConfig(arith_digits=(1, 2), retrieval_pairs=(2, 10), key_letters=1),
+    task_mix=("arithmetic", "retrieval", "retrieval", "tool_call"), parent=_STAGE1)
+# Stage 3 asks for the key before the context, so each pair can be compared with the query as
+# it is read; the value still sits up to ~50 tokens back (~8 min). Measured: tool calls 92.0%,
+# arithmetic 99.5%; retrieval still at chance. Learning the key match is left to a longer run.
+_STAGE3 = TrainSetup(
+    model=MINI_MLA,
+    train=TrainConfig(steps=1000, batch_size=16, seq_len=96, learning_rate=2e-3, warmup_steps=30,
+                      bias_update_rate=1e-3, log_every=25, checkpoint_every=200, seed=2),
+    tasks=TaskConfig(arith_digits=(1, 2), retrieval_pairs=(1, 10), key_letters=1, query_first=True),
+    task_mix=("arithmetic", "retrieval", "retrieval", "tool_call"), parent=_STAGE2)
+_SMOKE_TRAIN = TrainConfig(steps=3, batch_size=2, seq_len=96, warmup_steps=1, log_every=1,
+                           checkpoint_every=2, seed=0)
 TRAIN_SETUPS = {
-    "main": TrainSetup(
-        model=SMALL_MLA,
-        train=TrainConfig(steps=1500, batch_size=16, seq_len=96, learning_rate=3e-3,
-                          warmup_steps=50, bias_update_rate=1e-2, log_every=25,
-                          checkpoint_every=250, seed=0),
-        tasks=TaskConfig(arith_digits=(1, 2), retrieval_pairs=(1, 10))),
+    "main": _STAGE3,
+    # Two short stages, so the smoke run also continues a stage from its parent (one train
+    # config for both: the jitted step compiles once).
     "smoke": TrainSetup(
         model=dataclasses.replace(TINY_MLA, n_layers=2),
-        train=TrainConfig(steps=6, batch_size=2, seq_len=96, warmup_steps=2, log_every=2,
-                          checkpoint_every=3, seed=0),
-        tasks=TaskConfig(arith_digits=(1, 2), retrieval_pairs=(1, 4))),
+        train=_SMOKE_TRAIN,
+        tasks=TaskConfig(arith_digits=(1, 2), retrieval_pairs=(1, 4), key_letters=1,
+                         query_first=True),
+        parent=TrainSetup(
+            model=dataclasses.replace(TINY_MLA, n_layers=2), train=_SMOKE_TRAIN,
+            tasks=TaskConfig(arith_digits=(1, 2), retrieval_pairs=(1, 4), key_letters=1))),
 }
-_SMOKE_RECIPES = ("w-bf16/kv-bf16", "w-bf16/kv-fp8", "w-int4-rtn/kv-fp8")
+_SMOKE_RECIPES = ("w-bf16/kv-bf16", "w-bf16/kv-fp8")
 EVAL_SETUPS = {
     "smoke": EvalSetup(n_per_task=4, n_heldout=6, calib_rows=2, max_seq_tokens=96,
-                       tasks=TaskConfig(arith_digits=(1, 2), retrieval_pairs=(2, 4)),
+                       tasks=TaskConfig(arith_digits=(1, 2), retrieval_pairs=(2, 4), key_letters=1,
+                                        query_first=True),
                        recipes=_SMOKE_RECIPES),
     "quick": EvalSetup(n_per_task=64, n_heldout=24, calib_rows=8, max_seq_tokens=96,
-                       tasks=TaskConfig(arith_digits=(1, 2), retrieval_pairs=(6, 10))),
+                       tasks=_EVAL_TASKS),
     "full": EvalSetup(n_per_task=400, n_heldout=192, calib_rows=32, max_seq_tokens=96,
-                      tasks=TaskConfig(arith_digits=(1, 2), retrieval_pairs=(6, 10))),
+                      tasks=_EVAL_TASKS),
 }
 
 
@@ -118,7 +163,8 @@ def batch_fn(setup: TrainSetup):
     raise ValueError(f"accuracy: seq_len {tcfg.seq_len} is shorter than the longest task example "
                      f"({max_example_tokens(setup.tasks)} tokens)")
   return lambda step: packed_batch(np.random.default_rng([tcfg.seed, step]), tcfg.batch_size,
-                                   tcfg.seq_len, tc=setup.tasks, prompt_weight=setup.prompt_weight)
+                                   tcfg.seq_len, tasks=setup.task_mix, tc=setup.tasks,
+                                   prompt_weight=setup.prompt_weight, mix=setup.mix)
 
 
 def train_or_load(setup: TrainSetup, out_dir: str | None = None) -> tuple[dict, dict]:
@@ -134,12 +180,21 @@ def train_or_load(setup: TrainSetup, out_dir: str | None = None) -> tuple[dict, 
     params, meta = _load(model_dir, cfg)
     common.progress(f"accuracy: using the cached model in {model_dir}")
     return params, dict(meta, cached=True)
+  init, parent_info = None, None
+  if setup.parent is not None:
+    if setup.parent.model != setup.model:
+      raise ValueError("accuracy: a training stage must continue the same model as its parent")
+    init, parent_info = train_or_load(setup.parent, out_dir)
+    parent_info = {k: v for k, v in parent_info.items() if k != "cached"}
   common.progress(f"accuracy: training {cfg.name} ({tcfg.steps} steps of {tcfg.batch_size}x"
-                  f"{tcfg.seq_len} tokens) into {train_dir}")
-  res = train(cfg, tcfg, batch_fn(setup), checkpoint_dir=train_dir, progress=common.progress)
-  info = {"fingerprint": setup.fingerprint(), "steps": tcfg.steps,
+                  f"{tcfg.seq_len} tokens{', continuing a previous stage' if init else ''}) "
+                  f"into {train_dir}")
+  res = train(cfg, tcfg, batch_fn(setup), checkpoint_dir=train_dir, progress=common.progress,
+              init=init)
+  info = {"fingerprint": setup.fingerprint(), "steps": tcfg.steps, "parent": parent_info,
+          "task_mix": list(setup.task_mix),
           "train_config": dataclasses.asdict(tcfg), "train_tasks": dataclasses.asdict(setup.tasks),
-          "prompt_weight": setup.prompt_weight, "history": res.history,
+          "prompt_weight": setup.prompt_weight, "mix": setup.mix, "history": res.history,
           "train_seconds_this_run": res.seconds, "resumed_from": res.resumed_from,
           "machine": common.machine_info()}
   _save_meta(model_dir, info)  # before the checkpoint, whose presence marks the model finished
@@ -238,6 +293,16 @@ def quantised_params(params_bf16: dict, weights: str, cfg, calib_tokens):
 
 # ----------------------------------------------------------------------------- evaluation
 
+def retrieval_by_pairs(ecfg, results) -> dict[str, float]:
+  """Retrieval accuracy per context size (number of key/value pairs), from scored results."""
+  if "retrieval" not in results:
+    return {}
+  by: dict[int, list[bool]] = {}
+  for ex, ok in zip(ecfg.examples("retrieval"), results["retrieval"].correct):
+    by.setdefault(ex.prompt.count(",") + 1, []).append(bool(ok))
+  return {str(n): float(np.mean(v)) for n, v in sorted(by.items())}
+
+
 def evaluate_recipe(params, cfg, recipe: PrecisionRecipe, ecfg, heldout, *, engine_kwargs=None,
                     ref_logprobs=None, backend_factory=None) -> tuple[dict, list, dict]:
   """Scores one recipe: task accuracy through the engine, and teacher-forced ppl / KL.
@@ -275,6 +340,7 @@ def evaluate_recipe(params, cfg, recipe: PrecisionRecipe, ecfg, heldout, *, engi
          "samples": {t: [{"prompt_tail": ex.prompt[-24:], "answer": ex.answer, "output": o}
                          for ex, o in zip(ecfg.examples(t)[:3], r.outputs[:3])]
                      for t, r in results.items()},
+         "retrieval_by_pairs": retrieval_by_pairs(ecfg, results),
          "heldout_answer_ppl": perplexity(nll), "heldout_answer_nll": float(np.mean(nll)),
          "heldout_tokens": int(nll.size),
          "heldout_answer_top1": float(np.mean(top1)),
@@ -313,6 +379,7 @@ def evaluate_disagg(params_bf16, cfg, ecfg, *, engine_kwargs=None) -> tuple[dict
          "samples": {t: [{"prompt_tail": ex.prompt[-24:], "answer": ex.answer, "output": o}
                          for ex, o in zip(ecfg.examples(t)[:3], r.outputs[:3])]
                      for t, r in results.items()},
+         "retrieval_by_pairs": retrieval_by_pairs(ecfg, results),
          "transfers": backend.engine.metrics()["disagg"],
          "heldout_answer_ppl": None, "heldout_answer_nll": None, "heldout_tokens": 0,
          "kl_mean": None, "kl_answer_mean": None, "kl_p99": None, "kl_tokens": 0}
@@ -457,9 +524,15 @@ def _markdown(record: dict) -> str:
               "wide. Run with `--full` for the reported numbers.", ""]
   hist = record.get("train_history") or []
   last = f", final loss {hist[-1]['loss']:.3f}" if hist else ""
-  secs = tr.get("train_seconds_this_run")
-  when = (f" in {secs:.0f} s" if secs and not tr.get("resumed_from") else "")
-  lines += [f"Model: `{record['model']['name']}` trained {tr.get('steps')} steps{when}{last} "
+  stages, st = [], tr
+  while st:  # this stage, then its parent, ...
+    secs = st.get("train_seconds_this_run")
+    stages.append(f"{st.get('steps')} steps"
+                  + (f" ({secs:.0f} s)" if secs and not st.get("resumed_from") else ""))
+    st = st.get("parent")
+  trained = (f"trained {stages[0]}" if len(stages) == 1 else
+             f"trained in {len(stages)} stages, {' then '.join(reversed(stages))}")
+  lines += [f"Model: `{record['model']['name']}` {trained}{last} "
             f"({'cached' if tr.get('cached') else 'trained in this run'}; train fingerprint "
             f"`{tr.get('fingerprint')}`). Evaluation through `{record['eval']['backend']}`; "
             f"perplexity and KL by teacher forcing through the paged pool. "
@@ -486,6 +559,16 @@ def _markdown(record: dict) -> str:
             (("heldout_answer_ppl", "{:.4f}"), ("kl_mean", "{:.2e}"), ("kl_p99", "{:.2e}"))]
     rows.append(row)
   lines += [common.markdown_table(headers, rows), "", "![accuracy per recipe](accuracy.png)", ""]
+  sizes = sorted({n for r in record["recipes"].values() for n in r.get("retrieval_by_pairs", {})},
+                 key=int)
+  if sizes:
+    lines += ["Retrieval accuracy (%) by context size (key/value pairs; chance is 1/pairs for "
+              "a model that copies some value of the context):", "",
+              common.markdown_table(
+                  ["recipe"] + [f"{n} pairs" for n in sizes],
+                  [[name] + [f"{100 * r['retrieval_by_pairs'][n]:.1f}"
+                             if n in r.get("retrieval_by_pairs", {}) else "-" for n in sizes]
+                   for name, r in record["recipes"].items()]), ""]
   if record.get("loss_plot"):
     lines += [f"![training loss]({record['loss_plot']})", ""]
   lines += ["## The report's claims", "",

@@ -59,6 +59,10 @@ class AccuracySmokeTest(absltest.TestCase):
         self.assertEqual(s["n"], accuracy.EVAL_SETUPS["smoke"].n_per_task)
         self.assertLessEqual(s["ci95"][0], s["accuracy"])
         self.assertLessEqual(s["accuracy"], s["ci95"][1])
+    lo, hi = accuracy.EVAL_SETUPS["smoke"].tasks.retrieval_pairs
+    for name, r in self.record["recipes"].items():
+      by = r["retrieval_by_pairs"]
+      self.assertTrue(by and all(lo <= int(n) <= hi for n in by), name)
     ref = self.record["recipes"]["w-bf16/kv-bf16"]
     self.assertEqual(ref["kl_mean"], 0.0)
     self.assertGreater(self.record["recipes"]["w-bf16/kv-fp8"]["kl_mean"], 0.0)
@@ -89,6 +93,28 @@ class AccuracySmokeTest(absltest.TestCase):
     leaves = jax.tree_util.tree_leaves(params)
     self.assertTrue(all(np.all(np.isfinite(np.asarray(x))) for x in leaves))
 
+  def test_stage_continues_its_parent(self):
+    setup = accuracy.TRAIN_SETUPS["smoke"]
+    parent = self.record["train"]["parent"]
+    self.assertEqual(parent["steps"], setup.parent.train.steps)
+    self.assertEqual(parent["fingerprint"], setup.parent.fingerprint())
+    # The parent's final model is where this stage started: the stage's first logged loss
+    # (taken before its first update) is the parent model's loss on the stage's first batch.
+    from mlkit.train import compute_config, loss_fn
+    parent_params, _ = accuracy.train_or_load(setup.parent)
+    tokens, weights = accuracy.batch_fn(setup)(0)
+    want, _ = jax.jit(loss_fn, static_argnames=("cfg", "tcfg"))(
+        parent_params, tokens, weights, cfg=compute_config(setup.model, setup.train),
+        tcfg=setup.train)
+    self.assertAlmostEqual(self.record["train_history"][0]["loss"], float(want), delta=0.02)
+    fresh = accuracy.TrainSetup(model=setup.model, train=setup.train, tasks=setup.tasks)
+    self.assertNotEqual(fresh.fingerprint(), setup.fingerprint())
+    mismatched = dataclasses.replace(
+        setup, parent=dataclasses.replace(setup.parent,
+                                          model=dataclasses.replace(setup.model, n_layers=3)))
+    with self.assertRaisesRegex(ValueError, "same model"):
+      accuracy.train_or_load(mismatched)
+
   def test_fingerprint_tracks_every_field(self):
     setup = accuracy.TRAIN_SETUPS["smoke"]
     other = [dataclasses.replace(setup, train=dataclasses.replace(setup.train, steps=7)),
@@ -110,10 +136,8 @@ class DisaggBackendTest(absltest.TestCase):
   def test_needs_two_devices(self):
     from configs import TINY_MLA
     from mlkit.evals.backends import DisaggBackend
-    from mlkit.model import init_params
-    params = init_params(TINY_MLA, jax.random.key(0))
-    with self.assertRaisesRegex(ValueError, "two devices"):
-      DisaggBackend(params, TINY_MLA, devices=jax.devices()[:1])
+    with self.assertRaisesRegex(ValueError, "two devices"):  # checked before the weights are read
+      DisaggBackend(None, TINY_MLA, devices=jax.devices()[:1])
 
 
 if __name__ == "__main__":

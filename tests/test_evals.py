@@ -58,11 +58,16 @@ class TaskTest(parameterized.TestCase):
       a, b = ex.prompt[:-1].split("+")
       self.assertEqual(int(ex.answer), int(a) + int(b))
 
-  @parameterized.parameters(1, 2, 3)
-  def test_retrieval_answer_is_the_keys_value(self, key_letters):
-    tc = dataclasses.replace(SMALL_TASKS, key_letters=key_letters)
+  @parameterized.parameters((1, False), (2, False), (3, False), (1, True), (3, True))
+  def test_retrieval_answer_is_the_keys_value(self, key_letters, query_first):
+    tc = dataclasses.replace(SMALL_TASKS, key_letters=key_letters, query_first=query_first)
     for ex in make_examples("retrieval", 50, 0, tc):
-      context, query = ex.prompt.split("|")
+      if query_first:
+        query, context = ex.prompt[:-1].split("?")
+        query += "="
+        self.assertTrue(ex.prompt.endswith("|"))
+      else:
+        context, query = ex.prompt.split("|")
       pairs = dict(p.split("=") for p in context.split(","))
       self.assertEqual(len(pairs), context.count(",") + 1)  # keys are distinct
       self.assertTrue(all(len(k) == key_letters for k in pairs))

@@ -54,6 +54,10 @@ class TaskConfig:
   # read the two tokens after it); longer keys need each key's letters gathered first, which
   # a small model learns much later.
   key_letters: int = 3
+  # Ask for the key before the context (``k?c=41,k=07|`` -> ``07``) instead of after it
+  # (``c=41,k=07|k=`` -> ``07``). The value still sits many tokens back, but each pair can be
+  # compared with the query as it is read, a lookup small models learn far sooner.
+  query_first: bool = False
 
   def __post_init__(self):
     for name in ("arith_digits", "retrieval_pairs"):
@@ -92,7 +96,8 @@ def gen_arithmetic(rng: np.random.Generator, tc: TaskConfig = TaskConfig()) -> E
 
 
 def gen_retrieval(rng: np.random.Generator, tc: TaskConfig = TaskConfig()) -> Example:
-  """``k1=v1,k2=v2,...|kq=`` -> ``vq``: distinct ``key_letters``-letter keys, 2-digit values."""
+  """``k1=v1,k2=v2,...|kq=`` (or ``kq?k1=v1,...|``) -> ``vq``: distinct ``key_letters``-letter
+  keys, 2-digit values."""
   n = int(rng.integers(tc.retrieval_pairs[0], tc.retrieval_pairs[1] + 1))
   kl = tc.key_letters
   codes = rng.choice(26 ** kl, size=n, replace=False)
@@ -100,6 +105,8 @@ def gen_retrieval(rng: np.random.Generator, tc: TaskConfig = TaskConfig()) -> Ex
   values = [f"{int(v):02d}" for v in rng.integers(0, 100, size=n)]
   q = int(rng.integers(n))
   context = ",".join(f"{k}={v}" for k, v in zip(keys, values))
+  if tc.query_first:
+    return Example("retrieval", f"{keys[q]}?{context}|", values[q])
   return Example("retrieval", f"{context}|{keys[q]}=", values[q])
 
 
