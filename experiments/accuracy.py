@@ -88,6 +88,8 @@ class EvalSetup:
   max_seq_tokens: int
   # Recipe names evaluated (None: every one).
   recipes: tuple[str, ...] | None = None
+  # Concurrent requests per engine (its one batch bucket).
+  max_running: int = 16
 
 
 # The model the results are about: quick and full evaluate the same trained model (trained
@@ -144,7 +146,7 @@ EVAL_SETUPS = {
     "smoke": EvalSetup(n_per_task=4, n_heldout=6, calib_rows=2, max_seq_tokens=96,
                        tasks=TaskConfig(arith_digits=(1, 2), retrieval_pairs=(2, 4), key_letters=1,
                                         query_first=True),
-                       recipes=_SMOKE_RECIPES),
+                       recipes=_SMOKE_RECIPES, max_running=4),
     "quick": EvalSetup(n_per_task=64, n_heldout=24, calib_rows=8, max_seq_tokens=96,
                        tasks=_EVAL_TASKS),
     "full": EvalSetup(n_per_task=400, n_heldout=192, calib_rows=32, max_seq_tokens=96,
@@ -459,7 +461,7 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
                           tc=tsetup.tasks)
   # One prefill bucket and one batch bucket: three compilations per recipe (prefill, decode,
   # teacher forcing) dominate the CPU run time, so fewer shapes beat less padding.
-  engine_kwargs = dict(max_seq_tokens=esetup.max_seq_tokens, max_running=16,
+  engine_kwargs = dict(max_seq_tokens=esetup.max_seq_tokens, max_running=esetup.max_running,
                        prefill_chunk=esetup.max_seq_tokens, backend=common.local_backend())
   records, results, ref_lps = {}, {}, None
   chosen = [r for r in RECIPES if esetup.recipes is None or r.name in esetup.recipes]
