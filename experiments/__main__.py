@@ -53,8 +53,8 @@ EXPERIMENTS = {
     "accuracy": ("experiments.accuracy",
                  "train MINI_MLA on generated tasks (cached), evaluate every KV x weight recipe "
                  "through the engine and the disaggregated recipe through both pools (not in the "
-                 "default suite: training takes ~34 min on a 2-core CPU, once; evaluation "
-                 "~3 min quick, ~8 min --full)"),
+                 "default suite: training takes ~33 min on a 2-core CPU, once; the --full "
+                 "evaluation ~10 min)"),
 }
 DEFAULT_SUITE = ("generate", "capacity", "engine_overhead", "kv_dtype", "weight_quant", "disagg",
                  "integrity", "paper", "kernels")

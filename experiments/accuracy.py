@@ -169,7 +169,7 @@ def batch_fn(setup: TrainSetup):
                                    prompt_weight=setup.prompt_weight, mix=setup.mix)
 
 
-def train_or_load(setup: TrainSetup, out_dir: str | None = None) -> tuple[dict, dict]:
+def train_or_load(setup: TrainSetup) -> tuple[dict, dict]:
   """The trained params of ``setup`` (training, or resuming, if no finished model is cached).
 
   Returns:
@@ -186,7 +186,7 @@ def train_or_load(setup: TrainSetup, out_dir: str | None = None) -> tuple[dict, 
   if setup.parent is not None:
     if setup.parent.model != setup.model:
       raise ValueError("accuracy: a training stage must continue the same model as its parent")
-    init, parent_info = train_or_load(setup.parent, out_dir)
+    init, parent_info = train_or_load(setup.parent)
     parent_info = {k: v for k, v in parent_info.items() if k != "cached"}
   common.progress(f"accuracy: training {cfg.name} ({tcfg.steps} steps of {tcfg.batch_size}x"
                   f"{tcfg.seq_len} tokens{', continuing a previous stage' if init else ''}) "
@@ -305,6 +305,15 @@ def retrieval_by_pairs(ecfg, results) -> dict[str, float]:
   return {str(n): float(np.mean(v)) for n, v in sorted(by.items())}
 
 
+def _task_fields(ecfg, results) -> dict:
+  """The record fields both evaluations share: per-task summaries, samples, retrieval by size."""
+  return {"tasks": {t: r.summary() for t, r in results.items()},
+          "samples": {t: [{"prompt_tail": ex.prompt[-24:], "answer": ex.answer, "output": o}
+                          for ex, o in zip(ecfg.examples(t)[:3], r.outputs[:3])]
+                      for t, r in results.items()},
+          "retrieval_by_pairs": retrieval_by_pairs(ecfg, results)}
+
+
 def evaluate_recipe(params, cfg, recipe: PrecisionRecipe, ecfg, heldout, *, engine_kwargs=None,
                     ref_logprobs=None, backend_factory=None) -> tuple[dict, list, dict]:
   """Scores one recipe: task accuracy through the engine, and teacher-forced ppl / KL.
@@ -338,11 +347,7 @@ def evaluate_recipe(params, cfg, recipe: PrecisionRecipe, ecfg, heldout, *, engi
   nll = token_nll(lps, seqs, masks)
   top1 = token_top1_correct(lps, seqs, masks)
   rec = {"recipe": recipe.name, "weights": recipe.weights, "kv": recipe.kv,
-         "tasks": {t: r.summary() for t, r in results.items()},
-         "samples": {t: [{"prompt_tail": ex.prompt[-24:], "answer": ex.answer, "output": o}
-                         for ex, o in zip(ecfg.examples(t)[:3], r.outputs[:3])]
-                     for t, r in results.items()},
-         "retrieval_by_pairs": retrieval_by_pairs(ecfg, results),
+         **_task_fields(ecfg, results),
          "heldout_answer_ppl": perplexity(nll), "heldout_answer_nll": float(np.mean(nll)),
          "heldout_tokens": int(nll.size),
          "heldout_answer_top1": float(np.mean(top1)),
@@ -376,12 +381,7 @@ def evaluate_disagg(params_bf16, cfg, ecfg, *, engine_kwargs=None) -> tuple[dict
   backend = DisaggBackend(params_bf16, cfg, **dict(engine_kwargs or {}))
   results = evaluate(backend, ecfg)
   rec = {"recipe": DISAGG, "weights": "prefill fp8-all, decode int4-experts (rtn, g32)",
-         "kv": "prefill bfloat16, decode float8_e4m3fn",
-         "tasks": {t: r.summary() for t, r in results.items()},
-         "samples": {t: [{"prompt_tail": ex.prompt[-24:], "answer": ex.answer, "output": o}
-                         for ex, o in zip(ecfg.examples(t)[:3], r.outputs[:3])]
-                     for t, r in results.items()},
-         "retrieval_by_pairs": retrieval_by_pairs(ecfg, results),
+         "kv": "prefill bfloat16, decode float8_e4m3fn", **_task_fields(ecfg, results),
          "transfers": backend.engine.metrics()["disagg"],
          "heldout_answer_ppl": None, "heldout_answer_nll": None, "heldout_tokens": 0,
          "kl_mean": None, "kl_answer_mean": None, "kl_p99": None, "kl_tokens": 0}
@@ -436,8 +436,8 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   Args:
     out_dir: output folder.
     quick: fewer evaluation items (the same trained model as the full run).
-    smoke: TINY_MLA trained a few steps, three recipes and the disaggregated one, a
-      handful of items (tests; accuracies are meaningless).
+    smoke: TINY_MLA trained a few steps in two stages, two recipes and the disaggregated
+      one, a handful of items (tests; accuracies are meaningless).
 
   Returns:
     The JSON record.
@@ -449,7 +449,7 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   mode = "smoke" if smoke else ("quick" if quick else "full")
   tsetup = TRAIN_SETUPS["smoke" if smoke else "main"]
   esetup = EVAL_SETUPS[mode]
-  params_f32, train_info = train_or_load(tsetup, out_dir)
+  params_f32, train_info = train_or_load(tsetup)
   cfg = serving_config(tsetup.model)
   params = serving_params(params_f32)
   ecfg = EvalConfig(n_per_task=esetup.n_per_task, seed=1234, task_config=esetup.tasks)

@@ -152,16 +152,6 @@ class TaskTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "mix"):
       packed_batch(np.random.default_rng(5), 1, 128, tc=SMALL_TASKS, mix="tasks")
 
-  def test_packed_batch_per_example_weights(self):
-    tokens, weights = packed_batch(np.random.default_rng(3), 4, 128, tc=SMALL_TASKS,
-                                   prompt_weight=0.0, per_example=True)
-    tokens2, _ = packed_batch(np.random.default_rng(3), 4, 128, tc=SMALL_TASKS, prompt_weight=0.0)
-    np.testing.assert_array_equal(tokens, tokens2)  # same examples, only the weights differ
-    for row, w in zip(tokens, weights):
-      starts = list(np.flatnonzero(row == TOK.bos_id)) + [int(np.sum(row != PAD))]
-      for a, b in zip(starts[:-1], starts[1:]):  # each example's answer weighs 1 in total
-        self.assertAlmostEqual(float(np.sum(w[a:b])), 1.0, places=5)
-
 
 class StatsTest(absltest.TestCase):
 

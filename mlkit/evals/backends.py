@@ -16,6 +16,21 @@ from mlkit.kvcache import KVCacheConfig
 from mlkit.sampling import SamplingParams
 
 
+def _engine_config(cfg: ModelConfig, kv_dtype: str, *, max_seq_tokens: int, max_running: int,
+                   prefill_chunk: int, page_size: int | None, backend: str | None):
+  """An engine with one batch bucket and one prefill bucket whose pool holds ``max_running``
+  sequences of ``max_seq_tokens`` (one compilation per step kind)."""
+  from mlkit.engine import EngineConfig  # evals sits at the engine's level
+  kv = KVCacheConfig(num_pages=1, page_size=page_size, dtype=kv_dtype).resolve(cfg)
+  pages_per_seq = -(-max_seq_tokens // kv.page_size)
+  kv = KVCacheConfig(num_pages=max_running * pages_per_seq + 1, page_size=kv.page_size,
+                     dtype=kv_dtype)
+  return EngineConfig(model=cfg, kv=kv, max_running=max_running, batch_buckets=(max_running,),
+                      prefill_buckets=(prefill_chunk,),
+                      prefill_token_budget=prefill_chunk * max_running,
+                      max_pages_per_seq=pages_per_seq, backend=backend)
+
+
 def _greedy(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, who: str
             ) -> list[list[int]]:
   """Greedy outputs of ``engine.generate`` (stopping after EOS); any aborted request raises,
@@ -69,15 +84,10 @@ class EngineBackend:
   def __init__(self, params, cfg: ModelConfig, *, kv_dtype: str = "bfloat16",
                max_seq_tokens: int = 256, max_running: int = 8, prefill_chunk: int = 256,
                page_size: int | None = None, backend: str | None = None):
-    from mlkit.engine import Engine, EngineConfig  # evals sits at the engine's level
-    kv = KVCacheConfig(num_pages=1, page_size=page_size, dtype=kv_dtype).resolve(cfg)
-    pages_per_seq = -(-max_seq_tokens // kv.page_size)
-    kv = KVCacheConfig(num_pages=max_running * pages_per_seq + 1, page_size=kv.page_size,
-                       dtype=kv_dtype)
-    self.config = EngineConfig(model=cfg, kv=kv, max_running=max_running,
-                               batch_buckets=(max_running,), prefill_buckets=(prefill_chunk,),
-                               prefill_token_budget=prefill_chunk * max_running,
-                               max_pages_per_seq=pages_per_seq, backend=backend)
+    from mlkit.engine import Engine  # evals sits at the engine's level
+    self.config = _engine_config(cfg, kv_dtype, max_seq_tokens=max_seq_tokens,
+                                 max_running=max_running, prefill_chunk=prefill_chunk,
+                                 page_size=page_size, backend=backend)
     self.engine = Engine(params, self.config)
 
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
@@ -116,7 +126,6 @@ class DisaggBackend:
                decode_kv: str = "float8_e4m3fn", devices=None, backend: str | None = None):
     import jax
 
-    from mlkit.engine import EngineConfig
     from mlkit.engine.disagg import DisaggConfig, DisaggEngine, PoolConfig
     from mlkit.parallel import MeshConfig
     from mlkit.quant import FP8_ALL, INT4_EXPERTS
@@ -126,14 +135,8 @@ class DisaggBackend:
                        "CPU set XLA_FLAGS=--xla_force_host_platform_device_count=2 before JAX starts")
 
     def pool(kv_dtype, recipe):
-      kv = KVCacheConfig(num_pages=1, page_size=page_size, dtype=kv_dtype).resolve(cfg)
-      pages_per_seq = -(-max_seq_tokens // kv.page_size)
-      kv = KVCacheConfig(num_pages=max_running * pages_per_seq + 1, page_size=kv.page_size,
-                         dtype=kv_dtype)
-      eng = EngineConfig(model=cfg, kv=kv, max_running=max_running, batch_buckets=(max_running,),
-                         prefill_buckets=(prefill_chunk,),
-                         prefill_token_budget=prefill_chunk * max_running,
-                         max_pages_per_seq=pages_per_seq, backend=backend)
+      eng = _engine_config(cfg, kv_dtype, max_seq_tokens=max_seq_tokens, max_running=max_running,
+                           prefill_chunk=prefill_chunk, page_size=page_size, backend=backend)
       return PoolConfig(eng, recipe, MeshConfig())
 
     self.config = DisaggConfig(prefill=pool(prefill_kv, prefill_recipe or FP8_ALL),

@@ -51,12 +51,11 @@ class TaskConfig:
   # characters).
   retrieval_pairs: tuple[int, int] = (4, 24)
   # Letters per retrieval key (1..3). One-letter keys need a two-hop lookup (find the key,
-  # read the two tokens after it); longer keys need each key's letters gathered first, which
-  # a small model learns much later.
+  # read the two tokens after it); longer keys also need each key's letters gathered first.
   key_letters: int = 3
   # Ask for the key before the context (``k?c=41,k=07|`` -> ``07``) instead of after it
   # (``c=41,k=07|k=`` -> ``07``). The value still sits many tokens back, but each pair can be
-  # compared with the query as it is read, a lookup small models learn far sooner.
+  # compared with the query as it is read.
   query_first: bool = False
 
   def __post_init__(self):
@@ -222,8 +221,7 @@ def example_tokens(tok: CharTokenizer, ex: Example) -> tuple[list[int], list[int
 
 def packed_batch(rng: np.random.Generator, batch: int, seq_len: int, *,
                  tasks: Sequence[str] = TASKS, tc: TaskConfig = TaskConfig(),
-                 prompt_weight: float = 0.1, per_example: bool = False,
-                 mix: str = "examples", tok: CharTokenizer | None = None
+                 prompt_weight: float = 0.1, mix: str = "examples", tok: CharTokenizer | None = None
                  ) -> tuple[np.ndarray, np.ndarray]:
   """A training batch of whole examples packed into rows, uniformly mixing ``tasks``.
 
@@ -231,9 +229,7 @@ def packed_batch(rng: np.random.Generator, batch: int, seq_len: int, *,
   are per *target* position: ``weights[b, t]`` weighs predicting ``tokens[b, t]``
   from the tokens before it. Answer tokens (and EOS) weigh 1; prompt tokens weigh
   ``prompt_weight``, because keys, operands and cities are random and
-  unpredictable; BOS weighs 0. With ``per_example``, every weight of an example is
-  divided by its answer length (answer + EOS), so each example's answer counts the
-  same in the loss: otherwise a 45-token tool call outweighs a 3-token sum 15:1.
+  unpredictable; BOS weighs 0.
 
   Args:
     rng: the generator (the caller seeds it per step for reproducible resumes).
@@ -242,7 +238,6 @@ def packed_batch(rng: np.random.Generator, batch: int, seq_len: int, *,
     tasks: tasks to mix.
     tc: task difficulty.
     prompt_weight: loss weight of prompt tokens.
-    per_example: weigh examples equally instead of answer tokens equally.
     mix: "examples" draws each task equally often; "tokens" draws tasks in inverse
       proportion to their mean length, so each task fills the same share of tokens
       (a 10-token sum then comes ~6x as often as a 60-token tool call).
@@ -271,8 +266,7 @@ def packed_batch(rng: np.random.Generator, batch: int, seq_len: int, *,
       if t + len(ids) > seq_len:
         break
       tokens[b, t:t + len(ids)] = ids
-      scale = 1.0 / sum(ans) if per_example else 1.0
-      weights[b, t:t + len(ids)] = scale * np.where(np.asarray(ans) == 1, 1.0, prompt_weight)
+      weights[b, t:t + len(ids)] = np.where(np.asarray(ans) == 1, 1.0, prompt_weight)
       weights[b, t] = 0.0  # BOS is never predicted
       t += len(ids)
   return tokens, weights
