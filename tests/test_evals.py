@@ -130,6 +130,17 @@ class TaskTest(parameterized.TestCase):
       n_examples = int(np.sum(row == TOK.bos_id))
       self.assertEqual(n_examples, int(np.sum(row == EOS)))
       self.assertGreater(n_examples, 0)
+    # Segment ids: the same rows, 1, 2, ... per example (each starting at its BOS), 0 on PAD.
+    t3, w3, segs = packed_batch(np.random.default_rng(0), 3, 128, tc=SMALL_TASKS, segments=True)
+    np.testing.assert_array_equal(t3, tokens)
+    np.testing.assert_array_equal(w3, weights)
+    self.assertEqual(segs.dtype, np.int32)
+    np.testing.assert_array_equal(segs == 0, tokens == PAD)
+    for row, seg in zip(tokens, segs):
+      starts = np.nonzero(np.diff(seg, prepend=0) != 0)[0]
+      starts = starts[seg[starts] > 0]
+      np.testing.assert_array_equal(starts, np.nonzero(row == TOK.bos_id)[0])
+      np.testing.assert_array_equal(seg[starts], np.arange(1, len(starts) + 1))
 
   def test_packed_batch_token_mix_balances_tasks(self):
     def task_tokens(mix):

@@ -8,7 +8,7 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from configs import TINY_GQA, TINY_MLA
-from mlkit.model import apply, forward, init_cache, init_params
+from mlkit.model import apply, forward, init_cache, init_params, segment_positions
 from mlkit.model import moe, rope
 from mlkit.model.layers import swiglu
 
@@ -97,6 +97,27 @@ class ForwardTest(parameterized.TestCase):
     single = forward(params, jnp.array([a]), cfg=cfg)
     np.testing.assert_allclose(batched[0, :3], single[0], rtol=1e-5, atol=1e-5)
 
+  @parameterized.parameters("mla", "gqa")
+  def test_packed_segments_match_separate_sequences(self, name):
+    # Three sequences packed into one row, then a PAD tail: with segment ids and positions
+    # restarting per segment, each sequence's logits equal its own forward.
+    cfg = CONFIGS[name]
+    params = init_params(cfg, jax.random.key(0))
+    seqs = [list(np.asarray(_tokens(cfg, 1, n, seed=n)[0])) for n in (4, 6, 3)]
+    row = sum(seqs, []) + [0, 0]
+    segs = jnp.array([sum(([i + 1] * len(q) for i, q in enumerate(seqs)), []) + [0, 0]])
+    pos = segment_positions(segs)
+    np.testing.assert_array_equal(pos[0], [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1])
+    packed, _ = apply_jit(params, jnp.array([row]), pos, None, cfg=cfg, segment_ids=segs)
+    start = 0
+    for q in seqs:
+      alone = forward(params, jnp.array([q]), cfg=cfg)
+      np.testing.assert_allclose(packed[0, start:start + len(q)], alone[0], rtol=1e-5, atol=1e-5)
+      start += len(q)
+    # Without segment ids the later sequences see the earlier ones, so their logits differ.
+    unmasked, _ = apply_jit(params, jnp.array([row]), pos, None, cfg=cfg)
+    self.assertGreater(rel_err(unmasked[0, 4:10], packed[0, 4:10]), 1e-3)
+
   def test_bad_inputs(self):
     cfg = TINY_MLA
     params = init_params(cfg, jax.random.key(0))
@@ -109,6 +130,11 @@ class ForwardTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "layers"):
       apply(params, jnp.zeros((1, 3), jnp.int32), jnp.zeros((1, 3), jnp.int32),
             cfg=dataclasses.replace(cfg, n_layers=4))
+    z = jnp.zeros((1, 3), jnp.int32)
+    with self.assertRaisesRegex(ValueError, "segment_ids .* must match"):
+      apply(params, z, z, cfg=cfg, segment_ids=jnp.zeros((1, 4), jnp.int32))
+    with self.assertRaisesRegex(ValueError, "cache-free"):
+      apply(params, z, z, init_cache(cfg, 1, 8), cfg=cfg, segment_ids=z)
 
 
 def _route_naive(p, x, cfg):

@@ -10,7 +10,8 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from configs import TINY_MLA
-from mlkit.evals.tasks import TaskConfig, packed_batch
+from mlkit.evals.tasks import GENERATORS, TaskConfig, example_tokens, packed_batch
+from mlkit.evals.tokenizer import PAD, CharTokenizer
 from mlkit.model.moe import route
 from mlkit.quant import grouped_matmul
 from mlkit.train import (CapacityExperts, TrainConfig, compute_config, expert_capacity,
@@ -151,6 +152,43 @@ class CapacityExpertsTest(parameterized.TestCase):
                               float(dropless), places=6)
 
 
+  def test_packed_segments_loss_equals_separate_rows(self):
+    # Two examples packed into one row with segment ids train on exactly the loss of the same
+    # examples in rows of their own (dropless MoE routing is per token).
+    from mlkit.train import init_train_state
+    from mlkit.train import loss_fn as eager_loss
+    loss_fn = jax.jit(eager_loss, static_argnames=("cfg", "tcfg"))
+    tcfg32 = dataclasses.replace(TCFG, compute_dtype="float32")
+    ccfg = compute_config(CFG, tcfg32)
+    params = init_train_state(CFG, tcfg32)["params"]
+    rng = np.random.default_rng(3)
+    exs = [example_tokens(CharTokenizer(), GENERATORS[t](rng, TASKS))
+           for t in ("arithmetic", "retrieval")]
+    T = 64
+    sep_tok, sep_w = np.full((2, T), PAD, np.int32), np.zeros((2, T), np.float32)
+    packed_tok, packed_w = np.full((1, T), PAD, np.int32), np.zeros((1, T), np.float32)
+    segs, t = np.zeros((1, T), np.int32), 0
+    for i, (ids, ans) in enumerate(exs):
+      w = np.where(np.asarray(ans) == 1, 1.0, 0.3)
+      w[0] = 0.0
+      sep_tok[i, :len(ids)], sep_w[i, :len(ids)] = ids, w
+      packed_tok[0, t:t + len(ids)], packed_w[0, t:t + len(ids)] = ids, w
+      segs[0, t:t + len(ids)] = i + 1
+      t += len(ids)
+    alone, _ = loss_fn(params, sep_tok, sep_w, cfg=ccfg, tcfg=tcfg32)
+    packed, _ = loss_fn(params, packed_tok, packed_w, segs, cfg=ccfg, tcfg=tcfg32)
+    np.testing.assert_allclose(float(packed), float(alone), rtol=1e-5)
+    leaky, _ = loss_fn(params, packed_tok, packed_w, cfg=ccfg, tcfg=tcfg32)
+    self.assertNotAlmostEqual(float(leaky), float(alone), places=4)
+
+  def test_batch_fn_arity_checked(self):
+    with self.assertRaisesRegex(ValueError, "gave 1 arrays"):
+      train(CFG, TCFG, lambda step: (batch_fn(step)[0],), progress=None)
+    bad = lambda step: (*batch_fn(step), np.zeros((TCFG.batch_size, 5), np.int32))  # noqa: E731
+    with self.assertRaisesRegex(ValueError, "expected"):
+      train(CFG, TCFG, bad, progress=None)
+
+
 class TrainLoopTest(absltest.TestCase):
 
   @classmethod
@@ -183,7 +221,12 @@ class TrainLoopTest(absltest.TestCase):
       resumed = train(CFG, TCFG, batch_fn, checkpoint_dir=d, progress=None, stop_at=7)
       self.assertEqual(resumed.resumed_from, 6)
       self.assertEqual(int(resumed.state["step"]), 7)
-    straight = train(CFG, TCFG, batch_fn, progress=None, stop_at=7)
+    seen = []  # the on_step hook sees every step's params before the next step donates them
+    straight = train(CFG, TCFG, batch_fn, progress=None, stop_at=7,
+                     on_step=lambda step, p: seen.append((step, np.asarray(p["lm_head"]))))
+    self.assertEqual([s for s, _ in seen], list(range(1, 8)))
+    np.testing.assert_array_equal(seen[-1][1], np.asarray(straight.params["lm_head"]))
+    self.assertFalse(np.array_equal(seen[0][1], seen[-1][1]))
     for a, b in zip(jax.tree_util.tree_leaves(resumed.state), jax.tree_util.tree_leaves(straight.state)):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
     self.assertAlmostEqual(resumed.history[-1]["loss"], straight.history[-1]["loss"], places=5)

@@ -221,8 +221,8 @@ def example_tokens(tok: CharTokenizer, ex: Example) -> tuple[list[int], list[int
 
 def packed_batch(rng: np.random.Generator, batch: int, seq_len: int, *,
                  tasks: Sequence[str] = TASKS, tc: TaskConfig = TaskConfig(),
-                 prompt_weight: float = 0.1, mix: str = "examples", tok: CharTokenizer | None = None
-                 ) -> tuple[np.ndarray, np.ndarray]:
+                 prompt_weight: float = 0.1, mix: str = "examples", tok: CharTokenizer | None = None,
+                 segments: bool = False) -> tuple[np.ndarray, ...]:
   """A training batch of whole examples packed into rows, uniformly mixing ``tasks``.
 
   Examples never straddle rows; the tail of a row is PAD with weight 0. Weights
@@ -242,9 +242,12 @@ def packed_batch(rng: np.random.Generator, batch: int, seq_len: int, *,
       proportion to their mean length, so each task fills the same share of tokens
       (a 10-token sum then comes ~6x as often as a 60-token tool call).
     tok: the tokenizer (default CharTokenizer()).
+    segments: also return segment ids, so training can keep each example's attention
+      inside the example (``mlkit.train`` takes them third).
 
   Returns:
-    (tokens [B, T] int32, weights [B, T] f32).
+    (tokens [B, T] int32, weights [B, T] f32), plus segment_ids [B, T] int32 when
+    ``segments``: 1, 2, ... for a row's examples in order, 0 for the PAD tail.
 
   Raises:
     ValueError: a generated example longer than seq_len (raise seq_len or shrink tc).
@@ -255,8 +258,9 @@ def packed_batch(rng: np.random.Generator, batch: int, seq_len: int, *,
   probs = None if mix == "examples" else _token_mix(tuple(tasks), tc)
   tokens = np.full((batch, seq_len), PAD, np.int32)
   weights = np.zeros((batch, seq_len), np.float32)
+  segment_ids = np.zeros((batch, seq_len), np.int32)
   for b in range(batch):
-    t = 0
+    t, seg = 0, 0
     while True:
       task = tasks[int(rng.integers(len(tasks)))] if probs is None else \
           tasks[int(rng.choice(len(tasks), p=probs))]
@@ -268,8 +272,10 @@ def packed_batch(rng: np.random.Generator, batch: int, seq_len: int, *,
       tokens[b, t:t + len(ids)] = ids
       weights[b, t:t + len(ids)] = np.where(np.asarray(ans) == 1, 1.0, prompt_weight)
       weights[b, t] = 0.0  # BOS is never predicted
+      seg += 1
+      segment_ids[b, t:t + len(ids)] = seg
       t += len(ids)
-  return tokens, weights
+  return (tokens, weights, segment_ids) if segments else (tokens, weights)
 
 
 @functools.lru_cache(maxsize=64)

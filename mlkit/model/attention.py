@@ -172,7 +172,7 @@ def gqa_attention(q, k, v, mask, scale) -> jax.Array:
 
 def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: int,
                     cfg: ModelConfig, *, batch_meta=None, mla_mode: str = "auto",
-                    backend: str | None = None):
+                    backend: str | None = None, segment_ids: jax.Array | None = None):
   """One attention sub-layer: project, write the cache, attend, project out.
 
   Decode steps (T == 1) on a cache that offers ``decode_attention`` (the paged
@@ -187,6 +187,7 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: i
     layer: layer index into the cache.
     mla_mode: "naive", "absorbed" or "auto" (absorbed when T == 1).
     backend: kernel backend ("pallas" | "interpret" | "xla" | None for the platform default).
+    segment_ids: [B, T] int, cache-free forwards only: tokens attend within their segment.
 
   Returns:
     (out [B, T, D], cache).
@@ -211,7 +212,7 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: i
                                        backend=backend)[:, None]  # [B, 1, H, hd]
   else:
     if cache is None:
-      view, mask = no_cache_view(new, positions)
+      view, mask = no_cache_view(new, positions, segment_ids)
     else:
       cache, view, mask = cache.update(layer, new, positions, batch_meta)
     if mla:

@@ -89,7 +89,13 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int | None = None,
   return ContiguousKVCache(layers=layers)
 
 
-def no_cache_view(new: dict, positions: jax.Array):
-  """View and causal mask for a cache-free forward: the chunk attends only to itself."""
+def no_cache_view(new: dict, positions: jax.Array, segment_ids: jax.Array | None = None):
+  """View and causal mask for a cache-free forward: the chunk attends only to itself.
+
+  With ``segment_ids`` [B, T] (packed rows of independent sequences), a token also sees
+  only keys of its own segment, so each sequence attends exactly as it would alone.
+  """
   mask = positions[:, None, :] <= positions[:, :, None]  # [B, T, T] key pos <= query pos
+  if segment_ids is not None:
+    mask &= segment_ids[:, None, :] == segment_ids[:, :, None]
   return new, mask

@@ -27,7 +27,8 @@ def _check_inputs(params: dict, tokens, positions, cfg: ModelConfig) -> None:
 
 def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
           cfg: ModelConfig, batch_meta=None, mla_mode: str = "auto",
-          backend: str | None = None, return_aux: bool = False, return_hidden: bool = False):
+          backend: str | None = None, return_aux: bool = False, return_hidden: bool = False,
+          segment_ids: jax.Array | None = None):
   """Runs the model over a chunk of tokens, reading and writing the cache.
 
   Args:
@@ -43,6 +44,9 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
       "pallas" | "interpret" | "xla", or None for the platform default.
     return_aux: also return router statistics per MoE layer.
     return_hidden: return final hidden states [B, T, D] instead of logits.
+    segment_ids: [B, T] int segment of each token, for packed rows of independent
+      sequences in a cache-free forward (training): attention stays inside a segment.
+      Give each segment positions from 0 (see ``segment_positions``) to match serving.
 
   Returns:
     (logits [B, T, V] f32, cache), plus an aux dict
@@ -52,6 +56,11 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
     ValueError: on malformed shapes or a params/config mismatch.
   """
   _check_inputs(params, tokens, positions, cfg)
+  if segment_ids is not None:
+    if cache is not None:
+      raise ValueError("segment_ids apply only to a cache-free forward (cache=None)")
+    if segment_ids.shape != tokens.shape:
+      raise ValueError(f"segment_ids {segment_ids.shape} must match tokens {tokens.shape}")
   dtype = jnp.dtype(cfg.dtype)
   positions = positions.astype(jnp.int32)
   with jax.named_scope("embed"):
@@ -62,7 +71,7 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
       h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
       attn_out, cache = attention_block(lp["attn"], h, positions, cache, i, cfg,
                                         batch_meta=batch_meta, mla_mode=mla_mode,
-                                        backend=backend)
+                                        backend=backend, segment_ids=segment_ids)
       x = x + attn_out
       h = rms_norm(x, lp["ffn_norm"], cfg.rms_norm_eps)
       if cfg.is_moe_layer(i):
@@ -84,6 +93,16 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
            "router_prob": jnp.stack(probs) if probs else jnp.zeros((0,))}
     return out, cache, aux
   return out, cache
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+  """Positions [B, T] int32 that restart at 0 wherever ``segment_ids`` [B, T] changes."""
+  T = segment_ids.shape[1]
+  idx = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), segment_ids.shape)
+  new = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                         segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+  start = jax.lax.cummax(jnp.where(new, idx, 0), axis=1)  # [B, T] index where each segment began
+  return idx - start
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend"))

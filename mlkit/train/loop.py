@@ -22,11 +22,12 @@ import optax
 import orbax.checkpoint as ocp
 
 from mlkit.config import ModelConfig
-from mlkit.model import apply, init_params
+from mlkit.model import apply, init_params, segment_positions
 from mlkit.train.config import TrainConfig
 from mlkit.train.experts import dropped_fraction, wrap_experts
 
-BatchFn = Callable[[int], tuple[np.ndarray, np.ndarray]]
+# step -> (tokens [B, T], weights [B, T]) or (tokens, weights, segment_ids [B, T]).
+BatchFn = Callable[[int], tuple[np.ndarray, ...]]
 
 
 def compute_config(cfg: ModelConfig, tcfg: TrainConfig) -> ModelConfig:
@@ -68,13 +69,17 @@ def _is_router_bias(path) -> bool:
   return any(isinstance(k, jax.tree_util.DictKey) and k.key == "router_bias" for k in path)
 
 
-def loss_fn(params, tokens: jax.Array, weights: jax.Array, *, cfg: ModelConfig, tcfg: TrainConfig):
+def loss_fn(params, tokens: jax.Array, weights: jax.Array, segment_ids: jax.Array | None = None, *,
+            cfg: ModelConfig, tcfg: TrainConfig):
   """Weighted next-token cross entropy plus (for balance="aux") the balance loss.
 
   Args:
     params: f32 params.
     tokens: [B, T] int32 rows; the model reads tokens[:, :-1] and predicts tokens[:, 1:].
     weights: [B, T] f32 loss weight of predicting each token (0 for PAD and BOS).
+    segment_ids: optional [B, T] int: rows packed from independent sequences; each token
+      attends only within its segment, at positions counted from the segment's start, as
+      each sequence would be served alone.
     cfg: the compute config (see :func:`compute_config`).
     tcfg: the train config.
 
@@ -82,10 +87,13 @@ def loss_fn(params, tokens: jax.Array, weights: jax.Array, *, cfg: ModelConfig, 
     (total loss, metrics dict of scalars and ``expert_load`` [n_moe_layers, E]).
   """
   inputs, targets, w = tokens[:, :-1], tokens[:, 1:], weights[:, 1:]
-  positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+  segs = None if segment_ids is None else segment_ids[:, :-1]
+  positions = (jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+               if segs is None else segment_positions(segs))
   if tcfg.capacity_factor is not None:
     params = wrap_experts(params, tcfg.capacity_factor)
-  logits, _, aux = apply(params, inputs, positions, None, cfg=cfg, return_aux=True)  # [B, T-1, V]
+  logits, _, aux = apply(params, inputs, positions, None, cfg=cfg, return_aux=True,
+                         segment_ids=segs)  # [B, T-1, V]
   logp = jax.nn.log_softmax(logits, axis=-1)
   nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [B, T-1]
   ce = jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1e-6)
@@ -132,14 +140,15 @@ def update_router_bias(params, expert_load: jax.Array, cfg: ModelConfig, rate: f
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "tcfg"), donate_argnames=("state",))
-def train_step(state: dict, tokens: jax.Array, weights: jax.Array, *, cfg: ModelConfig,
-               tcfg: TrainConfig):
+def train_step(state: dict, tokens: jax.Array, weights: jax.Array,
+               segment_ids: jax.Array | None = None, *, cfg: ModelConfig, tcfg: TrainConfig):
   """One optimizer step.
 
   Args:
     state: {"params", "opt_state", "step"} (donated).
     tokens: [B, T] int32.
     weights: [B, T] f32.
+    segment_ids: optional [B, T] int32 (see :func:`loss_fn`).
     cfg: the compute config; tcfg: the train config.
 
   Returns:
@@ -148,8 +157,8 @@ def train_step(state: dict, tokens: jax.Array, weights: jax.Array, *, cfg: Model
     (fraction of expert assignments over slab capacity).
   """
   params = state["params"]
-  (_, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, weights, cfg=cfg,
-                                                            tcfg=tcfg)
+  (_, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, weights, segment_ids,
+                                                            cfg=cfg, tcfg=tcfg)
   # The router bias only picks experts (through top-k): it is updated by the bias rule, never by
   # the optimizer. Its gradient is zero anyway; zeroing it makes that explicit.
   grads = jax.tree_util.tree_map_with_path(
@@ -229,18 +238,22 @@ class TrainResult:
 
 def train(cfg: ModelConfig, tcfg: TrainConfig, batch_fn: BatchFn, *,
           checkpoint_dir: str | None = None, progress: Callable[[str], None] | None = print,
-          stop_at: int | None = None, init=None) -> TrainResult:
+          stop_at: int | None = None, init=None,
+          on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
   """Trains ``cfg`` for ``tcfg.steps`` steps, resuming from ``checkpoint_dir`` if it holds one.
 
   Args:
     cfg: the model config (its dtypes are replaced, see :func:`compute_config`).
     tcfg: the train config.
-    batch_fn: step -> (tokens [B, T] int32, weights [B, T] f32); must be a pure
-      function of the step so that resumes are exact.
+    batch_fn: step -> (tokens [B, T] int32, weights [B, T] f32), optionally with
+      segment_ids [B, T] int32 third (packed independent sequences, see :func:`loss_fn`);
+      must be a pure function of the step so that resumes are exact.
     checkpoint_dir: where orbax checkpoints go (None: no checkpoints).
     progress: called with a progress line every ``tcfg.log_every`` steps (None: silent).
     stop_at: stop after this step (as if interrupted), keeping the schedule of ``tcfg.steps``.
     init: optional initial params (default: ``init_params`` with ``tcfg.seed``).
+    on_step: called as ``on_step(step, params)`` after every step (e.g. to evaluate
+      mid-run); it must finish with ``params`` before returning (the next step donates them).
 
   Returns:
     A TrainResult.
@@ -264,12 +277,21 @@ def train(cfg: ModelConfig, tcfg: TrainConfig, batch_fn: BatchFn, *,
   t_start, t_first = time.perf_counter(), None
   step = int(state["step"])
   while step < last:
-    tokens, weights = batch_fn(step)
-    if tokens.shape != (tcfg.batch_size, tcfg.seq_len) or weights.shape != tokens.shape:
-      raise ValueError(f"train: batch_fn({step}) gave tokens {tokens.shape}, weights "
-                       f"{weights.shape}; expected ({tcfg.batch_size}, {tcfg.seq_len})")
-    state, m = train_step(state, jnp.asarray(tokens), jnp.asarray(weights), cfg=ccfg, tcfg=tcfg)
+    batch = batch_fn(step)
+    if len(batch) not in (2, 3):
+      raise ValueError(f"train: batch_fn({step}) gave {len(batch)} arrays; expected (tokens, "
+                       f"weights) or (tokens, weights, segment_ids)")
+    tokens, weights, segs = (*batch, None)[:3]
+    shapes = [tokens.shape, weights.shape] + ([] if segs is None else [segs.shape])
+    if any(s != (tcfg.batch_size, tcfg.seq_len) for s in shapes):
+      raise ValueError(f"train: batch_fn({step}) gave shapes {shapes}; expected "
+                       f"({tcfg.batch_size}, {tcfg.seq_len}) for each")
+    state, m = train_step(state, jnp.asarray(tokens), jnp.asarray(weights),
+                          None if segs is None else jnp.asarray(segs, jnp.int32), cfg=ccfg,
+                          tcfg=tcfg)
     step += 1
+    if on_step is not None:
+      on_step(step, state["params"])
     log_now = tcfg.log_every and (step % tcfg.log_every == 0 or step == last or step == 1)
     if log_now:
       m = {k: float(v) for k, v in jax.device_get(m).items()}
