@@ -55,6 +55,10 @@ EXPERIMENTS = {
                  "through the engine and the disaggregated recipe through both pools (not in the "
                  "default suite: training takes ~33 min on a 2-core CPU, once; the --full "
                  "evaluation ~10 min)"),
+    "retrieval_learning": ("experiments.retrieval_learning",
+                           "why retrieval is not learned: MINI_MLA vs the same width with GQA "
+                           "attention, trained from scratch on key->value lookup alone; accuracy "
+                           "vs step (not in the default suite: quick ~8 min, --full ~20 min)"),
 }
 DEFAULT_SUITE = ("generate", "capacity", "engine_overhead", "kv_dtype", "weight_quant", "disagg",
                  "integrity", "paper", "kernels")
