@@ -538,12 +538,15 @@ def _markdown(record: dict) -> str:
             f"({'cached' if tr.get('cached') else 'trained in this run'}; train fingerprint "
             f"`{tr.get('fingerprint')}`). Evaluation through `{record['eval']['backend']}`; "
             f"perplexity and KL by teacher forcing through the paged pool. "
-            f"Accuracy in %, 95% Wilson intervals; KL(bf16 ref || recipe) in nats per token.", ""]
+            f"Accuracy in %, 95% Wilson intervals; KL(bf16 ref || recipe) in nats per token, over "
+            f"every predicted token (KL mean, p99) and over answer tokens only (KL answer mean, "
+            f"what the tasks score; prompts hold random keys, operands and cities).", ""]
   if record.get("skipped"):
     lines += [f"Skipped: {', '.join(f'{k} ({v})' for k, v in record['skipped'].items())}.", ""]
   tasks = list(next(iter(record["recipes"].values()))["tasks"])
   headers = ["recipe"] + [f"{t} % [95% CI]" for t in tasks] + [
-      "tool validity %", "answer top-1 % [95% CI]", "answer ppl", "KL mean", "KL p99"]
+      "tool validity %", "answer top-1 % [95% CI]", "answer ppl", "KL mean", "KL answer mean",
+      "KL p99"]
   rows = []
   for name, r in record["recipes"].items():
     row = [name]
@@ -558,7 +561,8 @@ def _markdown(record: dict) -> str:
     else:
       row.append("-")
     row += ["-" if r[k] is None else fmt.format(r[k]) for k, fmt in
-            (("heldout_answer_ppl", "{:.4f}"), ("kl_mean", "{:.2e}"), ("kl_p99", "{:.2e}"))]
+            (("heldout_answer_ppl", "{:.4f}"), ("kl_mean", "{:.2e}"),
+             ("kl_answer_mean", "{:.2e}"), ("kl_p99", "{:.2e}"))]
     rows.append(row)
   lines += [common.markdown_table(headers, rows), "", "![accuracy per recipe](accuracy.png)", ""]
   sizes = sorted({n for r in record["recipes"].values() for n in r.get("retrieval_by_pairs", {})},
