@@ -53,7 +53,7 @@ EXPERIMENTS = {
     "accuracy": ("experiments.accuracy",
                  "train MINI_MLA on generated tasks (cached), evaluate every KV x weight recipe "
                  "through the engine and the disaggregated recipe through both pools (not in the "
-                 "default suite: training takes ~33 min on a 2-core CPU, once; the --full "
+                 "default suite: training takes ~90 min on a 2-core CPU, once; the --full "
                  "evaluation ~10 min)"),
     "retrieval_learning": ("experiments.retrieval_learning",
                            "why retrieval is not learned: MINI_MLA vs the same width with GQA "

@@ -102,9 +102,9 @@ class AccuracySmokeTest(absltest.TestCase):
     # (taken before its first update) is the parent model's loss on the stage's first batch.
     from mlkit.train import compute_config, loss_fn
     parent_params, _ = accuracy.train_or_load(setup.parent)
-    tokens, weights = accuracy.batch_fn(setup)(0)
+    tokens, weights, segments = accuracy.batch_fn(setup)(0)  # the smoke stages pack segments
     want, _ = jax.jit(loss_fn, static_argnames=("cfg", "tcfg"))(
-        parent_params, tokens, weights, cfg=compute_config(setup.model, setup.train),
+        parent_params, tokens, weights, segments, cfg=compute_config(setup.model, setup.train),
         tcfg=setup.train)
     self.assertAlmostEqual(self.record["train_history"][0]["loss"], float(want), delta=0.02)
     fresh = accuracy.TrainSetup(model=setup.model, train=setup.train, tasks=setup.tasks)
@@ -119,9 +119,10 @@ class AccuracySmokeTest(absltest.TestCase):
     setup = accuracy.TRAIN_SETUPS["smoke"]
     other = [dataclasses.replace(setup, train=dataclasses.replace(setup.train, steps=7)),
              dataclasses.replace(setup, prompt_weight=0.5),
-             dataclasses.replace(setup, model=dataclasses.replace(setup.model, n_layers=3))]
+             dataclasses.replace(setup, model=dataclasses.replace(setup.model, n_layers=3)),
+             dataclasses.replace(setup, segments=not setup.segments)]
     fps = {setup.fingerprint()} | {o.fingerprint() for o in other}
-    self.assertLen(fps, 4)
+    self.assertLen(fps, 5)
     self.assertEqual(setup.fingerprint(), dataclasses.replace(setup).fingerprint())
 
   def test_short_rows_rejected(self):

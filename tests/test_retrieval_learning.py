@@ -99,6 +99,10 @@ class SmokeRunTest(absltest.TestCase):
         self.assertTrue(os.path.exists(os.path.join(out, f"retrieval_learning.{ext}")))
       with open(os.path.join(out, "retrieval_learning.json")) as f:
         self.assertEqual(json.load(f)["experiment"], "retrieval_learning")
+      with open(os.path.join(out, "retrieval_learning.md")) as f:
+        md = f.read()
+      self.assertTrue(md.startswith("# retrieval_learning"))
+      self.assertIn("](retrieval_learning.png)", md)
     setup = rl.SETUPS["smoke"]
     self.assertEqual([r["model"]["attention"] for r in rec["runs"]], ["mla", "gqa"])
     for r in rec["runs"]:
