@@ -24,7 +24,7 @@ from configs import MINI_MLA, TINY_MLA
 from experiments import common
 from mlkit.checkpoint import checkpoint_steps, load_checkpoint, save_checkpoint
 from mlkit.config import ModelConfig
-from mlkit.evals.tasks import TaskConfig, max_example_tokens, packed_batch
+from mlkit.evals.tasks import TaskConfig, max_example_tokens, packed_batch, retrieval_pairs
 from mlkit.train import TrainConfig, compute_config, plot_loss, train
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,11 +136,9 @@ _STAGE3 = TrainSetup(
 # when served (stages 1-3 let an example see the earlier ones in its row, so a query could
 # match a key of another example), and retrieval fills 3/5 of the tokens (~25 min). Here the
 # key match starts to be learned: retrieval rises above chance, first on short contexts.
-_STAGE4 = TrainSetup(
-    model=MINI_MLA,
-    train=TrainConfig(steps=3000, batch_size=16, seq_len=96, learning_rate=2e-3, warmup_steps=30,
-                      bias_update_rate=1e-3, log_every=25, checkpoint_every=200, seed=3),
-    tasks=TaskConfig(arith_digits=(1, 2), retrieval_pairs=(2, 10), key_letters=1, query_first=True),
+_STAGE4 = dataclasses.replace(
+    _STAGE3, train=dataclasses.replace(_STAGE3.train, steps=3000, seed=3),
+    tasks=dataclasses.replace(_STAGE3.tasks, retrieval_pairs=(2, 10)),
     task_mix=("arithmetic", "retrieval", "retrieval", "retrieval", "tool_call"), parent=_STAGE3,
     segments=True)
 # Stage 5 repeats stage 4's recipe with a fresh schedule (warm restart) and new data (~25 min);
@@ -327,7 +325,7 @@ def retrieval_by_pairs(ecfg, results) -> dict[str, float]:
     return {}
   by: dict[int, list[bool]] = {}
   for ex, ok in zip(ecfg.examples("retrieval"), results["retrieval"].correct):
-    by.setdefault(ex.prompt.count(",") + 1, []).append(bool(ok))
+    by.setdefault(retrieval_pairs(ex), []).append(bool(ok))
   return {str(n): float(np.mean(v)) for n, v in sorted(by.items())}
 
 

@@ -23,7 +23,8 @@ import numpy as np
 from configs import MINI_MLA, TINY_MLA
 from experiments import common
 from mlkit.config import ModelConfig
-from mlkit.evals.tasks import TaskConfig, example_tokens, gen_retrieval, make_examples
+from mlkit.evals.tasks import (TaskConfig, chance_accuracy, example_tokens, gen_retrieval,
+                               make_examples, retrieval_pairs)
 from mlkit.evals.tokenizer import EOS, PAD, CharTokenizer
 from mlkit.train import TrainConfig, compute_config, train
 
@@ -66,6 +67,23 @@ SETUPS = {
 }
 
 
+def _padded_rows(seqs, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+  """[(ids, is_answer)] -> (tokens [N, seq_len] int32, weights [N, seq_len] f32), one
+  sequence per row from its start, PAD after it; weight 1 on the answer and EOS.
+
+  Raises:
+    ValueError: a sequence longer than ``seq_len``.
+  """
+  tokens = np.full((len(seqs), seq_len), PAD, np.int32)
+  weights = np.zeros((len(seqs), seq_len), np.float32)
+  for b, (ids, is_answer) in enumerate(seqs):
+    if len(ids) > seq_len:
+      raise ValueError(f"retrieval_learning: an example has {len(ids)} tokens > seq_len {seq_len}")
+    tokens[b, :len(ids)] = ids
+    weights[b, :len(ids)] = is_answer
+  return tokens, weights
+
+
 def single_example_rows(step: int, *, seed: int, batch: int, seq_len: int, tc: TaskConfig,
                         tok: CharTokenizer) -> tuple[np.ndarray, np.ndarray]:
   """One retrieval example per row, PAD after it: (tokens [B, T] int32, weights [B, T] f32)
@@ -75,15 +93,7 @@ def single_example_rows(step: int, *, seed: int, batch: int, seq_len: int, tc: T
     ValueError: an example longer than ``seq_len``.
   """
   rng = np.random.default_rng([seed, step])
-  tokens = np.full((batch, seq_len), PAD, np.int32)
-  weights = np.zeros((batch, seq_len), np.float32)
-  for b in range(batch):
-    ids, is_answer = example_tokens(tok, gen_retrieval(rng, tc))
-    if len(ids) > seq_len:
-      raise ValueError(f"retrieval_learning: an example has {len(ids)} tokens > seq_len {seq_len}")
-    tokens[b, :len(ids)] = ids
-    weights[b, :len(ids)] = is_answer
-  return tokens, weights
+  return _padded_rows([example_tokens(tok, gen_retrieval(rng, tc)) for _ in range(batch)], seq_len)
 
 
 def lookup_accuracy(params, cfg: ModelConfig, examples, tok: CharTokenizer, seq_len: int
@@ -92,10 +102,7 @@ def lookup_accuracy(params, cfg: ModelConfig, examples, tok: CharTokenizer, seq_
   :func:`score_predictions`)."""
   import jax.numpy as jnp
   from mlkit.model import forward
-  seqs = [example_tokens(tok, ex) for ex in examples]
-  x = np.full((len(seqs), seq_len), PAD, np.int32)
-  for i, (ids, _) in enumerate(seqs):
-    x[i, :len(ids)] = ids
+  x, _ = _padded_rows([example_tokens(tok, ex) for ex in examples], seq_len)
   pred = np.asarray(jnp.argmax(forward(params, jnp.asarray(x[:, :-1]), cfg=cfg), axis=-1))
   return score_predictions(pred, examples, tok)
 
@@ -116,7 +123,7 @@ def score_predictions(pred: np.ndarray, examples, tok: CharTokenizer
   for i, ex in enumerate(examples):
     ids, is_answer = example_tokens(tok, ex)
     pos = [t for t in range(1, len(ids)) if is_answer[t] and ids[t] != EOS]
-    by.setdefault(ex.prompt.count(",") + 1, []).append(all(pred[i, t - 1] == ids[t] for t in pos))
+    by.setdefault(retrieval_pairs(ex), []).append(all(pred[i, t - 1] == ids[t] for t in pos))
   overall = float(np.mean([ok for v in by.values() for ok in v]))
   return overall, {str(n): float(np.mean(v)) for n, v in sorted(by.items())}
 
@@ -152,7 +159,7 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   setup = SETUPS[mode]
   tok = CharTokenizer()
   examples = make_examples("retrieval", setup.n_eval, seed=1, tc=_TASKS)
-  chance = float(np.mean([1.0 / (ex.prompt.count(",") + 1) for ex in examples]))
+  chance = float(np.mean([chance_accuracy(ex) for ex in examples]))
   runs = [learning_curve(label, model, setup, examples, tok) for label, model in setup.models]
   record = common.record_header("retrieval_learning", quick=quick, smoke=smoke,
                                 config={"setup": dataclasses.asdict(setup) | {"models": [

@@ -198,6 +198,11 @@ def is_correct(example: Example, output: str) -> bool:
   return output == example.answer
 
 
+def retrieval_pairs(example: Example) -> int:
+  """The number of key/value pairs in a retrieval example's context."""
+  return example.prompt.count(",") + 1
+
+
 def chance_accuracy(example: Example) -> float:
   """Accuracy of a guesser that knows the answer's format but not the content.
 
@@ -206,7 +211,7 @@ def chance_accuracy(example: Example) -> float:
   tool_call: 1 / (number of distinct calls of that tool's template) is ~0, so 0.
   """
   if example.task == "retrieval":
-    return 1.0 / (example.prompt.count(",") + 1)
+    return 1.0 / retrieval_pairs(example)
   return 0.0
 
 
@@ -308,4 +313,5 @@ def eval_sequences(examples: Sequence[Example], tok: CharTokenizer | None = None
 __all__ = ["BOS", "EOS", "Example", "GENERATORS", "PAD", "TASKS", "TOOL_SCHEMAS", "TaskConfig",
            "chance_accuracy", "eval_sequences", "example_tokens", "format_tool_call",
            "gen_arithmetic", "gen_retrieval", "gen_tool_call", "is_correct", "make_examples",
-           "max_example_tokens", "packed_batch", "parse_tool_call", "tool_call_valid"]
+           "max_example_tokens", "packed_batch", "parse_tool_call", "retrieval_pairs",
+           "tool_call_valid"]
