@@ -20,6 +20,12 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                              + " --xla_force_host_platform_device_count=2").strip()
 
+# CPU machines carry the CUDA compiler plugin (for deviceless H200 compiles): without a GPU, jax
+# must be told to use the CPU before it loads, or it prints a driver traceback first.
+from pallas_kernels.h200 import env as _h200_env  # noqa: E402
+
+_h200_env.prepare(ptxas_report=False)
+
 from absl import app, flags, logging  # noqa: E402
 
 # name -> (module, one-line description with the quick run's budget on a 2-core CPU).

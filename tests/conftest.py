@@ -1,10 +1,17 @@
-"""Test-wide setup: 8 host CPU devices for sharding tests, and the `gpu` marker.
+"""Test-wide setup: 8 host CPU devices for sharding tests, the H200 compile environment, and
+the `gpu` marker.
 
-XLA_FLAGS must be set before jax is imported anywhere, so it happens at the top
-of this file, which pytest imports before any test module.
+XLA_FLAGS and the compile environment must be set before jax is imported anywhere, so it
+happens at the top of this file, which pytest imports before any test module.
 """
 
 import os
+
+from pallas_kernels.h200 import env as h200_env
+
+# JAX_PLATFORMS=cpu where there is no GPU (the CUDA compiler plugin is installed), and XLA's
+# ptxas report on, so that the kernel compile tests read registers and spills.
+h200_env.prepare()
 
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:

@@ -107,7 +107,10 @@ class PagedModelTest(parameterized.TestCase):
   @parameterized.named_parameters(("mla", TINY_MLA), ("gqa", TINY_GQA))
   def test_f32_pages_match_contiguous(self, cfg):
     got, want = self._run(cfg, "float32")
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # Paged and contiguous attention sum in different orders: a long-reduction comparison by
+    # relative norm (tolerance table), plus an elementwise bound a few f32 ulps of the logits wide.
+    self.assertLessEqual(np.linalg.norm(got - want) / np.linalg.norm(want), 1e-6)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
   @parameterized.named_parameters(("mla", TINY_MLA), ("gqa", TINY_GQA))
   def test_bf16_pages_match_contiguous(self, cfg):

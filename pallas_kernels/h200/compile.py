@@ -1,0 +1,216 @@
+"""Deviceless compiles for an NVIDIA H200: ptxas readings per kernel, memory per device.
+
+``compile_for_h200(fn, *args)`` lowers and compiles ``fn`` with XLA's real GPU
+compiler against an H200 topology built from ``target_config.txtpb`` (the H200's
+device limits, from openxla/xla's ``xla/backends/gpu/target_config/specs/h200.txtpb``).
+No GPU is needed and nothing is allocated: the arguments are
+``jax.ShapeDtypeStruct``s, with shardings on a topology mesh for multi-device
+programs. It returns what ptxas reported for every Pallas kernel (registers,
+spill stores/loads, stack, shared memory) and XLA's ``memory_analysis()``.
+
+Needs the environment of :mod:`pallas_kernels.h200.env` (``env.prepare()``
+before jax is imported) and the CUDA compiler packages of the test extra
+(``jax-cuda13-plugin==0.11.2``, ``nvidia-cuda-nvcc==13.0.*``, matching the
+H200 machine's image). Shared-memory overflow surfaces as an exception: at
+lowering for Mosaic GPU, at compile for Triton.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import os
+import pathlib
+import re
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import jax
+from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pallas_kernels.h200 import env
+
+TARGET_CONFIG = pathlib.Path(__file__).with_name("target_config.txtpb")
+# H200 limits (from the target config): the opt-in shared memory per block and registers per thread.
+SMEM_LIMIT_BYTES = 232448
+MAX_REGISTERS = 255
+DEVICE_MEMORY_BYTES = 151397597184
+
+_PTXAS_RE = re.compile(
+    r"Function properties for (\S+)\n\s+(\d+) bytes stack frame, (\d+) bytes spill stores, "
+    r"(\d+) bytes spill loads\nptxas info\s+: Used (\d+) registers")
+# XLA's own fusions and copies, which are not Pallas kernels.
+_XLA_KERNEL_RE = re.compile(r"(loop|input|wrapped|fusion|copy|transpose|concatenate|reduce)_?")
+
+
+class H200CompileUnavailable(RuntimeError):
+  """The environment or packages for deviceless H200 compiles are missing."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelStats:
+  """What ptxas reported for one kernel.
+
+  Attributes:
+    registers: registers per thread.
+    spill_stores / spill_loads: bytes of register spills per thread.
+    stack: stack frame bytes per thread.
+    smem: shared memory bytes per block (static + dynamic), None if not read.
+  """
+
+  registers: int
+  spill_stores: int
+  spill_loads: int
+  stack: int
+  smem: int | None = None
+
+  @property
+  def spills(self) -> int:
+    return self.spill_stores + self.spill_loads
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+  """One deviceless compile.
+
+  Attributes:
+    seconds: lowering + compile wall time.
+    kernels: Pallas kernel name -> KernelStats.
+    memory: per-device bytes from ``memory_analysis()`` (argument, output,
+      temp, generated code, alias), or {} if XLA reported none.
+  """
+
+  seconds: float
+  kernels: dict[str, KernelStats]
+  memory: dict[str, int]
+
+
+@functools.cache
+def topology(devices: int = 1):
+  """An H200 topology of ``devices`` GPUs on one host (1 or 8 typically)."""
+  problems = env.check(ptxas_report=False)
+  if problems:
+    raise H200CompileUnavailable("cannot compile for an H200 here: " + "; ".join(problems))
+  return topologies.get_topology_desc(platform="cuda", topology_name="h200",
+                                      target_config=TARGET_CONFIG.read_text(),
+                                      topology=f"1x1x{int(devices)}")
+
+
+def mesh(shape: tuple[int, ...] = (1,), axis_names: tuple[str, ...] = ("x",)):
+  """A ``jax.sharding.Mesh`` of compile-only H200 devices with the given axes."""
+  n = 1
+  for s in shape:
+    n *= int(s)
+  return topologies.make_mesh(topology(n), tuple(shape), tuple(axis_names))
+
+
+def spec(shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
+  """A ShapeDtypeStruct on one H200 (replicated) unless a sharding is given."""
+  if sharding is None:
+    sharding = NamedSharding(mesh(), P())
+  return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+
+def _mosaic_smem(asm: str) -> int | None:
+  """Dynamic shared memory of a serialised Mosaic GPU kernel (private jax internals)."""
+  try:
+    from jax._src.interpreters import mlir as jmlir
+    from jax._src.lib import mosaic_gpu_dialect
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+    from jaxlib.mlir import ir
+    ctx = jmlir.make_ir_context()
+    mosaic_gpu_dialect.register_dialect(ctx)
+    ctx.allow_unregistered_dialects = True
+    with ctx, ir.Location.unknown():
+      txt = str(mgpu_core._run_serde_pass(ir.Module.parse(asm), serialize=False))  # noqa: SLF001
+    var = re.search(r"gpu\.launch .*dynamic_shared_memory_size (%\S+)", txt).group(1)
+    return int(re.search(re.escape(var) + r" = \S+ (\d+)", txt).group(1))
+  except Exception:  # a jax upgrade moved the internals: report no reading, not a failure
+    return None
+
+
+def _known_mosaic_kernels() -> dict:
+  try:
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+    return dict(mgpu_core.KNOWN_KERNELS)
+  except Exception:
+    return {}
+
+
+def compile_for_h200(fn: Callable[..., Any], *args, mesh_=None, ptxas_report: bool = True,
+                     **kwargs) -> CompileReport:
+  """Lowers and compiles ``fn(*args, **kwargs)`` for an H200 and reads ptxas' report.
+
+  Args:
+    fn: the function (keyword arguments are closed over, so they may be static).
+    *args: ShapeDtypeStructs (see :func:`spec`), sharded on a mesh of :func:`mesh`.
+    mesh_: the mesh the arguments live on (default: one H200); Pallas reads the
+      GPU kind from it.
+    ptxas_report: require XLA's ptxas logging (``env.prepare()``), so that every
+      kernel's registers and spills are read; False for memory-only compiles.
+    **kwargs: static keyword arguments of ``fn``.
+
+  Returns:
+    A CompileReport.
+
+  Raises:
+    H200CompileUnavailable: the environment or packages are missing.
+    Whatever lowering or compiling raises (unsupported op, shared memory overflow).
+  """
+  if ptxas_report and (problems := env.check()):
+    raise H200CompileUnavailable("cannot read ptxas' report here: " + "; ".join(problems))
+  m = mesh() if mesh_ is None else mesh_
+  with tempfile.TemporaryDirectory(prefix="h200_dump_") as dump:
+    return _compile(fn, args, kwargs, m, dump)
+
+
+def _compile(fn, args, kwargs, m, dump: str) -> CompileReport:
+  known = set(_known_mosaic_kernels())
+  log = tempfile.TemporaryFile()
+  sys.stderr.flush()
+  saved = os.dup(2)
+  os.dup2(log.fileno(), 2)  # XLA logs ptxas -v on fd 2
+  t0 = time.perf_counter()
+  try:
+    with jax.sharding.use_abstract_mesh(m.abstract_mesh):
+      lowered = jax.jit(lambda *a: fn(*a, **kwargs)).trace(*args).lower()
+    compiled = lowered.compile({"xla_dump_to": dump})
+  finally:
+    sys.stderr.flush()
+    os.dup2(saved, 2)
+    os.close(saved)
+  secs = time.perf_counter() - t0
+  log.seek(0)
+  text = log.read().decode(errors="replace")
+  stats: dict[str, dict] = {}
+  for name, stack, st, ld, regs in _PTXAS_RE.findall(text):
+    if _XLA_KERNEL_RE.match(name):
+      continue
+    stats[name] = dict(registers=int(regs), spill_stores=int(st), spill_loads=int(ld),
+                       stack=int(stack), smem=None)
+  # Triton kernels: shared memory from the launch lines of XLA's thunk dump.
+  for path in glob.glob(os.path.join(dump, "*thunk_sequence.txt")):
+    for mt in re.finditer(r"kCustomKernel.*?\] (\S+) grid: .*?shared_memory: (\d+) bytes",
+                          open(path).read()):
+      if mt.group(1) in stats:
+        stats[mt.group(1)]["smem"] = int(mt.group(2))
+  # Mosaic GPU kernels: dynamic shared memory from the serialised kernel.
+  new = {k: v for k, v in _known_mosaic_kernels().items() if k not in known}
+  smems = [s for s in (_mosaic_smem(asm) for asm in new.values()) if s is not None]
+  for name, s in stats.items():
+    if name.endswith("_mosaic_gpu_kernel") and s["smem"] is None and smems:
+      s["smem"] = max(smems)
+  memory = {}
+  try:
+    ma = compiled.memory_analysis()
+    if ma is not None:
+      for field in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+                    "generated_code_size_in_bytes", "alias_size_in_bytes"):
+        memory[field.removesuffix("_size_in_bytes")] = int(getattr(ma, field))
+  except Exception:
+    memory = {}
+  return CompileReport(secs, {k: KernelStats(**v) for k, v in stats.items()}, memory)
