@@ -1,0 +1,222 @@
+"""The kernel shapes the report's deployments run on one H200, as data.
+
+One list serves the deviceless compile tests (every case through ptxas with zero
+spills), the ``kernels`` experiment and ``scripts/gpu_check.py`` (target shapes
+first). Every dimension comes from the model presets (``configs.KIMI_K2_6``,
+``configs.GLM_5_2``) and the deployment's parallelism, so a preset change moves
+the targets with it:
+
+* **MLA decode** (absorbed form: latent ``kv_lora_rank`` + rope key
+  ``qk_rope_head_dim``, page 64): heads per device under tensor parallelism 8
+  (64 / 8 = 8) and under data-parallel attention (all 64 heads); batch 1-64,
+  contexts 4K-128K, bf16 and fp8 pages. Both models have 64 heads, 512 + 64
+  entries, so their decode kernels are the same shapes.
+* **INT4 dense**: the attention and dense-FFN projections per device at TP 8
+  (replicated ``wq_a``/``wkv_a``, column-split ``wq_b``/``wkv_b``/gate/up,
+  row-split ``wo``/down), decode and prefill token counts, groups 32 and 128.
+* **INT4 grouped**: the routed experts per device at expert parallelism 8
+  (Kimi 384 / 8 = 48, GLM 256 / 8 = 32), gate/up and down, 1-64 rows per expert
+  (decode) and a prefill chunk's rows, groups 32 and 128.
+* **Tag check**: a full H200's KV budget in pages (the report's ~1.37M fp8
+  tokens of Kimi at page 64), 64 requests of 128K tokens.
+* **GQA decode**: head_dim 128, groups 1-16, bf16 and fp8 (the GQA path of the
+  model; not in the report's models).
+
+A case holds shapes and static arguments only; callers make abstract inputs
+(``jax.ShapeDtypeStruct``) for compiles or random arrays for timed runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import jax.numpy as jnp
+
+from configs import GLM_5_2, KIMI_K2_6
+
+FP8 = jnp.float8_e4m3fn
+PAGE_SIZE = 64  # MLA page: 64 tokens (one wgmma N tile per page)
+TP = 8  # tensor parallelism of the report's 8x H200 deployments
+EP = 8  # expert parallelism of the same
+KV_TOKENS_PER_H200 = 1_372_000  # the report's fp8 KV capacity of Kimi K2.6 on one H200
+
+KERNELS = ("paged_mla_decode", "paged_gqa_decode", "int4_matmul", "int4_grouped_matmul",
+           "tag_check")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCase:
+  """One kernel at one target shape.
+
+  Attributes:
+    kernel: one of KERNELS (the public op in pallas_kernels).
+    name: unique, readable id, e.g. "mla/tp8/fp8/b64/ctx131072".
+    model: which deployment the shape comes from ("Kimi K2.6", "GLM 5.2", "both", "GQA").
+    dims: the shape parameters (kernel-specific keys, see ``arg_shapes``).
+  """
+
+  kernel: str
+  name: str
+  model: str
+  dims: tuple[tuple[str, object], ...]
+
+  @property
+  def d(self) -> dict:
+    return dict(self.dims)
+
+  def arg_shapes(self) -> list[tuple[tuple[int, ...], object] | None]:
+    """(shape, dtype) of each positional argument of the op (None for an absent scale)."""
+    d = self.d
+    if self.kernel == "paged_mla_decode":
+      b, h, c, r, ps, n, p = (d[k] for k in ("batch", "heads", "c", "r", "page_size",
+                                              "num_pages", "max_pages"))
+      dt = FP8 if d["kv"] == "fp8" else jnp.bfloat16
+      sc = ((n, ps), jnp.float32) if d["kv"] == "fp8" else None
+      return [((b, h, c), jnp.bfloat16), ((b, h, r), jnp.bfloat16), ((n, ps, c), dt),
+              ((n, ps, r), dt), sc, sc, ((b, p), jnp.int32), ((b,), jnp.int32)]
+    if self.kernel == "paged_gqa_decode":
+      b, kv, g, hd, ps, n, p = (d[k] for k in ("batch", "kv_heads", "group", "head_dim",
+                                               "page_size", "num_pages", "max_pages"))
+      dt = FP8 if d["kv"] == "fp8" else jnp.bfloat16
+      sc = ((n, ps, kv), jnp.float32) if d["kv"] == "fp8" else None
+      return [((b, kv * g, hd), jnp.bfloat16), ((n, ps, kv, hd), dt), ((n, ps, kv, hd), dt),
+              sc, sc, ((b, p), jnp.int32), ((b,), jnp.int32)]
+    if self.kernel == "int4_matmul":
+      m, k, n, g = d["m"], d["k"], d["n"], d["group_size"]
+      return [((m, k), jnp.bfloat16), ((k // 2, n), jnp.uint8), ((k // g, n), jnp.bfloat16)]
+    if self.kernel == "int4_grouped_matmul":
+      m, k, n, g, e = d["m"], d["k"], d["n"], d["group_size"], d["experts"]
+      return [((m, k), jnp.bfloat16), ((e, k // 2, n), jnp.uint8), ((e, k // g, n), jnp.bfloat16),
+              ((e,), jnp.int32)]
+    if self.kernel == "tag_check":
+      b, p, n = d["batch"], d["max_pages"], d["num_pages"]
+      return [((n,), jnp.int32), ((b, p), jnp.int32), ((b, p), jnp.int32), ((b,), jnp.int32)]
+    raise ValueError(f"unknown kernel {self.kernel!r}")
+
+  def static_kwargs(self) -> dict:
+    """Static keyword arguments of the op other than backend and block sizes."""
+    d = self.d
+    if self.kernel == "paged_mla_decode":
+      return {"scale": 1.0 / math.sqrt(d["qk_head_dim"])}
+    if self.kernel == "paged_gqa_decode":
+      return {"scale": 1.0 / math.sqrt(d["head_dim"])}
+    if self.kernel in ("int4_matmul", "int4_grouped_matmul"):
+      return {"group_size": d["group_size"]}
+    return {"page_size": d["page_size"]}
+
+
+def _case(kernel, name, model, **dims) -> KernelCase:
+  return KernelCase(kernel, name, model, tuple(dims.items()))
+
+
+MLA_BATCHES = (1, 8, 64)
+MLA_CONTEXTS = (4096, 32768, 131072)
+
+
+def mla_cases() -> list[KernelCase]:
+  """MLA decode per device: TP 8 and data-parallel heads x batch x context x bf16/fp8."""
+  for cfg in (KIMI_K2_6, GLM_5_2):  # the kernels below cover both only while this holds
+    assert (cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim) == (64, 512, 64), cfg.name
+  c, r = KIMI_K2_6.kv_lora_rank, KIMI_K2_6.qk_rope_head_dim
+  cases = []
+  for (par, heads), kv, b, ctx in itertools.product(
+      (("tp8", KIMI_K2_6.n_heads // TP), ("dp", KIMI_K2_6.n_heads)), ("bf16", "fp8"),
+      MLA_BATCHES, MLA_CONTEXTS):
+    p = ctx // PAGE_SIZE
+    cases.append(_case("paged_mla_decode", f"mla/{par}/{kv}/b{b}/ctx{ctx}", "both",
+                       batch=b, heads=heads, c=c, r=r, page_size=PAGE_SIZE, context=ctx,
+                       max_pages=p, num_pages=b * p + 1, kv=kv,
+                       qk_head_dim=KIMI_K2_6.qk_nope_head_dim + r))
+  return cases
+
+
+DECODE_TOKENS = (1, 8, 64)
+PREFILL_TOKENS = 4096
+GROUPS = (32, 128)
+
+
+def _dense_projections(cfg) -> list[tuple[str, int, int]]:
+  """(name, K, N) of the attention and dense-FFN projections on one device at TP 8."""
+  h = cfg.n_heads // TP
+  qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+  return [
+      ("wq_a", cfg.d_model, cfg.q_lora_rank),  # replicated
+      ("wq_b", cfg.q_lora_rank, h * qk),
+      ("wkv_a", cfg.d_model, cfg.kv_lora_rank + cfg.qk_rope_head_dim),  # replicated
+      ("wkv_b", cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
+      ("wo", h * cfg.v_head_dim, cfg.d_model),
+      ("ffn_up", cfg.d_model, cfg.dense_ffn_dim // TP),
+      ("ffn_down", cfg.dense_ffn_dim // TP, cfg.d_model),
+  ]
+
+
+def int4_dense_cases() -> list[KernelCase]:
+  """INT4 dense projections per device, decode and prefill, groups 32 and 128."""
+  cases = []
+  for cfg, model in ((KIMI_K2_6, "Kimi K2.6"), (GLM_5_2, "GLM 5.2")):
+    for (proj, k, n), m, g in itertools.product(_dense_projections(cfg),
+                                                DECODE_TOKENS + (PREFILL_TOKENS,), GROUPS):
+      if k % g:
+        continue
+      cases.append(_case("int4_matmul", f"int4/{cfg.name}/{proj}/m{m}/g{g}", model,
+                         m=m, k=k, n=n, group_size=g))
+  return cases
+
+
+ROWS_PER_EXPERT = (1, 8, 64)
+
+
+def int4_grouped_cases() -> list[KernelCase]:
+  """Routed experts per device at EP 8: gate/up and down, decode and prefill rows, g 32/128."""
+  cases = []
+  for cfg, model in ((KIMI_K2_6, "Kimi K2.6"), (GLM_5_2, "GLM 5.2")):
+    e = cfg.n_routed_experts // EP
+    # A prefill chunk of PREFILL_TOKENS tokens routes top_k rows each, spread over EP devices.
+    prefill_rows = PREFILL_TOKENS * cfg.top_k // EP
+    rows = [(f"r{r}", r * e) for r in ROWS_PER_EXPERT] + [("prefill", prefill_rows)]
+    for (proj, k, n), (rname, m), g in itertools.product(
+        (("up", cfg.d_model, cfg.moe_ffn_dim), ("down", cfg.moe_ffn_dim, cfg.d_model)),
+        rows, GROUPS):
+      cases.append(_case("int4_grouped_matmul", f"int4g/{cfg.name}/{proj}/{rname}/g{g}", model,
+                         m=m, k=k, n=n, group_size=g, experts=e))
+  return cases
+
+
+def tag_check_cases() -> list[KernelCase]:
+  """The tag check over a full H200 KV budget of pages, 64 requests of 128K tokens."""
+  n = KV_TOKENS_PER_H200 // PAGE_SIZE
+  cases = []
+  for b in (1, 64):
+    p = 131072 // PAGE_SIZE
+    cases.append(_case("tag_check", f"tag/b{b}/pool{n}", "both", batch=b, max_pages=p,
+                       num_pages=n, page_size=PAGE_SIZE))
+  return cases
+
+
+GQA_GROUPS = (1, 2, 4, 8, 16)
+
+
+def gqa_cases() -> list[KernelCase]:
+  """GQA decode, head_dim 128, 8 KV heads, groups 1-16, page 16, bf16 and fp8."""
+  cases = []
+  kv_heads, hd, ps = 8, 128, 16
+  for g, kv, (b, ctx) in itertools.product(GQA_GROUPS, ("bf16", "fp8"),
+                                           ((1, 32768), (64, 4096))):
+    p = ctx // ps
+    cases.append(_case("paged_gqa_decode", f"gqa/g{g}/{kv}/b{b}/ctx{ctx}", "GQA",
+                       batch=b, kv_heads=kv_heads, group=g, head_dim=hd, page_size=ps,
+                       context=ctx, max_pages=p, num_pages=b * p + 1, kv=kv))
+  return cases
+
+
+def target_cases(kernels: tuple[str, ...] = KERNELS) -> list[KernelCase]:
+  """Every target case of the given kernels, in KERNELS order."""
+  builders = {"paged_mla_decode": mla_cases, "paged_gqa_decode": gqa_cases,
+              "int4_matmul": int4_dense_cases, "int4_grouped_matmul": int4_grouped_cases,
+              "tag_check": tag_check_cases}
+  unknown = [k for k in kernels if k not in builders]
+  if unknown:
+    raise ValueError(f"unknown kernel(s) {unknown}; known: {KERNELS}")
+  return [c for k in kernels for c in builders[k]()]
