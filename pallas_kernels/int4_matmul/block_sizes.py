@@ -2,7 +2,7 @@
 
 import dataclasses
 
-import jax
+from pallas_kernels import device
 
 # Token counts at or below this are "decode" (weight streaming, memory-bound);
 # above it "prefill" (compute-bound). The kernels swap operands, so tokens sit
@@ -68,13 +68,15 @@ class BlockSizes:
 
     Looks the device kind and shape class up in `TUNED`, then shrinks the tiles
     to fit the problem (tile_n divides n, tile_k divides k, k_splits divides the
-    K steps, tile_m no larger than m rounded up to 8).
+    K steps, tile_m no larger than m rounded up to 8). ``device_kind`` None
+    reads it from the active abstract mesh (an AOT compile for a GPU topology)
+    or jax.devices().
 
     Raises:
       ValueError: if n is not a multiple of 64 or k not a multiple of 128.
     """
     if device_kind is None:
-      device_kind = _device_kind()
+      device_kind = device.device_kind()
     shape_class = "decode" if m <= DECODE_MAX_M else "prefill"
     op = "grouped" if grouped else "dense"
     base = TUNED.get((device_kind, op, shape_class)) or TUNED[
@@ -100,13 +102,6 @@ class BlockSizes:
       k_splits -= 1
     return dataclasses.replace(self, tile_n=tile_n, tile_k=tile_k,
                                tile_m=tile_m, k_splits=k_splits)
-
-
-def _device_kind() -> str:
-  try:
-    return jax.devices()[0].device_kind
-  except RuntimeError:
-    return "cpu"
 
 
 # Keyed by (device kind, "dense" | "grouped", "decode" | "prefill").

@@ -2,7 +2,7 @@
 
 import dataclasses
 
-import jax
+from pallas_kernels import device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,14 +43,25 @@ class BlockSizes:
 
   @classmethod
   def get_default(cls, kind: str, *, num_heads: int, page_size: int,
-                  max_pages: int, batch: int) -> "BlockSizes":
+                  max_pages: int, batch: int,
+                  device_kind: str | None = None) -> "BlockSizes":
     """Default block sizes for ``kind`` in {"mla", "gqa"} and this shape.
 
     Looks up the tuned table by (device kind, op kind, shape class) and falls
     back to a heuristic: enough splits that batch * heads-blocks * splits
     covers the SMs, tokens per step ~64.
+
+    Args:
+      kind: "mla" or "gqa".
+      num_heads: query heads per program group (MLA: all heads; GQA: the group).
+      page_size: tokens per page.
+      max_pages: block-table width P.
+      batch: programs along the batch axis (GQA: requests * KV heads).
+      device_kind: the target device; None reads it from the active abstract
+        mesh (an AOT compile for a GPU topology) or jax.devices().
     """
-    device_kind = _device_kind()
+    if device_kind is None:
+      device_kind = device.device_kind()
     shape_class = "long" if max_pages * page_size >= 8192 else "short"
     tuned = _TUNED.get((device_kind, kind, shape_class))
     block_h = 64 if kind == "mla" else 16
@@ -71,13 +82,6 @@ class BlockSizes:
 
 def _next_pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
-
-
-def _device_kind() -> str:
-  try:
-    return jax.devices()[0].device_kind
-  except RuntimeError:
-    return "cpu"
 
 
 # Tuned values keyed by (device kind, op kind, shape class). Empty until the
