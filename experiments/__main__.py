@@ -11,6 +11,7 @@ import importlib
 import inspect
 import os
 import sys
+import tempfile
 import time
 import traceback
 
@@ -91,6 +92,36 @@ def _usage() -> str:
   return "\n".join(lines)
 
 
+def check_out_dir(out: str) -> str | None:
+  """Creates the output directory and proves it writable, before any experiment starts.
+
+  ``os.access`` is no proof (it says yes to root on read-only places), so a probe
+  file is created in ``out`` and removed again.
+
+  Args:
+    out: the ``--out`` value.
+
+  Returns:
+    None if ``out`` is a writable directory (created if missing), else a one-line
+    error naming the directory and the cause.
+  """
+  if not out:
+    return "--out is an empty string; give the output directory"
+  if os.path.exists(out) and not os.path.isdir(out):
+    return f"--out {out}: exists and is not a directory"
+  try:
+    os.makedirs(out, exist_ok=True)
+    fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=out)
+    os.close(fd)
+    os.remove(probe)
+  except OSError as e:
+    cause = e.strerror or str(e)
+    if e.filename not in (None, out):
+      cause += f": {e.filename}"
+    return f"--out {out}: cannot create or write the output directory ({cause})"
+  return None
+
+
 def _run_one(name: str, out: str) -> dict:
   module = importlib.import_module(EXPERIMENTS[name][0])
   kwargs = {"quick": not _FULL.value}
@@ -126,13 +157,17 @@ def write_report(out: str, done: list[tuple[str, float, str | None]]) -> str:
 
 def main(argv):
   logging.set_verbosity(logging.WARNING)  # keep backend-probe chatter out of the progress output
-  names = argv[1:] or [n for n in DEFAULT_SUITE if _available(n)]
-  unknown = [n for n in names if n not in EXPERIMENTS]
+  unknown = [n for n in argv[1:] if n not in EXPERIMENTS]
   if unknown:
     print(f"unknown experiment(s): {', '.join(unknown)}\n\n{_usage()}", file=sys.stderr)
     return 2
   out = _OUT.value
-  os.makedirs(out, exist_ok=True)
+  # Before any work (even importing the experiments): a run must not end in a PermissionError.
+  error = check_out_dir(out)
+  if error:
+    print(f"error: {error}", file=sys.stderr)
+    return 2
+  names = argv[1:] or [n for n in DEFAULT_SUITE if _available(n)]
   done = []
   t_all = time.perf_counter()
   for i, name in enumerate(names, 1):
