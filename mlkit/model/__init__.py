@@ -5,8 +5,9 @@ plain pytree built by :func:`init_params`; the cache is an explicit argument.
 """
 
 from mlkit.model.cache import ContiguousKVCache, init_cache
-from mlkit.model.params import active_params_per_token, count_params, init_params, param_specs
+from mlkit.model.params import (active_params_per_token, check_params, count_params, init_params,
+                                param_specs)
 from mlkit.model.transformer import apply, apply_jit, forward, segment_positions
 
-__all__ = ["ContiguousKVCache", "active_params_per_token", "apply", "apply_jit", "count_params",
-           "forward", "init_cache", "init_params", "param_specs", "segment_positions"]
+__all__ = ["ContiguousKVCache", "active_params_per_token", "apply", "apply_jit", "check_params",
+           "count_params", "forward", "init_cache", "init_params", "param_specs", "segment_positions"]

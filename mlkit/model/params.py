@@ -1,4 +1,4 @@
-"""Parameter layout, initialisation and counting.
+"""Parameter layout, initialisation, counting and checking (:func:`check_params`).
 
 Params are a plain nested dict (a pytree). Every projection is stored 2-D as
 [in, out] (experts 3-D as [E, in, out]) so that one ``matmul(x, w)`` serves all
@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from mlkit.config import ModelConfig
+from mlkit.quant.formats import FP8_BLOCK, INT4_GROUP_SIZES, Fp8Weight, Int4Weight
+from mlkit.quant.tree import path_str
 
 # (shape, kind) leaves; kind is "ones", "zeros" or "normal" (fan-in scaled), plus an optional dtype.
 Spec = tuple[tuple[int, ...], str]
@@ -161,3 +163,125 @@ def active_params_per_token(cfg: ModelConfig) -> int:
   total = count_params(cfg) - cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
   inactive_experts = cfg.n_routed_experts - cfg.top_k
   return total - cfg.n_moe_layers * inactive_experts * 3 * cfg.d_model * cfg.moe_ffn_dim
+
+
+# ----------------------------------------------------------------------------- checking
+
+
+def _key(k):
+  """A tree key's raw value: dict keys and list indices match whichever container holds them."""
+  for attr in ("key", "idx", "name"):
+    if hasattr(k, attr):
+      return getattr(k, attr)
+  return k
+
+
+def _desc(x) -> str:
+  """'bfloat16[4, 32, 16]' for anything with a shape and a dtype."""
+  shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+  if shape is None or dtype is None:
+    return f"a {type(x).__name__}"
+  return f"{jnp.dtype(dtype).name}[{', '.join(str(d) for d in shape)}]"
+
+
+def _sds(shape, dtype) -> str:
+  return _desc(jax.ShapeDtypeStruct(tuple(shape), dtype))
+
+
+def _quantised_mismatch(w, shape: tuple[int, ...]) -> tuple[str, str] | None:
+  """(expected, found) if the quantised weight ``w`` cannot stand for a dense ``shape``, else None."""
+  *lead, k, n = shape
+  if isinstance(w, Int4Weight):
+    g = w.group_size
+    packed, scales = getattr(w, "packed", None), getattr(w, "scales", None)
+    found = f"int4 (group {g}): packed {_desc(packed)}, scales {_desc(scales)}"
+    if g not in INT4_GROUP_SIZES or k % 2 or k % g:
+      return (f"a dense {list(shape)} weight; int4 needs an even K={k} divisible by the group "
+              f"size (one of {INT4_GROUP_SIZES})", found)
+    want_packed, want_scales = (*lead, k // 2, n), (*lead, k // g, n)
+    ok = (getattr(packed, "shape", None) is not None and tuple(packed.shape) == want_packed
+          and jnp.dtype(packed.dtype) == jnp.uint8
+          and getattr(scales, "shape", None) is not None and tuple(scales.shape) == want_scales
+          and jnp.dtype(scales.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)))
+    expected = (f"int4 (group {g}) for {list(shape)}: packed {_sds(want_packed, jnp.uint8)}, "
+                f"scales bfloat16|float32{list(want_scales)}")
+    return None if ok else (expected, found)
+  b = w.block_size
+  values, scales = getattr(w, "values", None), getattr(w, "scales", None)
+  found = f"fp8 (block {b}): values {_desc(values)}, scales {_desc(scales)}"
+  want_scales = (*lead, n) if b is None else (*lead, math.ceil(k / b), math.ceil(n / b))
+  ok = (b in (None, FP8_BLOCK)
+        and getattr(values, "shape", None) is not None and tuple(values.shape) == tuple(shape)
+        and jnp.dtype(values.dtype) == jnp.float8_e4m3fn
+        and getattr(scales, "shape", None) is not None and tuple(scales.shape) == want_scales
+        and jnp.dtype(scales.dtype) == jnp.float32)
+  expected = (f"fp8 (block {b}) for {list(shape)}: values {_sds(shape, jnp.float8_e4m3fn)}, "
+              f"scales {_sds(want_scales, jnp.float32)}")
+  return None if ok else (expected, found)
+
+
+def check_params(params, cfg: ModelConfig, *, where: str) -> None:
+  """Checks that a params tree has exactly the layout ``param_specs(cfg)`` describes.
+
+  Compares names (no leaf missing, none extra), shapes and dtypes: dense leaves must
+  have the spec's shape and dtype (``cfg.param_dtype``, the router and its bias f32).
+  A quantised leaf (:class:`~mlkit.quant.Int4Weight` / :class:`~mlkit.quant.Fp8Weight`)
+  must stand for the spec's dense shape with internally consistent parts: int4 packed
+  uint8 [..., K//2, N] and bf16/f32 scales [..., K//group, N]; fp8 values
+  float8_e4m3fn [..., K, N] and f32 scales [..., N] (per channel) or
+  [..., ceil(K/128), ceil(N/128)] (blocks). The embedding and the router stay dense.
+  Reads only shapes and dtypes (no device transfer), so sharded params, host arrays
+  and ``jax.ShapeDtypeStruct`` trees are checked alike.
+
+  Args:
+    params: the params tree (nested dicts and lists of arrays or quantised weights).
+    cfg: the model config the params are for.
+    where: the caller's name, the first word of the error message.
+
+  Raises:
+    ValueError: ``cfg`` is not a ModelConfig or ``params`` is not a dict; otherwise
+      naming the FIRST leaf (in ``param_specs`` order, then extra leaves in tree
+      order) that does not match: its path, what was expected and what was found.
+  """
+  if not isinstance(cfg, ModelConfig):
+    raise ValueError(f"{where}: cfg must be a ModelConfig, got {type(cfg).__name__}")
+  if not isinstance(params, dict):
+    raise ValueError(f"{where}: params must be a dict (the tree init_params returns), "
+                     f"got {type(params).__name__}")
+  head = f"{where}: params do not match config {cfg.name!r}"
+  specs = jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=_is_spec)[0]
+  leaves = jax.tree_util.tree_flatten_with_path(
+      params, is_leaf=lambda x: not isinstance(x, (dict, list, tuple)))[0]
+  have = {tuple(_key(k) for k in p): (path_str(p), x) for p, x in leaves}
+  want = {tuple(_key(k) for k in p): (path_str(p), s) for p, s in specs}
+  missing = [name for key, (name, _) in want.items() if key not in have]
+  extra = [name for key, (name, _) in have.items() if key not in want]
+
+  def structure() -> str:
+    parts = [f"{len(missing)} missing" if missing else "", f"{len(extra)} extra" if extra else ""]
+    eg = f" (e.g. {extra[0]})" if extra else ""
+    return f" [{', '.join(p for p in parts if p)} leaves in all{eg}]"
+
+  for key, (name, spec) in want.items():
+    shape = spec[0]
+    dtype = jnp.dtype(spec[2] if len(spec) == 3 else cfg.param_dtype)
+    expected = _sds(shape, dtype)
+    if key not in have:
+      raise ValueError(f"{head}: {name} is missing (expected {expected}){structure()}")
+    x = have[key][1]
+    if isinstance(x, (Int4Weight, Fp8Weight)):
+      if len(shape) not in (2, 3) or len(spec) == 3 or name == "embed":
+        raise ValueError(f"{head}: {name} is a quantised {type(x).__name__} but must stay dense "
+                         f"(expected {expected}; the embedding is gathered by row, routers and norms "
+                         "are precision sensitive)")
+      bad = _quantised_mismatch(x, tuple(shape))
+      if bad is not None:
+        raise ValueError(f"{head}: {name}: expected {bad[0]}, found {bad[1]}")
+      continue
+    if getattr(x, "shape", None) is None or getattr(x, "dtype", None) is None:
+      raise ValueError(f"{head}: {name} is {_desc(x)}, not an array or a quantised weight "
+                       f"(expected {expected})")
+    if tuple(x.shape) != tuple(shape) or jnp.dtype(x.dtype) != dtype:
+      raise ValueError(f"{head}: {name}: expected {expected}, found {_desc(x)}")
+  if extra:
+    raise ValueError(f"{head}: {extra[0]} is not a parameter of this config{structure()}")
