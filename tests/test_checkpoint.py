@@ -1,23 +1,31 @@
 """Checkpoints: orbax round trips and the Hugging Face DeepSeek-V3 / Kimi-K2 import/export."""
 
 import dataclasses
+import gc
 import json
+import logging
 import os
+import re
 import shutil
+import sys
 import tempfile
+import time
+import types
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from absl.testing import absltest, parameterized
-from flax import struct
+from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from configs.models import KIMI_K2_6, TINY_GQA, TINY_MLA
-from mlkit.checkpoint import (checkpoint_steps, config_from_hf, config_to_hf, dequantize_fp8_blocks,
-                              load_checkpoint, load_hf_checkpoint, save_checkpoint, save_hf_checkpoint)
+from mlkit.checkpoint import (CheckpointError, checkpoint_steps, config_from_hf, config_to_hf,
+                              dequantize_fp8_blocks, load_checkpoint, load_hf_checkpoint, save_checkpoint,
+                              save_hf_checkpoint)
 from mlkit.model import forward, param_specs
+from mlkit.quant import Int4Weight, quantize_fp8
 
 TINY_BF16 = dataclasses.replace(TINY_MLA, dtype="bfloat16", param_dtype="bfloat16")
 TINY_NO_QLORA = dataclasses.replace(TINY_MLA, q_lora_rank=0)
@@ -55,6 +63,16 @@ def _f32(x) -> np.ndarray:
   return np.asarray(jnp.asarray(x).astype(jnp.float32))
 
 
+def _flat_items(tree) -> list:
+  """[("layers.1.attn.wq_a", leaf)] in tree order (orbax's names for the leaves)."""
+  return [(".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p), leaf)
+          for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _flat(tree) -> dict:
+  return dict(_flat_items(tree))
+
+
 class TreeAssertions(parameterized.TestCase):
 
   def tmpdir(self) -> str:
@@ -75,12 +93,20 @@ class TreeAssertions(parameterized.TestCase):
 # ----------------------------------------------------------------------------- orbax
 
 
-@struct.dataclass
-class _GroupQuant:
-  """A stand-in quantised-weight pytree: array fields plus a static field orbax does not store."""
-  packed: jax.Array
-  scales: jax.Array
-  group_size: int = struct.field(pytree_node=False, default=32)
+def _corrupt_largest_data_file(path: str, how: str) -> str:
+  """Truncates to half, or flips one bit of, the largest OCDBT data file of a checkpoint."""
+  data_dir = os.path.join(path, "params", "ocdbt.process_0", "d")
+  name = max(os.listdir(data_dir), key=lambda f: os.path.getsize(os.path.join(data_dir, f)))
+  fname = os.path.join(data_dir, name)
+  with open(fname, "rb") as f:
+    data = bytearray(f.read())
+  if how == "flip":
+    data[len(data) // 2] ^= 0x10
+  else:
+    data = data[:len(data) // 2]
+  with open(fname, "wb") as f:
+    f.write(bytes(data))
+  return fname
 
 
 class OrbaxTest(TreeAssertions):
@@ -122,18 +148,18 @@ class OrbaxTest(TreeAssertions):
   def test_quantised_dataclass_leaves_need_target(self):
     params = jax.tree_util.tree_map(lambda x: x, _params(TINY_BF16))
     rng = np.random.default_rng(0)
-    w = params["layers"][1]["ffn"]["w_gate"]
-    params["layers"][1]["ffn"]["w_gate"] = _GroupQuant(
-        packed=jnp.asarray(rng.integers(-128, 127, (w.shape[0], w.shape[1] // 2, w.shape[2]), np.int8)),
-        scales=jnp.asarray(rng.standard_normal((w.shape[0], 4, w.shape[2]), np.float32)),
-        group_size=16)
+    w = params["layers"][1]["ffn"]["w_gate"]  # [E, K, N]
+    params["layers"][1]["ffn"]["w_gate"] = Int4Weight(
+        packed=jnp.asarray(rng.integers(0, 256, (w.shape[0], w.shape[1] // 2, w.shape[2]), np.uint8)),
+        scales=jnp.asarray(rng.standard_normal((w.shape[0], w.shape[1] // 32, w.shape[2]), np.float32)),
+        group_size=32)
     path = os.path.join(self.tmpdir(), "q")
     save_checkpoint(path, params, TINY_BF16)
     restored, _ = load_checkpoint(path, target=params)
     self.assertTreesIdentical(params, restored)
     q = restored["layers"][1]["ffn"]["w_gate"]
-    self.assertIsInstance(q, _GroupQuant)
-    self.assertEqual(q.group_size, 16)  # static field comes from the target
+    self.assertIsInstance(q, Int4Weight)
+    self.assertEqual(q.group_size, 32)  # static field comes from the target (orbax stores arrays only)
     # An abstract target (ShapeDtypeStructs) works too.
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     self.assertTreesIdentical(params, load_checkpoint(path, target=abstract)[0])
@@ -156,6 +182,18 @@ class OrbaxTest(TreeAssertions):
       load_checkpoint(junk)
     with self.assertRaisesRegex(ValueError, "cfg must be a ModelConfig"):
       save_checkpoint(os.path.join(tmp, "x"), {}, {"name": "tiny"})
+    # Params of another config are refused before anything is written.
+    gqa = os.path.join(tmp, "gqa_as_mla")
+    with self.assertRaisesRegex(ValueError, r"^save_checkpoint: params do not match config 'tiny-mla': "
+                                            r"layers/0/attn/kv_norm is missing"):
+      save_checkpoint(gqa, _params(TINY_GQA), TINY_MLA)
+    self.assertFalse(os.path.exists(gqa))
+    with self.assertRaisesRegex(ValueError, r"save_checkpoint: .*layers/1/ffn/router: expected "
+                                            r"float32\[64, 8\], found bfloat16\[64, 8\]"):
+      bad = jax.tree_util.tree_map(lambda x: x, _params(TINY_MLA))
+      bad["layers"][1]["ffn"]["router"] = _params(TINY_BF16)["layers"][1]["ffn"]["w_gate"][0, :, :8]
+      save_checkpoint(gqa, bad, TINY_MLA)
+    self.assertFalse(os.path.exists(gqa))
 
     path = os.path.join(tmp, "ckpt")
     save_checkpoint(path, _params(TINY_MLA), TINY_MLA)
@@ -169,6 +207,12 @@ class OrbaxTest(TreeAssertions):
       load_checkpoint(path, TINY_NO_QLORA)
     with self.assertRaisesRegex(ValueError, r"checkpoint parameter\(s\) \['layers\.2\..*not in the config"):
       load_checkpoint(path, dataclasses.replace(TINY_MLA, n_layers=2))
+    # Same shapes, other dtype: refused from the stored metadata, before any data is read.
+    with self.assertRaisesRegex(ValueError, f"^load_checkpoint: {path}: params do not match config "
+                                            r"'tiny-mla': embed: expected bfloat16\[256, 64\], found float32"):
+      load_checkpoint(path, TINY_BF16)
+    with self.assertRaisesRegex(ValueError, r"cfg must be a ModelConfig or None .*got str 'tiny'"):
+      load_checkpoint(path, "tiny")
 
     # What an interrupted save leaves behind (orbax's tmp dir, never renamed) is rejected,
     # even when all its files are present.
@@ -179,6 +223,77 @@ class OrbaxTest(TreeAssertions):
     # A checkpoint with its metadata item missing is not accepted either.
     shutil.rmtree(os.path.join(path, "mlkit"))
     with self.assertRaisesRegex(ValueError, "not an mlkit checkpoint"):
+      load_checkpoint(path)
+
+  def test_corrupt_data_files(self):
+    """Truncated and bit-flipped data files: one clear error each, and no teardown noise."""
+    src = os.path.join(self.tmpdir(), "ckpt")
+    save_checkpoint(src, _params(TINY_MLA), TINY_MLA)
+    noise = []
+    previous = sys.unraisablehook
+    sys.unraisablehook = lambda u: noise.append(repr(u.exc_value))
+    self.addCleanup(setattr, sys, "unraisablehook", previous)
+    for how in ("truncate", "flip"):
+      path = os.path.join(self.tmpdir(), how)
+      shutil.copytree(src, path)
+      _corrupt_largest_data_file(path, how)
+      if how == "flip":
+        # The files carry no checksum of their own: without ours the flip loads as other values.
+        params, _ = load_checkpoint(path, verify=False)
+        ref = _flat(_params(TINY_MLA))
+        differ = [k for k, a in _flat_items(params) if not np.array_equal(_f32(a), _f32(ref[k]))]
+        self.assertLen(differ, 1)
+        pattern = (f"^load_checkpoint: {re.escape(path)}: item 'params', parameter {re.escape(differ[0])}: "
+                   "restored bytes do not match the checksum recorded at save")
+      else:
+        pattern = (f"^load_checkpoint: {re.escape(path)}: item 'params', parameter [\\w.]+ cannot be read "
+                   "\\(truncated or corrupt files\\?\\): ValueError: OUT_OF_RANGE: Error reading")
+      with self.assertRaisesRegex(CheckpointError, pattern) as ctx:
+        load_checkpoint(path)
+      self.assertEqual(ctx.exception.path, path)
+      self.assertNotIn("\n", str(ctx.exception))
+      self.assertIsNone(ctx.exception.__cause__)
+    gc.collect()
+    time.sleep(0.2)  # reads abandoned by the failed restores finish on TensorStore threads
+    gc.collect()
+    self.assertEqual(noise, [])
+    # Whether those reads report at all is a race, so the filters are also checked directly:
+    # the noise they report is dropped, anything else still reaches the previous hook / log.
+    def unraisable(exc):
+      return types.SimpleNamespace(exc_type=type(exc), exc_value=exc, exc_traceback=None,
+                                   err_msg=None, object=None)
+    read_failed = Exception("Encountered error while reading array index: (slice(0, 8, 1),)")
+    sys.unraisablehook(unraisable(RuntimeError("Event loop is closed")))
+    sys.unraisablehook(unraisable(read_failed))
+    self.assertEqual(noise, [])
+    sys.unraisablehook(unraisable(RuntimeError("something else")))
+    self.assertEqual(noise, ["RuntimeError('something else')"])
+    with self.assertLogs("asyncio", logging.ERROR) as logs:
+      logging.getLogger("asyncio").error("Task exception was never retrieved",
+                                         exc_info=(Exception, read_failed, None))
+      logging.getLogger("asyncio").error("Task exception was never retrieved",
+                                         exc_info=(ValueError, ValueError("other"), None))
+    self.assertLen(logs.records, 1)
+    self.assertEqual(str(logs.records[0].exc_info[1]), "other")
+
+  def test_version_1_without_checksums_loads(self):
+    # A checkpoint as written before checksums existed: same items, version 1, no "checksums".
+    path = os.path.join(self.tmpdir(), "v1")
+    save_checkpoint(path, _params(TINY_MLA), TINY_MLA)
+    meta_file = os.path.join(path, "mlkit", "metadata")
+    with open(meta_file) as f:
+      meta = json.load(f)
+    self.assertEqual(meta["version"], 2)
+    self.assertLen(meta["checksums"], len(jax.tree_util.tree_leaves(_params(TINY_MLA))))
+    meta["version"] = 1
+    del meta["checksums"]
+    with open(meta_file, "w") as f:
+      json.dump(meta, f)
+    self.assertTreesIdentical(_params(TINY_MLA), load_checkpoint(path)[0])
+    meta["version"] = 2
+    with open(meta_file, "w") as f:
+      json.dump(meta, f)
+    with self.assertRaisesRegex(CheckpointError, "item 'mlkit' has no 'checksums' object"):
       load_checkpoint(path)
 
 
@@ -349,12 +464,125 @@ class HFImportTest(TreeAssertions):
     tensors = _hand_tensors(16)
     path = _write_hf(self.tmpdir(), _hand_config(16), tensors, files=3, index=True)
     ref, _ = load_hf_checkpoint(_write_hf(self.tmpdir(), _hand_config(16), tensors))
-    params, cfg = load_hf_checkpoint(path, dtype="bfloat16")
+    with self.assertLogs("mlkit.checkpoint.hf", logging.WARNING) as logs:  # asked for, and logged
+      params, cfg = load_hf_checkpoint(path, dtype="bfloat16")
+    self.assertRegex(logs.output[0], r"converting \d+ tensor\(s\) to the narrower dtype bfloat16 as "
+                                     r"dtype= asks \(e\.g\. model\.embed_tokens\.weight is F32\)")
     self.assertEqual((cfg.param_dtype, cfg.dtype), ("bfloat16", "bfloat16"))
     self.assertEqual(params["layers"][1]["ffn"]["w_up"].dtype, jnp.bfloat16)
     self.assertEqual(params["layers"][1]["ffn"]["router"].dtype, jnp.float32)
     # Same values as the single-file f32 load, rounded to bf16 (router stays f32).
     self.assertTreesIdentical(params, jax.tree_util.tree_map(lambda r, p: r.astype(p.dtype), ref, params))
+
+  def test_layers_beyond_the_config(self):
+    """Only the multi-token-prediction layers config.json declares may be skipped."""
+    tensors = _hand_tensors(16)  # layers 0 and 1, and MTP layer 2
+    config = _hand_config(16)
+    config["num_nextn_predict_layers"] = 0  # a config with fewer layers than the checkpoint
+    path = _write_hf(self.tmpdir(), config, tensors)
+    with self.assertRaisesRegex(CheckpointError, f"^load_hf_checkpoint: {path}/model.safetensors: tensor "
+                                                 r"model\.layers\.2\.eh_proj\.weight belongs to layer 2, but "
+                                                 r"config\.json declares num_hidden_layers=2 and "
+                                                 r"num_nextn_predict_layers=0$"):
+      load_hf_checkpoint(path)
+    tensors["model.layers.3.eh_proj.weight"] = tensors["model.layers.2.eh_proj.weight"]
+    with self.assertRaisesRegex(CheckpointError, r"tensor model\.layers\.3\.eh_proj\.weight belongs to layer "
+                                                 r"3, but config\.json declares num_hidden_layers=2 and "
+                                                 r"num_nextn_predict_layers=1"):
+      load_hf_checkpoint(_write_hf(self.tmpdir(), _hand_config(16), tensors))
+
+  def test_dtype_from_the_tensors(self):
+    config = _hand_config(16)
+    del config["torch_dtype"]
+    tensors = _hand_tensors(16)
+    params, cfg = load_hf_checkpoint(_write_hf(self.tmpdir(), config, tensors))
+    self.assertEqual((cfg.param_dtype, cfg.dtype), ("float32", "float32"))
+    self.assertEqual(params["layers"][1]["ffn"]["w_up"].dtype, jnp.float32)
+    np.testing.assert_array_equal(_f32(params["lm_head"]), tensors["lm_head.weight"].T)
+    bf16 = {n: t.astype(ml_dtypes.bfloat16) for n, t in tensors.items()}
+    params, cfg = load_hf_checkpoint(_write_hf(self.tmpdir(), config, bf16))
+    self.assertEqual(cfg.param_dtype, "bfloat16")
+    self.assertEqual(params["layers"][1]["ffn"]["w_up"].dtype, jnp.bfloat16)
+    self.assertEqual(params["layers"][1]["ffn"]["router"].dtype, jnp.float32)  # widened, exact
+    np.testing.assert_array_equal(_f32(params["layers"][1]["ffn"]["router"]),
+                                  bf16["model.layers.1.mlp.gate.weight"].astype(np.float32).T)
+    # Tensors that disagree, with no dtype declared: an error naming one of each, unless dtype= says.
+    mixed = dict(tensors, **{"model.norm.weight": bf16["model.norm.weight"]})
+    path = _write_hf(self.tmpdir(), config, mixed)
+    with self.assertRaisesRegex(CheckpointError,
+                                f"^load_hf_checkpoint: {path}/config.json: declares no 'torch_dtype' and "
+                                r"the tensors disagree \(model\.norm\.weight is BF16, "
+                                r"model\.embed_tokens\.weight is F32\); pass dtype="):
+      load_hf_checkpoint(path)
+    params, cfg = load_hf_checkpoint(path, dtype="float32")
+    np.testing.assert_array_equal(_f32(params["final_norm"]), bf16["model.norm.weight"].astype(np.float32))
+    f16 = {n: t.astype(np.float16) for n, t in tensors.items()}
+    with self.assertRaisesRegex(CheckpointError, r"declares no 'torch_dtype' and the tensors are F16"):
+      load_hf_checkpoint(_write_hf(self.tmpdir(), config, f16))
+
+  def test_narrowing_must_be_asked_for(self):
+    config = _hand_config(16)
+    config["torch_dtype"] = "bfloat16"  # but the tensors are f32
+    path = _write_hf(self.tmpdir(), config, _hand_tensors(16))
+    with self.assertRaisesRegex(CheckpointError,
+                                f"{path}/model.safetensors: tensor model\\.embed_tokens\\.weight is F32 "
+                                r"but config\.json declares torch_dtype bfloat16; converting \d+ "
+                                r"tensor\(s\) to it loses precision: pass dtype='bfloat16'"):
+      load_hf_checkpoint(path)
+    # Widening (declared f32 over bf16 tensors) is exact and needs nothing.
+    config["torch_dtype"] = "float32"
+    bf16 = {n: t.astype(ml_dtypes.bfloat16) for n, t in _hand_tensors(16).items()}
+    params, cfg = load_hf_checkpoint(_write_hf(self.tmpdir(), config, bf16))
+    self.assertEqual(cfg.param_dtype, "float32")
+    np.testing.assert_array_equal(_f32(params["embed"]), bf16["model.embed_tokens.weight"].astype(np.float32))
+
+  def test_quantised_export_is_in_the_declared_dtype(self):
+    params = jax.tree_util.tree_map(lambda x: x, _params(TINY_BF16))
+    fp8 = quantize_fp8(params["layers"][1]["attn"]["wq_b"])
+    params["layers"][1]["attn"]["wq_b"] = fp8
+    path = self.tmpdir()
+    save_hf_checkpoint(path, params, TINY_BF16)
+    with safe_open(os.path.join(path, "model.safetensors"), framework="numpy") as f:
+      dtypes = {f.get_slice(n).get_dtype() for n in f.keys() if ".mlp.gate." not in n}
+    self.assertEqual(dtypes, {"BF16"})
+    loaded, cfg = load_hf_checkpoint(path)  # nothing to narrow, so no dtype= needed
+    self.assertEqual(cfg, TINY_BF16)
+    want = _f32(fp8.values) * np.repeat(np.repeat(_f32(fp8.scales), 128, 0), 128, 1)[:32, :96]
+    np.testing.assert_array_equal(_f32(loaded["layers"][1]["attn"]["wq_b"]),
+                                  _f32(want.astype(ml_dtypes.bfloat16)))
+
+  @parameterized.named_parameters(
+      ("config_truncated", "config.json", lambda b: b[:len(b) // 2], r"invalid JSON \(.*line 1 column"),
+      ("config_list", "config.json", lambda b: b"[1, 2]", r"expected a JSON object, got list"),
+      ("config_field", "config.json", lambda b: b.replace(b'"hidden_size": 32', b'"hidden_size": "32"'),
+       r"config_from_hf: field 'hidden_size' must be an int"),
+      ("quantization_config", "config.json", lambda b: b[:-1] + b', "quantization_config": [128]}',
+       r"quantization_config must be an object whose weight_block_size is two positive ints"),
+      ("index_list", "model.safetensors.index.json", lambda b: b"[]", r"expected a JSON object, got list"),
+      ("index_truncated", "model.safetensors.index.json", lambda b: b[:12], r"invalid JSON"),
+      ("index_no_map", "model.safetensors.index.json", lambda b: b'{"metadata": {}}',
+       r"has no 'weight_map' object \(got NoneType\)"),
+      ("index_value", "model.safetensors.index.json",
+       lambda b: b.replace(b'"part-1.safetensors"', b"3", 1),
+       r"weight_map\['[\w.]+'\] must be a file name in .*, got 3"),
+      ("index_path", "model.safetensors.index.json",
+       lambda b: b.replace(b'"part-1.safetensors"', b'"../part-1.safetensors"', 1),
+       r"weight_map\['[\w.]+'\] must be a file name in .*, got '\.\./part-1\.safetensors'"),
+      ("shard_truncated", "part-1.safetensors", lambda b: b[:-100],
+       r"not a readable safetensors file \(.*incomplete metadata"),
+      ("shard_header", "part-0.safetensors", lambda b: b[:4], r"not a readable safetensors file \(.*header"),
+  )
+  def test_unreadable_files_are_named(self, fname, mutate, pattern):
+    path = _write_hf(self.tmpdir(), _hand_config(16), _hand_tensors(16), files=2, index=True)
+    target = os.path.join(path, fname)
+    with open(target, "rb") as f:
+      data = f.read()
+    with open(target, "wb") as f:
+      f.write(mutate(data))
+    pattern = f"^load_hf_checkpoint: {re.escape(target)}: {pattern}"
+    with self.assertRaisesRegex(CheckpointError, pattern) as ctx:
+      load_hf_checkpoint(path)
+    self.assertEqual(ctx.exception.path, target)
 
   def test_tied_embeddings_round_trip(self):
     cfg = dataclasses.replace(TINY_MLA, tie_embeddings=True, n_layers=2)
@@ -488,11 +716,16 @@ class HFConfigTest(TreeAssertions):
     hf["rope_scaling"] = {"rope_type": "yarn", "factor": 8.0}
     hf["scoring_func"] = "softmax"
     hf.pop("torch_dtype")
-    cfg = config_from_hf(hf)
+    # No dtype declared and none given: no guess (load_hf_checkpoint passes the tensors' dtype).
+    with self.assertRaisesRegex(ValueError, r"declares no 'torch_dtype' \(or 'dtype'\); pass dtype="):
+      config_from_hf(hf)
+    cfg = config_from_hf(hf, dtype="bfloat16")
     # DeepSeek-V3 reference defaults for absent YaRN fields.
     self.assertEqual(cfg.rope_scaling.beta_fast, 32.0)
     self.assertEqual(cfg.rope_scaling.mscale_all_dim, 0.0)
     self.assertEqual((cfg.router, cfg.param_dtype, cfg.q_lora_rank), ("softmax", "bfloat16", 8))
+    hf["dtype"] = "float32"  # the key newer exports write instead of torch_dtype
+    self.assertEqual(config_from_hf(hf).param_dtype, "float32")
     hf["rope_scaling"] = None
     self.assertIsNone(config_from_hf(hf).rope_scaling)
 
@@ -509,6 +742,8 @@ class HFConfigTest(TreeAssertions):
       ("int_field", {"hidden_size": "32"}, r"field 'hidden_size' must be an int"),
       ("q_lora_type", {"q_lora_rank": 1.5}, r"'q_lora_rank' must be an int or null"),
       ("inconsistent", {"num_experts_per_tok": 9}, r"inconsistent config\.json.*top_k"),
+      ("mtp_layers", {"num_nextn_predict_layers": -1},
+       r"field 'num_nextn_predict_layers' must be a non-negative int, got -1"),
   )
   def test_config_errors(self, change, pattern):
     hf = _hand_config(16)
@@ -541,8 +776,13 @@ class HFConfigTest(TreeAssertions):
       save_hf_checkpoint(tmp, params, TINY_MLA, shards=0)
     bad = jax.tree_util.tree_map(lambda x: x, params)
     bad["layers"][1]["attn"]["wkv_a"] = bad["layers"][1]["attn"]["wkv_a"].T
-    with self.assertRaisesRegex(ValueError, r"param layers\.1\.attn\.wkv_a has shape \(40, 64\)"):
+    with self.assertRaisesRegex(ValueError, r"^save_hf_checkpoint: params do not match config 'tiny-mla': "
+                                            r"layers/1/attn/wkv_a: expected float32\[64, 40\], "
+                                            r"found float32\[40, 64\]"):
       save_hf_checkpoint(tmp, bad, TINY_MLA)
+    with self.assertRaisesRegex(ValueError, r"embed: expected bfloat16\[256, 64\], found float32"):
+      save_hf_checkpoint(tmp, params, TINY_BF16)
+    self.assertEqual(os.listdir(tmp), [])
 
 
 if __name__ == "__main__":

@@ -21,10 +21,15 @@ Name and layout mapping (HF ``nn.Linear`` weights are [out, in]; ours are [in, o
 
 Our head-major layouts (wq_b [q_lora, H*(nope+rope)], wkv_b [kv_lora, H*(nope+v)],
 wo [H*v, D]) are exactly the HF weights transposed, and DeepSeek checkpoints use
-interleaved RoPE (``rope_interleave=True``). Multi-token-prediction layers (index >=
-num_hidden_layers) and rotary ``inv_freq`` buffers are skipped. Weights stored as
-float8_e4m3fn with a DeepSeek block scale ``<name>_scale_inv`` (one f32 per 128x128
-block) are dequantised on import.
+interleaved RoPE (``rope_interleave=True``). The multi-token-prediction layers that
+config.json declares (``num_nextn_predict_layers`` of them, after the last layer) and
+rotary ``inv_freq`` buffers are skipped; any other tensor the config does not explain
+is an error. Weights stored as float8_e4m3fn with a DeepSeek block scale
+``<name>_scale_inv`` (one f32 per 128x128 block) are dequantised on import.
+
+The loader refuses to guess: the parameter dtype is the one asked for or declared,
+else the tensors' own (when they agree); narrowing conversions must be asked for; and
+every unreadable or inconsistent file is a :class:`CheckpointError` naming it.
 """
 
 from __future__ import annotations
@@ -46,8 +51,9 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from mlkit.checkpoint.errors import CheckpointError, read_json
 from mlkit.config import ModelConfig, RopeScaling
-from mlkit.model.params import param_specs
+from mlkit.model.params import check_params, param_specs
 from mlkit.quant import dequantize
 
 log = logging.getLogger(__name__)
@@ -64,6 +70,7 @@ _ATTN = {"wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": 
          "wo": "o_proj"}
 _FFN = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+_LOAD = "load_hf_checkpoint"
 
 
 # ----------------------------------------------------------------------------- config
@@ -84,20 +91,28 @@ def _dtype_name(value, field: str) -> str:
   return aliases[name]
 
 
+def _declared_dtype(hf_config: dict):
+  """The parameter dtype config.json declares (``torch_dtype``, or ``dtype`` in newer exports), or None."""
+  declared = hf_config.get("torch_dtype")
+  return hf_config.get("dtype") if declared is None else declared
+
+
 def config_from_hf(hf_config: dict, *, dtype=None) -> ModelConfig:
   """Builds a ModelConfig from a DeepSeek-V3 / Kimi-K2 ``config.json`` dict.
 
   Args:
     hf_config: the parsed ``config.json``.
     dtype: parameter/compute dtype override ("bfloat16", "float32" or a dtype);
-      default: the config's ``torch_dtype`` (or ``dtype``), else bfloat16.
+      default: the config's ``torch_dtype`` (or ``dtype``). There is no default
+      beyond that: :func:`load_hf_checkpoint` passes the stored tensors' dtype.
 
   Returns:
     The ModelConfig (MLA attention, one MoE layer per layer after the dense prefix).
 
   Raises:
     ValueError: an unsupported ``architectures``/``model_type``/``moe_layer_freq``/
-      ``hidden_act``/``scoring_func``/``rope_scaling``, a missing required field, or
+      ``hidden_act``/``scoring_func``/``rope_scaling``, a missing required field, no
+      dtype at all (neither ``dtype`` nor ``torch_dtype``/``dtype`` in the config), or
       inconsistent values; the message names the HF field.
   """
   if not isinstance(hf_config, dict):
@@ -168,41 +183,50 @@ def config_from_hf(hf_config: dict, *, dtype=None) -> ModelConfig:
   if dtype is not None:
     dt = _dtype_name(dtype, "load dtype")
   else:
-    dt = _dtype_name(hf_config.get("torch_dtype", hf_config.get("dtype", "bfloat16")), "torch_dtype")
+    declared = _declared_dtype(hf_config)
+    if declared is None:
+      raise ValueError("config_from_hf: config.json declares no 'torch_dtype' (or 'dtype'); pass dtype=")
+    dt = _dtype_name(declared, "torch_dtype")
+  # How many layers after the last are multi-token-prediction layers (skipped on load).
+  mtp = hf_config.get("num_nextn_predict_layers") or 0
+  if not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0:
+    raise ValueError(f"config_from_hf: field 'num_nextn_predict_layers' must be a non-negative int, "
+                     f"got {mtp!r}")
+  fields = dict(
+      name=str(hf_config.get("_name_or_path") or model_type or "deepseek_v3"),
+      vocab_size=req_int("vocab_size"),
+      d_model=req_int("hidden_size"),
+      n_layers=req_int("num_hidden_layers"),
+      n_heads=req_int("num_attention_heads"),
+      attention="mla",
+      q_lora_rank=q_lora or 0,
+      kv_lora_rank=req_int("kv_lora_rank"),
+      qk_nope_head_dim=req_int("qk_nope_head_dim"),
+      qk_rope_head_dim=req_int("qk_rope_head_dim"),
+      v_head_dim=req_int("v_head_dim"),
+      dense_ffn_dim=dense_ffn,
+      moe_ffn_dim=req_int("moe_intermediate_size"),
+      n_routed_experts=req_int("n_routed_experts"),
+      n_shared_experts=req_int("n_shared_experts"),
+      top_k=req_int("num_experts_per_tok"),
+      first_k_dense=first_k,
+      router=scoring,
+      routed_scaling_factor=num("routed_scaling_factor", req("routed_scaling_factor")),
+      norm_topk_prob=bool(req("norm_topk_prob")),
+      n_group=req_int("n_group"),
+      topk_group=req_int("topk_group"),
+      rope_theta=num("rope_theta", req("rope_theta")),
+      rope_scaling=rope_scaling,
+      rope_interleave=bool(hf_config.get("rope_interleave", True)),
+      rms_norm_eps=num("rms_norm_eps", req("rms_norm_eps")),
+      tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+      max_seq_len=req_int("max_position_embeddings"),
+      dtype=dt,
+      param_dtype=dt,
+      n_mtp_layers=mtp,
+  )
   try:
-    return ModelConfig(
-        name=str(hf_config.get("_name_or_path") or model_type or "deepseek_v3"),
-        vocab_size=req_int("vocab_size"),
-        d_model=req_int("hidden_size"),
-        n_layers=req_int("num_hidden_layers"),
-        n_heads=req_int("num_attention_heads"),
-        attention="mla",
-        q_lora_rank=q_lora or 0,
-        kv_lora_rank=req_int("kv_lora_rank"),
-        qk_nope_head_dim=req_int("qk_nope_head_dim"),
-        qk_rope_head_dim=req_int("qk_rope_head_dim"),
-        v_head_dim=req_int("v_head_dim"),
-        dense_ffn_dim=dense_ffn,
-        moe_ffn_dim=req_int("moe_intermediate_size"),
-        n_routed_experts=req_int("n_routed_experts"),
-        n_shared_experts=req_int("n_shared_experts"),
-        top_k=req_int("num_experts_per_tok"),
-        first_k_dense=first_k,
-        router=scoring,
-        routed_scaling_factor=num("routed_scaling_factor", req("routed_scaling_factor")),
-        norm_topk_prob=bool(req("norm_topk_prob")),
-        n_group=req_int("n_group"),
-        topk_group=req_int("topk_group"),
-        rope_theta=num("rope_theta", req("rope_theta")),
-        rope_scaling=rope_scaling,
-        rope_interleave=bool(hf_config.get("rope_interleave", True)),
-        rms_norm_eps=num("rms_norm_eps", req("rms_norm_eps")),
-        tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
-        max_seq_len=req_int("max_position_embeddings"),
-        dtype=dt,
-        param_dtype=dt,
-        n_mtp_layers=int(hf_config.get("num_nextn_predict_layers") or 0),
-    )
+    return ModelConfig(**fields)
   except ValueError as e:
     raise ValueError(f"config_from_hf: inconsistent config.json: {e}") from e
 
@@ -334,44 +358,60 @@ def _path_str(path: tuple) -> str:
 
 
 class _Reader:
-  """Lazy access to the tensors of a (possibly sharded) safetensors checkpoint."""
+  """Lazy access to the tensors of a (possibly sharded) safetensors checkpoint.
+
+  Every file it opens is validated up front (safetensors checks that the header is
+  complete and that the data covers every tensor), and every failure is a
+  :class:`CheckpointError` naming the file.
+  """
 
   def __init__(self, path: str):
     index = os.path.join(path, INDEX_FILE)
     if os.path.exists(index):
       # The index is authoritative: tensors in the shards that it does not list are ignored.
-      with open(index) as f:
-        weight_map = json.load(f).get("weight_map")
+      weight_map = read_json(_LOAD, index).get("weight_map")
       if not isinstance(weight_map, dict):
-        raise ValueError(f"load_hf_checkpoint: {index} has no 'weight_map' dict")
+        raise CheckpointError(_LOAD, index, f"has no 'weight_map' object (got {type(weight_map).__name__})")
+      for k, v in weight_map.items():
+        if not isinstance(v, str) or not v or os.path.basename(v) != v:
+          raise CheckpointError(_LOAD, index, f"weight_map[{k!r}] must be a file name in {path}, got {v!r}")
       for fname in sorted(set(weight_map.values())):
         if not os.path.exists(os.path.join(path, fname)):
-          raise FileNotFoundError(f"load_hf_checkpoint: shard {fname} listed in {INDEX_FILE} is missing")
+          raise FileNotFoundError(f"{_LOAD}: shard {fname} listed in {index} is missing")
       self._where = {k: os.path.join(path, v) for k, v in weight_map.items()}
       files = sorted(set(self._where.values()))
     else:
       self._where = {}
       files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
       if not files:
-        raise FileNotFoundError(f"load_hf_checkpoint: no *.safetensors files in {path}")
-    self._handles = {f: safe_open(f, framework="numpy") for f in files}
+        raise FileNotFoundError(f"{_LOAD}: no *.safetensors files in {path}")
+    self._handles = {}
+    for f in files:
+      try:
+        self._handles[f] = safe_open(f, framework="numpy")
+      except Exception as e:  # SafetensorError (truncated, bad header) or OSError
+        raise CheckpointError(_LOAD, f, f"not a readable safetensors file ({e})") from e
     self._headers: dict[str, dict] = {}
     keys = {f: set(h.keys()) for f, h in self._handles.items()}
     if os.path.exists(index):
       for k, fname in self._where.items():
         if k not in keys[fname]:
-          raise ValueError(f"load_hf_checkpoint: tensor {k} is listed in {INDEX_FILE} but missing from "
-                           f"{os.path.basename(fname)}")
+          raise CheckpointError(_LOAD, fname, f"tensor {k} is listed in {INDEX_FILE} but missing from "
+                                              "this file")
     else:
       for fname in files:
         for k in keys[fname]:
           if k in self._where:
-            raise ValueError(f"load_hf_checkpoint: tensor {k} appears in both "
-                             f"{os.path.basename(self._where[k])} and {os.path.basename(fname)}")
+            raise CheckpointError(_LOAD, fname, f"tensor {k} appears in both "
+                                                f"{os.path.basename(self._where[k])} and this file")
           self._where[k] = fname
 
   def names(self) -> set[str]:
     return set(self._where)
+
+  def file(self, name: str) -> str:
+    """The file holding tensor ``name``."""
+    return self._where[name]
 
   def _slice(self, name):
     return self._handles[self._where[name]].get_slice(name)
@@ -386,22 +426,30 @@ class _Reader:
     st = self.st_dtype(name)
     if st in _FP8_DTYPES:
       return self._read_raw(name, _FP8_DTYPES[st])
-    return self._handles[self._where[name]].get_tensor(name)
+    try:
+      return self._handles[self._where[name]].get_tensor(name)
+    except Exception as e:  # a file changed or damaged after it was opened
+      raise CheckpointError(_LOAD, self._where[name], f"cannot read tensor {name} ({e})") from e
 
   def _read_raw(self, name: str, dtype) -> np.ndarray:
     # safetensors' numpy backend cannot build float8 arrays, so read the bytes directly
     # (format: u64 header length, JSON header with data_offsets, then the data).
     fname = self._where[name]
-    if fname not in self._headers:
+    try:
+      if fname not in self._headers:
+        with open(fname, "rb") as f:
+          n = struct.unpack("<Q", f.read(8))[0]
+          self._headers[fname] = {"_base": 8 + n, **json.loads(f.read(n))}
+      hdr = self._headers[fname]
+      start, end = hdr[name]["data_offsets"]
       with open(fname, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        self._headers[fname] = {"_base": 8 + n, **json.loads(f.read(n))}
-    hdr = self._headers[fname]
-    start, end = hdr[name]["data_offsets"]
-    with open(fname, "rb") as f:
-      f.seek(hdr["_base"] + start)
-      data = f.read(end - start)
-    return np.frombuffer(data, dtype=np.uint8).view(dtype).reshape(hdr[name]["shape"])
+        f.seek(hdr["_base"] + start)
+        data = f.read(end - start)
+      if len(data) != end - start:
+        raise ValueError(f"read {len(data)} of {end - start} bytes")
+      return np.frombuffer(data, dtype=np.uint8).view(dtype).reshape(hdr[name]["shape"])
+    except (OSError, ValueError, KeyError, struct.error) as e:
+      raise CheckpointError(_LOAD, fname, f"cannot read fp8 tensor {name} ({e})") from e
 
 
 def dequantize_fp8_blocks(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = (128, 128),
@@ -428,44 +476,124 @@ def dequantize_fp8_blocks(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int
   return w.astype(np.float32) * s[:w.shape[0], :w.shape[1]]
 
 
+# Stored dtypes whose conversion to a parameter dtype loses nothing (fp8 weights are
+# dequantised through f32, so they are never a silent narrowing either).
+_LOSSLESS = {("BF16", "bfloat16"), ("BF16", "float32"), ("F16", "float32"), ("F32", "float32")}
+_ST_NAMES = {"BF16": "bfloat16", "F32": "float32"}
+
+
+def _resolve_dtype(path: str, cfg_file: str, chosen: str | None, explicit: bool, reader: _Reader,
+                   targets: list[_Target]) -> str:
+  """The parameter dtype to load into (see :func:`load_hf_checkpoint`, "Dtype").
+
+  Args:
+    path / cfg_file: the checkpoint directory and its config.json, for messages.
+    chosen: the dtype ``dtype=`` or config.json names, or None if neither does.
+    explicit: ``chosen`` comes from ``dtype=`` (narrowing is then allowed, and logged).
+    reader / targets: the tensors and the leaves they fill.
+  """
+  stored = {}  # safetensors dtype -> first tensor stored in it (tensors of the param dtype)
+  for t in targets:
+    for n in t.names:
+      st = reader.st_dtype(n)
+      if st not in _FP8_DTYPES and t.dtype is None:
+        stored.setdefault(st, n)
+  if chosen is None:
+    if len(stored) != 1:
+      found = ", ".join(f"{n} is {st}" for st, n in sorted(stored.items()))
+      raise CheckpointError(_LOAD, cfg_file, f"declares no 'torch_dtype' and the tensors disagree "
+                                             f"({found}); pass dtype= to choose one")
+    (st, n), = stored.items()
+    if st not in _ST_NAMES:
+      raise CheckpointError(_LOAD, reader.file(n), f"config.json declares no 'torch_dtype' and the "
+                                                   f"tensors are {st} (e.g. {n}); pass dtype='bfloat16' "
+                                                   "or 'float32'")
+    log.info("%s: %s declares no torch_dtype; using the tensors' own dtype %s", _LOAD, cfg_file,
+             _ST_NAMES[st])
+    return _ST_NAMES[st]
+  narrowed = []
+  for t in targets:
+    want = t.dtype or chosen
+    narrowed += [(n, reader.st_dtype(n), want) for n in t.names
+                 if reader.st_dtype(n) not in _FP8_DTYPES and (reader.st_dtype(n), want) not in _LOSSLESS]
+  if narrowed and not explicit:
+    n, st, want = narrowed[0]
+    raise CheckpointError(_LOAD, reader.file(n), f"tensor {n} is {st} but config.json declares "
+                                                 f"torch_dtype {want}; converting {len(narrowed)} "
+                                                 f"tensor(s) to it loses precision: pass dtype='{want}' "
+                                                 "to convert explicitly (or dtype='float32')")
+  if narrowed:
+    n, st, want = narrowed[0]
+    log.warning("%s: %s: converting %d tensor(s) to the narrower dtype %s as dtype= asks (e.g. %s "
+                "is %s)", _LOAD, path, len(narrowed), want, n, st)
+  return chosen
+
+
 def load_hf_checkpoint(path: str | os.PathLike, *, dtype=None):
   """Loads a DeepSeek-V3 / Kimi-K2 Hugging Face checkpoint into our params tree.
+
+  Dtype: the parameters are stored in ``dtype`` if given, else in config.json's
+  ``torch_dtype`` (or ``dtype``), else in the stored tensors' own dtype when they all
+  agree (router weights and bias are always f32; fp8 weights are dequantised). A
+  conversion that loses precision (an f32 tensor into bf16) is never silent: it must
+  be asked for with ``dtype=``, and is logged.
+
+  Layers: the checkpoint's layers must be those of ``num_hidden_layers``; only the
+  multi-token-prediction layers config.json declares (indices ``num_hidden_layers``
+  to ``num_hidden_layers + num_nextn_predict_layers - 1``) are skipped.
 
   Args:
     path: directory with ``config.json`` and ``*.safetensors`` (single or sharded with
       ``model.safetensors.index.json``).
-    dtype: parameter dtype override ("bfloat16"/"float32"); default the config's torch_dtype.
+    dtype: parameter dtype ("bfloat16"/"float32"); see "Dtype" above.
 
   Returns:
     (params, cfg): params laid out as ``init_params(cfg)`` (router weights/bias in f32).
 
   Raises:
     FileNotFoundError: the directory, ``config.json``, a shard or all safetensors are missing.
-    ValueError: bad config (names the field); a missing tensor, a wrong shape (names the
-      tensor, expected and actual shapes), or unexpected tensor names.
+    CheckpointError: (a ValueError) naming the file: invalid JSON in config.json or the
+      index, a bad config field, a truncated or corrupt safetensors file, a missing
+      tensor, a wrong shape (with expected and actual shapes), unexpected tensor names,
+      a layer beyond the config's layers and declared MTP layers, tensors whose dtypes
+      disagree when no dtype is declared, or a narrowing conversion not asked for.
   """
   path = os.fspath(path)
   if not os.path.isdir(path):
-    raise FileNotFoundError(f"load_hf_checkpoint: {path} is not a directory")
+    raise FileNotFoundError(f"{_LOAD}: {path} is not a directory")
   cfg_file = os.path.join(path, CONFIG_FILE)
   if not os.path.exists(cfg_file):
-    raise FileNotFoundError(f"load_hf_checkpoint: {cfg_file} is missing")
-  with open(cfg_file) as f:
-    hf_config = json.load(f)
-  cfg = config_from_hf(hf_config, dtype=dtype)
+    raise FileNotFoundError(f"{_LOAD}: {cfg_file} is missing")
+  hf_config = read_json(_LOAD, cfg_file)
+  declared = dtype is not None or _declared_dtype(hf_config) is not None
+  try:
+    # The layout does not depend on the dtype; without a declared one it comes from the tensors.
+    cfg = config_from_hf(hf_config, dtype=dtype if declared else "float32")
+  except ValueError as e:
+    raise CheckpointError(_LOAD, cfg_file, str(e)) from e
   qcfg = hf_config.get("quantization_config") or {}
-  block = tuple(qcfg.get("weight_block_size", (128, 128)))
+  block = qcfg.get("weight_block_size", (128, 128)) if isinstance(qcfg, dict) else None
+  if (not isinstance(block, (list, tuple)) or len(block) != 2
+      or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+    raise CheckpointError(_LOAD, cfg_file, "quantization_config must be an object whose "
+                                           f"weight_block_size is two positive ints, got {qcfg!r}")
+  block = tuple(block)
 
   reader = _Reader(path)
   targets, treedef = hf_layout(cfg)
   expected = {n for t in targets for n in t.names}
   present = reader.names()
+  mtp = range(cfg.n_layers, cfg.n_layers + cfg.n_mtp_layers)
   skipped_mtp, unexpected = [], []
   for n in sorted(present - expected):
     base = n.removesuffix("_scale_inv")
     m = _LAYER_RE.match(n)
-    if m and int(m.group(1)) >= cfg.n_layers:
+    if m and int(m.group(1)) in mtp:
       skipped_mtp.append(n)  # multi-token-prediction layers are not part of the serving model
+    elif m and int(m.group(1)) >= cfg.n_layers:
+      raise CheckpointError(_LOAD, reader.file(n), f"tensor {n} belongs to layer {m.group(1)}, but "
+                                                   f"config.json declares num_hidden_layers={cfg.n_layers} "
+                                                   f"and num_nextn_predict_layers={cfg.n_mtp_layers}")
     elif n.endswith("rotary_emb.inv_freq"):
       continue  # a recomputable buffer some exporters include
     elif n.endswith("_scale_inv") and base in expected:
@@ -473,26 +601,36 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=None):
     else:
       unexpected.append(n)
   if unexpected:
-    raise ValueError(f"load_hf_checkpoint: unexpected tensor(s) {unexpected[:8]}"
-                     f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} in all) for this config")
+    raise CheckpointError(_LOAD, reader.file(unexpected[0]),
+                          f"unexpected tensor(s) {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} "
+                          f"({len(unexpected)} in all) for this config")
   if skipped_mtp:
-    log.info("load_hf_checkpoint: skipped %d multi-token-prediction tensors (layers >= %d)",
-             len(skipped_mtp), cfg.n_layers)
+    log.info("%s: skipped %d multi-token-prediction tensors (layers %d..%d)", _LOAD,
+             len(skipped_mtp), mtp.start, mtp.stop - 1)
   for t in targets:
     for n in t.names:
       if n not in present:
-        raise ValueError(f"load_hf_checkpoint: missing tensor {n} (for {_path_str(t.path)})")
+        raise CheckpointError(_LOAD, path, f"missing tensor {n} (for {_path_str(t.path)})")
       shape = reader.shape(n)
       if shape != t.hf_shape:
-        raise ValueError(f"load_hf_checkpoint: tensor {n} has shape {shape}, expected {t.hf_shape}")
+        raise CheckpointError(_LOAD, reader.file(n), f"tensor {n} has shape {shape}, expected {t.hf_shape}")
+  dt = _resolve_dtype(path, cfg_file, cfg.param_dtype if declared else None, dtype is not None,
+                      reader, targets)
+  cfg = dataclasses.replace(cfg, dtype=dt, param_dtype=dt)
 
   def read(n: str) -> np.ndarray:
     if reader.st_dtype(n) in _FP8_DTYPES:
       if n + "_scale_inv" not in present:
-        raise ValueError(f"load_hf_checkpoint: fp8 tensor {n} has no {n}_scale_inv block scale")
-      return dequantize_fp8_blocks(reader.get(n), reader.get(n + "_scale_inv"), block, name=n)
+        raise CheckpointError(_LOAD, reader.file(n), f"fp8 tensor {n} has no {n}_scale_inv block scale")
+      try:
+        return dequantize_fp8_blocks(reader.get(n), reader.get(n + "_scale_inv"), block, name=n)
+      except CheckpointError:
+        raise
+      except ValueError as e:
+        raise CheckpointError(_LOAD, reader.file(n + "_scale_inv"), str(e)) from e
     if n + "_scale_inv" in present:
-      raise ValueError(f"load_hf_checkpoint: {n}_scale_inv given but {n} is {reader.st_dtype(n)}, not fp8")
+      raise CheckpointError(_LOAD, reader.file(n), f"{n}_scale_inv given but {n} is "
+                                                   f"{reader.st_dtype(n)}, not fp8")
     return reader.get(n)
 
   leaves = []
@@ -521,23 +659,19 @@ def save_hf_checkpoint(path: str | os.PathLike, params, cfg: ModelConfig, *, sha
     shards: number of safetensors files; more than one also writes ``model.safetensors.index.json``.
 
   Raises:
-    ValueError: ``shards`` out of range, a GQA/indexer config, or a param whose shape
-      differs from ``param_specs(cfg)`` (names the param path).
+    ValueError: ``shards`` out of range, a GQA/indexer config, or params that do not
+      match ``cfg`` (:func:`mlkit.model.check_params`: names the first leaf that differs).
   """
   hf_config = config_to_hf(cfg)
+  check_params(params, cfg, where="save_hf_checkpoint")
   targets, _ = hf_layout(cfg)
   flat = {tuple(_key(k) for k in p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(
       params, is_leaf=lambda x: not isinstance(x, (dict, list, tuple)))[0]}
   tensors: dict[str, np.ndarray] = {}
   for t in targets:
-    if t.path not in flat:
-      raise ValueError(f"save_hf_checkpoint: params lack {_path_str(t.path)}")
-    arr = np.asarray(dequantize(flat[t.path]))
-    want = t.hf_shape[::-1] if t.kind == "T" else (
-        (len(t.names),) + t.hf_shape[::-1] if t.kind == "stack" else t.hf_shape)
-    if arr.shape != tuple(want):
-      raise ValueError(f"save_hf_checkpoint: param {_path_str(t.path)} has shape {arr.shape}, "
-                       f"expected {tuple(want)}")
+    # Every tensor in the dtype config.json declares (quantised leaves dequantised into it),
+    # so that loading the export back converts nothing.
+    arr = np.asarray(dequantize(flat[t.path], jnp.dtype(t.dtype or cfg.param_dtype)))
     if t.kind == "copy":
       tensors[t.names[0]] = np.ascontiguousarray(arr)
     elif t.kind == "T":
@@ -545,10 +679,6 @@ def save_hf_checkpoint(path: str | os.PathLike, params, cfg: ModelConfig, *, sha
     else:
       for e, n in enumerate(t.names):
         tensors[n] = np.ascontiguousarray(arr[e].T)
-  extra = sorted(set(flat) - {t.path for t in targets})
-  if extra:
-    raise ValueError(f"save_hf_checkpoint: params have entries not in the config: "
-                     f"{[_path_str(p) for p in extra[:8]]}")
   if not isinstance(shards, int) or not 1 <= shards <= len(tensors):
     raise ValueError(f"save_hf_checkpoint: shards must be an int in [1, {len(tensors)}], got {shards!r}")
 

@@ -3,7 +3,8 @@
 Layout of one checkpoint directory (written by orbax, finalised atomically)::
 
   <path>/params   the params pytree (StandardCheckpointHandler, OCDBT/tensorstore)
-  <path>/mlkit    JSON: {"format": "mlkit", "version": 1, "step": int | None, "config": {...}}
+  <path>/mlkit    JSON: {"format": "mlkit", "version": 2, "step": int | None, "config": {...},
+                         "checksums": {"layers.1.attn.wq_a": <CRC-32 of its bytes>, ...}}
 
 Orbax writes into ``<path>.orbax-checkpoint-tmp-*`` and renames it to ``<path>`` only
 after every item is committed, so an interrupted save never leaves a directory that
@@ -15,23 +16,41 @@ Orbax stores their array fields as nested dicts and drops static fields (e.g.
 ``group_size``), so restoring them needs ``target=``: a pytree of the caller's
 structure (arrays or ``jax.ShapeDtypeStruct``; static fields come from it).
 Without ``target`` the expected structure is the plain layout of ``param_specs(cfg)``.
+
+Integrity: params are checked against the config (:func:`mlkit.model.check_params`)
+before anything is written and again, from the stored shapes and dtypes, before
+anything is read. The data files are zstd-compressed without checksums, so a flipped
+bit can decode into wrong values silently; the CRC-32 of every leaf is therefore
+recorded beside the config and compared after restoring. (Leaves that this process
+cannot see whole, in a multi-process run, are not checksummed.) Version-1
+checkpoints, written before checksums, still load. Every unreadable or corrupt
+checkpoint is a :class:`~mlkit.checkpoint.errors.CheckpointError` naming the path,
+the item, the parameter where known, and the cause in one line.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import sys
+import zlib
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
+from mlkit.checkpoint.errors import CheckpointError
 from mlkit.config import ModelConfig
-from mlkit.model.params import param_specs
+from mlkit.model.params import check_params, param_specs
 
 _FORMAT = "mlkit"
-_VERSION = 1
+_VERSION = 2  # 2 added "checksums"
+_READABLE = (1, 2)
 _PARAMS = "params"
 _META = "mlkit"
+_SAVE, _LOAD = "save_checkpoint", "load_checkpoint"
 
 
 def _path_str(path) -> str:
@@ -54,6 +73,62 @@ def _path_str(path) -> str:
 def _flat(tree, is_leaf=None) -> dict[str, Any]:
   leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
   return {_path_str(p): leaf for p, leaf in leaves}
+
+
+def _checksums(tree) -> dict[str, int | None]:
+  """CRC-32 of every leaf's bytes, keyed like :func:`_flat`; None for a leaf not held whole here."""
+  out = {}
+  for name, leaf in _flat(tree).items():
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+      out[name] = None
+    else:
+      out[name] = zlib.crc32(np.ascontiguousarray(np.asarray(leaf)).reshape(-1).view(np.uint8))
+  return out
+
+
+# ----------------------------------------------------------------------------- restore failures
+
+# orbax reads every array concurrently in a private event loop, closed as soon as one read
+# fails; the reads still in flight then report "Event loop is closed" (and their own
+# failures) as unraisable exceptions and asyncio "never retrieved" log lines, long after
+# the real error has been raised. These are that noise, and nothing else is dropped.
+_ORBAX_READ_FAILED = "Encountered error while reading array index"
+
+
+def _is_restore_noise(exc) -> bool:
+  return ((type(exc) is RuntimeError and str(exc) == "Event loop is closed")
+          or (type(exc) is Exception and str(exc).startswith(_ORBAX_READ_FAILED)))
+
+
+class _DropRestoreNoise(logging.Filter):
+  """Drops asyncio's "exception was never retrieved" records for abandoned orbax reads."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (exc is not None and _is_restore_noise(exc))
+
+
+def _quiet_abandoned_reads() -> None:
+  """Installs (once, on top of whatever is there) the filters for the noise described above."""
+  if not getattr(sys.unraisablehook, "_drops_orbax_restore_noise", False):
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+      if not _is_restore_noise(unraisable.exc_value):
+        previous(unraisable)
+    hook._drops_orbax_restore_noise = True
+    sys.unraisablehook = hook
+  asyncio_log = logging.getLogger("asyncio")
+  if not any(isinstance(f, _DropRestoreNoise) for f in asyncio_log.filters):
+    asyncio_log.addFilter(_DropRestoreNoise())
+
+
+def _one_line_cause(e: BaseException) -> str:
+  """The innermost cause of ``e`` (orbax wraps TensorStore's error), first line, with its type."""
+  while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+    e = e.__cause__ if e.__cause__ is not None else e.__context__
+  text = str(e).strip().splitlines()
+  return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def _checkpointer() -> ocp.Checkpointer:
@@ -93,10 +168,13 @@ def save_checkpoint(path: str | os.PathLike, params, cfg: ModelConfig, *, step: 
 
   Raises:
     FileExistsError: the destination exists and ``overwrite`` is False.
-    ValueError: ``step`` is negative or ``cfg`` is not a ``ModelConfig``.
+    ValueError: ``step`` is negative, ``cfg`` is not a ``ModelConfig``, or ``params`` do
+      not match ``cfg`` (:func:`mlkit.model.check_params`: names the first leaf that
+      differs); nothing is written then.
   """
   if not isinstance(cfg, ModelConfig):
     raise ValueError(f"save_checkpoint: cfg must be a ModelConfig, got {type(cfg).__name__}")
+  check_params(params, cfg, where=_SAVE)
   path = os.path.abspath(os.fspath(path))
   if step is not None:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -105,7 +183,8 @@ def save_checkpoint(path: str | os.PathLike, params, cfg: ModelConfig, *, step: 
   if os.path.exists(path) and not overwrite:
     raise FileExistsError(f"save_checkpoint: {path} already exists (pass overwrite=True to replace it)")
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  meta = {"format": _FORMAT, "version": _VERSION, "step": step, "config": cfg.to_dict()}
+  meta = {"format": _FORMAT, "version": _VERSION, "step": step, "config": cfg.to_dict(),
+          "checksums": _checksums(params)}
   # Synchronous Checkpointer: returns only after orbax has renamed the tmp dir into place.
   _checkpointer().save(path, ocp.args.Composite(**{
       _PARAMS: ocp.args.StandardSave(params), _META: ocp.args.JsonSave(meta)}), force=overwrite)
@@ -127,9 +206,9 @@ def _resolve(path: str, step: int | None) -> str:
     return os.path.join(path, str(steps[-1]))
   if ocp.utils.is_tmp_checkpoint(path) or (
       os.path.isdir(path) and not ocp.utils.is_checkpoint_finalized(path)):
-    raise ValueError(f"load_checkpoint: {path} is an unfinished (interrupted) save, not a checkpoint")
-  raise ValueError(f"load_checkpoint: {path} is not an mlkit checkpoint "
-                   f"(expected '{_PARAMS}' and '{_META}' items written by save_checkpoint)")
+    raise CheckpointError(_LOAD, path, "an unfinished (interrupted) save, not a checkpoint")
+  raise CheckpointError(_LOAD, path, f"not an mlkit checkpoint (expected '{_PARAMS}' and '{_META}' "
+                                     "items written by save_checkpoint)")
 
 
 def _abstract_target(target, stored: dict[str, Any]):
@@ -141,7 +220,8 @@ def _abstract_target(target, stored: dict[str, Any]):
   return jax.tree_util.tree_map_with_path(leaf, target)
 
 
-def _check_structure(stored: dict[str, Any], expected: dict[str, tuple[int, ...]], source: str) -> None:
+def _check_structure(path: str, stored: dict[str, Any], expected: dict[str, tuple[int, ...]],
+                     source: str) -> None:
   missing = sorted(set(expected) - set(stored))
   extra = sorted(set(stored) - set(expected))
   # A stored "w.packed" where "w" is expected means a quantised weight restored without target=.
@@ -151,18 +231,18 @@ def _check_structure(stored: dict[str, Any], expected: dict[str, tuple[int, ...]
   def show(names):
     return f"{names[:8]}{' ...' if len(names) > 8 else ''}"
   if missing:
-    raise ValueError(f"load_checkpoint: parameter(s) {show(missing)} expected by the {source} "
-                     f"are not in the checkpoint{hint}")
+    raise CheckpointError(_LOAD, path, f"parameter(s) {show(missing)} expected by the {source} "
+                                       f"are not in the checkpoint{hint}")
   if extra:
-    raise ValueError(f"load_checkpoint: checkpoint parameter(s) {show(extra)} are not in the {source}")
+    raise CheckpointError(_LOAD, path, f"checkpoint parameter(s) {show(extra)} are not in the {source}")
   for name, shape in expected.items():
     if tuple(stored[name].shape) != tuple(shape):
-      raise ValueError(f"load_checkpoint: parameter {name} has shape {tuple(stored[name].shape)} in the "
-                       f"checkpoint but the {source} expects {tuple(shape)}")
+      raise CheckpointError(_LOAD, path, f"parameter {name} has shape {tuple(stored[name].shape)} in "
+                                         f"the checkpoint but the {source} expects {tuple(shape)}")
 
 
 def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
-                    target=None, step: int | None = None):
+                    target=None, step: int | None = None, verify: bool = True):
   """Restores params and config saved by :func:`save_checkpoint`.
 
   Args:
@@ -173,42 +253,79 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
       dataclasses) giving the structure to restore into; needed for quantised
       checkpoints. Shardings on its leaves are honoured.
     step: with a directory of steps, the step to load (default: the latest).
+    verify: compare every restored leaf with the checksum recorded at save (one host
+      copy of each leaf); without it a corrupt data file can load as wrong values.
 
   Returns:
     (params, cfg): params with the stored dtypes; cfg as passed, else as stored.
 
   Raises:
     FileNotFoundError: ``path`` (or the requested step) does not exist.
-    ValueError: ``path`` is not a (finished) mlkit checkpoint, or the stored params
-      do not match ``cfg``/``target`` (the message names the parameter path).
+    ValueError: ``cfg`` is not a ModelConfig, or ``path`` is not a (finished) mlkit
+      checkpoint.
+    CheckpointError: (a ValueError) naming the path: the stored params do not match
+      ``cfg``/``target`` (names the parameter), an item cannot be read (truncated or
+      corrupt files: names the item, the parameter where known and the cause), or a
+      leaf differs from its recorded checksum.
   """
+  if cfg is not None and not isinstance(cfg, ModelConfig):
+    raise ValueError(f"load_checkpoint: cfg must be a ModelConfig or None (e.g. configs.models.TINY_MLA), "
+                     f"got {type(cfg).__name__} {cfg!r:.60}")
   path = _resolve(os.path.abspath(os.fspath(path)), step)
   ckptr = _checkpointer()
   try:
     meta = ckptr.restore(path, ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
   except Exception as e:  # orbax raises a variety of types for unreadable items
-    raise ValueError(f"load_checkpoint: {path} is not an mlkit checkpoint ({e})") from e
+    raise CheckpointError(_LOAD, path, f"not an mlkit checkpoint: item '{_META}' cannot be read "
+                                       f"({_one_line_cause(e)})") from None
   if not isinstance(meta, dict) or meta.get("format") != _FORMAT or "config" not in meta:
-    raise ValueError(f"load_checkpoint: {path} is not an mlkit checkpoint (bad '{_META}' metadata)")
-  if meta.get("version") != _VERSION:
-    raise ValueError(f"load_checkpoint: {path} has format version {meta.get('version')}, "
-                     f"this code reads version {_VERSION}")
-  stored_cfg = ModelConfig.from_dict(meta["config"])
+    raise CheckpointError(_LOAD, path, f"not an mlkit checkpoint (bad '{_META}' metadata)")
+  version = meta.get("version")
+  if version not in _READABLE:
+    raise CheckpointError(_LOAD, path, f"format version {version}; this code reads versions {_READABLE}")
+  checksums = meta.get("checksums")
+  if version >= 2 and not isinstance(checksums, dict):
+    raise CheckpointError(_LOAD, path, f"item '{_META}' has no 'checksums' object")
+  try:
+    stored_cfg = ModelConfig.from_dict(meta["config"])
+  except (TypeError, ValueError) as e:
+    raise CheckpointError(_LOAD, path, f"item '{_META}' holds an invalid config ({e})") from None
   out_cfg = stored_cfg if cfg is None else cfg
 
-  tree_md = ckptr.metadata(path).item_metadata[_PARAMS]
+  try:
+    tree_md = ckptr.metadata(path).item_metadata[_PARAMS]
+  except Exception as e:  # a damaged _METADATA / _sharding / manifest: JSON, key or tensorstore errors
+    raise CheckpointError(_LOAD, path, f"item '{_PARAMS}': its metadata cannot be read "
+                                       f"({_one_line_cause(e)})") from None
   tree_md = getattr(tree_md, "tree", tree_md)
   stored = _flat(tree_md, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
   if target is None:
     specs = param_specs(out_cfg)
     is_spec = lambda x: isinstance(x, tuple) and len(x) in (2, 3) and isinstance(x[0], tuple)
     expected = {k: v[0] for k, v in _flat(specs, is_leaf=is_spec).items()}
-    _check_structure(stored, expected, "config")
+    _check_structure(path, stored, expected, "config")
     target = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s[0], "float32"), specs,
                                     is_leaf=is_spec)
   else:
     expected = {k: tuple(v.shape) for k, v in _flat(target).items()}
-    _check_structure(stored, expected, "target")
+    _check_structure(path, stored, expected, "target")
   abstract = _abstract_target(target, stored)
-  restored = ckptr.restore(path, ocp.args.Composite(**{_PARAMS: ocp.args.StandardRestore(abstract)}))
-  return restored[_PARAMS], out_cfg
+  check_params(abstract, out_cfg, where=f"{_LOAD}: {path}")  # the stored dtypes, before any read
+  _quiet_abandoned_reads()
+  try:
+    restored = ckptr.restore(path, ocp.args.Composite(**{_PARAMS: ocp.args.StandardRestore(abstract)}))
+  except Exception as e:  # TensorStore's errors arrive wrapped in a bare Exception
+    cause = _one_line_cause(e)
+    leaf = re.search(r'Error reading "([^"/]+)/', cause)
+    where = f", parameter {leaf.group(1)}" if leaf else ""
+    raise CheckpointError(_LOAD, path, f"item '{_PARAMS}'{where} cannot be read (truncated or corrupt "
+                                       f"files?): {cause}") from None
+  params = restored[_PARAMS]
+  if verify and checksums:
+    for name, got in _checksums(params).items():
+      want = checksums.get(name)
+      if want is not None and got is not None and got != want:
+        raise CheckpointError(_LOAD, path, f"item '{_PARAMS}', parameter {name}: restored bytes do not "
+                                           f"match the checksum recorded at save (CRC-32 {got:#010x}, "
+                                           f"expected {want:#010x}): the data files are corrupt")
+  return params, out_cfg
