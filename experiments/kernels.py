@@ -1,143 +1,269 @@
-"""kernels (GPU only): per-kernel time and achieved bandwidth against the references.
+"""kernels: every Pallas kernel at its target shapes, checked and timed on a GPU.
 
-Wraps the one prepared device script, ``scripts/gpu_check.py``: its CHECKS time
-paged MLA and GQA decode attention with bf16 and fp8 pages, the page-tag check,
-and the dense and grouped INT4 matmuls at Kimi K2.6 shapes. Each record carries correctness against the
-pure-jnp reference, the median kernel time, the achieved bandwidth and its
-fraction of the H200's measured 4.3 TB/s copy bandwidth, and the speedup over
-the XLA reference path.
+Wraps the one prepared device script, ``scripts/gpu_check.py``: on a GPU ``run``
+starts it (it writes ``gpu_check.jsonl``: one record per case as soon as it is
+measured) and renders its records as ``kernels.{json,md,png}``: per case the
+kernel's time from CUPTI, its error against the f32 reference, achieved bytes/s
+and FLOP/s against the H200 ceilings, the roofline bound, XLA's path and the
+peers (JAX's own Pallas kernels, bf16 twins), and fp8 pages against bf16.
 
-Without a GPU there is nothing to measure: ``run`` writes a record and a note
-that say so, and returns ``{"skipped": True, ...}``; the CLI carries on.
+Without a GPU there is nothing to time: ``run`` writes a note that says so and
+returns ``{"skipped": True, ...}``. Either way the markdown carries the H200
+compile readings (registers, spills, shared memory per kernel and shape) that
+``experiments.kernel_compile`` wrote, when there are any.
+
+A JSONL fetched from a device renders the same way::
+
+    python -m experiments.kernels --from gpu_check.jsonl --out results
 """
 
 from __future__ import annotations
 
-import importlib.util
+import argparse
+import json
 import os
-import time
-import traceback
+import subprocess
+import sys
 
 import jax
 
 from experiments import common
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SKIP_REASON = ("kernels needs an NVIDIA GPU (the Pallas Mosaic GPU kernels are compiled and timed "
-               "on the device); this machine's JAX backend is '{backend}'. Skipped. On CPU the "
-               "kernels are checked in interpret mode by the tests and by "
-               "`python scripts/gpu_check.py --smoke --out /tmp/smoke.json`.")
+SCRIPT = os.path.join(_REPO, "scripts", "gpu_check.py")
+SKIP_REASON = ("kernels needs an NVIDIA GPU (the Pallas kernels are compiled and timed on the "
+               "device); this machine's JAX backend is '{backend}'. Skipped. On a CPU the kernels "
+               "are checked in interpret mode by the tests and by "
+               "`python scripts/gpu_check.py --smoke --out /tmp/gpu_check.jsonl`.")
+FULL_BUDGET_S = 1800.0  # --full: every tier the half hour allows
 
 
-def _gpu_check_module():
-  """scripts/gpu_check.py as a module (scripts/ is not a package)."""
-  spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(_REPO, "scripts",
-                                                                           "gpu_check.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+def compile_section(path: str | None = None) -> str:
+  """Markdown of the deviceless H200 compile readings (experiments.kernel_compile's records).
+
+  Args:
+    path: folder or file of compile records; None for kernel_compile.DEFAULT_DIR.
+
+  Returns:
+    A "## H200 compile readings" section; it says so when there are no records
+    or they cannot be read.
+  """
+  head = "## H200 compile readings (deviceless, ptxas)\n\n"
+  try:
+    from experiments import kernel_compile
+  except ImportError as e:
+    return head + f"Compile readings unavailable: {e}.\n"
+  try:
+    records = kernel_compile.load_records(path or kernel_compile.DEFAULT_DIR)
+    return head + kernel_compile.markdown(records)
+  except (OSError, ValueError, KeyError) as e:
+    return head + f"Compile records could not be read: {type(e).__name__}: {e}.\n"
 
 
-def _normalise(r: dict) -> dict:
-  """One row from a gpu_check record (attention/tag records in s, INT4 records in us)."""
-  if "time_s" in r:
-    t, ref = 1e6 * r["time_s"], 1e6 * r["xla_time_s"] if "xla_time_s" in r else None
-    bw = r["achieved_bw"] / 1e9 if "achieved_bw" in r else None
-    frac, speedup = r.get("fraction_of_copy_bw"), r.get("speedup_vs_xla")
-  else:
-    t, ref, bw = r.get("time_us"), r.get("xla_int4_us"), r.get("achieved_bw_gbs")
-    frac, speedup = r.get("copy_bw_fraction"), r.get("speedup_vs_xla_int4")
-  return {"kernel": r.get("check"), "case": r.get("case"), "ok": bool(r.get("ok")),
-          "time_us": t, "reference_time_us": ref, "achieved_bw_gbs": bw,
-          "copy_bw_fraction": frac, "speedup_vs_reference": speedup, "raw": r}
-
-
-def _records() -> list[dict]:
-  """Runs every check of scripts/gpu_check.py (attention, tag check, INT4 matmuls) on the GPU."""
-  gc = _gpu_check_module()
+def load_jsonl(path: str) -> list[dict]:
+  """Records of a gpu_check JSONL; a line cut off by a killed run is skipped."""
   records = []
-  for check in gc.CHECKS:
-    t0 = time.perf_counter()
-    common.progress(f"kernels: {check.name}")
-    try:
-      recs = check.run(False)
-    except Exception as e:  # one failing kernel must not hide the others' numbers
-      recs = [{"check": check.name, "ok": False, "error": f"{type(e).__name__}: {e}",
-               "traceback": traceback.format_exc()}]
-    for r in recs:
-      r["check_wall_s"] = time.perf_counter() - t0
-    records.extend(recs)
-  gc._tag_vs_step(records)  # noqa: SLF001 - the script's own derived figure
-  return [_normalise(r) for r in records]
+  with open(path) as f:
+    for line in f:
+      try:
+        records.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  return records
+
+
+def run_gpu_check(jsonl: str, *, smoke: bool, budget_s: float | None = None) -> int:
+  """Runs scripts/gpu_check.py in a child process (its workers own the GPU), returns its code."""
+  cmd = [sys.executable, SCRIPT, "--out", jsonl] + (["--smoke"] if smoke else [])
+  if budget_s is not None:
+    cmd += ["--budget-s", str(budget_s)]
+  env = dict(os.environ)
+  # This process already holds a JAX client; the workers take memory as they need it.
+  env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+  return subprocess.run(cmd, cwd=_REPO, env=env, check=False).returncode
 
 
 def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
-  """Times every Pallas kernel on the GPU (or records that there is none).
+  """Checks and times every kernel on the GPU (or records that there is none).
 
   Args:
-    out_dir: folder for kernels.json, kernels.md and kernels.png.
-    quick, smoke: accepted for a uniform interface; the prepared device checks are one
-      fixed set (decode-sized INT4 rows, group 32).
+    out_dir: folder for gpu_check.jsonl (its log beside it), kernels.json,
+      kernels.md and kernels.png.
+    quick: the script's default 8-minute budget; False: FULL_BUDGET_S.
+    smoke: the script's smoke mode (tiny shapes, interpret mode).
 
   Returns:
     The record; ``skipped`` is True without a GPU.
   """
-  record = common.record_header("kernels", quick=quick, smoke=smoke, config={})
-  if jax.default_backend() != "gpu":
-    reason = SKIP_REASON.format(backend=jax.default_backend())
+  record = common.record_header("kernels", quick=quick, smoke=smoke,
+                                config={"script": "scripts/gpu_check.py"})
+  backend = jax.default_backend()
+  if backend != "gpu":
+    reason = SKIP_REASON.format(backend=backend)
     common.progress(f"kernels: {reason}")
     record.update(skipped=True, reason=reason, records=[])
     common.write_json(out_dir, "kernels", record)
-    common.write_markdown(out_dir, "kernels", f"# kernels\n\n{reason}\n")
+    common.write_markdown(out_dir, "kernels", f"# kernels\n\n{reason}\n\n{compile_section()}")
     return record
-  record.update(skipped=False, records=_records())
-  return write_outputs(out_dir, record)
+  jsonl = os.path.join(out_dir, "gpu_check.jsonl")
+  os.makedirs(out_dir, exist_ok=True)
+  record["gpu_check_returncode"] = run_gpu_check(jsonl, smoke=smoke,
+                                                 budget_s=None if quick else FULL_BUDGET_S)
+  return report(jsonl, out_dir, record=record)
 
 
-def write_outputs(out_dir: str, record: dict) -> dict:
-  """Writes kernels.{json,md,png} for a GPU record whose ``records`` are normalised rows."""
-  records = record["records"]
-  record.update(all_ok=all(r["ok"] for r in records), copy_bw_reference_gbs=4300.0)
+def _us(s):
+  return None if s is None else s * 1e6
+
+
+def _f(v, digits=3):
+  if v is None:
+    return "-"
+  if isinstance(v, str):
+    return v
+  return f"{v:,.{digits}g}" if abs(v) < 1000 else f"{v:,.0f}"
+
+
+def case_rows(cases: list[dict]) -> list[list]:
+  """One table row per case record: status, kernel time, XLA, best peer, rates, roofline."""
+  rows = []
+  for r in cases:
+    if r.get("group") == "ceiling":
+      continue
+    peers = r.get("peer_time_s") or {}
+    best = min(peers.items(), key=lambda kv: kv[1]) if peers else None
+    rows.append([r["kernel"], r["name"], r["status"], r.get("tier", "-"),
+                 _f(_us(r.get("time_s"))), r.get("timing_source", "-"),
+                 _f(r.get("rel_err")), _f(_us(r.get("xla_time_s"))),
+                 _f(r.get("speedup_vs_xla")),
+                 f"{best[0]} {_f(_us(best[1]))}" if best else "-",
+                 _f(r["bytes"] / r["time_s"] / 1e9 if r.get("time_s") and r.get("bytes") else None),
+                 _f(r["flops"] / r["time_s"] / 1e12 if r.get("time_s") and r.get("flops") else None),
+                 _f(_us(r.get("roofline_s"))), _f(r.get("roofline_fraction"))])
+  return rows
+
+
+def _xla_time(r: dict) -> float | None:
+  for p in r.get("impls", []):
+    if p.get("impl") == "xla" and "timing" in p:
+      return p["timing"]["median_s"]
+  return None
+
+
+def report(jsonl: str, out_dir: str, *, record: dict | None = None) -> dict:
+  """Renders a gpu_check JSONL as kernels.{json,md,png} under out_dir.
+
+  Args:
+    jsonl: the script's output (a partial file from a killed run is fine).
+    out_dir: where to write.
+    record: the experiment header to extend (None: a bare one).
+
+  Returns:
+    The record with ``cases`` (every case record, plus ``xla_time_s``), the
+    header, summary and budget/aborted records of the run, and ``all_ok``.
+  """
+  records = load_jsonl(jsonl)
+  record = dict(record or {"experiment": "kernels"})
+  by_type: dict[str, list[dict]] = {}
+  for r in records:
+    by_type.setdefault(r.get("type", "?"), []).append(r)
+  cases = by_type.get("case", [])
+  for r in cases:
+    r["xla_time_s"] = _xla_time(r)
+  header = (by_type.get("header") or [{}])[0]
+  summary = (by_type.get("summary") or [None])[0]
+  stop = (by_type.get("budget") or by_type.get("aborted") or [None])[0]
+  workers = by_type.get("worker", [])
+  real = [r for r in cases if r.get("group") != "fault"]
+  record.update(skipped=False, source=jsonl, header=header, summary=summary, stop=stop,
+                workers=workers, cases=cases,
+                all_ok=bool(real) and all(r["status"] == "ok" for r in real))
   common.write_json(out_dir, "kernels", record)
-  _plot(os.path.join(out_dir, "kernels.png"), records)
-  rows = [[r["kernel"], _case(r["case"]), "yes" if r["ok"] else "NO", _f(r["time_us"]),
-           _f(r["reference_time_us"]), _f(r["achieved_bw_gbs"]), _f(r["copy_bw_fraction"]),
-           _f(r["speedup_vs_reference"])] for r in records]
-  md = ("# kernels\n\nPallas kernels on `" + record["machine"]["device_kind"] + "`: median time "
-        "after warm-up on random inputs (rotated past L2), achieved bandwidth = bytes the op must "
-        "move / time, as a fraction of the measured 4.3 TB/s copy bandwidth, and the speedup over "
-        "the pure-jnp reference compiled by XLA.\n\n"
-        + common.markdown_table(["kernel", "case", "correct", "time us", "reference us", "GB/s",
-                                 "of copy BW", "speedup vs reference"], rows)
-        + "\n![kernels](kernels.png)\n")
-  common.write_markdown(out_dir, "kernels", md)
+  device = next((w.get("device_kind") for w in workers if w.get("device_kind")), "?")
+  lines = [f"# kernels\n",
+           f"Source: `{os.path.basename(jsonl)}` on `{device}` (jax {header.get('jax', '?')}, "
+           f"{'smoke: tiny shapes, interpret mode, timings mean nothing' if header.get('smoke') else 'target shapes'}). "
+           f"{len(real)} of {header.get('plan_size', '?')} planned cases ran "
+           f"({header.get('targets_total', '?')} target cases in all).",
+           "Kernel time: median over rotated inputs, from CUPTI where the source says `cupti`; "
+           "rates against 4.3 TB/s copy and 790 TFLOP/s bf16; roofline = max(bytes / 4.3 TB/s, "
+           "FLOPs / 790 TFLOP/s), and its fraction = roofline / kernel time.\n"]
+  if stop:
+    lines.append(f"**Run stopped ({stop['type']}):** {stop.get('reason', 'the budget would be exceeded')}; "
+                 f"{len(stop.get('unstarted', []))} cases not started.\n")
+  ceilings = [r for r in cases if r.get("group") == "ceiling"]
+  if ceilings:
+    lines.append("Measured ceilings: " + ", ".join(
+        f"{r['name']} {_ceiling(r)}" for r in ceilings) + "\n")
+  lines.append(common.markdown_table(
+      ["kernel", "case", "status", "tier", "time us", "source", "rel err", "XLA us",
+       "x vs XLA", "best peer us", "GB/s", "TFLOP/s", "roofline us", "of roofline"],
+      case_rows(cases)))
+  twins = (summary or {}).get("fp8_vs_bf16") or []
+  if twins:
+    lines.append("\n## fp8 pages vs their bf16 twins\n")
+    lines.append(common.markdown_table(
+        ["fp8 case", "fp8 us", "bf16 us", "speedup"],
+        [[t["fp8"], _f(_us(t["fp8_time_s"])), _f(_us(t["bf16_time_s"])),
+          _f(t["speedup_fp8_vs_bf16"])] for t in twins]))
+  bad = [r for r in cases if r["status"] != "ok"]
+  if bad:
+    lines.append("\n## Not ok\n")
+    for r in bad:
+      why = next((p.get("error") for p in r.get("impls", []) if p.get("error")), None)
+      tail = (r.get("stderr_tail") or "").strip().splitlines()[-1:] if not why else []
+      lines.append(f"- `{r['name']}`: {r['status']}" + (f": {why.splitlines()[0][:200]}" if why
+                                                          else (f": `{tail[0][:200]}`" if tail else "")))
+  lines.append("\n![kernels](kernels.png)\n")
+  lines.append(compile_section())
+  common.write_markdown(out_dir, "kernels", "\n".join(lines))
+  _plot(os.path.join(out_dir, "kernels.png"), real)
   return record
 
 
-def _case(case) -> str:
-  if not case:
-    return "-"
-  if isinstance(case, str):
-    return case
-  return ", ".join(f"{k}={v}" for k, v in case.items() if v is not None)
+def _ceiling(r: dict) -> str:
+  m = r.get("measured") or {}
+  if "copy_bytes_per_s" in m:
+    return f"{m['copy_bytes_per_s'] / 1e12:.2f} TB/s"
+  if "matmul_flops_per_s" in m:
+    return f"{m['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s"
+  return r["status"]
 
 
-def _f(v):
-  return "-" if v is None else (f"{v:,.3f}" if abs(v) < 10 else f"{v:,.0f}")
-
-
-def _plot(path: str, records: list[dict]) -> None:
+def _plot(path: str, cases: list[dict]) -> None:
+  """Fraction of the roofline per case: the kernel as bars, XLA and peers as markers."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  rs = [r for r in records if r["copy_bw_fraction"] is not None]
-  fig, ax = plt.subplots(figsize=(8, max(3, 0.25 * len(rs))))
-  ax.barh(range(len(rs)), [r["copy_bw_fraction"] for r in rs],
-          color=["tab:green" if r["ok"] else "tab:red" for r in rs])
-  ax.set_yticks(range(len(rs)), [f"{r['kernel']} {_case(r['case'])}"[:60] for r in rs], fontsize=6)
+  rs = [r for r in cases if r.get("group") == "target"]
+  fig, ax = plt.subplots(figsize=(9, max(3.0, 0.22 * len(rs) + 1)))
+  for i, r in enumerate(rs):
+    ok = r["status"] == "ok"
+    if r.get("roofline_fraction"):
+      ax.barh(i, r["roofline_fraction"], color="tab:green" if ok else "tab:red")
+    for p in r.get("impls", []):
+      if p.get("impl") != "pallas" and p.get("roofline_fraction"):
+        ax.plot(p["roofline_fraction"], i, "k|" if p["impl"] == "xla" else "b.", markersize=6)
+  ax.set_yticks(range(len(rs)), [f"{r['name']} ({r['status']})"[:58] for r in rs], fontsize=6)
+  ax.invert_yaxis()
+  ax.set_xscale("log")
   ax.axvline(1.0, color="k", linestyle="--", linewidth=0.8)
-  ax.set_xlabel("fraction of 4.3 TB/s copy bandwidth")
+  ax.set_xlabel("roofline / time (bar: Pallas kernel; |: XLA; dot: peers)")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description="Render a gpu_check JSONL as kernels.{json,md,png}.")
+  p.add_argument("--from", dest="src", required=True, help="gpu_check.jsonl (e.g. from a device)")
+  p.add_argument("--out", default="results", help="output folder")
+  args = p.parse_args(argv)
+  rec = report(args.src, args.out)
+  print(f"kernels: {len(rec['cases'])} cases -> {args.out}/kernels.md")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,320 +1,674 @@
-"""One prepared device check: every kernel vs its reference, timed, as JSON.
+"""The one prepared device check: every kernel at its target shapes, checked and timed, as JSONL.
 
-On an H200:  python scripts/gpu_check.py --out results/gpu_check.json
-On CPU:      python scripts/gpu_check.py --smoke --out /tmp/smoke.json
-  (tiny shapes, kernels in interpret mode, 2 timed runs: proves the script
-  works before device time is spent; its timings mean nothing.)
+On an H200 (its image's python3, nothing installed):
 
-Each check is a named entry in CHECKS: a function (smoke: bool) -> list of
-records. A record holds the case, correctness (relative-norm error vs the
-reference, finiteness), timings (median of many runs after warm-up, with
-jax.block_until_ready, on random non-zero inputs larger than L2 where the
-real case is), achieved bandwidth = bytes the op must move / time, its
-fraction of the H200's ~4.3 TB/s copy bandwidth, and ratios to the XLA
-reference path and to the bf16-cache kernel (for INT4: to the XLA INT4
-reference and the bf16 dot). Add a kernel by appending a Check to CHECKS.
+    python3 scripts/gpu_check.py --out $OUT/gpu_check.jsonl
+
+On a CPU (tiny shapes, kernels in interpret mode; proves the script before device
+time is spent; its timings mean nothing):
+
+    python scripts/gpu_check.py --smoke --out /tmp/gpu_check.jsonl
+
+What it does (docs/gpu_check.md has the whole story and the record format):
+
+* **Plan.** The device's own ceilings first (a copy and a bf16 matmul), then the
+  target cases of ``experiments.kernel_targets`` in tiers: tier 1 holds the most
+  important point of every kernel x variant (MLA: TP-8 or data-parallel heads x
+  bf16/fp8 pages; INT4: group size, ...), tier 2 the next point of each, and so
+  on, so whatever the time allows covers every kernel. Twins (bf16 and fp8 pages
+  of one shape) run back to back.
+* **Isolation.** Cases run in a worker process that starts jax once (start-up
+  costs seconds per process, so one worker runs case after case) and streams each
+  result back as it is measured. A case that crashes the worker or runs past
+  ``--case-timeout-s`` is recorded as ``crashed`` / ``timeout`` with the tail of
+  the worker's stderr, the worker is replaced and the run goes on.
+* **Records survive.** Each record is one JSON line, written, flushed and
+  fsynced as soon as it exists: a crash, a hang or a killed run loses only the
+  case in flight (and that case keeps the parts already streamed).
+* **Budget.** ``--budget-s`` (default 480 s) bounds the whole run: a case starts
+  only if its estimated time (the median of that kernel's earlier cases, or a
+  prior) fits in what is left, a running case is stopped at the budget, and a
+  ``budget`` record lists the cases not started.
+* **Per case:** the Pallas kernel, XLA's path (the jnp reference) and, in the
+  first ``--peer-tiers`` tiers, peers (our other attention kernel, JAX's own
+  Pallas GPU kernels for the same job, bf16 twins of the INT4 matmuls), each
+  with its relative-norm error against the f32 reference, its kernel time from
+  CUPTI (perf_counter where CUPTI is unavailable; each timing names its
+  source), achieved bytes/s and FLOP/s against the H200 ceilings, and the
+  roofline lower bound of the job.
 """
 
-import argparse
-import dataclasses
-import itertools
-import json
-import math
-import os
-import platform
-import statistics
-import sys
+from __future__ import annotations
+
 import time
-import traceback
-from collections.abc import Callable
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+_START = time.monotonic()  # the budget counts from here, imports included
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import select  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
 
-from pallas_kernels import paged_attention as pa  # noqa: E402
-from pallas_kernels import tag_check as tc  # noqa: E402
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _REPO)
 
-H200_COPY_BW = 4.3e12  # bytes/s, measured device copy (DESIGN.md §5)
-FP8 = jnp.float8_e4m3fn
-TOL = {"bf16": 1e-2, "fp8": 5e-2}
+SCHEMA = 1
+DEFAULT_BUDGET_S = 480.0  # 8 minutes: one device command, with room for a rerun in the lease
+DEFAULT_CASE_TIMEOUT_S = 90.0  # the slowest legitimate case (grouped INT4 prefill + peers) ~1 min
+DEFAULT_STARTUP_TIMEOUT_S = 180.0
+RESERVE_S = 3.0  # kept back from the budget for the summary
+KERNEL_ORDER = ("paged_mla_decode", "int4_grouped_matmul", "tag_check", "int4_matmul",
+                "paged_gqa_decode")
+
+# How target cases are ranked. "variant": the facets every value of which tier 1 covers (the
+# dtype axis and the like). "prefs": preferred values, most important first, per facet; a
+# case's rank is the sum of its facets' positions (ties broken in facet order), so tiers sweep
+# outwards from the most important point of each variant.
+PRIORITY = {
+    "paged_mla_decode": {"variant": ("par", "kv"),
+                         "prefs": {"par": ("tp8", "dp"), "kv": ("bf16", "fp8"),
+                                   "batch": (64, 8, 1), "context": (32768, 131072, 4096)}},
+    "int4_grouped_matmul": {"variant": ("model", "group_size"),
+                            "prefs": {"model": ("Kimi K2.6", "GLM 5.2"), "group_size": (32, 128),
+                                      "rows": ("r8", "r1", "r64", "prefill"),
+                                      "proj": ("up", "down")}},
+    "tag_check": {"variant": (), "prefs": {"batch": (64, 1)}},
+    "int4_matmul": {"variant": ("group_size",),
+                    "prefs": {"group_size": (32, 128), "m": (8, 1, 64, 4096),
+                              "model": ("Kimi K2.6", "GLM 5.2"),
+                              "proj": ("ffn_up", "wo", "wq_b", "wkv_b", "ffn_down", "wq_a",
+                                       "wkv_a")}},
+    "paged_gqa_decode": {"variant": ("kv",),
+                         "prefs": {"kv": ("bf16", "fp8"), "batch": (64, 1),
+                                   "group": (8, 1, 16, 4, 2)}},
+}
+# Facets read from a case's name (position in name.split("/")) rather than its dims.
+NAME_FACETS = {"paged_mla_decode": {"par": 1}, "int4_matmul": {"proj": 2},
+               "int4_grouped_matmul": {"proj": 2, "rows": 3}}
+
+CEILINGS = {"copy": {"elements": 1 << 30}, "matmul_bf16": {"m": 8192, "k": 8192, "n": 8192}}
+SMOKE_CEILINGS = {"copy": {"elements": 1 << 16}, "matmul_bf16": {"m": 128, "k": 128, "n": 128}}
+# Seconds a case is expected to take before one has been seen (then: the median seen).
+PRIOR_S = {"ceiling": 15.0, "paged_mla_decode": 20.0, "paged_gqa_decode": 15.0,
+           "int4_matmul": 12.0, "int4_grouped_matmul": 25.0, "tag_check": 6.0, "fault": 1.0}
+SMOKE_PRIOR_S = {"ceiling": 1.0, "fault": 0.5}
+PRIOR_STARTUP_S = {False: 30.0, True: 3.0}
+
+
+# ----------------------------------------------------------------------------- the plan
 
 
 @dataclasses.dataclass(frozen=True)
-class Check:
-  """A named group of kernel checks; run(smoke) returns JSON-able records."""
+class PlanItem:
+  """One case to run.
+
+  Attributes:
+    order: position in the plan (records carry it; they appear in this order).
+    tier: 0 for the ceilings, 1.. for target tiers, -1 for injected faults.
+    group: "ceiling", "target" or "fault".
+    kernel: the op ("ceiling" / "fault" for those groups).
+    name: the target case's name (unique).
+    model: which deployment the shape comes from.
+    dims: the shape parameters (smoke: shrunk).
+    peers: whether peers are timed too.
+  """
+
+  order: int
+  tier: int
+  group: str
+  kernel: str
   name: str
-  run: Callable[[bool], list[dict]]
+  model: str
+  dims: dict
+  peers: bool
+
+  def message(self) -> dict:
+    return dataclasses.asdict(self)
 
 
-def time_fn(fn, args, *, smoke):
-  """Median seconds of fn(*args) over many runs after warm-up."""
-  warmup, iters = (1, 2) if smoke else (5, 50)
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+def facets(case) -> dict:
+  """A target case's facets for ranking: its dims, its model and parts of its name."""
+  f = dict(case.d, model=case.model)
+  parts = case.name.split("/")
+  f.update({k: parts[i] for k, i in NAME_FACETS.get(case.kernel, {}).items()})
+  return f
 
 
-def rel_err(out, ref):
-  out = np.asarray(out, np.float32)
-  ref = np.asarray(ref, np.float32)
-  return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+def _positions(case, keys) -> tuple[int, ...]:
+  prefs = PRIORITY[case.kernel]["prefs"]
+  f = facets(case)
+  return tuple(prefs[k].index(f[k]) if f[k] in prefs[k] else len(prefs[k]) for k in keys)
 
 
-def kernel_backend(smoke):
-  return "interpret" if smoke else "pallas"
+def prioritise(cases) -> list[tuple[int, object]]:
+  """Orders target cases in tiers: (tier, case) pairs, tier 1 first.
+
+  Tier t holds, for every kernel (KERNEL_ORDER) and variant, the variant's t-th
+  most important case, so the first tier covers every kernel x variant and
+  bf16/fp8 twins stay adjacent.
+
+  Args:
+    cases: experiments.kernel_targets.KernelCase list.
+
+  Returns:
+    Every case once, with its tier.
+
+  Raises:
+    ValueError: for a kernel with no PRIORITY entry.
+  """
+  missing = sorted({c.kernel for c in cases} - set(PRIORITY))
+  if missing:
+    raise ValueError(f"no PRIORITY entry for kernel(s) {missing}")
+  groups: dict[tuple, list] = {}
+  for c in cases:
+    spec = PRIORITY[c.kernel]
+    groups.setdefault((c.kernel, _positions(c, spec["variant"])), []).append(c)
+  for (kernel, _), members in groups.items():
+    others = [k for k in PRIORITY[kernel]["prefs"] if k not in PRIORITY[kernel]["variant"]]
+    members.sort(key=lambda c, o=others: (sum(_positions(c, o)), _positions(c, o), c.name))
+  keys = sorted(groups, key=lambda k: (KERNEL_ORDER.index(k[0]), k[1]))
+  out = []
+  for tier in range(1, max(len(g) for g in groups.values()) + 1 if groups else 1):
+    out += [(tier, groups[k][tier - 1]) for k in keys if len(groups[k]) >= tier]
+  return out
 
 
-def _quant_pages(key, shape, kv):
-  """Random pages [N, ps, ...] and per-token scales (fp8) or None."""
-  k1, k2 = jax.random.split(key)
-  x = jax.random.normal(k1, shape, jnp.float32)
-  if kv == "bf16":
-    return x.astype(jnp.bfloat16), None
-  # amax / 448 per token (e4m3 never overflows to NaN), varied by [1, 2).
-  s = jnp.max(jnp.abs(x), axis=-1) / 448.0 * jax.random.uniform(
-      k2, shape[:-1], jnp.float32, 1.0, 2.0)
-  return (x / s[..., None]).astype(FP8), s
+def _smoke_mla(d: dict) -> dict:
+  # c % 128, page_size % 64 and r % 64 keep the Mosaic GPU kernel in play (as on the GPU).
+  b, ps, ctx = 2, 64, 128
+  return dict(d, batch=b, heads=min(d["heads"], 16), c=128, r=64, page_size=ps, context=ctx,
+              max_pages=ctx // ps, num_pages=b * ctx // ps + 1)
 
 
-def _tables(key, batch, max_pages, num_pages, page_size, context):
-  bt = jax.random.permutation(key, num_pages)[: batch * max_pages]
-  bt = bt.reshape(batch, max_pages).astype(jnp.int32)
-  # Ragged: request b uses between half and all of the context.
-  lengths = np.linspace(context // 2, context, batch).astype(np.int32)
-  return bt, jnp.asarray(lengths)
+def _smoke_gqa(d: dict) -> dict:
+  # 8 KV heads: the Mosaic GPU kernel takes fp8 pages only for KV % 8 == 0.
+  b, ps, ctx = 2, 16, 64
+  return dict(d, batch=b, kv_heads=8, group=min(d["group"], 2), head_dim=64, page_size=ps,
+              context=ctx, max_pages=ctx // ps, num_pages=b * ctx // ps + 1)
 
 
-def _attention_record(name, case, run_kernel, run_xla, bytes_required, smoke,
-                      kv):
-  out = run_kernel()
-  ref = run_xla()
-  err = rel_err(out, ref)
-  finite = bool(jnp.all(jnp.isfinite(out)))
-  t_kernel = time_fn(lambda: run_kernel(), (), smoke=smoke)
-  t_xla = time_fn(lambda: run_xla(), (), smoke=smoke)
-  bw = bytes_required / t_kernel
-  return dict(
-      check=name, case=case, ok=finite and err <= TOL[kv], rel_err=err,
-      finite=finite, time_s=t_kernel, xla_time_s=t_xla,
-      bytes_required=bytes_required, achieved_bw=bw,
-      fraction_of_copy_bw=bw / H200_COPY_BW, speedup_vs_xla=t_xla / t_kernel)
+# Tiny dims of the same kind per kernel (interpret mode on a CPU): dtypes, group sizes,
+# one-vs-many requests and head counts stay; sizes shrink.
+SMOKE_DIMS = {
+    "paged_mla_decode": _smoke_mla,
+    "paged_gqa_decode": _smoke_gqa,
+    "int4_matmul": lambda d: dict(d, m=min(d["m"], 8), k=256, n=128),
+    "int4_grouped_matmul": lambda d: dict(d, m=16, k=256, n=128, experts=4),
+    "tag_check": lambda d: dict(d, batch=min(d["batch"], 7), max_pages=5, num_pages=40,
+                                page_size=4),
+}
 
 
-def _add_bf16_ratios(records):
-  """ratio_vs_bf16 = bf16 kernel time / fp8 kernel time, same case otherwise."""
-  by_case = {json.dumps({k: v for k, v in r["case"].items() if k != "kv"},
-                        sort_keys=True) + r["check"]: r for r in records
-             if r.get("case", {}).get("kv") == "bf16"}
-  for r in records:
-    if r.get("case", {}).get("kv") == "fp8":
-      key = json.dumps({k: v for k, v in r["case"].items() if k != "kv"},
-                       sort_keys=True) + r["check"]
-      if key in by_case and "time_s" in by_case[key]:
-        r["speedup_vs_bf16"] = by_case[key]["time_s"] / r["time_s"]
-  return records
+def build_plan(*, smoke: bool, kernels: set[str] | None = None, peer_tiers: int = 1,
+               max_tier: int = 0, faults: tuple[str, ...] = ()) -> list[PlanItem]:
+  """The run's cases in order: ceilings, then target tiers (faults after the first case).
+
+  Args:
+    smoke: shrink every case (interpret mode on a CPU).
+    kernels: run only these kernels ("ceiling" for the ceilings); None for all.
+    peer_tiers: time peers in tiers 1..peer_tiers.
+    max_tier: leave out target tiers past this (0: none left out).
+    faults: injected test faults ("crash", "hang"), placed after the first case.
+
+  Returns:
+    PlanItems with increasing ``order``.
+  """
+  from experiments import kernel_targets as kt
+  items = []
+  if kernels is None or "ceiling" in kernels:
+    for name, dims in (SMOKE_CEILINGS if smoke else CEILINGS).items():
+      items.append(("ceiling", 0, "ceiling", f"ceiling/{name}", "-", dict(dims), False))
+  targets = [c for c in kt.target_cases() if kernels is None or c.kernel in kernels]
+  for tier, c in prioritise(targets):
+    if max_tier and tier > max_tier:
+      break
+    dims = SMOKE_DIMS[c.kernel](c.d) if smoke else c.d
+    items.append(("target", tier, c.kernel, c.name, c.model, dims, tier <= peer_tiers))
+  for i, fault in enumerate(faults):
+    items.insert(min(1 + i, len(items)), ("fault", -1, "fault", f"fault/{fault}", "-", {}, False))
+  return [PlanItem(order, tier, group, kernel, name, model, dims, peers)
+          for order, (group, tier, kernel, name, model, dims, peers) in enumerate(items)]
 
 
-def check_mla(smoke):
-  """Paged MLA decode, fp8 and bf16 caches, 8K and 32K contexts."""
-  if smoke:
-    cases = [dict(batch=2, heads=16, c=128, r=64, page_size=64, context=100)]
-  else:
-    # batch * context * 576 B >= 150 MB in fp8: larger than L2 (60 MB).
-    cases = [dict(batch=32, heads=64, c=512, r=64, page_size=64, context=8192),
-             dict(batch=8, heads=128, c=512, r=64, page_size=64, context=32768),
-             dict(batch=64, heads=16, c=512, r=64, page_size=64, context=8192)]
-  records = []
-  for shape, kv, impl in itertools.product(cases, ("bf16", "fp8"), ("mgpu", "triton")):
-    if True:
-      case = dict(shape, kv=kv, impl=impl)
-      b, h, c, r, ps, ctx = (shape[k] for k in ("batch", "heads", "c", "r", "page_size", "context"))
-      bs = pa.BlockSizes.get_default("mla", num_heads=h, page_size=ps,
-                                     max_pages=-(-ctx // ps), batch=b)
-      bs = dataclasses.replace(bs, impl=impl)
-      case["num_splits"] = bs.num_splits
-      max_pages = -(-ctx // ps)
-      n = b * max_pages + 1
-      keys = jax.random.split(jax.random.key(0), 5)
-      q_lat = jax.random.normal(keys[0], (b, h, c), jnp.bfloat16)
-      q_rope = jax.random.normal(keys[1], (b, h, r), jnp.bfloat16)
-      lat, lat_s = _quant_pages(keys[2], (n, ps, c), kv)
-      rope, rope_s = _quant_pages(keys[3], (n, ps, r), kv)
-      bt, lengths = _tables(keys[4], b, max_pages, n, ps, ctx)
-      args = (q_lat, q_rope, lat, rope, lat_s, rope_s, bt, lengths)
-      scale = 1 / math.sqrt(192)
-      run_kernel = lambda: pa.paged_mla_decode(*args, scale=scale, backend=kernel_backend(smoke),
-                                               block_sizes=bs)
-      run_xla = lambda: pa.paged_mla_decode(*args, scale=scale, backend="xla")  # jitted reference
-      tokens = int(np.sum(np.asarray(lengths)))
-      per_token = (c + r) * jnp.dtype(lat.dtype).itemsize + (8 if kv == "fp8" else 0)
-      nbytes = tokens * per_token + 2 * b * h * (2 * c + r) + bt.size * 4
-      try:
-        records.append(_attention_record("paged_mla_decode", case, run_kernel, run_xla, nbytes, smoke, kv))
-      except Exception as e:  # keep going: one failure must not hide the rest
-        records.append(dict(check="paged_mla_decode", case=case, ok=False, error=repr(e)[:2000],
-                            traceback=traceback.format_exc()[-4000:]))
-  return _add_bf16_ratios(records)
+# ----------------------------------------------------------------------------- the worker
 
 
-def check_gqa(smoke):
-  """Paged GQA decode, head_dim 128, group sizes 1 and 8."""
-  if smoke:
-    cases = [dict(batch=2, kv_heads=8, group=2, hd=64, page_size=16, context=40)]
-  else:
-    cases = [dict(batch=32, kv_heads=8, group=8, hd=128, page_size=16, context=8192),
-             dict(batch=8, kv_heads=8, group=1, hd=128, page_size=16, context=32768)]
-  records = []
-  for shape, kv, impl in itertools.product(cases, ("bf16", "fp8"), ("mgpu", "triton")):
-    if True:
-      case = dict(shape, kv=kv, impl=impl)
-      b, nkv, g, hd, ps, ctx = (shape[k] for k in ("batch", "kv_heads", "group", "hd", "page_size", "context"))
-      bs = pa.BlockSizes.get_default("gqa", num_heads=g, page_size=ps,
-                                     max_pages=-(-ctx // ps), batch=b * nkv)
-      bs = dataclasses.replace(bs, impl=impl)
-      case["num_splits"] = bs.num_splits
-      max_pages = -(-ctx // ps)
-      n = b * max_pages + 1
-      keys = jax.random.split(jax.random.key(1), 4)
-      q = jax.random.normal(keys[0], (b, nkv * g, hd), jnp.bfloat16)
-      k, k_s = _quant_pages(keys[1], (n, ps, nkv, hd), kv)
-      v, v_s = _quant_pages(keys[2], (n, ps, nkv, hd), kv)
-      bt, lengths = _tables(keys[3], b, max_pages, n, ps, ctx)
-      args = (q, k, v, k_s, v_s, bt, lengths)
-      scale = 1 / math.sqrt(hd)
-      run_kernel = lambda: pa.paged_gqa_decode(*args, scale=scale, backend=kernel_backend(smoke),
-                                               block_sizes=bs)
-      run_xla = lambda: pa.paged_gqa_decode(*args, scale=scale, backend="xla")  # jitted reference
-      tokens = int(np.sum(np.asarray(lengths)))
-      per_token = 2 * nkv * (hd * jnp.dtype(k.dtype).itemsize + (4 if kv == "fp8" else 0))
-      nbytes = tokens * per_token + 2 * 2 * b * nkv * g * hd + bt.size * 4
-      try:
-        records.append(_attention_record("paged_gqa_decode", case, run_kernel, run_xla, nbytes, smoke, kv))
-      except Exception as e:
-        records.append(dict(check="paged_gqa_decode", case=case, ok=False, error=repr(e)[:2000],
-                            traceback=traceback.format_exc()[-4000:]))
-  return _add_bf16_ratios(records)
+def _bench_for(item: dict, smoke: bool):
+  backend = "interpret" if smoke else "pallas"
+  kernel, dims = item["kernel"], item["dims"]
+  if kernel == "ceiling":
+    from pallas_kernels import benchmark
+    return benchmark.ceiling_bench(item["name"].split("/", 1)[1], dims)
+  if kernel in ("paged_mla_decode", "paged_gqa_decode"):
+    from pallas_kernels.paged_attention import bench
+    return bench.bench_case(kernel, dims, backend=backend, peers=item["peers"])
+  if kernel in ("int4_matmul", "int4_grouped_matmul"):
+    from pallas_kernels.int4_matmul import bench
+    return bench.bench_case(kernel, dims, backend=backend, peers=item["peers"])
+  if kernel == "tag_check":
+    from pallas_kernels.tag_check import bench
+    return bench.bench_case(dims, backend=backend)
+  raise ValueError(f"unknown kernel {kernel!r}")
 
 
-def check_tag(smoke):
-  """Tag check over a whole batch; cost relative to an MLA decode step."""
-  if smoke:
-    b, p, n, ps = 7, 5, 40, 4
-  else:
-    b, p, n, ps = 64, 512, 64 * 512 + 1, 64  # 64 requests x 32K tokens
-  keys = jax.random.split(jax.random.key(2), 3)
-  tags = jax.random.randint(keys[0], (n,), 0, 2**31 - 1, jnp.int32)
-  bt = jax.random.permutation(keys[1], n)[: b * p].reshape(b, p).astype(jnp.int32)
-  expected = tags[bt].at[0, 0].add(1)  # request 0 corrupted, the rest fine
-  lengths = jnp.asarray(np.linspace(1, p * ps, b).astype(np.int32))
-  args = (tags, bt, expected, lengths)
-  case = dict(batch=b, max_pages=p, page_size=ps)
+def _inject(fault: str) -> None:
+  """Test-only faults: a hard crash or a hang of the worker."""
+  sys.stderr.write(f"gpu_check worker: injected {fault}\n")
+  sys.stderr.flush()
+  if fault == "crash":
+    os.abort()
+  while True:
+    time.sleep(3600)
+
+
+def worker_main(smoke: bool) -> int:
+  """Runs cases read from stdin (one JSON line each), streaming results on the original stdout.
+
+  Messages: "@@READY {...}" once jax is up, then per case "@@CASE {...}" (the
+  job's size), one "@@PART {...}" per impl as soon as it is measured, and
+  "@@DONE {...}". Anything else written to stdout goes to stderr instead.
+  """
+  result = os.fdopen(os.dup(1), "w", buffering=1)
+  os.dup2(2, 1)
+
+  def send(tag, payload):
+    result.write(f"@@{tag} {json.dumps(payload, default=str)}\n")
+    result.flush()
+
+  t0 = time.monotonic()
+  import jax
+  devices = jax.devices()
+  cupti = False
   try:
-    out = tc.tag_check(*args, page_size=ps, backend=kernel_backend(smoke))
-    ref = tc.tag_check_reference(*args, page_size=ps)
-    want = np.ones(b, bool)
-    want[0] = False
-    ok = bool(np.array_equal(np.asarray(out), np.asarray(ref))) and bool(
-        np.array_equal(np.asarray(out), want))
-    t = time_fn(lambda: tc.tag_check(*args, page_size=ps, backend=kernel_backend(smoke)), (), smoke=smoke)
-    t_xla = time_fn(lambda: tc.tag_check(*args, page_size=ps, backend="xla"), (), smoke=smoke)
-    used = int(np.sum((np.asarray(lengths) + ps - 1) // ps))
-    nbytes = used * 12 + b * 4  # id + expected + tag per used page
-    return [dict(check="tag_check", case=case, ok=ok, time_s=t, xla_time_s=t_xla,
-                 bytes_required=nbytes, speedup_vs_xla=t_xla / t)]
-  except Exception as e:
-    return [dict(check="tag_check", case=case, ok=False, error=repr(e)[:2000],
-                 traceback=traceback.format_exc()[-4000:])]
-
-
-def check_int4(smoke):
-  """W4A16 dense and grouped matmuls at Kimi shapes (pallas_kernels/int4_matmul/bench.py).
-
-  The full run uses decode-sized M (1, 8, 16) and the grouped decode shapes with
-  group size 32 (Kimi's checkpoints) to fit one device command; smoke runs one
-  tiny dense and one tiny grouped case in interpret mode.
-  """
-  from pallas_kernels.int4_matmul import bench
-  if smoke:
-    checks = bench.gpu_checks(32, backend="interpret", dense_shapes=(("tiny", 256, 128),),
-                              dense_ms=(8,), grouped_shapes=(("tiny", 4, 256, 128, 16),))
-  else:
-    checks = [c for c in bench.gpu_checks(32)
-              if "grouped" in c.name or any(f"/m{m}/" in c.name for m in (1, 8, 16))]
-  records = []
-  for c in checks:
+    from jax._src.lib import mosaic_gpu as mosaic_gpu_lib
+    cupti = mosaic_gpu_lib is not None and hasattr(mosaic_gpu_lib._mosaic_gpu_ext, "_cupti_init")  # noqa: SLF001
+  except Exception:  # pylint: disable=broad-except
+    pass
+  send("READY", {"pid": os.getpid(), "startup_s": time.monotonic() - t0,
+                 "backend": jax.default_backend(), "device_kind": devices[0].device_kind,
+                 "devices": len(devices), "jax": jax.__version__, "cupti_ext": cupti})
+  from pallas_kernels import benchmark
+  for line in sys.stdin:
+    item = json.loads(line)
+    if item["kernel"] == "fault":
+      _inject(item["name"].split("/", 1)[1])
+    t = time.monotonic()
     try:
-      r = c()
-      records.append(dict(check="int4_matmul", case=c.name, ok=bool(r.get("correct")), **{
-          k: v for k, v in r.items() if k not in ("correct",)}))
-    except Exception as e:
-      records.append(dict(check="int4_matmul", case=c.name, ok=False, error=repr(e)[:2000],
-                          traceback=traceback.format_exc()[-4000:]))
-  return records
+      bench = _bench_for(item, smoke)
+      send("CASE", {"bytes": bench.nbytes, "flops": bench.flops, "tol": bench.tol,
+                    "roofline_s": benchmark.roofline_s(bench.nbytes, bench.flops),
+                    "info": bench.info})
+      benchmark.run_bench(bench, lambda part: send("PART", part), smoke=smoke)
+      del bench
+    except Exception as e:  # pylint: disable=broad-except
+      send("PART", {"impl": "build", "error": f"{type(e).__name__}: {e}"[:2000],
+                    "traceback": traceback.format_exc()[-4000:]})
+    gc.collect()
+    send("DONE", {"wall_s": time.monotonic() - t})
+  return 0
 
 
-CHECKS = [
-    Check("paged_mla_decode", check_mla),
-    Check("paged_gqa_decode", check_gqa),
-    Check("tag_check", check_tag),
-    Check("int4_matmul", check_int4),
-]
+# ----------------------------------------------------------------------------- the parent
 
 
-def _tag_vs_step(records):
-  """Tag-check time as a fraction of a 61-layer fp8 MLA attention step.
+class JsonlWriter:
+  """Appends one JSON object per line, flushed and fsynced at once."""
 
-  The attention of all layers is a lower bound of a decode step, so this
-  fraction is an upper bound of the tag check's share (target < 1%).
-  """
-  tag = [r for r in records if r["check"] == "tag_check" and "time_s" in r]
-  mla = [r for r in records if r["check"] == "paged_mla_decode" and
-         r.get("case", {}).get("kv") == "fp8" and "time_s" in r]
-  if tag and mla:
-    step = 61 * mla[0]["time_s"]
-    tag[0]["fraction_of_61_layer_attention"] = tag[0]["time_s"] / step
+  def __init__(self, path: str):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    self.path = path
+    self._f = open(path, "a")
+
+  def write(self, record: dict) -> None:
+    self._f.write(json.dumps(record, default=str) + "\n")
+    self._f.flush()
+    os.fsync(self._f.fileno())
+
+  def close(self) -> None:
+    self._f.close()
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", required=True, help="JSON output path")
-  parser.add_argument("--smoke", action="store_true",
-                      help="tiny shapes, interpret mode: checks the script on CPU")
-  parser.add_argument("--only", default="", help="comma-separated check names")
-  args = parser.parse_args(argv)
-  only = set(filter(None, args.only.split(",")))
-  records = []
-  for check in CHECKS:
-    if only and check.name not in only:
-      continue
-    t0 = time.perf_counter()
-    recs = check.run(args.smoke)
-    for r in recs:
-      r["check_wall_s"] = time.perf_counter() - t0
-    records.extend(recs)
-    print(f"{check.name}: {sum(r['ok'] for r in recs)}/{len(recs)} ok", flush=True)
-  _tag_vs_step(records)
-  dev = jax.devices()[0]
-  result = dict(
-      machine=dict(platform=platform.platform(), device_kind=dev.device_kind,
-                   backend=jax.default_backend(), num_devices=jax.device_count()),
-      versions=dict(jax=jax.__version__, jaxlib=jax.lib.__version__ if hasattr(jax, "lib") else None,
-                    numpy=np.__version__, python=platform.python_version()),
-      smoke=args.smoke, copy_bw_ref=H200_COPY_BW, records=records)
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=1, default=str)
-  bad = [r for r in records if not r["ok"]]
-  for r in bad:
-    print("FAILED", r["check"], r["case"], r.get("error", r.get("rel_err")), flush=True)
-  return 1 if bad else 0
+class WorkerGone(Exception):
+  """The worker exited (crashed) before answering."""
+
+
+class Worker:
+  """A worker process; its stderr is appended to the run's log file."""
+
+  def __init__(self, smoke: bool, log_path: str):
+    env = dict(os.environ)
+    if smoke:
+      env.setdefault("JAX_PLATFORMS", "cpu")  # the CUDA plugin may be installed without a GPU
+    self.log_path = log_path
+    log = open(log_path, "ab")
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker"] + (["--smoke"] if smoke else [])
+    # Own session, so a hung worker and anything it started die together.
+    self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                 cwd=_REPO, env=env, start_new_session=True)
+    log.close()
+    self._buf = b""
+
+  def read(self, deadline: float) -> tuple[str, dict] | None:
+    """Next message, or None at the deadline; raises WorkerGone if the worker exited."""
+    fd = self.proc.stdout.fileno()
+    while b"\n" not in self._buf:
+      left = deadline - time.monotonic()
+      if left <= 0:
+        return None
+      ready, _, _ = select.select([fd], [], [], min(left, 1.0))
+      if ready:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+          raise WorkerGone()
+        self._buf += chunk
+    line, self._buf = self._buf.split(b"\n", 1)
+    text = line.decode(errors="replace")
+    if not text.startswith("@@"):
+      return self.read(deadline)
+    tag, _, payload = text[2:].partition(" ")
+    return tag, json.loads(payload)
+
+  def send(self, item: dict) -> None:
+    self.proc.stdin.write((json.dumps(item) + "\n").encode())
+    self.proc.stdin.flush()
+
+  def kill(self) -> None:
+    if self.proc.poll() is None:
+      try:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    self.proc.wait()
+
+  @property
+  def returncode(self):
+    return self.proc.poll()
+
+
+def log_tail(path: str, offset: int, limit: int = 3000) -> str:
+  """The last ``limit`` characters written to the log after ``offset``."""
+  try:
+    with open(path, "rb") as f:
+      f.seek(offset)
+      return f.read().decode(errors="replace")[-limit:]
+  except OSError:
+    return ""
+
+
+def _log_size(path: str) -> int:
+  try:
+    return os.path.getsize(path)
+  except OSError:
+    return 0
+
+
+class Estimator:
+  """Expected seconds of the next case of a kernel and of a worker start-up."""
+
+  def __init__(self, smoke: bool):
+    self.smoke = smoke
+    self.seen: dict[str, list[float]] = {}
+    self.startups: list[float] = []
+
+  def case(self, kernel: str) -> float:
+    if self.seen.get(kernel):
+      return statistics.median(self.seen[kernel])
+    return (SMOKE_PRIOR_S.get(kernel, 5.0) if self.smoke else PRIOR_S.get(kernel, 20.0))
+
+  def startup(self) -> float:
+    return statistics.median(self.startups) if self.startups else PRIOR_STARTUP_S[self.smoke]
+
+
+def _summary_of_parts(parts: list[dict]) -> dict:
+  """Top-level fields of a case record from its impls' results (the kernel's first)."""
+  by = {p["impl"]: p for p in parts}
+  main = by.get("pallas") or (parts[0] if parts else {})
+  out = {}
+  if "timing" in main:
+    out.update(time_s=main["timing"]["median_s"], timing_source=main["timing"]["source"],
+               roofline_fraction=main.get("roofline_fraction"),
+               copy_bw_fraction=main.get("copy_bw_fraction"),
+               bf16_flops_fraction=main.get("bf16_flops_fraction"))
+  for k in ("rel_err", "finite", "correct"):
+    if k in main:
+      out[k] = main[k]
+  xla = by.get("xla")
+  if "pallas" in by and xla and "timing" in xla and "timing" in main:
+    out["speedup_vs_xla"] = xla["timing"]["median_s"] / main["timing"]["median_s"]
+  peers = {p["impl"]: p["timing"]["median_s"] for p in parts
+           if p["impl"] not in ("pallas", "xla") and "timing" in p}
+  if peers:
+    out["peer_time_s"] = peers
+  return out
+
+
+def _status(parts: list[dict], ended: str) -> str:
+  if ended != "done":
+    return ended
+  main = next((p for p in parts if p["impl"] in ("pallas", "build")), parts[0] if parts else {})
+  if "error" in main or not parts:
+    return "error"
+  if main.get("correct") is False:
+    return "incorrect"
+  return "ok"
+
+
+def run_case(worker: Worker, item: PlanItem, timeout_s: float) -> dict:
+  """Sends one case to the worker and collects its messages until DONE, a crash or the timeout."""
+  offset = _log_size(worker.log_path)
+  t0 = time.monotonic()
+  deadline = t0 + timeout_s
+  facts, parts, ended = {}, [], "done"
+  try:
+    worker.send(item.message())
+    while True:
+      msg = worker.read(deadline)
+      if msg is None:
+        ended = "timeout"
+        break
+      tag, payload = msg
+      if tag == "CASE":
+        facts = payload
+      elif tag == "PART":
+        parts.append(payload)
+      elif tag == "DONE":
+        break
+  except (WorkerGone, BrokenPipeError):
+    ended = "crashed"
+  if ended == "timeout":
+    worker.kill()
+  elif ended == "crashed":
+    worker.proc.wait()
+  rec = {"type": "case", "order": item.order, "tier": item.tier, "group": item.group,
+         "kernel": item.kernel, "name": item.name, "model": item.model, "dims": item.dims,
+         "peers": item.peers, "status": _status(parts, ended),
+         "wall_s": time.monotonic() - t0, "timeout_s": timeout_s,
+         "worker_pid": worker.proc.pid, **facts, **_summary_of_parts(parts), "impls": parts}
+  if ended == "crashed":
+    rec["returncode"] = worker.returncode
+  if rec["status"] != "ok":
+    rec["stderr_tail"] = log_tail(worker.log_path, offset)
+  if item.kernel == "ceiling" and "time_s" in rec:
+    rec["measured"] = ({"copy_bytes_per_s": rec["bytes"] / rec["time_s"]} if "copy" in item.name
+                       else {"matmul_flops_per_s": rec["flops"] / rec["time_s"]})
+  return rec
+
+
+def _start_worker(args, out: JsonlWriter, est: Estimator, deadline: float
+                  ) -> tuple[Worker | None, dict]:
+  """A ready worker, or None with the failure record written."""
+  log_path = args.out + ".stderr.log"
+  offset = _log_size(log_path)
+  t0 = time.monotonic()
+  w = Worker(args.smoke, log_path)
+  rec = {"type": "worker", "pid": w.proc.pid}
+  try:
+    msg = w.read(min(deadline, t0 + args.startup_timeout_s))
+    if msg and msg[0] == "READY":
+      rec.update(status="ready", wall_s=time.monotonic() - t0, **msg[1])
+      est.startups.append(rec["wall_s"])
+      out.write(rec)
+      return w, rec
+    rec["status"] = "startup_timeout"
+  except WorkerGone:
+    rec["status"] = "startup_crashed"
+  w.kill()
+  rec.update(wall_s=time.monotonic() - t0, returncode=w.returncode,
+             stderr_tail=log_tail(log_path, offset))
+  out.write(rec)
+  return None, rec
+
+
+def _twins(records: list[dict]) -> list[dict]:
+  """fp8-page cases against their bf16 twins (same shape): kernel time ratio."""
+  by_name = {r["name"]: r for r in records if "time_s" in r}
+  out = []
+  for name, r in by_name.items():
+    if "/fp8/" in name and name.replace("/fp8/", "/bf16/") in by_name:
+      twin = by_name[name.replace("/fp8/", "/bf16/")]
+      out.append({"fp8": name, "bf16": twin["name"], "fp8_time_s": r["time_s"],
+                  "bf16_time_s": twin["time_s"], "speedup_fp8_vs_bf16": twin["time_s"] / r["time_s"]})
+  return out
+
+
+def _print_row(rec: dict, elapsed: float, total: int) -> None:
+  t = rec.get("time_s")
+  extra = ""
+  if t is not None:
+    extra = f" {t * 1e6:9.1f} us"
+    if rec.get("speedup_vs_xla"):
+      extra += f"  x{rec['speedup_vs_xla']:.1f} vs xla"
+    if rec.get("roofline_fraction") is not None:
+      extra += f"  {rec['roofline_fraction']:.2f} of roofline"
+    extra += f" [{rec.get('timing_source')}]"
+  print(f"[{rec['order'] + 1}/{total} {elapsed:5.0f}s] {rec['name']:<40} {rec['status']:<9}"
+        f"{extra}", flush=True)
+
+
+def orchestrate(args) -> int:
+  """Runs the plan within the budget; returns 0 if it was not aborted and every case is ok."""
+  kernels = set(args.kernels.split(",")) if args.kernels else None
+  faults = tuple(f for f in args.inject_fault.split(",") if f) if args.inject_fault else ()
+  max_tier = args.max_tier if args.max_tier is not None else (1 if args.smoke else 0)
+  plan = build_plan(smoke=args.smoke, kernels=kernels, peer_tiers=args.peer_tiers,
+                    max_tier=max_tier, faults=faults)
+  if os.path.exists(args.out):
+    os.remove(args.out)  # one run per file; earlier results are not mixed in
+  out = JsonlWriter(args.out)
+  from importlib import metadata
+  from experiments import kernel_targets as kt
+  from pallas_kernels import benchmark as bm  # constants; no backend starts in this process
+  out.write({"type": "header", "schema": SCHEMA, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                           time.gmtime()),
+             "argv": sys.argv[1:], "smoke": args.smoke, "budget_s": args.budget_s,
+             "case_timeout_s": args.case_timeout_s, "peer_tiers": args.peer_tiers,
+             "host": platform.node(), "platform": platform.platform(),
+             "python": platform.python_version(), "jax": metadata.version("jax"),
+             "ceilings_nominal": {"copy_bytes_per_s": bm.H200_COPY_BW,
+                                  "bf16_flops_per_s": bm.H200_BF16_FLOPS, "l2_bytes": bm.L2_BYTES},
+             "targets_total": len(kt.target_cases()), "plan_size": len(plan),
+             "plan": [p.name for p in plan]})
+  print(f"gpu_check: {len(plan)} cases planned, budget {args.budget_s:.0f} s, "
+        f"writing {args.out}", flush=True)
+  est = Estimator(args.smoke)
+  worker, records, stop = None, [], None
+  try:
+    for i, item in enumerate(plan):
+      elapsed = time.monotonic() - _START
+      left = args.budget_s - RESERVE_S - elapsed
+      need = est.case(item.kernel) + (0.0 if worker else est.startup())
+      if need > left:
+        stop = {"type": "budget", "stopped": True, "elapsed_s": elapsed,
+                "budget_s": args.budget_s, "next_case": item.name, "next_estimate_s": need,
+                "unstarted": [p.name for p in plan[i:]]}
+        break
+      if worker is None:
+        worker, wrec = _start_worker(args, out, est, _START + args.budget_s - RESERVE_S)
+        if worker is None:
+          worker, wrec = _start_worker(args, out, est, _START + args.budget_s - RESERVE_S)
+        if worker is None:
+          stop = {"type": "aborted", "reason": f"the worker failed to start twice "
+                  f"({wrec['status']})", "unstarted": [p.name for p in plan[i:]]}
+          break
+        if not args.smoke and wrec.get("backend") != "gpu":
+          stop = {"type": "aborted", "reason": f"no GPU: jax's backend is "
+                  f"{wrec.get('backend')!r} (use --smoke on a CPU)",
+                  "unstarted": [p.name for p in plan[i:]]}
+          break
+        left = args.budget_s - RESERVE_S - (time.monotonic() - _START)
+      timeout = min(args.case_timeout_s, max(left, 0.1))
+      rec = run_case(worker, item, timeout)
+      if rec["status"] == "timeout" and timeout < args.case_timeout_s:
+        rec["cut_by_budget"] = True
+      if rec["status"] in ("crashed", "timeout"):
+        worker = None
+      else:
+        est.seen.setdefault(item.kernel, []).append(rec["wall_s"])
+      records.append(rec)
+      out.write(rec)
+      _print_row(rec, time.monotonic() - _START, len(plan))
+  finally:
+    if worker is not None:
+      worker.proc.stdin.close()
+      worker.kill()
+  if stop:
+    out.write(stop)
+    print(f"gpu_check: {stop['type']}: {stop.get('reason', 'budget would be exceeded')}; "
+          f"{len(stop['unstarted'])} cases not started", flush=True)
+  counts: dict[str, int] = {}
+  for r in records:
+    counts[r["status"]] = counts.get(r["status"], 0) + 1
+  measured = {}
+  for r in records:
+    measured.update(r.get("measured", {}))
+  summary = {"type": "summary", "elapsed_s": time.monotonic() - _START, "counts": counts,
+             "cases_run": len(records), "plan_size": len(plan),
+             "stopped": stop["type"] if stop else None, "ceilings_measured": measured,
+             "worker_startups_s": est.startups, "fp8_vs_bf16": _twins(records),
+             "failed": [r["name"] for r in records if r["status"] != "ok"
+                        and r["group"] != "fault"]}
+  out.write(summary)
+  out.close()
+  print(f"gpu_check: {len(records)} cases in {summary['elapsed_s']:.0f} s: {counts}; "
+        f"measured ceilings {measured}", flush=True)
+  for t in summary["fp8_vs_bf16"]:
+    print(f"  fp8 vs bf16  {t['fp8']:<36} x{t['speedup_fp8_vs_bf16']:.2f}", flush=True)
+  return 1 if summary["failed"] or summary["stopped"] == "aborted" else 0
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--out", help="JSONL output path (its worker log: PATH.stderr.log)")
+  p.add_argument("--smoke", action="store_true",
+                 help="tiny shapes, interpret mode: checks the script on a CPU")
+  p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                 help="wall-clock budget of the whole run (default 480 s)")
+  p.add_argument("--case-timeout-s", type=float, default=DEFAULT_CASE_TIMEOUT_S,
+                 help="a case running longer is stopped and recorded as a timeout")
+  p.add_argument("--startup-timeout-s", type=float, default=DEFAULT_STARTUP_TIMEOUT_S,
+                 help="a worker not ready after this is recorded and replaced")
+  p.add_argument("--kernels", default="",
+                 help="comma-separated kernels to run (and 'ceiling'); default all")
+  p.add_argument("--peer-tiers", type=int, default=1,
+                 help="time peers (JAX's kernels, our other kernel) in tiers 1..N")
+  p.add_argument("--max-tier", type=int, default=None,
+                 help="run target tiers 1..N only (default: all; --smoke: 1)")
+  p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+  p.add_argument("--inject-fault", default="", help=argparse.SUPPRESS)  # tests: crash,hang
+  args = p.parse_args(argv)
+  if args.worker:
+    return worker_main(args.smoke)
+  if not args.out:
+    p.error("--out is required")
+  return orchestrate(args)
 
 
 if __name__ == "__main__":
