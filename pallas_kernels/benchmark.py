@@ -270,13 +270,19 @@ def _metrics(t: Timing, nbytes: int, flops: int) -> dict:
           "roofline_fraction": floor / t.median_s}
 
 
+def _error(e: Exception) -> dict:
+  return {"error": f"{type(e).__name__}: {e}"[:2000], "traceback": traceback.format_exc()[-4000:]}
+
+
 def run_impl(bench: Bench, impl: Impl, *, smoke: bool) -> dict:
   """Checks and times one impl; never raises (errors go into the result).
 
   Returns:
     {"impl", "note", "correct", "rel_err", "finite", "tol", "timing",
-     "bytes", "flops", "roofline_s", achieved rates and fractions} or, on
-    failure, {"impl", "error", "traceback"} with whatever was measured before.
+     "bytes", "flops", "roofline_s", achieved rates and fractions}. If the
+    impl fails: "error" and "traceback" with whatever was measured before. If
+    only the reference fails (out of memory, say): "check_error", and the impl
+    is still timed.
   """
   res: dict[str, Any] = {"impl": impl.name}
   if impl.note:
@@ -288,20 +294,26 @@ def run_impl(bench: Bench, impl: Impl, *, smoke: bool) -> dict:
     t0 = time.perf_counter()
     out = impl.output(jax.block_until_ready(impl.fn(*arg_sets[0])))
     res["first_call_s"] = time.perf_counter() - t0  # includes the compile
+  except Exception as e:  # pylint: disable=broad-except
+    return {**res, **_error(e)}
+  try:
     if impl.check is not None:
       res.update(impl.check(out))
     elif impl.expected is not None:
+      res["finite"] = bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
       tol = impl.tol if impl.tol is not None else bench.tol
       err = rel_err(out, impl.expected())
-      finite = bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
-      res.update(rel_err=err, finite=finite, tol=tol, correct=finite and err <= tol)
-    del out
+      res.update(rel_err=err, tol=tol, correct=res["finite"] and err <= tol)
+  except Exception as e:  # pylint: disable=broad-except
+    res["check_error"] = _error(e)["error"]
+  del out
+  try:
     t = time_on_device(impl.fn, arg_sets, smoke=smoke)
     res["timing"] = t.as_dict()
     res.update(_metrics(t, impl.nbytes if impl.nbytes is not None else bench.nbytes,
                         impl.flops if impl.flops is not None else bench.flops))
   except Exception as e:  # pylint: disable=broad-except
-    res.update(error=f"{type(e).__name__}: {e}"[:2000], traceback=traceback.format_exc()[-4000:])
+    res.update(_error(e))
   return res
 
 

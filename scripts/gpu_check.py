@@ -458,6 +458,8 @@ def _status(parts: list[dict], ended: str) -> str:
     return "error"
   if main.get("correct") is False:
     return "incorrect"
+  if "check_error" in main:
+    return "unchecked"  # timed, but its reference failed
   return "ok"
 
 

@@ -14,9 +14,12 @@ import sys
 import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
 from absl.testing import absltest
 
 from experiments import kernel_targets as kt
+from pallas_kernels import benchmark as bm
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(_REPO, "scripts", "gpu_check.py")
@@ -245,6 +248,51 @@ class ScriptRunsTest(absltest.TestCase):
     self.assertIn("## H200 compile readings", md)
     with open(os.path.join(out, "kernels.png"), "rb") as f:
       self.assertEqual(f.read(8), PNG_MAGIC)
+
+
+class BenchmarkTest(absltest.TestCase):
+  """pallas_kernels.benchmark: each impl checked and timed; one failure never hides the rest."""
+
+  def test_run_bench_checks_times_and_keeps_going(self):
+    x = jnp.arange(1, 9, dtype=jnp.float32)  # [8], never zeros
+    sets = lambda: [(x,)]  # noqa: E731
+    ref = bm.once(lambda: x * 2)
+
+    def no_reference():
+      raise MemoryError("reference out of memory")
+
+    double = jax.jit(lambda a: a * 2)
+    bench = bm.Bench(nbytes=64, flops=8, tol=1e-2, impls=[
+        bm.Impl("good", double, sets, ref),
+        bm.Impl("wrong", jax.jit(lambda a: a * 2.1), sets, ref),  # 5% off
+        bm.Impl("nan", jax.jit(lambda a: a * jnp.nan), sets, ref),
+        bm.Impl("raises", lambda a: a[100, 100], sets, ref),
+        bm.Impl("unchecked", double, sets, no_reference, nbytes=32)])
+    parts = []
+    bm.run_bench(bench, parts.append, smoke=True)
+    good, wrong, nan, raises, unchecked = parts
+    self.assertEqual([p["impl"] for p in parts], ["good", "wrong", "nan", "raises", "unchecked"])
+    self.assertTrue(good["correct"])
+    self.assertEqual(good["rel_err"], 0.0)
+    self.assertEqual(good["timing"]["source"], "perf_counter")
+    self.assertEqual(good["timing"]["iters"], 2)
+    self.assertEqual(good["roofline_s"], max(64 / bm.H200_COPY_BW, 8 / bm.H200_BF16_FLOPS))
+    self.assertAlmostEqual(good["roofline_fraction"],
+                           good["roofline_s"] / good["timing"]["median_s"])
+    self.assertAlmostEqual(wrong["rel_err"], 0.05, places=6)
+    self.assertFalse(wrong["correct"])
+    self.assertFalse(nan["finite"])
+    self.assertFalse(nan["correct"])
+    self.assertIn("IndexError", raises["error"])
+    self.assertNotIn("timing", raises)
+    self.assertIn("MemoryError", unchecked["check_error"])
+    self.assertNotIn("correct", unchecked)
+    self.assertEqual(unchecked["bytes"], 32)
+    self.assertGreater(unchecked["timing"]["median_s"], 0)
+
+  def test_rotation_only_on_a_gpu(self):
+    self.assertEqual(bm.rotation_sets(1), 1)  # this machine's backend is the CPU
+    self.assertEqual(bm.TOL, {"bf16": 1e-2, "f32": 1e-6, "fp8": 5e-2})
 
 
 class KernelsExperimentTest(absltest.TestCase):
