@@ -3,7 +3,7 @@
 PY := .venv/bin/python
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: venv run test clean
+.PHONY: venv run test soak clean
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -13,6 +13,10 @@ run: venv
 
 test: venv
 	$(PY) -m pytest -n 2 --dist loadfile tests
+
+# A long randomised search of the allocator and engine state machines (not part of `make test`).
+soak: venv
+	HYPOTHESIS_PROFILE=soak $(PY) -m pytest -q tests/test_state_machine.py
 
 clean:
 	rm -rf .venv results .pytest_cache

@@ -7,9 +7,11 @@ requests each carry their own temperature, top-k and top-p (as the engine needs)
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,15 +32,44 @@ class SamplingParams:
   stop_tokens: tuple[int, ...] = ()
 
   def __post_init__(self):
-    if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-      raise ValueError(f"SamplingParams.max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
-    if not self.temperature >= 0.0:
-      raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
-    if not isinstance(self.top_k, int) or self.top_k < 0:
-      raise ValueError(f"SamplingParams.top_k must be a non-negative int, got {self.top_k!r}")
-    if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-    object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+    # Exact types: a float stop token or a string temperature is a caller's bug, never rounded
+    # or parsed silently. numpy scalars are accepted and stored as Python numbers.
+    n = _int_field("max_new_tokens", self.max_new_tokens)
+    if n < 1:
+      raise ValueError(f"SamplingParams.max_new_tokens must be a positive int, got {n!r}")
+    t = _real_field("temperature", self.temperature)
+    if not math.isfinite(t) or t < 0.0:
+      raise ValueError(f"SamplingParams.temperature must be finite and >= 0, got {t}")
+    k = _int_field("top_k", self.top_k)
+    if k < 0:
+      raise ValueError(f"SamplingParams.top_k must be a non-negative int, got {k!r}")
+    p = _real_field("top_p", self.top_p)
+    if not 0.0 < p <= 1.0:
+      raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {p}")
+    seed = _int_field("seed", self.seed)
+    if not 0 <= seed < 2**32:
+      raise ValueError(f"SamplingParams.seed must be an int in [0, 2**32), got {seed!r}")
+    if isinstance(self.stop_tokens, (str, bytes)) or not hasattr(self.stop_tokens, "__iter__"):
+      raise ValueError(f"SamplingParams.stop_tokens must be a sequence of token ids, "
+                       f"got {self.stop_tokens!r}")
+    stops = tuple(_int_field("stop_tokens", x) for x in self.stop_tokens)
+    if any(x < 0 for x in stops):
+      raise ValueError(f"SamplingParams.stop_tokens must be non-negative token ids, got {stops}")
+    for name, value in (("max_new_tokens", n), ("temperature", t), ("top_k", k), ("top_p", p),
+                        ("seed", seed), ("stop_tokens", stops)):
+      object.__setattr__(self, name, value)
+
+
+def _int_field(name: str, v) -> int:
+  if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+    raise ValueError(f"SamplingParams.{name} must be an int, got {v!r} ({type(v).__name__})")
+  return int(v)
+
+
+def _real_field(name: str, v) -> float:
+  if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+    raise ValueError(f"SamplingParams.{name} must be a real number, got {v!r} ({type(v).__name__})")
+  return float(v)
 
 
 def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array,

@@ -18,6 +18,16 @@ if "xla_force_host_platform_device_count" not in flags:
   os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
 
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Stateful tests: CI runs a fixed, derandomised budget (about a minute in all); `make soak`
+# (HYPOTHESIS_PROFILE=soak) searches far longer with fresh randomness.
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+settings.register_profile("ci", max_examples=10, derandomize=True, database=None, deadline=None,
+                          suppress_health_check=_SLOW_OK, print_blob=True)
+settings.register_profile("soak", max_examples=400, deadline=None, suppress_health_check=_SLOW_OK,
+                          print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(config, items):

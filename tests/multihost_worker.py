@@ -39,8 +39,8 @@ def run_scenario(mesh=None) -> dict:
   import jax.numpy as jnp
   from configs import TINY_MLA
   from mlkit import parallel
-  from mlkit.engine import EngineConfig, Runner, StepBatch, UniqueTagAllocator
-  from mlkit.kvcache import KVCacheConfig, PAD_PAGE, init_paged_state, sync_tags
+  from mlkit.engine import EngineConfig, Runner, StepBatch
+  from mlkit.kvcache import KVCacheConfig, PAD_PAGE, PageAllocator, init_paged_state, sync_tags
   from test_parallel import init_params_np
 
   cfg = dataclasses.replace(TINY_MLA, n_layers=1, first_k_dense=0)
@@ -48,7 +48,7 @@ def run_scenario(mesh=None) -> dict:
                       batch_buckets=(2,), prefill_buckets=(8,), prefill_token_budget=16,
                       max_pages_per_seq=4, record_logits=True)
   params = init_params_np(cfg)
-  alloc = UniqueTagAllocator(8, 4)
+  alloc = PageAllocator(8, 4)
   lengths = [7, 5]  # after this step's token
   for rid, n in enumerate(lengths):
     alloc.admit(rid, n)

@@ -10,7 +10,8 @@ from absl.testing import absltest, parameterized
 from configs import TINY_GQA, TINY_MLA
 from mlkit import kvcache as kvc
 from mlkit import parallel
-from mlkit.engine import Engine, EngineConfig, RequestRejected, RequestStatus
+from mlkit.engine import Engine, EngineConfig, Fault, FaultKind, RequestRejected, RequestStatus
+from mlkit.engine import faults as faults_lib
 from mlkit.engine import transfer as tr
 from mlkit.engine.disagg import (ABORT_TRANSFER, DisaggConfig, DisaggEngine, PoolConfig,
                                  TransferFault, default_disagg_config)
@@ -227,6 +228,45 @@ class DisaggEngineTest(parameterized.TestCase):
       eng.get(10_000)
     with self.assertRaisesRegex(ValueError, "prompt is empty"):
       eng.submit([], SAMPLING)
+
+  def test_generate_is_atomic_and_checks_its_sampling_count(self):
+    eng = self.disagg
+    n = len(eng.requests)
+    with self.assertRaisesRegex(ValueError, "request 1 of the batch"):
+      eng.generate([EARLY[0], [999]], SAMPLING)
+    with self.assertRaisesRegex(ValueError, "1 SamplingParams for 2 prompts"):
+      eng.generate([EARLY[0], EARLY[1]], [SAMPLING])
+    with self.assertRaisesRegex(ValueError, "request 0 of the batch: .*can never fit"):
+      eng.generate([[1] * 60], SamplingParams(max_new_tokens=10))
+    self.assertLen(eng.requests, n)
+    self.assertFalse(eng.has_unfinished())
+
+  def test_one_bad_request_never_stalls_the_pools(self):
+    eng = self.disagg
+    good = eng.submit(EARLY[0], SAMPLING)
+    bad = eng.submit(EARLY[1], SAMPLING)
+    object.__setattr__(eng.get(bad).sampling, "top_k", 2**40)  # its prefill row cannot be built
+    eng.run_until_done(max_steps=100)
+    self.assertEqual(eng.get(bad).abort_reason, "error")
+    self.assertIn("OverflowError", eng.get(bad).error)
+    self.assertEqual(eng.get(good).output, self.c_out[0])
+    self.assertEqual(eng.prefill.allocator.num_free, eng.prefill.allocator.num_pages)
+    self.assertEqual(eng.decode.allocator.num_free, eng.decode.allocator.num_pages)
+
+  def test_prefill_pool_page_violation_aborts_its_holder(self):
+    eng = self.disagg
+    other = eng.submit(EARLY[0], SAMPLING)
+    victim = eng.submit(LATE[0], SAMPLING)  # 13 tokens: two prefill chunks
+    eng.step()
+    self.assertTrue(eng.prefill.allocator.has_request(victim))
+    faults_lib.inject(eng.prefill.allocator, Fault(FaultKind.USE_AFTER_FREE, victim, 0))
+    eng.run_until_done(max_steps=100)
+    self.assertEqual(eng.get(victim).abort_reason, "integrity")
+    self.assertEqual(eng.get(victim).output, [])
+    self.assertEqual(eng.get(other).output, self.c_out[0])
+    self.assertEmpty(eng.prefill.allocator.audit())
+    self.assertEmpty(eng.decode.allocator.audit())
+    self.assertEqual(eng.decode.allocator.num_free, eng.decode.allocator.num_pages)
 
   def test_submit_too_long_for_decode_pool_rejected(self):
     with self.assertRaises(RequestRejected):

@@ -17,7 +17,7 @@ from absl.testing import absltest, parameterized
 from configs import TINY_GQA, TINY_MLA
 from mlkit.engine import (ABORT_CANCELLED, ABORT_INTEGRITY, ABORT_TOO_LONG, TRACE_COUNTS, Engine,
                           EngineConfig, EngineStalled, Fault, FaultKind, RequestRejected,
-                          RequestStatus, StepBatch, UniqueTagAllocator)
+                          RequestStatus, StepBatch)
 from mlkit.generate import generate
 from mlkit.kvcache import PAD_PAGE, KVCacheConfig
 from mlkit.model import forward, init_params
@@ -83,6 +83,9 @@ class EngineConfigTest(parameterized.TestCase):
       ("backend", dict(backend="cuda")),
       ("admission_reserve", dict(admission_reserve=-1)),
       ("log_every", dict(log_every=-1)),
+      ("integrity_check", dict(integrity_check="yes")),
+      ("page_audit", dict(page_audit=1)),
+      ("record_logits", dict(record_logits=None)),
   )
   def test_invalid_field_is_named(self, field, kw):
     with self.assertRaisesRegex(ValueError, f"EngineConfig.{field}"):
@@ -97,9 +100,15 @@ class EngineConfigTest(parameterized.TestCase):
     self.assertEqual(c.max_seq_tokens, 64)  # 8 pages x 8 tokens < 96-token pool < 256
     self.assertEqual(engine_config(kv=KVCacheConfig(num_pages=4)).page_size, 64)  # MLA default
 
+  def test_params_that_do_not_match_the_config_are_refused(self):
+    gqa_params = init_params(TINY_GQA, jax.random.key(0))
+    with self.assertRaisesRegex(ValueError, "Engine: params do not match config 'tiny-mla'"):
+      Engine(gqa_params, engine_config())
+
   def test_defaults_are_safe(self):
     c = EngineConfig(model=CFG, kv=KVCacheConfig(num_pages=8))
     self.assertTrue(c.integrity_check)
+    self.assertTrue(c.page_audit)
     self.assertFalse(c.enable_fault_injection)
     self.assertIsNone(c.backend)
 
@@ -131,6 +140,10 @@ class SubmitValidationTest(parameterized.TestCase):
       ("stop_outside_vocab", [1], "stop_tokens=(300,)", "stop tokens"),
       ("negative_seed", [1], "seed=-1", "seed"),
       ("not_sampling_params", [1], "dict", "SamplingParams"),
+      ("top_k_above_vocab", [1], "top_k=2**40", "top_k must be at most the vocabulary"),
+      ("float_stop_token", [1], "stop_tokens=(1.7,)", "stop_tokens must be an int"),
+      ("string_temperature", [1], "temperature='1'", "temperature must be a real number"),
+      ("bool_top_k", [1], "top_k=True", "top_k must be an int"),
   )
   def test_bad_input_raises_and_queues_nothing(self, ids, sampling, msg):
     if isinstance(sampling, str):
@@ -143,6 +156,27 @@ class SubmitValidationTest(parameterized.TestCase):
       self.eng.submit(ids, sampling)
     self.assertEmpty(self.eng.requests)
     self.assertFalse(self.eng.has_unfinished())
+
+  def test_generate_is_atomic(self):
+    ok = [5, 17, 33]
+    with self.assertRaisesRegex(ValueError, "request 1 of the batch: .*outside"):
+      self.eng.generate([ok, [999]], SamplingParams(max_new_tokens=2))
+    with self.assertRaisesRegex(ValueError, "request 1 of the batch: .*top_k"):
+      self.eng.generate([ok, ok], [SamplingParams(), SamplingParams(top_k=300)])
+    with self.assertRaisesRegex(ValueError, "sampling must be a SamplingParams"):
+      self.eng.generate([ok], 3)
+    self.assertEmpty(self.eng.requests)
+    self.assertFalse(self.eng.has_unfinished())
+
+  def test_sampling_params_keep_exact_types(self):
+    sp = SamplingParams(max_new_tokens=np.int64(3), temperature=np.float32(0.5), top_k=np.int32(4),
+                        seed=np.uint32(7), stop_tokens=[np.int16(2)])
+    self.assertEqual((sp.max_new_tokens, sp.top_k, sp.seed, sp.stop_tokens), (3, 4, 7, (2,)))
+    self.assertIs(type(sp.temperature), float)
+    for kw in (dict(stop_tokens=5), dict(stop_tokens="ab"), dict(top_p="0.9"), dict(seed=2**32),
+               dict(temperature=float("inf")), dict(max_new_tokens=2.0)):
+      with self.assertRaises(ValueError, msg=str(kw)):
+        SamplingParams(**kw)
 
   def test_sampling_params_reject_non_positive_max_new_tokens(self):
     for n in (0, -3):
@@ -404,34 +438,6 @@ class MetricsTest(absltest.TestCase):
     eng.run_until_done()
 
 
-class UniqueTagAllocatorTest(absltest.TestCase):
-
-  def test_tags_are_unique_across_pages(self):
-    a = UniqueTagAllocator(4, 8)
-    self.assertIsNone(a.admit("x", 16))
-    self.assertIsNone(a.admit("y", 16))
-    tags = [t for r in ("x", "y") for _, t in a.block_table(r)]
-    self.assertLen(set(tags), 4)
-    a.release("x")
-    self.assertIsNone(a.admit("z", 8))
-    self.assertNotIn(a.block_table("z")[0][1], tags)
-
-  def test_drop_and_reconcile_keeps_pages_others_list(self):
-    a = UniqueTagAllocator(6, 8)
-    a.admit("v", 16)
-    a.admit("b", 8)
-    (p_v0, _), (p_v1, _) = a.block_table("v")
-    p_b = a.block_table("b")[0][0]
-    # Corrupt: v's second entry points at b's page; v's own second page is orphaned.
-    a._requests["v"].pages[1] = p_b
-    reclaimed = a.drop_and_reconcile("v")
-    self.assertCountEqual(reclaimed, [p_v0, p_v1])
-    self.assertEqual(a.num_free, 5)
-    self.assertEqual(int(a.refcounts[p_b]), 1)
-    a.release("b")
-    self.assertEqual(a.num_free, 6)
-
-
 class RunnerTest(absltest.TestCase):
 
   def test_failed_row_neither_writes_nor_emits(self):
@@ -464,67 +470,47 @@ class RunnerTest(absltest.TestCase):
 
 
 
-def _fault_scenario(kind=None, integrity_check=True, page_index=-1):
-  """Three decoding requests; a fault on the third after 3 steps; a late request right after.
-
-  Returns:
-    (engine, ids [a, b, victim, late], fault record or None, victim tokens before the fault).
-  """
-  eng = Engine(params(), engine_config(integrity_check=integrity_check))
-  samplings = [SamplingParams(max_new_tokens=8, seed=10 + i, temperature=0.8 * (i == 1))
-               for i in range(3)]
-  ids = [eng.submit(prompt(10, 300 + i), s) for i, s in enumerate(samplings)]
-  for _ in range(3):
-    eng.step()
-  victim = eng.get(ids[2])
-  assert victim.status is RequestStatus.DECODING, victim.status
-  record = None
-  if kind is not None:
-    record = eng.inject_fault(Fault(kind, ids[2], page_index=page_index))
-  n_before = len(victim.output)
-  # The next allocation (this request's admission) reuses a freed / double-listed page.
-  ids.append(eng.submit(prompt(12, 399), SamplingParams(max_new_tokens=6, seed=9)))
-  eng.run_until_done()
-  return eng, ids, record, n_before
-
-
 class FaultInjectionTest(parameterized.TestCase):
+  """The integrity defences on the engine's shared shapes (the full fault matrix: test_reliability)."""
 
-  @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    eng, ids, _, cls.clean_before = _fault_scenario(None)
-    cls.clean = [list(eng.get(i).output) for i in ids]
-    assert eng.stats.integrity_failures == 0
-
-  @parameterized.parameters(*FaultKind)
-  def test_fault_aborts_victim_only(self, kind):
-    eng, ids, record, n_before = _fault_scenario(kind)
-    victim = eng.get(ids[2])
-    # 1. The victim is aborted for integrity, in the first step after the fault.
-    self.assertEqual(victim.status, RequestStatus.ABORTED)
-    self.assertEqual(victim.abort_reason, ABORT_INTEGRITY)
-    self.assertEqual(eng.stats.integrity_failures, 1)
-    # 2. Nothing computed from a wrong page came out: exactly its pre-fault tokens.
-    self.assertEqual(n_before, self.clean_before)
-    self.assertEqual(victim.output, self.clean[2][:n_before])
-    # 3. Everyone else is bit-identical to the fault-free run, and finished.
-    for j in (0, 1, 3):
-      self.assertEqual(eng.get(ids[j]).output, self.clean[j], f"request {j} after {kind}")
-      self.assertEqual(eng.get(ids[j]).status, RequestStatus.FINISHED)
-    if kind is FaultKind.WRONG_PAGE:
-      self.assertEqual(record.other_owner, ids[0])  # it pointed into a live request's page
-    # Recovery rebuilt the allocator: no page leaked, none is double-listed.
-    self.assertEqual(eng.allocator.num_free, NUM_PAGES)
-    self.assertLen(set(eng.allocator._free), NUM_PAGES)
-
-  def test_without_the_check_a_wrong_page_corrupts_output(self):
-    """The same fault with integrity_check=False: the victim reads another request's page."""
-    eng, ids, _, n_before = _fault_scenario(FaultKind.WRONG_PAGE, integrity_check=False)
+  def test_without_either_defence_a_wrong_page_corrupts_output(self):
+    """WRONG_PAGE with the tag check and the page audit off: the victim reads another's page."""
+    want = self._outputs(None)
+    eng, ids = self._scenario(FaultKind.WRONG_PAGE, integrity_check=False, page_audit=False)
     victim = eng.get(ids[2])
     self.assertEqual(victim.status, RequestStatus.FINISHED)  # nobody noticed
-    self.assertNotEqual(victim.output, self.clean[2])
-    self.assertEqual(victim.output[:n_before], self.clean[2][:n_before])
+    self.assertNotEqual(victim.output, want[2])
+
+  @parameterized.named_parameters(("tag_check_only", True, False), ("audit_only", False, True))
+  def test_either_defence_alone_stops_a_wrong_page(self, integrity_check, page_audit):
+    want = self._outputs(None)
+    eng, ids = self._scenario(FaultKind.WRONG_PAGE, integrity_check=integrity_check,
+                              page_audit=page_audit)
+    self.assertEqual(eng.get(ids[2]).abort_reason, ABORT_INTEGRITY)
+    for j, i in enumerate(ids):
+      r = eng.get(i)
+      if r.status is RequestStatus.FINISHED:
+        self.assertEqual(r.output, want[j], f"request {j}")
+      else:
+        self.assertEqual(r.abort_reason, ABORT_INTEGRITY)
+        self.assertEqual(r.output, want[j][:len(r.output)])
+    self.assertEmpty(eng.allocator.audit())
+
+  def _scenario(self, kind, **kw):
+    eng = Engine(params(), engine_config(**kw))
+    ids = [eng.submit(prompt(10, 300 + i), SamplingParams(max_new_tokens=8, seed=i))
+           for i in range(3)]
+    for _ in range(3):
+      eng.step()
+    if kind is not None:
+      eng.inject_fault(Fault(kind, ids[2]))
+    ids.append(eng.submit(prompt(12, 399), SamplingParams(max_new_tokens=6)))
+    eng.run_until_done()
+    return eng, ids
+
+  def _outputs(self, kind):
+    eng, ids = self._scenario(kind)
+    return [eng.get(i).output for i in ids]
 
   def test_fault_during_chunked_prefill(self):
     eng = Engine(params(), engine_config())
@@ -619,11 +605,16 @@ class GqaEngineTest(absltest.TestCase):
     ids = [eng.submit(p, s) for p, s in zip(prompts, sps)]
     for _ in range(3):
       eng.step()
-    eng.inject_fault(Fault(FaultKind.WRONG_PAGE, ids[2]))
+    record = eng.inject_fault(Fault(FaultKind.WRONG_PAGE, ids[2]))
     eng.run_until_done()
-    self.assertEqual(eng.get(ids[2]).abort_reason, ABORT_INTEGRITY)
-    self.assertEqual([eng.get(i).output for i in ids[:2]], want[:2])
-    self.assertEqual(eng.allocator.num_free, NUM_PAGES)
+    # The victim and the owner of the page it now names are aborted (that page's bookkeeping
+    # is no longer trusted); the third request is untouched.
+    self.assertEqual(record.other_owner, ids[0])
+    for i in (ids[0], ids[2]):
+      self.assertEqual(eng.get(i).abort_reason, ABORT_INTEGRITY)
+    self.assertEqual(eng.get(ids[1]).output, want[1])
+    self.assertEqual(eng.allocator.num_free + len(eng.allocator.quarantined), NUM_PAGES)
+    self.assertEmpty(eng.allocator.audit())
 
 if __name__ == "__main__":
   absltest.main()

@@ -100,11 +100,11 @@ class AllocatorPropertyTest(parameterized.TestCase):
       alloc.free([pages[1], free_page])  # the valid part must not be applied either
     with self.assertRaisesRegex(ValueError, "share: page .* is not allocated"):
       alloc.share([free_page])
-    with self.assertRaisesRegex(ValueError, "n must be >= 0"):
+    with self.assertRaisesRegex(ValueError, "n must be an int >= 0"):
       alloc.allocate(-1)
     np.testing.assert_array_equal(alloc.refcounts[pages], [1, 1])
     self.assertEqual(alloc.num_free, 2)
-    with self.assertRaisesRegex(ValueError, "positive num_pages and page_size"):
+    with self.assertRaisesRegex(ValueError, "positive int num_pages and page_size"):
       kvc.PageAllocator(0, 4)
 
 
@@ -183,6 +183,119 @@ class RequestTest(absltest.TestCase):
       alloc.fork("nobody", "r")
     with self.assertRaisesRegex(ValueError, "unknown request 'nobody'"):
       alloc.batch_meta(["p", "nobody"])
+
+
+class ConservationTest(parameterized.TestCase):
+  """Conservation by construction, the audit, quarantine and recovery."""
+
+  def _pool(self):
+    alloc = kvc.PageAllocator(num_pages=8, page_size=4)
+    alloc.admit("a", 8)  # pages 0, 1
+    alloc.admit("b", 4)  # page 2
+    return alloc
+
+  def test_freed_page_is_listed_once(self):
+    alloc = self._pool()
+    p = alloc.block_table("b")[0][0]
+    alloc._free = dict.fromkeys([p, *alloc._free])  # listed free while held (a bug elsewhere)
+    alloc.release("b")  # its last reference: the page is free now, and listed once
+    self.assertLen(list(alloc._free), alloc.num_free)
+    self.assertEqual(alloc.num_free, 6)
+    self.assertEmpty(alloc.audit())
+
+  def test_allocate_never_returns_a_live_page(self):
+    alloc = self._pool()
+    live = alloc.block_table("a")[0][0]
+    alloc._free = dict.fromkeys([live, *alloc._free])
+    got = alloc.allocate(2)
+    self.assertNotIn(live, got)
+    self.assertIn(live, alloc.quarantined)
+    (v,) = alloc.drain_violations()
+    self.assertEqual((v.kind, v.pages, v.requests), ("live_on_free_list", (live,), ("a",)))
+    self.assertEmpty(alloc.drain_violations())
+    self.assertEqual(int(alloc.refcounts[live]), 1)  # its owner's reference is untouched
+    # When the pool is short because of it, nothing is taken and the shortfall is said.
+    alloc2 = self._pool()
+    alloc2._free = dict.fromkeys([alloc2.block_table("a")[0][0], *alloc2._free])
+    with self.assertRaisesRegex(kvc.OutOfPages, "6 pages requested, 5 free"):
+      alloc2.allocate(6)
+    self.assertEqual(alloc2.num_free, 5)
+    self.assertIsInstance(alloc2.admit("c", 24), kvc.CannotAdmit)
+
+  def test_audit_names_each_violation(self):
+    cases = {
+        # A use after free: the page is free but still in a's table.
+        "refcount_mismatch": lambda a: a.free([a.block_table("a")[1][0]]),
+        "live_on_free_list": lambda a: a._free.update({a.block_table("b")[0][0]: None}),
+        "leaked": lambda a: a._free.pop(7),
+        "out_of_pool": lambda a: setattr(a._requests["b"], "pages",
+                                         np.append(a._requests["b"].pages, 99).astype(np.int32)),
+    }
+    for kind, corrupt in cases.items():
+      alloc = self._pool()
+      self.assertEmpty(alloc.audit())
+      corrupt(alloc)
+      violations = alloc.audit()
+      self.assertIn(kind, [v.kind for v in violations], kind)
+      v = next(v for v in violations if v.kind == kind)
+      self.assertIn(kind, str(v))
+      holders = alloc.recover(violations)
+      self.assertEmpty(alloc.audit(), kind)
+      for rid in holders:
+        self.assertFalse(alloc.has_request(rid))
+      self.assertEqual(alloc.num_free + alloc.num_used + len(alloc.quarantined), 8)
+      self.assertEqual(sorted(alloc.quarantined), sorted({p for v in violations for p in v.pages}))
+
+  def test_wrong_entry_quarantines_both_pages_and_drops_both_holders(self):
+    alloc = self._pool()
+    (pa0, _), (pa1, _) = alloc.block_table("a")
+    pb = alloc.block_table("b")[0][0]
+    alloc._requests["a"].pages[1] = pb  # a's entry now names b's page; pa1 is orphaned
+    violations = alloc.audit()
+    self.assertEqual({p for v in violations for p in v.pages}, {pa1, pb})
+    self.assertEqual(alloc.recover(violations), ["a", "b"])
+    self.assertEqual(alloc.quarantined, {pa1, pb})
+    self.assertEqual(alloc.num_free, 6)  # pa0 came back; the two suspects never will
+    alloc.admit("c", 24)
+    self.assertTrue({pa1, pb}.isdisjoint(p for p, _ in alloc.block_table("c")))
+    alloc.release("c")
+    self.assertNotIn(pb, alloc._free)
+
+  def test_quarantined_page_never_returns(self):
+    alloc = self._pool()
+    p = alloc.block_table("a")[0][0]
+    alloc.quarantine([p])
+    with self.assertRaisesRegex(ValueError, "quarantined"):
+      alloc.share([p])
+    alloc.release("a")  # its holder lets go: the page stays out of circulation
+    self.assertNotIn(p, alloc._free)
+    self.assertEqual(alloc.num_used + alloc.num_free + len(alloc.quarantined), 8)
+    self.assertEmpty(alloc.audit())
+    with self.assertRaisesRegex(ValueError, "outside the pool"):
+      alloc.quarantine([8])
+
+  def test_drop_and_reconcile_keeps_pages_others_list(self):
+    a = kvc.PageAllocator(6, 8)
+    a.admit("v", 16)
+    a.admit("b", 8)
+    (p_v0, _), (p_v1, _) = a.block_table("v")
+    p_b = a.block_table("b")[0][0]
+    a._requests["v"].pages[1] = p_b  # v's second entry points at b's page; p_v1 is orphaned
+    reclaimed = a.drop_and_reconcile("v")
+    self.assertCountEqual(reclaimed, [p_v0, p_v1])
+    self.assertEqual(a.num_free, 5)
+    self.assertEqual(int(a.refcounts[p_b]), 1)
+    a.release("b")
+    self.assertEqual(a.num_free, 6)
+
+  def test_release_checked_falls_back_to_reconcile(self):
+    alloc = self._pool()
+    (p0, _), (p1, _) = alloc.block_table("a")
+    alloc.free([p0])  # freed behind a's back: a plain release would double-free it
+    self.assertEqual(alloc.release_checked("a"), [p1])  # p1 reclaimed; p0 was already free
+    self.assertFalse(alloc.has_request("a"))
+    self.assertEmpty(alloc.audit())
+    self.assertEqual(alloc.num_free, 7)
 
 
 class CapacityTest(parameterized.TestCase):

@@ -39,6 +39,9 @@ class EngineConfig:
   max_pages_per_seq: int = 16
   # Run the batched page-tag check before every step reads the cache (off only for overhead ablations).
   integrity_check: bool = True
+  # Audit page conservation (free + held + quarantined = all, refcounts = table entries) around
+  # every step; violating pages are quarantined and their holders aborted (off only for ablations).
+  page_audit: bool = True
   # Kernel backend for the tag check: "pallas" | "interpret" | "xla" | None (platform default).
   backend: str | None = None
   # Free pages that must remain after admitting a request, so running requests can still grow.
@@ -69,6 +72,9 @@ class EngineConfig:
     if self.prefill_token_budget < self.prefill_buckets[-1]:
       raise ValueError(f"EngineConfig.prefill_token_budget ({self.prefill_token_budget}) must be at "
                        f"least the largest prefill bucket ({self.prefill_buckets[-1]})")
+    for name in ("integrity_check", "page_audit", "enable_fault_injection", "record_logits"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
     if self.backend is not None and self.backend not in dispatch.BACKENDS:
       raise ValueError(f"EngineConfig.backend must be one of {dispatch.BACKENDS} or None, "
                        f"got {self.backend!r}")

@@ -46,12 +46,13 @@ from absl import logging
 
 from mlkit.config import ModelConfig
 from mlkit.engine.config import EngineConfig
-from mlkit.engine.engine import Engine, EngineStalled, build_prefill_batch
-from mlkit.engine.request import (ABORT_CANCELLED, ABORT_INTEGRITY, ABORT_TRANSFER, Request,
+from mlkit.engine.engine import Engine, EngineStalled, build_prefill_batch, check_batch
+from mlkit.engine.request import (ABORT_CANCELLED, ABORT_TRANSFER, Request,
                                   RequestOutput, RequestRejected, RequestStatus)
 from mlkit.engine.runner import StepBatch
 from mlkit.engine.transfer import Payload, TransferResult, transfer_kv
 from mlkit.kvcache import KVCacheConfig, PagedKVState, sync_tags
+from mlkit.model import check_params
 from mlkit.parallel import (DEFAULT_RULES, MeshConfig, ShardingRules, shard_kv_state,
                             shard_params, split_mesh)
 from mlkit.quant import FP8_ALL, INT4_EXPERTS, Recipe, quantize_params
@@ -240,13 +241,15 @@ class DisaggEngine:
     rules: logical-axis rules for params and KV pages.
 
   Raises:
-    ValueError: if the pools need more devices than given.
+    ValueError: if the pools need more devices than given, or the checkpoint does not
+      match the model config (names the first leaf that differs).
   """
 
   def __init__(self, checkpoint, config: DisaggConfig, devices: Sequence | None = None,
                rules: ShardingRules = DEFAULT_RULES):
     if not isinstance(config, DisaggConfig):
       raise ValueError(f"DisaggEngine needs a DisaggConfig, got {type(config).__name__}")
+    check_params(checkpoint, config.model, where="DisaggEngine")
     self.config = config
     self.metrics_ = DisaggMetrics()
     self._faults: collections.deque = collections.deque()
@@ -293,15 +296,24 @@ class DisaggEngine:
     """
     if self.colocated:
       return self.decode.submit(prompt_ids, sampling)
-    try:
-      total = len(prompt_ids) + int(sampling.max_new_tokens)
-    except (TypeError, AttributeError):
-      total = 0  # malformed input: the prefill pool's submit raises the precise error
+    return self.prefill._enqueue(*self.check_request(prompt_ids, sampling))  # noqa: SLF001
+
+  def check_request(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams()
+                    ) -> tuple[tuple[int, ...], SamplingParams]:
+    """Validates a request without queueing it (what ``submit`` checks).
+
+    Raises:
+      ValueError / RequestRejected: as :meth:`submit`.
+    """
+    if self.colocated:
+      return self.decode.check_request(prompt_ids, sampling)
+    prompt, sampling = self.prefill.check_request(prompt_ids, sampling)
+    total = len(prompt) + sampling.max_new_tokens
     limit = self.config.decode.engine.max_seq_tokens
     if total > limit:
-      raise RequestRejected(f"submit: prompt ({len(prompt_ids)} tokens) + max_new_tokens = {total} "
+      raise RequestRejected(f"submit: prompt ({len(prompt)} tokens) + max_new_tokens = {total} "
                             f"tokens can never fit the decode pool's {limit} tokens per sequence")
-    return self.prefill.submit(prompt_ids, sampling)
+    return prompt, sampling
 
   def get(self, request_id: int) -> Request:
     """The Request (status, output, reasons). Raises KeyError if unknown."""
@@ -368,7 +380,7 @@ class DisaggEngine:
     if self.colocated:
       return self.decode.step()
     m = self.metrics_
-    plan, pending = self._dispatch_prefill()
+    plan, pending, ended = self._dispatch_prefill()
     outs: dict[int, RequestOutput] = {}
 
     def add(o: RequestOutput) -> None:
@@ -378,6 +390,8 @@ class DisaggEngine:
         o = dataclasses.replace(o, new_tokens=prev.new_tokens + o.new_tokens)
       outs[o.request_id] = o
 
+    for r in ended:
+      add(RequestOutput(r.request_id, (), r.status, r.finish_reason, r.abort_reason))
     decoded = 0
     if self.decode.has_unfinished():  # runs while the prefill step is in flight
       for o in self.decode.step():
@@ -420,9 +434,17 @@ class DisaggEngine:
   def generate(self, prompts: Sequence[Sequence[int]],
                sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams()
                ) -> list[list[int]]:
-    """Submits every prompt, runs to completion, returns each request's tokens in order."""
-    samplings = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
-    ids = [self.submit(p, s) for p, s in zip(prompts, samplings)]
+    """Submits every prompt, runs to completion, returns each request's tokens in order.
+
+    Atomic: every request is checked before any is queued.
+
+    Raises:
+      ValueError: as :meth:`submit` for any prompt (nothing is queued), or a SamplingParams
+        list whose length differs from the prompts'.
+    """
+    checked = check_batch(self.check_request, prompts, sampling)
+    engine = self.decode if self.colocated else self.prefill
+    ids = [engine._enqueue(p, s) for p, s in checked]  # noqa: SLF001
     self.run_until_done()
     return [list(self.requests[i].output) for i in ids]
 
@@ -445,22 +467,44 @@ class DisaggEngine:
             self.decode.stats.preemptions, self.prefill.stats.preemptions)
 
   def _dispatch_prefill(self):
-    """Schedules the prefill pool and dispatches its step; returns (plan, device outputs or None)."""
+    """Audits and schedules the prefill pool and dispatches its step.
+
+    Returns:
+      (plan, device outputs or None, requests the prefill pool ended before the step:
+      page-audit holders and rows that could not be built).
+    """
     P = self.prefill
     self._prefill_t0 = time.perf_counter()
+    ended = self._prefill_ended(P.audit_pages())
     plan = P.scheduler.schedule()
     # Nothing lives in the prefill pool in DECODING state, so the plan decodes nothing.
     assert not plan.decode, "prefill pool planned a decode step"
     P.stats.preemptions += len(plan.preempted)
-    if plan.allocation_changed or self._prefill_tags_dirty:
-      P.state = sync_tags(P.state, P.allocator)
-      self._prefill_tags_dirty = False
+    dropped = self._prefill_ended(P.enforce_conservation(P.allocator.drain_violations()))
+    ended += dropped
+    plan = plan.without(set(dropped))
+    if plan.allocation_changed or self._prefill_tags_dirty or P._tags_dirty:  # noqa: SLF001
+      P.state = sync_tags(P.state, P.allocator.device_tags())
+      self._prefill_tags_dirty = P._tags_dirty = False  # noqa: SLF001
     if not plan.prefill:
-      return plan, None
-    batch = build_prefill_batch(P.config, P.scheduler, plan.prefill)
+      return plan, None, ended
+    batch, rows, failed = build_prefill_batch(P.config, P.scheduler, plan.prefill)
+    for req, err in failed:
+      P._error_abort(req, err)  # noqa: SLF001
+      ended.append(req)
+    plan = dataclasses.replace(plan, prefill=rows)
+    if batch is None:
+      return plan, None, ended
     tok, ok, P.state, lg = P.runner.run("prefill", P.state, batch)
     self.metrics_.prefill_steps += 1
-    return plan, (tok, ok, lg)
+    return plan, (tok, ok, lg), ended
+
+  def _prefill_ended(self, reqs: list[Request]) -> list[Request]:
+    """Requests the prefill pool aborted: they leave the transfer queue too."""
+    for r in reqs:
+      if r in self._transfer_queue:
+        self._transfer_queue.remove(r)
+    return list(reqs)
 
   def _collect_prefill(self, plan, pending) -> list[RequestOutput]:
     P = self.prefill
@@ -473,34 +517,43 @@ class DisaggEngine:
       req = item.req
       n_before = len(req.output)
       if not ok[i]:
-        logging.error("disagg: request %d failed its page-tag check in the prefill pool",
-                      req.request_id)
-        P.scheduler.drop_failed(req)
+        P._integrity_abort(req, "its page-tag check failed in the prefill pool")  # noqa: SLF001
         self._prefill_tags_dirty = True
-        P.stats.integrity_failures += 1
-        self._end(req, RequestStatus.ABORTED, abort_reason=ABORT_INTEGRITY)
       else:
-        req.num_computed += item.n
-        P.stats.prefill_tokens += item.n
-        if req.num_computed == len(req.prefill_tokens):
-          req.emit(int(tok[i]), now)
-          P.stats.generated_tokens += 1
-          if lg is not None:
-            self._prefill_logits.setdefault(req.request_id, []).append(np.asarray(lg[i]))
-          # Out of the prefill scheduler (it would otherwise plan decodes for it), pages kept.
-          P.scheduler.running.remove(req)
-          P.scheduler.invalidate_rows()
-          reason = req.should_stop()
-          if reason is not None:
+        try:
+          self._finish_prefill_row(req, item, tok[i], lg[i] if lg is not None else None, now)
+        except Exception as e:  # one request's bad state must not stop the others
+          if req in self._transfer_queue:
+            self._transfer_queue.remove(req)
+          if P.allocator.has_request(req.request_id):
             P.allocator.release_checked(req.request_id)
-            self._prefill_tags_dirty = True
-            self._end(req, RequestStatus.FINISHED, finish_reason=reason)
-          else:
-            req.status = RequestStatus.DECODING
-            self._transfer_queue.append(req)
+          P._error_abort(req, f"{type(e).__name__}: {e}")  # noqa: SLF001
+          self._prefill_tags_dirty = True
       outs.append(RequestOutput(req.request_id, tuple(req.output[n_before:]), req.status,
                                 req.finish_reason, req.abort_reason))
     return outs
+
+  def _finish_prefill_row(self, req: Request, item, token, logits, now: float) -> None:
+    """Host bookkeeping of one finished prefill row: emit, then finish or queue the transfer."""
+    P = self.prefill
+    req.num_computed += item.n
+    P.stats.prefill_tokens += item.n
+    if req.num_computed == len(req.prefill_tokens):
+      req.emit(int(token), now)
+      P.stats.generated_tokens += 1
+      if logits is not None:
+        self._prefill_logits.setdefault(req.request_id, []).append(np.asarray(logits))
+      # Out of the prefill scheduler (it would otherwise plan decodes for it), pages kept.
+      P.scheduler.running.remove(req)
+      P.scheduler.invalidate_rows()
+      reason = req.should_stop()
+      if reason is not None:
+        P.allocator.release_checked(req.request_id)
+        self._prefill_tags_dirty = True
+        self._end(req, RequestStatus.FINISHED, finish_reason=reason)
+      else:
+        req.status = RequestStatus.DECODING
+        self._transfer_queue.append(req)
 
   def _run_transfers(self) -> list[RequestOutput]:
     """Moves queued requests into the decode pool while it has room (FIFO)."""
@@ -527,7 +580,7 @@ class DisaggEngine:
         D.scheduler.running.append(req)
       else:
         D.allocator.release_checked(req.request_id)
-        D.state = sync_tags(D.state, D.allocator)
+        D.state = sync_tags(D.state, D.allocator.device_tags())
         self.metrics_.transfer_failures += 1
         logging.error("disagg: aborting request %d: %s", req.request_id, result.reason)
         self._end(req, RequestStatus.ABORTED, abort_reason=ABORT_TRANSFER)
@@ -540,7 +593,7 @@ class DisaggEngine:
     src_pages = [p for p, _ in P.allocator.block_table(req.request_id)]
     dst_pages = [p for p, _ in D.allocator.block_table(req.request_id)]
     # Fresh tags of the newly allocated pages go to the device before anything checks them.
-    D.state = sync_tags(D.state, D.allocator)
+    D.state = sync_tags(D.state, D.allocator.device_tags())
     result = None
     for attempt in range(self.config.transfer_attempts):
       fault = self._faults.popleft() if self._faults else None

@@ -2,17 +2,26 @@
 
 One ``step``:
 
-1. schedule (admission, decode growth, preemption, prefill chunks) and, if any
-   allocation changed, copy the allocator's tags to the device ``page_tags``;
+1. audit page conservation (anything changed since the last step: cancels,
+   injected faults), then schedule (admission, decode growth, preemption,
+   prefill chunks); pages the audit or the allocator found violating are
+   quarantined and every request holding them is aborted with reason
+   ``integrity``; if any allocation changed, copy the allocator's tags to the
+   device ``page_tags``;
 2. build the numpy step inputs and dispatch the prefill step and the decode
    step (each one jitted call with the tag check inside; the state is donated
    and chained from one call to the next without waiting);
 3. read every sampled token and ok flag in one transfer (the only sync);
 4. bookkeeping: rows whose check failed are aborted with reason ``integrity``
-   and their tokens dropped; the others emit their token, stop, or continue.
+   and their tokens dropped; the others emit their token, stop, or continue;
+   then the audit runs again.
+
+An error that belongs to one request (building its row, emitting its token)
+aborts that request with reason ``error``; the others are served on.
 
 Host overhead is the time in 1, 2 (building inputs) and 4; the device time is
-from the first dispatch until the results are on the host.
+from the first dispatch until the results are on the host. Why the audit and the
+tag check both exist: docs/integrity.md.
 """
 
 from __future__ import annotations
@@ -28,11 +37,12 @@ from absl import logging
 from mlkit.engine import faults as faults_lib
 from mlkit.engine.config import EngineConfig
 from mlkit.engine.metrics import EngineMetrics, request_metrics
-from mlkit.engine.request import (ABORT_CANCELLED, ABORT_INTEGRITY, ABORT_TOO_LONG, Request,
-                                  RequestOutput, RequestRejected, RequestStatus)
+from mlkit.engine.request import (ABORT_CANCELLED, ABORT_ERROR, ABORT_INTEGRITY, ABORT_TOO_LONG,
+                                  Request, RequestOutput, RequestRejected, RequestStatus)
 from mlkit.engine.runner import Runner, StepBatch
-from mlkit.engine.scheduler import Scheduler, UniqueTagAllocator
-from mlkit.kvcache import init_paged_state, sync_tags
+from mlkit.engine.scheduler import PrefillItem, Scheduler
+from mlkit.kvcache import PageAllocator, PageViolation, init_paged_state, sync_tags
+from mlkit.model import check_params
 from mlkit.sampling import SamplingParams
 
 
@@ -44,17 +54,23 @@ class Engine:
   """A continuous-batching engine over one paged KV pool.
 
   Args:
-    params: model params for ``config.model``.
+    params: model params for ``config.model`` (any weight formats the model supports).
     config: an :class:`EngineConfig`.
+
+  Raises:
+    ValueError: a config of the wrong type, or params that do not match
+      ``param_specs(config.model)`` (names the first leaf that differs).
   """
 
   def __init__(self, params, config: EngineConfig):
     if not isinstance(config, EngineConfig):
       raise ValueError(f"Engine needs an EngineConfig, got {type(config).__name__}")
+    # Shapes and dtypes only (no transfer): a mismatch names its leaf here, not deep in jax.
+    check_params(params, config.model, where="Engine")
     self.config = config
     self.runner = Runner(params, config)
     self.state = init_paged_state(config.model, config.kv)
-    self.allocator = UniqueTagAllocator(config.kv.num_pages, config.page_size)
+    self.allocator = PageAllocator(config.kv.num_pages, config.page_size)
     self.scheduler = Scheduler(config, self.allocator)
     self.requests: dict[int, Request] = {}
     self.stats = EngineMetrics()
@@ -75,12 +91,24 @@ class Engine:
 
     Raises:
       ValueError: empty prompt, non-integer or out-of-vocabulary token ids,
-        invalid sampling parameters (including max_new_tokens <= 0 and stop
-        tokens outside the vocabulary), a prompt longer than the model's maximum
-        length. Nothing is queued.
+        invalid sampling parameters (wrong types, top_k above the vocabulary, stop
+        tokens outside it, ...), a prompt longer than the model's maximum length.
+        Nothing is queued.
       RequestRejected: (a ValueError, reason ``too_long``) prompt + max_new_tokens
         can never fit: longer than the model's maximum length, the block-table
         width or the whole page pool.
+    """
+    return self._enqueue(*self.check_request(prompt_ids, sampling))
+
+  def check_request(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams()
+                    ) -> tuple[tuple[int, ...], SamplingParams]:
+    """Validates a request without queueing it (what ``submit`` checks).
+
+    Returns:
+      (prompt as a tuple of ints, validated SamplingParams).
+
+    Raises:
+      ValueError / RequestRejected: as :meth:`submit`.
     """
     mcfg = self.config.model
     sampling = _validate_sampling(sampling, mcfg.vocab_size)
@@ -102,16 +130,27 @@ class Engine:
       raise ValueError(f"submit: prompt of {prompt.size} tokens is longer than the model's "
                        f"maximum length {mcfg.max_seq_len}")
     total = int(prompt.size) + sampling.max_new_tokens
-    if total > self.config.max_seq_tokens:
+    if total > self.max_seq_tokens:
       self.stats.rejected[ABORT_TOO_LONG] += 1
+      q = len(self.allocator.quarantined)
       raise RequestRejected(
           f"submit: prompt ({prompt.size} tokens) + max_new_tokens ({sampling.max_new_tokens}) "
-          f"= {total} tokens can never fit: the engine holds at most {self.config.max_seq_tokens} "
+          f"= {total} tokens can never fit: the engine holds at most {self.max_seq_tokens} "
           f"tokens per sequence (model max {mcfg.max_seq_len}, {self.config.max_pages_per_seq} "
-          f"pages/seq and {self.config.kv.num_pages} pool pages of {self.config.page_size})")
+          f"pages/seq and {self.config.kv.num_pages} pool pages of {self.config.page_size}"
+          + (f", {q} of them quarantined" if q else "") + ")")
+    return tuple(int(t) for t in prompt), sampling
+
+  @property
+  def max_seq_tokens(self) -> int:
+    """The longest sequence one request may reach now (quarantined pages no longer count)."""
+    usable = self.allocator.num_pages - len(self.allocator.quarantined)
+    return min(self.config.max_seq_tokens, usable * self.config.page_size)
+
+  def _enqueue(self, prompt: tuple[int, ...], sampling: SamplingParams) -> int:
     rid = self._next_id
     self._next_id += 1
-    req = Request(request_id=rid, prompt=tuple(int(t) for t in prompt), sampling=sampling,
+    req = Request(request_id=rid, prompt=prompt, sampling=sampling,
                   arrival_time=time.perf_counter())
     self.requests[rid] = req
     self.scheduler.add(req)
@@ -151,13 +190,23 @@ class Engine:
     """
     cfg = self.config
     t0 = time.perf_counter()
+    touched: dict[int, tuple[Request, int]] = {}  # id -> (request, tokens before this step)
+
+    def touch(reqs):
+      for r in reqs:
+        touched.setdefault(r.request_id, (r, len(r.output)))
+
+    touch(self.audit_pages())
     plan = self.scheduler.schedule()
     self.stats.preemptions += len(plan.preempted)
+    dropped = self.enforce_conservation(self.allocator.drain_violations())
+    touch(dropped)
+    plan = plan.without(set(dropped))
     if plan.allocation_changed or self._tags_dirty:
       self.state = sync_tags(self.state, self.allocator.device_tags())
       self._tags_dirty = False
-    pre = self._prefill_batch(plan.prefill) if plan.prefill else None
-    dec = self._decode_batch(plan.decode) if plan.decode else None
+    pre, pre_rows = self._build(build_prefill_batch, plan.prefill, touch)
+    dec, dec_rows = self._build(build_decode_batch, plan.decode, touch)
     t1 = time.perf_counter()
     outs = []
     if pre is not None:
@@ -168,40 +217,57 @@ class Engine:
       outs.append((tok, ok, lg))
     host = jax.device_get(outs)  # the step's only synchronisation
     t2 = time.perf_counter()
-    touched: dict[int, tuple[Request, int]] = {}  # id -> (request, tokens before this step)
     generated = 0
     now = t2
     k = 0
     if pre is not None:
       tok, ok, lg = host[k]
       k += 1
-      for i, item in enumerate(plan.prefill):
-        req = item.req
-        touched[req.request_id] = (req, len(req.output))
-        if not ok[i]:
-          self._integrity_abort(req)
-          continue
-        req.num_computed += item.n
-        if req.num_computed == len(req.prefill_tokens):
-          req.status = RequestStatus.DECODING
-          generated += self._emit(req, tok[i], lg[i] if lg is not None else None, now)
+      touch(it.req for it in pre_rows)
+      for i, item in enumerate(pre_rows):
+        generated += self._finish_row(item.req, bool(ok[i]), tok[i], lg, i, now, prefill_n=item.n)
     if dec is not None:
       tok, ok, lg = host[k]
-      for i, req in enumerate(plan.decode):
-        touched[req.request_id] = (req, len(req.output))
-        if not ok[i]:
-          self._integrity_abort(req)
-          continue
-        generated += self._emit(req, tok[i], lg[i] if lg is not None else None, now)
+      touch(dec_rows)
+      for i, req in enumerate(dec_rows):
+        generated += self._finish_row(req, bool(ok[i]), tok[i], lg, i, now)
+    touch(self.audit_pages())
     results = [RequestOutput(r.request_id, tuple(r.output[n:]), r.status, r.finish_reason,
                              r.abort_reason) for r, n in touched.values()]
     t3 = time.perf_counter()
     self.stats.record_step(host_s=(t1 - t0) + (t3 - t2), device_s=t2 - t1,
                            prefill=pre is not None, decode=dec is not None, generated=generated,
-                           prefilled=sum(it.n for it in plan.prefill), start=t0)
+                           prefilled=sum(it.n for it in pre_rows), start=t0)
     if cfg.log_every and self.stats.steps % cfg.log_every == 0:
       self.log_metrics()
     return results
+
+  def _build(self, builder, items, touch):
+    """Builds one step's batch; a request whose row cannot be built is aborted (reason ``error``)."""
+    if not items:
+      return None, []
+    batch, rows, failed = builder(self.config, self.scheduler, items)
+    for req, err in failed:
+      touch([req])
+      self._error_abort(req, err)
+    return batch, rows
+
+  def _finish_row(self, req: Request, ok: bool, token, logits, i: int, now: float,
+                  prefill_n: int | None = None) -> int:
+    """Host bookkeeping of one row's result; returns the tokens it emitted (0 or 1)."""
+    if not ok:
+      self._integrity_abort(req, "its page-tag check failed")
+      return 0
+    try:
+      if prefill_n is not None:
+        req.num_computed += prefill_n
+        if req.num_computed < len(req.prefill_tokens):
+          return 0
+        req.status = RequestStatus.DECODING
+      return self._emit(req, token, logits[i] if logits is not None else None, now)
+    except Exception as e:  # one request's bad state must not stop the others
+      self._error_abort(req, f"{type(e).__name__}: {e}")
+      return 0
 
   def run_until_done(self, max_steps: int | None = None) -> dict[int, Request]:
     """Steps until no request is waiting or running.
@@ -247,14 +313,14 @@ class Engine:
                ) -> list[list[int]]:
     """Submits every prompt, runs to completion and returns each request's tokens (in order).
 
+    Atomic: every request is checked before any is queued.
+
     Raises:
-      ValueError: as :meth:`submit` (nothing is queued), or a SamplingParams list whose
-        length differs from the prompts'.
+      ValueError: as :meth:`submit` for any prompt (nothing is queued), or a SamplingParams
+        list whose length differs from the prompts'.
     """
-    samplings = [sampling] * len(prompts) if isinstance(sampling, SamplingParams) else list(sampling)
-    if len(samplings) != len(prompts):
-      raise ValueError(f"generate: {len(samplings)} SamplingParams for {len(prompts)} prompts")
-    ids = [self.submit(p, s) for p, s in zip(prompts, samplings)]
+    checked = check_batch(self.check_request, prompts, sampling)
+    ids = [self._enqueue(p, s) for p, s in checked]
     self.run_until_done()
     return [list(self.requests[i].output) for i in ids]
 
@@ -284,6 +350,7 @@ class Engine:
     m = self.stats.as_dict()
     m.update(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
              pages_used=self.allocator.num_used, pages_free=self.allocator.num_free,
+             pages_quarantined=len(self.allocator.quarantined),
              pages_total=self.allocator.num_pages)
     done = [r for r in self.requests.values() if r.first_token_time is not None]
     ttfts = [request_metrics(r)["ttft_s"] for r in done]
@@ -324,40 +391,111 @@ class Engine:
       self.stats.finished += 1
     return 1
 
-  def _integrity_abort(self, req: Request) -> None:
-    logging.error("engine: request %d failed its page-tag check; aborting it", req.request_id)
+  # --------------------------------------------------------------- page conservation
+  def audit_pages(self) -> list[Request]:
+    """Audits page conservation and enforces it (see :meth:`enforce_conservation`).
+
+    Returns:
+      The requests aborted because they held a violating page.
+    """
+    if not self.config.page_audit:
+      return []
+    t0 = time.perf_counter()
+    violations = self.allocator.audit()
+    self.stats.audit_seconds += time.perf_counter() - t0
+    return self.enforce_conservation(violations)
+
+  def enforce_conservation(self, violations: Sequence[PageViolation]) -> list[Request]:
+    """Quarantines the pages of ``violations`` and aborts every request holding one.
+
+    Their contents and their owners' tables are not trusted any more, so the
+    pages never return to the free list, and each holder ends with reason
+    ``integrity`` before it can read from or write to them again. The
+    allocator is then rebuilt from the remaining tables.
+
+    Returns:
+      The requests aborted.
+    """
+    if not violations:
+      return []
+    self.stats.page_violations += len(violations)
+    for v in violations:
+      logging.error("engine: page conservation violated: %s", v)
+    aborted = []
+    for rid in self.allocator.recover(violations):
+      req = self.requests.get(rid)
+      if req is None or req.done:
+        continue
+      self.scheduler.forget(req)
+      self.stats.integrity_failures += 1
+      why = "it holds page(s) that failed the page-conservation audit"
+      logging.error("engine: request %d aborted: %s", req.request_id, why)
+      self._abort(req, ABORT_INTEGRITY, why)
+      aborted.append(req)
+    self.scheduler.invalidate_rows()
+    self._tags_dirty = True
+    # The pool shrank: a request that can no longer fit would wait forever.
+    limit = self.max_seq_tokens
+    for req in [*self.scheduler.waiting, *self.scheduler.running]:
+      if len(req.prompt) + req.sampling.max_new_tokens > limit:
+        self.scheduler.remove(req)
+        self._abort(req, ABORT_TOO_LONG, f"the pool now holds at most {limit} tokens per "
+                    f"sequence ({len(self.allocator.quarantined)} pages quarantined)")
+        aborted.append(req)
+    return aborted
+
+  def _integrity_abort(self, req: Request, why: str) -> None:
+    logging.error("engine: request %d aborted: %s", req.request_id, why)
     self.scheduler.drop_failed(req)
     self.stats.integrity_failures += 1
-    self._abort(req, ABORT_INTEGRITY)
+    self._abort(req, ABORT_INTEGRITY, why)
 
-  def _abort(self, req: Request, reason: str) -> None:
+  def _error_abort(self, req: Request, why: str) -> None:
+    logging.error("engine: request %d aborted after an error: %s", req.request_id, why)
+    self.scheduler.remove(req)
+    self._tags_dirty = True
+    self._abort(req, ABORT_ERROR, why)
+
+  def _abort(self, req: Request, reason: str, error: str | None = None) -> None:
     req.status = RequestStatus.ABORTED
     req.abort_reason = reason
+    req.error = error
     req.finish_time = time.perf_counter()
     self.stats.aborted[reason] += 1
 
-  def _prefill_batch(self, items) -> StepBatch:
-    return build_prefill_batch(self.config, self.scheduler, items)
 
-  def _decode_batch(self, reqs) -> StepBatch:
-    return build_decode_batch(self.config, self.scheduler, reqs)
+def _sampling_row(r: Request) -> tuple:
+  """One request's sampling values as the step's dtypes (raises if one does not fit)."""
+  s = r.sampling
+  return (np.uint32(s.seed), np.float32(s.temperature), np.int32(s.top_k), np.float32(s.top_p),
+          np.int32(len(r.output)))  # the index of the token this row samples
 
 
-def _sampling_rows(reqs, B: int):
+def _rows(items, row_fn):
+  """(item, row values) for the items whose row builds, and (request, error) for the others."""
+  rows, failed = [], []
+  for it in items:
+    req = it.req if isinstance(it, PrefillItem) else it
+    try:
+      rows.append((it, row_fn(it)))
+    except Exception as e:  # one request's row must not stop the batch
+      failed.append((req, f"building its step inputs raised {type(e).__name__}: {e}"))
+  return rows, failed
+
+
+def _sampling_arrays(values, B: int):
   """Per-row sampling arrays [B] for a step; padded rows are greedy with seed 0."""
   seeds = np.zeros(B, np.uint32)
   temp = np.zeros(B, np.float32)
   top_k = np.zeros(B, np.int32)
   top_p = np.ones(B, np.float32)
   steps = np.zeros(B, np.int32)
-  for i, r in enumerate(reqs):
-    s = r.sampling
-    seeds[i], temp[i], top_k[i], top_p[i] = s.seed, s.temperature, s.top_k, s.top_p
-    steps[i] = len(r.output)  # index of the token this row samples
+  for i, v in enumerate(values):
+    seeds[i], temp[i], top_k[i], top_p[i], steps[i] = v
   return seeds, temp, top_k, top_p, steps
 
 
-def build_prefill_batch(config: EngineConfig, scheduler, items) -> StepBatch:
+def build_prefill_batch(config: EngineConfig, scheduler, items):
   """The StepBatch of one prefill step over scheduler PrefillItems.
 
   Args:
@@ -366,40 +504,99 @@ def build_prefill_batch(config: EngineConfig, scheduler, items) -> StepBatch:
     items: PrefillItems from ``Scheduler.schedule``.
 
   Returns:
-    A StepBatch with B = the batch bucket of len(items) rows and T = the prefill bucket
-    of the longest chunk; padded rows have length 0.
+    (batch, rows, failed): a StepBatch with B = the batch bucket of len(rows) rows
+    and T = the prefill bucket of the longest chunk (padded rows have length 0), or
+    None if no row could be built; the PrefillItems in batch order; and
+    (request, error) for each item whose row raised (the caller aborts those).
   """
-  reqs = [it.req for it in items]
-  B = config.batch_bucket(len(items))
-  T = config.prefill_bucket(max(it.n for it in items))
+  def row(it):
+    toks = np.asarray(it.req.prefill_tokens[it.start:it.start + it.n], np.int32)
+    if toks.shape != (it.n,):
+      raise ValueError(f"chunk [{it.start}, {it.start + it.n}) is outside its "
+                       f"{len(it.req.prefill_tokens)} prefill tokens")
+    return toks, _sampling_row(it.req), scheduler.row(it.req)
+
+  built, failed = _rows(items, row)
+  if not built:
+    return None, [], failed
+  rows = [it for it, _ in built]
+  B = config.batch_bucket(len(rows))
+  T = config.prefill_bucket(max(it.n for it in rows))
   tokens = np.zeros((B, T), np.int32)
   positions = np.zeros((B, T), np.int32)
   lengths = np.zeros(B, np.int32)
   last = np.zeros(B, np.int32)
-  for i, it in enumerate(items):
-    tokens[i, :it.n] = it.req.prefill_tokens[it.start:it.start + it.n]
+  for i, (it, (toks, _, _)) in enumerate(built):
+    tokens[i, :it.n] = toks
     positions[i] = np.arange(it.start, it.start + T)
     lengths[i] = it.start + it.n
     last[i] = it.n - 1
-  bt, et = scheduler.fill_tables(reqs, B)
-  seeds, temp, top_k, top_p, steps = _sampling_rows(reqs, B)
-  return StepBatch(tokens, positions, bt, et, lengths, last, seeds, steps, temp, top_k, top_p)
+  bt, et = scheduler.fill_tables([it.req for it in rows], B)
+  seeds, temp, top_k, top_p, steps = _sampling_arrays([v[1] for _, v in built], B)
+  return StepBatch(tokens, positions, bt, et, lengths, last, seeds, steps, temp, top_k,
+                   top_p), rows, failed
 
 
-def build_decode_batch(config: EngineConfig, scheduler, reqs) -> StepBatch:
-  """The StepBatch of one decode step: each request's last token at position context_len - 1."""
-  B = config.batch_bucket(len(reqs))
+def build_decode_batch(config: EngineConfig, scheduler, reqs):
+  """The StepBatch of one decode step: each request's last token at position context_len - 1.
+
+  Returns:
+    (batch or None, requests in batch order, [(request, error)]) as build_prefill_batch.
+  """
+  def row(r):
+    return np.int32(r.output[-1]), _sampling_row(r), scheduler.row(r)
+
+  built, failed = _rows(reqs, row)
+  if not built:
+    return None, [], failed
+  rows = [r for r, _ in built]
+  B = config.batch_bucket(len(rows))
   tokens = np.zeros((B, 1), np.int32)
   positions = np.zeros((B, 1), np.int32)
   lengths = np.zeros(B, np.int32)
-  for i, r in enumerate(reqs):
-    tokens[i, 0] = r.output[-1]
+  for i, (r, (tok, _, _)) in enumerate(built):
+    tokens[i, 0] = tok
     positions[i, 0] = r.context_len - 1
     lengths[i] = r.context_len
-  bt, et = scheduler.fill_tables(reqs, B)
-  seeds, temp, top_k, top_p, steps = _sampling_rows(reqs, B)
+  bt, et = scheduler.fill_tables(rows, B)
+  seeds, temp, top_k, top_p, steps = _sampling_arrays([v[1] for _, v in built], B)
   return StepBatch(tokens, positions, bt, et, lengths, np.zeros(B, np.int32), seeds, steps, temp,
-                   top_k, top_p)
+                   top_k, top_p), rows, failed
+
+
+def check_batch(check, prompts, sampling) -> list[tuple[tuple[int, ...], SamplingParams]]:
+  """Checks a batch of requests with ``check(prompt, sampling)`` before any is queued.
+
+  Args:
+    check: an engine's ``check_request``.
+    prompts: the prompts.
+    sampling: one SamplingParams for all, or one per prompt.
+
+  Returns:
+    The checked (prompt, sampling) pairs, in order.
+
+  Raises:
+    ValueError: the first failing request's error, naming its index; a SamplingParams
+      list whose length differs from the prompts'.
+  """
+  if isinstance(sampling, SamplingParams):
+    samplings = [sampling] * len(prompts)
+  else:
+    try:
+      samplings = list(sampling)
+    except TypeError:
+      raise ValueError(f"generate: sampling must be a SamplingParams or a sequence of them, "
+                       f"got {type(sampling).__name__}") from None
+  if len(samplings) != len(prompts):
+    raise ValueError(f"generate: {len(samplings)} SamplingParams for {len(prompts)} prompts")
+  out = []
+  for i, (p, s) in enumerate(zip(prompts, samplings)):
+    try:
+      out.append(check(p, s))
+    except ValueError as e:
+      e.args = (f"request {i} of the batch: {e}",) + e.args[1:]
+      raise
+  return out
 
 
 def _validate_sampling(sampling, vocab_size: int) -> SamplingParams:
@@ -410,10 +607,9 @@ def _validate_sampling(sampling, vocab_size: int) -> SamplingParams:
     sampling = dataclasses.replace(sampling)  # reruns SamplingParams.__post_init__
   except (TypeError, ValueError) as e:
     raise ValueError(f"submit: invalid sampling parameters: {e}") from None
-  if not np.isfinite(sampling.temperature):
-    raise ValueError(f"submit: SamplingParams.temperature must be finite, got {sampling.temperature}")
-  if not isinstance(sampling.seed, (int, np.integer)) or not 0 <= int(sampling.seed) < 2**32:
-    raise ValueError(f"submit: SamplingParams.seed must be an int in [0, 2**32), got {sampling.seed!r}")
+  if sampling.top_k > vocab_size:
+    raise ValueError(f"submit: SamplingParams.top_k must be at most the vocabulary size "
+                     f"{vocab_size}, got {sampling.top_k}")
   bad = [t for t in sampling.stop_tokens if not 0 <= t < vocab_size]
   if bad:
     raise ValueError(f"submit: stop tokens outside [0, {vocab_size}): {bad}")

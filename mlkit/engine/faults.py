@@ -8,7 +8,8 @@ request, the way a real bug would; nothing on the device is touched:
   still lists it, and moved to the head of the free list, so the very next
   allocation reuses it (new tag) for another request.
 * ``DOUBLE_ALLOCATION``: one of the victim's pages is put on the free list while
-  still owned, so the next allocation hands the same page to a second request.
+  still owned, so that a careless allocator would hand the same page to a second
+  request (this one quarantines it instead, and the engine aborts its holders).
 * ``WRONG_PAGE``: one of the victim's block-table entries is changed to point at
   another page (another live request's, when there is one), tags unchanged.
 * ``STALE_TAG``: the victim's expected tag for one page is changed to an older
@@ -87,7 +88,7 @@ def inject(allocator: PageAllocator, fault: Fault) -> FaultRecord:
   if not allocator.has_request(fault.victim):
     raise ValueError(f"fault victim {fault.victim!r} holds no pages (not admitted)")
   rec = allocator._requests[fault.victim]  # noqa: SLF001 - a fault is a bookkeeping bug
-  if not rec.pages:
+  if not len(rec.pages):
     raise ValueError(f"fault victim {fault.victim!r} holds no pages")
   if not -len(rec.pages) <= fault.page_index < len(rec.pages):
     raise ValueError(f"fault page_index {fault.page_index} out of range for "
@@ -100,22 +101,21 @@ def inject(allocator: PageAllocator, fault: Fault) -> FaultRecord:
       raise ValueError(f"USE_AFTER_FREE needs an unshared page; page {page} has "
                        f"{int(allocator.refcounts[page])} references")
     allocator.free([page])  # refcount 0, back on the free list, still in the victim's table
-    allocator._free.remove(page)
-    allocator._free.appendleft(page)  # the next allocation reuses it
+    _list_first(allocator, page)  # the next allocation reuses it
     return FaultRecord(fault, page)
   if kind is FaultKind.DOUBLE_ALLOCATION:
-    allocator._free.appendleft(page)  # listed free while owned: handed out a second time
+    _list_first(allocator, page)  # listed free while owned: would be handed out a second time
     return FaultRecord(fault, page)
   if kind is FaultKind.WRONG_PAGE:
     if allocator.num_pages < 2:
       raise ValueError("WRONG_PAGE needs a pool of at least two pages")
     other, owner = None, None
     for rid, r in allocator._requests.items():
-      if rid != fault.victim and r.pages:
+      if rid != fault.victim and len(r.pages):
         other, owner = int(r.pages[0]), rid
         break
     if other is None:
-      other = next(p for p in range(allocator.num_pages) if p not in rec.pages)
+      other = next(p for p in range(allocator.num_pages) if p not in rec.pages.tolist())
     rec.pages[i] = other
     return FaultRecord(fault, page, other_page=other, other_owner=owner)
   if kind is FaultKind.STALE_TAG:
@@ -123,3 +123,9 @@ def inject(allocator: PageAllocator, fault: Fault) -> FaultRecord:
     rec.tags[i] = t - 1 if t > 1 else 0xFFFFFFFF  # the previous generation
     return FaultRecord(fault, page)
   raise ValueError(f"unknown fault kind {kind!r}")  # pragma: no cover - enum is closed
+
+
+def _list_first(allocator: PageAllocator, page: int) -> None:
+  """Puts ``page`` at the head of the free list, whatever its refcount (the bug)."""
+  rest = [p for p in allocator._free if p != page]  # noqa: SLF001
+  allocator._free = dict.fromkeys([page] + rest)  # noqa: SLF001

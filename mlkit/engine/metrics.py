@@ -45,6 +45,10 @@ class EngineMetrics:
   finished: int = 0
   preemptions: int = 0
   integrity_failures: int = 0
+  # Page-conservation violations found (by the audit, or by the allocator at allocation).
+  page_violations: int = 0
+  # Host time spent in the page-conservation audit (part of host_seconds).
+  audit_seconds: float = 0.0
   aborted: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   first_step_time: float | None = None
@@ -85,5 +89,7 @@ class EngineMetrics:
         "last_device_s": self.last_device_seconds,
         "finished": self.finished, "preemptions": self.preemptions,
         "integrity_failures": self.integrity_failures,
+        "page_violations": self.page_violations,
+        "audit_s_per_step": self.audit_seconds / self.steps if self.steps else 0.0,
         "aborted": dict(self.aborted), "rejected": dict(self.rejected),
     }

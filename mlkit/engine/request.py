@@ -23,7 +23,8 @@ ABORT_INTEGRITY = "integrity"  # its page-tag check failed: it may have read ano
 ABORT_TOO_LONG = "too_long"  # prompt + max_new_tokens can never fit (rejected at submit)
 ABORT_CANCELLED = "cancelled"  # the user cancelled it
 ABORT_TRANSFER = "transfer"  # its KV failed the checksum on every prefill->decode transfer try
-ABORT_REASONS = (ABORT_INTEGRITY, ABORT_TOO_LONG, ABORT_CANCELLED, ABORT_TRANSFER)
+ABORT_ERROR = "error"  # preparing or finishing its part of a step raised; the others went on
+ABORT_REASONS = (ABORT_INTEGRITY, ABORT_TOO_LONG, ABORT_CANCELLED, ABORT_TRANSFER, ABORT_ERROR)
 
 # Why a request finished (Request.finish_reason).
 FINISH_STOP = "stop"  # it sampled one of its stop tokens (which is emitted)
@@ -53,6 +54,7 @@ class Request:
     status: a RequestStatus.
     output: tokens generated so far (emitted, in order).
     abort_reason / finish_reason: set when the request ends.
+    error: for an abort, what went wrong (the check or exception), else None.
     num_computed: tokens of ``prefill_tokens`` already written to the cache.
     prefill_tokens: what prefill must write: the prompt, plus the output so far
       after a preemption (recompute).
@@ -68,6 +70,7 @@ class Request:
   output: list = dataclasses.field(default_factory=list)
   abort_reason: str | None = None
   finish_reason: str | None = None
+  error: str | None = None
   num_computed: int = 0
   prefill_tokens: tuple[int, ...] = ()
   num_preemptions: int = 0

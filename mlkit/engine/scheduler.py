@@ -23,77 +23,7 @@ import numpy as np
 from absl import logging
 
 from mlkit.engine.request import Request, RequestStatus
-from mlkit.kvcache import PAD_PAGE, PageAllocator, next_tag
-
-
-class UniqueTagAllocator(PageAllocator):
-  """A PageAllocator whose tags come from one global counter instead of one counter per page.
-
-  With per-page counters two different pages often carry the same tag (every
-  page's first allocation gets tag 1), so a block-table entry pointing at the
-  wrong page goes unnoticed. Drawing every allocation's tag from one counter
-  makes each (page, tag) pair unique until the uint32 counter wraps, so a wrong
-  page, a reallocated page or a stale tag all fail the check.
-
-  It also adds :meth:`drop_and_reconcile`, the recovery path after a failed
-  integrity check, when the request's own block table can no longer be trusted.
-  """
-
-  def __init__(self, num_pages: int, page_size: int):
-    super().__init__(num_pages, page_size)
-    self._tag_counter = 0
-
-  def allocate(self, n: int) -> list[int]:
-    """Takes ``n`` pages off the free list, giving each a fresh globally unique tag.
-
-    Raises:
-      OutOfPages: if fewer than ``n`` pages are free. ValueError: n < 0.
-    """
-    pages = super().allocate(n)
-    for p in pages:
-      self._tag_counter = next_tag(self._tag_counter)
-      self.tags[p] = self._tag_counter
-    return pages
-
-  def drop_and_reconcile(self, request_id) -> list[int]:
-    """Forgets a request without trusting its block table, then rebuilds refcounts and the free list.
-
-    A request that failed its tag check may list pages that now belong to other
-    requests (freed and reallocated, handed out twice, a wrong entry); freeing
-    those would hand a live request's page to a third one. So nothing is freed
-    by the request's list: every page's refcount becomes the number of live
-    requests that list it, pages nobody lists return to the free list, and pages
-    someone lists leave it (duplicates removed).
-
-    Returns:
-      The pages reclaimed (not free before, free now).
-    """
-    self._requests.pop(request_id, None)
-    counts = np.zeros(self.num_pages, np.int32)
-    for r in self._requests.values():
-      for p in r.pages:
-        counts[p] += 1
-    seen, free = set(), []
-    for p in self._free:
-      if counts[p] == 0 and p not in seen:
-        seen.add(p)
-        free.append(p)
-    reclaimed = [p for p in range(self.num_pages) if counts[p] == 0 and p not in seen]
-    self._free = collections.deque(free + reclaimed)
-    self.refcounts[:] = counts
-    return reclaimed
-
-  def release_checked(self, request_id) -> None:
-    """``release``, falling back to :meth:`drop_and_reconcile` if the bookkeeping is inconsistent."""
-    try:
-      self.release(request_id)
-    except ValueError as e:  # e.g. one of its pages was already freed behind its back
-      logging.error("allocator: releasing request %r failed (%s); reconciling", request_id, e)
-      self.drop_and_reconcile(request_id)
-
-  @property
-  def num_used(self) -> int:
-    return self.num_pages - self.num_free
+from mlkit.kvcache import PAD_PAGE, PageAllocator
 
 
 @dataclasses.dataclass
@@ -122,16 +52,23 @@ class Plan:
   preempted: list
   allocation_changed: bool
 
+  def without(self, dropped) -> "Plan":
+    """The plan with ``dropped`` requests taken out of its prefill and decode lists."""
+    if not dropped:
+      return self
+    return dataclasses.replace(self, prefill=[it for it in self.prefill if it.req not in dropped],
+                               decode=[r for r in self.decode if r not in dropped])
+
 
 class Scheduler:
   """Waiting queue + running set over a page allocator.
 
   Args:
     config: an ``EngineConfig``.
-    allocator: the pool's allocator (a :class:`UniqueTagAllocator`).
+    allocator: the pool's :class:`PageAllocator`.
   """
 
-  def __init__(self, config, allocator: UniqueTagAllocator):
+  def __init__(self, config, allocator: PageAllocator):
     self.config = config
     self.allocator = allocator
     self.waiting: collections.deque[Request] = collections.deque()
@@ -156,9 +93,18 @@ class Scheduler:
       return True
     return False
 
+  def forget(self, req: Request) -> None:
+    """Takes a request out of the queues without touching the allocator (it already dropped it)."""
+    if req in self.running:
+      self.running.remove(req)
+    elif req in self.waiting:
+      self.waiting.remove(req)
+    self._rows.pop(req.request_id, None)
+
   def drop_failed(self, req: Request) -> None:
     """Removes a request whose integrity check failed (its block table is not trusted)."""
-    self.running.remove(req)
+    if req in self.running:
+      self.running.remove(req)
     self.allocator.drop_and_reconcile(req.request_id)
     self._rows.pop(req.request_id, None)
 
@@ -170,10 +116,7 @@ class Scheduler:
     """(pages [n] int32, expected tags [n] int32) of a running request."""
     r = self._rows.get(req.request_id)
     if r is None:
-      bt = self.allocator.block_table(req.request_id)
-      pages = np.fromiter((p for p, _ in bt), np.int32, len(bt))
-      tags = np.fromiter((t for _, t in bt), np.uint32, len(bt)).view(np.int32)
-      r = self._rows[req.request_id] = (pages, tags)
+      r = self._rows[req.request_id] = self.allocator.table_arrays(req.request_id)
     return r
 
   def fill_tables(self, reqs, B: int) -> tuple[np.ndarray, np.ndarray]:

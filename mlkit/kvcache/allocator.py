@@ -1,4 +1,4 @@
-"""Host-side page allocator: free list, generation tags, refcounts and block tables.
+"""Host-side page allocator: free list, generation tags, refcounts, block tables, audit.
 
 Plain Python and numpy; the device only ever sees the arrays it produces
 (``BatchMeta`` and the ``page_tags`` mirror, see ``state.sync_tags``).
@@ -10,6 +10,21 @@ reallocated page never carries its old tag, and, until the counter wraps after
 2**32 - 1 allocations, no two allocations anywhere share a tag: a block-table
 entry that points at the wrong page fails the tag check too, which per-page
 counters (every page's first tag being 1) would miss.
+
+Pages are conserved by construction (docs/integrity.md):
+
+* the free list is an ordered set, so a page is on it at most once;
+* ``free`` of a page that holds no reference is an error, and a page returns to
+  the free list only when its last reference goes;
+* ``allocate`` never hands out a page that holds references: a live page found
+  on the free list (a bookkeeping bug elsewhere) is quarantined and reported as
+  a :class:`PageViolation` instead;
+* quarantined pages never return to the free list.
+
+:meth:`PageAllocator.audit` checks the whole pool (free + live + quarantined =
+all pages, refcounts equal block-table references) and reports what breaks it;
+the engine runs it around every step and aborts the requests that hold a
+violating page.
 """
 
 from __future__ import annotations
@@ -59,11 +74,41 @@ class CannotAdmit:
             f"{self.pages_free} free")
 
 
+@dataclasses.dataclass(frozen=True)
+class PageViolation:
+  """A broken page-conservation invariant, found by ``audit`` or by ``allocate``.
+
+  Attributes:
+    kind: "live_on_free_list" (a page with references is listed free),
+      "quarantined_on_free_list", "refcount_mismatch" (refcount differs from the
+      number of block-table entries naming the page: a use after free, a wrong
+      entry, a lost reference), "leaked" (no reference, not free, not
+      quarantined), "out_of_pool" (a block table names a page outside the pool).
+    pages: the pages involved (empty for out_of_pool).
+    requests: requests whose block tables name those pages (or the bad id).
+    detail: a human-readable explanation.
+  """
+
+  kind: str
+  pages: tuple[int, ...]
+  requests: tuple
+  detail: str
+
+  def __str__(self) -> str:
+    return f"{self.kind}: {self.detail}"
+
+
 @dataclasses.dataclass
 class _Request:
-  pages: list  # physical page ids, in order
-  tags: list  # expected tag of each page (uint32), as allocated
+  # numpy, so that the audit concatenates every table without a Python loop over entries.
+  pages: np.ndarray  # [n] int32 physical page ids, in order
+  tags: np.ndarray  # [n] uint32 expected tag of each page, as allocated
   length: int  # tokens the request holds
+
+
+def _new_request(pages, tags, length: int) -> _Request:
+  return _Request(np.asarray(pages, np.int32).reshape(-1), np.asarray(tags, np.uint32).reshape(-1),
+                  int(length))
 
 
 class PageAllocator:
@@ -78,21 +123,33 @@ class PageAllocator:
   """
 
   def __init__(self, num_pages: int, page_size: int):
-    if num_pages <= 0 or page_size <= 0:
-      raise ValueError(f"PageAllocator needs positive num_pages and page_size, got {num_pages}, {page_size}")
+    if (not isinstance(num_pages, (int, np.integer)) or not isinstance(page_size, (int, np.integer))
+        or num_pages <= 0 or page_size <= 0):
+      raise ValueError(f"PageAllocator needs positive int num_pages and page_size, "
+                       f"got {num_pages!r}, {page_size!r}")
     self.num_pages = int(num_pages)
     self.page_size = int(page_size)
-    self._free = collections.deque(range(self.num_pages))
+    # Ordered set of free pages (dict keys keep insertion order): a page is listed at most once.
+    self._free: dict[int, None] = dict.fromkeys(range(self.num_pages))
     self.tags = np.zeros(self.num_pages, np.uint32)  # host truth; 0 = never allocated
     self.refcounts = np.zeros(self.num_pages, np.int32)
     # The last tag handed out (uint32); the next allocation gets next_tag(self.generation).
     self.generation = 0
+    # Pages taken out of circulation after a violation; they never return to the free list.
+    self.quarantined: set[int] = set()
     self._requests: dict[object, _Request] = {}
+    self._violations: list[PageViolation] = []  # found by allocate(), drained by the owner
 
   # --------------------------------------------------------------- pages
   @property
   def num_free(self) -> int:
+    """Pages on the free list."""
     return len(self._free)
+
+  @property
+  def num_used(self) -> int:
+    """Pages neither free nor quarantined (held by requests)."""
+    return self.num_pages - self.num_free - len(self.quarantined)
 
   def pages_for(self, num_tokens: int) -> int:
     """Pages needed to hold ``num_tokens`` tokens."""
@@ -101,16 +158,36 @@ class PageAllocator:
   def allocate(self, n: int) -> list[int]:
     """Takes ``n`` pages off the free list, giving each a fresh tag; refcount becomes 1.
 
+    A page found on the free list while it holds references (or is
+    quarantined) is never handed out: it is quarantined and recorded as a
+    violation (see :meth:`drain_violations`), and the next free page is used.
+
     Raises:
-      OutOfPages: if fewer than ``n`` pages are free (nothing is taken).
+      OutOfPages: if fewer than ``n`` usable pages are free (nothing is taken).
       ValueError: if n < 0.
     """
-    if n < 0:
-      raise ValueError(f"allocate: n must be >= 0, got {n}")
-    if n > len(self._free):
+    if not isinstance(n, (int, np.integer)) or n < 0:
+      raise ValueError(f"allocate: n must be an int >= 0, got {n!r}")
+    pages: list[int] = []
+    bad: list[int] = []
+    for p in self._free:  # stops after n usable pages: O(n) unless the list is corrupt
+      if len(pages) == n:
+        break
+      if self.refcounts[p] > 0 or p in self.quarantined:
+        bad.append(p)
+      else:
+        pages.append(p)
+    for p in bad:
+      del self._free[p]
+      self._quarantine_one(p)
+      self._violations.append(PageViolation(
+          "live_on_free_list", (p,), tuple(self.holders([p])),
+          f"page {p} was on the free list with {int(self.refcounts[p])} reference(s); "
+          "quarantined instead of handed out"))
+    if len(pages) < n:
       raise OutOfPages(f"allocate: {n} pages requested, {len(self._free)} free")
-    pages = [self._free.popleft() for _ in range(n)]
     for p in pages:
+      del self._free[p]
       self.generation = next_tag(self.generation)
       self.tags[p] = self.generation
       self.refcounts[p] = 1
@@ -120,20 +197,26 @@ class PageAllocator:
     """Adds one reference to each (allocated) page, e.g. for a shared prefix.
 
     Raises:
-      ValueError: if a page is free or outside the pool.
+      ValueError: if a page is free, quarantined or outside the pool.
     """
+    pages = list(pages)
     for p in pages:
       self._check_owned(p, "share")
+      if int(p) in self.quarantined:
+        raise ValueError(f"share: page {p} is quarantined")
     for p in pages:
       self.refcounts[p] += 1
 
   def free(self, pages) -> None:
     """Drops one reference from each page; pages reaching refcount 0 return to the free list.
 
+    Quarantined pages never return to it.
+
     Raises:
-      ValueError: if a page is outside the pool or already free (double free); nothing changes.
+      ValueError: if a page is outside the pool or holds fewer references than it is
+        freed (a double free); nothing changes.
     """
-    pages = list(pages)
+    pages = [int(p) for p in pages]
     drops = collections.Counter(pages)
     for p, k in drops.items():
       self._check_owned(p, "free")
@@ -141,18 +224,23 @@ class PageAllocator:
         raise ValueError(f"free: page {p} freed {k} times but holds {int(self.refcounts[p])} references")
     for p in pages:
       self.refcounts[p] -= 1
-      if self.refcounts[p] == 0:
-        self._free.append(p)
+      if self.refcounts[p] == 0 and p not in self.quarantined:
+        self._free[p] = None
 
   def _check_owned(self, p, what: str) -> None:
-    if not 0 <= int(p) < self.num_pages:
-      raise ValueError(f"{what}: page {p} is outside the pool of {self.num_pages} pages")
+    if not isinstance(p, (int, np.integer)) or not 0 <= int(p) < self.num_pages:
+      raise ValueError(f"{what}: page {p!r} is outside the pool of {self.num_pages} pages")
     if self.refcounts[p] <= 0:
       raise ValueError(f"{what}: page {p} is not allocated")
 
   # --------------------------------------------------------------- requests
   def has_request(self, request_id) -> bool:
     return request_id in self._requests
+
+  @property
+  def request_ids(self) -> list:
+    """Ids of the requests holding pages, in admission order."""
+    return list(self._requests)
 
   def admit(self, request_id, num_tokens: int) -> CannotAdmit | None:
     """Gives a new request pages for ``num_tokens`` tokens.
@@ -170,8 +258,11 @@ class PageAllocator:
     n = self.pages_for(num_tokens)
     if n > self.num_free:
       return CannotAdmit(request_id, n, self.num_free)
-    pages = self.allocate(n)
-    self._requests[request_id] = _Request(pages, [int(self.tags[p]) for p in pages], int(num_tokens))
+    try:
+      pages = self.allocate(n)
+    except OutOfPages:  # quarantined entries made the free list shorter than it looked
+      return CannotAdmit(request_id, n, self.num_free)
+    self._requests[request_id] = _new_request(pages, self.tags[pages], num_tokens)
     return None
 
   def extend(self, request_id, num_tokens: int) -> CannotAdmit | None:
@@ -186,12 +277,16 @@ class PageAllocator:
     req = self._get(request_id)
     if num_tokens < req.length:
       raise ValueError(f"extend: request {request_id!r} holds {req.length} tokens, cannot shrink to {num_tokens}")
-    extra = self.pages_for(num_tokens) - len(req.pages)
+    extra = max(self.pages_for(num_tokens) - len(req.pages), 0)
     if extra > self.num_free:
       return CannotAdmit(request_id, extra, self.num_free)
-    pages = self.allocate(max(extra, 0))
-    req.pages += pages
-    req.tags += [int(self.tags[p]) for p in pages]
+    try:
+      pages = self.allocate(extra)
+    except OutOfPages:
+      return CannotAdmit(request_id, extra, self.num_free)
+    if pages:
+      req.pages = np.concatenate([req.pages, np.asarray(pages, np.int32)])
+      req.tags = np.concatenate([req.tags, self.tags[pages]])
     req.length = int(num_tokens)
     return None
 
@@ -216,44 +311,199 @@ class PageAllocator:
     if not 0 <= n_tok <= parent.length:
       raise ValueError(f"fork: {n_tok} tokens requested, parent holds {parent.length}")
     full, rem = divmod(n_tok, self.page_size)
-    if rem and self.num_free < 1:
-      return CannotAdmit(child_id, 1, self.num_free)
-    shared = parent.pages[:full]
-    self.share(shared)
-    pages, tags = list(shared), list(parent.tags[:full])
+    shared = parent.pages[:full].tolist()
+    self.share(shared)  # validates before anything is allocated
+    pages, tags = list(shared), parent.tags[:full].tolist()
     copies = []
     if rem:
-      (p,) = self.allocate(1)
-      copies.append((parent.pages[full], p))
+      try:
+        (p,) = self.allocate(1)
+      except OutOfPages:
+        self.free(shared)
+        return CannotAdmit(child_id, 1, self.num_free)
+      copies.append((int(parent.pages[full]), p))
       pages.append(p)
       tags.append(int(self.tags[p]))
-    self._requests[child_id] = _Request(pages, tags, n_tok)
+    self._requests[child_id] = _new_request(pages, tags, n_tok)
     return copies
 
   def release(self, request_id) -> None:
     """Drops a request and one reference on each of its pages.
 
     Raises:
-      ValueError: unknown request.
+      ValueError: unknown request, or its pages' references are inconsistent (nothing
+        changes then; see :meth:`release_checked`).
     """
-    req = self._requests.pop(self._key(request_id))
-    self.free(req.pages)
+    req = self._get(request_id)
+    self.free(req.pages.tolist())
+    del self._requests[request_id]
+
+  def release_checked(self, request_id) -> list[int]:
+    """``release``, falling back to :meth:`drop_and_reconcile` if the bookkeeping is inconsistent.
+
+    Returns:
+      Pages reclaimed by reconciliation (empty when the plain release worked).
+    """
+    try:
+      self.release(request_id)
+      return []
+    except ValueError:  # e.g. one of its pages was already freed behind its back
+      return self.drop_and_reconcile(request_id)
+
+  def drop_and_reconcile(self, request_id=None) -> list[int]:
+    """Forgets a request without trusting its block table, then rebuilds refcounts and the free list.
+
+    A request whose table is suspect may list pages that now belong to other
+    requests (freed and reallocated, a wrong entry); freeing those would hand a
+    live request's page to a third one. So nothing is freed by the request's
+    list: every page's refcount becomes the number of live requests that list
+    it, unlisted pages return to the free list (quarantined ones excepted, and
+    the current free order kept), and listed pages leave it.
+
+    Args:
+      request_id: the request to forget, or None to only rebuild.
+
+    Returns:
+      The pages reclaimed (not free before, free now).
+    """
+    if request_id is not None:
+      self._requests.pop(request_id, None)
+    counts = self._reference_counts()
+    free = [p for p in self._free if counts[p] == 0 and p not in self.quarantined]
+    listed = set(free)
+    reclaimed = [p for p in range(self.num_pages)
+                 if counts[p] == 0 and p not in listed and p not in self.quarantined]
+    self._free = dict.fromkeys(free + reclaimed)
+    self.refcounts[:] = counts
+    return reclaimed
 
   def block_table(self, request_id) -> list[tuple[int, int]]:
     """The request's (page, expected uint32 tag) pairs, in position order."""
     req = self._get(request_id)
-    return list(zip(req.pages, req.tags))
+    return list(zip(req.pages.tolist(), req.tags.tolist()))
+
+  def table_arrays(self, request_id) -> tuple[np.ndarray, np.ndarray]:
+    """(pages [n] int32, expected tags [n] int32 bit-cast) of a request: copies for a step's tables."""
+    req = self._get(request_id)
+    return req.pages.copy(), req.tags.view(np.int32).copy()
 
   def length(self, request_id) -> int:
     return self._get(request_id).length
 
-  def _key(self, request_id):
-    if request_id not in self._requests:
-      raise ValueError(f"unknown request {request_id!r}")
-    return request_id
-
   def _get(self, request_id) -> _Request:
-    return self._requests[self._key(request_id)]
+    try:
+      return self._requests[request_id]
+    except KeyError:
+      raise ValueError(f"unknown request {request_id!r}") from None
+
+  # --------------------------------------------------------------- conservation
+  def holders(self, pages) -> list:
+    """Requests whose block tables name any of ``pages``, in admission order."""
+    pages = np.fromiter((int(p) for p in pages), np.int64)
+    return [rid for rid, r in self._requests.items() if np.isin(r.pages, pages).any()]
+
+  def quarantine(self, pages) -> None:
+    """Takes pages out of circulation for good: off the free list, never returned to it.
+
+    Requests holding them keep their references until they are dropped; the
+    caller aborts them (a quarantined page's contents are not trusted).
+    """
+    for p in pages:
+      p = int(p)
+      if not 0 <= p < self.num_pages:
+        raise ValueError(f"quarantine: page {p} is outside the pool of {self.num_pages} pages")
+      self._free.pop(p, None)
+      self._quarantine_one(p)
+
+  def _quarantine_one(self, p: int) -> None:
+    self.quarantined.add(int(p))
+
+  def recover(self, violations) -> list:
+    """Quarantines the pages of ``violations`` and drops every request that names one.
+
+    The pages' contents and their holders' tables are not trusted any more: the
+    pages leave circulation for good, their holders are forgotten (the caller
+    aborts them), and refcounts and the free list are rebuilt from the
+    remaining tables, after which :meth:`audit` finds nothing.
+
+    Returns:
+      The ids of the requests dropped, in admission order.
+    """
+    pages = sorted({p for v in violations for p in v.pages})
+    holders = list(dict.fromkeys([*self.holders(pages), *(r for v in violations for r in v.requests)]))
+    self.quarantine(pages)
+    for rid in holders:
+      self._requests.pop(rid, None)
+    self.drop_and_reconcile(None)
+    return holders
+
+  def drain_violations(self) -> list[PageViolation]:
+    """Violations ``allocate`` found (live pages on the free list) since the last call."""
+    out, self._violations = self._violations, []
+    return out
+
+  def _table_ids(self) -> np.ndarray:
+    """Every block-table entry of every request, concatenated (int64; may hold bad ids)."""
+    if not self._requests:
+      return np.zeros(0, np.int64)
+    return np.concatenate([r.pages for r in self._requests.values()]).astype(np.int64)
+
+  def _reference_counts(self, ids: np.ndarray | None = None) -> np.ndarray:
+    """[num_pages] int32: how many block-table entries name each page (in-pool ids only)."""
+    ids = self._table_ids() if ids is None else ids
+    ids = ids[(ids >= 0) & (ids < self.num_pages)]
+    return np.bincount(ids, minlength=self.num_pages).astype(np.int32)
+
+  def audit(self) -> list[PageViolation]:
+    """Checks page conservation over the whole pool; returns what breaks it (empty: all holds).
+
+    Invariants: the free list holds only pages without references and outside
+    quarantine; every page is free, held or quarantined; every page's refcount
+    equals the number of block-table entries naming it (pages shared by
+    ``fork``/``share`` count once per table); block tables name only pages in
+    the pool. Costs O(pages held + free pages), vectorised.
+    """
+    n = self.num_pages
+    out: list[PageViolation] = []
+    ids = self._table_ids()
+    counts = self._reference_counts(ids)
+    if ids.size and (ids.min() < 0 or ids.max() >= n):  # rare: find who, in Python
+      for rid, r in self._requests.items():
+        bad = [p for p in r.pages.tolist() if not 0 <= p < n]
+        if bad:
+          out.append(PageViolation("out_of_pool", (), (rid,), f"request {rid!r} lists page(s) "
+                                   f"{bad[:4]} outside the pool of {n}"))
+    free = np.fromiter(self._free, np.int64, len(self._free))
+    on_free = np.zeros(n, bool)
+    on_free[free] = True
+    quarantined = np.zeros(n, bool)
+    if self.quarantined:
+      quarantined[np.fromiter(self.quarantined, np.int64)] = True
+    refs = self.refcounts
+    live_free = np.flatnonzero(on_free & (refs > 0))
+    if live_free.size:
+      out.append(self._violation("live_on_free_list", live_free,
+                                 "page(s) {} are on the free list with references"))
+    q_free = np.flatnonzero(on_free & quarantined)
+    if q_free.size:
+      out.append(self._violation("quarantined_on_free_list", q_free,
+                                 "quarantined page(s) {} are on the free list"))
+    mismatch = np.flatnonzero(counts != refs)
+    if mismatch.size:
+      out.append(self._violation(
+          "refcount_mismatch", mismatch,
+          "page(s) {} have refcounts " + str(refs[mismatch[:4]].tolist()) + " but "
+          + str(counts[mismatch[:4]].tolist()) + " block-table entries"))
+    leaked = np.flatnonzero(~on_free & ~quarantined & (refs == 0) & (counts == 0))
+    if leaked.size:
+      out.append(self._violation("leaked", leaked,
+                                 "page(s) {} are neither free, held nor quarantined"))
+    return out
+
+  def _violation(self, kind: str, pages: np.ndarray, fmt: str) -> PageViolation:
+    pages = tuple(int(p) for p in pages)
+    shown = f"{list(pages[:4])}{' ...' if len(pages) > 4 else ''}"
+    return PageViolation(kind, pages, tuple(self.holders(pages)), fmt.format(shown))
 
   # --------------------------------------------------------------- device side
   def device_tags(self) -> np.ndarray:
