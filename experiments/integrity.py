@@ -1,6 +1,11 @@
-"""integrity (lever 4): what the KV page-tag check costs, and what it catches.
+"""integrity (lever 4): what the KV page-integrity defences cost, and what they catch.
 
-**Cost.** Two engines that differ only in ``EngineConfig.integrity_check`` serve
+The engine has two (docs/integrity.md): the batched page-tag check on the device
+before every read (``EngineConfig.integrity_check``) and the host's page audit
+around every step (``EngineConfig.page_audit``).
+
+**Cost.** Two engines that differ only in both switches (on: both defences, off:
+neither) serve
 the same requests: long prompts and short outputs (the report's 8192 in / 1000
 out, scaled down to the local model), at concurrency 1, 2, 4 and 8. They are
 stepped alternately, one step each per round (a *paired, interleaved* run), and
@@ -14,12 +19,13 @@ The on/off ratios are taken per pair and quoted as median [min, max].
 
 **Catch.** A fault-injection run (``Engine.inject_fault``) corrupts the
 allocator's bookkeeping of some decoding requests (one fault of each kind:
-use-after-free, double allocation, wrong page, stale tag) and runs to the end.
-It counts *detected* (failed tag checks), *aborted* (requests ended with reason
-``integrity``) and *contaminated* requests: ones that finished normally but
-whose tokens differ from a clean run of the same requests (greedy sampling, one
-batch bucket so every step has the same shapes and a clean row's tokens are
-bit-identical). The same faults with the check off are the control.
+use-after-free, double allocation, wrong page, stale tag) and runs to the end,
+with both defences, each one alone, and neither (the control). It counts
+*detected* (requests failing a tag check or holding a page the audit
+quarantined), *aborted* (requests ended with reason ``integrity``) and
+*contaminated* requests: ones that finished normally but whose tokens differ
+from a clean run of the same requests (greedy sampling, one batch bucket so
+every step has the same shapes and a clean row's tokens are bit-identical).
 """
 
 from __future__ import annotations
@@ -52,7 +58,13 @@ FAULT_ORDER = (FaultKind.WRONG_PAGE, FaultKind.STALE_TAG, FaultKind.USE_AFTER_FR
                FaultKind.DOUBLE_ALLOCATION)
 
 
-def _config(cfg, shape: dict, *, check: bool, buckets, faults: bool = False):
+# Fault-injection arms: name -> (integrity_check, page_audit).
+ARMS = {"both on": (True, True), "tag check only": (True, False), "audit only": (False, True),
+        "both off": (False, False)}
+
+
+def _config(cfg, shape: dict, *, check: bool, buckets, faults: bool = False,
+            audit: bool | None = None):
   """Every engine of the experiment: room for max(buckets) full sequences plus one reserve page."""
   longest = shape["prompt"] + max(shape["new_tokens"], shape["fault_new_tokens"])
   pps = -(-longest // shape["page_size"])
@@ -62,7 +74,8 @@ def _config(cfg, shape: dict, *, check: bool, buckets, faults: bool = False):
                                       dtype=KV_DTYPE),
       max_running=c, batch_buckets=tuple(buckets), prefill_buckets=(shape["prompt"],),
       prefill_token_budget=shape["prompt"], max_pages_per_seq=pps, integrity_check=check,
-      backend=common.local_backend(), enable_fault_injection=faults)
+      page_audit=check if audit is None else audit, backend=common.local_backend(),
+      enable_fault_injection=faults)
 
 
 def _run_summary(log: common.StepLog, eng: Engine, gen_before: int) -> dict:
@@ -119,10 +132,11 @@ def _timing(params, cfg, shape, rng) -> list[dict]:
   return out
 
 
-def _serve(params, cfg, shape, prompts, *, check: bool, faults: bool) -> tuple[Engine, list]:
+def _serve(params, cfg, shape, prompts, *, check: bool, faults: bool,
+           audit: bool | None = None) -> tuple[Engine, list]:
   """Serves ``prompts`` (greedy), injecting one fault of each kind once all decode."""
   c = len(prompts)
-  eng = Engine(params, _config(cfg, shape, check=check, buckets=(c,), faults=True))
+  eng = Engine(params, _config(cfg, shape, check=check, buckets=(c,), faults=True, audit=audit))
   ids = [eng.submit(p, SamplingParams(max_new_tokens=shape["fault_new_tokens"], temperature=0.0))
          for p in prompts]
   injected = []
@@ -144,8 +158,8 @@ def _faults(params, cfg, shape, rng) -> dict:
   clean, _ = _serve(params, cfg, shape, prompts, check=True, faults=False)
   ref = {rid: list(r.output) for rid, r in clean.requests.items()}
   out = {}
-  for check in (True, False):
-    eng, injected = _serve(params, cfg, shape, prompts, check=check, faults=True)
+  for arm, (check, audit) in ARMS.items():
+    eng, injected = _serve(params, cfg, shape, prompts, check=check, faults=True, audit=audit)
     victims = {f["victim"] for f in injected}
     reqs = eng.requests
     finished = [r for r in reqs.values() if r.status is RequestStatus.FINISHED]
@@ -155,7 +169,7 @@ def _faults(params, cfg, shape, rng) -> dict:
       r = reqs[f["victim"]]
       f["outcome"] = ("aborted" if r.abort_reason == ABORT_INTEGRITY else
                       "contaminated" if r.request_id in contaminated else "finished clean")
-    out["check_on" if check else "check_off"] = {
+    out[arm] = {
         "requests": c, "faults": injected,
         "detected": int(eng.stats.integrity_failures),
         "aborted": len(aborted), "aborted_ids": aborted,
@@ -163,10 +177,9 @@ def _faults(params, cfg, shape, rng) -> dict:
         "contaminated": len(contaminated), "contaminated_ids": contaminated,
         "finished_clean": len(finished) - len(contaminated),
     }
-    o = out["check_on" if check else "check_off"]
-    common.progress(f"integrity: faults with the check {'on ' if check else 'off'}: "
-                    f"{len(injected)} injected, {o['detected']} detected, {o['aborted']} aborted, "
-                    f"{o['contaminated']} contaminated")
+    o = out[arm]
+    common.progress(f"integrity: faults, {arm}: {len(injected)} injected, {o['detected']} "
+                    f"detected, {o['aborted']} aborted, {o['contaminated']} contaminated")
   return out
 
 
@@ -194,10 +207,12 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   record = common.record_header("integrity", quick=quick, smoke=smoke, config={
       "model": cfg.to_dict(), "shape": shape, "kv_dtype": KV_DTYPE,
       "warmup_steps": WARMUP_STEPS})
-  on = faults["check_on"]
+  on = faults["both on"]
   record.update(timing=timing, faults=faults,
                 report_claim="cost under 1% of throughput and of p95 latency",
-                no_contamination_with_check=on["contaminated"] == 0,
+                no_contamination_with_check=all(faults[a]["contaminated"] == 0
+                                                for a in ("both on", "tag check only",
+                                                          "audit only")),
                 every_victim_detected_or_clean=on["contaminated"] == 0 and on["detected"] >= 1)
   common.write_json(out_dir, "integrity", record)
   conc = [t["concurrency"] for t in timing]
@@ -215,14 +230,15 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   rows = [[t["concurrency"], fmt(t["throughput_on"], 1), fmt(t["throughput_off"], 1),
            fmt(t["throughput_ratio"]), fmt(t["p95_ms_on"], 2), fmt(t["p95_ms_off"], 2),
            fmt(t["p95_latency_ratio"])] for t in timing]
-  frows = [[k.replace("_", " "), v["requests"], len(v["faults"]), v["detected"], v["aborted"],
+  frows = [[k, v["requests"], len(v["faults"]), v["detected"], v["aborted"],
             len(v["aborted_non_victims"]), v["contaminated"], v["finished_clean"]]
            for k, v in faults.items()]
   md = [
-      "# integrity (lever 4: KV page-tag check)\n\n",
+      "# integrity (lever 4: KV page-tag check and page audit)\n\n",
       f"`{cfg.name}` on `{record['machine']['device_kind']}` ({record['kernel_backend']} kernels), "
       f"{KV_DTYPE} KV, prompts of {shape['prompt']} tokens and {shape['new_tokens']} new tokens; "
-      f"check on vs off stepped alternately, {shape['repeats']} pair(s) per concurrency with the "
+      "both defences (tag check + page audit) on vs off, stepped alternately, "
+      f"{shape['repeats']} pair(s) per concurrency with the "
       "order swapped. Values: median [min, max] over pairs; ratios are per pair.\n\n",
       common.markdown_table(["concurrency", "tok/s on", "tok/s off", "throughput on/off",
                              "p95 ms/token on", "p95 ms/token off", "p95 on/off"], rows),
@@ -234,12 +250,12 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
       "request. Contaminated = finished normally with tokens that differ from a clean run.\n\n",
       common.markdown_table(["run", "requests", "faults", "detected", "aborted",
                              "aborted non-victims", "contaminated", "finished clean"], frows),
-      "\nPer victim (check on | check off): "
-      + "; ".join(f"{a['kind']}: {a['outcome']} | {b['outcome']}"
-                  for a, b in zip(faults["check_on"]["faults"], faults["check_off"]["faults"]))
-      + ". A victim can finish clean when its corrupted page is never handed to anyone else "
-      "before it ends (an abort's reconciliation returns a leaked or doubly listed page to its "
-      "owner first).\n",
+      f"\nPer victim ({' | '.join(ARMS)}): "
+      + "; ".join(f"{fs[0]['kind']}: " + " | ".join(f["outcome"] for f in fs)
+                  for fs in zip(*(faults[a]["faults"] for a in ARMS)))
+      + ". Aborted non-victims held a page the audit quarantined (the owner of the page a "
+      "wrong entry points at). A victim can finish clean when its corrupted page is never "
+      "handed to anyone else before it ends.\n",
       "\n![integrity](integrity.png)\n",
   ]
   common.write_markdown(out_dir, "integrity", "".join(md))

@@ -72,13 +72,15 @@ class SmokeRunsTest(parameterized.TestCase):
 
   def test_integrity_faults_detected_and_never_contaminate(self):
     f = self.records["integrity"]["faults"]
-    on, off = f["check_on"], f["check_off"]
-    self.assertEqual(len(on["faults"]), 2)
-    self.assertEqual(on["contaminated"], 0)
-    self.assertGreaterEqual(on["detected"], 1)
-    self.assertEqual(on["aborted"], on["detected"])
-    self.assertEqual(on["aborted_non_victims"], [])
-    # The control: the same faults without the check corrupt someone's answer.
+    self.assertEqual(list(f), ["both on", "tag check only", "audit only", "both off"])
+    for arm in ("both on", "tag check only", "audit only"):  # each defence alone suffices
+      on = f[arm]
+      self.assertEqual(len(on["faults"]), 2)
+      self.assertEqual(on["contaminated"], 0, arm)
+      self.assertGreaterEqual(on["detected"], 1, arm)
+      self.assertEqual(on["aborted"], on["detected"], arm)
+    # The control: the same faults without either defence corrupt someone's answer.
+    off = f["both off"]
     self.assertEqual(off["detected"], 0)
     self.assertGreaterEqual(off["contaminated"], 1)
     for t in self.records["integrity"]["timing"]:
