@@ -44,18 +44,26 @@ class DeviceKindTest(absltest.TestCase):
       self.assertNotEqual(Int4BlockSizes.get_default(m, n, k, device_kind="cpu"), h200)
 
   def test_attention_table_uses_mesh_kind(self):
-    tuned = AttnBlockSizes(block_h=16, num_splits=3, num_warps=8)
-    key = ("Test GPU", "mla", "long")
-    attn_block_sizes._TUNED[key] = tuned  # noqa: SLF001
+    # The H200 and default rows agree today, so a row of a made-up kind shows the lookup.
+    attn_block_sizes.TILES[("Test GPU", "mla")] = attn_block_sizes.Tiles(16, 2, 3)
     try:
-      kw = dict(num_heads=8, page_size=64, max_pages=512, batch=8)
-      self.assertNotEqual(AttnBlockSizes.get_default("mla", **kw), tuned)
-      self.assertEqual(AttnBlockSizes.get_default("mla", **kw, device_kind="Test GPU"), tuned)
+      kw = dict(num_heads=64, page_size=64, max_pages=512, batch=8)
+      ours = AttnBlockSizes.get_default("mla", **kw, device_kind="Test GPU")
+      self.assertEqual((ours.block_h, ours.num_warps, ours.num_stages), (16, 2, 3))
+      self.assertNotEqual(AttnBlockSizes.get_default("mla", **kw), ours)
       with jax.sharding.use_abstract_mesh(_abstract_mesh("Test GPU", "gpu")):
-        self.assertEqual(AttnBlockSizes.get_default("mla", **kw), tuned)
-        self.assertNotEqual(AttnBlockSizes.get_default("mla", **kw, device_kind="cpu"), tuned)
+        self.assertEqual(AttnBlockSizes.get_default("mla", **kw), ours)
+        self.assertNotEqual(AttnBlockSizes.get_default("mla", **kw, device_kind="cpu"), ours)
     finally:
-      del attn_block_sizes._TUNED[key]  # noqa: SLF001
+      del attn_block_sizes.TILES[("Test GPU", "mla")]
+
+  def test_h200_attention_rows(self):
+    kw = dict(page_size=64, max_pages=512, batch=8, device_kind=H200)
+    dp = AttnBlockSizes.get_default("mla", num_heads=64, **kw)
+    tp8 = AttnBlockSizes.get_default("mla", num_heads=8, **kw)
+    self.assertEqual((dp.block_h, dp.num_warps), (32, 8))  # 64 heads spill (see TILES)
+    self.assertEqual((tp8.block_h, tp8.num_warps), (16, 8))
+    self.assertEqual(tp8.num_splits, 64)  # the first power of two with 8 x splits >= 264 programs
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The process environment for deviceless H200 compiles, set before jax is imported.
 
-Three things must hold when jax first loads its backends (they are read once):
+Four things must hold when jax first loads its backends (they are read once):
 
 * ``JAX_PLATFORMS=cpu`` when no NVIDIA GPU is present. With the CUDA plugin
   installed, jax otherwise probes the driver, prints a cuDNN traceback and
@@ -10,17 +10,26 @@ Three things must hold when jax first loads its backends (they are read once):
   compiles, which is how :mod:`pallas_kernels.h200.compile` reads them.
 * The ``nvidia-cuda-nvcc`` wheel's ``ptxas`` first on ``PATH``: Mosaic GPU looks
   for ptxas on PATH (then /usr/local/cuda); XLA and Triton find the wheel.
+* Child processes started without address-space randomisation. ptxas 13.0's
+  register allocation depends on where its heap lands: the same PTX compiled
+  twice with ASLR gives e.g. 191 or 193 registers. The personality flag is
+  inherited by the threads and processes started after it is set, so it must be
+  set before jax starts its compile threads; with it, repeated compiles of one
+  kernel read the same (docs/h200_compile.md).
 
 This module does not import jax.
 """
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import os
 import sys
 
 _VMODULE = "subprocess_compilation=3"
+# linux/personality.h: exec'd programs get a fixed address-space layout.
+_ADDR_NO_RANDOMIZE = 0x0040000
 
 
 def gpu_present() -> bool:
@@ -72,6 +81,31 @@ def prepare(*, ptxas_report: bool = True) -> None:
     path = os.environ.get("PATH", "")
     if not path.startswith(bin_dir + os.pathsep):
       os.environ["PATH"] = bin_dir + os.pathsep + path
+  _fix_child_address_layout()
+
+
+def _personality(flags: int) -> int:
+  """personality(2): sets the process's execution domain flags (0xffffffff reads them)."""
+  return ctypes.CDLL(None, use_errno=True).personality(ctypes.c_ulong(flags))
+
+
+def _fix_child_address_layout() -> None:
+  """Starts later child processes (ptxas) without address-space randomisation."""
+  try:
+    current = _personality(0xFFFFFFFF)
+    if current != -1 and not current & _ADDR_NO_RANDOMIZE:
+      _personality(current | _ADDR_NO_RANDOMIZE)
+  except (OSError, AttributeError):  # not Linux: readings may then vary by a register or two
+    pass
+
+
+def child_address_layout_fixed() -> bool:
+  """Whether processes started from here run without address-space randomisation."""
+  try:
+    current = _personality(0xFFFFFFFF)
+  except (OSError, AttributeError):
+    return False
+  return current != -1 and bool(current & _ADDR_NO_RANDOMIZE)
 
 
 def _prepared() -> bool:

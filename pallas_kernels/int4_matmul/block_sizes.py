@@ -105,21 +105,36 @@ class BlockSizes:
 
 
 # Keyed by (device kind, "dense" | "grouped", "decode" | "prefill").
-# H200 values are first guesses from the roofline, not yet measured on a GPU.
-# Decode streams weights and is limited by how fast one warpgroup dequantises
-# (about 8 integer/float ops per weight), so the decode rows keep a CTA under
-# half of the SM's shared memory (~91 KiB): two CTAs per SM then overlap one's
-# dequantisation with the other's TMA and wgmma waits. Split K fills the SMs:
-# expert up (7168 -> 2048) gives 16 N tiles x 8 splits = 128 CTAs, expert
-# down (2048 -> 7168) 56 x 8 = 448. Prefill is compute-bound: wide token tiles
-# so each dequantised weight tile feeds more MMA work.
+# H200 values are first guesses from the roofline, not yet timed on a GPU, and
+# checked against ptxas 13.0 for sm_90a (registers per thread, spilled bytes; bf16
+# x and scales, groups 32 and 128; tests/test_h200_compile_*.py and
+# docs/h200_compile.md). Decode streams weights and is limited by how fast one
+# warpgroup dequantises (about 8 integer/float ops per weight), so the decode
+# rows keep a CTA under half of the SM's shared memory (~91 KiB): two CTAs per SM
+# then overlap one's dequantisation with the other's TMA and wgmma waits. Split K
+# fills the SMs: expert up (7168 -> 2048) gives 16 N tiles x 8 splits = 128 CTAs,
+# expert down (2048 -> 7168) 56 x 8 = 448. Prefill is compute-bound: wide token
+# tiles so each dequantised weight tile feeds more MMA work.
+# Readings behind the H200 rows:
+#   dense decode (128, 8|16, 128, 8 splits, 4 deep): 89-197 registers over every
+#     projection of Kimi K2.6 and GLM 5.2 (the K steps per split, 1-7, and so the
+#     pipeline depth vary with K), no spills, at most 94,240 B of shared memory.
+#   grouped decode (128, 16, 128, 1, 4): 204-205 registers, no spills.
+#   prefill, tile_n x tile_m = 128 x 128 (the first guess): 255 registers and
+#     12-108 B of spills (dense g128, grouped g32 and g128); its [128, 128] f32
+#     accumulator is 128 registers per thread and each 64-row dequantisation
+#     chunk [64, tile_n] of int32 codes, nibbles and scales needs as many again.
+#     128 x 64: dense 236-244, grouped 249-252 registers (too close to 255).
+#     64 x 256: dense 216-218 registers but 222,224 B of shared memory.
+#     64 x 128: dense 153-157, grouped 157-159 registers, 123,920 / 107,536 B:
+#     the same 128 tokens per dequantised weight, half the registers.
 TUNED: dict[tuple[str, str, str], BlockSizes] = {
     ("default", "dense", "decode"): BlockSizes(128, 8, 128, 1, 2),
     ("default", "dense", "prefill"): BlockSizes(128, 64, 128, 1, 2),
     ("default", "grouped", "decode"): BlockSizes(128, 8, 128, 1, 2),
     ("default", "grouped", "prefill"): BlockSizes(128, 64, 128, 1, 2),
     ("NVIDIA H200", "dense", "decode"): BlockSizes(128, 16, 128, 8, 4),
-    ("NVIDIA H200", "dense", "prefill"): BlockSizes(128, 128, 128, 1, 2),
+    ("NVIDIA H200", "dense", "prefill"): BlockSizes(64, 128, 128, 1, 2),
     ("NVIDIA H200", "grouped", "decode"): BlockSizes(128, 16, 128, 1, 4),
-    ("NVIDIA H200", "grouped", "prefill"): BlockSizes(128, 128, 128, 1, 2),
+    ("NVIDIA H200", "grouped", "prefill"): BlockSizes(64, 128, 128, 1, 2),
 }

@@ -255,6 +255,18 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *,
   return out_t.sum(axis=0)[:n_out, :m].T.astype(out_dtype)
 
 
+def _prefix_sum(x):
+  """Inclusive prefix sum of a short [E] vector as one masked [E, E] reduction.
+
+  E is the experts on one device (tens), so this is one small fusion; XLA's GPU
+  cumsum (a reduce-window) and searchsorted (a while loop) add several kernels
+  per MoE layer and seconds of compile time.
+  """
+  i = lax.broadcasted_iota(jnp.int32, (x.shape[0], x.shape[0]), 0)
+  j = lax.broadcasted_iota(jnp.int32, (x.shape[0], x.shape[0]), 1)
+  return jnp.sum(jnp.where(j <= i, x[None, :], 0), axis=1, dtype=x.dtype)
+
+
 def _grouped_schedule(group_sizes, m, tile_m, num_tiles):
   """Maps each scheduled tile to (expert, token block, first row, end row).
 
@@ -268,16 +280,17 @@ def _grouped_schedule(group_sizes, m, tile_m, num_tiles):
   """
   m_tiles = -(-m // tile_m)
   gs = group_sizes.astype(jnp.int32)
-  ends = jnp.minimum(jnp.cumsum(gs), m)  # rows past M are never computed
+  ends = jnp.minimum(_prefix_sum(gs), m)  # rows past M are never computed
   starts = jnp.minimum(ends - gs, m)
   first = starts // tile_m
   last = (ends - 1) // tile_m
   n_tiles = jnp.where(ends > starts, last - first + 1, 0)
-  tile_ends = jnp.cumsum(n_tiles)
+  tile_ends = _prefix_sum(n_tiles)
   tile_starts = tile_ends - n_tiles
   t = jnp.arange(num_tiles, dtype=jnp.int32)
-  e = jnp.minimum(jnp.searchsorted(tile_ends, t, side="right"),
-                  gs.shape[0] - 1).astype(jnp.int32)
+  # The tile's expert: how many experts' tiles end at or before it.
+  e = jnp.minimum(jnp.sum(tile_ends[None, :] <= t[:, None], axis=1, dtype=jnp.int32),
+                  gs.shape[0] - 1)
   valid = t < tile_ends[-1]
   block = first[e] + t - tile_starts[e]
   lo = jnp.clip(starts[e] - block * tile_m, 0, tile_m)

@@ -47,9 +47,10 @@ class BlockSizes:
                   device_kind: str | None = None) -> "BlockSizes":
     """Default block sizes for ``kind`` in {"mla", "gqa"} and this shape.
 
-    Looks up the tuned table by (device kind, op kind, shape class) and falls
-    back to a heuristic: enough splits that batch * heads-blocks * splits
-    covers the SMs, tokens per step ~64.
+    The per-program tiles (block_h cap, warps, stages) come from TILES by
+    device kind; pages_per_block makes ~64 tokens per step; the split count
+    is a heuristic: enough splits that batch * head blocks * splits covers the
+    SMs twice, each split keeping >= 4 steps.
 
     Args:
       kind: "mla" or "gqa".
@@ -59,17 +60,17 @@ class BlockSizes:
       batch: programs along the batch axis (GQA: requests * KV heads).
       device_kind: the target device; None reads it from the active abstract
         mesh (an AOT compile for a GPU topology) or jax.devices().
+
+    Raises:
+      ValueError: for an unknown kind.
     """
+    if kind not in ("mla", "gqa"):
+      raise ValueError(f"kind must be mla or gqa, got {kind!r}")
     if device_kind is None:
       device_kind = device.device_kind()
-    shape_class = "long" if max_pages * page_size >= 8192 else "short"
-    tuned = _TUNED.get((device_kind, kind, shape_class))
-    block_h = 64 if kind == "mla" else 16
-    block_h = max(16, min(block_h, _next_pow2(num_heads)))
-    ppb = max(1, 64 // page_size)
-    ppb = min(ppb, _next_pow2(max_pages))
-    if tuned is not None:
-      return dataclasses.replace(tuned, block_h=min(tuned.block_h, block_h))
+    tiles = TILES.get((device_kind, kind)) or TILES[("default", kind)]
+    block_h = max(16, min(tiles.block_h, _next_pow2(num_heads)))
+    ppb = min(max(1, 64 // page_size), _next_pow2(max_pages))
     head_blocks = -(-num_heads // block_h)
     programs = batch * head_blocks
     steps = -(-max_pages // ppb)
@@ -77,14 +78,49 @@ class BlockSizes:
     # 132 SMs on H100/H200; split until ~2 waves, each split >= 4 steps.
     while programs * splits < 264 and steps // (splits * 2) >= 4:
       splits *= 2
-    return cls(block_h=block_h, pages_per_block=ppb, num_splits=splits)
+    return cls(block_h=block_h, pages_per_block=ppb, num_splits=splits,
+               num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def _next_pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
 
-# Tuned values keyed by (device kind, op kind, shape class). Empty until the
-# H200 check (scripts/gpu_check.py) has been run on a device; the heuristic in
-# get_default applies meanwhile.
-_TUNED: dict[tuple[str, str, str], BlockSizes] = {}
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+  """Per-program tiling of the Triton kernels for one device kind and op kind.
+
+  Attributes:
+    block_h: the most heads one program takes (fewer when the op has fewer).
+    num_warps: Triton warps per program.
+    num_stages: Triton software-pipelining stages.
+  """
+
+  block_h: int
+  num_warps: int
+  num_stages: int
+
+
+# Keyed by (device kind, "mla" | "gqa"); "default" serves every other device.
+# Only the Triton kernels read these: the Mosaic GPU kernels (mla_mgpu,
+# gqa_mgpu, the engine's choice at every target shape) fix their own tiles.
+# Readings are ptxas 13.0 for sm_90a (registers per thread / spilled bytes;
+# tests/test_h200_compile_attention_moe.py, docs/h200_compile.md), 64-token
+# pages, latent 512 + rope 64, 4 splits, batch 8, 32K context:
+#   MLA bf16, block_h 16: 4 warps 255 regs + 48 B spills; 8 warps 218 regs.
+#   MLA bf16, block_h 32: 4 warps 255 + 664 B; 8 warps 243 (240 with the 64-bit
+#     addressing of a > 4 GiB pool).
+#   MLA bf16, block_h 64: 4 warps 255 + 4.5 KB; 8 warps 255 + 404 B.
+#   MLA fp8, 8 warps: block_h 16 135 regs, block_h 32 178 regs.
+#   MLA with 1 stage instead of 2: no fewer registers (bf16 block_h 16: 222).
+# So MLA takes 8 warps and at most 32 heads per program (each latent page is
+# read once per 32 heads; 64 cannot be held). GQA (head_dim 128, 16-token pages,
+# 4 pages per step, groups padded to 16 rows) reads 124 (bf16) / 128 (fp8)
+# registers with 4 warps, no spills. The default row follows the H200's: H100s
+# are the same sm_90 and other GPUs take the Triton path with no better data.
+TILES: dict[tuple[str, str], Tiles] = {
+    ("NVIDIA H200", "mla"): Tiles(block_h=32, num_warps=8, num_stages=2),
+    ("NVIDIA H200", "gqa"): Tiles(block_h=16, num_warps=4, num_stages=2),
+    ("default", "mla"): Tiles(block_h=32, num_warps=8, num_stages=2),
+    ("default", "gqa"): Tiles(block_h=16, num_warps=4, num_stages=2),
+}

@@ -61,6 +61,74 @@ def _gqa_mgpu_supported(q, k):
           and dt in (jnp.dtype(FP8), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
 
+def mla_kernel_choice(q_latent, latent, k_rope, block_tables, block_sizes=None, *,
+                      device_kind=None):
+  """The block sizes and kernel paged_mla_decode runs for these inputs.
+
+  Args:
+    q_latent: [B, H, C] query (an array or a ShapeDtypeStruct; only shapes and
+      dtypes are read).
+    latent: [N, page_size, C] latent pages.
+    k_rope: [N, page_size, R] rope-key pages.
+    block_tables: [B, P] page ids.
+    block_sizes: explicit BlockSizes, or None for BlockSizes.get_default.
+    device_kind: target device for the default (None: the active abstract
+      mesh's GPU, else jax.devices()).
+
+  Returns:
+    (BlockSizes, "mgpu" | "triton").
+
+  Raises:
+    ValueError: if block_sizes.impl == "mgpu" and mla_mgpu cannot take the shape.
+  """
+  b, h, c = q_latent.shape
+  _, ps, r = k_rope.shape
+  bs = block_sizes or BlockSizes.get_default(
+      "mla", num_heads=h, page_size=ps, max_pages=block_tables.shape[1], batch=b,
+      device_kind=device_kind)
+  return bs, _pick_impl(
+      bs, _mla_mgpu_supported(q_latent, latent, k_rope),
+      f"mla_mgpu needs C % 128 == 0 (C <= 512), page_size % 64 == 0, R % 64 == 0 "
+      f"and a bf16/f16/fp8 cache matching q; got C={c}, page_size={ps}, R={r}, "
+      f"cache {latent.dtype}, q {q_latent.dtype}")
+
+
+def gqa_kernel_choice(q, k, block_tables, block_sizes=None, *, device_kind=None):
+  """The block sizes and kernel paged_gqa_decode runs for these inputs.
+
+  Args:
+    q: [B, H, hd] queries (an array or a ShapeDtypeStruct).
+    k: [N, page_size, KV, hd] key pages.
+    block_tables: [B, P] page ids.
+    block_sizes: explicit BlockSizes, or None for BlockSizes.get_default.
+    device_kind: target device for the default (None: the active abstract
+      mesh's GPU, else jax.devices()).
+
+  Returns:
+    (BlockSizes, "mgpu" | "triton").
+
+  Raises:
+    ValueError: if block_sizes.impl == "mgpu" and gqa_mgpu cannot take the shape.
+  """
+  b, h, _ = q.shape
+  _, ps, kv, _ = k.shape
+  bs = block_sizes or BlockSizes.get_default(
+      "gqa", num_heads=h // kv, page_size=ps, max_pages=block_tables.shape[1],
+      batch=b * kv, device_kind=device_kind)
+  return bs, _pick_impl(
+      bs, _gqa_mgpu_supported(q, k),
+      f"gqa_mgpu needs head_dim % 64 == 0, 64 % page_size == 0, group <= 64, "
+      f"KV % 8 == 0 for fp8 and a bf16/f16/fp8 cache matching q; got k "
+      f"{k.shape} {k.dtype}, q {q.shape} {q.dtype}")
+
+
+def _pick_impl(bs, supported: bool, unsupported: str) -> str:
+  """"mgpu" when forced or when "auto" and the Mosaic GPU kernel takes the shape."""
+  if bs.impl == "mgpu" and not supported:
+    raise ValueError(unsupported)
+  return "mgpu" if bs.impl == "mgpu" or (bs.impl == "auto" and supported) else "triton"
+
+
 def _full_spec(x):
   if x is None:
     return None
@@ -119,16 +187,8 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
         q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
         block_tables, lengths, scale=scale)
 
-  p = block_tables.shape[1]
-  bs = block_sizes or BlockSizes.get_default(
-      "mla", num_heads=h, page_size=ps, max_pages=p, batch=b)
-  supported = _mla_mgpu_supported(q_latent, latent, k_rope)
-  if bs.impl == "mgpu" and not supported:
-    raise ValueError(
-        f"mla_mgpu needs C % 128 == 0 (C <= 512), page_size % 64 == 0, R % 64 == 0 "
-        f"and a bf16/f16/fp8 cache matching q; got C={c}, page_size={ps}, R={r}, "
-        f"cache {latent.dtype}, q {q_latent.dtype}")
-  if bs.impl == "mgpu" or (bs.impl == "auto" and supported):
+  bs, impl = mla_kernel_choice(q_latent, latent, k_rope, block_tables, block_sizes)
+  if impl == "mgpu":
     return _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
                      k_rope_scale, block_tables, lengths, scale=scale,
                      num_splits=bs.num_splits, interpret=backend == "interpret")
@@ -242,16 +302,8 @@ def paged_gqa_decode(q, k, v, k_scale, v_scale, block_tables, lengths, *,
         q, k, v, k_scale, v_scale, block_tables, lengths, scale=scale)
 
   g = h // kv
-  p = block_tables.shape[1]
-  bs = block_sizes or BlockSizes.get_default(
-      "gqa", num_heads=g, page_size=ps, max_pages=p, batch=b * kv)
-  supported = _gqa_mgpu_supported(q, k)
-  if bs.impl == "mgpu" and not supported:
-    raise ValueError(
-        f"gqa_mgpu needs head_dim % 64 == 0, 64 % page_size == 0, group <= 64, "
-        f"KV % 8 == 0 for fp8 and a bf16/f16/fp8 cache matching q; got k "
-        f"{k.shape} {k.dtype}, q {q.shape} {q.dtype}")
-  if bs.impl == "mgpu" or (bs.impl == "auto" and supported):
+  bs, impl = gqa_kernel_choice(q, k, block_tables, block_sizes)
+  if impl == "mgpu":
     return _gqa_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths,
                      scale=scale, num_splits=bs.num_splits,
                      interpret=backend == "interpret")
