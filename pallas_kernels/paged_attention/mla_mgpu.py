@@ -4,34 +4,37 @@ One CTA per (64-head block, split, request) with two compute warpgroups.
 Both warpgroups compute the same [64, page] logits (QK over the full
 576-wide key), and each owns half of the 512 output columns for PV: a
 [64, 512] f32 accumulator would need 256 registers per thread in one
-warpgroup, above Hopper's 255.
+warpgroup, above Hopper's 255. The schedule and the register budget are
+described in docs/paged_attention.md.
 
 Page gather: each loop step reads the page id with a scalar GMEM load from
 the block table and issues one TMA per page (latent, rope, and per-token
 scales for fp8), so the gather costs no extra pass over memory.
 
-fp8 -> f16, not bf16: the e4m3 pages are converted in shared memory to f16
-because every e4m3 value is exactly representable in f16, and Mosaic GPU's
-fp8 -> f16 conversion works with any ptxas while fp8 -> bf16 needs ISA >= 9.2
-(refused when lowering without a GPU, DESIGN.md §3). wgmma needs equal
-operand types, so the query is cast to f16 by the wrapper (exact for
-|q| in [6e-5, 65504]; f16 has more mantissa than bf16). The converted page
-goes to SMEM because wgmma reads its B operand only from SMEM (and the
-interpreter also its A operand). Slots past a request's length are zeroed
-during the conversion (on a bf16 cache, in place on the partial last page)
-and their probabilities are selected to 0, so garbage (even NaN) never
-leaks into the output.
+fp8 pages are dequantised into bf16 pages in shared memory (wgmma reads its
+B operand only from SMEM): e4m3 -> f32 (through f16, exact), times the
+token's scale, -> bf16. With the scale applied there, QK and PV are the
+same bf16 wgmmas as on a bf16 cache and need one f32 logits tile, not one
+per scale. bf16 rather than f16 because a scaled latent may exceed f16's
+range, and because the query then needs no cast (the e4m3 -> bf16
+instruction needs PTX ISA >= 9.2, hence the f32 step). The rounding to bf16
+(8 significant bits) is small next to e4m3's 4. Slots past a request's
+length are zeroed in the same pass (on a bf16 cache, in place on the
+partial last page only), and their probabilities are selected to 0, so
+garbage (even NaN) never leaks into the output.
 
-Scales are folded, not applied per element: the latent/rope scales multiply
-the logits' columns, and the latent scale multiplies the probabilities
-before PV. Softmax statistics and accumulators are f32.
+Registers: the [64, 256] f32 PV accumulator takes 128 of a thread's 255.
+Every wgmma takes a 64-bit shared-memory descriptor (36 for QK alone), and
+LLVM hoists loop-invariant descriptors out of the loop, where they would
+stay live beside the accumulator and spill. The loop body therefore
+addresses every buffer through an index that is 0 but opaque to LLVM (an
+optimization barrier), so descriptors are computed next to their wgmma.
 
 Outputs per split: o [B, S, Hp, C] f32 already divided by the split's
 softmax sum, and lse [B, S, Hp] f32 (a very negative number for an empty
 split); combine_lse merges them.
 """
 
-import functools
 import math
 
 import jax
@@ -45,6 +48,7 @@ BLOCK_H = 64  # wgmma M per warpgroup
 NEG = -1e30  # finite "minus infinity" for empty splits and masked logits
 _LOG2E = math.log2(math.e)
 _OUT_CHUNK = 32  # columns per f32 output TMA tile (keeps the smem scratch small)
+_STAGE_CHUNK = 64  # columns per register pass when masking/dequantising a page
 
 
 def _transforms(cols, dtype):
@@ -54,13 +58,18 @@ def _transforms(cols, dtype):
           plgpu.SwizzleTransform(swizzle))
 
 
+def _smem(shape, dtype):
+  """One SMEM buffer with a leading dim of 1, indexed in the loop by the opaque 0."""
+  return plgpu.SMEM((1, *shape), dtype, transforms=_transforms(shape[-1], dtype))
+
+
 def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
                     k_rope_scale, block_tables, lengths, *, scale,
                     pages_per_split, num_splits, interpret=False):
   """Split-K paged MLA decode partials on Mosaic GPU.
 
   Args:
-    q_latent: [B, Hp, C] query in the compute dtype (f16 for an fp8 cache,
+    q_latent: [B, Hp, C] query in the compute dtype (bf16 for an fp8 cache,
       else the cache dtype); Hp a multiple of 64.
     q_rope: [B, Hp, R] same dtype.
     latent, k_rope: [N, ps, C], [N, ps, R] pages (bf16/f16 or fp8 e4m3).
@@ -73,6 +82,9 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
 
   Returns:
     (o [B, S, Hp, C] f32 normalised per split, lse [B, S, Hp] f32).
+
+  Raises:
+    ValueError: on an unsupported shape or dtype combination.
   """
   b, hp, c = q_latent.shape
   n, ps, r = k_rope.shape
@@ -82,11 +94,13 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
   if hp % BLOCK_H or c % 128 or ps % 64 or r % 64:
     raise ValueError(f"unsupported shape: heads {hp} (x64), C {c} (x128), "
                      f"page {ps} (x64), R {r} (x64)")
-  if fp8 and cdt != jnp.float16:
-    raise ValueError("an fp8 cache needs an f16 query (fp8 -> f16 conversion)")
+  if fp8 and c % 256:
+    raise ValueError(f"an fp8 cache needs C % 256 == 0 (whole 128-column fp8 tiles "
+                     f"per warpgroup), got C {c}")
+  if fp8 and cdt != jnp.bfloat16:
+    raise ValueError(f"an fp8 cache needs a bf16 query (pages dequantise to bf16), got {cdt}")
   if not fp8 and latent.dtype != cdt:
     raise ValueError(f"query {cdt} and cache {latent.dtype} dtypes differ")
-  s_split = num_splits
   # Register operands for P are fine on hardware; the interpreter needs SMEM.
   p_in_smem = bool(interpret)
 
@@ -103,48 +117,69 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
     start = split * pages_per_split
     steps = jnp.maximum(jnp.minimum(start + pages_per_split, num_pages) - start, 0)
     heads = pl.ds(hb * BLOCK_H, BLOCK_H)
+    cols = pl.ds(wg * half, half)
 
     def issue(step):
       # Only used pages are read (steps stops at them); clamp so a corrupt
       # id never sends the TMA out of bounds.
       page = jnp.clip(bt_ref[bi, start + step], 0, n - 1)
-      plgpu.copy_gmem_to_smem(lat_ref.at[page], lat_st, tma_bar)
-      plgpu.copy_gmem_to_smem(rope_ref.at[page], rope_st, tma_bar)
+      plgpu.copy_gmem_to_smem(lat_ref.at[page], lat_st.at[0], tma_bar)
+      plgpu.copy_gmem_to_smem(rope_ref.at[page], rope_st.at[0], tma_bar)
       if fp8:
         plgpu.copy_gmem_to_smem(ls_ref.at[page], ls_st, tma_bar)
         plgpu.copy_gmem_to_smem(rs_ref.at[page], rs_st, tma_bar)
 
+    def stage(src, dst, valid_tokens, token_scale):
+      """dst = src (* token_scale) with rows >= valid_tokens zeroed; [ps, w] refs.
+
+      In column chunks, so only [ps, 64] values are in registers at a time
+      beside the accumulator; src is read a whole swizzle tile at a time.
+      """
+      if token_scale is not None:
+        token_scale = plgpu.load(token_scale, layout=plgpu.Layout.WGMMA.reduce(1))
+      w = src.shape[1]
+      load_w = math.gcd(w, 128 // jnp.dtype(src.dtype).itemsize)
+      for j in range(w // load_w):
+        xs = src[:, pl.ds(j * load_w, load_w)]
+        for h in range(load_w // _STAGE_CHUNK):
+          x = xs[:, h * _STAGE_CHUNK:(h + 1) * _STAGE_CHUNK]
+          rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
+          if token_scale is not None:
+            x = x.astype(jnp.float32) * lax.broadcast_in_dim(token_scale, x.shape, [0])
+          # A select, not a multiply: unused slots (and their scales) may be NaN.
+          x = jnp.where(rows < valid_tokens, x, jnp.zeros_like(x))
+          dst[:, pl.ds(j * load_w + h * _STAGE_CHUNK, _STAGE_CHUNK)] = x.astype(dst.dtype)
+
     @pl.when(wg == 0)
     def _():
-      plgpu.copy_gmem_to_smem(ql_ref.at[bi, heads], ql_smem, q_bar)
-      plgpu.copy_gmem_to_smem(qr_ref.at[bi, heads], qr_smem, q_bar)
+      plgpu.copy_gmem_to_smem(ql_ref.at[bi, heads], ql_smem.at[0], q_bar)
+      plgpu.copy_gmem_to_smem(qr_ref.at[bi, heads], qr_smem.at[0], q_bar)
       @pl.when(steps > 0)
       def _():
         issue(0)
 
     plgpu.barrier_wait(q_bar)
-    cols = pl.ds(wg * half, half)
 
     def body(i, carry):
       acc, m_i, l_i = carry
+      # 0, but LLVM cannot prove it: buffers indexed by it have loop-variant
+      # addresses, so their wgmma descriptors are not hoisted (module doc).
+      z = lax.optimization_barrier(jnp.int32(0))
+      q_lat, q_rp = ql_smem.at[z], qr_smem.at[z]
+      lat_in, rope_in = lat_st.at[z], rope_st.at[z]
       pos0 = (start + i) * ps
+      valid_tokens = length - pos0
       plgpu.barrier_wait(tma_bar)
       if fp8:
+        k_lat, k_rope = lat16.at[z], rope16.at[z]
         # Wait until both warpgroups finished reading lat16 (previous QK).
         @pl.when(i > 0)
         def _():
           plgpu.barrier_wait(done_bar)
-        rows = plgpu.broadcasted_iota(jnp.int32, (ps, half), 0, layout=plgpu.Layout.WGMMA)
-        x = lat_st[:, cols].astype(jnp.float16)
-        x = jnp.where(rows + pos0 < length, x, jnp.zeros_like(x))
-        lat16[:, cols] = x
+        stage(lat_in.at[:, cols], k_lat.at[:, cols], valid_tokens, ls_st)
         @pl.when(wg == 0)
         def _():
-          rrows = plgpu.broadcasted_iota(jnp.int32, (ps, r), 0, layout=plgpu.Layout.WGMMA)
-          y = rope_st[...].astype(jnp.float16)
-          rope16[...] = jnp.where(rrows + pos0 < length, y, jnp.zeros_like(y))
-        ls = plgpu.load(ls_st, layout=plgpu.Layout.WGMMA.reduce(0))
-        rs = plgpu.load(rs_st, layout=plgpu.Layout.WGMMA.reduce(0))
+          stage(rope_in, k_rope, valid_tokens, rs_st)
         plgpu.commit_smem()
         plgpu.barrier_arrive(conv_bar)
         plgpu.barrier_arrive(free_bar)
@@ -157,51 +192,33 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
         @pl.when((wg == 0) & (i + 1 >= steps))
         def _():
           plgpu.barrier_wait(free_bar)
-        k_lat, k_rope = lat16, rope16
       else:
+        k_lat, k_rope = lat_in, rope_in
         # No conversion pass on a bf16 cache, but the tail of a request's
         # last page may hold garbage (NaN included) and p == 0 does not
         # cancel NaN in PV: zero those rows, only on that partial page.
-        @pl.when(pos0 + ps > length)
+        @pl.when(valid_tokens < ps)
         def _():
-          rows = plgpu.broadcasted_iota(jnp.int32, (ps, half), 0, layout=plgpu.Layout.WGMMA)
-          x = lat_st[:, cols]
-          lat_st[:, cols] = jnp.where(rows + pos0 < length, x, jnp.zeros_like(x))
+          stage(lat_in.at[:, cols], lat_in.at[:, cols], valid_tokens, None)
           plgpu.commit_smem()
           plgpu.barrier_arrive(conv_bar)
           plgpu.barrier_wait(conv_bar)
-        k_lat, k_rope = lat_st, rope_st
 
+      def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_lat, k_lat.transpose((1, 0)))
+        plgpu.wgmma(acc_ref, q_rp, k_rope.transpose((1, 0)))
+        return acc_ref[...]
+      logits = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, ps), jnp.float32))
       if fp8:
-        # Separate accumulators: latent and rope carry different scales.
-        def qk_lat(acc_ref):
-          plgpu.wgmma(acc_ref, ql_smem, k_lat.transpose((1, 0)))
-          return acc_ref[...]
-        def qk_rope(acc_ref):
-          plgpu.wgmma(acc_ref, qr_smem, k_rope.transpose((1, 0)))
-          return acc_ref[...]
-        s1 = pl.run_scoped(qk_lat, plgpu.ACC((BLOCK_H, ps), jnp.float32))
-        s2 = pl.run_scoped(qk_rope, plgpu.ACC((BLOCK_H, ps), jnp.float32))
         plgpu.barrier_arrive(done_bar)
-        logits = (s1 * lax.broadcast_in_dim(ls, (BLOCK_H, ps), [1])
-                  + s2 * lax.broadcast_in_dim(rs, (BLOCK_H, ps), [1]))
-      else:
-        def qk(acc_ref):
-          plgpu.wgmma(acc_ref, ql_smem, k_lat.transpose((1, 0)))
-          plgpu.wgmma(acc_ref, qr_smem, k_rope.transpose((1, 0)))
-          return acc_ref[...]
-        logits = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, ps), jnp.float32))
       logits = logits * scale
       kpos = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, ps), 1, layout=plgpu.Layout.WGMMA)
-      valid = kpos + pos0 < length
+      valid = kpos < valid_tokens
       logits = jnp.where(valid, logits, NEG)
       m_new = jnp.maximum(m_i, logits.max(axis=1))
       alpha = jnp.exp2((m_i - m_new) * _LOG2E)
       p = jnp.exp2((logits - lax.broadcast_in_dim(m_new, logits.shape, [0])) * _LOG2E)
       l_new = l_i * alpha + p.sum(axis=1)
-      if fp8:
-        # Scales of unused slots may be garbage (NaN): select, not multiply.
-        p = jnp.where(valid, p * lax.broadcast_in_dim(ls, p.shape, [1]), 0.0)
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       p16 = p.astype(cdt)
       if p_in_smem:
@@ -261,17 +278,16 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
       plgpu.wait_smem_to_gmem(0)
 
   def entry(*refs):
-    in_out = refs
     st_dtype = latent.dtype
     scratch = [
-        plgpu.SMEM((BLOCK_H, c), cdt, transforms=_transforms(c, cdt)),
-        plgpu.SMEM((BLOCK_H, r), cdt, transforms=_transforms(r, cdt)),
-        plgpu.SMEM((ps, c), st_dtype, transforms=_transforms(c, st_dtype)),
-        plgpu.SMEM((ps, r), st_dtype, transforms=_transforms(r, st_dtype)),
+        _smem((BLOCK_H, c), cdt),
+        _smem((BLOCK_H, r), cdt),
+        _smem((ps, c), st_dtype),
+        _smem((ps, r), st_dtype),
         plgpu.SMEM((ps,), jnp.float32) if fp8 else None,
         plgpu.SMEM((ps,), jnp.float32) if fp8 else None,
-        plgpu.SMEM((ps, c), cdt, transforms=_transforms(c, cdt)) if fp8 else None,
-        plgpu.SMEM((ps, r), cdt, transforms=_transforms(r, cdt)) if fp8 else None,
+        _smem((ps, c), cdt) if fp8 else None,
+        _smem((ps, r), cdt) if fp8 else None,
         (plgpu.SMEM((2, BLOCK_H, ps), cdt, transforms=_transforms(ps, cdt))
          if p_in_smem else None),
         plgpu.SMEM((2, BLOCK_H, _OUT_CHUNK), jnp.float32),
@@ -281,20 +297,20 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
         # Every TMA issued with a barrier is one arrival on it.
         plgpu.Barrier(num_arrivals=2),  # q_latent and q_rope loaded
         plgpu.Barrier(num_arrivals=4 if fp8 else 2),  # one page's copies landed
-        plgpu.Barrier(num_arrivals=2),  # fp8 page converted by both WGs
+        plgpu.Barrier(num_arrivals=2),  # page converted/masked by both WGs
         plgpu.Barrier(num_arrivals=2),  # staging buffer free
         plgpu.Barrier(num_arrivals=2),  # both WGs done reading lat16
     ]
-    pl.run_scoped(lambda *s: kernel(*in_out, s), *scratch, *barriers,
+    pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, *barriers,
                   collective_axes="wg")
 
-  out_type = (jax.ShapeDtypeStruct((b, s_split, hp, c), jnp.float32),
-              jax.ShapeDtypeStruct((b, s_split, hp), jnp.float32))
+  out_type = (jax.ShapeDtypeStruct((b, num_splits, hp, c), jnp.float32),
+              jax.ShapeDtypeStruct((b, num_splits, hp), jnp.float32))
   kwargs = dict(interpret=interpret) if interpret else {}
   return plgpu.kernel(
       entry,
       out_type=out_type,
-      grid=(hp // BLOCK_H, s_split, b),
+      grid=(hp // BLOCK_H, num_splits, b),
       grid_names=("h", "s", "b"),
       num_threads=2,
       thread_name="wg",

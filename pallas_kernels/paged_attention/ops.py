@@ -44,7 +44,9 @@ def _mla_mgpu_supported(q_latent, latent, k_rope):
   _, ps, r = k_rope.shape
   c = latent.shape[-1]
   dt = jnp.dtype(latent.dtype)
-  return (c % 128 == 0 and ps % 64 == 0 and r % 64 == 0 and c // 2 <= 256
+  # Each warpgroup dequantises whole 128-column fp8 tiles: C % 256 for fp8.
+  c_mult = 256 if dt == jnp.dtype(FP8) else 128
+  return (c % c_mult == 0 and ps % 64 == 0 and r % 64 == 0 and c // 2 <= 256
           and (dt == jnp.dtype(FP8) or dt == jnp.dtype(q_latent.dtype))
           and dt in (jnp.dtype(FP8), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
@@ -241,9 +243,9 @@ def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
   """Runs mla_mgpu: pads heads to 64, casts q, merges the splits."""
   b, h, _ = q_latent.shape
   h_pad = -h % mla_mgpu.BLOCK_H
-  # fp8 pages are converted to f16 in the kernel (see mla_mgpu), and wgmma
-  # wants equal operand types, so q goes to f16 too.
-  cdt = jnp.float16 if latent.dtype == FP8 else latent.dtype
+  # fp8 pages are dequantised to bf16 in the kernel (see mla_mgpu), and wgmma
+  # wants equal operand types, so q goes to bf16 too.
+  cdt = jnp.bfloat16 if latent.dtype == FP8 else latent.dtype
   ql = jnp.pad(q_latent, ((0, 0), (0, h_pad), (0, 0))).astype(cdt)
   qr = jnp.pad(q_rope, ((0, 0), (0, h_pad), (0, 0))).astype(cdt)
   bt = _pad_tables(block_tables.astype(jnp.int32), num_splits)
