@@ -256,6 +256,7 @@ def _plot(path: str, cases: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
+  """``python -m experiments.kernels --from JSONL [--out DIR]``: renders a fetched run."""
   p = argparse.ArgumentParser(description="Render a gpu_check JSONL as kernels.{json,md,png}.")
   p.add_argument("--from", dest="src", required=True, help="gpu_check.jsonl (e.g. from a device)")
   p.add_argument("--out", default="results", help="output folder")

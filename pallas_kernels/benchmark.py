@@ -105,6 +105,7 @@ class Timing:
   note: str = ""
 
   def as_dict(self) -> dict:
+    """The fields as a JSON-ready dict."""
     return dataclasses.asdict(self)
 
 

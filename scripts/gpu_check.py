@@ -377,10 +377,12 @@ class Worker:
     return tag, json.loads(payload)
 
   def send(self, item: dict) -> None:
+    """Hands the worker one case (a JSON line on its stdin)."""
     self.proc.stdin.write((json.dumps(item) + "\n").encode())
     self.proc.stdin.flush()
 
   def kill(self) -> None:
+    """Kills the worker's whole process group and reaps it."""
     if self.proc.poll() is None:
       try:
         os.killpg(self.proc.pid, signal.SIGKILL)
@@ -419,11 +421,13 @@ class Estimator:
     self.startups: list[float] = []
 
   def case(self, kernel: str) -> float:
+    """Median wall time of this kernel's finished cases, else its prior."""
     if self.seen.get(kernel):
       return statistics.median(self.seen[kernel])
     return (SMOKE_PRIOR_S.get(kernel, 5.0) if self.smoke else PRIOR_S.get(kernel, 20.0))
 
   def startup(self) -> float:
+    """Median worker start-up seen so far, else the prior."""
     return statistics.median(self.startups) if self.startups else PRIOR_STARTUP_S[self.smoke]
 
 
@@ -647,6 +651,7 @@ def orchestrate(args) -> int:
 
 
 def main(argv=None) -> int:
+  """The command line: the parent run, or (hidden --worker) one worker process."""
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", help="JSONL output path (its worker log: PATH.stderr.log)")
   p.add_argument("--smoke", action="store_true",
