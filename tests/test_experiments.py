@@ -133,33 +133,6 @@ class SmokeRunsTest(parameterized.TestCase):
     self.assertTrue(all(a["note"] for a in rec["assumptions"]))
 
 
-class KernelsReportTest(absltest.TestCase):
-
-  def test_kernels_gpu_report_from_normalised_records(self):
-    # The GPU path's table and plot, fed one record of each gpu_check kind.
-    from experiments import kernels
-    rows = [kernels._normalise({"check": "paged_mla_decode", "case": {"kv": "fp8", "batch": 8},
-                                "ok": True, "time_s": 2e-5, "xla_time_s": 8e-5,
-                                "achieved_bw": 3.0e12, "fraction_of_copy_bw": 0.70,
-                                "speedup_vs_xla": 4.0}),
-            kernels._normalise({"check": "int4_matmul", "case": "int4_matmul/expert_up/m1/g32",
-                                "ok": False, "time_us": 9.0, "xla_int4_us": 30.0,
-                                "achieved_bw_gbs": 900.0, "copy_bw_fraction": 0.21,
-                                "speedup_vs_xla_int4": 3.3})]
-    self.assertEqual([r["time_us"] for r in rows], [20.0, 9.0])
-    self.assertEqual([r["speedup_vs_reference"] for r in rows], [4.0, 3.3])
-    out = tempfile.mkdtemp()
-    rec = kernels.write_outputs(out, {"experiment": "kernels", "records": rows,
-                                      "machine": {"device_kind": "NVIDIA H200"}})
-    self.assertFalse(rec["all_ok"])
-    with open(os.path.join(out, "kernels.md")) as f:
-      md = f.read()
-    self.assertIn("| paged_mla_decode | kv=fp8, batch=8 | yes | 20 | 80 | 3,000 | 0.700 | 4.000 |", md)
-    self.assertIn("int4_matmul/expert_up/m1/g32 | NO |", md)
-    with open(os.path.join(out, "kernels.png"), "rb") as f:
-      self.assertEqual(f.read(8), PNG_MAGIC)
-
-
 class PaperScaleTest(parameterized.TestCase):
   """The report's capacity figures are arithmetic, so they are asserted."""
 
