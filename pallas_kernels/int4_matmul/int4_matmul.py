@@ -272,7 +272,7 @@ def _grouped_schedule(group_sizes, m, tile_m, num_tiles):
 
   Tile t covers rows [block*tile_m + lo, block*tile_m + hi) of expert e; a token
   block split between experts gets one tile per expert. Tiles past the last one
-  in use get block = cdiv(m, tile_m) (dropped by the wrapper's segment sum) and
+  in use get block = cdiv(m, tile_m) (dropped by the wrapper's slab sum) and
   lo = hi = 0 (skipped by the kernel). Empty experts get no tile.
 
   Returns:
@@ -301,6 +301,30 @@ def _grouped_schedule(group_sizes, m, tile_m, num_tiles):
       jnp.where(valid, lo, 0),
       jnp.where(valid, hi, 0),
   ]).astype(jnp.int32)
+
+
+def _sum_block_slabs(slabs, block, m_tiles):
+  """Sums the slabs of each token block: [T, N, tile_m] -> [m_tiles, N, tile_m].
+
+  Tiles are ordered by block (unused trailing tiles, never written, carry block
+  m_tiles and are dropped); each output element has exactly one nonzero
+  contributor, so the sum is exact in the slabs' dtype. The first slab of each
+  block is gathered and the block's other slabs are added onto it. A
+  segment_sum would scatter into a zero-initialised [m_tiles, N, tile_m]
+  buffer instead, and XLA merges such identical zero buffers across a model's
+  layers and hoists every layer's copy to the start of the program, so a
+  prefill step would hold one per MoE layer at once.
+  """
+  num_tiles = slabs.shape[0]
+  b = jnp.arange(m_tiles, dtype=jnp.int32)
+  first = jnp.sum(block[None, :] < b[:, None], axis=1, dtype=jnp.int32)  # [m_tiles]
+  f = jnp.minimum(first, num_tiles - 1)
+  has = (first < num_tiles) & (block[f] == b)
+  init = jnp.where(has[:, None, None], slabs[f], jnp.zeros((), slabs.dtype))
+  t = jnp.arange(num_tiles, dtype=jnp.int32)
+  is_first = (t == 0) | (block != jnp.roll(block, 1))
+  rest = jnp.where(is_first, m_tiles, block)  # first slabs are already in init
+  return init.at[rest].add(slabs, mode="drop")
 
 
 def _int4_grouped_matmul_kernel(meta_gmem, xe_gmem, xo_gmem, p_gmem, s_gmem,
@@ -416,10 +440,7 @@ def int4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
       compiler_params=_compiler_params(),
       interpret=_interpret_params(backend),
   )(meta, x_even, x_odd, packed, scales)
-  # Unused slabs (never written) carry block id m_tiles and are dropped here;
-  # each output element has exactly one nonzero contributor, so the sum is
-  # exact in x's dtype.
-  out_t = jax.ops.segment_sum(slabs, meta[1], num_segments=m_tiles)
+  out_t = _sum_block_slabs(slabs, meta[1], m_tiles)
   out = out_t.transpose(0, 2, 1).reshape(m_pad, n)  # [Mp, Np]
   return out[:m, :n_out].astype(out_dtype)
 
