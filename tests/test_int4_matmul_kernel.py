@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gpu_interpret
-from pallas_kernels import lowering
 from pallas_kernels.int4_matmul import BlockSizes
 from pallas_kernels.int4_matmul import dequantize_int4
 from pallas_kernels.int4_matmul import int4_grouped_matmul
@@ -336,40 +335,6 @@ class BlockSizesTest(parameterized.TestCase):
   def test_unknown_device_uses_default_row(self):
     bs = BlockSizes.get_default(4, 128, 256, device_kind="Some GPU")
     self.assertEqual(bs, BlockSizes(128, 8, 128, 1, 2))
-
-
-class LoweringTest(parameterized.TestCase):
-  """Lowers the compiled kernels for an abstract H200 at real sizes (no GPU)."""
-
-  # Kimi K2.6 expert up/gate (7168 -> 2048) and down (2048 -> 7168) shapes.
-  @parameterized.product(m=(1, 256), kn=((7168, 2048), (2048, 7168)),
-                         group_size=(32, 128))
-  def test_dense_lowers_for_h200(self, m, kn, group_size):
-    k, n = kn
-    S = jax.ShapeDtypeStruct
-    bs = BlockSizes.get_default(m, n, k, device_kind="NVIDIA H200")
-    low = lowering.lower_for_h200(
-        int4_matmul, S((m, k), jnp.bfloat16), S((k // 2, n), jnp.uint8),
-        S((k // group_size, n), jnp.bfloat16), group_size=group_size,
-        backend="pallas", block_sizes=bs)
-    text = low.as_text()
-    self.assertIn("mosaic_gpu", text)
-    self.assertIn("int4_matmul", text)
-
-  @parameterized.parameters((64, 64, "bf16"), (256, 128, "f32"))
-  def test_grouped_lowers_for_h200(self, m, group_size, scale_dtype):
-    S = jax.ShapeDtypeStruct
-    e, k, n = 16, 7168, 2048
-    bs = BlockSizes.get_default(m, n, k, grouped=True, device_kind="NVIDIA H200")
-    low = lowering.lower_for_h200(
-        int4_grouped_matmul, S((m, k), jnp.bfloat16),
-        S((e, k // 2, n), jnp.uint8),
-        S((e, k // group_size, n), SCALE_DTYPES[scale_dtype]),
-        S((e,), jnp.int32), group_size=group_size, backend="pallas",
-        block_sizes=bs)
-    text = low.as_text()
-    self.assertIn("mosaic_gpu", text)
-    self.assertIn("int4_grouped_matmul", text)
 
 
 if __name__ == "__main__":

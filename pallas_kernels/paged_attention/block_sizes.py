@@ -105,7 +105,7 @@ class Tiles:
 # Only the Triton kernels read these: the Mosaic GPU kernels (mla_mgpu,
 # gqa_mgpu, the engine's choice at every target shape) fix their own tiles.
 # Readings are ptxas 13.0 for sm_90a (registers per thread / spilled bytes;
-# tests/test_h200_compile_attention_moe.py, docs/h200_compile.md), 64-token
+# tests/test_h200_compile_attention.py, docs/h200_compile.md), 64-token
 # pages, latent 512 + rope 64, 4 splits, batch 8, 32K context:
 #   MLA bf16, block_h 16: 4 warps 255 regs + 48 B spills; 8 warps 218 regs.
 #   MLA bf16, block_h 32: 4 warps 255 + 664 B; 8 warps 243 (240 with the 64-bit

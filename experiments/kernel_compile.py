@@ -1,0 +1,576 @@
+"""Every Pallas kernel at its H200 target shapes through XLA's GPU compiler and ptxas.
+
+The sweep behind the deviceless compile tests (tests/test_h200_compile_*.py) and the
+``kernels`` experiment's compile table; docs/h200_compile.md explains the method.
+
+* :func:`builds` turns a target case (``experiments.kernel_targets``) into what the
+  engine runs for it on an H200: the op, its abstract arguments, the block sizes of
+  the H200 rows of the tables and the kernel (Mosaic GPU or Triton) the op's
+  ``impl="auto"`` picks; optionally the other attention kernel too.
+* :func:`kernel_key` names what the compiled kernel depends on. Cases with the same
+  key compile to the same kernel up to grid extents and address constants, so
+  :func:`plan` compiles one build per key (the one with the largest arguments) and
+  :func:`sweep` gives every case the readings of the compile that covers it.
+  :func:`verify_dedup` compiles each build on its own and checks that every member
+  of a key group reads the same, which is the evidence for the dedup.
+* Records (one dict per case and kernel) go to JSON with :func:`write_records`;
+  :func:`load_records` and :func:`markdown` are the stable reading API.
+
+Needs ``pallas_kernels.h200.env.prepare()`` before jax is imported (the tests'
+conftest does it) for the compiles; loading and rendering records do not.
+
+Run the whole sweep by hand (about 5 minutes on 2 idle cores; ``--verify`` compiles
+every build separately, about 25 minutes)::
+
+    .venv/bin/python -m experiments.kernel_compile [--other-impl] [--verify] [substring ...]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import json
+import math
+import os
+import subprocess
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_DIR = os.path.join(_REPO, "results", "h200_kernel_compile")
+H200 = "NVIDIA H200"
+# H200 limits: shared memory per block (opt-in) and registers per thread.
+SMEM_LIMIT_BYTES = 232448
+MAX_REGISTERS = 255
+# Triton addresses an operand with 64-bit offsets once it is larger than this
+# (jax/_src/pallas/triton/lowering.py), which changes the kernel's registers.
+TRITON_WIDE_OFFSET_BYTES = 2**32
+READINGS = ("registers", "spill_stores", "spill_loads", "stack", "smem")
+# How far ptxas' register count moves for one kernel structure: the same PTX under
+# different heap layouts (191 / 193), or other address constants (+-1). Witnesses
+# of a shared compile must read within this of it.
+REGISTER_NOISE = 4
+# A shared compile covers its other cases only with this much headroom below the
+# register limit; closer to 255 every case of the group is compiled on its own,
+# so "zero spills" never rests on a neighbour's reading.
+DEDUP_MAX_REGISTERS = MAX_REGISTERS - 2 * REGISTER_NOISE
+
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+  """One target case compiled with one kernel, exactly as the op is called.
+
+  Attributes:
+    case: the target case (shapes and static arguments).
+    impl: "mgpu" (Mosaic GPU), "triton", or the kernel family for ops with one.
+    engine: whether the engine runs this kernel on an H200 (the op's "auto" choice).
+    block_sizes: the op's resolved BlockSizes (H200 rows), passed explicitly.
+    key: what the compiled kernel depends on, as sorted (name, value) pairs.
+  """
+
+  case: Any
+  impl: str
+  engine: bool
+  block_sizes: Any
+  key: tuple
+
+  def call(self) -> tuple[Callable[..., Any], list, dict]:
+    """(op, abstract arguments on one H200, static keyword arguments)."""
+    from pallas_kernels.h200 import compile as hc
+    specs = [None if a is None else hc.spec(*a) for a in self.case.arg_shapes()]
+    kwargs = dict(self.case.static_kwargs(), backend="pallas", block_sizes=self.block_sizes)
+    return _op(self.case.kernel), specs, kwargs
+
+  @property
+  def arg_bytes(self) -> int:
+    """Bytes of all arguments; the largest build of a key group is compiled."""
+    return sum(math.prod(s) * _itemsize(dt) for s, dt in filter(None, self.case.arg_shapes()))
+
+  @property
+  def key_str(self) -> str:
+    return " ".join(f"{k}={v}" for k, v in self.key)
+
+
+def _itemsize(dtype) -> int:
+  import jax.numpy as jnp
+  return jnp.dtype(dtype).itemsize
+
+
+def _op(kernel: str) -> Callable[..., Any]:
+  if kernel == "paged_mla_decode":
+    from pallas_kernels.paged_attention import paged_mla_decode
+    return paged_mla_decode
+  if kernel == "paged_gqa_decode":
+    from pallas_kernels.paged_attention import paged_gqa_decode
+    return paged_gqa_decode
+  if kernel == "int4_matmul":
+    from pallas_kernels.int4_matmul import int4_matmul
+    return int4_matmul
+  if kernel == "int4_grouped_matmul":
+    from pallas_kernels.int4_matmul import int4_grouped_matmul
+    return int4_grouped_matmul
+  if kernel == "tag_check":
+    from pallas_kernels.tag_check import tag_check
+    return tag_check
+  raise ValueError(f"unknown kernel {kernel!r}")
+
+
+def _abstract(case) -> list:
+  import jax
+  return [None if a is None else jax.ShapeDtypeStruct(*a) for a in case.arg_shapes()]
+
+
+def _dtype_name(dtype) -> str:
+  import jax.numpy as jnp
+  return jnp.dtype(dtype).name
+
+
+def _attention_builds(case, other_impl: bool) -> list[Build]:
+  from pallas_kernels.paged_attention import ops
+  args = _abstract(case)
+  if case.kernel == "paged_mla_decode":
+    q, _, pages, k_rope, *_, tables, _ = args
+    bs, impl = ops.mla_kernel_choice(q, pages, k_rope, tables, device_kind=H200)
+    choose = functools.partial(ops.mla_kernel_choice, q, pages, k_rope, tables)
+  else:
+    q, pages, _, _, _, tables, _ = args
+    bs, impl = ops.gqa_kernel_choice(q, pages, tables, device_kind=H200)
+    choose = functools.partial(ops.gqa_kernel_choice, q, pages, tables)
+  impls = [impl] + ([i for i in ("mgpu", "triton") if i != impl] if other_impl else [])
+  out = []
+  for i in impls:
+    pinned = dataclasses.replace(bs, impl=i)
+    try:
+      choose(pinned)
+    except ValueError:  # this shape has no Mosaic GPU kernel
+      continue
+    out.append(Build(case, i, i == impl, pinned, kernel_key(case, i, pinned)))
+  return out
+
+
+def _int4_block_sizes(case):
+  from pallas_kernels.int4_matmul import BlockSizes
+  d = case.d
+  grouped = case.kernel == "int4_grouped_matmul"
+  return BlockSizes.get_default(d["m"], d["n"], d["k"], grouped=grouped,
+                                device_kind=H200).fit(d["m"], d["n"], d["k"])
+
+
+def _tag_block_sizes(case):
+  from pallas_kernels.tag_check import BlockSizes
+  d = case.d
+  return BlockSizes.get_default(d["batch"], d["max_pages"])
+
+
+def builds(case, *, other_impl: bool = False) -> list[Build]:
+  """What the engine compiles for ``case`` on an H200 (and optionally the other kernel).
+
+  Args:
+    case: an ``experiments.kernel_targets.KernelCase``.
+    other_impl: for paged attention, also the kernel "auto" does not pick
+      (Triton where Mosaic GPU runs, and the reverse where the shape allows).
+
+  Returns:
+    The builds, the engine's first.
+  """
+  if case.kernel in ("paged_mla_decode", "paged_gqa_decode"):
+    return _attention_builds(case, other_impl)
+  if case.kernel in ("int4_matmul", "int4_grouped_matmul"):
+    bs = _int4_block_sizes(case)
+    return [Build(case, "mgpu", True, bs, kernel_key(case, "mgpu", bs))]
+  if case.kernel == "tag_check":
+    bs = _tag_block_sizes(case)
+    return [Build(case, "triton", True, bs, kernel_key(case, "triton", bs))]
+  raise ValueError(f"unknown kernel {case.kernel!r}")
+
+
+def kernel_key(case, impl: str, block_sizes) -> tuple:
+  """What the compiled kernel of ``case`` depends on, as sorted (name, value) pairs.
+
+  Every static value the kernel body is built from is in the key: dtypes, the
+  per-token entry widths, page size, softmax scale, every block size, and for
+  INT4 the pipeline's static step count (a short constant-trip loop is unrolled
+  differently: 140 registers at 1 step, 184 at 5). Left out are the dims that
+  only set grid extents, global-memory extents and address constants: batch,
+  context (block-table width), pool pages, experts, token rows beyond one tile,
+  columns beyond one tile and the split-K count (attention's per-split page count
+  is an address constant; the loop over a split's pages runs to a length read at
+  run time). Three exceptions keep the key honest, each seen in ptxas' readings:
+  a grid axis of extent 1 turns its program index into a constant (GQA at one
+  request or one split: up to 11 registers apart), so which axes have extent 1
+  is in the key; a Triton kernel switches to 64-bit addressing once an operand
+  exceeds 4 GiB (MLA bf16, 16 heads: 218 against 168 registers); and GQA's KV
+  head count sizes a shared-memory scale tile. What is left moves the register
+  count by a register or two (REGISTER_NOISE); :func:`verify_dedup` measures it.
+
+  Args:
+    case: the target case.
+    impl: "mgpu" or "triton".
+    block_sizes: the resolved block sizes the op is called with.
+
+  Returns:
+    A hashable, sorted tuple of (name, value).
+  """
+  d = case.d
+  key = {"kernel": case.kernel, "impl": impl}
+  fields = dataclasses.asdict(block_sizes)
+  if case.kernel in ("paged_mla_decode", "paged_gqa_decode"):
+    fields.pop("num_splits")
+    key.update(kv=d["kv"], page_size=d["page_size"], **case.static_kwargs())
+    if case.kernel == "paged_mla_decode":
+      key.update(c=d["c"], r=d["r"])
+      heads_per_program = 64 if impl == "mgpu" else block_sizes.block_h  # mla_mgpu.BLOCK_H
+      head_programs = -(-d["heads"] // heads_per_program)
+    else:
+      key.update(head_dim=d["head_dim"], kv_heads=d["kv_heads"])
+      head_programs = d["kv_heads"]
+    key["unit_axes"] = _unit_axes(batch=d["batch"], heads=head_programs,
+                                  splits=block_sizes.num_splits)
+  elif case.kernel in ("int4_matmul", "int4_grouped_matmul"):
+    grouped = case.kernel == "int4_grouped_matmul"
+    steps = d["k"] // block_sizes.tile_k // (1 if grouped else block_sizes.k_splits)
+    key.update(group_size=d["group_size"], k_steps=steps,
+               pipeline_depth=min(block_sizes.max_concurrent_steps, steps),
+               **{f"{n}_dtype": _dtype_name(a[1])
+                  for n, a in zip(("x", "packed", "scales"), case.arg_shapes())})
+    m_tiles = -(-d["m"] // block_sizes.tile_m)
+    key["unit_axes"] = _unit_axes(
+        n=d["n"] // block_sizes.tile_n,
+        tiles=m_tiles + d["experts"] - 1 if grouped else m_tiles,
+        splits=1 if grouped else block_sizes.k_splits)
+  elif case.kernel == "tag_check":
+    key.update(page_size=d["page_size"],
+               padded_pages=1 << max(0, (d["max_pages"] - 1).bit_length()))
+    key["unit_axes"] = _unit_axes(programs=-(-d["batch"] // block_sizes.block_b))
+  if impl == "triton":
+    big = max(math.prod(s) * _itemsize(dt) for s, dt in filter(None, case.arg_shapes()))
+    key["wide_offsets"] = big > TRITON_WIDE_OFFSET_BYTES
+  key.update({f"bs.{k}": v for k, v in fields.items()})
+  return tuple(sorted(key.items()))
+
+
+def _unit_axes(**extents: int) -> str:
+  """The grid axes of extent 1 (their program index is a compile-time 0), e.g. "batch+splits"."""
+  return "+".join(name for name, n in extents.items() if n == 1) or "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """Builds that share one kernel key; ``builds[0]`` (the largest) is compiled."""
+
+  key: tuple
+  builds: tuple[Build, ...]
+
+  @property
+  def compiled(self) -> Build:
+    return self.builds[0]
+
+  @property
+  def name(self) -> str:
+    b = self.compiled
+    return f"{b.case.name}@{b.impl}"
+
+
+def plan(all_builds: Iterable[Build]) -> list[Group]:
+  """Groups builds by kernel key, in first-seen order, largest arguments first."""
+  groups: dict[tuple, list[Build]] = {}
+  for b in all_builds:
+    groups.setdefault(b.key, []).append(b)
+  return [Group(k, tuple(sorted(v, key=lambda b: -b.arg_bytes))) for k, v in groups.items()]
+
+
+def target_groups(kernels: Sequence[str] | None = None, *, other_impl: bool = False,
+                  only: Sequence[str] = ()) -> list[Group]:
+  """The compile plan for the target cases of ``kernels`` (None: all).
+
+  Args:
+    kernels: kernel names from ``experiments.kernel_targets.KERNELS``.
+    other_impl: include the attention kernel the engine does not pick.
+    only: keep cases whose name contains one of these substrings.
+  """
+  from experiments import kernel_targets as kt
+  cases = kt.target_cases(tuple(kernels) if kernels else kt.KERNELS)
+  if only:
+    cases = [c for c in cases if any(o in c.name for o in only)]
+  return plan(b for c in cases for b in builds(c, other_impl=other_impl))
+
+
+def compile_build(build: Build) -> dict:
+  """Compiles one build for an H200 and returns its readings.
+
+  Returns:
+    {"kernel_name", "registers", "spill_stores", "spill_loads", "stack", "smem",
+    "seconds", "error"}; readings are None and "error" says why when the compile
+    failed (e.g. shared memory overflow, which Mosaic GPU raises at lowering and
+    Triton at compile).
+
+  Raises:
+    pallas_kernels.h200.compile.H200CompileUnavailable: the compiler packages or
+      the environment are missing (never turned into a failed reading).
+  """
+  from pallas_kernels.h200 import compile as hc
+  fn, specs, kwargs = build.call()
+  t0 = time.perf_counter()
+  try:
+    report = hc.compile_for_h200(fn, *specs, **kwargs)
+  except hc.H200CompileUnavailable:
+    raise
+  except Exception as e:  # a kernel that does not compile is a reading, not a crash
+    msg = f"{type(e).__name__}: {e}".strip()
+    return dict.fromkeys(READINGS) | {"kernel_name": None, "seconds": time.perf_counter() - t0,
+                                      "error": msg[:2000]}
+  if len(report.kernels) != 1:
+    return dict.fromkeys(READINGS) | {
+        "kernel_name": ",".join(sorted(report.kernels)) or None, "seconds": report.seconds,
+        "error": f"expected one Pallas kernel in ptxas' report, got {sorted(report.kernels)}"}
+  (name, st), = report.kernels.items()
+  return {"kernel_name": name, "registers": st.registers, "spill_stores": st.spill_stores,
+          "spill_loads": st.spill_loads, "stack": st.stack, "smem": st.smem,
+          "seconds": report.seconds, "error": None}
+
+
+def problems(readings: dict) -> list[str]:
+  """What is wrong with one compile's readings; [] when it compiled with zero spills
+  and shared memory within the H200's per-block limit."""
+  if readings.get("error"):
+    return [readings["error"]]
+  out = []
+  if readings["spill_stores"] or readings["spill_loads"]:
+    out.append(f"register spills: {readings['spill_stores']} B stored, "
+               f"{readings['spill_loads']} B loaded ({readings['registers']} registers)")
+  if readings["smem"] is None:
+    out.append("shared memory not read")
+  elif readings["smem"] > SMEM_LIMIT_BYTES:
+    out.append(f"shared memory {readings['smem']} B > {SMEM_LIMIT_BYTES} B")
+  return out
+
+
+def compile_group(group: Group, compile_fn: Callable[[Build], dict] = None) -> dict:
+  """Readings for every build of ``group``: {Build: readings}.
+
+  The group's compile (its largest build) covers every build, unless it reads
+  clean but above DEDUP_MAX_REGISTERS registers: then each build is compiled on
+  its own. A failing compile covers the group (its other builds share the fault).
+
+  Args:
+    group: from :func:`plan`.
+    compile_fn: Build -> readings (default :func:`compile_build`; the tests pass a
+      cached one).
+  """
+  compile_fn = compile_fn or compile_build
+  first = compile_fn(group.compiled)
+  out = {b: first for b in group.builds}
+  if not problems(first) and first["registers"] > DEDUP_MAX_REGISTERS:
+    out.update({b: compile_fn(b) for b in group.builds[1:]})
+  return out
+
+
+def records_for(group: Group, readings: dict) -> list[dict]:
+  """One record per build of ``group`` (readings from :func:`compile_group`).
+
+  Each record names the case, its dims, the kernel (``impl``, and ``engine``:
+  whether the engine runs it), the block sizes, the kernel key, ``compiled_as``
+  (the build whose compile gave these readings), the readings, ``ok`` and
+  ``problems``.
+  """
+  first = readings[group.compiled]
+  recs = []
+  for b in group.builds:
+    r = readings[b]
+    own = b is group.compiled or r is not first
+    bad = problems(r)
+    recs.append({
+        "case": b.case.name, "kernel": b.case.kernel, "model": b.case.model,
+        "dims": b.case.d, "impl": b.impl, "engine": b.engine,
+        "block_sizes": dataclasses.asdict(b.block_sizes), "key": b.key_str,
+        "compiled_as": f"{b.case.name}@{b.impl}" if own else group.name, "compiled": own,
+        **{k: r.get(k) for k in ("kernel_name",) + READINGS},
+        "compile_seconds": r.get("seconds") if own else 0.0,
+        "smem_limit": SMEM_LIMIT_BYTES, "ok": not bad, "problems": bad,
+        "ptxas": ptxas_version(),
+    })
+  return recs
+
+
+def sweep(groups: Sequence[Group], *, progress: Callable[[str], None] | None = None
+          ) -> list[dict]:
+  """Compiles every group (see compile_group); returns one record per build."""
+  records = []
+  for i, g in enumerate(groups):
+    readings = compile_group(g)
+    r = readings[g.compiled]
+    if progress:
+      extra = len({id(v) for v in readings.values()}) - 1
+      progress(f"[{i + 1}/{len(groups)}] {g.name} ({len(g.builds)} cases"
+               f"{f', {extra} compiled on their own' if extra else ''}): "
+               f"{_short(r)} in {r['seconds']:.1f}s")
+    records.extend(records_for(g, readings))
+  return records
+
+
+def agree(a: dict, b: dict) -> bool:
+  """Whether two builds of one key read alike: same error, spills, stack and shared
+  memory, registers within REGISTER_NOISE."""
+  if a["error"] or b["error"]:
+    return bool(a["error"]) == bool(b["error"])
+  return (all(a[k] == b[k] for k in ("spill_stores", "spill_loads", "stack", "smem"))
+          and abs(a["registers"] - b["registers"]) <= REGISTER_NOISE)
+
+
+def _short(r: dict) -> str:
+  if r.get("error"):
+    return "ERROR " + r["error"][:200]
+  return (f"{r['registers']} regs, spills {r['spill_stores']}/{r['spill_loads']} B, "
+          f"stack {r['stack']} B, smem {r['smem']} B")
+
+
+def verify_dedup(groups: Sequence[Group], *, progress: Callable[[str], None] | None = None
+                 ) -> list[dict]:
+  """Compiles every build of every multi-build group on its own (the evidence for the dedup).
+
+  Returns:
+    One dict per group with more than one build: {"compiled_as", "key", "cases",
+    "readings" (per case), "register_spread" (max - min registers), "agree" (every
+    build agrees with the group's compile, see :func:`agree`)}.
+  """
+  out = []
+  for g in groups:
+    if len(g.builds) < 2:
+      continue
+    readings = {b.case.name: compile_build(b) for b in g.builds}
+    first = readings[g.compiled.case.name]
+    regs = [r["registers"] for r in readings.values() if r["registers"] is not None]
+    ok = all(agree(first, r) for r in readings.values())
+    spread = max(regs) - min(regs) if regs else None
+    if progress:
+      progress(f"{g.name}: {len(g.builds)} builds, registers {min(regs, default=None)}-"
+               f"{max(regs, default=None)}, {'agree' if ok else 'DISAGREE'}")
+    out.append({"compiled_as": g.name, "key": g.compiled.key_str, "cases": list(readings),
+                "readings": {k: {f: v[f] for f in READINGS + ("error",)}
+                             for k, v in readings.items()},
+                "register_spread": spread, "agree": ok})
+  return out
+
+
+@functools.cache
+def ptxas_version() -> str | None:
+  """The version of the ptxas that the compiles use, e.g. "13.0.88"."""
+  from pallas_kernels.h200 import env
+  path = env.wheel_ptxas()
+  if path is None:
+    return None
+  try:
+    out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+  except (OSError, subprocess.SubprocessError):
+    return None
+  tail = out.strip().split("V")[-1] if "V" in out else ""
+  return tail.split()[0] if tail else None
+
+
+def write_records(records: Sequence[dict], path: str) -> str:
+  """Writes ``records`` as a JSON list to ``path`` (a file; parent folders are created)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(list(records), f, indent=1, sort_keys=True, default=str)
+  os.replace(tmp, path)  # readers never see a half-written file
+  return path
+
+
+def load_records(path: str = DEFAULT_DIR) -> list[dict]:
+  """The compile records under ``path`` (a folder of *.json files, or one file).
+
+  Returns:
+    Records as written by the tests or the CLI (see :func:`records_for`), sorted by
+    kernel, case and kernel implementation; [] when there are none.
+  """
+  files = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, "*.json")))
+  records = []
+  for f in files:
+    with open(f) as fh:
+      records.extend(json.load(fh))
+  return sorted(records, key=lambda r: (r["kernel"], r["case"], not r["engine"], r["impl"]))
+
+
+def _fmt_bs(bs: dict, kernel: str) -> str:
+  if kernel in ("paged_mla_decode", "paged_gqa_decode"):
+    return (f"h{bs['block_h']} ppb{bs['pages_per_block']} w{bs['num_warps']} "
+            f"st{bs['num_stages']}")
+  if kernel in ("int4_matmul", "int4_grouped_matmul"):
+    return (f"n{bs['tile_n']} m{bs['tile_m']} k{bs['tile_k']} ks{bs['k_splits']} "
+            f"p{bs['max_concurrent_steps']}")
+  return " ".join(f"{k}{v}" for k, v in bs.items())
+
+
+def markdown(records: Sequence[dict]) -> str:
+  """A markdown summary of compile records: one row per distinct compile.
+
+  Each row shows the compiled kernel's readings, the block sizes, and how many
+  target cases (and which) it covers; a header line counts cases, compiles and
+  failures. Every case in ``records`` is covered by exactly one row.
+  """
+  from experiments import common
+  if not records:
+    return "No H200 compile records (run the tests or `python -m experiments.kernel_compile`).\n"
+  by_compile: dict[str, list[dict]] = {}
+  for r in records:
+    by_compile.setdefault(r["compiled_as"], []).append(r)
+  rows = []
+  for name, rs in sorted(by_compile.items(), key=lambda kv: (kv[1][0]["kernel"], kv[0])):
+    r = rs[0]
+    names = sorted(x["case"] for x in rs)
+    covered = names[0] if len(names) == 1 else f"{len(names)}: {', '.join(names)}"
+    spills = "—" if r["spill_stores"] is None else f"{r['spill_stores']}/{r['spill_loads']}"
+    rows.append([r["kernel"], r["impl"] + ("" if r["engine"] else " (alt)"),
+                 _fmt_bs(r["block_sizes"], r["kernel"]),
+                 "—" if r["registers"] is None else r["registers"], spills,
+                 "—" if r["stack"] is None else r["stack"],
+                 "—" if r["smem"] is None else r["smem"],
+                 "ok" if r["ok"] else "FAIL: " + "; ".join(r["problems"])[:160], covered])
+  cases = {(r["case"], r["impl"]) for r in records}
+  failing = sorted({r["compiled_as"] for r in records if not r["ok"]})
+  ptxas = sorted({str(r.get("ptxas")) for r in records})
+  head = (f"{len(cases)} kernel builds of {len({r['case'] for r in records})} target cases, "
+          f"{len(by_compile)} distinct compiles for an H200 (sm_90a, ptxas {', '.join(ptxas)}); "
+          f"{len(failing)} failing. Shared-memory limit {SMEM_LIMIT_BYTES} B per block.\n\n")
+  return head + common.markdown_table(
+      ["kernel", "impl", "block sizes", "registers", "spills st/ld (B)", "stack (B)",
+       "smem (B)", "status", "cases covered"], rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """CLI: sweeps the target cases, writes JSON under results/, prints the table."""
+  import argparse
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("only", nargs="*", help="case-name substrings to keep")
+  ap.add_argument("--kernel", action="append", help="kernel names (default: all)")
+  ap.add_argument("--other-impl", action="store_true",
+                  help="also the attention kernel the engine does not pick")
+  ap.add_argument("--verify", action="store_true",
+                  help="compile every build separately and check each key group reads the same")
+  ap.add_argument("--out", default=DEFAULT_DIR, help="folder for the JSON records")
+  args = ap.parse_args(argv)
+  groups = target_groups(args.kernel, other_impl=args.other_impl, only=args.only)
+  say = functools.partial(print, flush=True)
+  say(f"{sum(len(g.builds) for g in groups)} builds, {len(groups)} distinct compiles")
+  if args.verify:
+    result = verify_dedup(groups, progress=say)
+    path = os.path.join(args.out, "verify", "dedup.json")
+    write_records(result, path)
+    bad = [r["compiled_as"] for r in result if not r["agree"]]
+    spread = max((r["register_spread"] or 0 for r in result), default=0)
+    say(f"{len(result)} multi-case groups; largest register spread {spread}; "
+        f"disagreeing: {bad or 'none'}; wrote {path}")
+    return 1 if bad else 0
+  records = sweep(groups, progress=say)
+  path = write_records(records, os.path.join(args.out, "cli.json"))
+  say(markdown(records))
+  say(f"wrote {path}")
+  return 0 if all(r["ok"] for r in records) else 1
+
+
+if __name__ == "__main__":
+  from pallas_kernels.h200 import env as _env
+  _env.prepare()
+  raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""The H200 compile sweep's plan and record API (no compiles here; see test_h200_compile_*)."""
+
+import collections
+import os
+import tempfile
+
+from absl.testing import absltest
+
+from experiments import kernel_compile as kc
+from experiments import kernel_targets as kt
+
+
+def _clean(regs):
+  return {"kernel_name": "k", "registers": regs, "spill_stores": 0, "spill_loads": 0,
+          "stack": 0, "smem": 1024, "seconds": 1.0, "error": None}
+
+
+class PlanTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.groups = kc.target_groups(other_impl=True)
+    cls.builds = [b for g in cls.groups for b in g.builds]
+
+  def test_every_target_case_has_one_engine_build_in_one_group(self):
+    engine = collections.Counter(b.case.name for b in self.builds if b.engine)
+    self.assertEqual(set(engine), {c.name for c in kt.target_cases()})
+    self.assertEqual(set(engine.values()), {1})
+    self.assertEqual(len(self.builds), len({(b.case.name, b.impl) for b in self.builds}))
+
+  def test_engine_runs_mosaic_gpu_attention_and_h200_rows(self):
+    by = {(b.case.name, b.impl): b for b in self.builds}
+    mla = by[("mla/dp/bf16/b8/ctx32768", "mgpu")]
+    self.assertTrue(mla.engine)
+    self.assertFalse(by[("mla/dp/bf16/b8/ctx32768", "triton")].engine)
+    self.assertEqual(by[("mla/dp/bf16/b8/ctx32768", "triton")].block_sizes.num_warps, 8)
+    prefill = by[("int4/kimi-k2.6/wq_a/m4096/g128", "mgpu")].block_sizes
+    self.assertEqual((prefill.tile_n, prefill.tile_m), (64, 128))
+
+  def test_key_separates_what_ptxas_told_apart(self):
+    key = {(b.case.name, b.impl): dict(b.key) for b in self.builds}
+    # 64-bit Triton addressing: a bf16 pool of 64 x 128K tokens is > 4 GiB.
+    self.assertNotEqual(key[("mla/dp/bf16/b64/ctx131072", "triton")],
+                        key[("mla/dp/bf16/b64/ctx32768", "triton")])
+    self.assertTrue(key[("mla/dp/bf16/b64/ctx131072", "triton")]["wide_offsets"])
+    # One request or one split: a grid axis of extent 1.
+    self.assertNotEqual(key[("gqa/g4/bf16/b1/ctx32768", "mgpu")],
+                        key[("gqa/g4/bf16/b64/ctx4096", "mgpu")])
+    # The INT4 pipeline's static step count (K / tile_k / splits).
+    self.assertNotEqual(key[("int4/kimi-k2.6/wq_a/m8/g32", "mgpu")]["k_steps"],
+                        key[("int4/kimi-k2.6/wo/m8/g32", "mgpu")]["k_steps"])
+    # GQA groups are padded to 64 rows in the Mosaic kernel: one kernel for all of them.
+    self.assertEqual(key[("gqa/g1/fp8/b64/ctx4096", "mgpu")],
+                     key[("gqa/g16/fp8/b64/ctx4096", "mgpu")])
+
+  def test_groups_compile_their_largest_build(self):
+    for g in self.groups:
+      self.assertEqual(len({b.key for b in g.builds}), 1)
+      self.assertEqual(g.compiled.arg_bytes, max(b.arg_bytes for b in g.builds))
+    self.assertLess(len(self.groups), len(self.builds) // 2)
+
+
+class RecordsTest(absltest.TestCase):
+
+  def _group(self, n=3):
+    return next(g for g in kc.target_groups(("paged_gqa_decode",)) if len(g.builds) >= n)
+
+  def test_shared_compile_covers_the_group(self):
+    g = self._group()
+    readings = kc.compile_group(g, lambda b: _clean(200))
+    recs = kc.records_for(g, readings)
+    self.assertEqual([r["case"] for r in recs], [b.case.name for b in g.builds])
+    self.assertEqual({r["compiled_as"] for r in recs}, {g.name})
+    self.assertEqual([r["compiled"] for r in recs], [True] + [False] * (len(recs) - 1))
+    self.assertTrue(all(r["ok"] and r["registers"] == 200 for r in recs))
+
+  def test_near_the_register_limit_every_case_compiles(self):
+    g = self._group()
+    seen = []
+    readings = kc.compile_group(g, lambda b: seen.append(b) or _clean(kc.MAX_REGISTERS))
+    self.assertEqual(seen, list(g.builds))
+    recs = kc.records_for(g, readings)
+    self.assertEqual([r["compiled_as"] for r in recs],
+                     [f"{b.case.name}@{b.impl}" for b in g.builds])
+
+  def test_problems(self):
+    self.assertEqual(kc.problems(_clean(255)), [])
+    spill = dict(_clean(255), spill_stores=48, spill_loads=44)
+    self.assertRegex(kc.problems(spill)[0], "48 B stored, 44 B loaded")
+    big = dict(_clean(100), smem=kc.SMEM_LIMIT_BYTES + 1)
+    self.assertRegex(kc.problems(big)[0], "shared memory 232449 B")
+    self.assertEqual(kc.problems(dict(_clean(1), error="boom")), ["boom"])
+    self.assertTrue(kc.agree(_clean(191), _clean(193)))
+    self.assertFalse(kc.agree(_clean(146), _clean(157)))
+    self.assertFalse(kc.agree(_clean(200), dict(_clean(200), stack=8)))
+
+  def test_write_load_markdown(self):
+    g = self._group()
+    bad = dict(_clean(255), spill_stores=8, spill_loads=8)
+    recs = kc.records_for(g, kc.compile_group(g, lambda b: bad))
+    with tempfile.TemporaryDirectory() as d:
+      kc.write_records(recs[:1], os.path.join(d, "a.json"))
+      kc.write_records(recs[1:], os.path.join(d, "b.json"))
+      loaded = kc.load_records(d)
+      self.assertEqual(kc.load_records(os.path.join(d, "nothing")), [])
+    self.assertCountEqual([r["case"] for r in loaded], [b.case.name for b in g.builds])
+    md = kc.markdown(loaded)
+    self.assertIn(f"{len(g.builds)} kernel builds of {len(g.builds)} target cases, "
+                  "1 distinct compiles", md)
+    self.assertIn("1 failing", md)
+    self.assertIn("8 B stored", md)
+    self.assertEqual(md.count("\n| paged_gqa_decode"), 1)
+
+
+if __name__ == "__main__":
+  absltest.main()
