@@ -19,8 +19,8 @@ The sweep behind the deviceless compile tests (tests/test_h200_compile_*.py) and
 Needs ``pallas_kernels.h200.env.prepare()`` before jax is imported (the tests'
 conftest does it) for the compiles; loading and rendering records do not.
 
-Run the whole sweep by hand (about 5 minutes on 2 idle cores; ``--verify`` compiles
-every build separately, about 25 minutes)::
+Run the whole sweep by hand (92 compiles, about 4 minutes on two busy cores;
+``--verify`` compiles every build of a shared compile on its own, 236, about 12)::
 
     .venv/bin/python -m experiments.kernel_compile [--other-impl] [--verify] [substring ...]
 """
@@ -493,8 +493,10 @@ def load_records(path: str = DEFAULT_DIR) -> list[dict]:
   return sorted(records, key=lambda r: (r["kernel"], r["case"], not r["engine"], r["impl"]))
 
 
-def _fmt_bs(bs: dict, kernel: str) -> str:
+def _fmt_bs(bs: dict, kernel: str, impl: str) -> str:
   if kernel in ("paged_mla_decode", "paged_gqa_decode"):
+    if impl == "mgpu":  # the Mosaic GPU kernels fix their own tiles; splits vary by case
+      return "own tiles"
     return (f"h{bs['block_h']} ppb{bs['pages_per_block']} w{bs['num_warps']} "
             f"st{bs['num_stages']}")
   if kernel in ("int4_matmul", "int4_grouped_matmul"):
@@ -511,19 +513,22 @@ def markdown(records: Sequence[dict]) -> str:
   failures. Every case in ``records`` is covered by exactly one row.
   """
   from experiments import common
+  from experiments import kernel_targets as kt
   if not records:
     return "No H200 compile records (run the tests or `python -m experiments.kernel_compile`).\n"
   by_compile: dict[str, list[dict]] = {}
   for r in records:
     by_compile.setdefault(r["compiled_as"], []).append(r)
   rows = []
-  for name, rs in sorted(by_compile.items(), key=lambda kv: (kv[1][0]["kernel"], kv[0])):
+  order = {k: i for i, k in enumerate(kt.KERNELS)}
+  for name, rs in sorted(by_compile.items(),
+                         key=lambda kv: (order.get(kv[1][0]["kernel"], len(order)), kv[0])):
     r = rs[0]
     names = sorted(x["case"] for x in rs)
     covered = names[0] if len(names) == 1 else f"{len(names)}: {', '.join(names)}"
     spills = "—" if r["spill_stores"] is None else f"{r['spill_stores']}/{r['spill_loads']}"
     rows.append([r["kernel"], r["impl"] + ("" if r["engine"] else " (alt)"),
-                 _fmt_bs(r["block_sizes"], r["kernel"]),
+                 _fmt_bs(r["block_sizes"], r["kernel"], r["impl"]),
                  "—" if r["registers"] is None else r["registers"], spills,
                  "—" if r["stack"] is None else r["stack"],
                  "—" if r["smem"] is None else r["smem"],

@@ -85,9 +85,10 @@ def make_test_case(module_file: str, groups: list[kc.Group],
       problems = h200_env.check()
       if problems:  # never skip: `make test` installs the compiler packages
         raise RuntimeError(
-            "the H200 compile tests need the CUDA compiler packages of the test extra "
-            "(`make test` installs them; by hand: .venv/bin/pip install -e '.[tests]'): "
-            + "; ".join(problems))
+            "the H200 compile tests cannot run: " + "; ".join(problems) + ". They need "
+            "the CUDA compiler packages of the test extra (`make test` installs them; by "
+            "hand: .venv/bin/pip install -e '.[tests]') and tests/conftest.py's "
+            "environment (pallas_kernels.h200.env.prepare() before jax is imported)")
 
     @parameterized.named_parameters((_test_name(g), g) for g in groups)
     def test_compiles_without_spills(self, group):
