@@ -15,6 +15,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import device
+
 
 def _dispatch_on_weight(fn):
   """Like ``functools.singledispatch`` but keyed on argument 1 (the weight), not 0."""
@@ -63,7 +65,8 @@ def ragged_dot_f32(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
   each belong to one group (each group padded to a whole block), and one batched
   matmul runs over the blocks with each block's weights gathered: about
   (M + G * block) rows of work, exact up to f32 summation order. Other backends
-  use ragged_dot, which their compilers implement as a grouped GEMM.
+  use ragged_dot, which their compilers implement as a grouped GEMM. The choice
+  follows the device the trace targets (``pallas_kernels.device.device_kind``).
 
   Args:
     x: rows sorted by group [M, K].
@@ -79,7 +82,9 @@ def ragged_dot_f32(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
   M, K = x.shape
   G, _, N = w.shape
   if blocked is None:
-    blocked = jax.default_backend() == "cpu" and M * G >= _BLOCKED_MIN_WORK
+    # The target, not the host: a step compiled for a GPU topology from a CPU host traces
+    # here with jax.default_backend() == "cpu", and must get the GPU's ragged_dot.
+    blocked = device.device_kind() == "cpu" and M * G >= _BLOCKED_MIN_WORK
   if not blocked:
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
   per_group = max(1, -(-M // G))
