@@ -27,6 +27,7 @@ Run the whole sweep by hand (92 compiles, about 4 minutes on two busy cores;
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import glob
@@ -37,12 +38,30 @@ import subprocess
 import time
 from typing import Any, Callable, Iterable, Sequence
 
+if __name__ == "__main__":  # the CLI: XLA's ptxas logging must be on before jax loads
+  from pallas_kernels.h200 import env as _env
+  _env.prepare()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from experiments import common  # noqa: E402
+from experiments import kernel_targets as kt  # noqa: E402
+from pallas_kernels.h200 import compile as hc  # noqa: E402
+from pallas_kernels.h200 import env  # noqa: E402
+from pallas_kernels.int4_matmul import BlockSizes as Int4BlockSizes  # noqa: E402
+from pallas_kernels.int4_matmul import int4_grouped_matmul  # noqa: E402
+from pallas_kernels.int4_matmul import int4_matmul  # noqa: E402
+from pallas_kernels.paged_attention import ops as attention_ops  # noqa: E402
+from pallas_kernels.tag_check import BlockSizes as TagBlockSizes  # noqa: E402
+from pallas_kernels.tag_check import tag_check  # noqa: E402
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DIR = os.path.join(_REPO, "results", "h200_kernel_compile")
 H200 = "NVIDIA H200"
 # H200 limits: shared memory per block (opt-in) and registers per thread.
-SMEM_LIMIT_BYTES = 232448
-MAX_REGISTERS = 255
+SMEM_LIMIT_BYTES = hc.SMEM_LIMIT_BYTES
+MAX_REGISTERS = hc.MAX_REGISTERS
 # Triton addresses an operand with 64-bit offsets once it is larger than this
 # (jax/_src/pallas/triton/lowering.py), which changes the kernel's registers.
 TRITON_WIDE_OFFSET_BYTES = 2**32
@@ -69,7 +88,7 @@ class Build:
     key: what the compiled kernel depends on, as sorted (name, value) pairs.
   """
 
-  case: Any
+  case: kt.KernelCase
   impl: str
   engine: bool
   block_sizes: Any
@@ -77,10 +96,9 @@ class Build:
 
   def call(self) -> tuple[Callable[..., Any], list, dict]:
     """(op, abstract arguments on one H200, static keyword arguments)."""
-    from pallas_kernels.h200 import compile as hc
     specs = [None if a is None else hc.spec(*a) for a in self.case.arg_shapes()]
     kwargs = dict(self.case.static_kwargs(), backend="pallas", block_sizes=self.block_sizes)
-    return _op(self.case.kernel), specs, kwargs
+    return OPS[self.case.kernel], specs, kwargs
 
   @property
   def arg_bytes(self) -> int:
@@ -92,51 +110,36 @@ class Build:
     return " ".join(f"{k}={v}" for k, v in self.key)
 
 
+OPS: dict[str, Callable[..., Any]] = {
+    "paged_mla_decode": attention_ops.paged_mla_decode,
+    "paged_gqa_decode": attention_ops.paged_gqa_decode,
+    "int4_matmul": int4_matmul,
+    "int4_grouped_matmul": int4_grouped_matmul,
+    "tag_check": tag_check,
+}
+
+
 def _itemsize(dtype) -> int:
-  import jax.numpy as jnp
   return jnp.dtype(dtype).itemsize
 
 
-def _op(kernel: str) -> Callable[..., Any]:
-  if kernel == "paged_mla_decode":
-    from pallas_kernels.paged_attention import paged_mla_decode
-    return paged_mla_decode
-  if kernel == "paged_gqa_decode":
-    from pallas_kernels.paged_attention import paged_gqa_decode
-    return paged_gqa_decode
-  if kernel == "int4_matmul":
-    from pallas_kernels.int4_matmul import int4_matmul
-    return int4_matmul
-  if kernel == "int4_grouped_matmul":
-    from pallas_kernels.int4_matmul import int4_grouped_matmul
-    return int4_grouped_matmul
-  if kernel == "tag_check":
-    from pallas_kernels.tag_check import tag_check
-    return tag_check
-  raise ValueError(f"unknown kernel {kernel!r}")
-
-
 def _abstract(case) -> list:
-  import jax
   return [None if a is None else jax.ShapeDtypeStruct(*a) for a in case.arg_shapes()]
 
 
 def _dtype_name(dtype) -> str:
-  import jax.numpy as jnp
   return jnp.dtype(dtype).name
 
 
 def _attention_builds(case, other_impl: bool) -> list[Build]:
-  from pallas_kernels.paged_attention import ops
   args = _abstract(case)
   if case.kernel == "paged_mla_decode":
     q, _, pages, k_rope, *_, tables, _ = args
-    bs, impl = ops.mla_kernel_choice(q, pages, k_rope, tables, device_kind=H200)
-    choose = functools.partial(ops.mla_kernel_choice, q, pages, k_rope, tables)
+    choose = functools.partial(attention_ops.mla_kernel_choice, q, pages, k_rope, tables)
   else:
     q, pages, _, _, _, tables, _ = args
-    bs, impl = ops.gqa_kernel_choice(q, pages, tables, device_kind=H200)
-    choose = functools.partial(ops.gqa_kernel_choice, q, pages, tables)
+    choose = functools.partial(attention_ops.gqa_kernel_choice, q, pages, tables)
+  bs, impl = choose(device_kind=H200)  # the engine's choice: impl "auto"
   impls = [impl] + ([i for i in ("mgpu", "triton") if i != impl] if other_impl else [])
   out = []
   for i in impls:
@@ -150,17 +153,15 @@ def _attention_builds(case, other_impl: bool) -> list[Build]:
 
 
 def _int4_block_sizes(case):
-  from pallas_kernels.int4_matmul import BlockSizes
   d = case.d
   grouped = case.kernel == "int4_grouped_matmul"
-  return BlockSizes.get_default(d["m"], d["n"], d["k"], grouped=grouped,
+  return Int4BlockSizes.get_default(d["m"], d["n"], d["k"], grouped=grouped,
                                 device_kind=H200).fit(d["m"], d["n"], d["k"])
 
 
 def _tag_block_sizes(case):
-  from pallas_kernels.tag_check import BlockSizes
   d = case.d
-  return BlockSizes.get_default(d["batch"], d["max_pages"])
+  return TagBlockSizes.get_default(d["batch"], d["max_pages"])
 
 
 def builds(case, *, other_impl: bool = False) -> list[Build]:
@@ -289,7 +290,6 @@ def target_groups(kernels: Sequence[str] | None = None, *, other_impl: bool = Fa
     other_impl: include the attention kernel the engine does not pick.
     only: keep cases whose name contains one of these substrings.
   """
-  from experiments import kernel_targets as kt
   cases = kt.target_cases(tuple(kernels) if kernels else kt.KERNELS)
   if only:
     cases = [c for c in cases if any(o in c.name for o in only)]
@@ -309,7 +309,6 @@ def compile_build(build: Build) -> dict:
     pallas_kernels.h200.compile.H200CompileUnavailable: the compiler packages or
       the environment are missing (never turned into a failed reading).
   """
-  from pallas_kernels.h200 import compile as hc
   fn, specs, kwargs = build.call()
   t0 = time.perf_counter()
   try:
@@ -375,6 +374,7 @@ def records_for(group: Group, readings: dict) -> list[dict]:
   ``problems``.
   """
   first = readings[group.compiled]
+  now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
   recs = []
   for b in group.builds:
     r = readings[b]
@@ -388,7 +388,7 @@ def records_for(group: Group, readings: dict) -> list[dict]:
         **{k: r.get(k) for k in ("kernel_name",) + READINGS},
         "compile_seconds": r.get("seconds") if own else 0.0,
         "smem_limit": SMEM_LIMIT_BYTES, "ok": not bad, "problems": bad,
-        "ptxas": ptxas_version(),
+        "ptxas": ptxas_version(), "time_utc": now,
     })
   return recs
 
@@ -456,7 +456,6 @@ def verify_dedup(groups: Sequence[Group], *, progress: Callable[[str], None] | N
 @functools.cache
 def ptxas_version() -> str | None:
   """The version of the ptxas that the compiles use, e.g. "13.0.88"."""
-  from pallas_kernels.h200 import env
   path = env.wheel_ptxas()
   if path is None:
     return None
@@ -482,15 +481,20 @@ def load_records(path: str = DEFAULT_DIR) -> list[dict]:
   """The compile records under ``path`` (a folder of *.json files, or one file).
 
   Returns:
-    Records as written by the tests or the CLI (see :func:`records_for`), sorted by
-    kernel, case and kernel implementation; [] when there are none.
+    Records as written by the tests or the CLI (see :func:`records_for`), the
+    newest per (case, impl) where several files hold one, sorted by kernel, case
+    and kernel implementation; [] when there are none.
   """
   files = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, "*.json")))
-  records = []
+  latest: dict[tuple[str, str], dict] = {}
   for f in files:
     with open(f) as fh:
-      records.extend(json.load(fh))
-  return sorted(records, key=lambda r: (r["kernel"], r["case"], not r["engine"], r["impl"]))
+      for r in json.load(fh):
+        k = (r["case"], r["impl"])
+        if k not in latest or r.get("time_utc", "") >= latest[k].get("time_utc", ""):
+          latest[k] = r
+  return sorted(latest.values(),
+                key=lambda r: (r["kernel"], r["case"], not r["engine"], r["impl"]))
 
 
 def _fmt_bs(bs: dict, kernel: str, impl: str) -> str:
@@ -512,8 +516,6 @@ def markdown(records: Sequence[dict]) -> str:
   target cases (and which) it covers; a header line counts cases, compiles and
   failures. Every case in ``records`` is covered by exactly one row.
   """
-  from experiments import common
-  from experiments import kernel_targets as kt
   if not records:
     return "No H200 compile records (run the tests or `python -m experiments.kernel_compile`).\n"
   by_compile: dict[str, list[dict]] = {}
@@ -546,7 +548,6 @@ def markdown(records: Sequence[dict]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
   """CLI: sweeps the target cases, writes JSON under results/, prints the table."""
-  import argparse
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("only", nargs="*", help="case-name substrings to keep")
   ap.add_argument("--kernel", action="append", help="kernel names (default: all)")
@@ -576,6 +577,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  from pallas_kernels.h200 import env as _env
-  _env.prepare()
   raise SystemExit(main())

@@ -99,12 +99,15 @@ class RecordsTest(absltest.TestCase):
     g = self._group()
     bad = dict(_clean(255), spill_stores=8, spill_loads=8)
     recs = kc.records_for(g, kc.compile_group(g, lambda b: bad))
+    stale = [dict(r, registers=1, time_utc="2000-01-01T00:00:00Z") for r in recs]
     with tempfile.TemporaryDirectory() as d:
       kc.write_records(recs[:1], os.path.join(d, "a.json"))
       kc.write_records(recs[1:], os.path.join(d, "b.json"))
+      kc.write_records(stale, os.path.join(d, "cli.json"))  # an older run of the same cases
       loaded = kc.load_records(d)
       self.assertEqual(kc.load_records(os.path.join(d, "nothing")), [])
     self.assertCountEqual([r["case"] for r in loaded], [b.case.name for b in g.builds])
+    self.assertEqual({r["registers"] for r in loaded}, {255})
     md = kc.markdown(loaded)
     self.assertIn(f"{len(g.builds)} kernel builds of {len(g.builds)} target cases, "
                   "1 distinct compiles", md)
