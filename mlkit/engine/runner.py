@@ -10,6 +10,13 @@ Shapes: rows come from ``EngineConfig.batch_buckets``, prefill chunk lengths
 from ``prefill_buckets``, and the block-table width is ``max_pages_per_seq``,
 so the number of compilations is bounded by the bucket combinations used.
 ``TRACE_COUNTS`` counts traces (= compilations) per step kind.
+
+Routed experts whose params are split over mesh axes run expert-parallel
+(``mlkit.model.moe.dispatch_experts``): the runner reads their placement from
+the params once (``mlkit.parallel.expert_sharding``) and passes it to the step
+as a static argument. :func:`lower_step` lowers the same step from sharded
+ShapeDtypeStructs, so a deployment's step can be compiled for a topology that
+is not attached (see ``experiments/h200_compile.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import numpy as np
 
 from mlkit.kvcache import BatchMeta, PagedKVState
 from mlkit.model import apply
+from mlkit.parallel import expert_sharding
 from mlkit.sampling import row_keys, sample_tokens
 from pallas_kernels.tag_check import tag_check
 
@@ -61,7 +69,7 @@ class StepBatch:
 
 def _step(params, state: PagedKVState, tokens, positions, block_tables, expected_tags, lengths,
           last_index, seeds, sample_steps, temperature, top_k, top_p, *, cfg, page_size,
-          integrity_check, backend, record_logits, kind):
+          integrity_check, backend, record_logits, kind, expert_sharding=None):
   TRACE_COUNTS[kind] += 1  # Python side effect: runs once per trace, never per call.
   B = tokens.shape[0]
   with jax.named_scope("tag_check"):
@@ -76,7 +84,7 @@ def _step(params, state: PagedKVState, tokens, positions, block_tables, expected
   meta = BatchMeta(block_tables=block_tables, lengths=lengths, expected_tags=expected_tags,
                    page_size=page_size)
   logits, state = apply(params, tokens, positions, state, cfg=cfg, batch_meta=meta,
-                        backend=backend)  # [B, T, V]
+                        backend=backend, expert_sharding=expert_sharding)  # [B, T, V]
   last = jnp.take_along_axis(logits, last_index[:, None, None], axis=1)[:, 0]  # [B, V]
   # Same key derivation as mlkit.generate: fold_in(key(seed), index of the generated token).
   keys = row_keys(seeds, sample_steps)
@@ -86,8 +94,64 @@ def _step(params, state: PagedKVState, tokens, positions, block_tables, expected
   return tok, ok, state
 
 
-_STATIC = ("cfg", "page_size", "integrity_check", "backend", "record_logits", "kind")
+_STATIC = ("cfg", "page_size", "integrity_check", "backend", "record_logits", "kind",
+           "expert_sharding")
 _step_jit = jax.jit(_step, static_argnames=_STATIC, donate_argnames=("state",))
+
+
+def _static_args(params, config) -> dict:
+  """The step's static arguments for an engine configuration and its (placed) params."""
+  return dict(cfg=config.model, page_size=config.page_size,
+              integrity_check=config.integrity_check, backend=config.backend,
+              record_logits=config.record_logits, expert_sharding=expert_sharding(params))
+
+
+def _step_args(params, state, b: StepBatch) -> tuple:
+  return (params, state, b.tokens, b.positions, b.block_tables, b.expected_tags, b.lengths,
+          b.last_index, b.seeds, b.sample_steps, b.temperature, b.top_k, b.top_p)
+
+
+def abstract_batch(rows: int, tokens: int, max_pages: int, sharding) -> StepBatch:
+  """A StepBatch of ShapeDtypeStructs (every input placed by ``sharding``) for :func:`lower_step`.
+
+  Args:
+    rows: B, the batch bucket.
+    tokens: T, 1 for decode or the prefill chunk length.
+    max_pages: M, the block-table width (``EngineConfig.max_pages_per_seq``).
+    sharding: the sharding of every batch input (replicated on the mesh, as the
+      engine's host arrays are).
+  """
+  def sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  B, T, M = rows, tokens, max_pages
+  return StepBatch(tokens=sds((B, T), jnp.int32), positions=sds((B, T), jnp.int32),
+                   block_tables=sds((B, M), jnp.int32), expected_tags=sds((B, M), jnp.int32),
+                   lengths=sds((B,), jnp.int32), last_index=sds((B,), jnp.int32),
+                   seeds=sds((B,), jnp.uint32), sample_steps=sds((B,), jnp.int32),
+                   temperature=sds((B,), jnp.float32), top_k=sds((B,), jnp.int32),
+                   top_p=sds((B,), jnp.float32))
+
+
+def lower_step(params, state: PagedKVState, batch: StepBatch, config, *, kind: str):
+  """Lowers the engine's jitted step (state donated, as the engine runs it) without running it.
+
+  With sharded ``jax.ShapeDtypeStruct`` arguments (``mlkit.parallel.abstract_params``,
+  ``abstract_kv_state``, :func:`abstract_batch`) nothing is allocated; call it under
+  ``jax.sharding.use_abstract_mesh`` of the arguments' mesh when the kernels must see
+  the target device (a compile-only topology), then ``.compile()`` the result.
+
+  Args:
+    params: the params (arrays or sharded ShapeDtypeStructs).
+    state: the KV state (arrays or sharded ShapeDtypeStructs).
+    batch: the step's inputs.
+    config: an ``EngineConfig`` (model, page size, backend, integrity check).
+    kind: "prefill" or "decode".
+
+  Returns:
+    The ``jax.stages.Lowered`` step.
+  """
+  return _step_jit.trace(*_step_args(params, state, batch), kind=kind,
+                         **_static_args(params, config)).lower()
 
 
 class Runner:
@@ -101,9 +165,7 @@ class Runner:
   def __init__(self, params, config):
     self.params = params
     self.config = config
-    self._static = dict(cfg=config.model, page_size=config.page_size,
-                        integrity_check=config.integrity_check, backend=config.backend,
-                        record_logits=config.record_logits)
+    self._static = _static_args(params, config)
 
   def run(self, kind: str, state: PagedKVState, batch: StepBatch):
     """Dispatches one step without waiting for it.
@@ -116,12 +178,9 @@ class Runner:
     Returns:
       (tokens [B] int32, ok [B] bool, state, logits [B, V] f32 or None), all on device.
     """
-    b = batch
     # numpy inputs go straight to the jitted call: its C++ path transfers them, cheaper
     # than one jnp.asarray dispatch per array.
-    out = _step_jit(self.params, state, b.tokens, b.positions, b.block_tables, b.expected_tags,
-                    b.lengths, b.last_index, b.seeds, b.sample_steps, b.temperature, b.top_k,
-                    b.top_p, kind=kind, **self._static)
+    out = _step_jit(*_step_args(self.params, state, batch), kind=kind, **self._static)
     if self.config.record_logits:
       return out
     return out + (None,)

@@ -17,6 +17,11 @@ from mlkit.model.layers import rms_norm
 from mlkit.quant import dequantize, matmul
 
 _NEG_INF = -1e30
+# Queries attended at once. A long prefill chunk attends in query blocks of this size
+# (``attend_in_query_blocks``), so its f32 scores are [B, H, QUERY_BLOCK, S] at a time,
+# never [B, H, T, S]: for an 8192-token chunk over a 16K-token context with 8 heads a
+# device, 0.5 GiB per score buffer instead of 4 GiB.
+QUERY_BLOCK = 1024
 
 
 def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
@@ -25,6 +30,39 @@ def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
   m = jnp.max(logits, axis=-1, keepdims=True)
   e = jnp.where(mask, jnp.exp(logits - m), 0.0)
   return e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
+
+
+def attend_in_query_blocks(attend, queries: tuple, mask: jax.Array,
+                           block: int | None = None) -> jax.Array:
+  """Runs ``attend(*queries, mask)`` over blocks of at most ``block`` queries.
+
+  Every query's softmax is independent of the others', so the result is exactly
+  the unblocked one; only the peak size of the [.., T, S] score buffers drops to
+  [.., block, S] (the blocks run one after another in a ``lax.map``).
+
+  Args:
+    attend: (*queries [B, t, ...], mask [B, t, S]) -> [B, t, ...].
+    queries: arrays [B, T, ...] split along T.
+    mask: [B, T, S].
+    block: queries per block (None: ``QUERY_BLOCK``).
+
+  Returns:
+    ``attend``'s result for all T queries, [B, T, ...].
+  """
+  block = QUERY_BLOCK if block is None else block
+  T = mask.shape[1]
+  if T <= block:
+    return attend(*queries, mask)
+  n = -(-T // block)
+
+  def blocks(x):  # [B, T, ...] -> [n, B, block, ...], padded with masked-out queries
+    x = jnp.pad(x, [(0, 0), (0, n * block - T)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape(x.shape[0], n, block, *x.shape[2:]), 1, 0)
+
+  out = jax.lax.map(lambda args: attend(*args[:-1], args[-1]),
+                    tuple(blocks(q) for q in queries) + (blocks(mask),))  # [n, B, block, ...]
+  out = jnp.moveaxis(out, 0, 1)
+  return out.reshape(out.shape[0], n * block, *out.shape[3:])[:, :T]
 
 
 # ----------------------------------------------------------------------------- MLA
@@ -81,11 +119,16 @@ def mla_attention_naive(p, q_nope, q_rope, view, mask, cfg: ModelConfig) -> jax.
   latent = view["latent"].astype(dtype)
   k_nope = jnp.einsum("bsc,chd->bshd", latent, w_k, preferred_element_type=jnp.float32)
   v = jnp.einsum("bsc,chd->bshd", latent, w_v, preferred_element_type=jnp.float32)
-  logits = (jnp.einsum("bthd,bshd->bhts", q_nope.astype(jnp.float32), k_nope)
-            + jnp.einsum("bthr,bsr->bhts", q_rope.astype(jnp.float32),
-                         view["k_rope"].astype(jnp.float32))) * cfg.softmax_scale
-  probs = masked_softmax(logits, mask[:, None])  # [B, H, T, S]
-  return jnp.einsum("bhts,bshd->bthd", probs, v).astype(dtype)
+  k_rope = view["k_rope"].astype(jnp.float32)
+
+  def attend(q_nope, q_rope, mask):
+    logits = (jnp.einsum("bthd,bshd->bhts", q_nope.astype(jnp.float32), k_nope)
+              + jnp.einsum("bthr,bsr->bhts", q_rope.astype(jnp.float32), k_rope)
+              ) * cfg.softmax_scale
+    probs = masked_softmax(logits, mask[:, None])  # [B, H, t, S]
+    return jnp.einsum("bhts,bshd->bthd", probs, v).astype(dtype)
+
+  return attend_in_query_blocks(attend, (q_nope, q_rope), mask)
 
 
 def mla_absorb_query(p, q_nope: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -114,10 +157,15 @@ def mla_latent_attention(q_latent, q_rope, latent, k_rope, mask, scale) -> jax.A
     out_latent [B, T, H, C] (f32 accumulation, returned in q_latent's dtype).
   """
   f32 = jnp.float32
-  logits = (jnp.einsum("bthc,bsc->bhts", q_latent.astype(f32), latent.astype(f32))
-            + jnp.einsum("bthr,bsr->bhts", q_rope.astype(f32), k_rope.astype(f32))) * scale
-  probs = masked_softmax(logits, mask[:, None])
-  return jnp.einsum("bhts,bsc->bthc", probs, latent.astype(f32)).astype(q_latent.dtype)
+  latent, k_rope = latent.astype(f32), k_rope.astype(f32)
+
+  def attend(q_latent, q_rope, mask):
+    logits = (jnp.einsum("bthc,bsc->bhts", q_latent.astype(f32), latent)
+              + jnp.einsum("bthr,bsr->bhts", q_rope.astype(f32), k_rope)) * scale
+    probs = masked_softmax(logits, mask[:, None])
+    return jnp.einsum("bhts,bsc->bthc", probs, latent).astype(q_latent.dtype)
+
+  return attend_in_query_blocks(attend, (q_latent, q_rope), mask)
 
 
 def mla_attention_absorbed(p, q_nope, q_rope, view, mask, cfg: ModelConfig) -> jax.Array:
@@ -158,14 +206,20 @@ def gqa_attention(q, k, v, mask, scale) -> jax.Array:
   Returns:
     [B, T, H, hd] in q's dtype.
   """
-  B, T, H, hd = q.shape
+  H, hd = q.shape[2:]
   KV = k.shape[2]
   f32 = jnp.float32
-  qg = q.reshape(B, T, KV, H // KV, hd).astype(f32)
-  logits = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(f32)) * scale
-  probs = masked_softmax(logits, mask[:, None, None])
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(f32))
-  return out.reshape(B, T, H, hd).astype(q.dtype)
+  k, v = k.astype(f32), v.astype(f32)
+
+  def attend(q, mask):
+    B, T = q.shape[:2]
+    qg = q.reshape(B, T, KV, H // KV, hd).astype(f32)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k) * scale
+    probs = masked_softmax(logits, mask[:, None, None])
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(B, T, H, hd).astype(q.dtype)
+
+  return attend_in_query_blocks(attend, (q,), mask)
 
 
 # ----------------------------------------------------------------------------- layer

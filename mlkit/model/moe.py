@@ -7,9 +7,11 @@ projection, so no [tokens, experts, hidden] tensor is ever built.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from mlkit.config import ModelConfig
 from mlkit.model.layers import swiglu
@@ -53,37 +55,131 @@ def route(p: dict, x: jax.Array, cfg: ModelConfig):
   return expert_ids.astype(jnp.int32), weights * cfg.routed_scaling_factor, scores
 
 
+def _run_experts(p: dict, x: jax.Array, token_of: jax.Array, group_sizes: jax.Array,
+                 row_weights: jax.Array, slot: jax.Array, backend: str | None) -> jax.Array:
+  """Expert FFNs over token rows sorted by expert, combined back into their tokens.
+
+  The combine gathers each token's k rows and adds them, rather than scatter-adding
+  rows into a zero-initialised [N, D] buffer: XLA merges identical zero buffers
+  across layers and hoists each layer's copy of it to the start of the step, so a
+  scatter target would hold N x D x 4 bytes per MoE layer for the whole step.
+
+  Args:
+    p: expert weights ``w_gate``/``w_up`` [G, D, F] and ``w_down`` [G, F, D] (any format).
+    x: tokens [N, D].
+    token_of: [R] the token of each row, rows sorted by expert; rows past
+      sum(group_sizes) give zero expert outputs.
+    group_sizes: rows per expert [G].
+    row_weights: [R] combine weight of each row.
+    slot: [N, k] the row holding each (token, choice), -1 where no row here does.
+
+  Returns:
+    [N, D] f32: sum over the rows r of token n of row_weights[r] * expert(x[n]).
+  """
+  xs = x[token_of]  # [R, D]
+  gmm = functools.partial(grouped_matmul, group_sizes=group_sizes, backend=backend)
+  h = jax.nn.silu(gmm(xs, p["w_gate"])) * gmm(xs, p["w_up"])  # [R, F]
+  ys = gmm(h, p["w_down"], out_dtype=jnp.float32)  # [R, D]
+  ys = ys * row_weights[:, None].astype(jnp.float32)
+  R = ys.shape[0]
+  out = None
+  for j in range(slot.shape[1]):
+    s = slot[:, j]  # [N]
+    term = jnp.where((s >= 0)[:, None], ys[jnp.clip(s, 0, R - 1)], 0.0)  # [N, D]
+    out = term if out is None else out + term
+  return out
+
+
+def _expert_axes(expert_sharding) -> tuple[str, ...] | None:
+  """Mesh axes the experts' leading axis is split over (None: not split, or no sharding)."""
+  if expert_sharding is None:
+    return None
+  spec = expert_sharding.spec
+  lead = spec[0] if len(spec) else None
+  if lead is None:
+    return None
+  axes = (lead,) if isinstance(lead, str) else tuple(lead)
+  return axes if math.prod(expert_sharding.mesh.shape[a] for a in axes) > 1 else None
+
+
 def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
-                     n_experts: int, *, backend: str | None = None) -> jax.Array:
+                     n_experts: int, *, backend: str | None = None,
+                     expert_sharding: NamedSharding | None = None) -> jax.Array:
   """Runs each token through its chosen experts and combines the results.
+
+  With ``expert_sharding`` (experts split over mesh axes), the expert FFNs run
+  expert-parallel inside a ``shard_map``: each device takes the contiguous run of
+  sorted rows that belongs to its own experts, runs only its local weights (so
+  the kernels see per-device shapes and no device gathers another's experts),
+  combines them into a partial [N, D] and one all-reduce sums the partials.
+  Every row belongs to exactly one device, so the result equals the unsharded one
+  up to f32 summation order.
 
   Args:
     p: expert weights ``w_gate``/``w_up`` [E, D, F] and ``w_down`` [E, F, D] (any format).
-    x: tokens [N, D].
+    x: tokens [N, D] (replicated over the expert axes when sharded).
     expert_ids: [N, k] int32.
     weights: [N, k] combine weights.
     n_experts: E.
     backend: kernel backend for quantised expert weights.
+    expert_sharding: None, or a NamedSharding whose spec's first entry names the
+      mesh axes the experts' leading axis is split over (as the params are placed).
 
   Returns:
     [N, D] in x's dtype: sum_k weights[n, k] * expert_{ids[n, k]}(x[n]).
+
+  Raises:
+    ValueError: if the expert axes do not split E into whole experts.
   """
-  N, k = expert_ids.shape
+  k = expert_ids.shape[1]
   flat = expert_ids.reshape(-1)  # [N*k]
   order = jnp.argsort(flat, stable=True)  # assignments sorted by expert
   token_of = order // k  # [N*k]
-  xs = x[token_of]  # [N*k, D]
+  # Row of each (token, choice) in the sorted order: the inverse permutation.
+  slot = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+  slot = slot.reshape(expert_ids.shape)  # [N, k]
   group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)  # [E]
-  gmm = functools.partial(grouped_matmul, group_sizes=group_sizes, backend=backend)
-  h = jax.nn.silu(gmm(xs, p["w_gate"])) * gmm(xs, p["w_up"])  # [N*k, F]
-  ys = gmm(h, p["w_down"], out_dtype=jnp.float32)  # [N*k, D]
-  ys = ys * weights.reshape(-1)[order][:, None].astype(jnp.float32)
-  out = jnp.zeros((N, x.shape[-1]), jnp.float32).at[token_of].add(ys)
-  return out.astype(x.dtype)
+  row_weights = weights.reshape(-1)[order]  # [N*k]
+  experts = {name: p[name] for name in ("w_gate", "w_up", "w_down")}
+  axes = _expert_axes(expert_sharding)
+  if axes is None:
+    out = _run_experts(experts, x, token_of, group_sizes, row_weights, slot, backend)
+    return out.astype(x.dtype)
+  mesh = expert_sharding.mesh
+  shards = math.prod(mesh.shape[a] for a in axes)
+  if n_experts % shards:
+    raise ValueError(f"dispatch_experts: {n_experts} experts do not split into whole experts "
+                     f"over mesh axes {axes} of size {shards}")
+  local_experts = n_experts // shards
+
+  def local(experts, x, token_of, group_sizes, row_weights, slot):
+    first = jax.lax.axis_index(axes) * local_experts
+    sizes = jax.lax.dynamic_slice_in_dim(group_sizes, first, local_experts)  # [E_local]
+    start = jnp.sum(jnp.where(jnp.arange(n_experts) < first, group_sizes, 0))
+    R = token_of.shape[0]
+
+    def rows(a):  # entries [start, start + R) of a per-row array [R], zero past the end
+      return jax.lax.dynamic_slice_in_dim(jnp.concatenate([a, jnp.zeros_like(a)]), start, R)
+
+    local_slot = slot - start  # rows of other devices' experts fall outside [0, count)
+    local_slot = jnp.where((local_slot >= 0) & (local_slot < jnp.sum(sizes)), local_slot, -1)
+    out = _run_experts(experts, x, rows(token_of), sizes, rows(row_weights), local_slot, backend)
+    return jax.lax.psum(out, axes)  # [N, D] f32
+
+  def expert_spec(a):
+    return PartitionSpec(axes, *(None,) * (a.ndim - 1))
+
+  in_specs = (jax.tree_util.tree_map(expert_spec, experts),) + (PartitionSpec(),) * 5
+  run = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(),
+                      check_vma=False)
+  return run(experts, x, token_of, group_sizes, row_weights, slot).astype(x.dtype)
 
 
-def moe_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, backend: str | None = None):
+def moe_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, backend: str | None = None,
+            expert_sharding: NamedSharding | None = None):
   """MoE FFN over tokens x [..., D]: routed experts plus shared expert(s).
+
+  ``expert_sharding``: see :func:`dispatch_experts` (expert-parallel routed experts).
 
   Returns:
     (out [..., D], aux) where aux holds ``expert_load`` [E] (fraction of routed
@@ -93,7 +189,8 @@ def moe_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, backend: str | None = No
   shape = x.shape
   xf = x.reshape(-1, shape[-1])  # [N, D]
   expert_ids, weights, scores = route(p, xf, cfg)
-  out = dispatch_experts(p, xf, expert_ids, weights, cfg.n_routed_experts, backend=backend)
+  out = dispatch_experts(p, xf, expert_ids, weights, cfg.n_routed_experts, backend=backend,
+                         expert_sharding=expert_sharding)
   if "shared" in p:
     out = out + swiglu(p["shared"], xf, backend=backend)
   load = jnp.bincount(expert_ids.reshape(-1), length=cfg.n_routed_experts) / expert_ids.size

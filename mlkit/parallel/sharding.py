@@ -329,3 +329,31 @@ def shard_kv_state(state: PagedKVState, mesh: Mesh, rules: ShardingRules = DEFAU
 def replicate(tree, mesh: Mesh):
   """Places every array of ``tree`` fully replicated on ``mesh``."""
   return jax.tree_util.tree_map(lambda x: put(x, NamedSharding(mesh, PartitionSpec())), tree)
+
+
+def expert_sharding(params) -> NamedSharding | None:
+  """How the routed experts' leading axis is placed, for expert-parallel dispatch.
+
+  Reads the sharding of the first routed-expert weight (a 3-D ``w_gate``) of a
+  params tree of sharded arrays or ShapeDtypeStructs.
+
+  Args:
+    params: the params pytree (dense or quantised leaves).
+
+  Returns:
+    ``NamedSharding(mesh, PartitionSpec(axes))`` when the experts' axis is split over
+    mesh axes ``axes``; None for a model without routed experts, unplaced or
+    single-device params, or experts that are not split.
+  """
+  for layer in params.get("layers", ()):
+    w = layer.get("ffn", {}).get("w_gate")
+    if w is None or len(w.shape) != 3:
+      continue
+    sharding = getattr(jax.tree_util.tree_leaves(w)[0], "sharding", None)
+    if not isinstance(sharding, NamedSharding) or not len(sharding.spec):
+      return None
+    lead = sharding.spec[0]
+    if lead is None or axis_size(sharding.mesh, lead) == 1:
+      return None
+    return NamedSharding(sharding.mesh, PartitionSpec(lead))
+  return None

@@ -1,0 +1,111 @@
+"""The serving step's memory-saving forms give the same numbers as the plain ones.
+
+* Expert-parallel MoE dispatch (a shard_map over the experts' mesh axes) equals the
+  unsharded dispatch, and gathers no expert weights.
+* Attention over query blocks equals attention over the whole chunk.
+* ``expert_sharding`` reads the experts' placement from placed params.
+See docs/serving_step_memory.md.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from configs import TINY_MLA
+from mlkit.model import attention, init_params, moe
+from mlkit.parallel import MeshConfig, ShardingRules, expert_sharding, make_mesh, shard_params
+from mlkit.quant import INT4_EXPERTS, quantize_params
+
+CFG = dataclasses.replace(TINY_MLA, n_routed_experts=8)
+
+
+def _rel(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+class ExpertParallelTest(parameterized.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.params = quantize_params(init_params(CFG, jax.random.key(0)), INT4_EXPERTS)
+
+  @parameterized.named_parameters(
+      ("expert_axis", MeshConfig(tensor=2, expert=4), ShardingRules()),
+      ("tensor_axis", MeshConfig(tensor=8), ShardingRules(experts="tensor")))
+  def test_sharded_dispatch_equals_unsharded(self, mesh_cfg, rules):
+    mesh = make_mesh(mesh_cfg)
+    placed = shard_params(self.params, mesh, rules, CFG)
+    es = expert_sharding(placed)
+    self.assertIsNotNone(es)
+    self.assertEqual(es.mesh.shape[es.spec[0]],
+                     mesh_cfg.tensor if rules.experts == "tensor" else mesh_cfg.expert)
+    p, ps = self.params["layers"][1]["ffn"], placed["layers"][1]["ffn"]
+    x = jax.random.normal(jax.random.key(1), (37, CFG.d_model), jnp.float32)
+    ids, w, _ = moe.route(p, x, CFG)
+    ref = moe.dispatch_experts(p, x, ids, w, CFG.n_routed_experts, backend="xla")
+    fn = jax.jit(lambda p, x, ids, w: moe.dispatch_experts(
+        p, x, ids, w, CFG.n_routed_experts, backend="xla", expert_sharding=es))
+    out = fn(ps, x, ids, w)
+    self.assertTrue(np.all(np.isfinite(np.asarray(out))))
+    self.assertLess(_rel(out, ref), 1e-6)
+    # Each device runs its own experts: no expert weight is gathered.
+    self.assertEqual(fn.lower(ps, x, ids, w).compile().as_text().count("all-gather"), 0)
+
+  def test_no_expert_sharding_for_unsplit_or_unplaced_params(self):
+    self.assertIsNone(expert_sharding(self.params))  # single-device arrays
+    mesh = make_mesh(MeshConfig(tensor=8))
+    self.assertIsNone(expert_sharding(shard_params(self.params, mesh, ShardingRules(), CFG)))
+    dense = dataclasses.replace(CFG, first_k_dense=CFG.n_layers)
+    self.assertIsNone(expert_sharding(jax.eval_shape(lambda: init_params(dense, jax.random.key(0)))))
+
+  def test_indivisible_experts_raise(self):
+    mesh = make_mesh(MeshConfig(tensor=8))
+    es = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("tensor"))
+    p = self.params["layers"][1]["ffn"]
+    x = jnp.ones((4, CFG.d_model), jnp.float32)
+    ids, w, _ = moe.route(p, x, CFG)
+    with self.assertRaisesRegex(ValueError, "do not split into whole experts"):
+      moe.dispatch_experts(p, x, ids, w, 12, expert_sharding=es)
+
+
+class QueryBlockTest(absltest.TestCase):
+
+  def test_blocked_mla_and_gqa_equal_whole_chunk(self):
+    block = 8  # 37 queries: four whole blocks and a padded one
+    keys = jax.random.split(jax.random.key(2), 8)
+    B, T, S, H = 2, 37, 50, 4
+    mask = jax.random.bernoulli(keys[0], 0.7, (B, T, S)).at[:, 3].set(False)  # a masked row
+    q_lat = jax.random.normal(keys[1], (B, T, H, 16))
+    q_rope = jax.random.normal(keys[2], (B, T, H, 8))
+    latent = jax.random.normal(keys[3], (B, S, 16))
+    k_rope = jax.random.normal(keys[4], (B, S, 8))
+    q = jax.random.normal(keys[5], (B, T, H, 16))
+    k = jax.random.normal(keys[6], (B, S, 2, 16))
+    v = jax.random.normal(keys[7], (B, S, 2, 16))
+
+    def both(*args):  # jitted, so each variant compiles once instead of op by op
+      q_lat, q_rope, latent, k_rope, q, k, v, mask = args
+      return (attention.mla_latent_attention(q_lat, q_rope, latent, k_rope, mask, 0.3),
+              attention.gqa_attention(q, k, v, mask, 0.3))
+
+    args = (q_lat, q_rope, latent, k_rope, q, k, v, mask)
+    whole_mla, whole_gqa = jax.jit(both)(*args)
+    saved = attention.QUERY_BLOCK
+    attention.QUERY_BLOCK = block  # read when the function is traced
+    try:
+      blocked_mla, blocked_gqa = jax.jit(lambda *a: both(*a))(*args)
+    finally:
+      attention.QUERY_BLOCK = saved
+    for blocked, whole in ((blocked_mla, whole_mla), (blocked_gqa, whole_gqa)):
+      self.assertEqual(blocked.shape, whole.shape)
+      self.assertLess(_rel(blocked, whole), 1e-6)
+      np.testing.assert_array_equal(np.asarray(blocked[:, 3]), 0)
+
+
+if __name__ == "__main__":
+  absltest.main()
