@@ -2,8 +2,11 @@
 
 From shapes alone (no weights are instantiated) it computes, per GPU:
 
-* weight bytes, split into routed experts and the rest (``mlkit.quant.weight_bytes``
-  on ``checkpoint_specs``), and the KV budget left beside them;
+* weight bytes, split into routed experts and the rest: the checkpoint's tensors
+  (``mlkit.quant.checkpoint_specs``) in the recipe's formats, placed on the ``tp``
+  GPUs by :data:`DEPLOYMENT_RULES` (the placement the compiled serving steps use,
+  so XLA's per-device argument bytes agree with it exactly), and the KV budget
+  left beside them;
 * KV bytes per token and token capacity (``mlkit.kvcache``);
 * one decode step's time at concurrency ``c``: the bytes it must move (the dense
   weights once, every routed expert at least one of the batch's tokens picked,
@@ -25,10 +28,24 @@ import dataclasses
 import functools
 import math
 
+import jax
+from jax.sharding import AbstractMesh
+
 from mlkit import kvcache as kvc
 from mlkit.config import HardwareConfig, ModelConfig
 from mlkit.model import active_params_per_token
-from mlkit.quant import Recipe, checkpoint_specs, weight_bytes
+from mlkit.parallel import (AXES, ShardingRules, param_shardings, per_device_bytes,
+                            with_shardings)
+from mlkit.quant import Recipe, checkpoint_specs, quantize_params
+from mlkit.quant.tree import flatten_params
+
+# How the report's deployments place weights on their tp GPUs: attention heads, dense and
+# shared FFN width and the vocabulary split tp ways, the routed experts split over the
+# same GPUs (expert parallel); MLA's low-rank down projections (wq_a, wkv_a), routers and
+# norms, and GLM's indexer weights and MTP eh_proj, replicated on every GPU. Splitting
+# every 2-D weight tp ways instead (the report's "705 GB / 8 = 88 GB per GPU") undercounts
+# a GPU by 2.2 GB for Kimi K2.6 and 3.0 (fp8) to 4.1 GB (INT4 experts) for GLM 5.2.
+DEPLOYMENT_RULES = ShardingRules(experts="tensor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,16 +178,17 @@ def weight_split(dep: Deployment, *, resident: bool = True) -> dict:
 @functools.lru_cache(maxsize=None)
 def _weight_split(model: ModelConfig, recipe: Recipe, tp: int, resident: bool) -> tuple:
   cfg = model if resident else _no_mtp(model)
-  specs = checkpoint_specs(cfg)
-  one = weight_bytes(specs, recipe, tp=tp)
-  # Routed experts are the only 3-D weights; doubling the expert axis halves their share
-  # per device and leaves the rest, which separates the two exactly (up to rounding).
-  two = weight_bytes(specs, recipe, tp=tp, ep=2)
-  experts = 2 * (one.per_device - two.per_device)
+  shapes = jax.eval_shape(lambda t: quantize_params(t, recipe), checkpoint_specs(cfg))
+  mesh = AbstractMesh((1, tp, 1), AXES)
+  placed = with_shardings(shapes, param_shardings(shapes, mesh, DEPLOYMENT_RULES, cfg))
+  per_gpu = per_device_bytes(placed)
+  # Routed experts are the only 3-D weights.
+  experts = sum(per_device_bytes(leaf) for _, leaf in flatten_params(placed)[0]
+                if len(leaf.shape) == 3)
   moe_layers = cfg.n_moe_layers + cfg.n_mtp_layers
   embed = cfg.vocab_size * cfg.d_model * 2 // tp  # bf16 in every recipe, vocab-parallel
-  return tuple({"per_gpu": one.per_device, "experts_per_gpu": experts,
-                "dense_per_gpu": one.per_device - experts, "embed_per_gpu": embed,
+  return tuple({"per_gpu": per_gpu, "experts_per_gpu": experts,
+                "dense_per_gpu": per_gpu - experts, "embed_per_gpu": embed,
                 "expert_bytes_per_gpu": experts / (moe_layers * cfg.n_routed_experts),
                 "moe_layers": moe_layers}.items())
 

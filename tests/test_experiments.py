@@ -186,7 +186,9 @@ class PerfModelTest(parameterized.TestCase):
     dep = pm.Deployment("glm", GLM_5_2, INT4_EXPERTS, "bfloat16", H200)
     w = pm.weight_split(dep)
     self.assertEqual(w["experts_per_gpu"] + w["dense_per_gpu"], w["per_gpu"])
-    self.assertGreater(w["experts_per_gpu"], 10 * w["dense_per_gpu"])
+    # INT4 experts still dominate, although MLA's down projections, the routers and GLM's
+    # indexer are replicated on every GPU (8.96 GB of the 60.6 GB per GPU are not experts).
+    self.assertGreater(w["experts_per_gpu"], 5 * w["dense_per_gpu"])
 
   def test_int4_prefill_slower_than_fp8(self):
     glm = pm.Deployment("glm", GLM_5_2, FP8_ALL, "bfloat16", H200)
