@@ -19,7 +19,6 @@ import functools
 import json
 import os
 import re
-import unittest
 
 from absl.testing import parameterized
 
@@ -52,7 +51,7 @@ def _merge_into(path: str, records: list[dict]) -> None:
 
 def witnesses(groups: list[kc.Group]) -> list[tuple[str, kc.Group]]:
   """Per (kernel, impl), the group covering the most cases: its smallest build is compiled
-  on its own and must read the same as the group's compile (its largest build)."""
+  on its own and must agree (kernel_compile.agree) with the group's compile (its largest)."""
   best: dict[tuple[str, str], kc.Group] = {}
   for g in groups:
     fam = (g.compiled.case.kernel, g.compiled.impl)
@@ -61,16 +60,12 @@ def witnesses(groups: list[kc.Group]) -> list[tuple[str, kc.Group]]:
   return [(_test_name(g), g) for g in best.values()]
 
 
-def make_test_case(module_file: str, groups: list[kc.Group],
-                   expected_failures: tuple[str, ...] = ()) -> type:
+def make_test_case(module_file: str, groups: list[kc.Group]) -> type:
   """A parameterized TestCase class over ``groups``.
 
   Args:
     module_file: the test module's __file__ (names the JSON file of its records).
     groups: the compile plan of the module's kernels.
-    expected_failures: substrings of group names whose compiles are known to fail
-      the checks for now (marked expected failures, so that a fix shows up as an
-      unexpected success that must be unmarked).
   """
   out_path = os.path.join(kc.DEFAULT_DIR, os.path.basename(module_file).removesuffix(".py")
                           + ".json")
@@ -114,9 +109,4 @@ def make_test_case(module_file: str, groups: list[kc.Group],
           f"{[ours[k] for k in keys]} ({', '.join(keys)}): the key misses something the "
           "kernel depends on")
 
-  for name in dir(H200CompileTest):
-    if name.startswith("test_compiles_without_spills_") and any(
-        e in name for e in (re.sub(r"\W+", "_", x) for x in expected_failures)):
-      setattr(H200CompileTest, name,
-              unittest.expectedFailure(getattr(H200CompileTest, name)))
   return H200CompileTest
