@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gpu_interpret
-from pallas_kernels import lowering
 from pallas_kernels.paged_attention import BlockSizes
 from pallas_kernels.paged_attention import paged_gqa_decode
 from pallas_kernels.paged_attention import paged_gqa_decode_reference
@@ -363,46 +362,6 @@ class ReferenceTest(parameterized.TestCase):
     args[4] = None
     with self.assertRaisesRegex(ValueError, "scales"):
       paged_mla_decode(*args, scale=1.0, backend="xla")
-
-
-class LoweringTest(parameterized.TestCase):
-  """Lowers the compiled kernels for an abstract H200 at real sizes (no GPU)."""
-
-  # Mosaic GPU pads any head count to 64-row blocks, so 16 and 128 heads run
-  # one kernel; Triton's block_h differs between them.
-  @parameterized.parameters(
-      ("bf16", 128, "mgpu"), ("fp8", 128, "mgpu"),
-      *itertools.product(("bf16", "fp8"), (16, 128), ("triton",)))
-  def test_mla_lowers_for_h200(self, kv_dtype, heads, impl):
-    S = jax.ShapeDtypeStruct
-    b, c, r, ps, n, p = 8, 512, 64, 64, 1024, 128  # 8K context
-    dt = jnp.bfloat16 if kv_dtype == "bf16" else FP8
-    sc = S((n, ps), jnp.float32) if kv_dtype == "fp8" else None
-    low = lowering.lower_for_h200(
-        paged_mla_decode, S((b, heads, c), jnp.bfloat16), S((b, heads, r), jnp.bfloat16),
-        S((n, ps, c), dt), S((n, ps, r), dt), sc, sc, S((b, p), jnp.int32),
-        S((b,), jnp.int32), scale=0.04, backend="pallas",
-        block_sizes=BlockSizes(num_splits=4, impl=impl,
-                               block_h=64 if heads >= 64 else 16))
-    text = low.as_text()
-    self.assertIn("paged_mla_decode", text)
-    self.assertIn("mosaic_gpu" if impl == "mgpu" else "triton", text)
-
-  @parameterized.product(kv_dtype=("bf16", "fp8"), group=(1, 16),
-                         impl=("mgpu", "triton"))
-  def test_gqa_lowers_for_h200(self, kv_dtype, group, impl):
-    S = jax.ShapeDtypeStruct
-    b, kv, hd, ps, n, p = 8, 8, 128, 16, 4096, 512
-    dt = jnp.bfloat16 if kv_dtype == "bf16" else FP8
-    sc = S((n, ps, kv), jnp.float32) if kv_dtype == "fp8" else None
-    low = lowering.lower_for_h200(
-        paged_gqa_decode, S((b, kv * group, hd), jnp.bfloat16), S((n, ps, kv, hd), dt),
-        S((n, ps, kv, hd), dt), sc, sc, S((b, p), jnp.int32), S((b,), jnp.int32),
-        scale=0.09, backend="pallas",
-        block_sizes=BlockSizes(num_splits=4, pages_per_block=4, impl=impl))
-    text = low.as_text()
-    self.assertIn("paged_gqa_decode", text)
-    self.assertIn("mosaic_gpu" if impl == "mgpu" else "triton", text)
 
 
 if __name__ == "__main__":
