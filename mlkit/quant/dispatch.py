@@ -57,23 +57,29 @@ _BLOCKED_MIN_WORK = 4096
 
 
 def ragged_dot_f32(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
-                   blocked: bool | None = None) -> jax.Array:
-  """``jax.lax.ragged_dot`` with f32 accumulation; a block-sparse form on CPU.
+                   blocked: bool | None = None, per_block: bool | None = None) -> jax.Array:
+  """``jax.lax.ragged_dot`` with f32 accumulation, in a block-sparse form for many groups.
 
-  XLA's CPU ragged_dot computes every group's matmul over all M rows and masks
-  (G times the useful work). On CPU, rows are instead scattered into blocks that
-  each belong to one group (each group padded to a whole block), and one batched
-  matmul runs over the blocks with each block's weights gathered: about
-  (M + G * block) rows of work, exact up to f32 summation order. Other backends
-  use ragged_dot, which their compilers implement as a grouped GEMM. The choice
-  follows the device the trace targets (``pallas_kernels.device.device_kind``).
+  XLA's ragged_dot computes every group's matmul over all M rows and masks: on CPU
+  that is G times the useful work, and XLA's GPU compiler expands it into a dense
+  masked product whose [G, M, K] operand alone is 26 GB for one MoE projection of a
+  GLM 5.2 prefill chunk. Instead, rows are placed into blocks that each belong to one
+  group (each group padded to whole blocks) and each block is multiplied by its
+  group's weights: about (M + G * block) rows of work, exact up to f32 summation
+  order. On CPU the blocks run as one batched matmul over gathered weights (fast,
+  small blocks); elsewhere one block at a time in a ``lax.map`` (large blocks, one
+  weight [K, N] in flight), so memory stays that of x and the output. The choice
+  follows the device the trace targets (``pallas_kernels.device.device_kind``), not
+  the host: a step compiled for a GPU topology from a CPU host traces on the CPU.
 
   Args:
     x: rows sorted by group [M, K].
     w: dense per-group weights [G, K, N].
     group_sizes: [G] int, summing to at most M.
-    blocked: force (True) or forbid (False) the block-sparse form; None picks it
-      on CPU when M * G is large enough to matter.
+    blocked: force (True) or forbid (False, plain ragged_dot) the block-sparse form;
+      None picks it when M * G is large enough to matter.
+    per_block: run the blocks one at a time (True) or batched (False); None: batched
+      on a CPU target, one at a time elsewhere.
 
   Returns:
     [M, N] f32; rows past sum(group_sizes) are zero.
@@ -81,14 +87,15 @@ def ragged_dot_f32(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
   group_sizes = group_sizes.astype(jnp.int32)
   M, K = x.shape
   G, _, N = w.shape
+  on_cpu = device.device_kind() == "cpu"
   if blocked is None:
-    # The target, not the host: a step compiled for a GPU topology from a CPU host traces
-    # here with jax.default_backend() == "cpu", and must get the GPU's ragged_dot.
-    blocked = device.device_kind() == "cpu" and M * G >= _BLOCKED_MIN_WORK
+    blocked = M * G >= _BLOCKED_MIN_WORK
   if not blocked:
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
+  per_block = not on_cpu if per_block is None else per_block
   per_group = max(1, -(-M // G))
-  block = int(min(64, max(8, 1 << (per_group - 1).bit_length())))
+  # One at a time, a block re-reads its group's whole weight: larger blocks read less.
+  block = int(min(1024 if per_block else 64, max(8, 1 << (per_group - 1).bit_length())))
   n_blocks = -(-M // block) + G  # sum over groups of ceil(size / block) never exceeds this
   Mp = n_blocks * block
   ends = jnp.cumsum(group_sizes)
@@ -101,12 +108,19 @@ def ragged_dot_f32(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
   valid = row_group < G
   g = jnp.minimum(row_group, G - 1)
   dest = jnp.where(valid, pad_starts[g] + rows - starts[g], Mp)  # [M] slot in the blocked rows
-  xp = jnp.zeros((Mp, K), x.dtype).at[dest].set(x, mode="drop")  # [Mp, K]
   block_group = jnp.minimum(
       jnp.searchsorted(pad_ends, jnp.arange(n_blocks, dtype=jnp.int32) * block, side="right"),
-      G - 1)  # [n_blocks]; trailing all-zero blocks reuse the last group's weights
-  yp = jnp.einsum("bmk,bkn->bmn", xp.reshape(n_blocks, block, K), w[block_group],
-                  preferred_element_type=jnp.float32).reshape(Mp, N)
+      G - 1)  # [n_blocks]; trailing padding blocks reuse the last group's weights
+  if per_block:
+    # Padding slots read row 0: their outputs are never gathered back, so no zero buffer.
+    src = jnp.zeros((Mp,), jnp.int32).at[dest].set(rows, mode="drop")
+    xb = x[src].reshape(n_blocks, block, K)
+    yp = jax.lax.map(lambda a: jnp.dot(a[0], w[a[1]], preferred_element_type=jnp.float32),
+                     (xb, block_group)).reshape(Mp, N)
+  else:
+    xp = jnp.zeros((Mp, K), x.dtype).at[dest].set(x, mode="drop")  # [Mp, K]
+    yp = jnp.einsum("bmk,bkn->bmn", xp.reshape(n_blocks, block, K), w[block_group],
+                    preferred_element_type=jnp.float32).reshape(Mp, N)
   y = jnp.take(yp, jnp.minimum(dest, Mp - 1), axis=0)
   return jnp.where(valid[:, None], y, 0.0)
 
