@@ -67,7 +67,7 @@ def ragged_dot_f32(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
   group (each group padded to whole blocks) and each block is multiplied by its
   group's weights: about (M + G * block) rows of work, exact up to f32 summation
   order. On CPU the blocks run as one batched matmul over gathered weights (fast,
-  small blocks); elsewhere one block at a time in a ``lax.map`` (large blocks, one
+  small blocks); elsewhere one block at a time in a loop (large blocks, one
   weight [K, N] in flight), so memory stays that of x and the output. The choice
   follows the device the trace targets (``pallas_kernels.device.device_kind``), not
   the host: a step compiled for a GPU topology from a CPU host traces on the CPU.
@@ -112,11 +112,18 @@ def ragged_dot_f32(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
       jnp.searchsorted(pad_ends, jnp.arange(n_blocks, dtype=jnp.int32) * block, side="right"),
       G - 1)  # [n_blocks]; trailing padding blocks reuse the last group's weights
   if per_block:
-    # Padding slots read row 0: their outputs are never gathered back, so no zero buffer.
+    # Padding slots read row 0: their outputs are never gathered back.
     src = jnp.zeros((Mp,), jnp.int32).at[dest].set(rows, mode="drop")
     xb = x[src].reshape(n_blocks, block, K)
-    yp = jax.lax.map(lambda a: jnp.dot(a[0], w[a[1]], preferred_element_type=jnp.float32),
-                     (xb, block_group)).reshape(Mp, N)
+    # The output buffer is tied to this call's rows: a constant zero buffer would be
+    # hoisted by XLA to the start of the step, once per layer, all live at once.
+    yp, xb = jax.lax.optimization_barrier((jnp.zeros((n_blocks, block, N), jnp.float32), xb))
+
+    def one_block(i, yp):
+      y = jnp.dot(xb[i], w[block_group[i]], preferred_element_type=jnp.float32)  # [block, N]
+      return jax.lax.dynamic_update_index_in_dim(yp, y, i, 0)
+
+    yp = jax.lax.fori_loop(0, n_blocks, one_block, yp).reshape(Mp, N)
   else:
     xp = jnp.zeros((Mp, K), x.dtype).at[dest].set(x, mode="drop")  # [Mp, K]
     yp = jnp.einsum("bmk,bkn->bmn", xp.reshape(n_blocks, block, K), w[block_group],
