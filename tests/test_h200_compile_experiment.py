@@ -1,0 +1,132 @@
+"""The h200_compile experiment: a tiny model's decode step compiled for 8x H200 (smoke run),
+its per-device bytes against the analytic ones, the out-of-memory marking, and the depth fit."""
+
+import dataclasses
+import json
+import os
+import tempfile
+
+import jax
+from absl.testing import absltest
+
+from experiments import h200_compile as hc_exp
+from mlkit import kvcache as kvc
+from mlkit.quant import INT4_EXPERTS, weight_bytes
+from mlkit.quant.tree import flatten_params
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+class SmokeRunTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.out = tempfile.mkdtemp(prefix="h200_compile_smoke_")
+    cls.rec = hc_exp.run(cls.out, quick=True, smoke=True)
+    cls.plan = hc_exp.plan_for(quick=True, smoke=True)
+
+  def test_arguments_are_the_analytic_weights_kv_and_inputs(self):
+    (c,) = self.rec["compiles"]
+    cfg = hc_exp.TINY
+    # KV: MLA pages are replicated, so every device holds the whole pool:
+    # pages x (page_size x (kv_lora + rope) x layers x 2 B) + a 4 B tag per page.
+    kv = c["num_pages"] * (hc_exp.PAGE_SIZE * kvc.bytes_per_token(cfg, "bfloat16") + 4)
+    self.assertEqual(c["kv"], kv)
+    # Inputs: 8 int32/uint32/f32 vectors [B] and 4 int32 arrays [B, T] or [B, M], replicated.
+    B, T, M = c["rows"], c["tokens"], c["max_pages"]
+    self.assertEqual(c["inputs"], 4 * (7 * B + 2 * B * T + 2 * B * M))
+    # Weights: the accounting convention (every >= 2-D weight split 8 ways, mlkit.quant
+    # .weight_bytes) plus what the placement keeps whole on every device instead: MLA's
+    # low-rank down projections and the routers, of which the convention counts only 1/8.
+    # The split axes all divide by 8, so the two agree to the byte.
+    params = hc_exp.abstract_params(cfg, INT4_EXPERTS, _mesh(), hc_exp.RULES)
+    replicated = sum(x.size * x.dtype.itemsize for path, leaf in flatten_params(params)[0]
+                     if path.rsplit("/", 1)[-1] in ("wq_a", "wkv_a", "router")
+                     for x in jax.tree_util.tree_leaves(leaf))
+    self.assertGreater(replicated, 0)
+    analytic = weight_bytes(params, tp=8).per_device + replicated * 7 // 8
+    self.assertEqual(c["weights"], analytic)
+    # XLA's own reading of the compiled program: exactly weights + KV + inputs.
+    self.assertEqual(c["argument"], analytic + kv + c["inputs"])
+    self.assertTrue(c["argument_matches_analytic"])
+    # The donated pool comes back aliased: outputs are the pool plus the sampled tokens.
+    self.assertEqual(c["alias"], kv)
+    self.assertGreater(c["temp"], 0)
+
+  def test_sixty_four_requests_do_not_fit_the_toy_device(self):
+    (row,) = self.rec["rows"]
+    (c,) = self.rec["compiles"]
+    at = row["at_concurrency"]
+    self.assertEqual(at["requests"], 64)
+    self.assertEqual(c["num_pages"], 64 * hc_exp.pages_per_request(hc_exp.TINY_WORK))
+    self.assertEqual(at["peak"], c["argument"] + c["temp"] + c["output"] - c["alias"])
+    self.assertGreater(at["peak"], self.plan.hbm_bytes)
+    self.assertFalse(at["fits_hbm"])
+    # XLA's reading of the served weights (its arguments less pool and inputs) is the
+    # placement's, to the byte.
+    self.assertAlmostEqual(row["weights_xla"], row["weights_served"], delta=1)
+    # The deployment's own pool does fit: it holds fewer requests, with the step's
+    # temporaries inside the reserve the static fraction leaves.
+    self.assertTrue(row["temps_fit_reserve"])
+    self.assertLessEqual(row["largest_pool"], row["static_pool"])
+    self.assertGreater(row["concurrency"], 0)
+    self.assertLess(row["concurrency"], 64)
+    self.assertEqual(row["tokens"], kvc.capacity(hc_exp.TINY, "bfloat16",
+                                                 int(row["largest_pool"]), page_size=64)["tokens"])
+
+  def test_files_well_formed(self):
+    with open(os.path.join(self.out, "h200_compile.json")) as f:
+      rec = json.load(f)
+    self.assertEqual((rec["experiment"], rec["mode"], rec["kernel_backend"]),
+                     ("h200_compile", "smoke", "pallas"))
+    with open(os.path.join(self.out, "h200_compile.md")) as f:
+      md = f.read()
+    self.assertIn("**NO (out of memory)**", md)
+    self.assertIn("not instantiated", md)
+    with open(os.path.join(self.out, "h200_compile.png"), "rb") as f:
+      self.assertEqual(f.read(8), PNG_MAGIC)
+
+
+def _mesh():
+  from pallas_kernels.h200 import compile as hc
+  return hc.mesh(hc_exp.MESH_SHAPE, hc_exp.AXES)
+
+
+class FitAndPlanTest(absltest.TestCase):
+
+  def test_fit_depth_line_and_residual(self):
+    fit = hc_exp.fit_depth([(1, 10.0), (2, 13.0), (3, 16.0)], at=60)
+    self.assertAlmostEqual(fit["slope"], 3.0)
+    self.assertAlmostEqual(fit["intercept"], 7.0)
+    self.assertAlmostEqual(fit["at_full"], 187.0)
+    self.assertAlmostEqual(fit["max_residual"], 0.0, places=9)
+    bent = hc_exp.fit_depth([(1, 10.0), (2, 14.0), (3, 16.0)], at=3)
+    self.assertAlmostEqual(bent["slope"], 3.0)
+    self.assertAlmostEqual(bent["max_residual"], 2 / 3)
+
+  def test_fit_depth_single_point_is_constant(self):
+    fit = hc_exp.fit_depth([(2, 5.0)], at=60)
+    self.assertEqual((fit["slope"], fit["at_full"]), (0.0, 5.0))
+    with self.assertRaisesRegex(ValueError, "no points"):
+      hc_exp.fit_depth([], at=1)
+
+  def test_plan_validation_names_the_field(self):
+    plan = hc_exp.plan_for(quick=True, smoke=True)
+    with self.assertRaisesRegex(ValueError, "Plan.moe_depths"):
+      dataclasses.replace(plan, moe_depths=())
+    with self.assertRaisesRegex(ValueError, "Plan.static_fraction"):
+      dataclasses.replace(plan, static_fraction=1.5)
+    with self.assertRaisesRegex(ValueError, "Plan.kinds"):
+      dataclasses.replace(plan, kinds=("train",))
+
+  def test_step_shapes_follow_the_sweep(self):
+    plan = hc_exp.plan_for(quick=True, smoke=False)
+    kimi, glm = hc_exp.KIMI.work, hc_exp.GLM_FP8.work
+    self.assertEqual(hc_exp.step_shape("decode", kimi, plan), (64, 1, 256))
+    self.assertEqual(hc_exp.step_shape("prefill", kimi, plan), (1, 8192, 256))
+    self.assertEqual(hc_exp.step_shape("prefill", glm, plan), (4, 2048, 48))
+
+
+if __name__ == "__main__":
+  absltest.main()
