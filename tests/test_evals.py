@@ -16,10 +16,13 @@ from mlkit.evals import (TASKS, CharTokenizer, EvalConfig, TaskConfig, evaluate,
                          token_kl, token_nll, token_top1_correct, tool_call_valid,
                          wilson_interval)
 from mlkit.evals.tasks import EOS, PAD, eval_sequences, format_tool_call, max_example_tokens
-from mlkit.model import forward, init_params
+from mlkit.model import forward
+from numpy_params import init_params_np
 
 TOK = CharTokenizer()
 SMALL_TASKS = TaskConfig(arith_digits=(1, 3), retrieval_pairs=(4, 8))
+# The model-backed tests run TINY_MLA cut to one dense and one MoE layer (compiles dominate).
+MODEL = dataclasses.replace(TINY_MLA, n_layers=2)
 
 
 class TokenizerTest(absltest.TestCase):
@@ -249,9 +252,9 @@ class HarnessTest(absltest.TestCase):
 
   def test_random_model_through_engine_near_chance(self):
     from mlkit.evals.backends import EngineBackend
-    params = init_params(TINY_MLA, jax.random.key(0))
+    params = init_params_np(MODEL)
     ecfg = EvalConfig(tasks=("arithmetic", "retrieval"), n_per_task=16, task_config=SMALL_TASKS)
-    backend = EngineBackend(params, TINY_MLA, max_seq_tokens=96, prefill_chunk=96, page_size=16)
+    backend = EngineBackend(params, MODEL, max_seq_tokens=96, prefill_chunk=96, page_size=16)
     res = evaluate(backend, ecfg)
     for task, r in res.items():
       self.assertEqual(r.n, 16)
@@ -264,19 +267,23 @@ class TeacherForcingTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.params = init_params(TINY_MLA, jax.random.key(1))
+    cls.params = init_params_np(MODEL, seed=1)
     seqs = eval_sequences(make_examples("retrieval", 5, 0, SMALL_TASKS)
                           + make_examples("arithmetic", 3, 0))
     cls.seqs = [s for s, _ in seqs]
     cls.masks = [m for _, m in seqs]
 
   def test_f32_pool_matches_cache_free_forward(self):
-    lps = paged_logprobs(self.params, TINY_MLA, self.seqs, kv_dtype="float32", page_size=16,
+    lps = paged_logprobs(self.params, MODEL, self.seqs, kv_dtype="float32", page_size=16,
                          batch_size=4)
     self.assertLen(lps, len(self.seqs))
-    for s, lp in zip(self.seqs, lps):
-      ref = jax.nn.log_softmax(forward(self.params, jnp.asarray([s]), cfg=TINY_MLA)[0], axis=-1)
-      np.testing.assert_allclose(lp, np.asarray(ref), rtol=1e-4, atol=1e-4)
+    # One cache-free forward over all sequences, right-padded (causal: padding is never seen).
+    padded = np.zeros((len(self.seqs), max(len(s) for s in self.seqs)), np.int32)
+    for i, s in enumerate(self.seqs):
+      padded[i, :len(s)] = s
+    refs = jax.nn.log_softmax(forward(self.params, jnp.asarray(padded), cfg=MODEL), axis=-1)
+    for s, lp, ref in zip(self.seqs, lps, refs):
+      np.testing.assert_allclose(lp, np.asarray(ref[:len(s)]), rtol=1e-4, atol=1e-4)
     nll = token_nll(lps, self.seqs, self.masks)
     self.assertEqual(nll.size, sum(int(np.sum(m[1:])) for m in self.masks))
     self.assertAlmostEqual(perplexity(nll), float(np.exp(np.mean(nll))))
@@ -285,13 +292,13 @@ class TeacherForcingTest(absltest.TestCase):
     self.assertEqual(top1.shape, nll.shape)
     self.assertLess(top1.mean(), 0.3)
     # With the answers' own log-probs as "logits", top-1 is perfect.
-    perfect = [np.log(np.eye(TINY_MLA.vocab_size)[np.r_[s[1:], 0]] + 1e-9) for s in self.seqs]
+    perfect = [np.log(np.eye(MODEL.vocab_size)[np.r_[s[1:], 0]] + 1e-9) for s in self.seqs]
     self.assertTrue(np.all(token_top1_correct(perfect, self.seqs, self.masks)))
 
   def test_kl_zero_for_same_and_positive_for_fp8_kv(self):
-    ref = paged_logprobs(self.params, TINY_MLA, self.seqs, kv_dtype="float32", page_size=16,
+    ref = paged_logprobs(self.params, MODEL, self.seqs, kv_dtype="float32", page_size=16,
                          batch_size=4)
-    fp8 = paged_logprobs(self.params, TINY_MLA, self.seqs, kv_dtype="float8_e4m3fn",
+    fp8 = paged_logprobs(self.params, MODEL, self.seqs, kv_dtype="float8_e4m3fn",
                          page_size=16, batch_size=4)
     np.testing.assert_allclose(token_kl(ref, ref), 0.0, atol=1e-9)
     kl = token_kl(ref, fp8)

@@ -1,5 +1,7 @@
 """Sampling and contiguous-cache generation."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,8 +9,14 @@ from absl.testing import absltest, parameterized
 
 from configs import TINY_MLA
 from mlkit.generate import generate
-from mlkit.model import forward, init_params
+from mlkit.model import forward
 from mlkit.sampling import SamplingParams, row_keys, sample_tokens
+from numpy_params import init_params_np
+
+
+def _normal(seed, shape):
+  # numpy draws: jax.random would compile a threefry program per shape.
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
 
 
 class SamplerTest(parameterized.TestCase):
@@ -25,12 +33,12 @@ class SamplerTest(parameterized.TestCase):
     return np.asarray(jax.vmap(draw, out_axes=1)(jnp.arange(n)))  # [B, n]
 
   def test_greedy_is_argmax(self):
-    logits = jax.random.normal(jax.random.key(0), (4, 50))
+    logits = _normal(0, (4, 50))
     out = self._sample(logits, 0.0, 0, 1.0, n=3)
     np.testing.assert_array_equal(out, np.tile(np.argmax(logits, -1)[:, None], (1, 3)))
 
   def test_top_k_restricts_support(self):
-    logits = jax.random.normal(jax.random.key(1), (2, 30))
+    logits = _normal(1, (2, 30))
     out = self._sample(logits, 1.0, 3, 1.0)
     for b in range(2):
       allowed = set(np.argsort(-np.asarray(logits[b]))[:3].tolist())
@@ -57,12 +65,14 @@ class SamplerTest(parameterized.TestCase):
 
 
 class GenerateTest(parameterized.TestCase):
+  """Every generate call here has two prompts of at most 8 tokens and at most 8 new tokens,
+  so the prefill and decode steps compile once for the class."""
 
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.cfg = TINY_MLA
-    cls.params = init_params(TINY_MLA, jax.random.key(0))
+    cls.cfg = dataclasses.replace(TINY_MLA, n_layers=2)  # one dense layer, one MoE layer
+    cls.params = init_params_np(cls.cfg)
 
   def test_greedy_matches_full_forward(self):
     prompts = [[3, 4, 5], [6, 7, 8, 9, 10, 11]]
@@ -86,7 +96,8 @@ class GenerateTest(parameterized.TestCase):
     self.assertNotEqual(a, c)
 
   def test_stop_tokens_and_per_request_params(self):
-    greedy = generate(self.params, self.cfg, [[1, 2, 3]], SamplingParams(max_new_tokens=6)).tokens[0]
+    greedy = generate(self.params, self.cfg, [[1, 2, 3], [4, 5]],
+                      SamplingParams(max_new_tokens=6)).tokens[0]
     stop = greedy[2]
     res = generate(self.params, self.cfg, [[1, 2, 3], [1, 2, 3]],
                    [SamplingParams(max_new_tokens=6, stop_tokens=(stop,)),

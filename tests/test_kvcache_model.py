@@ -11,6 +11,7 @@ from absl.testing import absltest, parameterized
 from configs import TINY_GQA, TINY_MLA
 from mlkit import kvcache as kvc
 from mlkit import model
+from numpy_params import init_params_np
 
 PAGE = 4  # small pages so the tiny sequences cross page boundaries
 NUM_PAGES = 10
@@ -18,6 +19,9 @@ MAX_PAGES = 3
 T = 5  # prefill chunk
 PREFILL_LENGTHS = (5, 3, 4)  # ragged: request 1 pads positions 3-4; request 2 ends on a page boundary
 MAX_LEN = 16
+# TINY_MLA cut to one dense and one MoE layer: a second layer's cache and both FFN kinds,
+# at two thirds of the compile time.
+MLA = dataclasses.replace(TINY_MLA, n_layers=2)
 
 
 def _bf16(cfg):
@@ -30,22 +34,6 @@ def _dense_only(cfg):
   # Dense FFNs also compile much faster; the cache path does not depend on the FFN, and
   # the full MoE configs are covered by the f32 exactness tests.
   return dataclasses.replace(cfg, n_layers=2, first_k_dense=2)
-
-
-def _init_params(cfg, seed=0):
-  """``model.init_params``'s distributions drawn with numpy (threefry compiles cost seconds here)."""
-  rng = np.random.default_rng(seed)
-  is_spec = lambda x: isinstance(x, tuple) and len(x) in (2, 3) and isinstance(x[0], tuple)
-
-  def leaf(spec):
-    shape, kind = spec[0], spec[1]
-    dt = jnp.dtype(spec[2] if len(spec) == 3 else cfg.param_dtype)
-    if kind in ("ones", "zeros"):
-      return jnp.full(shape, 1.0 if kind == "ones" else 0.0, dt)
-    std = (cfg.d_model ** -0.5 if cfg.tie_embeddings else 1.0) if kind == "embed" else shape[-2] ** -0.5
-    return jnp.asarray(rng.standard_normal(shape) * std, jnp.float32).astype(dt)
-
-  return jax.tree_util.tree_map(leaf, model.param_specs(cfg), is_leaf=is_spec)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("paged",))
@@ -70,7 +58,7 @@ class PagedModelTest(parameterized.TestCase):
   def _run(self, cfg, kv_dtype):
     rng = np.random.default_rng(0)
     B = len(PREFILL_LENGTHS)
-    params = _init_params(cfg)
+    params = init_params_np(cfg)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     dec_tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, 1)), jnp.int32)
@@ -104,7 +92,7 @@ class PagedModelTest(parameterized.TestCase):
     self.assertTrue(np.all(np.isfinite(want)))
     return got, want
 
-  @parameterized.named_parameters(("mla", TINY_MLA), ("gqa", TINY_GQA))
+  @parameterized.named_parameters(("mla", MLA), ("gqa", TINY_GQA))
   def test_f32_pages_match_contiguous(self, cfg):
     got, want = self._run(cfg, "float32")
     # Paged and contiguous attention sum in different orders: a long-reduction comparison by
@@ -112,12 +100,12 @@ class PagedModelTest(parameterized.TestCase):
     self.assertLessEqual(np.linalg.norm(got - want) / np.linalg.norm(want), 1e-6)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
-  @parameterized.named_parameters(("mla", TINY_MLA), ("gqa", TINY_GQA))
+  @parameterized.named_parameters(("mla", MLA), ("gqa", TINY_GQA))
   def test_bf16_pages_match_contiguous(self, cfg):
     got, want = self._run(_bf16(_dense_only(cfg)), "bfloat16")
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
 
-  @parameterized.named_parameters(("mla", TINY_MLA), ("gqa", TINY_GQA))
+  @parameterized.named_parameters(("mla", MLA), ("gqa", TINY_GQA))
   def test_fp8_pages_within_tolerance_of_f32(self, cfg):
     got, want = self._run(_dense_only(cfg), "float8_e4m3fn")
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
@@ -126,7 +114,7 @@ class PagedModelTest(parameterized.TestCase):
 
   def test_eager_apply_rejects_bad_block_table(self):
     cfg = dataclasses.replace(TINY_GQA, n_layers=1)
-    params = _init_params(cfg)
+    params = init_params_np(cfg)
     state = kvc.init_paged_state(cfg, kvc.KVCacheConfig(4, PAGE, "bfloat16"))
     meta = kvc.BatchMeta(block_tables=jnp.asarray([[0, 9]], jnp.int32),
                          lengths=jnp.asarray([6], jnp.int32),

@@ -1,4 +1,11 @@
-"""The functional MLA/GQA MoE model: shapes, caching, absorbed MLA, routing, RoPE."""
+"""The functional MLA/GQA MoE model: shapes, caching, absorbed MLA, routing, RoPE.
+
+Compiles dominate this file's time, so the forward tests share compiled programs: the
+MLA model is TINY_MLA cut to one dense and one MoE layer (the cache is still indexed
+per layer, and both FFN kinds run), params are drawn with numpy (no threefry program to
+compile), and tests that need a multi-token chunk through a cache use the prefill
+test's [2, 3] chunk with a 16-token cache, so that program compiles once per config.
+"""
 
 import dataclasses
 
@@ -11,17 +18,21 @@ from configs import TINY_GQA, TINY_MLA
 from mlkit.model import apply, forward, init_cache, init_params, segment_positions
 from mlkit.model import moe, rope
 from mlkit.model.layers import swiglu
+from numpy_params import init_params_np
 
 BF16 = dict(dtype="bfloat16", param_dtype="bfloat16")
-CONFIGS = {"mla": TINY_MLA, "gqa": TINY_GQA,
-           "mla_no_qlora": dataclasses.replace(TINY_MLA, q_lora_rank=0),
-           "mla_no_yarn": dataclasses.replace(TINY_MLA, rope_scaling=None, n_group=1, topk_group=1)}
+MLA = dataclasses.replace(TINY_MLA, n_layers=2)  # one dense layer, one MoE layer
+CONFIGS = {"mla": MLA, "gqa": TINY_GQA,
+           # Low-rank-free queries, plain RoPE and ungrouped routing: the other branches of
+           # the MLA model in one config.
+           "mla_plain": dataclasses.replace(MLA, q_lora_rank=0, rope_scaling=None, n_group=1,
+                                            topk_group=1)}
 
 
 # Jitted so each shape compiles once instead of running op by op.
 apply_jit = jax.jit(apply, static_argnames=("cfg", "mla_mode"))
-CASES = [("mla", False), ("mla", True), ("gqa", False), ("gqa", True), ("mla_no_qlora", False),
-         ("mla_no_yarn", False)]
+CASES = [("mla", False), ("mla", True), ("gqa", False), ("gqa", True), ("mla_plain", False)]
+CHUNK, CACHE_LEN = 3, 16  # the multi-token chunk and cache length the forward tests share
 
 
 def rel_err(a, b):
@@ -30,23 +41,27 @@ def rel_err(a, b):
 
 
 def _tokens(cfg, B, T, seed=1):
-  return jax.random.randint(jax.random.key(seed), (B, T), 0, cfg.vocab_size)
+  # numpy draws: jax.random would compile a threefry program per shape.
+  return jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, T)), jnp.int32)
+
+
+def _normal(seed, shape):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
 
 
 class ForwardTest(parameterized.TestCase):
 
   @parameterized.parameters(*CASES)
-  def test_shapes_and_dtypes(self, name, bf16):
+  def test_param_and_cache_dtypes(self, name, bf16):
+    # Shapes and dtypes only: traced, not compiled (the forward pass's logits are checked in
+    # test_prefill_then_decode_matches_full_forward).
     cfg = dataclasses.replace(CONFIGS[name], **(BF16 if bf16 else {}))
-    params = init_params(cfg, jax.random.key(0))
+    params = jax.eval_shape(lambda key: init_params(cfg, key), jax.random.key(0))
     self.assertEqual(params["layers"][1]["ffn"]["w_gate"].dtype, jnp.dtype(cfg.param_dtype))
     self.assertEqual(params["layers"][1]["ffn"]["router"].dtype, jnp.float32)
-    logits = forward(params, _tokens(cfg, 2, 5), cfg=cfg)
-    self.assertEqual(logits.shape, (2, 5, cfg.vocab_size))
-    self.assertEqual(logits.dtype, jnp.float32)
-    self.assertTrue(np.all(np.isfinite(np.asarray(logits))))
-    cache = init_cache(cfg, 2, 16)
+    cache = jax.eval_shape(lambda: init_cache(cfg, 2, 16))
     shapes = {k: v.shape for k, v in cache.layers[0].items()}
+    self.assertLen(cache.layers, cfg.n_layers)
     if cfg.attention == "mla":
       self.assertEqual(shapes, {"latent": (2, 16, cfg.kv_lora_rank), "k_rope": (2, 16, cfg.qk_rope_head_dim)})
     else:
@@ -56,15 +71,18 @@ class ForwardTest(parameterized.TestCase):
   @parameterized.parameters(*CASES)
   def test_prefill_then_decode_matches_full_forward(self, name, bf16):
     cfg = dataclasses.replace(CONFIGS[name], **(BF16 if bf16 else {}))
-    params = init_params(cfg, jax.random.key(0))
-    B, T, P = 2, 10, 6
+    params = init_params_np(cfg)
+    B, T, P = 2, 10, 2 * CHUNK
     toks = _tokens(cfg, B, T)
     full = forward(params, toks, cfg=cfg)
-    cache = init_cache(cfg, B, 16)
+    self.assertEqual(full.shape, (B, T, cfg.vocab_size))
+    self.assertEqual(full.dtype, jnp.float32)  # f32 logits whatever the compute dtype
+    self.assertTrue(np.all(np.isfinite(np.asarray(full))))
+    cache = init_cache(cfg, B, CACHE_LEN)
     # Two equal prefill chunks (the second reads the first from the cache), then decode.
     pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-    l1, cache = apply_jit(params, toks[:, :3], pos[:, :3], cache, cfg=cfg)
-    l2, cache = apply_jit(params, toks[:, 3:P], pos[:, 3:P], cache, cfg=cfg)
+    l1, cache = apply_jit(params, toks[:, :CHUNK], pos[:, :CHUNK], cache, cfg=cfg)
+    l2, cache = apply_jit(params, toks[:, CHUNK:P], pos[:, CHUNK:P], cache, cfg=cfg)
     outs = [l1, l2]
     for t in range(P, T):
       lt, cache = apply_jit(params, toks[:, t:t + 1], pos[:, t:t + 1], cache, cfg=cfg)
@@ -75,34 +93,37 @@ class ForwardTest(parameterized.TestCase):
     self.assertLess(rel_err(inc, full), tol)
     self.assertFalse(np.any(np.isnan(np.asarray(inc))))
 
-  @parameterized.parameters("mla", "mla_no_qlora")
+  @parameterized.parameters("mla", "mla_plain")
   def test_absorbed_matches_naive(self, name):
+    # A multi-token chunk, so the absorbed form also applies the causal mask; "auto" is the
+    # naive form for chunks longer than one token (the prefill test's compiled program).
     cfg = CONFIGS[name]
-    params = init_params(cfg, jax.random.key(3))
-    B, T = 2, 6
-    toks = _tokens(cfg, B, T, seed=4)
-    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
-    naive, _ = apply_jit(params, toks, pos, init_cache(cfg, B, 8), cfg=cfg, mla_mode="naive")
-    absorbed, _ = apply_jit(params, toks, pos, init_cache(cfg, B, 8), cfg=cfg, mla_mode="absorbed")
+    params = init_params_np(cfg, seed=3)
+    B = 2
+    toks = _tokens(cfg, B, CHUNK, seed=4)
+    pos = jnp.broadcast_to(jnp.arange(CHUNK), (B, CHUNK))
+    naive, _ = apply_jit(params, toks, pos, init_cache(cfg, B, CACHE_LEN), cfg=cfg)
+    absorbed, _ = apply_jit(params, toks, pos, init_cache(cfg, B, CACHE_LEN), cfg=cfg,
+                            mla_mode="absorbed")
     self.assertLess(rel_err(absorbed, naive), 1e-5)
     self.assertGreater(float(jnp.std(naive)), 0.0)
 
   def test_padded_batch_matches_single_rows(self):
-    cfg = TINY_MLA
-    params = init_params(cfg, jax.random.key(0))
-    a, b = [5, 6, 7], [8, 9, 10, 11, 12]
-    toks = jnp.array([a + [0, 0], b])
-    pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
-    batched, _ = apply_jit(params, toks, pos, init_cache(cfg, 2, 8), cfg=cfg)
+    cfg = MLA
+    params = init_params_np(cfg)
+    a, b = [5, 6], [8, 9, 10]
+    toks = jnp.array([a + [0], b])
+    pos = jnp.broadcast_to(jnp.arange(CHUNK), (2, CHUNK))
+    batched, _ = apply_jit(params, toks, pos, init_cache(cfg, 2, CACHE_LEN), cfg=cfg)
     single = forward(params, jnp.array([a]), cfg=cfg)
-    np.testing.assert_allclose(batched[0, :3], single[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(batched[0, :2], single[0], rtol=1e-5, atol=1e-5)
 
   @parameterized.parameters("mla", "gqa")
   def test_packed_segments_match_separate_sequences(self, name):
     # Three sequences packed into one row, then a PAD tail: with segment ids and positions
     # restarting per segment, each sequence's logits equal its own forward.
     cfg = CONFIGS[name]
-    params = init_params(cfg, jax.random.key(0))
+    params = init_params_np(cfg)
     seqs = [list(np.asarray(_tokens(cfg, 1, n, seed=n)[0])) for n in (4, 6, 3)]
     row = sum(seqs, []) + [0, 0]
     segs = jnp.array([sum(([i + 1] * len(q) for i, q in enumerate(seqs)), []) + [0, 0]])
@@ -110,18 +131,22 @@ class ForwardTest(parameterized.TestCase):
     np.testing.assert_array_equal(pos[0], [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1])
     packed, _ = apply_jit(params, jnp.array([row]), pos, None, cfg=cfg, segment_ids=segs)
     start = 0
+    arange = jnp.arange(len(row))[None]
     for q in seqs:
-      # Right-padded to the row's length (causal, so the padding is never seen): one compile.
-      alone = forward(params, jnp.array([q + [0] * (len(row) - len(q))]), cfg=cfg)[0, :len(q)]
-      np.testing.assert_allclose(packed[0, start:start + len(q)], alone, rtol=1e-5, atol=1e-5)
+      # Alone, right-padded to the row's length (causal, so the padding is never seen), through
+      # the same compiled segment-free program as the unmasked row below.
+      alone, _ = apply_jit(params, jnp.array([q + [0] * (len(row) - len(q))]), arange, None,
+                           cfg=cfg)
+      np.testing.assert_allclose(packed[0, start:start + len(q)], alone[0, :len(q)], rtol=1e-5,
+                                 atol=1e-5)
       start += len(q)
     # Without segment ids the later sequences see the earlier ones, so their logits differ.
     unmasked, _ = apply_jit(params, jnp.array([row]), pos, None, cfg=cfg)
     self.assertGreater(rel_err(unmasked[0, 4:10], packed[0, 4:10]), 1e-3)
 
   def test_bad_inputs(self):
-    cfg = TINY_MLA
-    params = init_params(cfg, jax.random.key(0))
+    cfg = MLA
+    params = init_params_np(cfg)
     with self.assertRaisesRegex(ValueError, r"tokens must be \[B, T\]"):
       apply(params, jnp.zeros((3,), jnp.int32), jnp.zeros((3,), jnp.int32), cfg=cfg)
     with self.assertRaisesRegex(ValueError, "positions"):
@@ -173,12 +198,12 @@ class MoETest(parameterized.TestCase):
 
   @parameterized.named_parameters(("sigmoid_grouped", TINY_MLA), ("softmax", TINY_GQA))
   def test_router_matches_naive(self, cfg):
-    params = init_params(cfg, jax.random.key(0))
+    params = init_params_np(cfg)
     p = dict(params["layers"][1]["ffn"])
     if "router_bias" in p:
-      p["router_bias"] = jax.random.normal(jax.random.key(7), p["router_bias"].shape) * 0.1
-    x = jax.random.normal(jax.random.key(5), (17, cfg.d_model))
-    ids, w, _ = moe.route(p, x, cfg)
+      p["router_bias"] = _normal(7, p["router_bias"].shape) * 0.1
+    x = _normal(5, (17, cfg.d_model))
+    ids, w, _ = jax.jit(moe.route, static_argnums=2)(p, x, cfg)
     ref_ids, ref_w = _route_naive(p, x, cfg)
     np.testing.assert_array_equal(np.sort(np.asarray(ids), 1), np.sort(ref_ids, 1))
     order = np.argsort(np.asarray(ids), 1)
@@ -188,10 +213,10 @@ class MoETest(parameterized.TestCase):
 
   @parameterized.named_parameters(("sigmoid_grouped", TINY_MLA), ("softmax", TINY_GQA))
   def test_moe_ffn_matches_per_token_loop(self, cfg):
-    params = init_params(cfg, jax.random.key(1))
+    params = init_params_np(cfg, seed=1)
     p = params["layers"][1]["ffn"]
-    x = jax.random.normal(jax.random.key(2), (2, 9, cfg.d_model))
-    out, aux = moe.moe_ffn(p, x, cfg)
+    x = _normal(2, (2, 9, cfg.d_model))
+    out, aux = jax.jit(moe.moe_ffn, static_argnums=2)(p, x, cfg)
     flat = np.asarray(x.reshape(-1, cfg.d_model), np.float64)
     ids, w = _route_naive(p, flat, cfg)
     silu = lambda z: z / (1 + np.exp(-z))
@@ -201,7 +226,7 @@ class MoETest(parameterized.TestCase):
         g = flat[n] @ np.asarray(p["w_gate"][e], np.float64)
         u = flat[n] @ np.asarray(p["w_up"][e], np.float64)
         ref[n] += we * ((silu(g) * u) @ np.asarray(p["w_down"][e], np.float64))
-    shared = np.asarray(swiglu(p["shared"], jnp.asarray(flat, jnp.float32)), np.float64)
+    shared = np.asarray(jax.jit(swiglu)(p["shared"], jnp.asarray(flat, jnp.float32)), np.float64)
     ref += shared
     self.assertLess(rel_err(out.reshape(-1, cfg.d_model), ref), 1e-5)
     # Shared expert contributes: without it the result differs.
@@ -210,12 +235,13 @@ class MoETest(parameterized.TestCase):
 
   def test_empty_and_full_experts(self):
     cfg = TINY_GQA
-    p = init_params(cfg, jax.random.key(1))["layers"][1]["ffn"]
-    x = jax.random.normal(jax.random.key(3), (6, cfg.d_model))
+    p = init_params_np(cfg, seed=1)["layers"][1]["ffn"]
+    x = _normal(3, (6, cfg.d_model))
     ids = jnp.tile(jnp.array([[0, 3]], jnp.int32), (6, 1))  # experts 1, 2, 4.. get no tokens
     w = jnp.full((6, 2), 0.5)
-    out = moe.dispatch_experts(p, x, ids, w, cfg.n_routed_experts)
-    ref = sum(0.5 * swiglu({k: p[k][e] for k in ("w_gate", "w_up", "w_down")}, x) for e in (0, 3))
+    out = jax.jit(moe.dispatch_experts, static_argnums=4)(p, x, ids, w, cfg.n_routed_experts)
+    ref = sum(0.5 * jax.jit(swiglu)({k: p[k][e] for k in ("w_gate", "w_up", "w_down")}, x)
+              for e in (0, 3))
     self.assertLess(rel_err(out, ref), 1e-5)
 
 
@@ -224,28 +250,33 @@ class RopeTest(parameterized.TestCase):
   @parameterized.parameters(True, False)
   def test_relative_position_property(self, interleave):
     cfg = dataclasses.replace(TINY_MLA, rope_interleave=interleave)
-    q = jax.random.normal(jax.random.key(0), (1, 1, cfg.rope_dim))
-    k = jax.random.normal(jax.random.key(1), (1, 1, cfg.rope_dim))
+    q = _normal(0, (1, 1, cfg.rope_dim))
+    k = _normal(1, (1, 1, cfg.rope_dim))
+
+    @jax.jit  # one compile instead of one per eager op
+    def qk(m, n):
+      cq, sq = rope.cos_sin(cfg, m)
+      ck, sk = rope.cos_sin(cfg, n)
+      return jnp.sum(rope.apply_rope(q, cq, sq, interleave=interleave)
+                     * rope.apply_rope(k, ck, sk, interleave=interleave))
 
     def dot(m, n):
-      cq, sq = rope.cos_sin(cfg, jnp.array([[m]]))
-      ck, sk = rope.cos_sin(cfg, jnp.array([[n]]))
-      return float(jnp.sum(rope.apply_rope(q, cq, sq, interleave=interleave)
-                           * rope.apply_rope(k, ck, sk, interleave=interleave)))
+      return float(qk(jnp.array([[m]]), jnp.array([[n]])))
 
     self.assertAlmostEqual(dot(7, 3), dot(24, 20), places=4)
     self.assertNotAlmostEqual(dot(7, 3), dot(7, 4), places=3)
 
   def test_yarn_interpolates_low_frequencies_only(self):
-    plain = rope.inv_frequencies(dataclasses.replace(TINY_MLA, rope_scaling=None))
-    yarn = rope.inv_frequencies(TINY_MLA)
+    inv_frequencies = jax.jit(rope.inv_frequencies, static_argnums=0)
+    plain = inv_frequencies(dataclasses.replace(TINY_MLA, rope_scaling=None))
+    yarn = inv_frequencies(TINY_MLA)
     factor = TINY_MLA.rope_scaling.factor
     np.testing.assert_allclose(yarn[0], plain[0], rtol=1e-6)  # highest frequency kept
     np.testing.assert_allclose(yarn[-1], plain[-1] / factor, rtol=1e-6)  # lowest interpolated
 
   def test_equal_betas_are_finite(self):
     from configs import KIMI_K2_6
-    freqs = rope.inv_frequencies(KIMI_K2_6)
+    freqs = jax.jit(rope.inv_frequencies, static_argnums=0)(KIMI_K2_6)
     self.assertTrue(np.all(np.isfinite(np.asarray(freqs))))
     self.assertEqual(freqs.shape, (KIMI_K2_6.qk_rope_head_dim // 2,))
 

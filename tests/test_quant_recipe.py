@@ -1,5 +1,6 @@
 """Recipes, quantize_params and the tiny models running on quantised params."""
 
+import dataclasses
 import functools
 import warnings
 
@@ -10,15 +11,18 @@ from absl.testing import absltest, parameterized
 
 import mlkit.model as M
 from configs.models import TINY_GQA, TINY_MLA
-from mlkit.quant import Fp8Weight, Int4Weight, dequantize
+from mlkit.quant import Fp8Weight, Int4Weight
 from mlkit.quant.gptq import collect_calibration
 from mlkit.quant.recipe import (FP8_ALL, INT4_EXPERTS, INT4_EXPERTS_FP8_REST,
                                 INT4_EXPERTS_GPTQ, KEEP, RECIPES, Fp8Spec, Int4Spec, Keep, Recipe,
                                 Rule, assign_formats, calibration_paths, dequantize_params,
                                 int4_experts, quantize_params)
 from mlkit.quant.tree import flatten_params, is_quantised
+from numpy_params import init_params_np
 
-CONFIGS = {c.name: c for c in (TINY_MLA, TINY_GQA)}
+# TINY_MLA cut to one dense and one MoE layer (every kind of weight a recipe treats, at two
+# thirds of the compile time); TINY_GQA has those two layers already.
+CONFIGS = {c.name: c for c in (dataclasses.replace(TINY_MLA, n_layers=2), TINY_GQA)}
 # Same weights on both sides (quantised vs its own dequantised copy): the f32
 # reference matmul dequantises exactly, so only op-order rounding remains.
 F32_TOL = 1e-6
@@ -30,31 +34,20 @@ def _rel(a, b) -> float:
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def _is_spec(x):
-  return isinstance(x, tuple) and len(x) in (2, 3) and isinstance(x[0], tuple)
-
-
 @functools.cache
 def _params(cfg_name):
-  """Params laid out by ``param_specs`` and scaled like ``init_params``, drawn with numpy.
+  """Params laid out by ``param_specs`` and scaled like ``init_params``, drawn with numpy
+  (the layout, not the generator, is what these tests need)."""
+  return init_params_np(CONFIGS[cfg_name])
 
-  (``init_params`` is a jitted threefry program that takes ~10 s to compile on this
-  CPU; the layout, not the generator, is what these tests need.)
-  """
-  cfg = CONFIGS[cfg_name]
-  rng = np.random.default_rng(0)
 
-  def init(spec):
-    shape, kind = spec[0], spec[1]
-    dtype = spec[2] if len(spec) == 3 else cfg.param_dtype
-    if kind == "ones":
-      return jnp.ones(shape, dtype)
-    if kind == "zeros":
-      return jnp.zeros(shape, dtype)
-    std = (cfg.d_model ** -0.5 if cfg.tie_embeddings else 1.0) if kind == "embed" else shape[-2] ** -0.5
-    return jnp.asarray(rng.standard_normal(shape) * std, dtype)
+def _tokens(cfg):
+  """The [2, 12] token batch the model tests share (numpy: no threefry program to compile)."""
+  return jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
 
-  return jax.tree_util.tree_map(init, M.param_specs(cfg), is_leaf=_is_spec)
+
+# One compiled program per tree structure, instead of one per eager op and leaf shape.
+dequantize_tree = jax.jit(dequantize_params)
 
 
 def _shapes(cfg_name):
@@ -74,7 +67,7 @@ def _toy_tree():
 def _gqa_calibration():
   """Calibration of TINY_GQA's GPTQ weights plus two dense ones, through the jitted forward."""
   cfg = TINY_GQA
-  tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
+  tokens = _tokens(cfg)
   paths = calibration_paths(_params(cfg.name), INT4_EXPERTS_GPTQ) + [
       "layers/0/attn/wq", "layers/1/ffn/shared/w_down"]
   calib = collect_calibration(lambda p: M.forward(p, tokens, cfg=cfg), _params(cfg.name), paths)
@@ -268,7 +261,7 @@ class QuantisedModelTest(parameterized.TestCase):
     if cfg_name not in self._cache:
       cfg = CONFIGS[cfg_name]
       params = _params(cfg_name)
-      tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
+      tokens = _tokens(cfg)
       fwd = jax.jit(lambda p, t: M.forward(p, t, cfg=cfg))
       self._cache[cfg_name] = (cfg, params, tokens, fwd, fwd(params, tokens))
     return self._cache[cfg_name]
@@ -277,12 +270,14 @@ class QuantisedModelTest(parameterized.TestCase):
     """params with each quantised weight perturbed by Gaussian noise of its quantisation RMS."""
     flat, treedef = flatten_params(qparams)
     dense, _ = flatten_params(params)
+    deq, _ = flatten_params(dequantize_tree(qparams))
     rng = np.random.default_rng(seed)
     out = []
-    for (_, q), (_, w) in zip(flat, dense):
+    for (_, q), (_, w), (_, dq) in zip(flat, dense, deq):
       if is_quantised(q):
-        rms = jnp.sqrt(jnp.mean((dequantize(q, jnp.float32) - w) ** 2))
-        w = w + rms * jnp.asarray(rng.standard_normal(w.shape), w.dtype)
+        w = np.asarray(w)
+        rms = np.sqrt(np.mean((np.asarray(dq) - w) ** 2))
+        w = jnp.asarray(w + rms * rng.standard_normal(w.shape).astype(w.dtype))
       out.append(w)
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -307,7 +302,7 @@ class QuantisedModelTest(parameterized.TestCase):
     out = fwd(qparams, tokens)
     self.assertEqual(out.shape, ref.shape)
     # 1. The model uses exactly the quantised weights: same logits as on their dense copy.
-    self.assertLessEqual(_rel(out, fwd(dequantize_params(qparams), tokens)), F32_TOL)
+    self.assertLessEqual(_rel(out, fwd(dequantize_tree(qparams), tokens)), F32_TOL)
     # 2. Against the f32 model. These random tiny MoE models are chaotic (1% weight
     #    noise moves tiny-mla's logits by ~20%, via routing flips), so a fixed
     #    tolerance would be arbitrary. Instead: quantisation must hurt no more than
@@ -327,15 +322,16 @@ class QuantisedModelTest(parameterized.TestCase):
     if recipe_name.endswith("gptq"):  # random activations stand in for model calibration here
       calib = {p: _toy_stats(params, p) for p in calibration_paths(params, recipe)}
     out = quantize_params(params, recipe, calibration=calib)
-    self.assertEqual(jax.tree_util.tree_structure(dequantize_params(out)),
-                     jax.tree_util.tree_structure(params))
+    dense = dequantize_tree(out)
+    self.assertEqual(jax.tree_util.tree_structure(dense), jax.tree_util.tree_structure(params))
     specs = assign_formats(params, recipe)
-    for (path, q), (_, w) in zip(flatten_params(out)[0], flatten_params(params)[0]):
+    for (path, q), (_, w), (_, dq) in zip(flatten_params(out)[0], flatten_params(params)[0],
+                                          flatten_params(dense)[0]):
       if isinstance(specs[path], Keep):
         self.assertIs(q, w)  # untouched, not copied or cast
       else:
         self.assertEqual(q.shape, w.shape)
-        self.assertLessEqual(_rel(dequantize(q, jnp.float32), w), 0.2, path)
+        self.assertLessEqual(_rel(dq, w), 0.2, path)
 
   def test_gptq_end_to_end_beats_rtn(self):
     cfg, params, tokens, fwd, ref = self._setup(TINY_GQA.name)

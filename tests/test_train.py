@@ -14,8 +14,9 @@ from mlkit.evals.tasks import GENERATORS, TaskConfig, example_tokens, packed_bat
 from mlkit.evals.tokenizer import PAD, CharTokenizer
 from mlkit.model.moe import route
 from mlkit.quant import grouped_matmul
-from mlkit.train import (CapacityExperts, TrainConfig, compute_config, expert_capacity,
+from mlkit.train import (CapacityExperts, TrainConfig, compute_config, expert_capacity, loss_fn,
                          lr_schedule, plot_loss, train, update_router_bias)
+from numpy_params import init_params_np
 
 # A 2-layer TINY_MLA (one dense, one MoE layer) keeps compilation short.
 CFG = dataclasses.replace(TINY_MLA, n_layers=2)
@@ -24,8 +25,22 @@ TCFG = TrainConfig(steps=40, batch_size=4, seq_len=96, learning_rate=3e-3, warmu
                    log_every=1, checkpoint_every=0, bias_update_rate=1e-2, seed=0)
 
 
+def init():
+  """Fresh f32 initial params (train donates them), drawn with numpy: init_params would
+  compile a threefry program per config."""
+  return init_params_np(compute_config(CFG, TCFG))
+
+
 def batch_fn(step):
   return packed_batch(np.random.default_rng([7, step]), TCFG.batch_size, TCFG.seq_len, tc=TASKS)
+
+
+# One jitted loss for the tests that compare losses, so equal shapes compile once.
+loss_jit = jax.jit(loss_fn, static_argnames=("cfg", "tcfg"))
+
+
+def _normal(seed, shape):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
 
 
 class TrainConfigTest(parameterized.TestCase):
@@ -51,8 +66,7 @@ class BalancingTest(absltest.TestCase):
 
   def test_bias_moves_against_load(self):
     cfg = compute_config(CFG, TCFG)
-    from mlkit.model import init_params
-    params = init_params(cfg, jax.random.key(0))
+    params = init()
     E = cfg.n_routed_experts
     load = np.full((cfg.n_moe_layers, E), 1.0 / E, np.float32)
     load[0, 0] += 0.2  # overloaded
@@ -64,34 +78,38 @@ class BalancingTest(absltest.TestCase):
     self.assertAlmostEqual(b[1], 0.05, places=6)
     self.assertAlmostEqual(b[3], 0.0, places=6)  # exactly at the mean: no move
     # A large enough bias steers selection away from expert 0 without changing the combine weights.
-    x = jax.random.normal(jax.random.key(1), (64, cfg.d_model))
+    x = _normal(1, (64, cfg.d_model))
     ffn = dict(new["layers"][1]["ffn"], router_bias=jnp.zeros(E).at[0].set(-10.0))
-    ids, w, _ = route(ffn, x, cfg)
+    route_jit = jax.jit(route, static_argnums=2)
+    ids, w, _ = route_jit(ffn, x, cfg)
     self.assertFalse(np.any(np.asarray(ids) == 0))
-    ids0, w0, _ = route(dict(ffn, router_bias=jnp.zeros(E)), x, cfg)
+    ids0, w0, _ = route_jit(dict(ffn, router_bias=jnp.zeros(E)), x, cfg)
     self.assertTrue(np.any(np.asarray(ids0) == 0))
 
 
 class AuxLossTest(absltest.TestCase):
 
   def test_aux_loss_reaches_the_router(self):
-    from mlkit.model import init_params
-    from mlkit.train import loss_fn
     tc = dataclasses.replace(TCFG, balance="aux", aux_loss_weight=1.0, compute_dtype="float32")
     cfg = compute_config(CFG, tc)
-    params = init_params(cfg, jax.random.key(0))
+    params = init()  # f32 params either way
     tokens, weights = packed_batch(np.random.default_rng(0), 2, 40, tc=TASKS, tasks=("arithmetic",))
     tokens, weights = jnp.asarray(tokens), jnp.asarray(weights)
 
+    def losses(p):
+      total, m = loss_fn(p, tokens, weights, cfg=cfg, tcfg=tc)
+      return jnp.stack([total, m["loss"]]), m
+
     @jax.jit
     def both(p):
-      total, m = loss_fn(p, tokens, weights, cfg=cfg, tcfg=tc)
-      g_total = jax.grad(lambda q: loss_fn(q, tokens, weights, cfg=cfg, tcfg=tc)[0])(p)
-      g_ce = jax.grad(lambda q: loss_fn(q, tokens, weights, cfg=cfg, tcfg=tc)[1]["loss"])(p)
-      return total, m, g_total, g_ce
+      # One forward pass, then the gradients of the total and of the cross entropy alone.
+      (total, ce), pullback, m = jax.vjp(losses, p, has_aux=True)
+      g_total, = pullback(jnp.array([1.0, 0.0]))
+      g_ce, = pullback(jnp.array([0.0, 1.0]))
+      return total, ce, m, g_total, g_ce
 
-    total, m, g_total, g_ce = both(params)
-    self.assertAlmostEqual(float(total - m["loss"]), float(m["balance_loss"]), places=4)
+    total, ce, m, g_total, g_ce = both(params)
+    self.assertAlmostEqual(float(total - ce), float(m["balance_loss"]), places=4)
     self.assertGreaterEqual(float(m["balance_loss"]), 0.5)  # E * sum f_i P_i ~ 1 when balanced
     gr_total = np.asarray(g_total["layers"][1]["ffn"]["router"])
     gr_ce = np.asarray(g_ce["layers"][1]["ffn"]["router"])
@@ -105,8 +123,8 @@ class CapacityExpertsTest(parameterized.TestCase):
   def _inputs(self, sizes, K=8, N=4):
     E = len(sizes)
     M = sum(sizes) + 3  # trailing rows past sum(group_sizes) must come out zero
-    x = jax.random.normal(jax.random.key(0), (M, K))
-    w = jax.random.normal(jax.random.key(1), (E, K, N))
+    x = _normal(0, (M, K))
+    w = _normal(1, (E, K, N))
     return x, w, jnp.asarray(sizes, jnp.int32)
 
   def test_matches_ragged_dot_with_enough_capacity(self):
@@ -136,38 +154,35 @@ class CapacityExpertsTest(parameterized.TestCase):
   def test_dropless_loss_equals_roomy_capacity_loss(self):
     # Dropless training (the default) and slabs with room for every row compute the same loss.
     from mlkit.train import init_train_state
-    from mlkit.train import loss_fn as eager_loss
-    loss_fn = jax.jit(eager_loss, static_argnames=("cfg", "tcfg"))
     tcfg32 = dataclasses.replace(TCFG, compute_dtype="float32")
-    params = init_train_state(CFG, tcfg32)["params"]
+    params = init_train_state(CFG, tcfg32, init())["params"]
     tokens, weights = map(jnp.asarray, batch_fn(0))
     ccfg = compute_config(CFG, tcfg32)
-    dropless, _ = loss_fn(params, tokens, weights, cfg=ccfg, tcfg=tcfg32)
+    dropless, _ = loss_jit(params, tokens, weights, cfg=ccfg, tcfg=tcfg32)
     roomy = dataclasses.replace(tcfg32, capacity_factor=float(CFG.n_routed_experts))
-    slabs, m = loss_fn(params, tokens, weights, cfg=ccfg, tcfg=roomy)
+    slabs, m = loss_jit(params, tokens, weights, cfg=ccfg, tcfg=roomy)
     self.assertIsNone(TCFG.capacity_factor)
     np.testing.assert_allclose(float(dropless), float(slabs), rtol=1e-5)
     tight = dataclasses.replace(tcfg32, capacity_factor=1.0)
-    self.assertNotAlmostEqual(float(loss_fn(params, tokens, weights, cfg=ccfg, tcfg=tight)[0]),
+    self.assertNotAlmostEqual(float(loss_jit(params, tokens, weights, cfg=ccfg, tcfg=tight)[0]),
                               float(dropless), places=6)
-
 
   def test_packed_segments_loss_equals_separate_rows(self):
     # Two examples packed into one row with segment ids train on exactly the loss of the same
     # examples in rows of their own (dropless MoE routing is per token).
     from mlkit.train import init_train_state
-    from mlkit.train import loss_fn as eager_loss
-    loss_fn = jax.jit(eager_loss, static_argnames=("cfg", "tcfg"))
     tcfg32 = dataclasses.replace(TCFG, compute_dtype="float32")
     ccfg = compute_config(CFG, tcfg32)
-    params = init_train_state(CFG, tcfg32)["params"]
+    params = init_train_state(CFG, tcfg32, init())["params"]
     rng = np.random.default_rng(3)
     exs = [example_tokens(CharTokenizer(), GENERATORS[t](rng, TASKS))
            for t in ("arithmetic", "retrieval")]
-    T = 64
-    sep_tok, sep_w = np.full((2, T), PAD, np.int32), np.zeros((2, T), np.float32)
-    packed_tok, packed_w = np.full((1, T), PAD, np.int32), np.zeros((1, T), np.float32)
-    segs, t = np.zeros((1, T), np.int32), 0
+    # Batches of the train config's shape, PAD rows (weight 0) after the examples: the
+    # segment-free loss compiles once for this test and the dropless one.
+    B, T = TCFG.batch_size, TCFG.seq_len
+    sep_tok, sep_w = np.full((B, T), PAD, np.int32), np.zeros((B, T), np.float32)
+    packed_tok, packed_w = np.full((B, T), PAD, np.int32), np.zeros((B, T), np.float32)
+    segs, t = np.zeros((B, T), np.int32), 0
     for i, (ids, ans) in enumerate(exs):
       w = np.where(np.asarray(ans) == 1, 1.0, 0.3)
       w[0] = 0.0
@@ -175,18 +190,18 @@ class CapacityExpertsTest(parameterized.TestCase):
       packed_tok[0, t:t + len(ids)], packed_w[0, t:t + len(ids)] = ids, w
       segs[0, t:t + len(ids)] = i + 1
       t += len(ids)
-    alone, _ = loss_fn(params, sep_tok, sep_w, cfg=ccfg, tcfg=tcfg32)
-    packed, _ = loss_fn(params, packed_tok, packed_w, segs, cfg=ccfg, tcfg=tcfg32)
+    alone, _ = loss_jit(params, sep_tok, sep_w, cfg=ccfg, tcfg=tcfg32)
+    packed, _ = loss_jit(params, packed_tok, packed_w, segs, cfg=ccfg, tcfg=tcfg32)
     np.testing.assert_allclose(float(packed), float(alone), rtol=1e-5)
-    leaky, _ = loss_fn(params, packed_tok, packed_w, cfg=ccfg, tcfg=tcfg32)
+    leaky, _ = loss_jit(params, packed_tok, packed_w, cfg=ccfg, tcfg=tcfg32)
     self.assertNotAlmostEqual(float(leaky), float(alone), places=4)
 
   def test_batch_fn_arity_checked(self):
     with self.assertRaisesRegex(ValueError, "gave 1 arrays"):
-      train(CFG, TCFG, lambda step: (batch_fn(step)[0],), progress=None)
+      train(CFG, TCFG, lambda step: (batch_fn(step)[0],), progress=None, init=init())
     bad = lambda step: (*batch_fn(step), np.zeros((TCFG.batch_size, 5), np.int32))  # noqa: E731
     with self.assertRaisesRegex(ValueError, "expected"):
-      train(CFG, TCFG, bad, progress=None)
+      train(CFG, TCFG, bad, progress=None, init=init())
 
 
 class TrainLoopTest(absltest.TestCase):
@@ -194,7 +209,7 @@ class TrainLoopTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.full = train(CFG, TCFG, batch_fn, progress=None)
+    cls.full = train(CFG, TCFG, batch_fn, progress=None, init=init())
 
   def test_loss_decreases(self):
     h = self.full.history
@@ -216,13 +231,13 @@ class TrainLoopTest(absltest.TestCase):
 
   def test_resume_gives_same_next_step(self):
     with tempfile.TemporaryDirectory() as d:
-      first = train(CFG, TCFG, batch_fn, checkpoint_dir=d, progress=None, stop_at=6)
+      first = train(CFG, TCFG, batch_fn, checkpoint_dir=d, progress=None, stop_at=6, init=init())
       self.assertIsNone(first.resumed_from)
-      resumed = train(CFG, TCFG, batch_fn, checkpoint_dir=d, progress=None, stop_at=7)
+      resumed = train(CFG, TCFG, batch_fn, checkpoint_dir=d, progress=None, stop_at=7, init=init())
       self.assertEqual(resumed.resumed_from, 6)
       self.assertEqual(int(resumed.state["step"]), 7)
     seen = []  # the on_step hook sees every step's params before the next step donates them
-    straight = train(CFG, TCFG, batch_fn, progress=None, stop_at=7,
+    straight = train(CFG, TCFG, batch_fn, progress=None, stop_at=7, init=init(),
                      on_step=lambda step, p: seen.append((step, np.asarray(p["lm_head"]))))
     self.assertEqual([s for s, _ in seen], list(range(1, 8)))
     np.testing.assert_array_equal(seen[-1][1], np.asarray(straight.params["lm_head"]))
