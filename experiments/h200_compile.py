@@ -251,12 +251,13 @@ def compile_all(jobs: list, plan: Plan, mesh) -> list[dict]:
     lowered.append(_lower(*job, plan=plan, mesh=mesh))
     common.progress(f"h200_compile: lowered {job[0].key} {job[1]} {job[2]} "
                     f"(dense prefix + {job[3]} MoE)")
+  done = []
   with futures.ThreadPoolExecutor(max_workers=plan.workers) as pool:
-    done = list(pool.map(lambda lr: _compile(*lr), lowered))
-  for r in done:
-    common.progress(f"h200_compile: compiled {r['variant']} {r['kv_dtype']} {r['kind']} "
-                    f"{r['n_layers']} layers in {r['compile_s']:.0f} s: args "
-                    f"{r['argument'] / 1e9:.2f} GB, temp {r['temp'] / 1e9:.2f} GB")
+    for r in pool.map(lambda lr: _compile(*lr), lowered):  # in order, each as it is ready
+      common.progress(f"h200_compile: compiled {r['variant']} {r['kv_dtype']} {r['kind']} "
+                      f"{r['n_layers']} layers in {r['compile_s']:.0f} s: args "
+                      f"{r['argument'] / 1e9:.2f} GB, temp {r['temp'] / 1e9:.2f} GB")
+      done.append(r)
   return done
 
 
