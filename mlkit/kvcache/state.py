@@ -493,6 +493,11 @@ def sync_tags(state: PagedKVState, tags) -> PagedKVState:
     raise ValueError(f"tags shape {tags.shape} does not match the pool's {state.num_pages} pages")
   if tags.dtype != np.int32:
     tags = (tags.astype(np.int64) & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
+  # A pool placed on a mesh keeps its tags there, so that its jitted steps see the same input
+  # placement on every call (and compile once); a single-device pool keeps jnp's default.
+  where = getattr(state.page_tags, "sharding", None)
+  if isinstance(where, jax.sharding.NamedSharding):
+    return state.replace(page_tags=jax.device_put(tags, where))
   return state.replace(page_tags=jnp.asarray(tags))
 
 
