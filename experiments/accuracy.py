@@ -147,19 +147,22 @@ _STAGE5 = dataclasses.replace(
     _STAGE4, train=dataclasses.replace(_STAGE4.train, seed=4), parent=_STAGE4)
 _SMOKE_TRAIN = TrainConfig(steps=3, batch_size=2, seq_len=96, warmup_steps=1, log_every=1,
                            checkpoint_every=2, seed=0)
+# The smoke model: TINY_MLA cut to one MoE layer (routed experts for the int4 recipes, MLA
+# attention for the KV pools), so the run compiles as little as it can.
+_SMOKE_MODEL = dataclasses.replace(TINY_MLA, n_layers=1, first_k_dense=0)
 TRAIN_SETUPS = {
     "main": _STAGE5,
     # Two short stages, so the smoke run also continues a stage from its parent (one train
     # config for both, with segment ids as the main model's last stages: the jitted step
     # compiles once).
     "smoke": TrainSetup(
-        model=dataclasses.replace(TINY_MLA, n_layers=2),
+        model=_SMOKE_MODEL,
         train=_SMOKE_TRAIN,
         tasks=TaskConfig(arith_digits=(1, 2), retrieval_pairs=(1, 4), key_letters=1,
                          query_first=True),
         segments=True,
         parent=TrainSetup(
-            model=dataclasses.replace(TINY_MLA, n_layers=2), train=_SMOKE_TRAIN,
+            model=_SMOKE_MODEL, train=_SMOKE_TRAIN,
             tasks=TaskConfig(arith_digits=(1, 2), retrieval_pairs=(1, 4), key_letters=1),
             segments=True)),
 }

@@ -86,13 +86,14 @@ def local_backend() -> str:
 def local_model(quick: bool, smoke: bool = False):
   """The model an engine experiment runs on this machine.
 
-  smoke: TINY_MLA cut to 2 layers (one dense, one MoE) so tests compile little;
-  quick on CPU: TINY_MLA; full on CPU: SMALL_MLA; on a GPU: H200_MLA (Kimi-shaped
-  attention, sized to run the curves on one H200 in minutes).
+  smoke: TINY_MLA cut to one MoE layer (MLA attention, routed and shared experts: every
+  kind of weight the recipes quantise) so tests compile little; quick on CPU: TINY_MLA;
+  full on CPU: SMALL_MLA; on a GPU: H200_MLA (Kimi-shaped attention, sized to run the
+  curves on one H200 in minutes).
   """
   from configs import H200_MLA, SMALL_MLA, TINY_MLA
   if smoke:
-    return dataclasses.replace(TINY_MLA, n_layers=2)
+    return dataclasses.replace(TINY_MLA, n_layers=1, first_k_dense=0)
   if jax.default_backend() == "gpu":
     return H200_MLA
   return TINY_MLA if quick else SMALL_MLA

@@ -107,7 +107,7 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   Args:
     out_dir: folder for disagg.json, disagg.md and disagg.png.
     quick: TINY_MLA, 12 requests of 96 + 24 tokens, 2 pairs of runs.
-    smoke: 2-layer TINY_MLA, 3 short requests (tests).
+    smoke: one-layer TINY_MLA, 3 short requests (tests).
 
   Returns:
     The JSON record.

@@ -189,7 +189,7 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   Args:
     out_dir: folder for integrity.json, integrity.md and integrity.png.
     quick: TINY_MLA, 216-token prompts, 36 new tokens, 6 pairs per concurrency.
-    smoke: 2-layer TINY_MLA, concurrency 1 and 2, a few tokens (tests).
+    smoke: one-layer TINY_MLA, concurrency 1 and 2, a few tokens (tests).
 
   Returns:
     The JSON record (``timing`` per concurrency; ``faults`` for check on and off).

@@ -119,7 +119,7 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   Args:
     out_dir: folder for kv_dtype.json, kv_dtype.md and kv_dtype.png.
     quick: TINY_MLA with short requests (CPU, about a minute) instead of the full shape.
-    smoke: 2-layer TINY_MLA, concurrency 1 and 2, a few tokens (tests).
+    smoke: one-layer TINY_MLA, concurrency 1 and 2, a few tokens (tests).
 
   Returns:
     The JSON record: ``runs`` has one entry per (concurrency, dtype).

@@ -86,7 +86,7 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   Args:
     out_dir: folder for weight_quant.json, .md and .png.
     quick: TINY_MLA, concurrency 1/8/32, 64-token prompts (CPU, about a minute).
-    smoke: 2-layer TINY_MLA, concurrency 2 (tests).
+    smoke: one-layer TINY_MLA, concurrency 2 (tests).
 
   Returns:
     The JSON record.
