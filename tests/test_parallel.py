@@ -20,27 +20,12 @@ from mlkit import model
 from mlkit import parallel
 from mlkit.quant import (INT4_EXPERTS, Int4Weight, dequantize, fp8_all, quantize_fp8,
                          quantize_int4, quantize_params)
+from numpy_params import init_params_np  # noqa: F401  (also imported from here by other tests)
 
 PAGE = 4
 NUM_PAGES = 8
 MAX_PAGES = 4
 T = 6
-
-
-def init_params_np(cfg, seed=0):
-  """``model.init_params``'s distributions drawn with numpy (threefry compiles cost seconds here)."""
-  rng = np.random.default_rng(seed)
-  is_spec = lambda x: isinstance(x, tuple) and len(x) in (2, 3) and isinstance(x[0], tuple)
-
-  def leaf(spec):
-    shape, kind = spec[0], spec[1]
-    dt = jnp.dtype(spec[2] if len(spec) == 3 else cfg.param_dtype)
-    if kind in ("ones", "zeros"):
-      return jnp.full(shape, 1.0 if kind == "ones" else 0.0, dt)
-    std = (cfg.d_model ** -0.5 if cfg.tie_embeddings else 1.0) if kind == "embed" else shape[-2] ** -0.5
-    return jnp.asarray(rng.standard_normal(shape) * std, jnp.float32).astype(dt)
-
-  return jax.tree_util.tree_map(leaf, model.param_specs(cfg), is_leaf=is_spec)
 
 
 def _np_int4(packed, scales, group):
@@ -88,8 +73,11 @@ def _run_paged(params, cfg, kv_dtype, mesh=None, data_parallel=False):
   dec_tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 1)), jnp.int32)
   dec_positions = jnp.asarray([[T], [T - 2]], jnp.int32)
   if mesh is not None:
-    params = parallel.shard_params(params, mesh)
-    state = parallel.shard_kv_state(state, mesh, data_parallel=data_parallel)
+    # Placed from host copies: device_put slices numpy on the host, where a single-device
+    # jax.Array would compile a slicing program per leaf shape.
+    params = parallel.shard_params(jax.tree_util.tree_map(np.asarray, params), mesh)
+    state = parallel.shard_kv_state(jax.tree_util.tree_map(np.asarray, state), mesh,
+                                    data_parallel=data_parallel)
     tokens, positions, dec_tokens, dec_positions, meta1, meta2 = parallel.replicate(
         (tokens, positions, dec_tokens, dec_positions, meta1, meta2), mesh)
   l1, l2, state = _prefill_decode(params, state, tokens, positions, meta1, dec_tokens,
