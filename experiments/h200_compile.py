@@ -265,30 +265,41 @@ def compile_all(jobs: list, plan: Plan, mesh) -> list[dict]:
 
 
 def fit_depth(points: list[tuple[int, float]], at: int) -> dict:
-  """Least-squares line through (MoE layers, bytes) points, read at ``at`` MoE layers.
+  """A line through (MoE layers, bytes) points, and its reading at ``at`` MoE layers.
+
+  The least-squares line and its largest residual test linearity. The full-depth
+  reading extends the deepest two points (their slope, from the deepest point):
+  the first MoE layer can add one-off buffers that a least-squares line would
+  multiply by the depth, while the increment between the deepest layers is what
+  every further layer adds. On a straight line the two agree.
 
   Args:
     points: (n_moe, value) pairs, at least one; a single point is taken as constant.
-    at: the MoE-layer count to read the line at (the full depth).
+    at: the MoE-layer count to read at (the full depth).
 
   Returns:
-    {"intercept", "slope" (per MoE layer), "max_residual" (largest |value - line| over
-     the points; 0 with two points, which any line fits), "at_full", "points"}.
+    {"intercept", "slope" (least squares, per MoE layer), "max_residual" (largest
+     |value - line| over the points; 0 with two points, which any line fits),
+     "marginal_slope" (between the deepest two points), "at_full", "points"}.
 
   Raises:
     ValueError: on no points.
   """
   if not points:
     raise ValueError("fit_depth: no points")
-  x = np.asarray([p[0] for p in points], np.float64)
-  y = np.asarray([p[1] for p in points], np.float64)
+  pts = sorted((int(a), float(b)) for a, b in points)
+  x = np.asarray([p[0] for p in pts], np.float64)
+  y = np.asarray([p[1] for p in pts], np.float64)
   if len(set(x.tolist())) < 2:
-    slope, intercept = 0.0, float(np.mean(y))
+    slope, intercept, marginal = 0.0, float(np.mean(y)), 0.0
+    at_full = intercept
   else:
     slope, intercept = (float(c) for c in np.polyfit(x, y, 1))
+    marginal = float((y[-1] - y[-2]) / (x[-1] - x[-2]))
+    at_full = float(y[-1] + marginal * (at - x[-1]))
   resid = float(np.max(np.abs(y - (intercept + slope * x))))
   return {"intercept": intercept, "slope": slope, "max_residual": resid,
-          "at_full": intercept + slope * at, "points": [[int(a), float(b)] for a, b in points]}
+          "marginal_slope": marginal, "at_full": at_full, "points": [list(p) for p in pts]}
 
 
 def fit_series(records: list[dict], n_moe_full: int) -> dict:
@@ -373,6 +384,31 @@ def deployment_row(v: Variant, kv_dtype: str, plan: Plan, fits: dict, served: in
 # ----------------------------------------------------------------------------- run
 
 
+def summarize(plan: Plan, compiles: list[dict], weights: dict) -> tuple[dict, list[dict]]:
+  """Depth fits per series and one row per deployment, from the compile records.
+
+  Args:
+    plan: the run's plan.
+    compiles: records of ``compile_all``.
+    weights: {variant key: (served bytes, ``unserved_weight_bytes``)}.
+
+  Returns:
+    ({"variant | kv dtype | kind": fit_series}, [deployment_row per variant x KV dtype]).
+  """
+  fits, rows = {}, []
+  for v in plan.variants:
+    for dt in plan.kv_dtypes:
+      series = {}
+      for kind in plan.kinds:
+        recs = [r for r in compiles
+                if (r["variant"], r["kv_dtype"], r["kind"]) == (v.key, dt, kind)]
+        series[kind] = fit_series(recs, v.model.n_moe_layers)
+        fits[f"{v.key} | {dt} | {kind}"] = series[kind]
+      rows.append(deployment_row(v, dt, plan, series, *weights[v.key]))
+  return fits, rows
+
+
+
 def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   """Compiles the serving steps for 8x H200 and writes h200_compile.{json,md,png}.
 
@@ -411,15 +447,7 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
         for n_moe in plan.moe_depths:
           jobs.append((v, dt, kind, n_moe, pages[kind]))
   compiles = compile_all(jobs, plan, mesh)
-  fits, rows = {}, []
-  for v in plan.variants:
-    for dt in plan.kv_dtypes:
-      series = {}
-      for kind in plan.kinds:
-        recs = [r for r in compiles if (r["variant"], r["kv_dtype"], r["kind"]) == (v.key, dt, kind)]
-        series[kind] = fit_series(recs, v.model.n_moe_layers)
-        fits[f"{v.key} | {dt} | {kind}"] = series[kind]
-      rows.append(deployment_row(v, dt, plan, series, *weights[v.key]))
+  fits, rows = summarize(plan, compiles, weights)
   record = common.record_header("h200_compile", quick=quick, smoke=smoke, config={
       "plan": {**{k: getattr(plan, k) for k in ("kv_dtypes", "kinds", "moe_depths", "hbm_bytes",
                                                  "static_fraction", "concurrency",
@@ -466,8 +494,9 @@ def notes(plan: Plan) -> list[str]:
       f"Decode: {plan.concurrency} rows, its pool holding {plan.concurrency} requests of the "
       "sweep's shape; prefill: whole prompts up to "
       f"{plan.prefill_tokens} tokens a step, its pool the static-fraction pool.",
-      "Figures at full depth are read from a line fitted over the compiled depths (dense prefix "
-      "+ the listed MoE-layer counts); see the fits table for slopes and residuals.",
+      "Figures at full depth extend the deepest two compiled depths (dense prefix + the listed "
+      "MoE-layer counts) by their increment per MoE layer; the fits table has the least-squares "
+      "line and its residual over all compiled depths, the test that memory is linear in depth.",
       "GLM 5.2's sparse-attention indexer is not instantiated in the model: its weights and its "
       "per-token key cache (128 bf16 values per layer) are counted analytically (weights with the "
       "MTP layer under 'not served'; keys in bytes/token and the pools). The compiled step "
@@ -557,16 +586,17 @@ def markdown(rec: dict) -> str:
         b(c["argument"]), "exact" if c["argument_matches_analytic"] else
         f"NO ({b(c['weights'] + c['kv'] + c['inputs'])})", b(c["temp"]), b(c["output"]),
         b(c["alias"]), f"{c['compile_s']:.0f}"] for c in rec["compiles"]]))
-  md.append(f"\n## Depth fits ({unit} = intercept + slope x MoE layers)\n\n")
+  md.append(f"\n## Depth fits ({unit} = intercept + slope x MoE layers; the full-depth "
+            "figure extends the deepest two points)\n\n")
   frows = []
   for key, series in rec["fits"].items():
     for f in ("argument", "temp", "peak"):
       s = series[f]
       frows.append([key, f, b(s["intercept"]), b(s["slope"]), f"{s['max_residual']:,.0f}",
-                    b(s["at_full"])])
+                    b(s["marginal_slope"]), b(s["at_full"])])
   md.append(common.markdown_table(
-      ["series", "field", "intercept", "slope / MoE layer", "max residual (B)", "at full depth"],
-      frows))
+      ["series", "field", "intercept", "slope / MoE layer", "max residual (B)",
+       "slope between the deepest two", "at full depth"], frows))
   md.append("\n## Notes\n\n")
   md += [f"- {n}\n" for n in rec["notes"]]
   md.append("\n![h200_compile](h200_compile.png)\n")

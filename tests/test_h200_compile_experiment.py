@@ -101,9 +101,14 @@ class FitAndPlanTest(absltest.TestCase):
     self.assertAlmostEqual(fit["intercept"], 7.0)
     self.assertAlmostEqual(fit["at_full"], 187.0)
     self.assertAlmostEqual(fit["max_residual"], 0.0, places=9)
-    bent = hc_exp.fit_depth([(1, 10.0), (2, 14.0), (3, 16.0)], at=3)
+    self.assertAlmostEqual(fit["marginal_slope"], 3.0)
+    # A first MoE layer that adds a one-off 2: least squares says 3 per layer, the
+    # deepest two points 2, and the full-depth reading extends those.
+    bent = hc_exp.fit_depth([(3, 16.0), (1, 10.0), (2, 14.0)], at=5)
     self.assertAlmostEqual(bent["slope"], 3.0)
     self.assertAlmostEqual(bent["max_residual"], 2 / 3)
+    self.assertAlmostEqual(bent["marginal_slope"], 2.0)
+    self.assertAlmostEqual(bent["at_full"], 20.0)
 
   def test_fit_depth_single_point_is_constant(self):
     fit = hc_exp.fit_depth([(2, 5.0)], at=60)
