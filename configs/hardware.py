@@ -3,7 +3,7 @@
 from mlkit.config import HardwareConfig
 
 # NVIDIA H200 SXM: 141 GB HBM3e at 4.8 TB/s; dense peaks from the spec sheet. The
-# measured ceilings (DESIGN.md §5) are what a kernel can actually reach.
+# measured ceilings (docs/measuring.md) are what a kernel can actually reach.
 H200 = HardwareConfig(
     name="NVIDIA H200",
     hbm_bytes=141 * 10**9,

@@ -1,6 +1,6 @@
 """Model presets.
 
-``KIMI_K2_6`` and ``GLM_5_2`` carry the full published shapes (DESIGN.md §1) and are
+``KIMI_K2_6`` and ``GLM_5_2`` carry the full published shapes (docs/report.md) and are
 used only for capacity, weight-byte and roofline math: they are never instantiated
 as weights. The small presets are for tests, CPU experiments and one-H200 runs.
 """
@@ -37,7 +37,7 @@ KIMI_K2_6 = ModelConfig(
 
 # GLM 5.2: 78 layers (3 dense), 256 experts, plus a sparse-attention indexer whose
 # per-token key cache (128 values per layer) counts toward KV capacity. The dense
-# FFN width (12288) is not in DESIGN.md; it is the value that, with the published
+# FFN width (12288) is not published (docs/report.md); it is the value that, with the published
 # shapes, reproduces the published ~744B total.
 GLM_5_2 = ModelConfig(
     name="glm-5.2",

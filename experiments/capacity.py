@@ -9,7 +9,7 @@ its size, as they are for Kimi. The tiny presets' entries are so small (40 and
 run records SMALL_MLA beside it to show that.
 
 Paper-scale part: bytes per token and tokens per GPU for KIMI_K2_6 and GLM_5_2
-with 48 GB of KV space per H200 (DESIGN.md §1), next to the report's figures.
+with 48 GB of KV space per H200 (docs/report.md), next to the report's figures.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from configs import GLM_5_2, H200_MLA, KIMI_K2_6, SMALL_MLA
 from experiments import common
 from mlkit import kvcache as kvc
 
-# KV bytes per H200 that the report's 686K-token figure implies (DESIGN.md §1).
+# KV bytes per H200 that the report's 686K-token figure implies (docs/report.md).
 PAPER_BUDGET = 48 * 10**9
 # The report's figures for Kimi K2.6 (tokens per GPU).
 REPORT_TOKENS = {"bfloat16": 686_000, "float8_e4m3fn": 1_370_000}

@@ -36,7 +36,7 @@ from mlkit.model import init_params
 from mlkit.sampling import SamplingParams
 
 DTYPES = ("bfloat16", "float8_e4m3fn")
-# The report's Kimi K2.6 decode tok/s with a bf16 KV cache (DESIGN.md §1); None = OOM.
+# The report's Kimi K2.6 decode tok/s with a bf16 KV cache (docs/report.md); None = OOM.
 REPORT_BF16 = {1: 137, 8: 731, 16: 1106, 32: 1558, 64: None}
 # Steady decode steps dropped per run as warm-up (the first may compile its batch bucket).
 WARMUP_STEPS = 2

@@ -27,7 +27,7 @@ from mlkit import perfmodel as pm
 from mlkit.quant import FP8_ALL, GIB, INT4_EXPERTS
 
 CONCURRENCY = (1, 8, 16, 32, 64)
-# The report's figures (DESIGN.md §1). None = out of memory.
+# The report's figures (docs/report.md). None = out of memory.
 REPORT_KIMI_BF16 = {1: 137, 8: 731, 16: 1106, 32: 1558, 64: None}
 REPORT_GLM_FP8 = {1: 60, 8: 425, 16: 683, 32: 994, 64: 1672}
 REPORT_KIMI_TOKENS = {"bfloat16": 686_000, "float8_e4m3fn": 1_370_000}
@@ -50,8 +50,8 @@ SHAPE_NOTES = [
     "GLM's lever-2 sweep used a bf16 KV cache (the levers are measured one at a time).",
     "Decode reads each request's mean context over its generation (prompt + output / 2); GLM's "
     "sparse attention reads the latent of its top 2048 tokens plus every indexer key.",
-    "Both deployments: 8x H200 (141 GB, measured 4.3 TB/s copy and 790 TFLOP/s bf16, DESIGN.md "
-    "§5), tensor parallel 8; MLA's latent cache is replicated on every GPU, so per-GPU capacity is "
+    "Both deployments: 8x H200 (141 GB, measured 4.3 TB/s copy and 790 TFLOP/s bf16, docs/measuring.md), "
+    "tensor parallel 8; MLA's latent cache is replicated on every GPU, so per-GPU capacity is "
     "the deployment's capacity.",
     f"One calibrated factor per deployment: '{FACTOR}' (the fixed per-layer latency as a multiple "
     "of the assumed one); the alternative, one efficiency multiplying the whole modelled rate, is "

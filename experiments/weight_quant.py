@@ -37,7 +37,7 @@ from mlkit.sampling import SamplingParams
 RECIPES = (BF16, FP8_ALL, INT4_EXPERTS)
 # Smoke mode compares only the two the lever is about (each recipe's tree compiles its own steps).
 SMOKE_RECIPES = (FP8_ALL, INT4_EXPERTS)
-# The report's GLM 5.2 decode tok/s with fp8 weights at concurrency 1/8/16/32/64 (DESIGN.md §1).
+# The report's GLM 5.2 decode tok/s with fp8 weights at concurrency 1/8/16/32/64 (docs/report.md).
 REPORT_FP8 = {1: 60, 8: 425, 16: 683, 32: 994, 64: 1672}
 # The report's GLM 5.2 weight memory per GPU at TP 8 (GiB, see mlkit.quant.accounting).
 REPORT_GLM_PER_GPU_GIB = {FP8_ALL.name: 88, INT4_EXPERTS.name: 52}

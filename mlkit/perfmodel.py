@@ -52,7 +52,7 @@ DEPLOYMENT_RULES = ShardingRules(experts="tensor")
 class Assumptions:
   """Every input of the model that is not a model shape. All sizes in bytes, times in s."""
 
-  # KV bytes per H200 that the report's 686K-token Kimi figure implies (DESIGN.md §1).
+  # KV bytes per H200 that the report's 686K-token Kimi figure implies (docs/report.md).
   kimi_kv_budget_bytes: float = 48e9
   # Fraction of HBM holding weights + KV (the rest: activations, graphs, buffers). Derived,
   # not chosen: the fraction at which Kimi's INT4 weights per GPU plus 48 GB of KV fill it
@@ -90,7 +90,7 @@ def describe(a: Assumptions) -> list[dict]:
 
 ASSUMPTION_NOTES = {
     "kimi_kv_budget_bytes": "KV bytes per H200 implied by the report's 686K-token Kimi figure "
-                            "(DESIGN.md §1)",
+                            "(docs/report.md)",
     "static_memory_fraction": "HBM fraction for weights + KV; None = derived so that Kimi's "
                               "INT4 weights per GPU + 48 GB of KV fill it, then applied to "
                               "every deployment",

@@ -58,7 +58,7 @@ def run_scenario(mesh=None) -> dict:
   state = init_paged_state(cfg, ecfg.kv)
   state = state.replace(layers=[{k: jnp.asarray(rng.standard_normal(v.shape), v.dtype)
                                  for k, v in layer.items()} for layer in state.layers])
-  state = sync_tags(state, alloc)
+  state = sync_tags(state, alloc.device_tags())
   bt = np.full((2, 4), PAD_PAGE, np.int32)
   et = np.zeros((2, 4), np.int32)
   for rid in range(2):

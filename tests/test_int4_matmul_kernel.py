@@ -30,7 +30,7 @@ from pallas_kernels.int4_matmul.block_sizes import H200_SMEM_BYTES
 from pallas_kernels.int4_matmul.block_sizes import TUNED
 
 ON_GPU = jax.default_backend() == "gpu"
-# DESIGN.md §4: bf16 1e-2 (long K reductions by relative norm), f32 1e-6.
+# docs/testing.md: bf16 1e-2 (long K reductions by relative norm), f32 1e-6.
 TOL = {"bf16": 1e-2, "f32": 1e-6}
 SCALE_DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
 

@@ -305,7 +305,7 @@ class TagCheckTest(absltest.TestCase):
     for rid, n in (("a", 5), ("b", 4), ("c", 8), ("d", 1)):
       self.assertIsNone(alloc.admit(rid, n))
     meta = alloc.batch_meta(["a", "b", "c", "d"], max_pages=3)
-    state = kvc.sync_tags(kvc.init_paged_state(MLA1, kvc.KVCacheConfig(6, P)), alloc)
+    state = kvc.sync_tags(kvc.init_paged_state(MLA1, kvc.KVCacheConfig(6, P)), alloc.device_tags())
     ok = kvc.tag_check_reference(state.page_tags, meta.block_tables, meta.expected_tags,
                                  meta.lengths, page_size=P)
     np.testing.assert_array_equal(np.asarray(ok), [True] * 4)
@@ -315,7 +315,7 @@ class TagCheckTest(absltest.TestCase):
     alloc.free(b_pages)
     alloc.free(c_pages[1:])  # only c's second page is reused below
     self.assertEqual(sorted(alloc.allocate(2)), sorted(b_pages + c_pages[1:]))
-    state = kvc.sync_tags(state, alloc)
+    state = kvc.sync_tags(state, alloc.device_tags())
     ok = kvc.tag_check_reference(state.page_tags, meta.block_tables, meta.expected_tags,
                                  meta.lengths, page_size=P)
     np.testing.assert_array_equal(np.asarray(ok), [True, False, False, True])
@@ -330,7 +330,7 @@ class TagCheckTest(absltest.TestCase):
     self.assertIsNone(alloc.admit("a", 3))
     meta = alloc.batch_meta(["a", None], max_pages=3)
     self.assertEqual(alloc.block_table("a"), [(0, 0xFFFFFFFF), (1, 1)])
-    state = kvc.sync_tags(kvc.init_paged_state(MLA1, kvc.KVCacheConfig(3, 2)), alloc)
+    state = kvc.sync_tags(kvc.init_paged_state(MLA1, kvc.KVCacheConfig(3, 2)), alloc.device_tags())
     self.assertEqual(int(state.page_tags[0]), -1)  # 0xFFFFFFFF bit-cast
     self.assertEqual(int(meta.expected_tags[0, 0]), -1)
     ok = kvc.tag_check_reference(state.page_tags, meta.block_tables, meta.expected_tags,
@@ -450,7 +450,16 @@ class BadInputTest(parameterized.TestCase):
 
   def test_sync_tags_shape(self):
     with self.assertRaisesRegex(ValueError, "does not match the pool's 6 pages"):
-      kvc.sync_tags(self.state, np.zeros(5, np.uint32))
+      kvc.sync_tags(self.state, np.zeros(5, np.int32))
+
+  def test_sync_tags_takes_only_the_device_tag_array(self):
+    alloc = kvc.PageAllocator(6, 4)
+    for wrong in (alloc, alloc.tags, alloc.device_tags().tolist(), np.zeros(6, np.int64)):
+      with self.assertRaisesRegex(TypeError, "int32 array of PageAllocator.device_tags"):
+        kvc.sync_tags(self.state, wrong)
+    alloc.admit("r", 9)
+    state = kvc.sync_tags(self.state, alloc.device_tags())
+    np.testing.assert_array_equal(np.asarray(state.page_tags).view(np.uint32), alloc.tags)
 
   def test_config_errors(self):
     with self.assertRaisesRegex(ValueError, "num_pages must be a positive int"):

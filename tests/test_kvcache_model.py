@@ -74,7 +74,7 @@ class PagedModelTest(parameterized.TestCase):
       self.assertIsNone(alloc.extend(rid, n + 1))  # request c needs a new page here
     meta2 = alloc.batch_meta(ids, max_pages=MAX_PAGES)
     kv_cfg = kvc.KVCacheConfig(num_pages=NUM_PAGES, page_size=PAGE, dtype=kv_dtype)
-    paged = kvc.sync_tags(kvc.init_paged_state(cfg, kv_cfg), alloc)
+    paged = kvc.sync_tags(kvc.init_paged_state(cfg, kv_cfg), alloc.device_tags())
     kvc.validate_state(paged, kv_cfg, cfg)
     for meta, pos in ((meta1, positions), (meta2, dec_positions)):  # host-side, before the jit
       kvc.validate_batch(paged, meta, pos)

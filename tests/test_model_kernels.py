@@ -39,7 +39,7 @@ def _prefilled(cfg, kv_dtype):
   alloc = PageAllocator(16, 4)
   for rid, n in enumerate([5, 3]):
     alloc.admit(rid, n)
-  state = sync_tags(init_paged_state(cfg, KVCacheConfig(16, 4, kv_dtype)), alloc)
+  state = sync_tags(init_paged_state(cfg, KVCacheConfig(16, 4, kv_dtype)), alloc.device_tags())
   toks = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
   pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
   _, state = apply_jit(params, toks, pos, state, cfg=cfg, batch_meta=alloc.batch_meta([0, 1], 4))

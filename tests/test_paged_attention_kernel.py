@@ -26,7 +26,7 @@ from pallas_kernels.paged_attention import paged_mla_decode
 from pallas_kernels.paged_attention import paged_mla_decode_reference
 
 FP8 = jnp.float8_e4m3fn
-# Relative-norm tolerances (DESIGN.md §4): fp8 vs an f32 reference 5e-2; a
+# Relative-norm tolerances (docs/testing.md): fp8 vs an f32 reference 5e-2; a
 # bf16 cache still rounds probabilities to bf16 for the PV dot, so 1e-2.
 TOL = {"bf16": 1e-2, "fp8": 5e-2}
 

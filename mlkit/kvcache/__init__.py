@@ -11,7 +11,7 @@ One step, end to end::
   state = init_paged_state(cfg, kv_cfg)
   if (refused := alloc.admit(rid, prompt_len)) is not None: ...  # CannotAdmit: queue it
   meta = alloc.batch_meta(batch_ids, max_pages=M)               # host -> device arrays
-  state = sync_tags(state, alloc)                               # device page_tags mirror
+  state = sync_tags(state, alloc.device_tags())                 # device page_tags mirror
   validate_batch(state, meta, positions)                        # host-side value checks
   ok = tag_check_reference(state.page_tags, meta.block_tables, meta.expected_tags,
                            meta.lengths, page_size=meta.page_size)  # before attention reads

@@ -473,26 +473,27 @@ def read_layer(state: PagedKVState, layer: int, meta: BatchMeta, dtype=jnp.float
 
 # ----------------------------------------------------------------------------- tags and pages
 
-def sync_tags(state: PagedKVState, tags) -> PagedKVState:
-  """Replaces the device ``page_tags`` with the allocator's (uint32 bit-cast to int32).
+def sync_tags(state: PagedKVState, tags: np.ndarray) -> PagedKVState:
+  """Replaces the device ``page_tags`` with the allocator's tags.
 
   Args:
     state: the pool.
-    tags: a ``PageAllocator`` (anything with ``device_tags()``) or a [num_pages] integer array.
+    tags: [num_pages] int32, the allocator's uint32 tags bit-cast for the device
+      (``PageAllocator.device_tags()``). One type only, so a caller cannot hand over a
+      tag array of another width or sign that would be silently re-interpreted.
 
   Returns:
     The state with the new tags.
 
   Raises:
+    TypeError: if ``tags`` is not an int32 array.
     ValueError: if the tag count differs from the pool's page count.
   """
-  if hasattr(tags, "device_tags"):
-    tags = tags.device_tags()
-  tags = np.asarray(tags)
+  if not isinstance(tags, (np.ndarray, jax.Array)) or tags.dtype != np.int32:
+    raise TypeError(f"sync_tags takes the [num_pages] int32 array of PageAllocator.device_tags(), "
+                    f"got {type(tags).__name__}" + (f" of {tags.dtype}" if hasattr(tags, "dtype") else ""))
   if tags.shape != (state.num_pages,):
     raise ValueError(f"tags shape {tags.shape} does not match the pool's {state.num_pages} pages")
-  if tags.dtype != np.int32:
-    tags = (tags.astype(np.int64) & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
   # A pool placed on a mesh keeps its tags there, so that its jitted steps see the same input
   # placement on every call (and compile once); a single-device pool keeps jnp's default.
   where = getattr(state.page_tags, "sharding", None)

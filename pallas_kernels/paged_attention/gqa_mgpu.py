@@ -10,7 +10,7 @@ and tensor (K, V, and for fp8 the [page, KV] scale rows), driven by scalar
 block-table reads from GMEM.
 
 fp8: e4m3 -> f16 (exact; works with any ptxas, while fp8 -> bf16 needs ISA
->= 9.2, DESIGN.md §3) in a conversion pass through SMEM, because wgmma reads
+>= 9.2, docs/paged_attention.md) in a conversion pass through SMEM, because wgmma reads
 B only from SMEM. The per-(token, head) scale is applied inside that pass:
 the values are in registers anyway, and a K scale folded into the logits
 would need a per-column vector that the [page, KV] scale layout (head

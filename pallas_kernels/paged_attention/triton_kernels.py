@@ -1,7 +1,7 @@
 """Split-K paged decode attention kernels on the Pallas Triton backend.
 
 These are the fallback for shapes the Mosaic GPU kernels (mla_mgpu.py,
-gqa_mgpu.py; the preferred Hopper backend, DESIGN.md §2) do not take:
+gqa_mgpu.py; the preferred Hopper backend, docs/architecture.md) do not take:
 MLA with C % 128 != 0, page_size % 64 != 0 or R % 64 != 0; GQA with
 head_dim % 64 != 0, 64 % page_size != 0 or an fp8 cache with KV % 8 != 0
 (gqa_mgpu reads the [64 tokens, KV] scale tile in the wgmma layout, which
