@@ -55,6 +55,11 @@ EXPERIMENTS = {
     "paper": ("experiments.paper",
               "analytic model of the report's Kimi K2.6 and GLM 5.2 deployments on 8x H200: "
               "calibrated, then predicted (~5 s)"),
+    "h200_compile": ("experiments.h200_compile",
+                     "the report's decode and prefill steps compiled for 8x H200 without a GPU: "
+                     "per-device weights, KV pool and temporaries from XLA, the largest pool that "
+                     "fits, beside the analytic model (quick: Kimi K2.6, ~3.5 min; --full adds "
+                     "GLM 5.2)"),
     "kernels": ("experiments.kernels",
                 "GPU only: per-kernel time and bandwidth vs references (skips on CPU)"),
     "accuracy": ("experiments.accuracy",
