@@ -59,9 +59,10 @@ EXPERIMENTS = {
                      "the report's decode and prefill steps compiled for 8x H200 without a GPU: "
                      "per-device weights, KV pool and temporaries from XLA, the largest pool that "
                      "fits, beside the analytic model (quick: Kimi K2.6, ~3.5 min; --full adds "
-                     "GLM 5.2)"),
+                     "GLM 5.2, ~15 min)"),
     "kernels": ("experiments.kernels",
-                "GPU only: per-kernel time and bandwidth vs references (skips on CPU)"),
+                "roofline sheet of every kernel at its target shapes (modelled; ~2 s); on a "
+                "GPU also per-kernel time and bandwidth vs references and peers"),
     "accuracy": ("experiments.accuracy",
                  "train MINI_MLA on generated tasks (cached), evaluate every KV x weight recipe "
                  "through the engine and the disaggregated recipe through both pools (not in the "
@@ -73,7 +74,7 @@ EXPERIMENTS = {
                            "vs step (not in the default suite: quick ~8 min, --full ~20 min)"),
 }
 DEFAULT_SUITE = ("generate", "capacity", "engine_overhead", "kv_dtype", "weight_quant", "disagg",
-                 "integrity", "paper", "kernels")
+                 "integrity", "paper", "h200_compile", "kernels")
 
 _OUT = flags.DEFINE_string("out", "results", "Output folder for JSON, markdown and PNG.")
 _FULL = flags.DEFINE_bool("full", False, "Run the full-size variant instead of the quick one.")

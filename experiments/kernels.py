@@ -8,8 +8,10 @@ and FLOP/s against the H200 ceilings, the roofline bound, XLA's path and the
 peers (JAX's own Pallas kernels, bf16 twins), and fp8 pages against bf16.
 
 Without a GPU there is nothing to time: ``run`` writes a note that says so and
-returns ``{"skipped": True, ...}``. Either way the markdown carries the H200
-compile readings (registers, spills, shared memory per kernel and shape) that
+returns ``{"skipped": True, ...}``. Either way the markdown carries the roofline
+sheet (``experiments.roofline``: per target case the bytes and FLOPs, the time at
+the H200's ceilings and the target; measured times beside it once a device has run
+``gpu_check``) and the H200 compile readings (registers, spills, shared memory per kernel and shape) that
 ``experiments.kernel_compile`` wrote, when there are any.
 
 A JSONL fetched from a device renders the same way::
@@ -27,7 +29,7 @@ import sys
 
 import jax
 
-from experiments import common
+from experiments import common, roofline
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(_REPO, "scripts", "gpu_check.py")
@@ -101,9 +103,13 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   if backend != "gpu":
     reason = SKIP_REASON.format(backend=backend)
     common.progress(f"kernels: {reason}")
-    record.update(skipped=True, reason=reason, records=[])
+    sheet = roofline.rows()
+    record.update(skipped=True, reason=reason, records=[], roofline=sheet)
     common.write_json(out_dir, "kernels", record)
-    common.write_markdown(out_dir, "kernels", f"# kernels\n\n{reason}\n\n{compile_section()}")
+    roofline.plot(sheet, os.path.join(out_dir, "kernels_roofline.png"))
+    common.write_markdown(out_dir, "kernels", f"# kernels\n\n{reason}\n\n"
+                          f"{roofline.markdown(sheet)}\n![kernels_roofline](kernels_roofline.png)\n\n"
+                          f"{compile_section()}")
     return record
   jsonl = os.path.join(out_dir, "gpu_check.jsonl")
   os.makedirs(out_dir, exist_ok=True)
@@ -175,8 +181,9 @@ def report(jsonl: str, out_dir: str, *, record: dict | None = None) -> dict:
   stop = (by_type.get("budget") or by_type.get("aborted") or [None])[0]
   workers = by_type.get("worker", [])
   real = [r for r in cases if r.get("group") != "fault"]
+  sheet = roofline.rows(measured={r["name"]: r for r in real})
   record.update(skipped=False, source=jsonl, header=header, summary=summary, stop=stop,
-                workers=workers, cases=cases,
+                workers=workers, cases=cases, roofline=sheet,
                 all_ok=bool(real) and all(r["status"] == "ok" for r in real))
   common.write_json(out_dir, "kernels", record)
   device = next((w.get("device_kind") for w in workers if w.get("device_kind")), "?")
@@ -215,9 +222,12 @@ def report(jsonl: str, out_dir: str, *, record: dict | None = None) -> dict:
       lines.append(f"- `{r['name']}`: {r['status']}" + (f": {why.splitlines()[0][:200]}" if why
                                                           else (f": `{tail[0][:200]}`" if tail else "")))
   lines.append("\n![kernels](kernels.png)\n")
+  lines.append(roofline.markdown(sheet))
+  lines.append("\n![kernels_roofline](kernels_roofline.png)\n")
   lines.append(compile_section())
   common.write_markdown(out_dir, "kernels", "\n".join(lines))
   _plot(os.path.join(out_dir, "kernels.png"), real)
+  roofline.plot(sheet, os.path.join(out_dir, "kernels_roofline.png"))
   return record
 
 

@@ -87,6 +87,28 @@ def balanced_group_sizes(m: int, e: int) -> jax.Array:
   return jnp.asarray(np.full(e, m // e) + (np.arange(e) < m % e), jnp.int32)
 
 
+def job_cost(kernel: str, dims: dict) -> tuple[int, int]:
+  """(bytes, FLOPs) one call of an INT4 matmul job must at least move and do.
+
+  Bytes: the packed int4 weights and their bf16 group scales read once (for the grouped
+  matmul, only the experts that receive rows, with rows spread as evenly as
+  ``balanced_group_sizes``), activations in and outputs out in bf16; FLOPs: 2 M K N.
+  Pure arithmetic on ``dims`` (experiments.kernel_targets).
+
+  Raises:
+    ValueError: for an unknown kernel.
+  """
+  if kernel not in KERNELS:
+    raise ValueError(f"unknown kernel {kernel!r}; known: {KERNELS}")
+  m, k, n, g = dims["m"], dims["k"], dims["n"], dims["group_size"]
+  io_bytes = m * k * 2 + m * n * 2
+  per_expert = k // 2 * n + k // g * n * 2
+  if kernel == "int4_matmul":
+    return per_expert + io_bytes, 2 * m * k * n
+  active = min(m, dims["experts"])  # balanced_group_sizes gives min(m, E) experts rows
+  return active * per_expert + io_bytes, 2 * m * k * n
+
+
 def _dense(dims, backend, peers, seed):
   m, k, n, g = dims["m"], dims["k"], dims["n"], dims["group_size"]
   wbytes = k // 2 * n + k // g * n * 2
@@ -107,7 +129,7 @@ def _dense(dims, backend, peers, seed):
                    note="bf16 twin: dequantised weights, XLA dot")]
   if peers and backend == "pallas":
     impls.append(_mixed_type_peer(sets, m, k, n))
-  return bm.Bench(wbytes + io_bytes, 2 * m * k * n, bm.TOL["bf16"], impls,
+  return bm.Bench(*job_cost("int4_matmul", dims), bm.TOL["bf16"], impls,
                   {"block_sizes": dataclasses.asdict(bs),
                    "input_sets": bm.rotation_sets(wbytes + io_bytes)})
 
@@ -171,8 +193,7 @@ def _grouped(dims, backend, peers, seed):
   if peers and backend == "pallas":
     impls.append(bm.Impl("jax_ragged_dot_mgpu", _jax_ragged_dot, bf16_sets, ref, nbytes=bf16_bytes,
                          note="JAX Mosaic GPU ragged dot, bf16 weights"))
-  nbytes = active * (k // 2 * n + k // g * n * 2) + io_bytes
-  return bm.Bench(nbytes, 2 * m * k * n, bm.TOL["bf16"], impls,
+  return bm.Bench(*job_cost("int4_grouped_matmul", dims), bm.TOL["bf16"], impls,
                   {"block_sizes": dataclasses.asdict(bs), "active_experts": active,
                    "input_sets": bm.rotation_sets(wbytes + io_bytes)})
 

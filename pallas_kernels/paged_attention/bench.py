@@ -70,6 +70,33 @@ def _upcast(args):
   return (args[0].astype(jnp.float32), *args[1:])
 
 
+def job_cost(kernel: str, dims: dict) -> tuple[int, int]:
+  """(bytes, FLOPs) one call of a decode-attention job must at least move and do.
+
+  Bytes: every cached token of every request read once (entries, plus fp8 scales), the
+  queries in and the outputs out (bf16) and the block tables; FLOPs: QK and PV. Pure
+  arithmetic on ``dims`` (experiments.kernel_targets), so the roofline sheet needs no
+  device and no arrays.
+
+  Raises:
+    ValueError: for an unknown kernel.
+  """
+  if kernel not in KERNELS:
+    raise ValueError(f"unknown kernel {kernel!r}; known: {KERNELS}")
+  b, ctx, kv, p = dims["batch"], dims["context"], dims["kv"], dims["max_pages"]
+  item = 1 if kv == "fp8" else 2
+  tokens = b * ctx
+  if kernel == "paged_mla_decode":
+    h, c, r = dims["heads"], dims["c"], dims["r"]
+    q_bytes = b * h * (c + r) * 2 + b * h * c * 2 + b * p * 4
+    return (tokens * ((c + r) * item + (8 if kv == "fp8" else 0)) + q_bytes,
+            tokens * h * 2 * (2 * c + r))
+  nkv, hd = dims["kv_heads"], dims["head_dim"]
+  h = nkv * dims["group"]
+  return (tokens * 2 * nkv * (hd * item + (4 if kv == "fp8" else 0)) + 2 * b * h * hd * 2
+          + b * p * 4, tokens * h * 4 * hd)
+
+
 def _mla(dims, backend, peers, seed):
   b, h, c, r, ps, ctx, kv = (dims[k] for k in ("batch", "heads", "c", "r", "page_size",
                                                 "context", "kv"))
@@ -90,8 +117,7 @@ def _mla(dims, backend, peers, seed):
 
   sets = bm.once(lambda: [make(i) for i in range(bm.rotation_sets(set_bytes))])
   q_bytes = b * h * (c + r) * 2 + b * h * c * 2 + b * p * 4
-  nbytes = tokens * ((c + r) * item + (8 if kv == "fp8" else 0)) + q_bytes
-  flops = tokens * h * 2 * (2 * c + r)
+  nbytes, flops = job_cost("paged_mla_decode", dims)
 
   def call(bs=None, be=backend):
     return functools.partial(ops.paged_mla_decode, scale=scale, backend=be, block_sizes=bs)
@@ -180,8 +206,7 @@ def _gqa(dims, backend, peers, seed):
     return (jax.random.normal(ks[0], (b, h, hd), jnp.bfloat16), k, v, k_s, v_s, bt, lengths)
 
   sets = bm.once(lambda: [make(i) for i in range(bm.rotation_sets(set_bytes))])
-  nbytes = tokens * 2 * nkv * (hd * item + (4 if kv == "fp8" else 0)) + 2 * b * h * hd * 2 + b * p * 4
-  flops = tokens * h * 4 * hd
+  nbytes, flops = job_cost("paged_gqa_decode", dims)
 
   def call(bs=None, be=backend):
     return functools.partial(ops.paged_gqa_decode, scale=scale, backend=be, block_sizes=bs)

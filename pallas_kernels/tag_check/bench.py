@@ -42,6 +42,15 @@ def _make(seed, lengths, *, b, p, n):
   return tuple(jnp.asarray(a) for a in (tags, bt, expected, lengths))
 
 
+def job_cost(dims: dict) -> tuple[int, int]:
+  """(bytes, 0 FLOPs) one tag check must at least move: per used page its block-table
+  id, expected tag and pool tag (4 B each), per row its length in and its flag out.
+  The rows are those of ``bench_case`` (all full but the last, at half length)."""
+  b, p, ps = dims["batch"], dims["max_pages"], dims["page_size"]
+  used = int(np.sum(-(-_lengths(b, p, ps) // ps)))
+  return used * 12 + b * 5, 0
+
+
 def bench_case(dims: dict, *, backend: str = "pallas", seed: int = 0) -> bm.Bench:
   """The Bench of one tag-check case.
 
@@ -69,10 +78,8 @@ def bench_case(dims: dict, *, backend: str = "pallas", seed: int = 0) -> bm.Benc
     return {"correct": bool(np.array_equal(out, want) and np.array_equal(out, ref())),
             "mismatches": int(np.sum(out != want))}
 
-  used = int(np.sum(-(-lengths // ps)))
-  nbytes = used * 12 + b * 5  # id + expected + pool tag per used page; lengths in, bools out
   impls = [bm.Impl("pallas", functools.partial(tag_check, page_size=ps, backend=backend),
                    sets, check=check, note="Triton kernel"),
            bm.Impl("xla", functools.partial(tag_check, page_size=ps, backend="xla"),
                    sets, check=check, note="jnp reference")]
-  return bm.Bench(nbytes, 0, 0.0, impls, {"input_sets": bm.rotation_sets(set_bytes)})
+  return bm.Bench(*job_cost(dims), 0.0, impls, {"input_sets": bm.rotation_sets(set_bytes)})

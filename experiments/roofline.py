@@ -1,0 +1,205 @@
+"""The roofline sheet: what every kernel at every target shape can at best reach on an H200.
+
+For each target case of ``experiments.kernel_targets`` (the report's deployments on
+one H200) the sheet gives the bytes and FLOPs one call must at least move and do
+(the bench modules' ``job_cost``, the same figures ``scripts/gpu_check.py`` rates
+its timings against), the predicted time at the measured ceilings (4.3 TB/s device
+copy, 790 TFLOP/s dense bf16: ``max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s)``),
+which ceiling binds, the time the case's target asks for, and how much its format
+can gain over its bf16 twin at best. Where a ``gpu_check`` run has measured the
+case, its kernel time and the fraction of the roofline it reached sit beside the
+prediction; everything else in the sheet is modelled, and says so.
+
+Targets (per H200, measured by ``gpu_check``):
+
+- fp8 MLA decode, context >= 8K and batch >= 8: at least 80% of the copy bandwidth;
+- INT4 dense matmul, M <= 16: at least 3x XLA's bf16 dot;
+- INT4 grouped (MoE) matmul at decode rows (M <= 64): at least 2.5x XLA's bf16
+  ragged dot.
+
+The "bf16 twin" column is the twin's roofline over the case's: the most the
+narrower format can gain when both are memory-bound at the same efficiency. An
+INT4 target above it cannot be met by speed alone (it needs the bf16 path to fall
+short of its own roofline).
+"""
+
+from __future__ import annotations
+
+from experiments import kernel_targets as kt
+from pallas_kernels import benchmark as bm
+from pallas_kernels.int4_matmul import bench as int4_bench
+from pallas_kernels.paged_attention import bench as attn_bench
+from pallas_kernels.tag_check import bench as tag_bench
+
+MLA_BW_TARGET = 0.8  # fraction of the copy bandwidth
+INT4_DENSE_TARGET = 3.0  # x XLA's bf16 dot, M <= 16
+INT4_GROUPED_TARGET = 2.5  # x XLA's bf16 ragged dot, decode rows
+
+
+def job_cost(case: kt.KernelCase) -> tuple[int, int]:
+  """(bytes, FLOPs) of one call of ``case``'s job (the bench module's ``job_cost``)."""
+  if case.kernel in attn_bench.KERNELS:
+    return attn_bench.job_cost(case.kernel, case.d)
+  if case.kernel in int4_bench.KERNELS:
+    return int4_bench.job_cost(case.kernel, case.d)
+  if case.kernel == "tag_check":
+    return tag_bench.job_cost(case.d)
+  raise ValueError(f"unknown kernel {case.kernel!r}; known: {kt.KERNELS}")
+
+
+def twin_cost(case: kt.KernelCase) -> tuple[int, int] | None:
+  """(bytes, FLOPs) of the same job in bf16: bf16 pages for an fp8 attention case,
+  dequantised bf16 weights for an INT4 one; None where there is no narrower format."""
+  d = case.d
+  if case.kernel in attn_bench.KERNELS:
+    if d["kv"] != "fp8":
+      return None
+    return attn_bench.job_cost(case.kernel, d | {"kv": "bf16"})
+  if case.kernel in int4_bench.KERNELS:
+    m, k, n = d["m"], d["k"], d["n"]
+    experts = min(m, d["experts"]) if case.kernel == "int4_grouped_matmul" else 1
+    return experts * k * n * 2 + m * k * 2 + m * n * 2, 2 * m * k * n
+  return None
+
+
+def target(case: kt.KernelCase) -> tuple[str, float | None]:
+  """(the case's target in words, the time in seconds it allows where the sheet can
+  model it; None where it depends on a measured peer)."""
+  d = case.d
+  if case.kernel == "paged_mla_decode" and d["kv"] == "fp8" and d["context"] >= 8192 \
+      and d["batch"] >= 8:
+    nbytes, _ = job_cost(case)
+    return f">= {MLA_BW_TARGET:.0%} of copy BW", nbytes / (MLA_BW_TARGET * bm.H200_COPY_BW)
+  if case.kernel == "int4_matmul" and d["m"] <= 16:
+    return f">= {INT4_DENSE_TARGET:g}x XLA bf16 dot", None
+  if case.kernel == "int4_grouped_matmul" and d["m"] <= 64:
+    return f">= {INT4_GROUPED_TARGET:g}x XLA bf16 ragged dot", None
+  return "-", None
+
+
+def rows(cases: list[kt.KernelCase] | None = None,
+         measured: dict[str, dict] | None = None) -> list[dict]:
+  """One sheet row per target case.
+
+  Args:
+    cases: the cases (default: every target case).
+    measured: gpu_check case records by case name (``status`` "ok" ones count).
+
+  Returns:
+    Dicts with kernel, case, model, bytes, flops, intensity (FLOP/B), bound,
+    roofline_s, target, target_s, twin_gain (bf16 twin's roofline / the case's),
+    time_s and roofline_fraction (None where not measured).
+  """
+  cases = kt.target_cases() if cases is None else cases
+  measured = measured or {}
+  out = []
+  for c in cases:
+    nbytes, flops = job_cost(c)
+    floor = bm.roofline_s(nbytes, flops)
+    twin = twin_cost(c)
+    what, allowed = target(c)
+    rec = measured.get(c.name) or {}
+    t = rec.get("time_s") if rec.get("status") == "ok" else None
+    out.append({
+        "kernel": c.kernel, "case": c.name, "model": c.model, "bytes": nbytes, "flops": flops,
+        "intensity": flops / nbytes,
+        "bound": "memory" if nbytes / bm.H200_COPY_BW >= flops / bm.H200_BF16_FLOPS
+                 else "compute",
+        "roofline_s": floor, "target": what, "target_s": allowed,
+        "twin_gain": None if twin is None else bm.roofline_s(*twin) / floor,
+        "time_s": t, "roofline_fraction": None if t is None else floor / t})
+  return out
+
+
+def _us(s):
+  if s is None:
+    return "-"
+  us = s * 1e6
+  return f"{us:.2f}" if us < 10 else (f"{us:,.1f}" if us < 1000 else f"{us:,.0f}")
+
+
+def markdown(sheet: list[dict]) -> str:
+  """The sheet as a markdown section: one table per kernel, then a summary."""
+  from experiments import common
+  measured = sum(r["time_s"] is not None for r in sheet)
+  lines = ["## Roofline sheet (H200, per call)\n",
+           f"{len(sheet)} target cases; {measured} measured on a GPU, the rest modelled. "
+           f"Roofline = max(bytes / {bm.H200_COPY_BW / 1e12:.1f} TB/s, FLOPs / "
+           f"{bm.H200_BF16_FLOPS / 1e12:.0f} TFLOP/s), the measured ceilings. 'target us' is "
+           "the time the case's target allows where it is a bandwidth target; 'bf16 twin x' is "
+           "the bf16 twin's roofline over this case's (the most the narrower format can gain "
+           "when both run at the same efficiency).\n"]
+  for kernel in dict.fromkeys(r["kernel"] for r in sheet):
+    part = [r for r in sheet if r["kernel"] == kernel]
+    lines.append(f"### {kernel}\n")
+    lines.append(common.markdown_table(
+        ["case", "model", "MB", "GFLOP", "FLOP/B", "bound", "roofline us", "target",
+         "target us", "bf16 twin x", "measured us", "of roofline"],
+        [[r["case"], r["model"], f"{r['bytes'] / 1e6:,.2f}", f"{r['flops'] / 1e9:,.3f}",
+          f"{r['intensity']:.1f}", r["bound"], _us(r["roofline_s"]), r["target"],
+          _us(r["target_s"]), "-" if r["twin_gain"] is None else f"{r['twin_gain']:.2f}",
+          _us(r["time_s"]),
+          "-" if r["roofline_fraction"] is None else f"{r['roofline_fraction']:.2f}"]
+         for r in part]))
+    lines.append("")
+  lines += summary_lines(sheet)
+  return "\n".join(lines)
+
+
+def summary_lines(sheet: list[dict]) -> list[str]:
+  """What the sheet says about the targets before any measurement."""
+  out = ["### What the model says about the targets\n"]
+  for kernel, need in (("int4_matmul", INT4_DENSE_TARGET), ("int4_grouped_matmul",
+                                                            INT4_GROUPED_TARGET)):
+    part = [r for r in sheet if r["kernel"] == kernel and r["target"] != "-"]
+    if not part:
+      continue
+    gains = [r["twin_gain"] for r in part]
+    short = [r["case"] for r in part if r["twin_gain"] < need]
+    out.append(f"- {kernel}: the bf16 twin's roofline is {min(gains):.2f}-{max(gains):.2f}x "
+               f"this kernel's at the target shapes, against a {need:g}x target"
+               + (f"; below it at {len(short)} of {len(part)} ({', '.join(short[:3])}"
+                  f"{' ...' if len(short) > 3 else ''}): there the target needs XLA's bf16 "
+                  f"path to fall short of its own roofline." if short else
+                  "; reaching it takes the kernel to at least "
+                  f"{need / min(gains):.0%} of its roofline at the hardest shape if XLA's bf16 "
+                  "path reaches its own."))
+  mla = [r for r in sheet if r["kernel"] == "paged_mla_decode" and r["target_s"]]
+  if mla:
+    out.append(f"- paged_mla_decode, fp8: {len(mla)} cases with a bandwidth target, allowing "
+               f"{_us(min(r['target_s'] for r in mla))}-{_us(max(r['target_s'] for r in mla))} us "
+               "per call.")
+  tag = [r for r in sheet if r["kernel"] == "tag_check"]
+  if tag:
+    out.append(f"- tag_check: {_us(min(r['roofline_s'] for r in tag))}-"
+               f"{_us(max(r['roofline_s'] for r in tag))} us per step at the roofline; the "
+               "target (< 0.3% of a decode step) is checked against the measured step.")
+  return out + [""]
+
+
+def plot(sheet: list[dict], path: str) -> None:
+  """Roofline time per case (bars, log scale) by kernel; measured times as dots."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  kernels = list(dict.fromkeys(r["kernel"] for r in sheet))
+  fig, axes = plt.subplots(1, len(kernels), figsize=(4 * len(kernels), 5), squeeze=False)
+  for ax, kernel in zip(axes[0], kernels):
+    part = [r for r in sheet if r["kernel"] == kernel]
+    xs = range(len(part))
+    ax.bar(xs, [r["roofline_s"] * 1e6 for r in part], color="tab:gray", label="roofline")
+    tx = [(i, r["target_s"] * 1e6) for i, r in enumerate(part) if r["target_s"]]
+    if tx:
+      ax.plot(*zip(*tx), "g_", markersize=8, label="target")
+    mx = [(i, r["time_s"] * 1e6) for i, r in enumerate(part) if r["time_s"]]
+    if mx:
+      ax.plot(*zip(*mx), "r.", label="measured")
+    ax.set_yscale("log")
+    ax.set_title(kernel, fontsize=9)
+    ax.set_xlabel("target case")
+    ax.set_ylabel("us per call")
+    ax.legend(fontsize=7)
+  fig.suptitle("H200 roofline per target case (modelled; measured where gpu_check ran)")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)

@@ -1,0 +1,129 @@
+"""The roofline sheet: per target case bytes, FLOPs, the H200 bound, targets, measured join."""
+
+import os
+import tempfile
+
+from absl.testing import absltest, parameterized
+
+from experiments import kernel_targets as kt
+from experiments import roofline as rf
+from pallas_kernels import benchmark as bm
+from pallas_kernels.int4_matmul import bench as int4_bench
+from pallas_kernels.paged_attention import bench as attn_bench
+from pallas_kernels.tag_check import bench as tag_bench
+
+# Small dims of every kernel (the reference backend builds their Benches quickly).
+_SMALL = {
+    "paged_mla_decode": dict(batch=2, heads=4, c=128, r=64, page_size=8, context=32, kv="fp8",
+                             max_pages=4, num_pages=9, qk_head_dim=192),
+    "paged_gqa_decode": dict(batch=2, kv_heads=2, group=4, head_dim=64, page_size=8, context=32,
+                             kv="bf16", max_pages=4, num_pages=9),
+    "int4_matmul": dict(m=8, k=256, n=128, group_size=32),
+    "int4_grouped_matmul": dict(m=3, k=256, n=128, group_size=64, experts=4),
+    "tag_check": dict(batch=3, max_pages=5, num_pages=40, page_size=4),
+}
+
+
+class JobCostTest(parameterized.TestCase):
+
+  @parameterized.parameters(*_SMALL)
+  def test_equals_what_gpu_check_rates_against(self, kernel):
+    # gpu_check's Bench and the sheet must count one job the same way.
+    dims = _SMALL[kernel]
+    if kernel == "tag_check":
+      bench, cost = tag_bench.bench_case(dims, backend="xla"), tag_bench.job_cost(dims)
+    elif kernel in attn_bench.KERNELS:
+      bench = attn_bench.bench_case(kernel, dims, backend="xla")
+      cost = attn_bench.job_cost(kernel, dims)
+    else:
+      bench = int4_bench.bench_case(kernel, dims, backend="xla")
+      cost = int4_bench.job_cost(kernel, dims)
+    self.assertEqual((bench.nbytes, bench.flops), cost)
+
+  def test_by_hand(self):
+    d = _SMALL["paged_mla_decode"]
+    tokens = 2 * 32
+    q = 2 * 4 * (128 + 64) * 2 + 2 * 4 * 128 * 2 + 2 * 4 * 4  # q in, out, block tables
+    self.assertEqual(attn_bench.job_cost("paged_mla_decode", d),
+                     (tokens * ((128 + 64) + 8) + q, tokens * 4 * 2 * (2 * 128 + 64)))
+    # Grouped INT4: 3 rows over 4 experts touch 3 experts' weights.
+    d = _SMALL["int4_grouped_matmul"]
+    per_expert = 256 // 2 * 128 + 256 // 64 * 128 * 2
+    self.assertEqual(int4_bench.job_cost("int4_grouped_matmul", d),
+                     (3 * per_expert + 3 * 256 * 2 + 3 * 128 * 2, 2 * 3 * 256 * 128))
+
+  def test_unknown_kernel(self):
+    with self.assertRaisesRegex(ValueError, "unknown kernel"):
+      attn_bench.job_cost("int4_matmul", _SMALL["int4_matmul"])
+    with self.assertRaisesRegex(ValueError, "unknown kernel"):
+      int4_bench.job_cost("tag_check", _SMALL["tag_check"])
+
+
+class SheetTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.cases = kt.target_cases()
+    cls.sheet = rf.rows(cls.cases)
+
+  def test_one_row_per_target_case_at_the_h200_roofline(self):
+    self.assertEqual([r["case"] for r in self.sheet], [c.name for c in self.cases])
+    for r in self.sheet:
+      mem, comp = r["bytes"] / 4.3e12, r["flops"] / 790e12
+      self.assertAlmostEqual(r["roofline_s"], max(mem, comp), delta=1e-15)
+      self.assertEqual(r["bound"], "memory" if mem >= comp else "compute")
+      self.assertIsNone(r["time_s"])
+      self.assertIsNone(r["roofline_fraction"])
+
+  def test_targets(self):
+    for c, r in zip(self.cases, self.sheet):
+      d = c.d
+      if c.kernel == "paged_mla_decode" and d["kv"] == "fp8" and d["context"] >= 8192 \
+          and d["batch"] >= 8:
+        self.assertAlmostEqual(r["target_s"], r["bytes"] / (0.8 * 4.3e12), delta=1e-15)
+      else:
+        self.assertIsNone(r["target_s"], c.name)
+      if c.kernel == "int4_matmul":
+        self.assertEqual(r["target"] != "-", d["m"] <= 16)
+
+  def test_twin_gain(self):
+    by_name = {r["case"]: r for r in self.sheet}
+    for c, r in zip(self.cases, self.sheet):
+      if c.kernel == "paged_mla_decode" and c.d["kv"] == "fp8":
+        # The bf16 twin is itself a target case: its roofline over this one's.
+        twin = by_name[c.name.replace("/fp8/", "/bf16/")]
+        self.assertAlmostEqual(r["twin_gain"], twin["roofline_s"] / r["roofline_s"], places=9)
+        self.assertGreater(r["twin_gain"], 1.5)
+      elif c.kernel.startswith("int4") and r["bound"] == "memory":
+        # int4 + bf16 group scales: between 2x and 4x fewer bytes than bf16.
+        self.assertGreater(r["twin_gain"], 2.0)
+        self.assertLess(r["twin_gain"], 4.0)
+      elif c.kernel in ("tag_check",) or (c.kernel.startswith("paged") and c.d["kv"] == "bf16"):
+        self.assertIsNone(r["twin_gain"])
+
+  def test_measured_join(self):
+    c = self.cases[0]
+    floor = self.sheet[0]["roofline_s"]
+    measured = {c.name: {"status": "ok", "time_s": 4 * floor},
+                self.cases[1].name: {"status": "error", "time_s": None}}
+    rows = rf.rows(self.cases[:2], measured)
+    self.assertAlmostEqual(rows[0]["roofline_fraction"], 0.25)
+    self.assertEqual(rows[0]["time_s"], 4 * floor)
+    self.assertIsNone(rows[1]["time_s"])
+
+  def test_markdown_and_plot(self):
+    md = rf.markdown(self.sheet)
+    self.assertIn("202 target cases; 0 measured on a GPU", md)
+    for kernel in kt.KERNELS:
+      self.assertIn(f"### {kernel}", md)
+    self.assertIn("| mla/tp8/fp8/b64/ctx131072 |", md)
+    self.assertIn("### What the model says about the targets", md)
+    path = os.path.join(tempfile.mkdtemp(), "roofline.png")
+    rf.plot(self.sheet, path)
+    with open(path, "rb") as f:
+      self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+
+
+if __name__ == "__main__":
+  absltest.main()
