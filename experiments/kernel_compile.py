@@ -70,6 +70,9 @@ READINGS = ("registers", "spill_stores", "spill_loads", "stack", "smem")
 # different heap layouts (191 / 193), or other address constants (+-1). Witnesses
 # of a shared compile must read within this of it.
 REGISTER_NOISE = 4
+# From this many pipeline steps on, the INT4 loop's trip count no longer changes the
+# kernel ptxas builds (a short constant-trip loop is unrolled; a long one is not).
+INT4_LONG_LOOP_STEPS = 8
 # A shared compile covers its other cases only with this much headroom below the
 # register limit; closer to 255 every case of the group is compiled on its own,
 # so "zero spills" never rests on a neighbour's reading.
@@ -231,7 +234,8 @@ def kernel_key(case, impl: str, block_sizes) -> tuple:
   elif case.kernel in ("int4_matmul", "int4_grouped_matmul"):
     grouped = case.kernel == "int4_grouped_matmul"
     steps = d["k"] // block_sizes.tile_k // (1 if grouped else block_sizes.k_splits)
-    key.update(group_size=d["group_size"], k_steps=steps,
+    key.update(group_size=d["group_size"],
+               k_steps=steps if steps < INT4_LONG_LOOP_STEPS else f">={INT4_LONG_LOOP_STEPS}",
                pipeline_depth=min(block_sizes.max_concurrent_steps, steps),
                **{f"{n}_dtype": _dtype_name(a[1])
                   for n, a in zip(("x", "packed", "scales"), case.arg_shapes())})
@@ -247,6 +251,8 @@ def kernel_key(case, impl: str, block_sizes) -> tuple:
   if impl == "triton":
     big = max(math.prod(s) * _itemsize(dt) for s, dt in filter(None, case.arg_shapes()))
     key["wide_offsets"] = big > TRITON_WIDE_OFFSET_BYTES
+  if case.kernel == "int4_matmul":
+    fields.pop("k_splits")  # the splits set a grid axis and a K offset (steps are per split)
   key.update({f"bs.{k}": v for k, v in fields.items()})
   return tuple(sorted(key.items()))
 
