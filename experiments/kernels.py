@@ -11,8 +11,8 @@ Without a GPU there is nothing to time: ``run`` writes a note that says so and
 returns ``{"skipped": True, ...}``. Either way the markdown carries the roofline
 sheet (``experiments.roofline``: per target case the bytes and FLOPs, the time at
 the H200's ceilings and the target; measured times beside it once a device has run
-``gpu_check``) and the H200 compile readings (registers, spills, shared memory per kernel and shape) that
-``experiments.kernel_compile`` wrote, when there are any.
+``gpu_check``) and the H200 compile readings (registers, spills, shared memory per
+kernel and shape) that ``experiments.kernel_compile`` wrote, when there are any.
 
 A JSONL fetched from a device renders the same way::
 

@@ -56,9 +56,7 @@ def twin_cost(case: kt.KernelCase) -> tuple[int, int] | None:
       return None
     return attn_bench.job_cost(case.kernel, d | {"kv": "bf16"})
   if case.kernel in int4_bench.KERNELS:
-    m, k, n = d["m"], d["k"], d["n"]
-    experts = min(m, d["experts"]) if case.kernel == "int4_grouped_matmul" else 1
-    return experts * k * n * 2 + m * k * 2 + m * n * 2, 2 * m * k * n
+    return int4_bench.job_cost(case.kernel, d, weights="bf16")
   return None
 
 

@@ -20,7 +20,7 @@ if "xla_force_host_platform_device_count" not in flags:
 # One persistent compilation cache for the whole run, shared by pytest-xdist's workers and
 # the subprocesses tests start (they inherit the environment): many programs (model steps,
 # engine steps, quantisers) are compiled by tests in both workers, and a cache hit saves
-# the second compile (about 1.5 of 9 minutes on 2 cores). It is fresh for every run and
+# the second compile. It is fresh for every run and
 # removed at its end, so no run reads another's executables. The H200 compile tests need
 # ptxas to run: a cached executable would leave its report empty, which those tests fail on.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:

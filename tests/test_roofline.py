@@ -57,6 +57,17 @@ class JobCostTest(parameterized.TestCase):
       attn_bench.job_cost("int4_matmul", _SMALL["int4_matmul"])
     with self.assertRaisesRegex(ValueError, "unknown kernel"):
       int4_bench.job_cost("tag_check", _SMALL["tag_check"])
+    with self.assertRaisesRegex(ValueError, "weights must be"):
+      int4_bench.job_cost("int4_matmul", _SMALL["int4_matmul"], weights="fp8")
+
+  def test_bf16_twin_bytes_are_gpu_checks_bf16_peer(self):
+    for kernel in int4_bench.KERNELS:
+      bench = int4_bench.bench_case(kernel, _SMALL[kernel], backend="xla")
+      twin = next(i for i in bench.impls if i.name.startswith("xla_bf16"))
+      self.assertEqual(twin.nbytes, int4_bench.job_cost(kernel, _SMALL[kernel], weights="bf16")[0])
+      m, k, n = (_SMALL[kernel][x] for x in ("m", "k", "n"))
+      experts = min(m, _SMALL[kernel].get("experts", 1))
+      self.assertEqual(twin.nbytes, experts * k * n * 2 + m * k * 2 + m * n * 2)
 
 
 class SheetTest(absltest.TestCase):

@@ -87,26 +87,29 @@ def balanced_group_sizes(m: int, e: int) -> jax.Array:
   return jnp.asarray(np.full(e, m // e) + (np.arange(e) < m % e), jnp.int32)
 
 
-def job_cost(kernel: str, dims: dict) -> tuple[int, int]:
+def job_cost(kernel: str, dims: dict, *, weights: str = "int4") -> tuple[int, int]:
   """(bytes, FLOPs) one call of an INT4 matmul job must at least move and do.
 
-  Bytes: the packed int4 weights and their bf16 group scales read once (for the grouped
-  matmul, only the experts that receive rows, with rows spread as evenly as
-  ``balanced_group_sizes``), activations in and outputs out in bf16; FLOPs: 2 M K N.
-  Pure arithmetic on ``dims`` (experiments.kernel_targets).
+  Bytes: the weights read once (int4: packed values plus bf16 group scales; "bf16": the
+  dequantised bf16 twin), for the grouped matmul only the experts that receive rows
+  (rows spread as evenly as ``balanced_group_sizes``), activations in and outputs out
+  in bf16; FLOPs: 2 M K N. Pure arithmetic on ``dims`` (experiments.kernel_targets).
 
   Raises:
-    ValueError: for an unknown kernel.
+    ValueError: for an unknown kernel or weight format.
   """
   if kernel not in KERNELS:
     raise ValueError(f"unknown kernel {kernel!r}; known: {KERNELS}")
   m, k, n, g = dims["m"], dims["k"], dims["n"], dims["group_size"]
-  io_bytes = m * k * 2 + m * n * 2
-  per_expert = k // 2 * n + k // g * n * 2
-  if kernel == "int4_matmul":
-    return per_expert + io_bytes, 2 * m * k * n
-  active = min(m, dims["experts"])  # balanced_group_sizes gives min(m, E) experts rows
-  return active * per_expert + io_bytes, 2 * m * k * n
+  if weights == "int4":
+    per_expert = k // 2 * n + k // g * n * 2
+  elif weights == "bf16":
+    per_expert = k * n * 2
+  else:
+    raise ValueError(f"weights must be 'int4' or 'bf16', got {weights!r}")
+  # balanced_group_sizes gives min(M, E) experts rows.
+  experts = 1 if kernel == "int4_matmul" else min(m, dims["experts"])
+  return experts * per_expert + m * k * 2 + m * n * 2, 2 * m * k * n
 
 
 def _dense(dims, backend, peers, seed):
@@ -125,7 +128,8 @@ def _dense(dims, backend, peers, seed):
 
   impls = [bm.Impl("pallas", call(backend), sets, ref, note="Mosaic GPU kernel"),
            bm.Impl("xla", call("xla"), sets, ref, note="jnp reference: dequantise, f32 dot"),
-           bm.Impl("xla_bf16_dot", _bf16_dot, bf16_sets, ref, nbytes=k * n * 2 + io_bytes,
+           bm.Impl("xla_bf16_dot", _bf16_dot, bf16_sets, ref,
+                   nbytes=job_cost("int4_matmul", dims, weights="bf16")[0],
                    note="bf16 twin: dequantised weights, XLA dot")]
   if peers and backend == "pallas":
     impls.append(_mixed_type_peer(sets, m, k, n))
@@ -185,7 +189,7 @@ def _grouped(dims, backend, peers, seed):
   def bf16_sets():
     return [(x, reference.dequantize_int4(p, s, g, jnp.bfloat16), c) for x, p, s, c in sets()]
 
-  bf16_bytes = active * k * n * 2 + io_bytes
+  bf16_bytes = job_cost("int4_grouped_matmul", dims, weights="bf16")[0]
   impls = [bm.Impl("pallas", call(backend), sets, ref, note="Mosaic GPU kernel"),
            bm.Impl("xla", call("xla"), sets, ref, note="jnp reference: dequantise, f32 ragged_dot"),
            bm.Impl("xla_bf16_ragged_dot", _bf16_ragged_dot, bf16_sets, ref, nbytes=bf16_bytes,

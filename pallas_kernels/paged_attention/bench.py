@@ -195,7 +195,6 @@ def _gqa(dims, backend, peers, seed):
   h = nkv * g
   scale = 1.0 / math.sqrt(hd)
   item = 1 if kv == "fp8" else 2
-  tokens = b * ctx
   set_bytes = 2 * n * ps * nkv * (hd * item + (4 if kv == "fp8" else 0)) + b * h * hd * 2
 
   def make(i):
