@@ -32,7 +32,7 @@ import numpy as np
 from experiments import common
 from mlkit import kvcache as kvc
 from mlkit.engine import EngineConfig, request_metrics
-from mlkit.engine.disagg import DisaggConfig, DisaggEngine, PoolConfig
+from mlkit.engine.disagg import DisaggConfig, PoolConfig, build_serving_engine
 from mlkit.parallel import MeshConfig
 from mlkit.quant import BF16, FP8_ALL, INT4_EXPERTS
 from mlkit.sampling import SamplingParams
@@ -76,7 +76,7 @@ def configs(cfg, shape: dict, n_devices: int) -> dict[str, DisaggConfig]:
   }
 
 
-def _serve(eng: DisaggEngine, prompts, new_tokens: int) -> dict:
+def _serve(eng, prompts, new_tokens: int) -> dict:
   """Half the prompts arrive at once, the rest one per step; runs to the end."""
   first = len(prompts) // 2 or 1
   sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
@@ -125,7 +125,7 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
                   f"{shape['requests']} requests of {shape['prompt']} + {shape['new_tokens']}")
   from mlkit.model import init_params
   ckpt = init_params(cfg, jax.random.key(0))
-  engines = {v: DisaggEngine(ckpt, setups[v], devices=devices[:n]) for v in VARIANTS}
+  engines = {v: build_serving_engine(ckpt, setups[v], devices=devices[:n]) for v in VARIANTS}
   rng = np.random.default_rng(0)
 
   def prompts():

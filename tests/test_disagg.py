@@ -14,7 +14,7 @@ from mlkit.engine import Engine, EngineConfig, Fault, FaultKind, RequestRejected
 from mlkit.engine import faults as faults_lib
 from mlkit.engine import transfer as tr
 from mlkit.engine.disagg import (ABORT_TRANSFER, DisaggConfig, DisaggEngine, PoolConfig,
-                                 TransferFault, default_disagg_config)
+                                 TransferFault, build_serving_engine, default_disagg_config)
 from mlkit.quant import BF16, FP8_ALL, INT4_EXPERTS
 from mlkit.sampling import SamplingParams
 from test_parallel import init_params_np
@@ -65,10 +65,10 @@ class DisaggEngineTest(parameterized.TestCase):
         enable_fault_injection=True)
     cls.disagg = DisaggEngine(cls.ckpt, cls.same_cfg)
     cls.d_out, cls.d_logits, cls.d_reqs = _drive(cls.disagg)
-    cls.timeline = list(cls.disagg.metrics_.timeline)
+    cls.timeline = list(cls.disagg.stats.timeline)
     cls.d_metrics = cls.disagg.metrics()["disagg"]  # other tests add requests to this engine
-    cls.coloc = DisaggEngine(cls.ckpt, dataclasses.replace(cls.same_cfg, mode="colocated",
-                                                                  enable_fault_injection=False))
+    cls.coloc = build_serving_engine(cls.ckpt, dataclasses.replace(
+        cls.same_cfg, mode="colocated", enable_fault_injection=False))
     cls.c_out, cls.c_logits, _ = _drive(cls.coloc)
 
   def test_disaggregated_equals_colocated_same_recipe(self):
@@ -102,13 +102,14 @@ class DisaggEngineTest(parameterized.TestCase):
   def test_engine_runs_unchanged_on_a_mesh(self):
     # The colocated engine above is a plain Engine whose params and KV live on a
     # 4-device mesh; a 1-device Engine gives the same tokens and logits.
+    self.assertIsInstance(self.coloc, Engine)
     plain = Engine(self.ckpt, self.same_cfg.decode.engine)
     out, logits, _ = _drive(plain)
     self.assertEqual(out, self.c_out)
     for a, b in zip(logits, self.c_logits):
       np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5)
     # The pages stayed on the mesh through the donated steps.
-    self.assertLen(self.coloc.decode.state.layers[0]["latent"].sharding.device_set, 4)
+    self.assertLen(self.coloc.state.layers[0]["latent"].sharding.device_set, 4)
 
   def test_disaggregated_across_recipes_within_quant_tolerance(self):
     # The report's split: prefill FP8_ALL weights + bf16 KV, decode INT4_EXPERTS + fp8 KV.
@@ -138,18 +139,18 @@ class DisaggEngineTest(parameterized.TestCase):
 
   def test_transit_corruption_is_retried(self):
     eng = self.disagg
-    before = eng.metrics_.transfer_retries
+    before = eng.stats.transfer_retries
     eng.inject_transfer_fault(TransferFault("transit", times=1, layer=0))
     out, _, reqs = _drive(eng, early=[EARLY[0]], late=[], steps_between=0)
     self.assertEqual(reqs[0].status, RequestStatus.FINISHED)
     self.assertEqual(out[0], self.c_out[0])  # the retry delivered the right KV
-    self.assertEqual(eng.metrics_.transfer_retries, before + 1)
+    self.assertEqual(eng.stats.transfer_retries, before + 1)
 
   @parameterized.parameters("transit", "landing")
   def test_persistent_corruption_aborts_with_reason(self, where):
     eng = self.disagg
     eng.inject_transfer_fault(TransferFault(where, times=self.same_cfg.transfer_attempts))
-    failures = eng.metrics_.transfer_failures
+    failures = eng.stats.transfer_failures
     rid = eng.submit(EARLY[1], SAMPLING)
     outs = []
     while eng.has_unfinished():
@@ -166,7 +167,7 @@ class DisaggEngineTest(parameterized.TestCase):
     self.assertIn("in transit" if where == "transit" else "after the write", error)
     self.assertIn(f"after {self.same_cfg.transfer_attempts} attempts", error)
     self.assertLen(req.output, 1)  # only the prefill pool's first token, nothing decoded
-    self.assertEqual(eng.metrics_.transfer_failures, failures + 1)
+    self.assertEqual(eng.stats.transfer_failures, failures + 1)
     # Both pools got every page back.
     self.assertEqual(eng.prefill.allocator.num_free, eng.prefill.allocator.num_pages)
     self.assertEqual(eng.decode.allocator.num_free, eng.decode.allocator.num_pages)
@@ -180,7 +181,7 @@ class DisaggEngineTest(parameterized.TestCase):
     waited = 0
     while eng.has_unfinished():
       eng.step()
-      waited = max(waited, len(eng._transfer_queue))
+      waited = max(waited, len(eng.prefill.prefilled()))
     self.assertGreater(waited, 0)
     out = [eng.get(i).output for i in ids]
     self.assertEqual(out[:4], self.c_out)
@@ -194,14 +195,14 @@ class DisaggEngineTest(parameterized.TestCase):
     eng = self.disagg
     alloc = eng.decode.allocator
     self.assertIsNone(alloc.admit("hog", (alloc.num_free - 4) * alloc.page_size))
-    requeued, preempted = eng.metrics_.requeued, eng.decode.stats.preemptions
+    requeued, preempted = eng.stats.requeued, eng.decode.stats.preemptions
     sampling = SamplingParams(max_new_tokens=12)
     try:
       ids = [eng.submit(p, sampling) for p in EARLY]
       eng.run_until_done(max_steps=200)
     finally:
       alloc.release("hog")
-    self.assertGreater(eng.metrics_.requeued, requeued)
+    self.assertGreater(eng.stats.requeued, requeued)
     self.assertGreater(eng.decode.stats.preemptions, preempted)
     self.assertEqual([eng.get(i).output for i in ids], self.coloc.generate(EARLY, sampling))
     self.assertEqual(eng.decode.allocator.num_free, eng.decode.allocator.num_pages)
@@ -277,8 +278,15 @@ class DisaggEngineTest(parameterized.TestCase):
       self.disagg.inject_transfer_fault(TransferFault(layer=1))
 
   def test_fault_injection_disabled_raises(self):
+    # Building the pools compiles nothing (steps compile when they first run).
+    eng = DisaggEngine(self.ckpt, dataclasses.replace(self.same_cfg, enable_fault_injection=False))
     with self.assertRaisesRegex(RuntimeError, "fault injection is disabled"):
-      self.coloc.inject_transfer_fault(TransferFault())
+      eng.inject_transfer_fault(TransferFault())
+
+  def test_colocated_config_is_a_plain_engine(self):
+    cfg = dataclasses.replace(self.same_cfg, mode="colocated")
+    with self.assertRaisesRegex(ValueError, "colocated pool is a plain Engine"):
+      DisaggEngine(self.ckpt, cfg)
 
 
 class DisaggConfigTest(parameterized.TestCase):

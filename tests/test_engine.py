@@ -70,6 +70,20 @@ def reference_tokens():
   return _REF
 
 
+class OverlapSwitch:
+  """Engines built through ``self.engine_config`` run overlapped when OVERLAP is set.
+
+  Every test of a class that mixes this in runs twice: as written, and in a
+  subclass with OVERLAP = True (the step dispatches step N+1 before collecting
+  step N); tokens and bookkeeping must come out the same.
+  """
+
+  OVERLAP = False
+
+  def engine_config(self, **kw) -> EngineConfig:
+    return engine_config(**{"overlap": self.OVERLAP, **kw})
+
+
 class EngineConfigTest(parameterized.TestCase):
 
   @parameterized.parameters(
@@ -196,11 +210,11 @@ class SubmitValidationTest(parameterized.TestCase):
       self.eng.cancel(123)
 
 
-class EngineMatchesGenerateTest(parameterized.TestCase):
+class EngineMatchesGenerateTest(OverlapSwitch, parameterized.TestCase):
 
   def test_tokens_identical_to_generate_with_continuous_batching(self):
     ref = reference_tokens()
-    eng = Engine(params(), engine_config())
+    eng = Engine(params(), self.engine_config())
     ids = [eng.submit(p, s) for p, s in zip(REF_PROMPTS[:3], REF_SAMPLING[:3])]
     saw_mixed_step = False
     for _ in range(3):
@@ -230,7 +244,7 @@ class EngineMatchesGenerateTest(parameterized.TestCase):
 
   def test_stream_and_stop_tokens(self):
     ref = reference_tokens()
-    eng = Engine(params(), engine_config())
+    eng = Engine(params(), self.engine_config())
     # Stop on the 3rd greedy token of request 0: the stop token is emitted and ends it.
     stop = ref[0][2]
     rid = eng.submit(REF_PROMPTS[0], dataclasses.replace(REF_SAMPLING[0], stop_tokens=(stop,)))
@@ -262,7 +276,7 @@ class EngineMatchesGenerateTest(parameterized.TestCase):
   def _logit_errors(self, dtype, cfg=CFG, params_=None) -> np.ndarray:
     """Per generated token: ||engine logits - f32 forward logits|| / ||f32 forward logits||."""
     params_ = params() if params_ is None else params_
-    eng = Engine(params_, engine_config(model=cfg, kv=KVCacheConfig(
+    eng = Engine(params_, self.engine_config(model=cfg, kv=KVCacheConfig(
         num_pages=NUM_PAGES, page_size=PAGE, dtype=dtype)))
     greedy = [dataclasses.replace(s, temperature=0.0) for s in REF_SAMPLING]
     ids = [eng.submit(p, s) for p, s in zip(REF_PROMPTS, greedy)]
@@ -311,11 +325,11 @@ class CompilationTest(absltest.TestCase):
     self.assertGreaterEqual(TRACE_COUNTS["decode"], 1)  # the counter does count
 
 
-class SchedulingTest(absltest.TestCase):
+class SchedulingTest(OverlapSwitch, absltest.TestCase):
 
   def _solo_outputs(self, prompts, samplings):
     """Outputs with one request at a time (max_running=1): no sharing, no preemption."""
-    eng = Engine(params(), engine_config(max_running=1))
+    eng = Engine(params(), self.engine_config(max_running=1))
     out = eng.generate(prompts, samplings)
     self.assertEqual(eng.stats.preemptions, 0)
     return out
@@ -325,7 +339,7 @@ class SchedulingTest(absltest.TestCase):
     samplings = [SamplingParams(max_new_tokens=18, seed=i, temperature=0.7 * (i % 2))
                  for i in range(4)]
     want = self._solo_outputs(prompts, samplings)
-    eng = Engine(params(), engine_config())  # 4 x 32 tokens = 16 pages > 12 in the pool
+    eng = Engine(params(), self.engine_config())  # 4 x 32 tokens = 16 pages > 12 in the pool
     got = eng.generate(prompts, samplings)
     self.assertGreater(eng.stats.preemptions, 0)
     self.assertGreater(max(r.num_preemptions for r in eng.requests.values()), 0)
@@ -333,7 +347,7 @@ class SchedulingTest(absltest.TestCase):
     self.assertEqual(eng.allocator.num_free, NUM_PAGES)
 
   def test_request_that_cannot_fit_yet_waits(self):
-    eng = Engine(params(), engine_config())
+    eng = Engine(params(), self.engine_config())
     small = [eng.submit(prompt(20, i), SamplingParams(max_new_tokens=6)) for i in range(2)]
     eng.step()
     big = eng.submit(prompt(56, 7), SamplingParams(max_new_tokens=8))  # 7 prompt pages
@@ -350,7 +364,7 @@ class SchedulingTest(absltest.TestCase):
     prompts = [prompt(10, 200 + i) for i in range(6)]
     samplings = [SamplingParams(max_new_tokens=6, seed=i) for i in range(6)]
     want = self._solo_outputs(prompts, samplings)
-    eng = Engine(params(), engine_config())
+    eng = Engine(params(), self.engine_config())
     ids = [eng.submit(p, s) for p, s in zip(prompts, samplings)]
     eng.step()
     eng.step()
@@ -373,26 +387,30 @@ class SchedulingTest(absltest.TestCase):
 
 
   def test_prefill_is_chunked_within_the_token_budget(self):
-    eng = Engine(params(), engine_config())
+    eng = Engine(params(), self.engine_config())
     ids = [eng.submit(prompt(n, i), SamplingParams(max_new_tokens=2))
            for i, n in enumerate([40, 16, 16])]
+    # Overlapped, a step returns with its work in flight: collect() settles it.
+    settle = eng.collect if self.OVERLAP else (lambda: None)
     eng.step()  # budget 32: 16 of the 40-token prompt, then 16 of the next; the third waits
+    settle()
     self.assertEqual([eng.get(i).num_computed for i in ids], [16, 16, 0])
     self.assertEqual(eng.stats.prefill_tokens, 32)
     self.assertEqual(eng.get(ids[1]).status, RequestStatus.DECODING)
     eng.step()
+    settle()
     self.assertEqual([eng.get(i).num_computed for i in ids], [32, 16, 16])
     eng.run_until_done()
     self.assertEqual(eng.stats.prefill_tokens, 72)
 
   def test_generate_checks_sampling_count(self):
-    eng = Engine(params(), engine_config())
+    eng = Engine(params(), self.engine_config())
     with self.assertRaisesRegex(ValueError, "2 SamplingParams for 1 prompts"):
       eng.generate([[1, 2]], [SamplingParams(), SamplingParams()])
     self.assertEmpty(eng.requests)
 
   def test_run_until_done_reports_unfinished_work(self):
-    eng = Engine(params(), engine_config())
+    eng = Engine(params(), self.engine_config())
     eng.submit(prompt(10, 0), SamplingParams(max_new_tokens=5))
     with self.assertRaisesRegex(EngineStalled, "unfinished after 2 steps"):
       eng.run_until_done(max_steps=2)
@@ -470,7 +488,7 @@ class RunnerTest(absltest.TestCase):
 
 
 
-class FaultInjectionTest(parameterized.TestCase):
+class FaultInjectionTest(OverlapSwitch, parameterized.TestCase):
   """The integrity defences on the engine's shared shapes (the full fault matrix: test_reliability)."""
 
   def test_without_either_defence_a_wrong_page_corrupts_output(self):
@@ -497,7 +515,7 @@ class FaultInjectionTest(parameterized.TestCase):
     self.assertEmpty(eng.allocator.audit())
 
   def _scenario(self, kind, **kw):
-    eng = Engine(params(), engine_config(**kw))
+    eng = Engine(params(), self.engine_config(**kw))
     ids = [eng.submit(prompt(10, 300 + i), SamplingParams(max_new_tokens=8, seed=i))
            for i in range(3)]
     for _ in range(3):
@@ -513,7 +531,7 @@ class FaultInjectionTest(parameterized.TestCase):
     return [eng.get(i).output for i in ids]
 
   def test_fault_during_chunked_prefill(self):
-    eng = Engine(params(), engine_config())
+    eng = Engine(params(), self.engine_config())
     other = eng.submit(prompt(10, 1), SamplingParams(max_new_tokens=4))
     victim = eng.submit(prompt(30, 2), SamplingParams(max_new_tokens=4))  # two chunks
     eng.step()
@@ -526,14 +544,14 @@ class FaultInjectionTest(parameterized.TestCase):
     self.assertEqual(eng.allocator.num_free, NUM_PAGES)
 
   def _solo(self, p, n):
-    return Engine(params(), engine_config()).generate([p], SamplingParams(max_new_tokens=n))[0]
+    return Engine(params(), self.engine_config()).generate([p], SamplingParams(max_new_tokens=n))[0]
 
   def test_injection_is_off_by_default_and_checks_its_victim(self):
-    eng = Engine(params(), engine_config(enable_fault_injection=False))
+    eng = Engine(params(), self.engine_config(enable_fault_injection=False))
     rid = eng.submit([1, 2, 3], SamplingParams())
     with self.assertRaisesRegex(RuntimeError, "disabled"):
       eng.inject_fault(Fault(FaultKind.STALE_TAG, rid))
-    eng = Engine(params(), engine_config())
+    eng = Engine(params(), self.engine_config())
     rid = eng.submit([1, 2, 3], SamplingParams())
     with self.assertRaisesRegex(ValueError, "not admitted"):
       eng.inject_fault(Fault(FaultKind.STALE_TAG, rid))  # still waiting: no pages
@@ -542,6 +560,18 @@ class FaultInjectionTest(parameterized.TestCase):
       eng.inject_fault(Fault(FaultKind.STALE_TAG, rid, page_index=5))
     with self.assertRaisesRegex(ValueError, "FaultKind"):
       Fault("stale_tag", rid)
+
+
+class OverlapEngineMatchesGenerateTest(EngineMatchesGenerateTest):
+  OVERLAP = True
+
+
+class OverlapSchedulingTest(SchedulingTest):
+  OVERLAP = True
+
+
+class OverlapFaultInjectionTest(FaultInjectionTest):
+  OVERLAP = True
 
 
 class SoakTest(absltest.TestCase):

@@ -192,9 +192,9 @@ _PROMPT_LEN = st.integers(1, 20)
 class EngineMachine(RuleBasedStateMachine):
   """A real Engine (f32, 16 pages of 4 tokens: preemption happens) under random operations."""
 
-  @initialize(audit=st.booleans())
-  def setup(self, audit):
-    self.eng = Engine(params(), engine_config(page_audit=audit))
+  @initialize(audit=st.booleans(), overlap=st.booleans())
+  def setup(self, audit, overlap):
+    self.eng = Engine(params(), engine_config(page_audit=audit, overlap=overlap))
     self.rng = np.random.default_rng(0)
     self.fault_pending = False
     self.victims: set[int] = set()

@@ -50,6 +50,9 @@ class EngineConfig:
   enable_fault_injection: bool = False
   # Also return each step's sampled-position logits (host copy per step; for accuracy tests only).
   record_logits: bool = False
+  # Dispatch step N+1 before collecting step N, so host scheduling and bookkeeping overlap
+  # the device (same tokens; a stop is seen one step late and its extra row dropped).
+  overlap: bool = False
   # Write engine metrics to the log every this many steps (0: never).
   log_every: int = 0
 
@@ -72,7 +75,8 @@ class EngineConfig:
     if self.prefill_token_budget < self.prefill_buckets[-1]:
       raise ValueError(f"EngineConfig.prefill_token_budget ({self.prefill_token_budget}) must be at "
                        f"least the largest prefill bucket ({self.prefill_buckets[-1]})")
-    for name in ("integrity_check", "page_audit", "enable_fault_injection", "record_logits"):
+    for name in ("integrity_check", "page_audit", "enable_fault_injection", "record_logits",
+                 "overlap"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
     if self.backend is not None and self.backend not in dispatch.BACKENDS:

@@ -24,19 +24,24 @@ One :meth:`DisaggEngine.step` on one host:
 5. requests the decode pool preempted go back to the prefill pool's queue, to
    be recomputed there.
 
-``mode="colocated"`` serves with a single ``Engine`` (the decode pool's config
-and recipe) on one mesh instead, for comparison.
+``mode="colocated"`` describes a single plain ``Engine`` (the decode pool's
+config and recipe) on one mesh instead, for comparison:
+:func:`build_serving_engine` returns one.
 
-The pools reuse the engine's pieces unchanged: the decode pool *is* an
-``Engine`` whose params and KV state live on its sub-mesh; the prefill pool is
-an ``Engine`` too, of which this module uses the scheduler, allocator, runner
-and request bookkeeping (it never calls its ``step``).
+Both pools are plain ``Engine`` objects on their own sub-meshes, composed only
+through their public API: the prefill pool runs with role "prefill" (a request
+whose prompt is done waits in ``prefilled()`` with its pages), its step split
+into ``dispatch`` and ``collect``; the decode pool ``adopt``s a request with
+a fill function that moves its KV, and hands back what it preempted through
+``drain_preempted``. Admission, bookkeeping and the integrity defences are
+each pool's own, written once in ``Engine``. docs/engine.md has the picture.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import time
 from typing import Sequence
 
@@ -46,39 +51,18 @@ from absl import logging
 
 from mlkit.config import ModelConfig
 from mlkit.engine.config import EngineConfig
-from mlkit.engine.engine import Engine, EngineStalled, build_prefill_batch, check_batch
-from mlkit.engine.request import (ABORT_CANCELLED, ABORT_TRANSFER, Request,
-                                  RequestOutput, RequestRejected, RequestStatus)
-from mlkit.engine.runner import StepBatch
+from mlkit.engine.engine import Engine
+from mlkit.engine.request import ABORT_TRANSFER, Request, RequestOutput, RequestRejected  # noqa: F401
+from mlkit.engine.serving import ServingLoop
 from mlkit.engine.transfer import Payload, TransferResult, transfer_kv
-from mlkit.kvcache import KVCacheConfig, PagedKVState, sync_tags
+from mlkit.kvcache import KVCacheConfig, PagedKVState
 from mlkit.model import check_params
-from mlkit.parallel import (DEFAULT_RULES, MeshConfig, ShardingRules, shard_kv_state,
-                            shard_params, split_mesh)
+from mlkit.parallel import DEFAULT_RULES, MeshConfig, ShardingRules, split_mesh
 from mlkit.quant import FP8_ALL, INT4_EXPERTS, Recipe, quantize_params
 from mlkit.sampling import SamplingParams
 
 # Abort reason: the request's KV failed the transfer checksum on every attempt.
 MODES = ("disaggregated", "colocated")
-
-
-def make_sharded_engine(params, config: EngineConfig, mesh, rules: ShardingRules = DEFAULT_RULES,
-                        *, data_parallel_attention: bool = False) -> Engine:
-  """An unchanged ``Engine`` whose params and KV state live on ``mesh``.
-
-  Args:
-    params: the params (any weight formats), e.g. already quantised.
-    config: the engine config.
-    mesh: a mesh from ``mlkit.parallel`` (1 device or many).
-    rules: logical-axis rules for the params and KV pages.
-    data_parallel_attention: split MLA pages over the mesh's data axis.
-
-  Returns:
-    The Engine; every jitted step runs SPMD over the mesh because its inputs live there.
-  """
-  engine = Engine(shard_params(params, mesh, rules, config.model), config)
-  engine.state = shard_kv_state(engine.state, mesh, rules, data_parallel=data_parallel_attention)
-  return engine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,60 +215,75 @@ def _flip_first(x):
   return jax.lax.bitcast_convert_type(flat.reshape(x.shape), x.dtype)
 
 
-class DisaggEngine:
-  """Serves one model from a bf16 checkpoint with disaggregated (or colocated) pools.
+def build_serving_engine(checkpoint, config: DisaggConfig, devices: Sequence | None = None,
+                         rules: ShardingRules = DEFAULT_RULES):
+  """The engine a :class:`DisaggConfig` describes, from one dense checkpoint.
 
   Args:
     checkpoint: the dense params tree (bf16 or f32); each pool quantises it with its recipe.
-    config: a :class:`DisaggConfig`.
+    config: the DisaggConfig.
+    devices: devices to place the pool(s) on (default ``jax.devices()``).
+    rules: logical-axis rules for params and KV pages.
+
+  Returns:
+    A :class:`DisaggEngine` for mode "disaggregated"; for mode "colocated", a
+    plain ``Engine`` with the decode pool's config and recipe on its mesh.
+
+  Raises:
+    ValueError: as :class:`DisaggEngine`.
+  """
+  if not isinstance(config, DisaggConfig):
+    raise ValueError(f"build_serving_engine needs a DisaggConfig, got {type(config).__name__}")
+  if config.mode == "disaggregated":
+    return DisaggEngine(checkpoint, config, devices, rules)
+  check_params(checkpoint, config.model, where="build_serving_engine")
+  d = config.decode
+  (mesh,) = split_mesh([d.mesh], list(jax.devices() if devices is None else devices))
+  return Engine(quantize_params(checkpoint, d.recipe), d.engine, mesh=mesh, rules=rules,
+                data_parallel_attention=d.data_parallel_attention)
+
+
+class DisaggEngine(ServingLoop):
+  """Serves one model from a bf16 checkpoint with a prefill pool and a decode pool.
+
+  Implements the serving interface (``mlkit.engine.serving.ServingEngine``).
+  Requests are submitted to, and looked up in, the prefill pool's registry.
+
+  Args:
+    checkpoint: the dense params tree (bf16 or f32); each pool quantises it with its recipe.
+    config: a :class:`DisaggConfig` with mode "disaggregated" (for "colocated",
+      :func:`build_serving_engine` returns a plain ``Engine``).
     devices: devices to split into the pools (default ``jax.devices()``).
     rules: logical-axis rules for params and KV pages.
 
   Raises:
-    ValueError: if the pools need more devices than given, or the checkpoint does not
-      match the model config (names the first leaf that differs).
+    ValueError: a colocated config, pools that need more devices than given, or a
+      checkpoint that does not match the model config (names the first leaf that differs).
   """
 
   def __init__(self, checkpoint, config: DisaggConfig, devices: Sequence | None = None,
                rules: ShardingRules = DEFAULT_RULES):
     if not isinstance(config, DisaggConfig):
       raise ValueError(f"DisaggEngine needs a DisaggConfig, got {type(config).__name__}")
+    if config.mode != "disaggregated":
+      raise ValueError(f"DisaggEngine serves mode 'disaggregated', got {config.mode!r}: a "
+                       "colocated pool is a plain Engine (use build_serving_engine)")
     check_params(checkpoint, config.model, where="DisaggEngine")
     self.config = config
-    self.metrics_ = DisaggMetrics()
+    self.stats = DisaggMetrics()
     self._faults: collections.deque = collections.deque()
-    devices = list(jax.devices() if devices is None else devices)
-    d = config.decode
     # Why a request's transfer failed (request id -> reason), for requests aborted with ABORT_TRANSFER.
     self.transfer_errors: dict[int, str] = {}
-    if config.mode == "colocated":
-      (self.decode_mesh,) = split_mesh([d.mesh], devices)
-      self.prefill_mesh = None
-      self.decode = make_sharded_engine(quantize_params(checkpoint, d.recipe), d.engine,
-                                        self.decode_mesh, rules,
-                                        data_parallel_attention=d.data_parallel_attention)
-      self.prefill = None
-      self.requests = self.decode.requests
-      return
-    p = config.prefill
+    p, d = config.prefill, config.decode
+    devices = list(jax.devices() if devices is None else devices)
     self.prefill_mesh, self.decode_mesh = split_mesh([p.mesh, d.mesh], devices)
-    self.prefill = make_sharded_engine(quantize_params(checkpoint, p.recipe), p.engine,
-                                       self.prefill_mesh, rules,
-                                       data_parallel_attention=p.data_parallel_attention)
-    self.decode = make_sharded_engine(quantize_params(checkpoint, d.recipe), d.engine,
-                                      self.decode_mesh, rules,
-                                      data_parallel_attention=d.data_parallel_attention)
-    # One registry: requests are created by the prefill pool and looked up in either.
+    self.prefill = Engine(quantize_params(checkpoint, p.recipe), p.engine, mesh=self.prefill_mesh,
+                          rules=rules, data_parallel_attention=p.data_parallel_attention,
+                          role="prefill")
+    self.decode = Engine(quantize_params(checkpoint, d.recipe), d.engine, mesh=self.decode_mesh,
+                         rules=rules, data_parallel_attention=d.data_parallel_attention)
+    # Every request is submitted to the prefill pool; it keeps the one registry.
     self.requests = self.prefill.requests
-    self.decode.requests = self.requests
-    self._transfer_queue: collections.deque[Request] = collections.deque()
-    self._prefill_logits: dict[int, list[np.ndarray]] = {}
-    self._prefill_tags_dirty = False
-    self._admit_counter = 0
-
-  @property
-  def colocated(self) -> bool:
-    return self.config.mode == "colocated"
 
   # --------------------------------------------------------------- requests
   def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams()) -> int:
@@ -294,9 +293,8 @@ class DisaggEngine:
       ValueError / RequestRejected: as ``Engine.submit``; also when the sequence
         could not fit the decode pool.
     """
-    if self.colocated:
-      return self.decode.submit(prompt_ids, sampling)
-    return self.prefill._enqueue(*self.check_request(prompt_ids, sampling))  # noqa: SLF001
+    prompt, sampling = self.check_request(prompt_ids, sampling)
+    return self.prefill.submit(prompt, sampling)
 
   def check_request(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams()
                     ) -> tuple[tuple[int, ...], SamplingParams]:
@@ -305,52 +303,36 @@ class DisaggEngine:
     Raises:
       ValueError / RequestRejected: as :meth:`submit`.
     """
-    if self.colocated:
-      return self.decode.check_request(prompt_ids, sampling)
     prompt, sampling = self.prefill.check_request(prompt_ids, sampling)
     total = len(prompt) + sampling.max_new_tokens
-    limit = self.config.decode.engine.max_seq_tokens
+    limit = self.decode.max_seq_tokens
     if total > limit:
       raise RequestRejected(f"submit: prompt ({len(prompt)} tokens) + max_new_tokens = {total} "
                             f"tokens can never fit the decode pool's {limit} tokens per sequence")
     return prompt, sampling
 
-  def get(self, request_id: int) -> Request:
-    """The Request (status, output, reasons). Raises KeyError if unknown."""
-    if request_id not in self.requests:
-      raise KeyError(f"unknown request id {request_id!r}")
-    return self.requests[request_id]
-
   def cancel(self, request_id: int) -> bool:
-    """Cancels a live request wherever it is; returns False if it had already ended."""
-    if self.colocated:
-      return self.decode.cancel(request_id)
+    """Cancels a live request wherever it is; returns False if it had already ended.
+
+    Raises:
+      KeyError: unknown request id.
+    """
     req = self.get(request_id)
     if req.done:
       return False
-    if req in self._transfer_queue:
-      self._transfer_queue.remove(req)
-      self.prefill.allocator.release_checked(req.request_id)
-      self._prefill_tags_dirty = True
-    elif self.prefill.scheduler.remove(req):
-      self._prefill_tags_dirty = True
-    else:
-      return self.decode.cancel(request_id)
-    self._end(req, RequestStatus.ABORTED, abort_reason=ABORT_CANCELLED)
-    return True
+    for pool in (self.prefill, self.decode):
+      if pool.holds(request_id):
+        return pool.cancel(request_id)
+    return False
 
   def has_unfinished(self) -> bool:
-    if self.colocated:
-      return self.decode.has_unfinished()
-    return bool(self.prefill.has_unfinished() or self._transfer_queue
+    return bool(self.prefill.has_unfinished() or self.prefill.prefilled()
                 or self.decode.has_unfinished())
 
   @property
   def logits(self) -> dict[int, list[np.ndarray]]:
     """Per request, the sampled-position logits of every emitted token (record_logits configs)."""
-    if self.colocated:
-      return self.decode.logits
-    out = {rid: list(v) for rid, v in self._prefill_logits.items()}
+    out = {rid: list(v) for rid, v in self.prefill.logits.items()}
     for rid, v in self.decode.logits.items():
       out.setdefault(rid, []).extend(v)
     return out
@@ -377,10 +359,7 @@ class DisaggEngine:
     Returns:
       RequestOutputs of every request that emitted tokens or ended this iteration.
     """
-    if self.colocated:
-      return self.decode.step()
-    m = self.metrics_
-    plan, pending, ended = self._dispatch_prefill()
+    m = self.stats
     outs: dict[int, RequestOutput] = {}
 
     def add(o: RequestOutput) -> None:
@@ -390,251 +369,109 @@ class DisaggEngine:
         o = dataclasses.replace(o, new_tokens=prev.new_tokens + o.new_tokens)
       outs[o.request_id] = o
 
-    for r in ended:
-      add(RequestOutput(r.request_id, (), r.status, r.finish_reason, r.abort_reason))
+    prefilling = self.prefill.dispatch()  # runs on its sub-mesh while the decode pool steps
     decoded = 0
-    if self.decode.has_unfinished():  # runs while the prefill step is in flight
+    if self.decode.has_unfinished():
       for o in self.decode.step():
         add(o)
         decoded += len(o.new_tokens)
-    if pending is not None:
-      for o in self._collect_prefill(plan, pending):
-        add(o)
+    for o in self.prefill.collect():
+      add(o)
     for o in self._run_transfers():
       add(o)
-    self._requeue_preempted()
+    requeued = self.decode.drain_preempted()
+    self.prefill.requeue(requeued)
+    m.requeued += len(requeued)
     m.iterations += 1
-    m.timeline.append((len(plan.prefill) if plan is not None else 0, decoded))
-    if pending is not None and decoded:
+    m.prefill_steps += int(prefilling)
+    m.timeline.append((prefilling, decoded))
+    if prefilling and decoded:
       m.overlapped_iterations += 1
     return list(outs.values())
 
-  def run_until_done(self, max_steps: int | None = None) -> dict[int, Request]:
-    """Steps until every request has ended.
+  def metrics(self, include_requests: bool = False) -> dict:
+    """Both pools' metrics added up, plus the transfer counters.
 
-    Raises:
-      EngineStalled: an iteration made no progress, or max_steps ran out.
+    Returns:
+      The keys of ``Engine.metrics`` (counters summed over the pools; latencies
+      and throughput over every request), plus {"pools": {"prefill": ...,
+      "decode": ...}, "disagg": transfer and loop counters}.
     """
-    if self.colocated:
-      return self.decode.run_until_done(max_steps)
-    steps = 0
-    while self.has_unfinished():
-      before = self._progress_marker()
-      self.step()
-      steps += 1
-      if self._progress_marker() == before:
-        raise EngineStalled(f"disaggregated engine made no progress in iteration {steps}: "
-                            f"{len(self.prefill.scheduler.waiting)} waiting, "
-                            f"{len(self._transfer_queue)} awaiting transfer, "
-                            f"{len(self.decode.scheduler.running)} decoding")
-      if max_steps is not None and steps >= max_steps and self.has_unfinished():
-        raise EngineStalled(f"requests still unfinished after {max_steps} iterations")
-    return self.requests
-
-  def generate(self, prompts: Sequence[Sequence[int]],
-               sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams()
-               ) -> list[list[int]]:
-    """Submits every prompt, runs to completion, returns each request's tokens in order.
-
-    Atomic: every request is checked before any is queued.
-
-    Raises:
-      ValueError: as :meth:`submit` for any prompt (nothing is queued), or a SamplingParams
-        list whose length differs from the prompts'.
-    """
-    checked = check_batch(self.check_request, prompts, sampling)
-    engine = self.decode if self.colocated else self.prefill
-    ids = [engine._enqueue(p, s) for p, s in checked]  # noqa: SLF001
-    self.run_until_done()
-    return [list(self.requests[i].output) for i in ids]
-
-  def metrics(self) -> dict:
-    """{"decode": decode-pool metrics, "prefill": prefill-pool metrics, "disagg": loop counters}."""
-    out = {"decode": self.decode.metrics()}
-    if not self.colocated:
-      m = dataclasses.asdict(self.metrics_)
-      m.pop("timeline")
-      out["prefill"] = self.prefill.metrics()
-      out["disagg"] = m
+    pm, dm = self.prefill.metrics(), self.decode.metrics()
+    out = {}
+    for k, v in dm.items():
+      if isinstance(v, (int, float)) and not isinstance(v, bool) and isinstance(pm.get(k), (int, float)):
+        out[k] = pm[k] + v
+      elif isinstance(v, dict):
+        out[k] = {r: pm[k].get(r, 0) + v.get(r, 0) for r in {*pm[k], *v}}
+    first = [t for t in (self.prefill.stats.first_step_time, self.decode.stats.first_step_time)
+             if t is not None]
+    last = [t for t in (self.prefill.stats.last_step_time, self.decode.stats.last_step_time)
+            if t is not None]
+    elapsed = max(last) - min(first) if first else 0.0
+    # A request's tokens: its first from the prefill pool, the rest from the decode pool.
+    out.update(elapsed_s=elapsed, steps=self.stats.iterations,
+               throughput_tok_s=out["generated_tokens"] / elapsed if elapsed > 0 else 0.0,
+               running=dm["running"], waiting=pm["waiting"])
+    out.update(self._mean_latencies(self.requests.values()))
+    m = dataclasses.asdict(self.stats)
+    m.pop("timeline")
+    out["pools"] = {"prefill": pm, "decode": dm}
+    out["disagg"] = m
+    if include_requests:
+      out["requests"] = {rid: self.request_metrics(rid) for rid in self.requests}
     return out
 
   # --------------------------------------------------------------- internals
   def _progress_marker(self):
-    m = self.metrics_
-    return (sum(len(r.output) for r in self.requests.values()),
-            sum(r.num_computed for r in self.requests.values()),
-            sum(r.done for r in self.requests.values()), m.transfers, m.requeued,
-            self.decode.stats.preemptions, self.prefill.stats.preemptions)
+    m = self.stats
+    return (self.prefill.progress_marker(), self.decode.progress_marker(),
+            m.transfers, m.transfer_failures, m.requeued)
 
-  def _dispatch_prefill(self):
-    """Audits and schedules the prefill pool and dispatches its step.
-
-    Returns:
-      (plan, device outputs or None, requests the prefill pool ended before the step:
-      page-audit holders and rows that could not be built).
-    """
-    P = self.prefill
-    self._prefill_t0 = time.perf_counter()
-    ended = self._prefill_ended(P.audit_pages())
-    plan = P.scheduler.schedule()
-    # Nothing lives in the prefill pool in DECODING state, so the plan decodes nothing.
-    assert not plan.decode, "prefill pool planned a decode step"
-    P.stats.preemptions += len(plan.preempted)
-    dropped = self._prefill_ended(P.enforce_conservation(P.allocator.drain_violations()))
-    ended += dropped
-    plan = plan.without(set(dropped))
-    if plan.allocation_changed or self._prefill_tags_dirty or P._tags_dirty:  # noqa: SLF001
-      P.state = sync_tags(P.state, P.allocator.device_tags())
-      self._prefill_tags_dirty = P._tags_dirty = False  # noqa: SLF001
-    if not plan.prefill:
-      return plan, None, ended
-    batch, rows, failed = build_prefill_batch(P.config, P.scheduler, plan.prefill)
-    for req, err in failed:
-      P._error_abort(req, err)  # noqa: SLF001
-      ended.append(req)
-    plan = dataclasses.replace(plan, prefill=rows)
-    if batch is None:
-      return plan, None, ended
-    tok, ok, P.state, lg = P.runner.run("prefill", P.state, batch)
-    self.metrics_.prefill_steps += 1
-    return plan, (tok, ok, lg), ended
-
-  def _prefill_ended(self, reqs: list[Request]) -> list[Request]:
-    """Requests the prefill pool aborted: they leave the transfer queue too."""
-    for r in reqs:
-      if r in self._transfer_queue:
-        self._transfer_queue.remove(r)
-    return list(reqs)
-
-  def _collect_prefill(self, plan, pending) -> list[RequestOutput]:
-    P = self.prefill
-    tok, ok, lg = jax.device_get(pending)
-    now = time.perf_counter()
-    P.stats.record_step(host_s=0.0, device_s=now - self._prefill_t0, prefill=True, decode=False,
-                        generated=0, prefilled=0, start=self._prefill_t0)
-    outs = []
-    for i, item in enumerate(plan.prefill):
-      req = item.req
-      n_before = len(req.output)
-      if not ok[i]:
-        P._integrity_abort(req, "its page-tag check failed in the prefill pool")  # noqa: SLF001
-        self._prefill_tags_dirty = True
-      else:
-        try:
-          self._finish_prefill_row(req, item, tok[i], lg[i] if lg is not None else None, now)
-        except Exception as e:  # one request's bad state must not stop the others
-          if req in self._transfer_queue:
-            self._transfer_queue.remove(req)
-          if P.allocator.has_request(req.request_id):
-            P.allocator.release_checked(req.request_id)
-          P._error_abort(req, f"{type(e).__name__}: {e}")  # noqa: SLF001
-          self._prefill_tags_dirty = True
-      outs.append(RequestOutput(req.request_id, tuple(req.output[n_before:]), req.status,
-                                req.finish_reason, req.abort_reason))
-    return outs
-
-  def _finish_prefill_row(self, req: Request, item, token, logits, now: float) -> None:
-    """Host bookkeeping of one finished prefill row: emit, then finish or queue the transfer."""
-    P = self.prefill
-    req.num_computed += item.n
-    P.stats.prefill_tokens += item.n
-    if req.num_computed == len(req.prefill_tokens):
-      req.emit(int(token), now)
-      P.stats.generated_tokens += 1
-      if logits is not None:
-        self._prefill_logits.setdefault(req.request_id, []).append(np.asarray(logits))
-      # Out of the prefill scheduler (it would otherwise plan decodes for it), pages kept.
-      P.scheduler.running.remove(req)
-      P.scheduler.invalidate_rows()
-      reason = req.should_stop()
-      if reason is not None:
-        P.allocator.release_checked(req.request_id)
-        self._prefill_tags_dirty = True
-        self._end(req, RequestStatus.FINISHED, finish_reason=reason)
-      else:
-        req.status = RequestStatus.DECODING
-        self._transfer_queue.append(req)
+  def _queue_summary(self) -> str:
+    return (f"prefill pool: {self.prefill.queue_summary()}; "
+            f"decode pool: {self.decode.queue_summary()}")
 
   def _run_transfers(self) -> list[RequestOutput]:
-    """Moves queued requests into the decode pool while it has room (FIFO)."""
-    D, P = self.decode, self.prefill
+    """Moves prefilled requests into the decode pool while it admits them (FIFO)."""
     outs = []
-    while self._transfer_queue:
-      req = self._transfer_queue[0]
+    for req in self.prefill.prefilled():
       length = len(req.prefill_tokens)
-      need = D.allocator.pages_for(length)
-      reserve = D.config.admission_reserve if D.scheduler.running else 0
-      if (len(D.scheduler.running) >= D.config.max_running
-          or need + reserve > D.allocator.num_free):
+      adopted = self.decode.adopt(req, length, functools.partial(self._fill, req, length))
+      if adopted is None:
         break  # the decode pool is full: keep the prefill pages and try next iteration
-      self._transfer_queue.popleft()
-      if D.allocator.admit(req.request_id, length) is not None:
-        self._transfer_queue.appendleft(req)
-        break
-      result = self._transfer_one(req, length)
-      P.allocator.release_checked(req.request_id)  # source pages are free either way now
-      self._prefill_tags_dirty = True
-      if result.ok:
-        req.admit_seq = self._admit_counter
-        self._admit_counter += 1
-        D.scheduler.running.append(req)
-      else:
-        D.allocator.release_checked(req.request_id)
-        D.state = sync_tags(D.state, D.allocator.device_tags())
-        self.metrics_.transfer_failures += 1
-        logging.error("disagg: aborting request %d: %s", req.request_id, result.reason)
-        self._end(req, RequestStatus.ABORTED, abort_reason=ABORT_TRANSFER)
-        self.transfer_errors[req.request_id] = result.reason
+      self.prefill.hand_over(req.request_id)  # source pages are free either way now
+      if not adopted:
+        self.stats.transfer_failures += 1
+        self.transfer_errors[req.request_id] = req.error
+        logging.error("disagg: aborted request %d: %s", req.request_id, req.error)
         outs.append(RequestOutput(req.request_id, (), req.status, None, req.abort_reason))
     return outs
 
-  def _transfer_one(self, req: Request, length: int) -> TransferResult:
-    D, P = self.decode, self.prefill
-    src_pages = [p for p, _ in P.allocator.block_table(req.request_id)]
-    dst_pages = [p for p, _ in D.allocator.block_table(req.request_id)]
-    # Fresh tags of the newly allocated pages go to the device before anything checks them.
-    D.state = sync_tags(D.state, D.allocator.device_tags())
+  def _fill(self, req: Request, length: int, dst_state: PagedKVState, dst_pages: list[int]
+            ) -> tuple[PagedKVState, bool, str]:
+    """Moves a request's KV from the prefill pool into ``dst_pages`` (the decode pool's adopt)."""
+    src_pages = self.prefill.kv_pages(req.request_id)
     result = None
     for attempt in range(self.config.transfer_attempts):
       fault = self._faults.popleft() if self._faults else None
       t0 = time.perf_counter()
-      D.state, result = transfer_kv(
-          P.state, src_pages, D.state, dst_pages, length, dst_mesh=self.decode_mesh,
+      dst_state, result = transfer_kv(
+          self.prefill.state, src_pages, dst_state, dst_pages, length, dst_mesh=self.decode_mesh,
           corrupt_payload=_payload_corrupter(fault) if fault and fault.where == "transit" else None,
           corrupt_landing=_landing_corrupter(fault, dst_pages[0])
           if fault and fault.where == "landing" else None)
-      m = self.metrics_
+      m = self.stats
       m.transfer_seconds += time.perf_counter() - t0
       m.transfer_bytes += result.nbytes
       if result.ok:
         m.transfers += 1
-        return result
+        return dst_state, True, ""
       logging.warning("disagg: request %d transfer attempt %d failed: %s", req.request_id,
                       attempt + 1, result.reason)
       if attempt + 1 < self.config.transfer_attempts:
         m.transfer_retries += 1
-    return TransferResult(False, f"{result.reason} (after {self.config.transfer_attempts} attempts)",
-                          result.nbytes)
-
-  def _requeue_preempted(self) -> None:
-    """Sends requests the decode pool preempted back to the prefill pool, oldest first."""
-    D, P = self.decode, self.prefill
-    while D.scheduler.waiting:
-      req = D.scheduler.waiting.pop()  # the most recently preempted is at the right
-      P.scheduler.waiting.appendleft(req)
-      self.metrics_.requeued += 1
-
-  def _end(self, req: Request, status: RequestStatus, *, finish_reason=None,
-           abort_reason=None) -> None:
-    req.status = status
-    req.finish_reason = finish_reason
-    req.abort_reason = abort_reason
-    req.finish_time = time.perf_counter()
-    stats = self.prefill.stats
-    if status is RequestStatus.FINISHED:
-      stats.finished += 1
-    else:
-      stats.aborted[abort_reason] += 1
+    return dst_state, False, f"{result.reason} (after {self.config.transfer_attempts} attempts)"
 
 
 def _payload_corrupter(fault: TransferFault):

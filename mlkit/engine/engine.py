@@ -1,75 +1,145 @@
-"""The serving loop: submit / step / cancel / stream over the scheduler and the jitted runner.
+"""The serving loop of one pool: submit / step / cancel / stream over the scheduler and the jitted runner.
 
-One ``step``:
+A step has two phases, which callers may also run apart (``dispatch`` then
+``collect``):
 
-1. audit page conservation (anything changed since the last step: cancels,
-   injected faults), then schedule (admission, decode growth, preemption,
-   prefill chunks); pages the audit or the allocator found violating are
-   quarantined and every request holding them is aborted with reason
-   ``integrity``; if any allocation changed, copy the allocator's tags to the
-   device ``page_tags``;
-2. build the numpy step inputs and dispatch the prefill step and the decode
-   step (each one jitted call with the tag check inside; the state is donated
-   and chained from one call to the next without waiting);
-3. read every sampled token and ok flag in one transfer (the only sync);
-4. bookkeeping: rows whose check failed are aborted with reason ``integrity``
-   and their tokens dropped; the others emit their token, stop, or continue;
-   then the audit runs again.
+1. **dispatch**: audit page conservation (anything changed since the last
+   step: cancels, injected faults), then schedule (admission, decode growth,
+   preemption, prefill chunks); pages the audit or the allocator found
+   violating are quarantined and every request holding them is aborted with
+   reason ``integrity``; if any allocation changed, copy the allocator's tags
+   to the device ``page_tags``; build the numpy step inputs and dispatch the
+   prefill step and the decode step (each one jitted call with the tag check
+   inside; the state is donated and chained from one call to the next without
+   waiting).
+2. **collect**: read every sampled token and ok flag in one transfer (the only
+   sync); rows whose check failed are aborted with reason ``integrity`` and
+   their tokens dropped; the others emit their token, stop, or continue; then
+   the audit runs again.
+
+With ``EngineConfig.overlap`` the engine dispatches step N+1 *before*
+collecting step N, so the host's scheduling and bookkeeping run while the
+device computes (SGLang's overlap scheduler). Step N+1's decode rows take
+their input tokens straight from step N's device outputs; the host learns of
+a stop token one step late and drops the extra row; a step that would need a
+preemption first collects the one in flight. The tokens are the same as
+without overlap.
 
 An error that belongs to one request (building its row, emitting its token)
 aborts that request with reason ``error``; the others are served on.
 
-Host overhead is the time in 1, 2 (building inputs) and 4; the device time is
-from the first dispatch until the results are on the host. Why the audit and the
-tag check both exist: docs/integrity.md.
+Host overhead is the time in the two phases outside the device calls and the
+wait; the device time is from the first dispatch until the results are on the
+host. Why the audit and the tag check both exist: docs/integrity.md. The
+phases and the overlap: docs/engine.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
 from mlkit.engine import faults as faults_lib
 from mlkit.engine.config import EngineConfig
-from mlkit.engine.metrics import EngineMetrics, request_metrics
+from mlkit.engine.metrics import EngineMetrics
 from mlkit.engine.request import (ABORT_CANCELLED, ABORT_ERROR, ABORT_INTEGRITY, ABORT_TOO_LONG,
-                                  Request, RequestOutput, RequestRejected, RequestStatus)
+                                  ABORT_TRANSFER, Request, RequestOutput, RequestRejected,
+                                  RequestStatus)
 from mlkit.engine.runner import Runner, StepBatch
 from mlkit.engine.scheduler import PrefillItem, Scheduler
-from mlkit.kvcache import PageAllocator, PageViolation, init_paged_state, sync_tags
+from mlkit.engine.serving import EngineStalled, ServingLoop, check_batch  # noqa: F401 (re-export)
+from mlkit.kvcache import PageAllocator, PageViolation, PagedKVState, init_paged_state, sync_tags
 from mlkit.model import check_params
+from mlkit.parallel import DEFAULT_RULES, ShardingRules, shard_params, sharded_kv_state
 from mlkit.sampling import SamplingParams
 
-
-class EngineStalled(RuntimeError):
-  """Raised by ``run_until_done`` when a step makes no progress (a scheduling deadlock)."""
+ROLES = ("serve", "prefill")
 
 
-class Engine:
+@dataclasses.dataclass
+class _InFlight:
+  """A dispatched step whose results the host has not read.
+
+  Attributes:
+    pre_rows / dec_rows: the prefill PrefillItems and decode Requests, in row order.
+    outputs: per launched kind, (tokens [B], ok [B], logits [B, V] or None) on device.
+    launched_at: perf_counter when its device calls started.
+    host_s: host seconds spent dispatching it.
+    exposed_host_s: the part of host_s spent while no other step was in flight.
+  """
+
+  pre_rows: list
+  dec_rows: list
+  outputs: list
+  launched_at: float
+  host_s: float
+  exposed_host_s: float
+
+  @property
+  def decode_tokens(self):
+    """[B] int32 device tokens of the decode rows (None without decode rows)."""
+    return self.outputs[-1][0] if self.dec_rows else None
+
+
+@jax.jit
+def _chain_tokens(host_tokens, prev_tokens, prev_row):
+  """[B, 1] decode inputs: row i takes prev_tokens[prev_row[i]] where prev_row[i] >= 0.
+
+  Args:
+    host_tokens: [B, 1] int32 tokens the host knows.
+    prev_tokens: [B'] int32 tokens sampled by the step in flight (on device).
+    prev_row: [B] int32 row of prev_tokens, or -1 to keep the host token.
+  """
+  taken = prev_tokens[jnp.maximum(prev_row, 0)][:, None]
+  return jnp.where(prev_row[:, None] >= 0, taken, host_tokens)
+
+
+class Engine(ServingLoop):
   """A continuous-batching engine over one paged KV pool.
 
   Args:
     params: model params for ``config.model`` (any weight formats the model supports).
     config: an :class:`EngineConfig`.
+    mesh: place params and the KV pool on this mesh (``mlkit.parallel``); the
+      pool is allocated sharded, never whole on one device first. None: leave
+      params where they are and build the pool on the default device.
+    rules: logical-axis rules for the params and KV pages (with ``mesh``).
+    data_parallel_attention: split MLA pages over the mesh's data axis.
+    role: "serve" (prefill and decode here) or "prefill" (a disaggregated
+      prefill pool: a request whose prompt is done leaves the steps, keeps its
+      pages and waits in :meth:`prefilled` for its hand-over).
 
   Raises:
-    ValueError: a config of the wrong type, or params that do not match
-      ``param_specs(config.model)`` (names the first leaf that differs).
+    ValueError: a config of the wrong type, an unknown role, or params that do
+      not match ``param_specs(config.model)`` (names the first leaf that differs).
   """
 
-  def __init__(self, params, config: EngineConfig):
+  def __init__(self, params, config: EngineConfig, *, mesh=None,
+               rules: ShardingRules = DEFAULT_RULES, data_parallel_attention: bool = False,
+               role: str = "serve"):
     if not isinstance(config, EngineConfig):
       raise ValueError(f"Engine needs an EngineConfig, got {type(config).__name__}")
+    if role not in ROLES:
+      raise ValueError(f"Engine role must be one of {ROLES}, got {role!r}")
     # Shapes and dtypes only (no transfer): a mismatch names its leaf here, not deep in jax.
     check_params(params, config.model, where="Engine")
     self.config = config
+    self.role = role
+    self.mesh = mesh
+    if mesh is not None:
+      params = shard_params(params, mesh, rules, config.model)
+      self.state = sharded_kv_state(config.model, config.kv, mesh, rules,
+                                    data_parallel=data_parallel_attention)
+    else:
+      self.state = init_paged_state(config.model, config.kv)
     self.runner = Runner(params, config)
-    self.state = init_paged_state(config.model, config.kv)
     self.allocator = PageAllocator(config.kv.num_pages, config.page_size)
     self.scheduler = Scheduler(config, self.allocator)
     self.requests: dict[int, Request] = {}
@@ -77,6 +147,9 @@ class Engine:
     self.logits: dict[int, list[np.ndarray]] = {}  # per request, when config.record_logits
     self._next_id = 0
     self._tags_dirty = False
+    self._in_flight: _InFlight | None = None
+    # Requests aborted or ended outside a step's rows since the last collect (reported by it).
+    self._touched: dict[int, tuple[Request, int]] = {}
 
   # --------------------------------------------------------------- requests
   def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams()) -> int:
@@ -98,7 +171,14 @@ class Engine:
         can never fit: longer than the model's maximum length, the block-table
         width or the whole page pool.
     """
-    return self._enqueue(*self.check_request(prompt_ids, sampling))
+    prompt, sampling = self.check_request(prompt_ids, sampling)
+    rid = self._next_id
+    self._next_id += 1
+    req = Request(request_id=rid, prompt=prompt, sampling=sampling,
+                  arrival_time=time.perf_counter())
+    self.requests[rid] = req
+    self.scheduler.add(req)
+    return rid
 
   def check_request(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams()
                     ) -> tuple[tuple[int, ...], SamplingParams]:
@@ -147,170 +227,277 @@ class Engine:
     usable = self.allocator.num_pages - len(self.allocator.quarantined)
     return min(self.config.max_seq_tokens, usable * self.config.page_size)
 
-  def _enqueue(self, prompt: tuple[int, ...], sampling: SamplingParams) -> int:
-    rid = self._next_id
-    self._next_id += 1
-    req = Request(request_id=rid, prompt=prompt, sampling=sampling,
-                  arrival_time=time.perf_counter())
-    self.requests[rid] = req
-    self.scheduler.add(req)
-    return rid
-
   def cancel(self, request_id: int) -> bool:
-    """Cancels a live request (aborted with reason ``cancelled``), returning its pages.
+    """Cancels a live request held here (aborted with reason ``cancelled``), returning its pages.
 
     Returns:
-      True if the request was live, False if it had already ended.
+      True if the request was live here; False if it had already ended or now
+      lives in another pool (a hand-over).
 
     Raises:
       KeyError: unknown request id.
     """
     req = self.get(request_id)
-    if req.done:
+    if req.done or not self.scheduler.holds(req):
       return False
-    self.scheduler.remove(req)  # frees pages; tags only change on allocation, so no sync
+    # Frees pages. A step in flight may still write into them; a later owner's writes
+    # and fresh tags come after it on the device, so that is harmless.
+    self.scheduler.remove(req)
     self._abort(req, ABORT_CANCELLED)
+    self._touch([req])
     return True
 
-  def get(self, request_id: int) -> Request:
-    """The Request object (its status, output and reasons). Raises KeyError if unknown."""
-    if request_id not in self.requests:
-      raise KeyError(f"unknown request id {request_id!r}")
-    return self.requests[request_id]
+  def holds(self, request_id: int) -> bool:
+    """Whether a live request is queued, running or detached in this engine."""
+    req = self.requests.get(request_id)
+    return req is not None and not req.done and self.scheduler.holds(req)
 
   def has_unfinished(self) -> bool:
-    return bool(self.scheduler.waiting or self.scheduler.running)
+    s = self.scheduler
+    return bool(s.waiting or s.running or self._in_flight is not None)
+
+  # --------------------------------------------------------------- pools
+  def prefilled(self) -> list[Request]:
+    """Requests whose prompt is done and that wait, with their pages, to be handed over (role "prefill")."""
+    return list(self.scheduler.detached)
+
+  def kv_pages(self, request_id: int) -> list[int]:
+    """The physical pages of a request's KV, in position order."""
+    return [p for p, _ in self.allocator.block_table(request_id)]
+
+  def hand_over(self, request_id: int) -> None:
+    """Frees the pages of a prefilled request whose KV now lives elsewhere (it stays live there)."""
+    req = self.get(request_id)
+    if req not in self.scheduler.detached:
+      raise ValueError(f"hand_over: request {request_id} is not waiting for a hand-over")
+    self.scheduler.remove(req)
+
+  def adopt(self, req: Request, num_tokens: int,
+            fill: Callable[[PagedKVState, list[int]], tuple[PagedKVState, bool, str]]
+            ) -> bool | None:
+    """Takes over a live request whose first ``num_tokens`` tokens of KV come from elsewhere.
+
+    The request is admitted by the pool's admission rule, its pages get fresh
+    tags (on the device before anything checks them), and ``fill(state,
+    pages)`` writes its KV, returning (new state, ok, why not). It then
+    decodes here from the next step.
+
+    Returns:
+      None: the pool cannot take it now (nothing changed). True: adopted.
+      False: ``fill`` failed; the request is aborted with reason ``transfer``
+      and its pages here are free again.
+    """
+    if not self.scheduler.adopt(req, num_tokens):
+      return None
+    self.requests[req.request_id] = req
+    self._sync_tags()
+    try:
+      self.state, ok, why = fill(self.state, self.kv_pages(req.request_id))
+    except Exception as e:  # a broken transfer must not leave the request half adopted
+      ok, why = False, f"filling its KV raised {type(e).__name__}: {e}"
+    if ok:
+      return True
+    self.scheduler.remove(req)
+    self._abort(req, ABORT_TRANSFER, why)
+    self._touch([req])
+    return False
+
+  def drain_preempted(self) -> list[Request]:
+    """Takes back every request preempted here (pages already returned), oldest preemption last.
+
+    They leave this engine: the caller requeues them where they are recomputed.
+    """
+    out = self.scheduler.drain_preempted()
+    for r in out:
+      self.requests.pop(r.request_id, None)
+    return out
+
+  def requeue(self, reqs: Sequence[Request]) -> None:
+    """Queues requests preempted in another pool at the head of the waiting queue (recomputed here)."""
+    for r in reqs:
+      self.requests[r.request_id] = r
+    self.scheduler.requeue(reqs)
 
   # --------------------------------------------------------------- the loop
   def step(self) -> list[RequestOutput]:
     """Runs one engine step (see the module docstring).
 
+    With ``config.overlap``, dispatches the next step before collecting the one
+    in flight; a step's tokens then come back from the following call.
+
     Returns:
-      One RequestOutput per request that emitted tokens or ended this step.
+      One RequestOutput per request that emitted tokens or ended in the step collected.
     """
-    cfg = self.config
+    if not self.config.overlap or self.role != "serve":
+      self.dispatch()
+      return self.collect()
+    prev, self._in_flight = self._in_flight, None
+    nxt = self._launch(prev)
+    if nxt is _NEEDS_SYNC:  # a preemption is due: settle the step in flight first
+      outs = self._finish(prev)
+      prev, nxt = None, self._launch(None)
+      self._in_flight = nxt
+      return outs
+    self._in_flight = nxt
+    return self._finish(prev)
+
+  def dispatch(self) -> int:
+    """Phase 1 of a step: audit, schedule and launch the device work without waiting for it.
+
+    Returns:
+      The rows launched (prefill chunks + decode rows); 0 if there was nothing to run.
+
+    Raises:
+      RuntimeError: a step is already in flight (collect it first).
+    """
+    if self._in_flight is not None:
+      raise RuntimeError("dispatch: a step is already in flight; collect() it first")
+    inf = self._in_flight = self._launch(None)
+    return 0 if inf is None else len(inf.pre_rows) + len(inf.dec_rows)
+
+  def collect(self) -> list[RequestOutput]:
+    """Phase 2 of a step: waits for the step in flight and does its bookkeeping.
+
+    Returns:
+      One RequestOutput per request that emitted tokens or ended since the last collect.
+    """
+    inf, self._in_flight = self._in_flight, None
+    return self._finish(inf)
+
+  def _touch(self, reqs) -> None:
+    for r in reqs:
+      self._touched.setdefault(r.request_id, (r, len(r.output)))
+
+  def _sync_tags(self) -> None:
+    self.state = sync_tags(self.state, self.allocator.device_tags())
+    self._tags_dirty = False
+
+  def _launch(self, prev: _InFlight | None):
+    """Schedules and dispatches one step; ``prev`` is the step still in flight (overlap).
+
+    Returns:
+      The _InFlight, None if there was nothing to run, or _NEEDS_SYNC (nothing
+      changed) when ``prev`` must be collected first.
+    """
     t0 = time.perf_counter()
-    touched: dict[int, tuple[Request, int]] = {}  # id -> (request, tokens before this step)
-
-    def touch(reqs):
-      for r in reqs:
-        touched.setdefault(r.request_id, (r, len(r.output)))
-
-    touch(self.audit_pages())
-    plan = self.scheduler.schedule()
+    self._touch(self.audit_pages())
+    plan = self.scheduler.schedule(in_flight=prev is not None)
+    if plan is None:
+      return _NEEDS_SYNC
     self.stats.preemptions += len(plan.preempted)
     dropped = self.enforce_conservation(self.allocator.drain_violations())
-    touch(dropped)
+    self._touch(dropped)
     plan = plan.without(set(dropped))
     if plan.allocation_changed or self._tags_dirty:
-      self.state = sync_tags(self.state, self.allocator.device_tags())
-      self._tags_dirty = False
-    pre, pre_rows = self._build(build_prefill_batch, plan.prefill, touch)
-    dec, dec_rows = self._build(build_decode_batch, plan.decode, touch)
+      self._sync_tags()
+    pre, pre_rows = self._build(build_prefill_batch, plan.prefill)
+    prev_rows = ({r.request_id: i for i, r in enumerate(prev.dec_rows)} if prev is not None
+                 else {})
+    dec, dec_rows = self._build(functools.partial(build_decode_batch, prev_rows=prev_rows),
+                                plan.decode)
+    if pre is None and dec is None:
+      host = time.perf_counter() - t0
+      self.stats.host_seconds += host
+      if prev is None:
+        self.stats.exposed_host_seconds += host
+      return None
     t1 = time.perf_counter()
-    outs = []
+    outputs = []
     if pre is not None:
       tok, ok, self.state, lg = self.runner.run("prefill", self.state, pre)
-      outs.append((tok, ok, lg))
+      outputs.append((tok, ok, lg))
+      for item in pre_rows:  # their KV is written by this step, whatever the host does next
+        item.req.num_computed += item.n
     if dec is not None:
+      if any(r.pending for r in dec_rows):
+        dec = dataclasses.replace(dec, tokens=_chain_tokens(dec.tokens, prev.decode_tokens,
+                                                            dec.prev_row))
       tok, ok, self.state, lg = self.runner.run("decode", self.state, dec)
-      outs.append((tok, ok, lg))
-    host = jax.device_get(outs)  # the step's only synchronisation
-    t2 = time.perf_counter()
+      outputs.append((tok, ok, lg))
+      for r in dec_rows:
+        r.pending += 1
+    host = t1 - t0
+    return _InFlight(pre_rows, dec_rows, outputs, t1, host, host if prev is None else 0.0)
+
+  def _finish(self, inf: _InFlight | None) -> list[RequestOutput]:
+    """Reads a step's results and does its bookkeeping; returns the step's RequestOutputs."""
     generated = 0
-    now = t2
-    k = 0
-    if pre is not None:
-      tok, ok, lg = host[k]
-      k += 1
-      touch(it.req for it in pre_rows)
-      for i, item in enumerate(pre_rows):
-        generated += self._finish_row(item.req, bool(ok[i]), tok[i], lg, i, now, prefill_n=item.n)
-    if dec is not None:
-      tok, ok, lg = host[k]
-      touch(dec_rows)
-      for i, req in enumerate(dec_rows):
-        generated += self._finish_row(req, bool(ok[i]), tok[i], lg, i, now)
-    touch(self.audit_pages())
+    if inf is not None:
+      host_out = jax.device_get(inf.outputs)  # the step's only synchronisation
+      t2 = time.perf_counter()
+      self._touch([it.req for it in inf.pre_rows])
+      self._touch(inf.dec_rows)
+      k = 0
+      if inf.pre_rows:
+        tok, ok, lg = host_out[k]
+        k += 1
+        for i, item in enumerate(inf.pre_rows):
+          final = item.start + item.n == len(item.req.prefill_tokens)
+          generated += self._finish_row(item.req, bool(ok[i]), tok[i], lg, i, t2,
+                                        prefill_final=final)
+      if inf.dec_rows:
+        tok, ok, lg = host_out[k]
+        for i, req in enumerate(inf.dec_rows):
+          req.pending -= 1
+          generated += self._finish_row(req, bool(ok[i]), tok[i], lg, i, t2)
+    else:
+      t2 = time.perf_counter()
+    self._touch(self.audit_pages())
     results = [RequestOutput(r.request_id, tuple(r.output[n:]), r.status, r.finish_reason,
-                             r.abort_reason) for r, n in touched.values()]
+                             r.abort_reason) for r, n in self._touched.values()]
+    self._touched = {}
+    if inf is None:
+      return results
     t3 = time.perf_counter()
-    self.stats.record_step(host_s=(t1 - t0) + (t3 - t2), device_s=t2 - t1,
-                           prefill=pre is not None, decode=dec is not None, generated=generated,
-                           prefilled=sum(it.n for it in pre_rows), start=t0)
-    if cfg.log_every and self.stats.steps % cfg.log_every == 0:
+    # Bookkeeping is exposed (the device idles) unless the next step is already in flight.
+    exposed = inf.exposed_host_s + (t3 - t2 if self._in_flight is None else 0.0)
+    self.stats.record_step(host_s=inf.host_s + (t3 - t2), device_s=t2 - inf.launched_at,
+                           exposed_host_s=exposed, prefill=bool(inf.pre_rows),
+                           decode=bool(inf.dec_rows), generated=generated,
+                           prefilled=sum(it.n for it in inf.pre_rows), start=inf.launched_at)
+    if self.config.log_every and self.stats.steps % self.config.log_every == 0:
       self.log_metrics()
     return results
 
-  def _build(self, builder, items, touch):
+  def _build(self, builder, items):
     """Builds one step's batch; a request whose row cannot be built is aborted (reason ``error``)."""
     if not items:
       return None, []
     batch, rows, failed = builder(self.config, self.scheduler, items)
     for req, err in failed:
-      touch([req])
+      self._touch([req])
       self._error_abort(req, err)
     return batch, rows
 
   def _finish_row(self, req: Request, ok: bool, token, logits, i: int, now: float,
-                  prefill_n: int | None = None) -> int:
-    """Host bookkeeping of one row's result; returns the tokens it emitted (0 or 1)."""
+                  prefill_final: bool | None = None) -> int:
+    """Host bookkeeping of one row's result; returns the tokens it emitted (0 or 1).
+
+    ``prefill_final`` is None for a decode row, else whether the prefill chunk
+    was the prompt's last (only then is its sampled token emitted).
+    """
+    if req.done or not self.scheduler.holds(req):
+      return 0  # it ended (or left) while the step ran: its row is dropped
     if not ok:
       self._integrity_abort(req, "its page-tag check failed")
       return 0
     try:
-      if prefill_n is not None:
-        req.num_computed += prefill_n
-        if req.num_computed < len(req.prefill_tokens):
+      if prefill_final is not None:
+        if not prefill_final or req.status is not RequestStatus.PREFILLING:
           return 0
         req.status = RequestStatus.DECODING
+        emitted = self._emit(req, token, logits[i] if logits is not None else None, now)
+        if not req.done and self.role == "prefill":
+          self.scheduler.detach(req)
+        return emitted
+      if req.status is not RequestStatus.DECODING:
+        return 0
       return self._emit(req, token, logits[i] if logits is not None else None, now)
     except Exception as e:  # one request's bad state must not stop the others
       self._error_abort(req, f"{type(e).__name__}: {e}")
       return 0
 
-  def run_until_done(self, max_steps: int | None = None) -> dict[int, Request]:
-    """Steps until no request is waiting or running.
-
-    Returns:
-      All requests by id.
-
-    Raises:
-      EngineStalled: a step changed nothing (no token, no prefill progress, no
-        state change) while requests remain, or max_steps ran out.
-    """
-    steps = 0
-    while self.has_unfinished():
-      before = self._progress_marker()
-      self.step()
-      steps += 1
-      if self._progress_marker() == before:
-        raise EngineStalled(f"engine made no progress in step {self.stats.steps}: "
-                            f"{len(self.scheduler.waiting)} waiting, "
-                            f"{len(self.scheduler.running)} running")
-      if max_steps is not None and steps >= max_steps and self.has_unfinished():
-        raise EngineStalled(f"requests still unfinished after {max_steps} steps")
-    return self.requests
-
-  def stream(self, request_id: int) -> Iterator[int]:
-    """Yields a request's tokens as they are generated, stepping the engine as needed.
-
-    Other requests advance too (they share the steps); their tokens stay in
-    their Request objects.
-    """
-    req = self.get(request_id)
-    n = 0
-    while True:
-      while n < len(req.output):
-        n += 1
-        yield req.output[n - 1]
-      if req.done:
-        return
-      self.step()
-
-  def generate(self, prompts: Sequence[Sequence[int]],
-               sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams()
-               ) -> list[list[int]]:
+  def generate(self, prompts, sampling=SamplingParams()) -> list[list[int]]:
     """Submits every prompt, runs to completion and returns each request's tokens (in order).
 
     Atomic: every request is checked before any is queued.
@@ -319,10 +506,7 @@ class Engine:
       ValueError: as :meth:`submit` for any prompt (nothing is queued), or a SamplingParams
         list whose length differs from the prompts'.
     """
-    checked = check_batch(self.check_request, prompts, sampling)
-    ids = [self._enqueue(p, s) for p, s in checked]
-    self.run_until_done()
-    return [list(self.requests[i].output) for i in ids]
+    return super().generate(prompts, sampling)
 
   # --------------------------------------------------------------- faults
   def inject_fault(self, fault: faults_lib.Fault) -> faults_lib.FaultRecord:
@@ -352,18 +536,10 @@ class Engine:
              pages_used=self.allocator.num_used, pages_free=self.allocator.num_free,
              pages_quarantined=len(self.allocator.quarantined),
              pages_total=self.allocator.num_pages)
-    done = [r for r in self.requests.values() if r.first_token_time is not None]
-    ttfts = [request_metrics(r)["ttft_s"] for r in done]
-    tpots = [t for t in (request_metrics(r)["tpot_s"] for r in done) if t is not None]
-    m["mean_ttft_s"] = float(np.mean(ttfts)) if ttfts else None
-    m["mean_tpot_s"] = float(np.mean(tpots)) if tpots else None
+    m.update(self._mean_latencies(self.requests.values()))
     if include_requests:
-      m["requests"] = {rid: request_metrics(r) for rid, r in self.requests.items()}
+      m["requests"] = {rid: self.request_metrics(rid) for rid in self.requests}
     return m
-
-  def request_metrics(self, request_id: int) -> dict:
-    """Per-request metrics (see mlkit.engine.metrics.request_metrics)."""
-    return request_metrics(self.get(request_id))
 
   def log_metrics(self) -> None:
     m = self.metrics()
@@ -374,9 +550,23 @@ class Engine:
                  100 * m["host_overhead_fraction"], m["preemptions"], m["integrity_failures"])
 
   # --------------------------------------------------------------- internals
+  def progress_marker(self) -> tuple:
+    """A value that changes whenever a step does anything (stall detection)."""
+    return self._progress_marker()
+
+  def queue_summary(self) -> str:
+    """Where the live requests are, in words (stall messages)."""
+    return self._queue_summary()
+
   def _progress_marker(self):
-    return (self.stats.generated_tokens, self.stats.prefill_tokens,
+    return (self.stats.generated_tokens, self.stats.prefill_tokens, self.stats.steps,
+            self._in_flight is not None,
             sum(r.done for r in self.requests.values()), self.stats.preemptions)
+
+  def _queue_summary(self) -> str:
+    s = self.scheduler
+    return (f"{len(s.waiting)} waiting, {len(s.running)} running, "
+            f"{len(s.detached)} awaiting hand-over")
 
   def _emit(self, req: Request, token, logits, now: float) -> int:
     req.emit(int(token), now)
@@ -464,11 +654,15 @@ class Engine:
     self.stats.aborted[reason] += 1
 
 
+
+_NEEDS_SYNC = object()  # _launch: collect the step in flight, then schedule again
+
+
 def _sampling_row(r: Request) -> tuple:
   """One request's sampling values as the step's dtypes (raises if one does not fit)."""
   s = r.sampling
   return (np.uint32(s.seed), np.float32(s.temperature), np.int32(s.top_k), np.float32(s.top_p),
-          np.int32(len(r.output)))  # the index of the token this row samples
+          np.int32(len(r.output) + r.pending))  # the index of the token this row samples
 
 
 def _rows(items, row_fn):
@@ -537,14 +731,32 @@ def build_prefill_batch(config: EngineConfig, scheduler, items):
                    top_p), rows, failed
 
 
-def build_decode_batch(config: EngineConfig, scheduler, reqs):
-  """The StepBatch of one decode step: each request's last token at position context_len - 1.
+def build_decode_batch(config: EngineConfig, scheduler, reqs, prev_rows=None):
+  """The StepBatch of one decode step: each request's newest token at position context_len - 1.
+
+  A request with a ``pending`` token (sampled by the step in flight, unseen by
+  the host) decodes that token: its position is one further and
+  ``batch.prev_row`` names its row in the step in flight (the engine takes the
+  token from there on device); other rows have prev_row -1.
+
+  Args:
+    prev_rows: request id -> its decode row in the step in flight.
 
   Returns:
     (batch or None, requests in batch order, [(request, error)]) as build_prefill_batch.
   """
+  prev_rows = prev_rows or {}
+
   def row(r):
-    return np.int32(r.output[-1]), _sampling_row(r), scheduler.row(r)
+    if r.pending:
+      if r.pending != 1 or r.request_id not in prev_rows:
+        raise ValueError(f"request {r.request_id} has {r.pending} pending tokens outside the "
+                         "decode rows of the step in flight")
+      src = prev_rows[r.request_id]
+    else:
+      src = -1
+    tok = 0 if r.pending else r.output[-1]
+    return np.int32(tok), _sampling_row(r), scheduler.row(r), src
 
   built, failed = _rows(reqs, row)
   if not built:
@@ -554,49 +766,16 @@ def build_decode_batch(config: EngineConfig, scheduler, reqs):
   tokens = np.zeros((B, 1), np.int32)
   positions = np.zeros((B, 1), np.int32)
   lengths = np.zeros(B, np.int32)
-  for i, (r, (tok, _, _)) in enumerate(built):
+  prev_row = np.full(B, -1, np.int32)
+  for i, (r, (tok, _, _, src)) in enumerate(built):
     tokens[i, 0] = tok
-    positions[i, 0] = r.context_len - 1
-    lengths[i] = r.context_len
+    positions[i, 0] = r.context_len + r.pending - 1
+    lengths[i] = r.context_len + r.pending
+    prev_row[i] = src
   bt, et = scheduler.fill_tables(rows, B)
   seeds, temp, top_k, top_p, steps = _sampling_arrays([v[1] for _, v in built], B)
   return StepBatch(tokens, positions, bt, et, lengths, np.zeros(B, np.int32), seeds, steps, temp,
-                   top_k, top_p), rows, failed
-
-
-def check_batch(check, prompts, sampling) -> list[tuple[tuple[int, ...], SamplingParams]]:
-  """Checks a batch of requests with ``check(prompt, sampling)`` before any is queued.
-
-  Args:
-    check: an engine's ``check_request``.
-    prompts: the prompts.
-    sampling: one SamplingParams for all, or one per prompt.
-
-  Returns:
-    The checked (prompt, sampling) pairs, in order.
-
-  Raises:
-    ValueError: the first failing request's error, naming its index; a SamplingParams
-      list whose length differs from the prompts'.
-  """
-  if isinstance(sampling, SamplingParams):
-    samplings = [sampling] * len(prompts)
-  else:
-    try:
-      samplings = list(sampling)
-    except TypeError:
-      raise ValueError(f"generate: sampling must be a SamplingParams or a sequence of them, "
-                       f"got {type(sampling).__name__}") from None
-  if len(samplings) != len(prompts):
-    raise ValueError(f"generate: {len(samplings)} SamplingParams for {len(prompts)} prompts")
-  out = []
-  for i, (p, s) in enumerate(zip(prompts, samplings)):
-    try:
-      out.append(check(p, s))
-    except ValueError as e:
-      e.args = (f"request {i} of the batch: {e}",) + e.args[1:]
-      raise
-  return out
+                   top_k, top_p, prev_row=prev_row), rows, failed
 
 
 def _validate_sampling(sampling, vocab_size: int) -> SamplingParams:

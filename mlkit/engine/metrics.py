@@ -47,6 +47,9 @@ class EngineMetrics:
   integrity_failures: int = 0
   # Page-conservation violations found (by the audit, or by the allocator at allocation).
   page_violations: int = 0
+  # Host time spent while no step was in flight, so the device waited for it (part of
+  # host_seconds; all of it without overlap).
+  exposed_host_seconds: float = 0.0
   # Host time spent in the page-conservation audit (part of host_seconds).
   audit_seconds: float = 0.0
   aborted: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -57,8 +60,9 @@ class EngineMetrics:
   last_device_seconds: float = 0.0
 
   def record_step(self, *, host_s: float, device_s: float, prefill: bool, decode: bool,
-                  generated: int, prefilled: int, start: float) -> None:
-    """Adds one step's timings and counts."""
+                  generated: int, prefilled: int, start: float,
+                  exposed_host_s: float | None = None) -> None:
+    """Adds one step's timings and counts (exposed_host_s None: all of host_s was exposed)."""
     if self.first_step_time is None:
       self.first_step_time = start
     self.last_step_time = time.perf_counter()
@@ -68,6 +72,7 @@ class EngineMetrics:
     self.generated_tokens += generated
     self.prefill_tokens += prefilled
     self.host_seconds += host_s
+    self.exposed_host_seconds += host_s if exposed_host_s is None else exposed_host_s
     self.device_seconds += device_s
     self.last_host_seconds, self.last_device_seconds = host_s, device_s
 
@@ -75,7 +80,7 @@ class EngineMetrics:
     """Counters plus derived rates: throughput_tok_s, host_overhead_fraction, per-step means."""
     elapsed = ((self.last_step_time - self.first_step_time)
                if self.first_step_time is not None else 0.0)
-    busy = self.host_seconds + self.device_seconds
+    busy = self.exposed_host_seconds + self.device_seconds
     return {
         "steps": self.steps, "prefill_steps": self.prefill_steps,
         "decode_steps": self.decode_steps, "generated_tokens": self.generated_tokens,
@@ -84,7 +89,9 @@ class EngineMetrics:
         "host_seconds": self.host_seconds, "device_seconds": self.device_seconds,
         "host_overhead_s_per_step": self.host_seconds / self.steps if self.steps else 0.0,
         "device_s_per_step": self.device_seconds / self.steps if self.steps else 0.0,
-        "host_overhead_fraction": self.host_seconds / busy if busy > 0 else 0.0,
+        # The share of busy time in which the device waited for the host.
+        "host_overhead_fraction": self.exposed_host_seconds / busy if busy > 0 else 0.0,
+        "exposed_host_s_per_step": self.exposed_host_seconds / self.steps if self.steps else 0.0,
         "last_host_overhead_s": self.last_host_seconds,
         "last_device_s": self.last_device_seconds,
         "finished": self.finished, "preemptions": self.preemptions,

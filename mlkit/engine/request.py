@@ -59,6 +59,8 @@ class Request:
     prefill_tokens: what prefill must write: the prompt, plus the output so far
       after a preemption (recompute).
     num_preemptions: times its pages were taken back and it was requeued.
+    pending: tokens a dispatched, not yet collected step is sampling for it (0 or 1; the
+      engine's overlapped mode schedules the next step before it knows them).
     arrival_time / first_token_time / finish_time: perf_counter seconds.
   """
 
@@ -74,6 +76,7 @@ class Request:
   num_computed: int = 0
   prefill_tokens: tuple[int, ...] = ()
   num_preemptions: int = 0
+  pending: int = 0
   admit_seq: int = -1
   first_token_time: float | None = None
   finish_time: float | None = None

@@ -52,6 +52,9 @@ class StepBatch:
     seeds: [B] uint32 per-request seeds.
     sample_steps: [B] int32 index of the generated token being sampled (key = fold_in(seed, step)).
     temperature / top_k / top_p: [B] sampling parameters.
+    prev_row: [B] int32 or None: for a decode row whose input token is still on
+      device (the engine's overlapped mode), its row in the step in flight, else -1.
+      The engine resolves it into ``tokens`` before the step; the step ignores it.
   """
 
   tokens: np.ndarray
@@ -65,6 +68,7 @@ class StepBatch:
   temperature: np.ndarray
   top_k: np.ndarray
   top_p: np.ndarray
+  prev_row: np.ndarray | None = None
 
 
 def _step(params, state: PagedKVState, tokens, positions, block_tables, expected_tags, lengths,

@@ -12,6 +12,20 @@ Plain Python over host state. Each ``schedule`` call decides one engine step:
    waiting queue, to be recomputed from prompt + tokens generated so far.
 3. Prefill: chunks of prefilling requests, oldest first, up to the largest
    prefill bucket per request and ``prefill_token_budget`` per step.
+
+While a step is in flight (the engine's overlapped mode) some requests have a
+token being sampled that the host has not seen (``Request.pending``). Such a
+plan grows them for that token too, never preempts (a preemption would drop
+KV the device is still writing), and reports ``None`` instead when the pool
+cannot grow every decoding request: the engine then collects the step in
+flight and schedules again, synchronously.
+
+The pool-level API other components use instead of editing the queues:
+:meth:`can_admit` (the admission rule), :meth:`adopt` (a request whose KV
+arrives from elsewhere), :meth:`detach` / :attr:`detached` (a request that
+keeps its pages while it leaves this pool's steps), :meth:`drain_preempted`
+and :meth:`requeue`. docs/engine.md describes how the disaggregated pools
+compose through it.
 """
 
 from __future__ import annotations
@@ -73,7 +87,11 @@ class Scheduler:
     self.allocator = allocator
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []  # admission order
+    # Requests holding pages outside this pool's steps (a finished prefill awaiting its
+    # transfer), oldest first.
+    self.detached: list[Request] = []
     self._admit_counter = 0
+    self._preempted: list[Request] = []  # preempted here since the last drain_preempted
     self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # block-table cache
 
   # --------------------------------------------------------------- queue ops
@@ -86,25 +104,30 @@ class Scheduler:
     if req in self.waiting:
       self.waiting.remove(req)
       return True
-    if req in self.running:
-      self.running.remove(req)
+    if req in self.running or req in self.detached:
+      (self.running if req in self.running else self.detached).remove(req)
       self.allocator.release_checked(req.request_id)
       self._rows.pop(req.request_id, None)
       return True
     return False
 
+  def holds(self, req: Request) -> bool:
+    """Whether the request is queued here, runs here or holds pages here detached."""
+    return req in self.waiting or req in self.running or req in self.detached
+
   def forget(self, req: Request) -> None:
     """Takes a request out of the queues without touching the allocator (it already dropped it)."""
-    if req in self.running:
-      self.running.remove(req)
-    elif req in self.waiting:
-      self.waiting.remove(req)
+    for queue in (self.running, self.waiting, self.detached):
+      if req in queue:
+        queue.remove(req)
+        break
     self._rows.pop(req.request_id, None)
 
   def drop_failed(self, req: Request) -> None:
     """Removes a request whose integrity check failed (its block table is not trusted)."""
-    if req in self.running:
-      self.running.remove(req)
+    for queue in (self.running, self.detached):
+      if req in queue:
+        queue.remove(req)
     self.allocator.drop_and_reconcile(req.request_id)
     self._rows.pop(req.request_id, None)
 
@@ -130,20 +153,93 @@ class Scheduler:
       et[i, :len(tags)] = tags
     return bt, et
 
+  # --------------------------------------------------------------- pool API
+  def can_admit(self, num_tokens: int, extra_pages: int = 0) -> bool:
+    """The admission rule: a running slot, and pages for ``num_tokens`` with the reserve left.
+
+    The reserve (``admission_reserve`` free pages after admitting, so running
+    requests can still grow) is waived when nothing runs, so a request that fits
+    the pool alone can always start. ``extra_pages`` are pages already promised
+    to running requests this step.
+    """
+    if len(self.running) >= self.config.max_running:
+      return False
+    reserve = self.config.admission_reserve if self.running else 0
+    return (self.allocator.pages_for(num_tokens) + reserve + extra_pages
+            <= self.allocator.num_free)
+
+  def adopt(self, req: Request, num_tokens: int) -> bool:
+    """Admits a request whose first ``num_tokens`` tokens of KV arrive from elsewhere.
+
+    Allocates its pages (fresh tags) and puts it in the running set, DECODING.
+    The caller writes the KV into :meth:`row`'s pages before the next step.
+
+    Returns:
+      Whether it was adopted (False: :meth:`can_admit` refused, nothing changed).
+    """
+    if not self.can_admit(num_tokens) or self.allocator.admit(req.request_id, num_tokens) is not None:
+      return False
+    req.status = RequestStatus.DECODING
+    req.admit_seq = self._admit_counter
+    self._admit_counter += 1
+    self.running.append(req)
+    self._rows.pop(req.request_id, None)
+    return True
+
+  def detach(self, req: Request) -> None:
+    """Takes a running request out of this pool's steps, keeping its pages (see ``detached``)."""
+    self.running.remove(req)
+    self.detached.append(req)
+    self._rows.pop(req.request_id, None)
+
+  def drain_preempted(self) -> list[Request]:
+    """Removes and returns every waiting request that was preempted here, in queue order.
+
+    For a pool that does not recompute (the decode pool): the caller requeues
+    them where their prompts are prefilled.
+    """
+    out = [r for r in self.waiting if r in self._preempted]
+    for r in out:
+      self.waiting.remove(r)
+    self._preempted.clear()
+    return out
+
+  def requeue(self, reqs) -> None:
+    """Puts requests (preempted elsewhere) at the head of the waiting queue, in the given order."""
+    for req in reversed(list(reqs)):
+      req.status = RequestStatus.WAITING
+      req.prefill_tokens = tuple(req.prompt) + tuple(req.output)
+      req.num_computed = 0
+      self.waiting.appendleft(req)
+
   # --------------------------------------------------------------- one step
-  def schedule(self) -> Plan:
-    """Decides the next step (admits, grows, preempts, picks prefill chunks)."""
+  def schedule(self, *, in_flight: bool = False) -> Plan | None:
+    """Decides the next step (admits, grows, preempts, picks prefill chunks).
+
+    Args:
+      in_flight: a step is in flight (requests may have ``pending`` tokens):
+        grow for them, never preempt.
+
+    Returns:
+      The Plan; None (nothing changed) when ``in_flight`` and the pool cannot
+      grow every decoding request without a preemption.
+    """
     cfg = self.config
     alloc = self.allocator
     admitted, preempted = [], []
     changed = False
+    decoding = [r for r in self.running if r.status is RequestStatus.DECODING
+                and len(r.output) + r.pending < r.sampling.max_new_tokens]
+    growth = 0
+    if in_flight:
+      # Pages every decoding request needs for its next token (after the pending one).
+      growth = sum(max(alloc.pages_for(r.context_len + r.pending) - len(self.row(r)[0]), 0)
+                   for r in decoding)
+      if growth > alloc.num_free:
+        return None
     # 1. Admission.
-    while self.waiting and len(self.running) < cfg.max_running:
+    while self.waiting and self.can_admit(len(self.waiting[0].prefill_tokens), growth):
       req = self.waiting[0]
-      need = alloc.pages_for(len(req.prefill_tokens))
-      reserve = cfg.admission_reserve if self.running else 0
-      if need + reserve > alloc.num_free:
-        break
       if alloc.admit(req.request_id, len(req.prefill_tokens)) is not None:
         break
       self.waiting.popleft()
@@ -156,17 +252,18 @@ class Scheduler:
       changed = True
     # 2. Decode growth, oldest first; preempt the youngest when the pool is dry.
     decode = []
-    for req in list(self.running):
-      if req.status is not RequestStatus.DECODING or req not in self.running:
+    for req in decoding:
+      if req not in self.running:
         continue
       while True:
         pages_before = len(self.row(req)[0])
-        if alloc.extend(req.request_id, req.context_len) is None:
-          if alloc.pages_for(req.context_len) > pages_before:
+        if alloc.extend(req.request_id, req.context_len + req.pending) is None:
+          if alloc.pages_for(req.context_len + req.pending) > pages_before:
             self._rows.pop(req.request_id, None)
             changed = True
           decode.append(req)
           break
+        assert not in_flight, "growth was checked to fit"
         victim = max(self.running, key=lambda r: r.admit_seq)
         self._preempt(victim)
         preempted.append(victim)
@@ -181,9 +278,11 @@ class Scheduler:
     for req in self.running:
       if req.status is not RequestStatus.PREFILLING:
         continue
-      n = min(len(req.prefill_tokens) - req.num_computed, cfg.prefill_buckets[-1], budget)
-      if n <= 0 or len(prefill) >= max_rows:
+      if budget <= 0 or len(prefill) >= max_rows:
         break
+      n = min(len(req.prefill_tokens) - req.num_computed, cfg.prefill_buckets[-1], budget)
+      if n <= 0:  # its last chunk is in flight
+        continue
       prefill.append(PrefillItem(req, req.num_computed, n))
       budget -= n
     return Plan(prefill=prefill, decode=decode, admitted=admitted, preempted=preempted,
@@ -198,5 +297,6 @@ class Scheduler:
     req.num_computed = 0
     req.num_preemptions += 1
     self.waiting.appendleft(req)
+    self._preempted.append(req)
     logging.info("scheduler: preempted request %d (%d tokens to recompute)", req.request_id,
                  len(req.prefill_tokens))

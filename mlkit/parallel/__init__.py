@@ -9,7 +9,7 @@ The model and the engine run unchanged on whatever mesh their inputs live on.
 
 from mlkit.parallel.distributed import initialize_distributed, is_multiprocess
 from mlkit.parallel.abstract import (abstract_kv_state, abstract_params, per_device_bytes,
-                                     replicated, with_shardings)
+                                     replicated, sharded_kv_state, with_shardings)
 from mlkit.parallel.mesh import AXES, MeshConfig, axis_size, make_mesh, split_mesh
 from mlkit.parallel.sharding import (DEFAULT_RULES, ShardingRules, expert_sharding,
                                      kv_state_partition_specs, kv_state_shardings,
@@ -23,5 +23,5 @@ __all__ = [
     "is_multiprocess", "kv_state_partition_specs", "kv_state_shardings", "leaf_partition_spec",
     "logical_axes_for", "make_mesh", "model_counts", "param_logical_axes", "param_partition_specs",
     "param_shardings", "per_device_bytes", "put", "replicate", "replicated", "shard_kv_state",
-    "shard_params", "split_mesh", "with_shardings",
+    "shard_params", "sharded_kv_state", "split_mesh", "with_shardings",
 ]

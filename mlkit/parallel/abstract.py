@@ -88,6 +88,23 @@ def abstract_kv_state(cfg: ModelConfig, kv_cfg: KVCacheConfig, mesh: Mesh,
                                                    data_parallel=data_parallel))
 
 
+def sharded_kv_state(cfg: ModelConfig, kv_cfg: KVCacheConfig, mesh: Mesh,
+                     rules: ShardingRules = DEFAULT_RULES, *,
+                     data_parallel: bool = False) -> PagedKVState:
+  """An empty paged KV pool created in place on ``mesh``, sharded as ``kv_state_shardings`` says.
+
+  The pool is built by one jitted call with those output shardings, so each
+  device only ever holds its own shard: no whole pool on the default device
+  first (at H200 pool sizes that transient copy alone can exceed a device).
+
+  Raises:
+    ValueError: with data_parallel, if the page count does not split over the data axis.
+  """
+  shardings = abstract_kv_state(cfg, kv_cfg, mesh, rules, data_parallel=data_parallel)
+  out = jax.tree_util.tree_map(lambda s: s.sharding, shardings)
+  return jax.jit(lambda: init_paged_state(cfg, kv_cfg), out_shardings=out)()
+
+
 def replicated(shape, dtype, mesh: Mesh) -> jax.ShapeDtypeStruct:
   """A ShapeDtypeStruct replicated on every device of ``mesh`` (batch inputs of a step)."""
   return jax.ShapeDtypeStruct(tuple(shape), dtype,
