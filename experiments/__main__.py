@@ -52,6 +52,9 @@ EXPERIMENTS = {
     "integrity": ("experiments.integrity",
                   "lever 4: page-tag check on vs off at concurrency 1-8 (paired, interleaved) and "
                   "a fault-injection run (quick: ~1.5 min)"),
+    "prefix_cache": ("experiments.prefix_cache",
+                     "radix prefix cache on a shared-system-prompt workload, on vs off: TTFT, "
+                     "throughput, prefill tokens saved, hit rate, identical outputs (quick: ~1 min)"),
     "paper": ("experiments.paper",
               "analytic model of the report's Kimi K2.6 and GLM 5.2 deployments on 8x H200: "
               "calibrated, then predicted (~5 s)"),
@@ -74,7 +77,7 @@ EXPERIMENTS = {
                            "vs step (not in the default suite: quick ~8 min, --full ~20 min)"),
 }
 DEFAULT_SUITE = ("generate", "capacity", "engine_overhead", "kv_dtype", "weight_quant", "disagg",
-                 "integrity", "paper", "h200_compile", "kernels")
+                 "integrity", "prefix_cache", "paper", "h200_compile", "kernels")
 
 _OUT = flags.DEFINE_string("out", "results", "Output folder for JSON, markdown and PNG.")
 _FULL = flags.DEFINE_bool("full", False, "Run the full-size variant instead of the quick one.")

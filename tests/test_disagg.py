@@ -384,6 +384,34 @@ class TransferTest(parameterized.TestCase):
     other = [p for p in range(12) if p not in dst_pages]
     self.assertEqual(float(jnp.abs(dst.layers[0]["latent"][jnp.asarray(other)]).max()), 0.0)
 
+  @parameterized.parameters((4, 3, 3), (8, 3, 6), (4, 8, 8), (3, 4, 4))
+  def test_transfer_from_a_start_moves_and_writes_only_the_rest(self, src_page, dst_page, start):
+    # The destination already holds tokens [0, start) in a shared page (sentinel values
+    # here): the transfer must leave that page alone and deliver the rest exactly.
+    length = 14
+    src_pages = list(range(2, 2 + -(-length // src_page)))
+    dst_pages = list(range(9, 9 - -(-length // dst_page), -1))
+    src, entries = _filled_state(TINY_MLA, "float32", src_page, src_pages, length)
+    dst = kvc.init_paged_state(TINY_MLA, kvc.KVCacheConfig(12, dst_page, "float32"))
+    shared = dst_pages[:start // dst_page]
+    layers = [{k: v.at[jnp.asarray(shared)].set(7.0) for k, v in layer.items()}
+              for layer in dst.layers]
+    dst = dst.replace(layers=layers)
+    copy = jax.tree_util.tree_map(jnp.copy, dst)  # the transfer donates its destination
+    _, whole = tr.transfer_kv(src, src_pages, copy, dst_pages, length)
+    dst, res = tr.transfer_kv(src, src_pages, dst, dst_pages, length, start=start)
+    self.assertTrue(res.ok, res.reason)
+    # Only the source pages from the one holding token `start` on travel.
+    first = start // src_page
+    self.assertEqual(res.nbytes * len(src_pages), whole.nbytes * (len(src_pages) - first))
+    got = _read(dst, dst_pages, length)
+    for i, layer in enumerate(entries):
+      for k, x in layer.items():
+        np.testing.assert_array_equal(got[i][k][start:], np.asarray(x[0])[start:])
+        np.testing.assert_array_equal(got[i][k][:start], 7.0)  # the shared page is untouched
+    with self.assertRaisesRegex(ValueError, "transfer start"):
+      tr.transfer_kv(src, src_pages, dst, dst_pages, length, start=start + 1)
+
   def test_checksum_catches_corrupted_page_in_transit(self):
     src, _ = _filled_state(TINY_MLA, "bfloat16", 4, [0, 1, 2], self.LENGTH)
     dst = kvc.init_paged_state(TINY_MLA, kvc.KVCacheConfig(12, 8, "float8_e4m3fn"))

@@ -28,14 +28,16 @@ class SmokeRunsTest(parameterized.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    from experiments import disagg, integrity, kernels, kv_dtype, paper, weight_quant
+    from experiments import disagg, integrity, kernels, kv_dtype, paper, prefix_cache, weight_quant
     cls.out = tempfile.mkdtemp(prefix="experiments_smoke_")
     cls.records = {}
     for name, mod in (("kv_dtype", kv_dtype), ("integrity", integrity), ("paper", paper),
-                      ("weight_quant", weight_quant), ("disagg", disagg), ("kernels", kernels)):
+                      ("weight_quant", weight_quant), ("disagg", disagg), ("kernels", kernels),
+                      ("prefix_cache", prefix_cache)):
       cls.records[name] = mod.run(cls.out, quick=True, smoke=True)
 
-  @parameterized.parameters("kv_dtype", "integrity", "paper", "weight_quant", "disagg")
+  @parameterized.parameters("kv_dtype", "integrity", "paper", "weight_quant", "disagg",
+                            "prefix_cache")
   def test_files_well_formed(self, name):
     with open(os.path.join(self.out, f"{name}.json")) as f:
       rec = json.load(f)
@@ -54,6 +56,17 @@ class SmokeRunsTest(parameterized.TestCase):
       png = f.read()
     self.assertEqual(png[:8], PNG_MAGIC)
     self.assertGreater(len(png), 5000)
+
+  def test_prefix_cache_saves_prefill_with_identical_outputs(self):
+    runs = self.records["prefix_cache"]["runs"]
+    for L, r in runs.items():
+      self.assertTrue(r["outputs_identical"], L)
+    shared = runs[str(max(map(int, runs)))]
+    on, off = shared["cache on"], shared["cache off"]
+    self.assertGreater(on["prefix_cache"]["tokens_saved"], 0)
+    self.assertEqual(on["prefill_tokens_computed"] + on["prefix_cache"]["tokens_saved"],
+                     off["prefill_tokens_computed"])
+    self.assertEqual(runs["0"]["cache on"]["prefix_cache"]["tokens_saved"], 0)
 
   def test_kv_dtype_bf16_runs_out_fp8_does_not(self):
     rec = self.records["kv_dtype"]

@@ -239,18 +239,18 @@ class SchedulerApiTest(absltest.TestCase):
     s = self.sched
     self.assertTrue(s.can_admit(32 * 8))  # alone: the reserve is waived
     self.assertFalse(s.can_admit(32 * 8 + 1))
-    self.assertTrue(s.adopt(_request(0, 8), 8))
+    self.assertEqual(s.adopt(_request(0, 8), 8), 0)  # adopted, nothing shared (no cache)
     self.assertFalse(s.can_admit(31 * 8))  # 31 pages + 1 reserve > 31 free
     self.assertTrue(s.can_admit(30 * 8))
     self.assertFalse(s.can_admit(30 * 8, extra_pages=1))  # pages promised to growth count
     for rid in (1, 2, 3):
-      self.assertTrue(s.adopt(_request(rid, 1), 1))
+      self.assertEqual(s.adopt(_request(rid, 1), 1), 0)
     self.assertFalse(s.can_admit(1))  # max_running reached
 
   def test_adopt_detach_and_hand_back(self):
     s, alloc = self.sched, self.alloc
     req = _request(0, 20)
-    self.assertTrue(s.adopt(req, 20))
+    self.assertEqual(s.adopt(req, 20), 0)
     self.assertEqual(req.status, RequestStatus.DECODING)
     self.assertEqual(len(s.row(req)[0]), 3)
     s.detach(req)
@@ -261,7 +261,7 @@ class SchedulerApiTest(absltest.TestCase):
     self.assertTrue(s.remove(req))
     self.assertFalse(s.holds(req))
     self.assertEqual(alloc.num_free, 32)
-    self.assertFalse(s.adopt(_request(1, 33 * 8), 33 * 8))  # refused: nothing changed
+    self.assertIsNone(s.adopt(_request(1, 33 * 8), 33 * 8))  # refused: nothing changed
     self.assertEqual(alloc.num_free, 32)
 
   def test_drain_preempted_and_requeue_keep_queue_order(self):

@@ -187,21 +187,28 @@ class AllocatorMachine(RuleBasedStateMachine):
 # ----------------------------------------------------------------------------- engine
 
 _PROMPT_LEN = st.integers(1, 20)
+_SHARED = np.random.default_rng(99).integers(0, 256, 13).tolist()
 
 
 class EngineMachine(RuleBasedStateMachine):
   """A real Engine (f32, 16 pages of 4 tokens: preemption happens) under random operations."""
 
-  @initialize(audit=st.booleans(), overlap=st.booleans())
-  def setup(self, audit, overlap):
-    self.eng = Engine(params(), engine_config(page_audit=audit, overlap=overlap))
+  @initialize(audit=st.booleans(), overlap=st.booleans(), prefix_cache=st.booleans())
+  def setup(self, audit, overlap, prefix_cache):
+    self.eng = Engine(params(), engine_config(page_audit=audit, overlap=overlap,
+                                              prefix_cache=prefix_cache))
     self.rng = np.random.default_rng(0)
-    self.fault_pending = False
+    # Steps until an injected fault has been dealt with: one synchronously. Overlapped, up
+    # to three: a step may only collect the victim's last prefill chunk, the next only
+    # launch its first decode row, and the one after collects (and checks) that row.
+    self.fault_pending = 0
     self.victims: set[int] = set()
 
-  @rule(n=_PROMPT_LEN, new=st.integers(1, 6), seed=st.integers(0, 3), greedy=st.booleans())
-  def submit(self, n, new, seed, greedy):
-    p = self.rng.integers(0, 256, n).tolist()
+  @rule(n=_PROMPT_LEN, new=st.integers(1, 6), seed=st.integers(0, 3), greedy=st.booleans(),
+        shared=st.integers(0, 13))
+  def submit(self, n, new, seed, greedy, shared):
+    # The first ``shared`` tokens come from one common prefix (prefix-cache hits, partial pages).
+    p = (_SHARED[:shared] + self.rng.integers(0, 256, n).tolist())[:20]
     sp = SamplingParams(max_new_tokens=new, seed=seed, temperature=0.0 if greedy else 0.8)
     self.eng.submit(p, sp)
 
@@ -209,7 +216,7 @@ class EngineMachine(RuleBasedStateMachine):
   def step(self):
     if self.eng.has_unfinished():
       self.eng.step()
-      self.fault_pending = False
+      self.fault_pending = max(self.fault_pending - 1, 0)
 
   @rule(data=st.data())
   def cancel(self, data):
@@ -229,7 +236,8 @@ class EngineMachine(RuleBasedStateMachine):
     if kind is FaultKind.USE_AFTER_FREE and self.eng.allocator.refcounts[pages[index][0]] != 1:
       return
     self.eng.inject_fault(Fault(kind, rid, index))
-    self.fault_pending = True  # bookkeeping is corrupt until the next step deals with it
+    # Bookkeeping is corrupt until the step that checks the victim's next row.
+    self.fault_pending = 3 if self.eng.config.overlap else 1
 
   @invariant()
   def pool_is_consistent(self):
@@ -249,8 +257,14 @@ class EngineMachine(RuleBasedStateMachine):
         assert int(alloc.tags[p]) == t, (r.request_id, p)
         if not eng._tags_dirty:  # noqa: SLF001 - synced at the next step otherwise
           assert np.uint32(device_tags[p].view(np.uint32)) == t
+    cached = set(eng.prefix_cache.pages()) if eng.prefix_cache is not None else set()
     for p, c in seen.items():
-      assert alloc.refcounts[p] == c  # the engine never shares pages between requests
+      # The prefix cache holds one reference too. (Requests that shared a page through it
+      # keep sharing it after its node is dropped; the tag check above covers them.)
+      assert alloc.refcounts[p] == c + (p in cached), (p, c, alloc.refcounts[p])
+      assert c == 1 or eng.prefix_cache is not None, p  # without a cache nothing is shared
+    for p in cached:
+      assert p not in alloc.quarantined and alloc.refcounts[p] >= 1, p
     for r in eng.scheduler.waiting:
       assert not alloc.has_request(r.request_id)
 
@@ -266,6 +280,12 @@ class EngineMachine(RuleBasedStateMachine):
         assert r.status is RequestStatus.ABORTED, r.status
         assert tuple(r.output) == want[:len(r.output)], (rid, r.output, want)
     alloc = self.eng.allocator
+    if self.eng.prefix_cache is not None:
+      if self.eng.config.page_audit:  # the cache holds live pages only
+        assert alloc.num_free + len(alloc.quarantined) + self.eng.prefix_cache.num_pages == NUM_PAGES
+      # Without the audit a fault on the cache's own hold can outlive the run; releasing
+      # the cache must give back every page all the same.
+      self.eng.prefix_cache.clear()
     assert alloc.num_free + len(alloc.quarantined) == NUM_PAGES
 
 

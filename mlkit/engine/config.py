@@ -53,6 +53,9 @@ class EngineConfig:
   # Dispatch step N+1 before collecting step N, so host scheduling and bookkeeping overlap
   # the device (same tokens; a stop is seen one step late and its extra row dropped).
   overlap: bool = False
+  # Keep the KV pages of finished prompts and sequences in a radix prefix cache and start a
+  # request's prefill after the longest cached prefix (docs/prefix_cache.md).
+  prefix_cache: bool = False
   # Write engine metrics to the log every this many steps (0: never).
   log_every: int = 0
 
@@ -76,7 +79,7 @@ class EngineConfig:
       raise ValueError(f"EngineConfig.prefill_token_budget ({self.prefill_token_budget}) must be at "
                        f"least the largest prefill bucket ({self.prefill_buckets[-1]})")
     for name in ("integrity_check", "page_audit", "enable_fault_injection", "record_logits",
-                 "overlap"):
+                 "overlap", "prefix_cache"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
     if self.backend is not None and self.backend not in dispatch.BACKENDS:

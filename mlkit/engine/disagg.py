@@ -18,7 +18,9 @@ One :meth:`DisaggEngine.step` on one host:
 4. queued requests whose decode-pool pages can be allocated are transferred
    (``mlkit.engine.transfer``: bf16 -> fp8 with per-token scales, re-paged to
    the decode page size, written into pages the decode allocator just handed
-   out with fresh tags, and verified by checksums before and after the move).
+   out with fresh tags, and verified by checksums before and after the move;
+   with a prefix cache in the decode pool, the pages it already holds are
+   shared and only the rest moves).
    A mismatch is retried; when every attempt fails the request is aborted with
    reason ``transfer`` and both pools' pages are returned;
 5. requests the decode pool preempted go back to the prefill pool's queue, to
@@ -201,6 +203,8 @@ class DisaggMetrics:
   transfer_failures: int = 0
   transfer_bytes: int = 0
   transfer_seconds: float = 0.0
+  # Tokens not moved because the decode pool's prefix cache already held them.
+  transfer_tokens_skipped: int = 0
   # Requests the decode pool preempted and sent back to the prefill pool.
   requeued: int = 0
   # Per iteration: (prefill chunks dispatched, tokens the decode pool emitted).
@@ -448,16 +452,22 @@ class DisaggEngine(ServingLoop):
         outs.append(RequestOutput(req.request_id, (), req.status, None, req.abort_reason))
     return outs
 
-  def _fill(self, req: Request, length: int, dst_state: PagedKVState, dst_pages: list[int]
-            ) -> tuple[PagedKVState, bool, str]:
-    """Moves a request's KV from the prefill pool into ``dst_pages`` (the decode pool's adopt)."""
+  def _fill(self, req: Request, length: int, dst_state: PagedKVState, dst_pages: list[int],
+            start: int) -> tuple[PagedKVState, bool, str]:
+    """Moves a request's KV from the prefill pool into ``dst_pages`` (the decode pool's adopt).
+
+    The decode pool already holds positions [0, start) (its prefix cache shares
+    them): only the rest moves.
+    """
+    self.stats.transfer_tokens_skipped += start
     src_pages = self.prefill.kv_pages(req.request_id)
     result = None
     for attempt in range(self.config.transfer_attempts):
       fault = self._faults.popleft() if self._faults else None
       t0 = time.perf_counter()
       dst_state, result = transfer_kv(
-          self.prefill.state, src_pages, dst_state, dst_pages, length, dst_mesh=self.decode_mesh,
+          self.prefill.state, src_pages, dst_state, dst_pages, length, start=start,
+          dst_mesh=self.decode_mesh,
           corrupt_payload=_payload_corrupter(fault) if fault and fault.where == "transit" else None,
           corrupt_landing=_landing_corrupter(fault, dst_pages[0])
           if fault and fault.where == "landing" else None)

@@ -49,13 +49,15 @@ from absl import logging
 from mlkit.engine import faults as faults_lib
 from mlkit.engine.config import EngineConfig
 from mlkit.engine.metrics import EngineMetrics
+from mlkit.engine.prefix_cache import PrefixCache
 from mlkit.engine.request import (ABORT_CANCELLED, ABORT_ERROR, ABORT_INTEGRITY, ABORT_TOO_LONG,
                                   ABORT_TRANSFER, Request, RequestOutput, RequestRejected,
                                   RequestStatus)
 from mlkit.engine.runner import Runner, StepBatch
 from mlkit.engine.scheduler import PrefillItem, Scheduler
 from mlkit.engine.serving import EngineStalled, ServingLoop, check_batch  # noqa: F401 (re-export)
-from mlkit.kvcache import PageAllocator, PageViolation, PagedKVState, init_paged_state, sync_tags
+from mlkit.kvcache import (PageAllocator, PageViolation, PagedKVState, copy_pages, init_paged_state,
+                           sync_tags)
 from mlkit.model import check_params
 from mlkit.parallel import DEFAULT_RULES, ShardingRules, shard_params, sharded_kv_state
 from mlkit.sampling import SamplingParams
@@ -141,7 +143,9 @@ class Engine(ServingLoop):
       self.state = init_paged_state(config.model, config.kv)
     self.runner = Runner(params, config)
     self.allocator = PageAllocator(config.kv.num_pages, config.page_size)
-    self.scheduler = Scheduler(config, self.allocator)
+    # Shared prompt prefixes, kept under the integrity tags (docs/prefix_cache.md).
+    self.prefix_cache = PrefixCache(self.allocator) if config.prefix_cache else None
+    self.scheduler = Scheduler(config, self.allocator, self.prefix_cache)
     self.requests: dict[int, Request] = {}
     self.stats = EngineMetrics()
     self.logits: dict[int, list[np.ndarray]] = {}  # per request, when config.record_logits
@@ -273,29 +277,34 @@ class Engine(ServingLoop):
     self.scheduler.remove(req)
 
   def adopt(self, req: Request, num_tokens: int,
-            fill: Callable[[PagedKVState, list[int]], tuple[PagedKVState, bool, str]]
+            fill: Callable[[PagedKVState, list[int], int], tuple[PagedKVState, bool, str]]
             ) -> bool | None:
     """Takes over a live request whose first ``num_tokens`` tokens of KV come from elsewhere.
 
-    The request is admitted by the pool's admission rule, its pages get fresh
-    tags (on the device before anything checks them), and ``fill(state,
-    pages)`` writes its KV, returning (new state, ok, why not). It then
-    decodes here from the next step.
+    The request is admitted by the pool's admission rule, sharing whatever
+    whole pages of those tokens this pool's prefix cache holds; its other
+    pages get fresh tags (on the device before anything checks them), and
+    ``fill(state, pages, start)`` writes the KV of positions [start,
+    num_tokens) into ``pages`` (the request's whole table), returning (new
+    state, ok, why not). It then decodes here from the next step, and its
+    pages are offered to the prefix cache.
 
     Returns:
       None: the pool cannot take it now (nothing changed). True: adopted.
       False: ``fill`` failed; the request is aborted with reason ``transfer``
       and its pages here are free again.
     """
-    if not self.scheduler.adopt(req, num_tokens):
+    start = self.scheduler.adopt(req, num_tokens)
+    if start is None:
       return None
     self.requests[req.request_id] = req
     self._sync_tags()
     try:
-      self.state, ok, why = fill(self.state, self.kv_pages(req.request_id))
+      self.state, ok, why = fill(self.state, self.kv_pages(req.request_id), start)
     except Exception as e:  # a broken transfer must not leave the request half adopted
       ok, why = False, f"filling its KV raised {type(e).__name__}: {e}"
     if ok:
+      self._cache_prefix(req, req.prefill_tokens[:num_tokens])
       return True
     self.scheduler.remove(req)
     self._abort(req, ABORT_TRANSFER, why)
@@ -390,6 +399,8 @@ class Engine(ServingLoop):
     plan = plan.without(set(dropped))
     if plan.allocation_changed or self._tags_dirty:
       self._sync_tags()
+    if plan.copies:  # copy-on-write of partly matching cached pages, before any step writes
+      self.state = copy_pages(self.state, plan.copies)
     pre, pre_rows = self._build(build_prefill_batch, plan.prefill)
     prev_rows = ({r.request_id: i for i, r in enumerate(prev.dec_rows)} if prev is not None
                  else {})
@@ -432,9 +443,12 @@ class Engine(ServingLoop):
         tok, ok, lg = host_out[k]
         k += 1
         for i, item in enumerate(inf.pre_rows):
-          final = item.start + item.n == len(item.req.prefill_tokens)
+          end = item.start + item.n
+          if ok[i] and not item.req.done and self.scheduler.holds(item.req):
+            # Its KV up to here is written and checked: later requests may share it now.
+            self._cache_prefix(item.req, item.req.prefill_tokens[:end])
           generated += self._finish_row(item.req, bool(ok[i]), tok[i], lg, i, t2,
-                                        prefill_final=final)
+                                        prefill_final=end == len(item.req.prefill_tokens))
       if inf.dec_rows:
         tok, ok, lg = host_out[k]
         for i, req in enumerate(inf.dec_rows):
@@ -535,7 +549,10 @@ class Engine(ServingLoop):
     m.update(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
              pages_used=self.allocator.num_used, pages_free=self.allocator.num_free,
              pages_quarantined=len(self.allocator.quarantined),
-             pages_total=self.allocator.num_pages)
+             pages_total=self.allocator.num_pages,
+             pages_cached=self.prefix_cache.num_pages if self.prefix_cache is not None else 0)
+    if self.prefix_cache is not None:
+      m["prefix_cache"] = self.prefix_cache.stats.as_dict()
     m.update(self._mean_latencies(self.requests.values()))
     if include_requests:
       m["requests"] = {rid: self.request_metrics(rid) for rid in self.requests}
@@ -574,6 +591,8 @@ class Engine(ServingLoop):
       self.logits.setdefault(req.request_id, []).append(np.asarray(logits))
     reason = req.should_stop()
     if reason is not None:
+      # The KV of every token but the newest is written: keep its whole pages for reuse.
+      self._cache_prefix(req, (req.prompt + tuple(req.output))[:req.context_len - 1])
       self.scheduler.remove(req)
       req.status = RequestStatus.FINISHED
       req.finish_reason = reason
@@ -622,6 +641,8 @@ class Engine(ServingLoop):
       logging.error("engine: request %d aborted: %s", req.request_id, why)
       self._abort(req, ABORT_INTEGRITY, why)
       aborted.append(req)
+    if self.prefix_cache is not None:  # recover() dropped the cache's hold on bad pages
+      self.prefix_cache.reconcile()
     self.scheduler.invalidate_rows()
     self._tags_dirty = True
     # The pool shrank: a request that can no longer fit would wait forever.
@@ -634,8 +655,18 @@ class Engine(ServingLoop):
         aborted.append(req)
     return aborted
 
+  def _cache_prefix(self, req: Request, tokens) -> None:
+    """Offers the whole pages of ``tokens`` (KV written, checked this step) to the prefix cache."""
+    if self.prefix_cache is not None and self.allocator.has_request(req.request_id):
+      pages, tags = zip(*self.allocator.block_table(req.request_id))
+      self.prefix_cache.insert(tokens, pages, tags)
+
   def _integrity_abort(self, req: Request, why: str) -> None:
     logging.error("engine: request %d aborted: %s", req.request_id, why)
+    if self.prefix_cache is not None and self.allocator.has_request(req.request_id):
+      # Which of its pages failed is unknown: none of them may be matched again. Other
+      # holders of a shared one are checked by their own rows' tag checks.
+      self.prefix_cache.invalidate(self.kv_pages(req.request_id))
     self.scheduler.drop_failed(req)
     self.stats.integrity_failures += 1
     self._abort(req, ABORT_INTEGRITY, why)

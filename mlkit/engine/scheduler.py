@@ -36,6 +36,7 @@ import dataclasses
 import numpy as np
 from absl import logging
 
+from mlkit.engine.prefix_cache import Match, PrefixCache
 from mlkit.engine.request import Request, RequestStatus
 from mlkit.kvcache import PAD_PAGE, PageAllocator
 
@@ -58,6 +59,8 @@ class Plan:
     decode: requests that decode one token this step.
     admitted / preempted: requests that changed state.
     allocation_changed: pages were handed out or returned (device tags need a sync).
+    copies: (cached page, fresh page) copies to run before the step (copy-on-write of a
+      partly matching cached page, see ``mlkit.engine.prefix_cache``).
   """
 
   prefill: list
@@ -65,6 +68,7 @@ class Plan:
   admitted: list
   preempted: list
   allocation_changed: bool
+  copies: list = dataclasses.field(default_factory=list)
 
   def without(self, dropped) -> "Plan":
     """The plan with ``dropped`` requests taken out of its prefill and decode lists."""
@@ -80,11 +84,15 @@ class Scheduler:
   Args:
     config: an ``EngineConfig``.
     allocator: the pool's :class:`PageAllocator`.
+    prefix_cache: the pool's :class:`PrefixCache`, or None: admission then
+      starts prefill after the longest cached prefix, and cached pages are
+      evicted (LRU) before anything waits or is preempted for lack of pages.
   """
 
-  def __init__(self, config, allocator: PageAllocator):
+  def __init__(self, config, allocator: PageAllocator, prefix_cache: PrefixCache | None = None):
     self.config = config
     self.allocator = allocator
+    self.prefix_cache = prefix_cache
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []  # admission order
     # Requests holding pages outside this pool's steps (a finished prefill awaiting its
@@ -154,37 +162,62 @@ class Scheduler:
     return bt, et
 
   # --------------------------------------------------------------- pool API
-  def can_admit(self, num_tokens: int, extra_pages: int = 0) -> bool:
+  def can_admit(self, num_tokens: int, extra_pages: int = 0, shared_pages: int = 0) -> bool:
     """The admission rule: a running slot, and pages for ``num_tokens`` with the reserve left.
 
     The reserve (``admission_reserve`` free pages after admitting, so running
     requests can still grow) is waived when nothing runs, so a request that fits
     the pool alone can always start. ``extra_pages`` are pages already promised
-    to running requests this step.
+    to running requests this step; ``shared_pages`` of the request's pages are
+    cached pages it shares (they need no free page).
     """
     if len(self.running) >= self.config.max_running:
       return False
-    reserve = self.config.admission_reserve if self.running else 0
-    return (self.allocator.pages_for(num_tokens) + reserve + extra_pages
-            <= self.allocator.num_free)
+    return self._page_shortfall(num_tokens, extra_pages, shared_pages) <= 0
 
-  def adopt(self, req: Request, num_tokens: int) -> bool:
+  def _page_shortfall(self, num_tokens: int, extra_pages: int = 0, shared_pages: int = 0) -> int:
+    reserve = self.config.admission_reserve if self.running else 0
+    need = self.allocator.pages_for(num_tokens) - shared_pages + reserve + extra_pages
+    return need - self.allocator.num_free
+
+  def _make_room(self, shortfall: int, keep=()) -> None:
+    """Evicts cached pages (LRU) to free ``shortfall`` pages, if there is a cache."""
+    if shortfall > 0 and self.prefix_cache is not None:
+      self.prefix_cache.evict(shortfall, keep=keep)
+
+  def adopt(self, req: Request, num_tokens: int) -> int | None:
     """Admits a request whose first ``num_tokens`` tokens of KV arrive from elsewhere.
 
-    Allocates its pages (fresh tags) and puts it in the running set, DECODING.
-    The caller writes the KV into :meth:`row`'s pages before the next step.
+    Shares whatever whole pages of those tokens the prefix cache holds,
+    allocates the rest (fresh tags) and puts the request in the running set,
+    DECODING. The caller writes the KV of positions [shared, num_tokens) into
+    :meth:`row`'s pages before the next step.
 
     Returns:
-      Whether it was adopted (False: :meth:`can_admit` refused, nothing changed).
+      The tokens shared from the cache (a multiple of the page size, 0 without
+      a cache), or None when :meth:`can_admit` refused even after evicting
+      cached pages (nothing changed).
     """
-    if not self.can_admit(num_tokens) or self.allocator.admit(req.request_id, num_tokens) is not None:
-      return False
+    if len(self.running) >= self.config.max_running:
+      return None
+    cache = self.prefix_cache
+    match = cache.match(req.prefill_tokens[:num_tokens]) if cache is not None else Match()
+    if self._page_shortfall(num_tokens, 0, len(match.pages)) > 0 and cache is not None:
+      self._make_room(self._page_shortfall(num_tokens, 0, len(match.pages)), keep=match.pages)
+      match = cache.match(req.prefill_tokens[:num_tokens])  # as in schedule()
+    shared = len(match.pages)
+    if (not self.can_admit(num_tokens, 0, shared)
+        or self.allocator.admit(req.request_id, num_tokens, prefix_pages=match.pages,
+                                prefix_tags=match.tags) is not None):
+      return None
+    if cache is not None:  # only whole pages: no copy-on-write for KV that arrives whole
+      cache.record_lookup(num_tokens, Match(match.pages, match.tags))
     req.status = RequestStatus.DECODING
     req.admit_seq = self._admit_counter
     self._admit_counter += 1
     self.running.append(req)
     self._rows.pop(req.request_id, None)
-    return True
+    return shared * self.allocator.page_size
 
   def detach(self, req: Request) -> None:
     """Takes a running request out of this pool's steps, keeping its pages (see ``detached``)."""
@@ -235,16 +268,36 @@ class Scheduler:
       # Pages every decoding request needs for its next token (after the pending one).
       growth = sum(max(alloc.pages_for(r.context_len + r.pending) - len(self.row(r)[0]), 0)
                    for r in decoding)
+      self._make_room(growth - alloc.num_free)
       if growth > alloc.num_free:
         return None
-    # 1. Admission.
-    while self.waiting and self.can_admit(len(self.waiting[0].prefill_tokens), growth):
+    # 1. Admission, after the longest cached prefix (if any).
+    cache = self.prefix_cache
+    copies, keep = [], set()
+    while self.waiting and len(self.running) < cfg.max_running:
       req = self.waiting[0]
-      if alloc.admit(req.request_id, len(req.prefill_tokens)) is not None:
+      n = len(req.prefill_tokens)
+      match = cache.match(req.prefill_tokens) if cache is not None else Match()
+      held = set(match.pages) | ({match.copy_from} if match.copy_from is not None else set())
+      if self._page_shortfall(n, growth, len(match.pages)) > 0 and cache is not None:
+        self._make_room(self._page_shortfall(n, growth, len(match.pages)), keep=keep | held)
+        # Match again: eviction rebuilds counts when it meets a page retagged behind the
+        # cache's back, which can leave an earlier match's page unheld.
+        match = cache.match(req.prefill_tokens)
+        held = set(match.pages) | ({match.copy_from} if match.copy_from is not None else set())
+      if not self.can_admit(n, growth, len(match.pages)):
+        break
+      if alloc.admit(req.request_id, n, prefix_pages=match.pages,
+                     prefix_tags=match.tags) is not None:
         break
       self.waiting.popleft()
+      if cache is not None:
+        cache.record_lookup(n, match)
+        keep |= held
+        if match.copy_from is not None:
+          copies.append((match.copy_from, int(self.row(req)[0][len(match.pages)])))
       req.status = RequestStatus.PREFILLING
-      req.num_computed = 0
+      req.num_computed = match.tokens(alloc.page_size)
       req.admit_seq = self._admit_counter
       self._admit_counter += 1
       self.running.append(req)
@@ -263,6 +316,9 @@ class Scheduler:
             changed = True
           decode.append(req)
           break
+        shortfall = alloc.pages_for(req.context_len + req.pending) - pages_before - alloc.num_free
+        if self.prefix_cache is not None and self.prefix_cache.evict(shortfall, keep=keep):
+          continue  # cached pages went back to the free list: try again before preempting
         assert not in_flight, "growth was checked to fit"
         victim = max(self.running, key=lambda r: r.admit_seq)
         self._preempt(victim)
@@ -286,7 +342,7 @@ class Scheduler:
       prefill.append(PrefillItem(req, req.num_computed, n))
       budget -= n
     return Plan(prefill=prefill, decode=decode, admitted=admitted, preempted=preempted,
-                allocation_changed=changed)
+                allocation_changed=changed, copies=copies)
 
   def _preempt(self, req: Request) -> None:
     self.running.remove(req)

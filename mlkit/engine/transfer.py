@@ -21,6 +21,12 @@ page size, page count and devices. A transfer is four jitted pieces:
 Checksums are position-weighted sums of the raw bits (uint32, wrapping): every
 word is multiplied by an odd weight that depends on its index, so any single
 changed word always changes the sum, and swapped tokens almost always do.
+
+A transfer may start at token ``start`` > 0 when the destination already holds
+the first ``start`` tokens (its prefix cache shares them): only the source
+pages from the one holding ``start`` on are gathered and moved, and the write
+and the landing check cover positions [start, length) only, so the shared
+pages are never written.
 """
 
 from __future__ import annotations
@@ -144,15 +150,20 @@ def _meta(pages: jax.Array, length, page_size: int) -> BatchMeta:
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def write_kv(state: PagedKVState, payload: Payload, pages: jax.Array,
-             length: jax.Array) -> PagedKVState:
+def write_kv(state: PagedKVState, payload: Payload, pages: jax.Array, length: jax.Array,
+             base: jax.Array | int = 0, start: jax.Array | int = 0) -> PagedKVState:
   """Writes a payload into the destination pool through its block table (donates ``state``).
 
   Args:
     state: the destination pool (any storage dtype and page size).
-    payload: from :func:`extract_kv` (any source format), T tokens per entry.
-    pages: [M'] int32 destination pages with M' * page_size >= length.
+    payload: from :func:`extract_kv` (any source format), T tokens per entry, the
+      first at position ``base``.
+    pages: [M'] int32 destination pages (the whole block table) with
+      M' * page_size >= length.
     length: int32 scalar; tokens at positions >= length are not written.
+    base: int32 scalar, the position of the payload's first token.
+    start: int32 scalar; tokens at positions < start are not written (the
+      destination shares them already).
 
   Returns:
     The updated pool: fp8 pools get per-token scales computed here.
@@ -160,7 +171,8 @@ def write_kv(state: PagedKVState, payload: Payload, pages: jax.Array,
   for i, layer in enumerate(payload):
     new = _to_f32(layer, state.names)
     T = new[state.names[0]].shape[0]
-    positions = jnp.arange(T, dtype=jnp.int32)[None]
+    positions = base + jnp.arange(T, dtype=jnp.int32)
+    positions = jnp.where(positions >= start, positions, -1)[None]  # negative: dropped
     state = write_layer(state, i, {k: v[None] for k, v in new.items()}, positions,
                         _meta(pages, length, state.page_size))
   return state
@@ -168,34 +180,49 @@ def write_kv(state: PagedKVState, payload: Payload, pages: jax.Array,
 
 @jax.jit
 def landing_checksums(state: PagedKVState, payload: Payload, pages: jax.Array,
-                      length: jax.Array) -> tuple[jax.Array, jax.Array]:
+                      length: jax.Array, base: jax.Array | int = 0,
+                      start: jax.Array | int = 0) -> tuple[jax.Array, jax.Array]:
   """Checksums of what should be in the destination pages and of what is there.
 
   Args:
     state: the destination pool after :func:`write_kv`.
-    payload: the payload that was written.
+    payload: the payload that was written (its first token at position ``base``).
     pages: [M'] destination pages; length: int32 scalar.
+    base / start: as :func:`write_kv`; only positions [start, length) are compared.
 
   Returns:
     (expected, stored), each [n_layers, n_entries] uint32: the payload converted
     to the destination format, and the destination pages read back, both over
-    the first ``length`` tokens.
+    positions [start, length).
   """
   expected, stored = [], []
   keys = sorted(_entry_keys(state))
   for i, layer in enumerate(payload):
     new = _to_f32(layer, state.names)
+    T = new[state.names[0]].shape[0]
     conv = {}
     for name in state.names:
       if state.is_fp8:
         conv[name], conv[scale_name(name)] = quantize_fp8(new[name])
       else:
         conv[name] = new[name].astype(state.dtype)
-    got = {k: _gather_raw(state.layers[i][k], pages, length) for k in keys}
-    expected.append(jnp.stack([checksum(_mask_past(_fit(conv[k], got[k].shape[0]), length))
-                               for k in keys]))
-    stored.append(jnp.stack([checksum(got[k]) for k in keys]))
+    exp_row, got_row = [], []
+    for k in keys:
+      got = _gather_raw(state.layers[i][k], pages, length)  # positions [0, M' * P)
+      got = _fit(got, got.shape[0] + T)  # room to read T tokens from any base
+      got = jax.lax.dynamic_slice_in_dim(got, base, T)  # positions [base, base + T)
+      exp_row.append(checksum(_window(conv[k], base, start, length)))
+      got_row.append(checksum(_window(got, base, start, length)))
+    expected.append(jnp.stack(exp_row))
+    stored.append(jnp.stack(got_row))
   return jnp.stack(expected), jnp.stack(stored)
+
+
+def _window(x: jax.Array, base, start, length) -> jax.Array:
+  """x [T, ...] (token t at position base + t) zeroed outside positions [start, length)."""
+  pos = base + jnp.arange(x.shape[0])
+  live = (pos >= start) & (pos < length)
+  return jnp.where(live.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
 
 def _fit(x: jax.Array, n: int) -> jax.Array:
@@ -212,7 +239,7 @@ def _where(sums_a: np.ndarray, sums_b: np.ndarray, keys: list[str]) -> str:
 
 
 def transfer_kv(src: PagedKVState, src_pages, dst: PagedKVState, dst_pages, length: int, *,
-                dst_mesh: Mesh | None = None,
+                start: int = 0, dst_mesh: Mesh | None = None,
                 corrupt_payload: Callable[[Payload], Payload] | None = None,
                 corrupt_landing: Callable[[PagedKVState], PagedKVState] | None = None
                 ) -> tuple[PagedKVState, TransferResult]:
@@ -224,7 +251,11 @@ def transfer_kv(src: PagedKVState, src_pages, dst: PagedKVState, dst_pages, leng
     dst: the destination pool (donated: use the returned state).
     dst_pages: destination pages in position order, enough for ``length`` tokens
       at the destination page size.
-    length: tokens to move (> 0).
+    length: tokens the request holds (> start).
+    start: tokens the destination already holds in its first pages (shared from
+      its prefix cache, a multiple of its page size): only source pages from the
+      one holding token ``start`` on are moved, and only positions [start,
+      length) are written and checked.
     dst_mesh: the destination pool's mesh; the payload is replicated on it
       (None: the destination state's devices, replicated).
     corrupt_payload: test hook applied to the payload after it arrived
@@ -245,15 +276,20 @@ def transfer_kv(src: PagedKVState, src_pages, dst: PagedKVState, dst_pages, leng
                      f"-> {dst.attention}/{dst.n_layers} layers")
   if length <= 0:
     raise ValueError(f"transfer length must be > 0, got {length}")
+  if not 0 <= start < length or start % dst.page_size:
+    raise ValueError(f"transfer start {start} must be a multiple of the destination page size "
+                     f"{dst.page_size} in [0, {length})")
   if len(src_pages) * src.page_size < length:
     raise ValueError(f"{len(src_pages)} source pages of {src.page_size} hold fewer than {length} tokens")
   if len(dst_pages) * dst.page_size < length:
     raise ValueError(f"{len(dst_pages)} destination pages of {dst.page_size} hold fewer than "
                      f"{length} tokens")
-  src_pages = np.asarray(src_pages, np.int32)
+  first = start // src.page_size  # the source page holding token `start`
+  base = np.int32(first * src.page_size)
+  src_pages = np.asarray(src_pages, np.int32)[first:]
   dst_pages = np.asarray(dst_pages, np.int32)
   n = np.int32(length)
-  payload = extract_kv(src, src_pages, n)
+  payload = extract_kv(src, src_pages, n - base)
   sent = payload_checksum(payload)
   if dst_mesh is None:
     dev = sorted(dst.page_tags.sharding.device_set, key=lambda d: d.id)
@@ -268,10 +304,11 @@ def transfer_kv(src: PagedKVState, src_pages, dst: PagedKVState, dst_pages, leng
   if not np.array_equal(sent, received):
     return dst, TransferResult(False, f"transfer checksum mismatch in transit at "
                                       f"{_where(sent, received, keys)}", nbytes)
-  dst = write_kv(dst, payload, dst_pages, n)
+  start = np.int32(start)
+  dst = write_kv(dst, payload, dst_pages, n, base, start)
   if corrupt_landing is not None:
     dst = corrupt_landing(dst)
-  expected, stored = map(np.asarray, landing_checksums(dst, payload, dst_pages, n))
+  expected, stored = map(np.asarray, landing_checksums(dst, payload, dst_pages, n, base, start))
   if not np.array_equal(expected, stored):
     return dst, TransferResult(False, f"transfer checksum mismatch after the write at "
                                       f"{_where(expected, stored, sorted(_entry_keys(dst)))}", nbytes)

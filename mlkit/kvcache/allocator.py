@@ -242,27 +242,51 @@ class PageAllocator:
     """Ids of the requests holding pages, in admission order."""
     return list(self._requests)
 
-  def admit(self, request_id, num_tokens: int) -> CannotAdmit | None:
+  def admit(self, request_id, num_tokens: int, prefix_pages=(),
+            prefix_tags=None) -> CannotAdmit | None:
     """Gives a new request pages for ``num_tokens`` tokens.
+
+    Args:
+      request_id: the new holder (any hashable).
+      num_tokens: tokens its table must hold.
+      prefix_pages: allocated pages that become the first entries of its table,
+        shared (one more reference each, same tag: e.g. a cached prefix); the
+        rest are fresh pages.
+      prefix_tags: the tags the request expects on ``prefix_pages`` (uint32; default
+        their current tags). A sharer passes what the pages held when their KV was
+        cached, so that a page retagged since fails the request's tag check.
 
     Returns:
       None on success; a :class:`CannotAdmit` (and no allocation) when the pool is short.
 
     Raises:
-      ValueError: if the request id is already admitted or num_tokens < 0.
+      ValueError: if the request id is already admitted, num_tokens < 0, or a
+        prefix page is free, quarantined, outside the pool, or more than
+        ``num_tokens`` needs.
     """
     if request_id in self._requests:
       raise ValueError(f"admit: request {request_id!r} is already admitted")
     if num_tokens < 0:
       raise ValueError(f"admit: num_tokens must be >= 0, got {num_tokens}")
+    prefix = [int(p) for p in prefix_pages]
     n = self.pages_for(num_tokens)
-    if n > self.num_free:
-      return CannotAdmit(request_id, n, self.num_free)
+    if len(prefix) > n:
+      raise ValueError(f"admit: {len(prefix)} prefix pages for {num_tokens} tokens")
+    if prefix_tags is not None and len(prefix_tags) != len(prefix):
+      raise ValueError(f"admit: {len(prefix_tags)} prefix tags for {len(prefix)} prefix pages")
+    self.share(prefix)  # validates before anything is allocated
+    if n - len(prefix) > self.num_free:
+      self.free(prefix)
+      return CannotAdmit(request_id, n - len(prefix), self.num_free)
     try:
-      pages = self.allocate(n)
+      pages = self.allocate(n - len(prefix))
     except OutOfPages:  # quarantined entries made the free list shorter than it looked
-      return CannotAdmit(request_id, n, self.num_free)
-    self._requests[request_id] = _new_request(pages, self.tags[pages], num_tokens)
+      self.free(prefix)
+      return CannotAdmit(request_id, n - len(prefix), self.num_free)
+    tags = self.tags[prefix + pages]  # a copy (fancy indexing)
+    if prefix_tags is not None:
+      tags[:len(prefix)] = np.asarray([int(t) & 0xFFFFFFFF for t in prefix_tags], np.uint32)
+    self._requests[request_id] = _new_request(prefix + pages, tags, num_tokens)
     return None
 
   def extend(self, request_id, num_tokens: int) -> CannotAdmit | None:
