@@ -11,6 +11,7 @@ needs to know which formats exist. Dispatch keys on the *weight's* Python type
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +55,11 @@ def matmul(x: jax.Array, w, *, out_dtype=None, backend: str | None = None) -> ja
 
 # Below this many (rows x groups), XLA's ragged_dot is as fast and compiles faster.
 _BLOCKED_MIN_WORK = 4096
+# On a CPU, XLA's ragged_dot does M * G * K * N multiply-adds (every group over every row), after
+# copying the whole [G, K, N] weight into a [K, G, N] layout. From this much of that work on
+# (a 16-expert 512 x 256 projection over 8 rows), the block loop is faster even for the few rows
+# of a decode step (docs/cpu_speed.md).
+_CPU_RAGGED_MAX_MACS = 1 << 24
 
 
 def ragged_dot_f32(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
@@ -61,25 +67,33 @@ def ragged_dot_f32(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
   """``jax.lax.ragged_dot`` with f32 accumulation, in a block-sparse form for many groups.
 
   XLA's ragged_dot computes every group's matmul over all M rows and masks: on CPU
-  that is G times the useful work, and XLA's GPU compiler expands it into a dense
-  masked product whose [G, M, K] operand alone is 26 GB for one MoE projection of a
-  GLM 5.2 prefill chunk. Instead, rows are placed into blocks that each belong to one
-  group (each group padded to whole blocks) and each block is multiplied by its
-  group's weights: about (M + G * block) rows of work, exact up to f32 summation
-  order. On CPU the blocks run as one batched matmul over gathered weights (fast,
-  small blocks); elsewhere one block at a time in a loop (large blocks, one
-  weight [K, N] in flight), so memory stays that of x and the output. The choice
-  follows the device the trace targets (``pallas_kernels.device.device_kind``), not
-  the host: a step compiled for a GPU topology from a CPU host traces on the CPU.
+  that is G times the useful work (and a copy of every expert's weight per call),
+  and XLA's GPU compiler expands it into a dense masked product whose [G, M, K]
+  operand alone is 26 GB for one MoE projection of a GLM 5.2 prefill chunk. Instead,
+  rows are placed into blocks that each belong to one group (each group padded to
+  whole blocks) and each block is multiplied by its group's weights: about
+  (M + G * block) rows of work, exact up to f32 summation order. Two ways to run them:
+
+  * one block at a time in a loop (``per_block``), one weight [K, N] in flight, so
+    memory stays that of x and the output. GPU targets run every block (large blocks;
+    a data-dependent trip count would cost a host round trip per block). CPU targets
+    skip the blocks past the last group's (a third of them in a decode step of 32 rows
+    over 16 experts) and take their gradients from the batched form, whose backward
+    pass is 4x faster than the loop's (``_cpu_block_loop``);
+  * batched: one matmul over all blocks with their weights gathered, a copy of an
+    expert's weight per block (kept for callers that ask for it).
+
+  The choice follows the device the trace targets (``pallas_kernels.device.device_kind``),
+  not the host: a step compiled for a GPU topology from a CPU host traces on the CPU.
 
   Args:
     x: rows sorted by group [M, K].
     w: dense per-group weights [G, K, N].
     group_sizes: [G] int, summing to at most M.
     blocked: force (True) or forbid (False, plain ragged_dot) the block-sparse form;
-      None picks it when M * G is large enough to matter.
-    per_block: run the blocks one at a time (True) or batched (False); None: batched
-      on a CPU target, one at a time elsewhere.
+      None picks it when M * G is large enough to matter, or on a CPU target when
+      ragged_dot's dense M * G * K * N work is.
+    per_block: run the blocks one at a time (True) or batched (False); None: one at a time.
 
   Returns:
     [M, N] f32; rows past sum(group_sizes) are zero.
@@ -89,15 +103,54 @@ def ragged_dot_f32(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
   G, _, N = w.shape
   on_cpu = device.device_kind() == "cpu"
   if blocked is None:
-    blocked = M * G >= _BLOCKED_MIN_WORK
+    blocked = M * G >= _BLOCKED_MIN_WORK or (on_cpu and M * G * K * N >= _CPU_RAGGED_MAX_MACS)
   if not blocked:
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
-  per_block = not on_cpu if per_block is None else per_block
-  per_group = max(1, -(-M // G))
+  per_block = True if per_block is None else per_block
+  fit = _typical_group(M, G)
+  if not per_block:
+    return _block_batched(x, w, group_sizes, _batched_block(M, G))
+  if on_cpu:
+    # Half a typical group per block: less padding, and a CPU's matmuls are as fast at
+    # 128-256 rows as at 1024; another block only costs one more copy of a weight [K, N].
+    return _cpu_block_loop(x, w, group_sizes, int(min(256, max(8, fit // 2))))
   # One at a time, a block re-reads its group's whole weight: larger blocks read less.
-  block = int(min(1024 if per_block else 64, max(8, 1 << (per_group - 1).bit_length())))
+  return _block_loop(x, w, group_sizes, int(min(1024, max(8, fit))), skip_unused=False)
+
+
+def _typical_group(M: int, G: int) -> int:
+  """The power of two at or above the mean group size ceil(M / G)."""
+  return 1 << (max(1, -(-M // G)) - 1).bit_length()
+
+
+def _batched_block(M: int, G: int) -> int:
+  """Block rows of the batched form: a typical group, 8 to 64 (each block copies a weight)."""
+  return int(min(64, max(8, _typical_group(M, G))))
+
+
+class _BlockLayout(NamedTuple):
+  """Where each sorted row goes when every group is padded to whole blocks.
+
+  Attributes:
+    dest: [M] slot of each row in the blocked rows [n_blocks * block]; rows past the
+      groups get the out-of-range slot n_blocks * block.
+    valid: [M] whether the row belongs to a group.
+    block_group: [n_blocks] the group of each block (trailing padding blocks: the last group).
+    used: scalar int32, the blocks that hold rows (they come first).
+    n_blocks: static bound on the blocks, ceil(M / block) + G.
+  """
+
+  dest: jax.Array
+  valid: jax.Array
+  block_group: jax.Array
+  used: jax.Array
+  n_blocks: int
+
+
+def _block_layout(group_sizes: jax.Array, M: int, block: int) -> _BlockLayout:
+  """The blocked placement of M rows sorted by group (group_sizes [G] int32)."""
+  G = group_sizes.shape[0]
   n_blocks = -(-M // block) + G  # sum over groups of ceil(size / block) never exceeds this
-  Mp = n_blocks * block
   ends = jnp.cumsum(group_sizes)
   starts = ends - group_sizes
   padded = (group_sizes + block - 1) // block * block
@@ -107,29 +160,82 @@ def ragged_dot_f32(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
   row_group = jnp.searchsorted(ends, rows, side="right")  # [M]; G for rows past the groups
   valid = row_group < G
   g = jnp.minimum(row_group, G - 1)
-  dest = jnp.where(valid, pad_starts[g] + rows - starts[g], Mp)  # [M] slot in the blocked rows
+  dest = jnp.where(valid, pad_starts[g] + rows - starts[g], n_blocks * block)
   block_group = jnp.minimum(
       jnp.searchsorted(pad_ends, jnp.arange(n_blocks, dtype=jnp.int32) * block, side="right"),
-      G - 1)  # [n_blocks]; trailing padding blocks reuse the last group's weights
-  if per_block:
-    # Padding slots read row 0: their outputs are never gathered back.
-    src = jnp.zeros((Mp,), jnp.int32).at[dest].set(rows, mode="drop")
-    xb = x[src].reshape(n_blocks, block, K)
-    # The output buffer is tied to this call's rows: a constant zero buffer would be
-    # hoisted by XLA to the start of the step, once per layer, all live at once.
-    yp, xb = jax.lax.optimization_barrier((jnp.zeros((n_blocks, block, N), jnp.float32), xb))
+      G - 1)
+  return _BlockLayout(dest, valid, block_group, pad_ends[-1] // block, n_blocks)
 
-    def one_block(i, yp):
-      y = jnp.dot(xb[i], w[block_group[i]], preferred_element_type=jnp.float32)  # [block, N]
-      return jax.lax.dynamic_update_index_in_dim(yp, y, i, 0)
 
-    yp = jax.lax.fori_loop(0, n_blocks, one_block, yp).reshape(Mp, N)
-  else:
-    xp = jnp.zeros((Mp, K), x.dtype).at[dest].set(x, mode="drop")  # [Mp, K]
-    yp = jnp.einsum("bmk,bkn->bmn", xp.reshape(n_blocks, block, K), w[block_group],
-                    preferred_element_type=jnp.float32).reshape(Mp, N)
-  y = jnp.take(yp, jnp.minimum(dest, Mp - 1), axis=0)
-  return jnp.where(valid[:, None], y, 0.0)
+def _unblock(yp: jax.Array, layout: _BlockLayout) -> jax.Array:
+  """Rows [M, N] back from the blocked rows yp [n_blocks * block, N]; rows past the groups zero."""
+  y = jnp.take(yp, jnp.minimum(layout.dest, yp.shape[0] - 1), axis=0)
+  return jnp.where(layout.valid[:, None], y, 0.0)
+
+
+def _block_batched(x: jax.Array, w: jax.Array, group_sizes: jax.Array, block: int) -> jax.Array:
+  """The block-sparse product as one batched matmul over gathered weights: [M, N] f32."""
+  M, K = x.shape
+  lay = _block_layout(group_sizes, M, block)
+  xp = jnp.zeros((lay.n_blocks * block, K), x.dtype).at[lay.dest].set(x, mode="drop")
+  yp = jnp.einsum("bmk,bkn->bmn", xp.reshape(lay.n_blocks, block, K), w[lay.block_group],
+                  preferred_element_type=jnp.float32)
+  return _unblock(yp.reshape(lay.n_blocks * block, -1), lay)
+
+
+def _block_loop(x: jax.Array, w: jax.Array, group_sizes: jax.Array, block: int, *,
+                skip_unused: bool) -> jax.Array:
+  """The block-sparse product one block at a time: [M, N] f32.
+
+  ``skip_unused``: blocks past the used ones run an empty ``lax.cond`` branch instead of
+  a matmul (on a CPU; a GPU would sync with the host for every block's predicate).
+  """
+  M, K = x.shape
+  N = w.shape[2]
+  lay = _block_layout(group_sizes, M, block)
+  Mp = lay.n_blocks * block
+  # Padding slots read row 0: their outputs are never gathered back.
+  src = jnp.zeros((Mp,), jnp.int32).at[lay.dest].set(jnp.arange(M, dtype=jnp.int32), mode="drop")
+  xb = x[src].reshape(lay.n_blocks, block, K)
+  # The output buffer is tied to this call's rows: a constant zero buffer would be
+  # hoisted by XLA to the start of the step, once per layer, all live at once.
+  yp, xb = jax.lax.optimization_barrier((jnp.zeros((lay.n_blocks, block, N), jnp.float32), xb))
+
+  def one_block(i, yp):
+    y = jnp.dot(xb[i], w[lay.block_group[i]], preferred_element_type=jnp.float32)  # [block, N]
+    return jax.lax.dynamic_update_index_in_dim(yp, y, i, 0)
+
+  def one_block_if_used(i, yp):
+    return jax.lax.cond(i < lay.used, one_block, lambda i, yp: yp, i, yp)
+
+  yp = jax.lax.fori_loop(0, lay.n_blocks, one_block_if_used if skip_unused else one_block, yp)
+  return _unblock(yp.reshape(Mp, N), lay)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _cpu_block_loop(x: jax.Array, w: jax.Array, group_sizes: jax.Array, block: int) -> jax.Array:
+  """The CPU block loop (unused blocks skipped) with the batched form's gradients.
+
+  Differentiating the loop itself would add a whole [G, K, N] weight cotangent per block
+  (the transpose of a scan over a closed-over weight); the batched form gives the same
+  gradients of the same product in one scatter-add. Its forward is dead code in the
+  backward pass, so XLA drops it.
+  """
+  return _block_loop(x, w, group_sizes, block, skip_unused=True)
+
+
+def _cpu_block_loop_fwd(x, w, group_sizes, block):
+  return _cpu_block_loop(x, w, group_sizes, block), (x, w, group_sizes)
+
+
+def _cpu_block_loop_bwd(_, res, ct):
+  x, w, group_sizes = res
+  block = _batched_block(x.shape[0], w.shape[0])
+  _, vjp = jax.vjp(lambda x, w: _block_batched(x, w, group_sizes, block), x, w)
+  return (*vjp(ct), None)
+
+
+_cpu_block_loop.defvjp(_cpu_block_loop_fwd, _cpu_block_loop_bwd)
 
 
 @_dispatch_on_weight
