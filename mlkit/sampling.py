@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import device
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -87,8 +89,22 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array,
     [B] int32 token ids.
   """
   logits = logits.astype(jnp.float32)
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
+  if device.device_kind() != "cpu":
+    # A GPU conditional reads its predicate on the host: a sync per step costs more there
+    # than the filters do.
+    return _sample_filtered(logits, keys, temperature, top_k, top_p, greedy)
+  # The filters sort the whole vocabulary per row (on 2 CPU cores ~8 ms of a decode step
+  # at batch 8 and a vocabulary of 8192, docs/cpu_speed.md): an all-greedy batch skips them.
+  # Rows with temperature 0 take the argmax on both branches, so the tokens are the same.
+  return jax.lax.cond(jnp.any(temperature > 0),
+                      lambda: _sample_filtered(logits, keys, temperature, top_k, top_p, greedy),
+                      lambda: greedy)
+
+
+def _sample_filtered(logits, keys, temperature, top_k, top_p, greedy):
+  """:func:`sample_tokens` for a batch with sampled rows (logits [B, V] f32, greedy [B])."""
   V = logits.shape[-1]
-  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
   sorted_desc = -jnp.sort(-scaled, axis=-1)  # [B, V]
   # top-k: drop everything below the k-th largest value.

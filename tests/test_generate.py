@@ -37,6 +37,23 @@ class SamplerTest(parameterized.TestCase):
     out = self._sample(logits, 0.0, 0, 1.0, n=3)
     np.testing.assert_array_equal(out, np.tile(np.argmax(logits, -1)[:, None], (1, 3)))
 
+  def test_greedy_batches_skip_the_filters_with_the_same_tokens(self):
+    # sample_tokens only runs the sorting filters when some row samples; either branch must
+    # give what the filtered path gives, row by row (greedy rows: the argmax).
+    from mlkit.sampling import _sample_filtered
+    logits = _normal(2, (4, 300))
+    keys = row_keys(jnp.arange(4, dtype=jnp.uint32), 3)
+    top_k = jnp.asarray([0, 5, 0, 7], jnp.int32)
+    top_p = jnp.asarray([1.0, 0.9, 0.8, 1.0], jnp.float32)
+    greedy = jnp.argmax(logits, -1).astype(jnp.int32)
+    sample = jax.jit(sample_tokens)
+    filtered = jax.jit(lambda *a: _sample_filtered(*a, greedy))
+    for temp in ([0.0, 0.0, 0.0, 0.0], [0.0, 0.7, 0.0, 1.3]):
+      t = jnp.asarray(temp, jnp.float32)
+      out = sample(logits, keys, t, top_k, top_p)
+      np.testing.assert_array_equal(out, filtered(logits, keys, t, top_k, top_p))
+      np.testing.assert_array_equal(np.asarray(out)[t == 0], np.asarray(greedy)[t == 0])
+
   def test_top_k_restricts_support(self):
     logits = _normal(1, (2, 30))
     out = self._sample(logits, 1.0, 3, 1.0)
