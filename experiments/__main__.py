@@ -75,6 +75,11 @@ EXPERIMENTS = {
                            "why retrieval is not learned: MINI_MLA vs the same width with GQA "
                            "attention, trained from scratch on key->value lookup alone; accuracy "
                            "vs step (not in the default suite: quick ~8 min, --full ~20 min)"),
+    "cpu_peer": ("experiments.cpu_peer",
+                 "the Engine beside Hugging Face transformers on one 32.6M-param checkpoint, 8 and "
+                 "32 requests x 128-token prompts x 64 greedy tokens: tok/s, ratio, identical "
+                 "tokens (transformers from $MLKIT_PEER_PYTHON; skipped without it; not in the "
+                 "default suite: quick ~1.5 min)"),
 }
 DEFAULT_SUITE = ("generate", "capacity", "engine_overhead", "kv_dtype", "weight_quant", "disagg",
                  "integrity", "prefix_cache", "paper", "h200_compile", "kernels")
