@@ -42,6 +42,7 @@ import math
 import os
 import re
 import struct
+import time
 from typing import Any
 
 import jax
@@ -64,6 +65,9 @@ CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+              "BOOL": np.bool_}
 
 _ATTN = {"wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj",
          "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj",
@@ -422,18 +426,24 @@ class _Reader:
   def st_dtype(self, name: str) -> str:
     return self._slice(name).get_dtype()
 
+  def nbytes(self, name: str) -> int:
+    """Stored bytes of tensor ``name`` (from the header)."""
+    size = {"F64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}.get(self.st_dtype(name), 1)
+    return size * math.prod(self.shape(name))
+
   def get(self, name: str) -> np.ndarray:
     st = self.st_dtype(name)
-    if st in _FP8_DTYPES:
-      return self._read_raw(name, _FP8_DTYPES[st])
-    try:
-      return self._handles[self._where[name]].get_tensor(name)
-    except Exception as e:  # a file changed or damaged after it was opened
-      raise CheckpointError(_LOAD, self._where[name], f"cannot read tensor {name} ({e})") from e
+    dtype = _FP8_DTYPES.get(st) or _ST_DTYPES.get(st)
+    if dtype is None:
+      raise CheckpointError(_LOAD, self._where[name], f"tensor {name} has dtype {st}, which "
+                                                     "this loader does not read")
+    return self._read_raw(name, dtype)
 
   def _read_raw(self, name: str, dtype) -> np.ndarray:
-    # safetensors' numpy backend cannot build float8 arrays, so read the bytes directly
-    # (format: u64 header length, JSON header with data_offsets, then the data).
+    # Plain reads, not safetensors' memory map: mapped file pages count in the process's
+    # resident memory until unmapped, so reading a whole checkpoint through the map
+    # would hold all of it (docs/checkpoints.md). Also, safetensors' numpy backend cannot
+    # build float8 arrays. Format: u64 header length, JSON header with data_offsets, data.
     fname = self._where[name]
     try:
       if fname not in self._headers:
@@ -447,9 +457,9 @@ class _Reader:
         data = f.read(end - start)
       if len(data) != end - start:
         raise ValueError(f"read {len(data)} of {end - start} bytes")
-      return np.frombuffer(data, dtype=np.uint8).view(dtype).reshape(hdr[name]["shape"])
+      return np.frombuffer(bytearray(data), dtype=np.uint8).view(dtype).reshape(hdr[name]["shape"])
     except (OSError, ValueError, KeyError, struct.error) as e:
-      raise CheckpointError(_LOAD, fname, f"cannot read fp8 tensor {name} ({e})") from e
+      raise CheckpointError(_LOAD, fname, f"cannot read tensor {name} ({e})") from e
 
 
 def dequantize_fp8_blocks(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = (128, 128),
@@ -529,8 +539,15 @@ def _resolve_dtype(path: str, cfg_file: str, chosen: str | None, explicit: bool,
   return chosen
 
 
-def load_hf_checkpoint(path: str | os.PathLike, *, dtype=None):
+def load_hf_checkpoint(path: str | os.PathLike, *, dtype=None, recipe=None, mesh=None,
+                       rules=None):
   """Loads a DeepSeek-V3 / Kimi-K2 Hugging Face checkpoint into our params tree.
+
+  Streaming: the checkpoint is read one parameter at a time (an expert stack is
+  one parameter). Each is quantised as it is read (``recipe``), and with a
+  ``mesh`` its shards go straight onto their devices, so host memory holds the
+  parameter being read and converted, never the whole tree. Progress (bytes
+  read, rate) is logged every few seconds.
 
   Dtype: the parameters are stored in ``dtype`` if given, else in config.json's
   ``torch_dtype`` (or ``dtype``), else in the stored tensors' own dtype when they all
@@ -546,9 +563,17 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=None):
     path: directory with ``config.json`` and ``*.safetensors`` (single or sharded with
       ``model.safetensors.index.json``).
     dtype: parameter dtype ("bfloat16"/"float32"); see "Dtype" above.
+    recipe: a ``mlkit.quant.Recipe`` applied leaf by leaf as it is read (round to
+      nearest; GPTQ needs calibration activations and is refused here), or None
+      to keep the weights dense.
+    mesh: place every parameter's shards on this mesh as it is read (by
+      ``mlkit.parallel.param_shardings`` with ``rules``), or None for the
+      default device.
+    rules: logical-axis rules with ``mesh`` (default ``mlkit.parallel.DEFAULT_RULES``).
 
   Returns:
-    (params, cfg): params laid out as ``init_params(cfg)`` (router weights/bias in f32).
+    (params, cfg): params laid out as ``init_params(cfg)`` (router weights/bias in f32),
+    quantised by ``recipe`` and placed on ``mesh`` when given.
 
   Raises:
     FileNotFoundError: the directory, ``config.json``, a shard or all safetensors are missing.
@@ -557,7 +582,10 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=None):
       tensor, a wrong shape (with expected and actual shapes), unexpected tensor names,
       a layer beyond the config's layers and declared MTP layers, tensors whose dtypes
       disagree when no dtype is declared, or a narrowing conversion not asked for.
+    ValueError: a recipe that does not fit the model or asks for GPTQ; rules without a mesh.
   """
+  if rules is not None and mesh is None:
+    raise ValueError(f"{_LOAD}: rules= needs a mesh=")
   path = os.fspath(path)
   if not os.path.isdir(path):
     raise FileNotFoundError(f"{_LOAD}: {path} is not a directory")
@@ -633,8 +661,10 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=None):
                                                    f"{reader.st_dtype(n)}, not fp8")
     return reader.get(n)
 
+  convert = _LeafConverter(targets, treedef, cfg, recipe, mesh, rules)
+  meter = _Progress(sum(reader.nbytes(n) for t in targets for n in t.names))
   leaves = []
-  for t in targets:
+  for i, t in enumerate(targets):
     out_dtype = jnp.dtype(t.dtype or cfg.param_dtype)
     if t.kind == "stack":
       arr = np.stack([read(n).astype(out_dtype).T for n in t.names])
@@ -642,8 +672,95 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=None):
       arr = read(t.names[0]).astype(out_dtype)
       if t.kind == "T":
         arr = arr.T
-    leaves.append(jnp.asarray(arr))
+    leaves.append(convert(i, arr))
+    del arr  # the host copy goes before the next parameter is read
+    meter.add(sum(reader.nbytes(n) for n in t.names))
+  meter.done()
   return jax.tree_util.tree_unflatten(treedef, leaves), cfg
+
+
+def _our_shape(t: _Target) -> tuple[int, ...]:
+  if t.kind == "copy":
+    return t.hf_shape
+  if t.kind == "T":
+    return t.hf_shape[::-1]
+  return (len(t.names),) + t.hf_shape[::-1]
+
+
+class _LeafConverter:
+  """Quantises one parameter as it is read and places its shards on the mesh.
+
+  The formats and shardings of every leaf are worked out once, from shapes only
+  (``assign_formats`` and ``param_shardings`` over ShapeDtypeStructs), so a
+  recipe or rules that do not fit the model fail before anything is read.
+  Quantisation runs on the host's CPU device (a device-side copy of a whole
+  parameter would defeat the point of sharding it).
+  """
+
+  def __init__(self, targets, treedef, cfg: ModelConfig, recipe, mesh, rules):
+    from mlkit.quant.recipe import Int4Spec, assign_formats, quantize_leaf
+    from mlkit.quant.tree import is_quantised
+    self._quantize_leaf, self._is_quantised = quantize_leaf, is_quantised
+    abstract = [jax.ShapeDtypeStruct(_our_shape(t), jnp.dtype(t.dtype or cfg.param_dtype))
+                for t in targets]
+    self.names = [_path_str(t.path) for t in targets]
+    self.specs = [None] * len(targets)
+    if recipe is not None:
+      specs = assign_formats(jax.tree_util.tree_unflatten(treedef, abstract), recipe)
+      self.specs = list(specs.values())  # tree order, the targets' order
+      gptq = [p for p, sp in specs.items() if isinstance(sp, Int4Spec) and sp.method == "gptq"]
+      if gptq:
+        raise ValueError(f"{_LOAD}: recipe {recipe.name!r} uses GPTQ for {gptq[0]!r}, which needs "
+                         "calibration activations; quantise after loading (mlkit.quant.gptq)")
+    self.shardings = [None] * len(targets)
+    self._cpu = jax.devices("cpu")[0]
+    if mesh is not None:
+      from mlkit.parallel import DEFAULT_RULES, param_shardings
+      shaped = [sds if sp is None else jax.eval_shape(
+          lambda w, sp=sp: quantize_leaf(w, sp), sds) for sds, sp in zip(abstract, self.specs)]
+      tree = param_shardings(jax.tree_util.tree_unflatten(treedef, shaped), mesh,
+                             rules or DEFAULT_RULES, cfg)
+      self.shardings = jax.tree_util.tree_leaves(
+          tree, is_leaf=lambda x: is_quantised(x) or isinstance(x, jax.sharding.Sharding))
+
+  def __call__(self, i: int, arr: np.ndarray):
+    spec, sharding = self.specs[i], self.shardings[i]
+    if spec is None and sharding is None:
+      return jnp.asarray(arr)
+    if spec is not None:
+      with jax.default_device(self._cpu):
+        leaf = self._quantize_leaf(jnp.asarray(arr), spec, name=self.names[i])
+      if sharding is None:
+        return jax.device_put(leaf, jax.devices()[0])  # the default device
+      host = jax.tree_util.tree_map(np.asarray, leaf)
+    else:
+      host = arr
+    # Every device copies out only its own shard of the host array.
+    return jax.tree_util.tree_map(
+        lambda x, sh: jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx]), host, sharding)
+
+
+class _Progress:
+  """Logs bytes read and the rate every few seconds, and once at the end."""
+
+  EVERY_S = 5.0
+
+  def __init__(self, total: int):
+    self.total, self.done_bytes = total, 0
+    self.t0 = self.last = time.perf_counter()
+
+  def add(self, n: int) -> None:
+    self.done_bytes += n
+    now = time.perf_counter()
+    if now - self.last >= self.EVERY_S:
+      self.last = now
+      log.info("%s: %.2f of %.2f GB read (%.0f MB/s)", _LOAD, self.done_bytes / 1e9,
+               self.total / 1e9, self.done_bytes / 1e6 / max(now - self.t0, 1e-9))
+
+  def done(self) -> None:
+    dt = time.perf_counter() - self.t0
+    log.info("%s: %.2f GB read in %.1f s (%.0f MB/s)", _LOAD, self.done_bytes / 1e9, dt,
+             self.done_bytes / 1e6 / max(dt, 1e-9))
 
 
 # ----------------------------------------------------------------------------- writing
