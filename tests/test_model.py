@@ -108,6 +108,19 @@ class ForwardTest(parameterized.TestCase):
     self.assertLess(rel_err(absorbed, naive), 1e-5)
     self.assertGreater(float(jnp.std(naive)), 0.0)
 
+  def test_logits_index_selects_one_position_per_row(self):
+    cfg = MLA
+    params = init_params_np(cfg)
+    toks = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (3, 6)))
+    pos = jnp.broadcast_to(jnp.arange(6), (3, 6))
+    full, _ = apply(params, toks, pos, None, cfg=cfg)  # [3, 6, V]
+    idx = jnp.array([5, 0, 3])
+    one, _ = apply(params, toks, pos, None, cfg=cfg, logits_index=idx)
+    self.assertEqual(one.shape, (3, 1, cfg.vocab_size))
+    np.testing.assert_allclose(one[:, 0], full[jnp.arange(3), idx], rtol=1e-5, atol=1e-5)
+    hid, _ = apply(params, toks, pos, None, cfg=cfg, logits_index=idx, return_hidden=True)
+    self.assertEqual(hid.shape, (3, 1, cfg.d_model))
+
   def test_padded_batch_matches_single_rows(self):
     cfg = MLA
     params = init_params_np(cfg)

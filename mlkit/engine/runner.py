@@ -87,9 +87,11 @@ def _step(params, state: PagedKVState, tokens, positions, block_tables, expected
   lengths = jnp.where(ok, lengths, 0)
   meta = BatchMeta(block_tables=block_tables, lengths=lengths, expected_tags=expected_tags,
                    page_size=page_size)
+  # Only the sampled position's logits: lm_head over a whole prefill chunk is wasted work.
   logits, state = apply(params, tokens, positions, state, cfg=cfg, batch_meta=meta,
-                        backend=backend, expert_sharding=expert_sharding)  # [B, T, V]
-  last = jnp.take_along_axis(logits, last_index[:, None, None], axis=1)[:, 0]  # [B, V]
+                        backend=backend, expert_sharding=expert_sharding,
+                        logits_index=last_index)  # [B, 1, V]
+  last = logits[:, 0]  # [B, V]
   # Same key derivation as mlkit.generate: fold_in(key(seed), index of the generated token).
   keys = row_keys(seeds, sample_steps)
   tok = sample_tokens(last, keys, temperature, top_k, top_p)  # [B]

@@ -28,7 +28,8 @@ def _check_inputs(params: dict, tokens, positions, cfg: ModelConfig) -> None:
 def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
           cfg: ModelConfig, batch_meta=None, mla_mode: str = "auto",
           backend: str | None = None, return_aux: bool = False, return_hidden: bool = False,
-          segment_ids: jax.Array | None = None, expert_sharding=None):
+          segment_ids: jax.Array | None = None, expert_sharding=None,
+          logits_index: jax.Array | None = None):
   """Runs the model over a chunk of tokens, reading and writing the cache.
 
   Args:
@@ -50,9 +51,13 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
     expert_sharding: None, or the NamedSharding of the routed experts' leading axis
       (``mlkit.parallel.expert_sharding(params)``): routed experts then run
       expert-parallel, each device on its own experts (see ``moe.dispatch_experts``).
+    logits_index: [B] int, or None: compute logits (or return hidden states) only
+      at this index of each row's T tokens, [B, 1, V]. Serving samples one token
+      per row, and a prefill chunk's ``lm_head`` over all T tokens would be most of
+      its vocabulary-sized work (T x D x V per row).
 
   Returns:
-    (logits [B, T, V] f32, cache), plus an aux dict
+    (logits [B, T, V] f32 ([B, 1, V] with ``logits_index``), cache), plus an aux dict
     {expert_load, router_prob: [n_moe_layers, E]} when ``return_aux``.
 
   Raises:
@@ -89,6 +94,8 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
       # all-reduced outputs, which then all stay live to the end of the step (two [T, D]
       # f32 buffers per layer: 0.47 GB per layer for an 8192-token Kimi prefill chunk).
       x = jax.lax.optimization_barrier(x + ffn_out)
+  if logits_index is not None:
+    x = jnp.take_along_axis(x, logits_index.astype(jnp.int32)[:, None, None], axis=1)  # [B, 1, D]
   x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   if return_hidden:
     out = x
