@@ -50,9 +50,10 @@ class RaggedDotTest(parameterized.TestCase):
       ("spread", None),
       ("all_to_one_expert", 5),
   )
-  def test_decode_step_shapes_take_the_block_loop(self, only):
+  def test_decode_step_shapes_take_the_cpu_block_forms(self, only):
     # A decode step of 8 tokens x top-4 over 16 experts of 512 x 256: ragged_dot would do
-    # 16x the work, so the CPU picks the block loop on its own (docs/cpu_speed.md).
+    # 16x the work, so the CPU picks its block forms on its own (docs/cpu_speed.md): expert
+    # slots, or the block loop when every row goes to one expert (more rows than slots).
     M, G, K, N = 32, 16, 512, 256
     rng = np.random.default_rng(7)
     ids = np.full(M, only) if only is not None else np.sort(rng.integers(0, G, M))
@@ -63,7 +64,7 @@ class RaggedDotTest(parameterized.TestCase):
     np.testing.assert_allclose(jax.jit(ragged_dot_f32)(x, w, gs), ref, rtol=1e-5, atol=1e-4)
 
   def test_moe_dispatch_matches_the_ragged_dot_path(self):
-    # The MoE layer through the CPU block loop against the same layer through plain
+    # The MoE layer through the CPU block forms against the same layer through plain
     # ragged_dot (the path these shapes took before), with empty experts and one expert
     # that every token picks.
     from mlkit.model import moe

@@ -57,8 +57,8 @@ def matmul(x: jax.Array, w, *, out_dtype=None, backend: str | None = None) -> ja
 _BLOCKED_MIN_WORK = 4096
 # On a CPU, XLA's ragged_dot does M * G * K * N multiply-adds (every group over every row), after
 # copying the whole [G, K, N] weight into a [K, G, N] layout. From this much of that work on
-# (a 16-expert 512 x 256 projection over 8 rows), the block loop is faster even for the few rows
-# of a decode step (docs/cpu_speed.md).
+# (a 16-expert 512 x 256 projection over 8 rows), the CPU block forms are faster even for the few
+# rows of a decode step (docs/cpu_speed.md).
 _CPU_RAGGED_MAX_MACS = 1 << 24
 
 
@@ -78,10 +78,12 @@ def ragged_dot_f32(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     memory stays that of x and the output. GPU targets run every block (large blocks;
     a data-dependent trip count would cost a host round trip per block). CPU targets
     skip the blocks past the last group's (a third of them in a decode step of 32 rows
-    over 16 experts) and take their gradients from the batched form, whose backward
-    pass is 4x faster than the loop's (``_cpu_block_loop``);
+    over 16 experts), and with few rows (a decode step) and no more groups than rows
+    give each group a few row slots in one batched matmul instead, which reads every
+    weight where it lies (``_expert_slots``). Their gradients come from the batched
+    form, whose backward pass is 4x faster than the loop's (``_cpu_grouped``);
   * batched: one matmul over all blocks with their weights gathered, a copy of an
-    expert's weight per block (kept for callers that ask for it).
+    expert's weight per block (the CPU forms' backward pass, and callers that ask).
 
   The choice follows the device the trace targets (``pallas_kernels.device.device_kind``),
   not the host: a step compiled for a GPU topology from a CPU host traces on the CPU.
@@ -113,7 +115,7 @@ def ragged_dot_f32(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
   if on_cpu:
     # Half a typical group per block: less padding, and a CPU's matmuls are as fast at
     # 128-256 rows as at 1024; another block only costs one more copy of a weight [K, N].
-    return _cpu_block_loop(x, w, group_sizes, int(min(256, max(8, fit // 2))))
+    return _cpu_grouped(x, w, group_sizes, int(min(256, max(8, fit // 2))))
   # One at a time, a block re-reads its group's whole weight: larger blocks read less.
   return _block_loop(x, w, group_sizes, int(min(1024, max(8, fit))), skip_unused=False)
 
@@ -212,30 +214,66 @@ def _block_loop(x: jax.Array, w: jax.Array, group_sizes: jax.Array, block: int, 
   return _unblock(yp.reshape(Mp, N), lay)
 
 
+def _expert_slots(x: jax.Array, w: jax.Array, group_sizes: jax.Array, slots: int,
+                  overflow) -> jax.Array:
+  """The product with each group's rows in ``slots`` rows of its own: [M, N] f32.
+
+  One batched matmul [G, slots, K] x [G, K, N] reads every weight where it lies; the
+  block loop copies a group's weight before each block's matmul (XLA's CPU dot does not
+  read a dynamic slice in place), which in a decode step costs as much as the matmuls.
+  Empty slots multiply zeros. A call where some group has more rows than slots returns
+  ``overflow()`` (the block loop) instead, so any routing is exact.
+  """
+  M, K = x.shape
+  G = w.shape[0]
+  ends = jnp.cumsum(group_sizes)
+  starts = ends - group_sizes
+  slot = jnp.arange(slots, dtype=jnp.int32)
+  live = slot[None, :] < group_sizes[:, None]  # [G, slots]
+  xs = jnp.where(live[..., None], x[jnp.minimum(starts[:, None] + slot[None, :], M - 1)], 0)
+  ys = jnp.einsum("gsk,gkn->gsn", xs, w, preferred_element_type=jnp.float32)  # [G, slots, N]
+  rows = jnp.arange(M, dtype=jnp.int32)
+  g = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), G - 1)  # [M]
+  offset = rows - starts[g]
+  y = jnp.where((rows < ends[-1])[:, None], ys[g, jnp.minimum(offset, slots - 1)], 0.0)
+  return jax.lax.cond(jnp.any(group_sizes > slots), overflow, lambda: y)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _cpu_block_loop(x: jax.Array, w: jax.Array, group_sizes: jax.Array, block: int) -> jax.Array:
-  """The CPU block loop (unused blocks skipped) with the batched form's gradients.
+def _cpu_grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array, block: int) -> jax.Array:
+  """The CPU block-sparse product, with the batched form's gradients.
+
+  Few rows (M * G below ``_BLOCKED_MIN_WORK``) over no more groups than rows: expert
+  slots (twice the mean group, at least 8); otherwise, or when a group overflows its
+  slots, the block loop with the unused blocks skipped.
 
   Differentiating the loop itself would add a whole [G, K, N] weight cotangent per block
   (the transpose of a scan over a closed-over weight); the batched form gives the same
   gradients of the same product in one scatter-add. Its forward is dead code in the
   backward pass, so XLA drops it.
   """
-  return _block_loop(x, w, group_sizes, block, skip_unused=True)
+  M, G = x.shape[0], w.shape[0]
+
+  def loop():
+    return _block_loop(x, w, group_sizes, block, skip_unused=True)
+
+  if G <= M and M * G < _BLOCKED_MIN_WORK:
+    return _expert_slots(x, w, group_sizes, min(M, max(8, 2 * -(-M // G))), loop)
+  return loop()
 
 
-def _cpu_block_loop_fwd(x, w, group_sizes, block):
-  return _cpu_block_loop(x, w, group_sizes, block), (x, w, group_sizes)
+def _cpu_grouped_fwd(x, w, group_sizes, block):
+  return _cpu_grouped(x, w, group_sizes, block), (x, w, group_sizes)
 
 
-def _cpu_block_loop_bwd(_, res, ct):
+def _cpu_grouped_bwd(_, res, ct):
   x, w, group_sizes = res
   block = _batched_block(x.shape[0], w.shape[0])
   _, vjp = jax.vjp(lambda x, w: _block_batched(x, w, group_sizes, block), x, w)
   return (*vjp(ct), None)
 
 
-_cpu_block_loop.defvjp(_cpu_block_loop_fwd, _cpu_block_loop_bwd)
+_cpu_grouped.defvjp(_cpu_grouped_fwd, _cpu_grouped_bwd)
 
 
 @_dispatch_on_weight
