@@ -488,6 +488,7 @@ class RunnerTest(absltest.TestCase):
 
 
 
+# Faults under overlap: the engine state machine draws the mode (tests/test_state_machine.py).
 class FaultInjectionTest(OverlapSwitch, parameterized.TestCase):
   """The integrity defences on the engine's shared shapes (the full fault matrix: test_reliability)."""
 
@@ -567,10 +568,6 @@ class OverlapEngineMatchesGenerateTest(EngineMatchesGenerateTest):
 
 
 class OverlapSchedulingTest(SchedulingTest):
-  OVERLAP = True
-
-
-class OverlapFaultInjectionTest(FaultInjectionTest):
   OVERLAP = True
 
 
