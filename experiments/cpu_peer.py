@@ -317,7 +317,10 @@ def _write_markdown(out_dir: str, rec: dict) -> None:
         + f"\n- Engine: `mlkit.engine.Engine` on `{rec['engine_device']}` "
         f"({mach['cpu_count']} cores, jax {mach['jax']}); XLA_FLAGS `{rec['xla_flags'] or '-'}` "
         f"({rec['jax_device_count']} host device(s); the engine uses the first).\n"
-        f"- Peer: {peer_line}.\n"
+        + (f"- **{rec['jax_device_count']} host devices**: splitting the CPU this way slowed a "
+           f"one-device engine's decode step by 25-40% on the 2-core machine (1 or 2 devices: "
+           f"no difference; docs/cpu_speed.md).\n" if rec["jax_device_count"] > 2 else "")
+        + f"- Peer: {peer_line}.\n"
         f"- Load average before/after: {rec['load_average_before'][0]:.2f} / "
         f"{rec['load_average_after'][0]:.2f} (another process on these cores slows both sides).\n"
         + ("\n![cpu_peer](cpu_peer.png)\n" if _plot(out_dir, rec) else ""))
