@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import itertools
 import json
 import logging
 import math
@@ -396,6 +397,7 @@ class _Reader:
       except Exception as e:  # SafetensorError (truncated, bad header) or OSError
         raise CheckpointError(_LOAD, f, f"not a readable safetensors file ({e})") from e
     self._headers: dict[str, dict] = {}
+    self.bytes_read = 0  # tensor bytes read from the files so far
     keys = {f: set(h.keys()) for f, h in self._handles.items()}
     if os.path.exists(index):
       for k, fname in self._where.items():
@@ -412,6 +414,9 @@ class _Reader:
 
   def names(self) -> set[str]:
     return set(self._where)
+
+  def has(self, name: str) -> bool:
+    return name in self._where
 
   def file(self, name: str) -> str:
     """The file holding tensor ``name``."""
@@ -431,35 +436,75 @@ class _Reader:
     size = {"F64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}.get(self.st_dtype(name), 1)
     return size * math.prod(self.shape(name))
 
-  def get(self, name: str) -> np.ndarray:
+  def get(self, name: str, box: tuple[tuple[int, int], ...] | None = None) -> np.ndarray:
+    """Tensor ``name``, or only its ``box`` (a ``(start, stop)`` per axis) read from the file."""
     st = self.st_dtype(name)
     dtype = _FP8_DTYPES.get(st) or _ST_DTYPES.get(st)
     if dtype is None:
       raise CheckpointError(_LOAD, self._where[name], f"tensor {name} has dtype {st}, which "
                                                      "this loader does not read")
-    return self._read_raw(name, dtype)
+    return self._read_raw(name, np.dtype(dtype), box)
 
-  def _read_raw(self, name: str, dtype) -> np.ndarray:
+  def _header(self, fname: str) -> dict:
+    if fname not in self._headers:
+      with open(fname, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        self._headers[fname] = {"_base": 8 + n, **json.loads(f.read(n))}
+    return self._headers[fname]
+
+  def _read_raw(self, name: str, dtype: np.dtype, box) -> np.ndarray:
     # Plain reads, not safetensors' memory map: mapped file pages count in the process's
     # resident memory until unmapped, so reading a whole checkpoint through the map
     # would hold all of it (docs/checkpoints.md). Also, safetensors' numpy backend cannot
     # build float8 arrays. Format: u64 header length, JSON header with data_offsets, data.
+    # A box is read as its contiguous runs only (docs/checkpoints.md, "Multi-process").
     fname = self._where[name]
     try:
-      if fname not in self._headers:
-        with open(fname, "rb") as f:
-          n = struct.unpack("<Q", f.read(8))[0]
-          self._headers[fname] = {"_base": 8 + n, **json.loads(f.read(n))}
-      hdr = self._headers[fname]
+      hdr = self._header(fname)
+      shape = tuple(hdr[name]["shape"])
       start, end = hdr[name]["data_offsets"]
-      with open(fname, "rb") as f:
-        f.seek(hdr["_base"] + start)
-        data = f.read(end - start)
-      if len(data) != end - start:
-        raise ValueError(f"read {len(data)} of {end - start} bytes")
-      return np.frombuffer(bytearray(data), dtype=np.uint8).view(dtype).reshape(hdr[name]["shape"])
+      if end - start != dtype.itemsize * math.prod(shape):
+        raise ValueError(f"data_offsets span {end - start} bytes, the shape needs "
+                         f"{dtype.itemsize * math.prod(shape)}")
+      box = tuple((0, d) for d in shape) if box is None else tuple(box)
+      out_shape = tuple(b - a for a, b in box)
+      out = bytearray(dtype.itemsize * math.prod(out_shape))
+      if out:
+        strides = [dtype.itemsize * math.prod(shape[a + 1:]) for a in range(len(shape))]
+        # The last axis the box cuts: each run spans it (and every whole axis after it).
+        k = max([a for a in range(len(shape)) if box[a] != (0, shape[a])], default=0)
+        run = (box[k][1] - box[k][0]) * strides[k] if shape else dtype.itemsize
+        view, pos = memoryview(out), 0
+        with open(fname, "rb", buffering=0) as f:
+          fd = f.fileno()
+          for prefix in itertools.product(*(range(a, b) for a, b in box[:k])):
+            off = hdr["_base"] + start + sum(i * st for i, st in zip(prefix, strides))
+            off += box[k][0] * strides[k] if shape else 0
+            _pread_into(fd, view[pos:pos + run], off)
+            pos += run
+        self.bytes_read += len(out)
+      return np.frombuffer(out, dtype=np.uint8).view(dtype).reshape(out_shape)
     except (OSError, ValueError, KeyError, struct.error) as e:
       raise CheckpointError(_LOAD, fname, f"cannot read tensor {name} ({e})") from e
+
+
+def _pread_into(fd: int, view: memoryview, off: int) -> None:
+  """Fills ``view`` from ``fd`` at offset ``off`` (a read may return less than asked)."""
+  while len(view):
+    n = os.preadv(fd, [view], off)
+    if n <= 0:
+      raise ValueError(f"file ends at byte {off} (truncated)")
+    view, off = view[n:], off + n
+
+
+def _check_fp8_scales(shape, scale_shape, block: tuple[int, int], name: str) -> None:
+  if len(shape) != 2:
+    raise ValueError(f"{name}: fp8 block scales need a 2-D weight, got shape {tuple(shape)}")
+  bo, bi = block
+  expected = (math.ceil(shape[0] / bo), math.ceil(shape[1] / bi))
+  if tuple(scale_shape) != expected:
+    raise ValueError(f"{name}_scale_inv: expected shape {expected} for weight {tuple(shape)} with "
+                     f"{bo}x{bi} blocks, got {tuple(scale_shape)}")
 
 
 def dequantize_fp8_blocks(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = (128, 128),
@@ -475,13 +520,8 @@ def dequantize_fp8_blocks(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int
   Returns:
     The f32 weight [out, in].
   """
-  if w.ndim != 2:
-    raise ValueError(f"{name}: fp8 block scales need a 2-D weight, got shape {w.shape}")
+  _check_fp8_scales(w.shape, scale_inv.shape, block, name)
   bo, bi = block
-  expected = (math.ceil(w.shape[0] / bo), math.ceil(w.shape[1] / bi))
-  if tuple(scale_inv.shape) != expected:
-    raise ValueError(f"{name}_scale_inv: expected shape {expected} for weight {tuple(w.shape)} with "
-                     f"{bo}x{bi} blocks, got {tuple(scale_inv.shape)}")
   s = np.repeat(np.repeat(scale_inv.astype(np.float32), bo, axis=0), bi, axis=1)
   return w.astype(np.float32) * s[:w.shape[0], :w.shape[1]]
 
@@ -547,7 +587,9 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=None, recipe=None, mesh
   one parameter). Each is quantised as it is read (``recipe``), and with a
   ``mesh`` its shards go straight onto their devices, so host memory holds the
   parameter being read and converted, never the whole tree. Progress (bytes
-  read, rate) is logged every few seconds.
+  read, rate) is logged every few seconds. In a multi-process run each process
+  reads only the parts of each parameter that its own devices hold (the whole
+  of a replicated one; docs/checkpoints.md, "Multi-process loading").
 
   Dtype: the parameters are stored in ``dtype`` if given, else in config.json's
   ``torch_dtype`` (or ``dtype``), else in the stored tensors' own dtype when they all
@@ -583,6 +625,20 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=None, recipe=None, mesh
       a layer beyond the config's layers and declared MTP layers, tensors whose dtypes
       disagree when no dtype is declared, or a narrowing conversion not asked for.
     ValueError: a recipe that does not fit the model or asks for GPTQ; rules without a mesh.
+  """
+  return open_hf_checkpoint(path, dtype=dtype, recipe=recipe, mesh=mesh, rules=rules).load()
+
+
+def open_hf_checkpoint(path: str | os.PathLike, *, dtype=None, recipe=None, mesh=None,
+                       rules=None) -> "HFCheckpoint":
+  """Opens and checks a checkpoint for :func:`load_hf_checkpoint`, reading no tensor yet.
+
+  Everything that can be checked from config.json and the safetensors headers is
+  checked here (names, shapes, dtypes, the recipe's formats, the shardings), so
+  that a conversion fails before its first read. Arguments, returns and errors
+  are those of :func:`load_hf_checkpoint`; the parameters are then read one at
+  a time with :meth:`HFCheckpoint.leaf` (what ``mlkit.convert`` does, skipping
+  those already converted) or all together with :meth:`HFCheckpoint.load`.
   """
   if rules is not None and mesh is None:
     raise ValueError(f"{_LOAD}: rules= needs a mesh=")
@@ -645,38 +701,98 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=None, recipe=None, mesh
   dt = _resolve_dtype(path, cfg_file, cfg.param_dtype if declared else None, dtype is not None,
                       reader, targets)
   cfg = dataclasses.replace(cfg, dtype=dt, param_dtype=dt)
+  return HFCheckpoint(path, cfg, reader, targets, treedef, block,
+                      _LeafConverter(targets, treedef, cfg, recipe, mesh, rules))
 
-  def read(n: str) -> np.ndarray:
+
+
+class HFCheckpoint:
+  """A checked Hugging Face checkpoint whose parameters are read one at a time.
+
+  Made by :func:`open_hf_checkpoint`. Leaf ``i`` is the ``i``-th leaf of the params
+  tree in flatten order (``names[i]``, e.g. ``"layers.1.ffn.w_gate"``).
+
+  Attributes:
+    path: the checkpoint directory.
+    cfg: the ModelConfig (with the dtype the parameters are loaded in).
+    names: every leaf's dotted path, in flatten order.
+    abstract: the params tree (quantised by the recipe) as ShapeDtypeStructs, with
+      their shardings when a mesh was given.
+    bytes_read: {leaf name: tensor bytes this process read for it} for the leaves
+      read so far (in a multi-process run, only what its devices hold).
+  """
+
+  def __init__(self, path: str, cfg: ModelConfig, reader: _Reader, targets: list[_Target], treedef,
+               block: tuple[int, int], convert: "_LeafConverter"):
+    self.path, self.cfg = path, cfg
+    self._reader, self._targets, self._treedef, self._block = reader, targets, treedef, block
+    self._convert = convert
+    self.names = [_path_str(t.path) for t in targets]
+    self.abstract = jax.tree_util.tree_unflatten(treedef, convert.abstract)
+    self.bytes_read: dict[str, int] = {}
+
+  def __len__(self) -> int:
+    return len(self._targets)
+
+  def nbytes(self, i: int) -> int:
+    """Stored bytes of the tensors behind leaf ``i`` (all of them, wherever its shards go)."""
+    return sum(self._reader.nbytes(n) for n in self._targets[i].names)
+
+  def leaf(self, i: int):
+    """Reads, converts, quantises and places leaf ``i`` (only this process's part of it)."""
+    t = self._targets[i]
+    box = self._convert.box(i)
+    out_dtype = jnp.dtype(t.dtype or self.cfg.param_dtype)
+    before = self._reader.bytes_read
+    if t.kind == "stack":
+      (e0, e1), hf_box = box[0], box[1:][::-1]
+      arr = np.stack([self._read(n, hf_box).astype(out_dtype).T for n in t.names[e0:e1]])
+    else:
+      arr = self._read(t.names[0], box if t.kind == "copy" else box[::-1]).astype(out_dtype)
+      if t.kind == "T":
+        arr = arr.T
+    out = self._convert(i, arr, box)
+    self.bytes_read[self.names[i]] = self._reader.bytes_read - before
+    return out
+
+  def load(self):
+    """Every leaf, in order, with progress logged: ``(params, cfg)``."""
+    meter = _Progress(sum(self.nbytes(i) for i in range(len(self))))
+    leaves = []
+    for i in range(len(self)):
+      before = self._reader.bytes_read
+      leaves.append(self.leaf(i))  # the host copy goes before the next parameter is read
+      meter.add(self._reader.bytes_read - before)
+    meter.done()
+    return jax.tree_util.tree_unflatten(self._treedef, leaves), self.cfg
+
+  def _read(self, n: str, box) -> np.ndarray:
+    """Tensor ``n`` (its ``box`` of HF coordinates), fp8 dequantised."""
+    reader = self._reader
     if reader.st_dtype(n) in _FP8_DTYPES:
-      if n + "_scale_inv" not in present:
+      if not reader.has(n + "_scale_inv"):
         raise CheckpointError(_LOAD, reader.file(n), f"fp8 tensor {n} has no {n}_scale_inv block scale")
+      shape = reader.shape(n)
+      try:  # the whole tensor's scales, whatever part of it is read
+        _check_fp8_scales(shape, reader.shape(n + "_scale_inv"), self._block, n)
+      except ValueError as e:
+        raise CheckpointError(_LOAD, reader.file(n + "_scale_inv"), str(e)) from e
+      # Whole scale blocks: the box grows to block edges, and is cut back after.
+      grown = tuple((a // b * b, min(-(-c // b) * b, d))
+                    for (a, c), b, d in zip(box, self._block, shape))
+      scale_box = tuple((a // b, -(-c // b)) for (a, c), b in zip(grown, self._block))
       try:
-        return dequantize_fp8_blocks(reader.get(n), reader.get(n + "_scale_inv"), block, name=n)
+        w = dequantize_fp8_blocks(reader.get(n, grown), reader.get(n + "_scale_inv", scale_box),
+                                  self._block, name=n)
       except CheckpointError:
         raise
       except ValueError as e:
         raise CheckpointError(_LOAD, reader.file(n + "_scale_inv"), str(e)) from e
-    if n + "_scale_inv" in present:
+      return w[tuple(slice(a - g, c - g) for (a, c), (g, _) in zip(box, grown))]
+    if reader.has(n + "_scale_inv"):
       raise CheckpointError(_LOAD, reader.file(n), f"{n}_scale_inv given but {n} is "
                                                    f"{reader.st_dtype(n)}, not fp8")
-    return reader.get(n)
-
-  convert = _LeafConverter(targets, treedef, cfg, recipe, mesh, rules)
-  meter = _Progress(sum(reader.nbytes(n) for t in targets for n in t.names))
-  leaves = []
-  for i, t in enumerate(targets):
-    out_dtype = jnp.dtype(t.dtype or cfg.param_dtype)
-    if t.kind == "stack":
-      arr = np.stack([read(n).astype(out_dtype).T for n in t.names])
-    else:
-      arr = read(t.names[0]).astype(out_dtype)
-      if t.kind == "T":
-        arr = arr.T
-    leaves.append(convert(i, arr))
-    del arr  # the host copy goes before the next parameter is read
-    meter.add(sum(reader.nbytes(n) for n in t.names))
-  meter.done()
-  return jax.tree_util.tree_unflatten(treedef, leaves), cfg
+    return reader.get(n, box)
 
 
 def _our_shape(t: _Target) -> tuple[int, ...]:
@@ -695,49 +811,128 @@ class _LeafConverter:
   recipe or rules that do not fit the model fail before anything is read.
   Quantisation runs on the host's CPU device (a device-side copy of a whole
   parameter would defeat the point of sharding it).
+
+  With a mesh, :meth:`box` is the part of the dense parameter that this process's
+  devices hold (all of it in a single-process run), grown to whole quantisation
+  groups; only that part is read and quantised, and each device copies its shard
+  out of it.
   """
 
   def __init__(self, targets, treedef, cfg: ModelConfig, recipe, mesh, rules):
-    from mlkit.quant.recipe import Int4Spec, assign_formats, quantize_leaf
+    from mlkit.checkpoint.orbax_io import recipe_abstract, with_param_shardings
+    from mlkit.quant.recipe import Int4Spec, quantize_leaf
     from mlkit.quant.tree import is_quantised
-    self._quantize_leaf, self._is_quantised = quantize_leaf, is_quantised
-    abstract = [jax.ShapeDtypeStruct(_our_shape(t), jnp.dtype(t.dtype or cfg.param_dtype))
-                for t in targets]
+    self._quantize_leaf = quantize_leaf
+    tree = jax.tree_util.tree_unflatten(treedef, [
+        jax.ShapeDtypeStruct(_our_shape(t), jnp.dtype(t.dtype or cfg.param_dtype)) for t in targets])
     self.names = [_path_str(t.path) for t in targets]
     self.specs = [None] * len(targets)
     if recipe is not None:
-      specs = assign_formats(jax.tree_util.tree_unflatten(treedef, abstract), recipe)
+      tree, specs = recipe_abstract(tree, recipe)
       self.specs = list(specs.values())  # tree order, the targets' order
       gptq = [p for p, sp in specs.items() if isinstance(sp, Int4Spec) and sp.method == "gptq"]
       if gptq:
         raise ValueError(f"{_LOAD}: recipe {recipe.name!r} uses GPTQ for {gptq[0]!r}, which needs "
                          "calibration activations; quantise after loading (mlkit.quant.gptq)")
-    self.shardings = [None] * len(targets)
+    self.sharded = mesh is not None
+    if self.sharded:
+      tree = with_param_shardings(tree, mesh, rules, cfg)
+    # Every leaf as the recipe leaves it (an Int4Weight / Fp8Weight of ShapeDtypeStructs).
+    self.abstract = jax.tree_util.tree_leaves(tree, is_leaf=is_quantised)
     self._cpu = jax.devices("cpu")[0]
-    if mesh is not None:
-      from mlkit.parallel import DEFAULT_RULES, param_shardings
-      shaped = [sds if sp is None else jax.eval_shape(
-          lambda w, sp=sp: quantize_leaf(w, sp), sds) for sds, sp in zip(abstract, self.specs)]
-      tree = param_shardings(jax.tree_util.tree_unflatten(treedef, shaped), mesh,
-                             rules or DEFAULT_RULES, cfg)
-      self.shardings = jax.tree_util.tree_leaves(
-          tree, is_leaf=lambda x: is_quantised(x) or isinstance(x, jax.sharding.Sharding))
 
-  def __call__(self, i: int, arr: np.ndarray):
-    spec, sharding = self.specs[i], self.shardings[i]
-    if spec is None and sharding is None:
+  def box(self, i: int) -> tuple[tuple[int, int], ...]:
+    """The ``(start, stop)`` per axis of dense leaf ``i`` that this process needs."""
+    a = self.abstract[i]
+    shape = tuple(a.shape)  # the dense shape for quantised leaves too
+    full = tuple((0, d) for d in shape)
+    if not self.sharded:
+      return full
+    lo, hi = [d for d in shape], [0] * len(shape)
+    for field, geo in zip(jax.tree_util.tree_leaves(a), _field_geometry(a)):
+      for idx in field.sharding.addressable_devices_indices_map(tuple(field.shape)).values():
+        for ax, (s, e) in enumerate(_dense_range(idx, field.shape, shape, geo)):
+          lo[ax], hi[ax] = min(lo[ax], s), max(hi[ax], e)
+    if any(l >= h for l, h in zip(lo, hi)):
+      return full  # no device of this process holds any of it (or a 0-size leaf)
+    units = _quant_units(a)
+    return tuple((l // u * u, min(-(-h // u) * u, d)) for l, h, u, d in zip(lo, hi, units, shape))
+
+  def __call__(self, i: int, arr: np.ndarray, box: tuple[tuple[int, int], ...]):
+    """Leaf ``i`` from ``arr``, the dense values in ``box`` (see :meth:`box`)."""
+    spec = self.specs[i]
+    if spec is None and not self.sharded:
       return jnp.asarray(arr)
     if spec is not None:
       with jax.default_device(self._cpu):
         leaf = self._quantize_leaf(jnp.asarray(arr), spec, name=self.names[i])
-      if sharding is None:
+      if not self.sharded:
         return jax.device_put(leaf, jax.devices()[0])  # the default device
       host = jax.tree_util.tree_map(np.asarray, leaf)
     else:
       host = arr
-    # Every device copies out only its own shard of the host array.
-    return jax.tree_util.tree_map(
-        lambda x, sh: jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx]), host, sharding)
+    a = self.abstract[i]
+    fields = []
+    # Every device copies out only its own shard of the part read; a field's index is
+    # global, so it is shifted by where the part starts in that field.
+    for x, field, geo in zip(jax.tree_util.tree_leaves(host), jax.tree_util.tree_leaves(a),
+                             _field_geometry(a)):
+      off = _field_offset(box, geo, len(field.shape))
+      fields.append(jax.make_array_from_callback(
+          tuple(field.shape), field.sharding, lambda idx, x=x, off=off, shape=tuple(field.shape): x[tuple(
+              slice(s.indices(d)[0] - o, s.indices(d)[1] - o) for s, d, o in zip(idx, shape, off))]))
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(host), fields)
+
+
+def _field_geometry(leaf) -> list[tuple[tuple[int, ...], bool]]:
+  """For each array of a (quantised) leaf, in flatten order: dense elements per element
+  along each dense axis, and whether the array lacks the K axis (per-channel fp8 scales)."""
+  from mlkit.quant import Fp8Weight, Int4Weight
+  nd = len(leaf.shape)
+  ones = (1,) * nd
+  def at_k(f, n=1):  # factor f on K (axis -2), and on N too when n == 2
+    return ones[:-2] + (f, f if n == 2 else 1)
+  if isinstance(leaf, Int4Weight):
+    return [(at_k(2), False), (at_k(leaf.group_size), False)]  # packed, scales
+  if isinstance(leaf, Fp8Weight):
+    if leaf.block_size is None:
+      return [(ones, False), (ones, True)]  # values, per-channel scales [..., N]
+    return [(ones, False), (at_k(leaf.block_size, 2), False)]
+  return [(ones, False)]
+
+
+def _quant_units(leaf) -> tuple[int, ...]:
+  """Per dense axis, the run of elements quantised together (what a part read must keep whole)."""
+  from mlkit.quant import Fp8Weight, Int4Weight
+  shape = tuple(leaf.shape)
+  units = [1] * len(shape)
+  if isinstance(leaf, Int4Weight):
+    units[-2] = leaf.group_size
+  elif isinstance(leaf, Fp8Weight) and leaf.block_size is not None:
+    units[-2] = units[-1] = leaf.block_size
+  elif isinstance(leaf, Fp8Weight):
+    units[-2] = shape[-2]  # one scale per output channel over all of K
+  return tuple(units)
+
+
+def _dense_range(idx, field_shape, dense_shape, geo) -> list[tuple[int, int]]:
+  """The dense ``(start, stop)`` per axis that a field's index (slices) stands for."""
+  factors, no_k = geo
+  nd = len(dense_shape)
+  ranges = [s.indices(d)[:2] for s, d in zip(idx, field_shape)]
+  if no_k:
+    ranges.insert(nd - 2, (0, dense_shape[nd - 2]))
+  return [(s * f, min(e * f, d)) for (s, e), f, d in zip(ranges, factors, dense_shape)]
+
+
+def _field_offset(box, geo, field_ndim: int) -> tuple[int, ...]:
+  """Where ``box`` (dense, aligned to the quantisation units) starts in a field's elements."""
+  factors, no_k = geo
+  off = [s // f for (s, _), f in zip(box, factors)]
+  if no_k:
+    del off[len(box) - 2]
+  assert len(off) == field_ndim
+  return tuple(off)
 
 
 class _Progress:

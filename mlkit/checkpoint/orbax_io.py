@@ -4,7 +4,8 @@ Layout of one checkpoint directory (written by orbax, finalised atomically)::
 
   <path>/params   the params pytree (StandardCheckpointHandler, OCDBT/tensorstore)
   <path>/mlkit    JSON: {"format": "mlkit", "version": 2, "step": int | None, "config": {...},
-                         "checksums": {"layers.1.attn.wq_a": <CRC-32 of its bytes>, ...}}
+                         "checksums": {"layers.1.attn.wq_a": <CRC-32 of its bytes>, ...},
+                         "recipe": <name in mlkit.quant.RECIPES> (optional)}
 
 Orbax writes into ``<path>.orbax-checkpoint-tmp-*`` and renames it to ``<path>`` only
 after every item is committed, so an interrupted save never leaves a directory that
@@ -15,7 +16,10 @@ Quantised weights: leaves may be ``flax.struct`` dataclasses (``Int4Weight`` etc
 Orbax stores their array fields as nested dicts and drops static fields (e.g.
 ``group_size``), so restoring them needs ``target=``: a pytree of the caller's
 structure (arrays or ``jax.ShapeDtypeStruct``; static fields come from it).
-Without ``target`` the expected structure is the plain layout of ``param_specs(cfg)``.
+Without ``target`` the expected structure is the plain layout of ``param_specs(cfg)``,
+or, for a checkpoint saved with ``recipe=`` (what ``mlkit.convert`` writes), that
+layout as the named recipe quantises it; ``mesh=`` then places every leaf's shards
+as ``mlkit.parallel.param_shardings`` does, each process reading only its own.
 
 Integrity: params are checked against the config (:func:`mlkit.model.check_params`)
 before anything is written and again, from the stored shapes and dtypes, before
@@ -86,6 +90,43 @@ def _checksums(tree) -> dict[str, int | None]:
   return out
 
 
+def recipe_abstract(dense, recipe) -> tuple[Any, dict]:
+  """A dense params tree (ShapeDtypeStructs) as ``recipe`` quantises it, from shapes only.
+
+  Returns:
+    (the tree with Int4Weight / Fp8Weight leaves of ShapeDtypeStructs, {path: format
+    spec} in flatten order). GPTQ gives the shapes of round to nearest.
+
+  Raises:
+    ValueError: the recipe does not fit the tree (``assign_formats``).
+  """
+  from mlkit.quant.recipe import assign_formats, quantize_leaf
+  from mlkit.quant.tree import flatten_params
+  specs = assign_formats(dense, recipe)  # tree order
+  flat, treedef = flatten_params(dense)
+  leaves = [jax.eval_shape(lambda w, sp=sp: quantize_leaf(w, sp), x)
+            for (_, x), sp in zip(flat, specs.values())]
+  return jax.tree_util.tree_unflatten(treedef, leaves), specs
+
+
+def with_param_shardings(abstract, mesh, rules, cfg: ModelConfig):
+  """``abstract`` (ShapeDtypeStructs) carrying ``mlkit.parallel.param_shardings``' shardings."""
+  from mlkit.parallel import DEFAULT_RULES, param_shardings
+  shardings = param_shardings(abstract, mesh, rules or DEFAULT_RULES, cfg)
+  return jax.tree_util.tree_map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                abstract, shardings)
+
+
+def _dense_abstract(cfg: ModelConfig):
+  return jax.tree_util.tree_map(
+      lambda s: jax.ShapeDtypeStruct(s[0], s[2] if len(s) == 3 else cfg.param_dtype),
+      param_specs(cfg), is_leaf=_is_spec)
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, tuple) and len(x) in (2, 3) and isinstance(x[0], tuple)
+
+
 # ----------------------------------------------------------------------------- restore failures
 
 # orbax reads every array concurrently in a private event loop, closed as soon as one read
@@ -153,7 +194,7 @@ def checkpoint_steps(path: str | os.PathLike) -> list[int]:
 
 
 def save_checkpoint(path: str | os.PathLike, params, cfg: ModelConfig, *, step: int | None = None,
-                    overwrite: bool = False) -> str:
+                    overwrite: bool = False, recipe=None) -> str:
   """Saves params and their config with orbax, with a CRC-32 of every leaf (one host copy each).
 
   Args:
@@ -162,6 +203,9 @@ def save_checkpoint(path: str | os.PathLike, params, cfg: ModelConfig, *, step: 
     cfg: the model config, stored as JSON beside the params.
     step: if given, the checkpoint is written to ``<path>/<step>`` and the step is recorded.
     overwrite: replace an existing checkpoint at the destination (otherwise an error).
+    recipe: the ``mlkit.quant.Recipe`` (or its name in ``mlkit.quant.RECIPES``) that
+      quantised ``params``; recorded, so that :func:`load_checkpoint` can restore the
+      quantised structure without ``target=``.
 
   Returns:
     The directory the checkpoint was written to.
@@ -169,11 +213,12 @@ def save_checkpoint(path: str | os.PathLike, params, cfg: ModelConfig, *, step: 
   Raises:
     FileExistsError: the destination exists and ``overwrite`` is False.
     ValueError: ``step`` is negative, ``cfg`` is not a ``ModelConfig``, or ``params`` do
-      not match ``cfg`` (:func:`mlkit.model.check_params`: names the first leaf that
-      differs); nothing is written then.
+      differs), or ``recipe`` is not one of ``mlkit.quant.RECIPES``; nothing is
+      written then.
   """
   if not isinstance(cfg, ModelConfig):
     raise ValueError(f"save_checkpoint: cfg must be a ModelConfig, got {type(cfg).__name__}")
+  recipe_name = None if recipe is None else _known_recipe(_SAVE, getattr(recipe, "name", recipe)).name
   check_params(params, cfg, where=_SAVE)
   path = os.path.abspath(os.fspath(path))
   if step is not None:
@@ -185,10 +230,19 @@ def save_checkpoint(path: str | os.PathLike, params, cfg: ModelConfig, *, step: 
   os.makedirs(os.path.dirname(path), exist_ok=True)
   meta = {"format": _FORMAT, "version": _VERSION, "step": step, "config": cfg.to_dict(),
           "checksums": _checksums(params)}
+  if recipe_name is not None:
+    meta["recipe"] = recipe_name
   # Synchronous Checkpointer: returns only after orbax has renamed the tmp dir into place.
   _checkpointer().save(path, ocp.args.Composite(**{
       _PARAMS: ocp.args.StandardSave(params), _META: ocp.args.JsonSave(meta)}), force=overwrite)
   return path
+
+
+def _known_recipe(func: str, name):
+  from mlkit.quant import RECIPES
+  if name not in RECIPES:
+    raise ValueError(f"{func}: recipe {name!r} is not one of mlkit.quant.RECIPES ({sorted(RECIPES)})")
+  return RECIPES[name]
 
 
 def _resolve(path: str, step: int | None) -> str:
@@ -242,7 +296,8 @@ def _check_structure(path: str, stored: dict[str, Any], expected: dict[str, tupl
 
 
 def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
-                    target=None, step: int | None = None, verify: bool = True):
+                    target=None, step: int | None = None, verify: bool = True, mesh=None,
+                    rules=None):
   """Restores params and config saved by :func:`save_checkpoint`.
 
   Args:
@@ -255,14 +310,17 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
     step: with a directory of steps, the step to load (default: the latest).
     verify: compare every restored leaf with the checksum recorded at save (one host
       copy of each leaf); without it a corrupt data file can load as wrong values.
+    mesh: without ``target``: restore every leaf sharded on this mesh
+      (``mlkit.parallel.param_shardings``), each device reading its own shard.
+    rules: logical-axis rules with ``mesh`` (default ``mlkit.parallel.DEFAULT_RULES``).
 
   Returns:
     (params, cfg): params with the stored dtypes; cfg as passed, else as stored.
 
   Raises:
     FileNotFoundError: ``path`` (or the requested step) does not exist.
-    ValueError: ``cfg`` is not a ModelConfig, or ``path`` is not a (finished) mlkit
-      checkpoint.
+    ValueError: ``cfg`` is not a ModelConfig, ``mesh`` comes with ``target`` or ``rules``
+      without ``mesh``, or ``path`` is not a (finished) mlkit checkpoint.
     CheckpointError: (a ValueError) naming the path: the stored params do not match
       ``cfg``/``target`` (names the parameter), an item cannot be read (truncated or
       corrupt files: names the item, the parameter where known and the cause), or a
@@ -271,6 +329,10 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
   if cfg is not None and not isinstance(cfg, ModelConfig):
     raise ValueError(f"load_checkpoint: cfg must be a ModelConfig or None (e.g. configs.models.TINY_MLA), "
                      f"got {type(cfg).__name__} {cfg!r:.60}")
+  if mesh is not None and target is not None:
+    raise ValueError("load_checkpoint: pass mesh= or a target= with shardings, not both")
+  if rules is not None and mesh is None:
+    raise ValueError("load_checkpoint: rules= needs a mesh=")
   path = _resolve(os.path.abspath(os.fspath(path)), step)
   ckptr = _checkpointer()
   try:
@@ -300,12 +362,18 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
   tree_md = getattr(tree_md, "tree", tree_md)
   stored = _flat(tree_md, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
   if target is None:
-    specs = param_specs(out_cfg)
-    is_spec = lambda x: isinstance(x, tuple) and len(x) in (2, 3) and isinstance(x[0], tuple)
-    expected = {k: v[0] for k, v in _flat(specs, is_leaf=is_spec).items()}
-    _check_structure(path, stored, expected, "config")
-    target = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s[0], "float32"), specs,
-                                    is_leaf=is_spec)
+    target = _dense_abstract(out_cfg)
+    if meta.get("recipe") is not None:
+      try:
+        target, _ = recipe_abstract(target, _known_recipe(_LOAD, meta["recipe"]))
+      except ValueError as e:
+        raise CheckpointError(_LOAD, path, f"recorded recipe {meta['recipe']!r} cannot be applied "
+                                           f"({e}); pass target=") from None
+    if mesh is not None:
+      target = with_param_shardings(target, mesh, rules, out_cfg)
+    expected = {k: tuple(v.shape) for k, v in _flat(target).items()}
+    _check_structure(path, stored, expected,
+                     "config" if meta.get("recipe") is None else f"config and recipe {meta['recipe']!r}")
   else:
     expected = {k: tuple(v.shape) for k, v in _flat(target).items()}
     _check_structure(path, stored, expected, "target")
