@@ -56,7 +56,7 @@ from mlkit.engine.config import EngineConfig
 from mlkit.engine.engine import Engine
 from mlkit.engine.request import ABORT_TRANSFER, Request, RequestOutput, RequestRejected  # noqa: F401
 from mlkit.engine.serving import ServingLoop
-from mlkit.engine.transfer import Payload, TransferResult, transfer_kv
+from mlkit.engine.transfer import Payload, TransferResult, flip_low_bit, transfer_kv
 from mlkit.kvcache import KVCacheConfig, PagedKVState
 from mlkit.model import check_params
 from mlkit.parallel import DEFAULT_RULES, MeshConfig, ShardingRules, split_mesh
@@ -209,14 +209,6 @@ class DisaggMetrics:
   requeued: int = 0
   # Per iteration: (prefill chunks dispatched, tokens the decode pool emitted).
   timeline: list = dataclasses.field(default_factory=list)
-
-
-def _flip_first(x):
-  """x with the low bit of its first element flipped (a one-bit corruption)."""
-  words = jax.lax.bitcast_convert_type(x, {1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
-  flat = words.reshape(-1)
-  flat = flat.at[0].set(flat[0] ^ flat.dtype.type(1))
-  return jax.lax.bitcast_convert_type(flat.reshape(x.shape), x.dtype)
 
 
 def build_serving_engine(checkpoint, config: DisaggConfig, devices: Sequence | None = None,
@@ -489,7 +481,7 @@ def _payload_corrupter(fault: TransferFault):
     payload = list(payload)
     layer = dict(payload[fault.layer])
     key = sorted(layer)[0]
-    layer[key] = _flip_first(layer[key])
+    layer[key] = flip_low_bit(layer[key])
     payload[fault.layer] = layer
     return payload
   return corrupt
@@ -501,7 +493,7 @@ def _landing_corrupter(fault: TransferFault, page: int):
     layer = dict(layers[fault.layer])
     key = state.names[0]
     x = layer[key]
-    layer[key] = x.at[page].set(_flip_first(x[page]))
+    layer[key] = x.at[page].set(flip_low_bit(x[page]))
     layers[fault.layer] = layer
     return state.replace(layers=layers)
   return corrupt

@@ -24,7 +24,12 @@ ABORT_TOO_LONG = "too_long"  # prompt + max_new_tokens can never fit (rejected a
 ABORT_CANCELLED = "cancelled"  # the user cancelled it
 ABORT_TRANSFER = "transfer"  # its KV failed the checksum on every prefill->decode transfer try
 ABORT_ERROR = "error"  # preparing or finishing its part of a step raised; the others went on
-ABORT_REASONS = (ABORT_INTEGRITY, ABORT_TOO_LONG, ABORT_CANCELLED, ABORT_TRANSFER, ABORT_ERROR)
+# Serving processes (mlkit.serve, docs/serving_processes.md): the peer process holding its
+# prefill died or its connection dropped, or did not answer within the configured timeout.
+ABORT_PEER_LOST = "peer_lost"
+ABORT_TIMEOUT = "timeout"
+ABORT_REASONS = (ABORT_INTEGRITY, ABORT_TOO_LONG, ABORT_CANCELLED, ABORT_TRANSFER, ABORT_ERROR,
+                 ABORT_PEER_LOST, ABORT_TIMEOUT)
 
 # Why a request finished (Request.finish_reason).
 FINISH_STOP = "stop"  # it sampled one of its stop tokens (which is emitted)

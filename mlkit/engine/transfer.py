@@ -238,12 +238,144 @@ def _where(sums_a: np.ndarray, sums_b: np.ndarray, keys: list[str]) -> str:
   return f"layer {layer} entry {keys[entry]!r}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Extracted:
+  """The sending half of a transfer: a request's KV gathered out of the source pool.
+
+  Attributes:
+    payload: per layer {name: [T, *E]} in the source storage format (see
+      :func:`extract_kv`), the first token at position ``base``.
+    checksum: [n_layers, n_entries] uint32 :func:`payload_checksum` of the payload
+      as it left the source (host numpy).
+    base: the position of the payload's first token (a multiple of the source page size).
+    length: tokens the request holds.
+  """
+
+  payload: Payload
+  checksum: np.ndarray
+  base: int
+  length: int
+
+
+def check_pools(src_attention: str, src_layers: int, dst: PagedKVState) -> None:
+  """Raises ValueError when a source pool's KV cannot land in ``dst`` (attention kind, depth)."""
+  if src_attention != dst.attention or src_layers != dst.n_layers:
+    raise ValueError(f"transfer between incompatible pools: {src_attention}/{src_layers} layers "
+                     f"-> {dst.attention}/{dst.n_layers} layers")
+
+
+def _check_landing(dst: PagedKVState, dst_pages, length: int, start: int) -> None:
+  if not 0 <= start < length or start % dst.page_size:
+    raise ValueError(f"transfer start {start} must be a multiple of the destination page size "
+                     f"{dst.page_size} in [0, {length})")
+  if len(dst_pages) * dst.page_size < length:
+    raise ValueError(f"{len(dst_pages)} destination pages of {dst.page_size} hold fewer than "
+                     f"{length} tokens")
+
+
+def extract_payload(src: PagedKVState, src_pages, length: int, *, start: int = 0) -> Extracted:
+  """The sending half of :func:`transfer_kv`: gathers and checksums ``length`` tokens.
+
+  Args:
+    src: the source pool (not modified).
+    src_pages: the request's source pages in position order (ints).
+    length: tokens the request holds (> start).
+    start: the first token the destination lacks; gathering starts at the source
+      page holding it.
+
+  Returns:
+    The :class:`Extracted` payload and its checksum, on the source devices.
+
+  Raises:
+    ValueError: a non-positive length, or too few source pages for it.
+  """
+  if length <= 0:
+    raise ValueError(f"transfer length must be > 0, got {length}")
+  if len(src_pages) * src.page_size < length:
+    raise ValueError(f"{len(src_pages)} source pages of {src.page_size} hold fewer than {length} tokens")
+  first = start // src.page_size  # the source page holding token `start`
+  base = first * src.page_size
+  pages = np.asarray(src_pages, np.int32)[first:]
+  payload = extract_kv(src, pages, np.int32(length - base))
+  return Extracted(payload, np.asarray(payload_checksum(payload)), base, length)
+
+
+def verify_payload(payload: Payload, sent: np.ndarray) -> str | None:
+  """None when an arrived payload's checksum equals ``sent`` (the source's), else where it differs.
+
+  :func:`land_payload` runs it before writing; a receiver that wants to retry a
+  transfer before committing any pages to it may run it first, too.
+  """
+  received = np.asarray(payload_checksum(payload))
+  sent = np.asarray(sent)
+  if sent.shape == received.shape and np.array_equal(sent, received):
+    return None
+  where = (_where(sent, received, sorted(payload[0])) if sent.shape == received.shape
+           else f"checksum shape {sent.shape} != {received.shape}")
+  return f"transfer checksum mismatch in transit at {where}"
+
+
+def flip_low_bit(x: jax.Array) -> jax.Array:
+  """x with the low bit of its first element flipped (a one-bit corruption, for fault tests)."""
+  words = jax.lax.bitcast_convert_type(x, {1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+  flat = words.reshape(-1)
+  flat = flat.at[0].set(flat[0] ^ flat.dtype.type(1))
+  return jax.lax.bitcast_convert_type(flat.reshape(x.shape), x.dtype)
+
+
+def land_payload(dst: PagedKVState, dst_pages, payload: Payload, sent: np.ndarray, length: int, *,
+                 base: int = 0, start: int = 0,
+                 corrupt_landing: Callable[[PagedKVState], PagedKVState] | None = None
+                 ) -> tuple[PagedKVState, TransferResult]:
+  """The receiving half of :func:`transfer_kv`: checks, writes and re-checks an arrived payload.
+
+  Args:
+    dst: the destination pool (donated: use the returned state).
+    dst_pages: destination pages in position order, enough for ``length`` tokens.
+    payload: the payload as it arrived, on the destination devices.
+    sent: its checksum as computed at the source (:attr:`Extracted.checksum`).
+    length / base: as :class:`Extracted`.
+    start: tokens the destination already holds (a multiple of its page size);
+      only positions [start, length) are written and checked.
+    corrupt_landing: test hook applied to the destination state after the write.
+
+  Returns:
+    (dst state, TransferResult). A transit mismatch returns before anything is
+    written; after a landing mismatch the pages may hold garbage.
+
+  Raises:
+    ValueError: a start that is not a page multiple in [0, length), too few
+      destination pages, or a payload whose layer count differs from the pool's.
+  """
+  _check_landing(dst, dst_pages, length, start)
+  if len(payload) != dst.n_layers:
+    raise ValueError(f"a payload of {len(payload)} layers cannot land in a pool of {dst.n_layers}")
+  nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(payload))
+  why = verify_payload(payload, sent)
+  if why is not None:
+    return dst, TransferResult(False, why, nbytes)
+  dst_pages = np.asarray(dst_pages, np.int32)
+  n, base, start = np.int32(length), np.int32(base), np.int32(start)
+  dst = write_kv(dst, payload, dst_pages, n, base, start)
+  if corrupt_landing is not None:
+    dst = corrupt_landing(dst)
+  expected, stored = map(np.asarray, landing_checksums(dst, payload, dst_pages, n, base, start))
+  if not np.array_equal(expected, stored):
+    return dst, TransferResult(False, f"transfer checksum mismatch after the write at "
+                                      f"{_where(expected, stored, sorted(_entry_keys(dst)))}", nbytes)
+  return dst, TransferResult(True, None, nbytes)
+
+
 def transfer_kv(src: PagedKVState, src_pages, dst: PagedKVState, dst_pages, length: int, *,
                 start: int = 0, dst_mesh: Mesh | None = None,
                 corrupt_payload: Callable[[Payload], Payload] | None = None,
                 corrupt_landing: Callable[[PagedKVState], PagedKVState] | None = None
                 ) -> tuple[PagedKVState, TransferResult]:
   """Moves ``length`` tokens from ``src_pages`` of one pool to ``dst_pages`` of another, checked.
+
+  :func:`extract_payload` on the source, a device copy, :func:`land_payload` on
+  the destination (mlkit.serve runs the same two halves in two processes, with
+  the copy done by JAX's transfer server: docs/serving_processes.md).
 
   Args:
     src: the source pool (not modified).
@@ -271,45 +403,15 @@ def transfer_kv(src: PagedKVState, src_pages, dst: PagedKVState, dst_pages, leng
     ValueError: too few pages on either side for ``length``, or pools whose
       attention kinds or layer counts differ.
   """
-  if src.attention != dst.attention or src.n_layers != dst.n_layers:
-    raise ValueError(f"transfer between incompatible pools: {src.attention}/{src.n_layers} layers "
-                     f"-> {dst.attention}/{dst.n_layers} layers")
-  if length <= 0:
-    raise ValueError(f"transfer length must be > 0, got {length}")
-  if not 0 <= start < length or start % dst.page_size:
-    raise ValueError(f"transfer start {start} must be a multiple of the destination page size "
-                     f"{dst.page_size} in [0, {length})")
-  if len(src_pages) * src.page_size < length:
-    raise ValueError(f"{len(src_pages)} source pages of {src.page_size} hold fewer than {length} tokens")
-  if len(dst_pages) * dst.page_size < length:
-    raise ValueError(f"{len(dst_pages)} destination pages of {dst.page_size} hold fewer than "
-                     f"{length} tokens")
-  first = start // src.page_size  # the source page holding token `start`
-  base = np.int32(first * src.page_size)
-  src_pages = np.asarray(src_pages, np.int32)[first:]
-  dst_pages = np.asarray(dst_pages, np.int32)
-  n = np.int32(length)
-  payload = extract_kv(src, src_pages, n - base)
-  sent = payload_checksum(payload)
+  check_pools(src.attention, src.n_layers, dst)
+  if length > 0:  # a bad destination fails before anything is gathered
+    _check_landing(dst, dst_pages, length, start)
+  ex = extract_payload(src, src_pages, length, start=start)
   if dst_mesh is None:
     dev = sorted(dst.page_tags.sharding.device_set, key=lambda d: d.id)
     dst_mesh = Mesh(np.asarray(dev, dtype=object), ("all",))
-  payload = jax.device_put(payload, NamedSharding(dst_mesh, PartitionSpec()))
-  nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(payload))
+  payload = jax.device_put(ex.payload, NamedSharding(dst_mesh, PartitionSpec()))
   if corrupt_payload is not None:
     payload = corrupt_payload(payload)
-  received = payload_checksum(payload)
-  sent, received = np.asarray(sent), np.asarray(received)
-  keys = sorted(payload[0])
-  if not np.array_equal(sent, received):
-    return dst, TransferResult(False, f"transfer checksum mismatch in transit at "
-                                      f"{_where(sent, received, keys)}", nbytes)
-  start = np.int32(start)
-  dst = write_kv(dst, payload, dst_pages, n, base, start)
-  if corrupt_landing is not None:
-    dst = corrupt_landing(dst)
-  expected, stored = map(np.asarray, landing_checksums(dst, payload, dst_pages, n, base, start))
-  if not np.array_equal(expected, stored):
-    return dst, TransferResult(False, f"transfer checksum mismatch after the write at "
-                                      f"{_where(expected, stored, sorted(_entry_keys(dst)))}", nbytes)
-  return dst, TransferResult(True, None, nbytes)
+  return land_payload(dst, dst_pages, payload, ex.checksum, length, base=ex.base, start=start,
+                      corrupt_landing=corrupt_landing)
