@@ -22,8 +22,8 @@ from safetensors.numpy import save_file
 
 from configs.models import KIMI_K2_6, TINY_GQA, TINY_MLA
 from mlkit.checkpoint import (CheckpointError, checkpoint_steps, config_from_hf, config_to_hf,
-                              dequantize_fp8_blocks, load_checkpoint, load_hf_checkpoint, save_checkpoint,
-                              save_hf_checkpoint)
+                              dequantize_fp8_blocks, load_checkpoint, load_hf_checkpoint,
+                              open_hf_checkpoint, save_checkpoint, save_hf_checkpoint)
 from mlkit.model import forward, param_specs
 from mlkit.quant import Int4Weight, quantize_fp8
 
@@ -638,6 +638,26 @@ class HFImportTest(TreeAssertions):
     tensors[names[0] + "_scale_inv"] = np.ones((1, 1), np.float32)
     with self.assertRaisesRegex(ValueError, r"lm_head\.weight_scale_inv: expected shape \(6, 4\)"):
       load_hf_checkpoint(_write_hf(self.tmpdir(), config, tensors))
+
+  def test_reading_part_of_a_tensor(self):
+    # What a process of a multi-process load reads: a box of a tensor, in contiguous runs;
+    # an fp8 tensor's box is grown to whole scale blocks and cut back after dequantising.
+    tensors = _hand_tensors(16)
+    config = _hand_config(16)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [16, 8]}
+    fp8 = "model.layers.1.mlp.experts.3.down_proj.weight"
+    tensors[fp8], tensors[fp8 + "_scale_inv"] = _fp8_block_quantise(tensors[fp8], (16, 8))
+    ck = open_hf_checkpoint(_write_hf(self.tmpdir(), config, tensors))
+    for name in (fp8, "lm_head.weight", "model.norm.weight"):
+      full = ck._read(name, tuple((0, d) for d in tensors[name].shape))
+      boxes = [((3, 21), (5, 6))[:full.ndim], ((0, full.shape[0]),) + ((9, 13),)[:full.ndim - 1],
+               ((2, 3),) + ((0, full.shape[-1]),)[:full.ndim - 1]]
+      for box in boxes:
+        before = ck._reader.bytes_read
+        got = ck._read(name, box)
+        np.testing.assert_array_equal(got, full[tuple(slice(a, b) for a, b in box)], err_msg=str(box))
+        if name != fp8:  # exactly the box's bytes
+          self.assertEqual(ck._reader.bytes_read - before, got.nbytes)
 
   @parameterized.named_parameters(
       ("missing", lambda t: t.pop("model.layers.1.self_attn.kv_a_proj_with_mqa.weight"),

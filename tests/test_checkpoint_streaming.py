@@ -6,6 +6,7 @@ The checkpoints are written here from random params (nothing is downloaded).
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -146,6 +147,67 @@ class StreamingLoadTest(absltest.TestCase):
 
     self.assertLessEqual(min(map(transient, runs["stream"])), bound, runs)
     self.assertGreater(transient(runs["dense"][0]), size // 2, runs)
+
+
+class MultiProcessReadTest(absltest.TestCase):
+  """Two processes on this machine load one checkpoint onto a global mesh (docs/checkpoints.md)."""
+
+  TIMEOUT_S = 120
+
+  def test_each_process_reads_only_what_its_devices_hold(self):
+    import checkpoint_multihost_worker as worker_mod
+    from mlkit.quant import RECIPES
+    # Expert FFN width 256: w_down's K splits into 4 tensor shards of 2 int4 groups each.
+    cfg = dataclasses.replace(TINY_MLA, n_layers=2, moe_ffn_dim=256, **_F32)
+    src = tempfile.mkdtemp(prefix="hf_multi_")
+    save_hf_checkpoint(src, init_params_np(cfg, seed=3), cfg, shards=2)
+    with socket.socket() as s:  # a free port (released just before the coordinator binds it)
+      s.bind(("127.0.0.1", 0))
+      port = s.getsockname()[1]
+    worker = os.path.abspath(worker_mod.__file__)
+    root = os.path.dirname(os.path.dirname(worker))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)  # the worker sets 2 devices per process itself
+    with tempfile.TemporaryDirectory() as out:
+      procs = [subprocess.Popen([sys.executable, worker, "--port", str(port), "--process_id", str(i),
+                                 "--src", src, "--out", out], cwd=root, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for i in range(2)]
+      logs = []
+      try:
+        for p in procs:
+          logs.append(p.communicate(timeout=self.TIMEOUT_S)[0])
+      except subprocess.TimeoutExpired:
+        for p in procs:
+          p.kill()
+        self.fail(f"2-process load exceeded {self.TIMEOUT_S} s")
+      for i, p in enumerate(procs):
+        self.assertEqual(p.returncode, 0, f"process {i} failed:\n{logs[i][-3000:]}")
+      reports = []
+      for i in range(2):
+        with open(os.path.join(out, f"report_{i}.json")) as f:
+          reports.append(json.load(f))
+      values = dict(np.load(os.path.join(out, "values.npz")))
+    for kind in ("tensor4", "expert2"):
+      want = [np.asarray(x).view(np.uint8) for x in jax.tree_util.tree_leaves(
+          load_hf_checkpoint(src, recipe=RECIPES[reports[0][kind]["recipe"]])[0])]
+      for j, w in enumerate(want):  # the assembled arrays are the single-process load's
+        np.testing.assert_array_equal(values[f"{kind}_{j}"], w, err_msg=f"{kind} leaf {j}")
+      partial = reports[0][kind]["partial"]
+      self.assertEqual(partial, reports[1][kind]["partial"])
+      nbytes = reports[0][kind]["nbytes"]
+      whole = sum(nbytes.values())
+      split = sum(nbytes[n] for n in partial)
+      self.assertGreater(split, whole / 2, (kind, partial))  # most of the checkpoint is split
+      self.assertTrue(any(n.endswith("ffn.w_down") for n in partial), (kind, partial))
+      for r in reports:
+        got = r[kind]["bytes_read"]
+        for name, n in nbytes.items():
+          if name in partial:  # its half, not a byte more (shards fall on group edges here)
+            self.assertEqual(got[name], n // 2, (kind, name))
+          else:  # every device of this process holds all of it
+            self.assertEqual(got[name], n, (kind, name))
+        self.assertLess(sum(got.values()), whole - split / 2 + 1)
 
 
 if __name__ == "__main__":

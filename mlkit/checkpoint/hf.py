@@ -839,7 +839,7 @@ class _LeafConverter:
       tree = with_param_shardings(tree, mesh, rules, cfg)
     # Every leaf as the recipe leaves it (an Int4Weight / Fp8Weight of ShapeDtypeStructs).
     self.abstract = jax.tree_util.tree_leaves(tree, is_leaf=is_quantised)
-    self._cpu = jax.devices("cpu")[0]
+    self._cpu = jax.local_devices(backend="cpu")[0]  # this process's, in a multi-process run
 
   def box(self, i: int) -> tuple[tuple[int, int], ...]:
     """The ``(start, stop)`` per axis of dense leaf ``i`` that this process needs."""
@@ -867,7 +867,7 @@ class _LeafConverter:
       with jax.default_device(self._cpu):
         leaf = self._quantize_leaf(jnp.asarray(arr), spec, name=self.names[i])
       if not self.sharded:
-        return jax.device_put(leaf, jax.devices()[0])  # the default device
+        return jax.device_put(leaf, jax.local_devices()[0])  # the default device
       host = jax.tree_util.tree_map(np.asarray, leaf)
     else:
       host = arr
