@@ -1,0 +1,185 @@
+"""``python -m mlkit.serve --role prefill|decode|colocated ...``: one serving process.
+
+Start a prefill server, then a decode server pointing at it; clients talk to
+the decode server (``python -m mlkit.serve.client``). docs/serving_processes.md
+has the commands for a pair on one machine.
+
+Start-up checks come before the slow parts, so a mistake fails in a second:
+the arguments, then the listening port, then the checkpoint path; a decode
+server then waits at most ``--connect-timeout`` for its prefill server.
+Exit status 2 for a bad start (the message says what to fix), 0 after a
+``shutdown`` message or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+
+PROG = "python -m mlkit.serve"
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog=PROG, description="A prefill, decode or colocated serving process (docs/serving_processes.md).",
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--role", required=True, choices=("prefill", "decode", "colocated"),
+                 help="prefill: runs prompts for decode servers; decode: the front door, with a "
+                      "prefill server at --prefill; colocated: one engine does both")
+  p.add_argument("--listen", default=None,
+                 help="HOST:PORT of the control channel (default 127.0.0.1:7100 for prefill, "
+                      "127.0.0.1:7200 otherwise)")
+  p.add_argument("--prefill", default=None, help="decode: HOST:PORT of the prefill server")
+  p.add_argument("--transfer-host", default="127.0.0.1",
+                 help="host the KV transfer server binds (its port is picked freely and sent to "
+                      "the peer at hello)")
+  src = p.add_mutually_exclusive_group(required=True)
+  src.add_argument("--checkpoint", help="an orbax (mlkit.checkpoint) or Hugging Face checkpoint "
+                                        "directory")
+  src.add_argument("--model", help="a preset from configs.models with random params (demos, tests)")
+  p.add_argument("--seed", type=int, default=0, help="--model: the params' random seed")
+  p.add_argument("--n-layers", type=int, default=None,
+                 help="--model: keep the first N layers (faster compiles for demos)")
+  p.add_argument("--recipe", default="bf16", help="weight recipe (mlkit.quant.RECIPES)")
+  p.add_argument("--kv-dtype", default="float32", choices=("float32", "bfloat16", "float8_e4m3fn"))
+  p.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default: the model's)")
+  p.add_argument("--num-pages", type=int, default=64)
+  p.add_argument("--max-running", type=int, default=4)
+  p.add_argument("--max-pages-per-seq", type=int, default=16)
+  p.add_argument("--prefill-chunk", type=int, default=16, help="prompt tokens per request per step")
+  p.add_argument("--devices", type=int, default=1,
+                 help="local devices of this process's pool (on a CPU: host devices made)")
+  p.add_argument("--authkey", default=os.environ.get("MLKIT_SERVE_AUTHKEY", "mlkit-serve"),
+                 help="shared key of the control channel (env MLKIT_SERVE_AUTHKEY)")
+  p.add_argument("--connect-timeout", type=float, default=30.0,
+                 help="decode: seconds to wait for the prefill server at start-up")
+  p.add_argument("--prefill-timeout", type=float, default=60.0,
+                 help="decode: seconds to wait for a prefill's answer before aborting (timeout)")
+  p.add_argument("--pull-timeout", type=float, default=30.0, help="decode: seconds per KV pull")
+  p.add_argument("--transfer-attempts", type=int, default=2,
+                 help="decode: attempts per request before a checksum mismatch aborts it")
+  p.add_argument("--offer-timeout", type=float, default=30.0,
+                 help="prefill: free an offer's pages when the decode server has not released "
+                      "it within this many seconds")
+  p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                 help="skip compiling the steps on a dummy request at start-up")
+  p.add_argument("--enable-fault-injection", action="store_true",
+                 help="prefill: accept test-only fault messages (corruption, delay)")
+  return p
+
+
+def _fail(msg: str) -> None:
+  print(f"{PROG}: error: {msg}", file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
+def _log(msg: str) -> None:
+  print(f"mlkit.serve: {msg}", file=sys.stderr, flush=True)
+
+
+def _set_devices(n: int) -> None:
+  """This process's host device count, before jax is imported (tests' XLA_FLAGS are overridden)."""
+  flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
+  os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  # Before anything imports jax: this process's devices, and the CPU on a machine without a GPU.
+  _set_devices(max(1, args.devices))
+  from pallas_kernels.h200 import env as h200_env
+  h200_env.prepare(ptxas_report=False)
+  from mlkit.serve import protocol as proto
+  from mlkit.serve.model import ServeConfig
+  listen = args.listen or ("127.0.0.1:7100" if args.role == "prefill" else "127.0.0.1:7200")
+  try:
+    cfg = ServeConfig(role=args.role, checkpoint=args.checkpoint, model=args.model, seed=args.seed,
+                      n_layers=args.n_layers, recipe=args.recipe, kv_dtype=args.kv_dtype,
+                      page_size=args.page_size, num_pages=args.num_pages,
+                      max_running=args.max_running, max_pages_per_seq=args.max_pages_per_seq,
+                      prefill_chunk=args.prefill_chunk, devices=args.devices,
+                      enable_fault_injection=args.enable_fault_injection)
+    proto.parse_address(listen)
+    if args.role == "decode":
+      if not args.prefill:
+        raise ValueError("--role decode needs --prefill HOST:PORT (the prefill server)")
+      proto.parse_address(args.prefill)
+    from mlkit.serve.decode import DecodeOptions
+    options = DecodeOptions(prefill_timeout_s=args.prefill_timeout, pull_timeout_s=args.pull_timeout,
+                            transfer_attempts=args.transfer_attempts)
+  except ValueError as e:
+    _fail(str(e))
+  if cfg.checkpoint is not None and not os.path.isdir(cfg.checkpoint):
+    _fail(f"checkpoint directory {os.path.abspath(cfg.checkpoint)} does not exist")
+  authkey = args.authkey.encode()
+  try:
+    listener = proto.listen(listen, authkey)  # before the model: a busy port fails at once
+  except OSError as e:
+    _fail(str(e))
+  _log(f"role {cfg.role}: control channel on {listen}")
+
+  import jax
+  from absl import logging
+  from jax.experimental import transfer
+
+  from mlkit.serve.model import build_engine, load_model
+  logging.set_verbosity(logging.WARNING)
+  t0 = time.perf_counter()
+  try:
+    params, mcfg = load_model(cfg)
+  except (OSError, ValueError) as e:
+    _fail(f"cannot load the model: {e}")
+  what = (f"checkpoint {cfg.checkpoint}" if cfg.checkpoint else
+          f"preset {cfg.model} (random params, seed {cfg.seed})")
+  _log(f"model {mcfg.name}: {mcfg.n_layers} layers, {what}, loaded in {time.perf_counter() - t0:.1f} s")
+  engine = build_engine(cfg, params, mcfg)
+  del params
+  _log(f"pool: {cfg.num_pages} pages of {engine.config.page_size} tokens, KV {cfg.kv_dtype}, "
+       f"weights {cfg.recipe}, {cfg.devices} {jax.default_backend()} device(s), "
+       f"max {cfg.max_running} running")
+  if args.warmup:
+    from mlkit.serve.model import warm_up
+    if cfg.role == "colocated":
+      from mlkit.sampling import SamplingParams
+      t = time.perf_counter()
+      engine.generate([[0] * cfg.prefill_chunk], SamplingParams(max_new_tokens=2))
+      _log(f"warm-up (compiles) took {time.perf_counter() - t:.1f} s")
+    else:
+      _log(f"warm-up (compiles) took {warm_up(engine):.1f} s")
+  if cfg.role != "colocated":
+    tserver = transfer.start_transfer_server(jax.devices()[0].client, f"{args.transfer_host}:0",
+                                             [f"{args.transfer_host}:0"])
+    _log(f"KV transfer server on {tserver.address()}")
+  if cfg.role == "prefill":
+    from mlkit.serve.prefill import PrefillServer
+    server = PrefillServer(engine, listener, tserver, model_name=mcfg.name,
+                           offer_timeout_s=args.offer_timeout,
+                           enable_fault_injection=cfg.enable_fault_injection)
+  elif cfg.role == "decode":
+    from mlkit.serve.decode import DecodeServer
+    server = DecodeServer(engine, listener, tserver, args.prefill, authkey=authkey,
+                          model_name=mcfg.name, options=options)
+    try:
+      server.connect_peer(args.connect_timeout)
+      server.wait_peer(args.connect_timeout)
+    except ConnectionError as e:
+      _fail(f"prefill server unreachable: {e}")
+    _log(f"connected to the prefill server at {args.prefill}")
+  else:
+    from mlkit.serve.decode import ColocatedServer
+    server = ColocatedServer(engine, listener, model_name=mcfg.name)
+  _log(f"ready ({cfg.role} on {listen})")
+  try:
+    server.serve_forever()
+  except KeyboardInterrupt:
+    pass
+  _log("stopped")
+  listener.close()
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,555 @@
+"""The front door: the decode server (with a remote prefill server) and the colocated server.
+
+Clients send ``generate`` (prompts and sampling values) and get one ``result``
+when every request of the batch has ended. Both servers keep one thread on
+their Engine; a daemon thread per connection reads messages into one inbox.
+
+The decode server (docs/serving_processes.md has the sequence and the failure table):
+
+1. admits a request by *reserving* its pages in its own pool before anything
+   else happens, so a request whose prefill succeeds can always land;
+2. sends ``prefill`` (tokens, sampling, a fresh transfer uuid) to the prefill server;
+3. on ``offered`` pulls the payload with the transfer server in a thread of its
+   own (a dead or stuck peer costs a timeout, not the serving thread), checks
+   the checksum against the one computed before the payload left (a mismatch
+   asks for a ``resend`` under a new uuid until the attempts run out, then the
+   request is aborted with reason ``transfer``), releases the reservation and
+   ``adopt``s the request into its Engine with a fill that runs
+   ``mlkit.engine.transfer.land_payload`` (write, then the landing checksum;
+   fresh page tags come from ``adopt``), and tells the prefill server to
+   ``release`` its pages;
+4. decodes it with every other running request, and preempted requests go back
+   through steps 1-3 (recomputed remotely).
+
+A dropped prefill connection aborts every request it held with reason
+``peer_lost`` and frees their reservations; the server reconnects to the same
+address and serves on. A prefill or pull that takes longer than its timeout
+aborts the request with reason ``timeout``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import os
+import threading
+import time
+
+import jax
+import numpy as np
+from absl import logging
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from mlkit.engine.request import (ABORT_ERROR, ABORT_PEER_LOST, ABORT_TIMEOUT, ABORT_TRANSFER,
+                                  FINISH_LENGTH, Request, RequestStatus)
+from mlkit.engine.transfer import check_pools, land_payload, verify_payload
+from mlkit.serve import protocol as proto
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+  """Timeouts and retries of a decode server (seconds).
+
+  Raises:
+    ValueError: naming a non-positive field.
+  """
+
+  # Wait this long for a prefill's answer (offered / finished / failed) before aborting (timeout).
+  prefill_timeout_s: float = 60.0
+  # Wait this long for one pull of a payload.
+  pull_timeout_s: float = 30.0
+  # Transfer attempts per request; a checksum mismatch asks for a resend until they run out.
+  transfer_attempts: int = 2
+  # Between reconnection tries after the prefill server went away.
+  reconnect_interval_s: float = 0.5
+
+  def __post_init__(self):
+    for name in ("prefill_timeout_s", "pull_timeout_s", "reconnect_interval_s"):
+      if not getattr(self, name) > 0:
+        raise ValueError(f"DecodeOptions.{name} must be > 0, got {getattr(self, name)!r}")
+    if not isinstance(self.transfer_attempts, int) or self.transfer_attempts < 1:
+      raise ValueError(f"DecodeOptions.transfer_attempts must be an int >= 1, "
+                       f"got {self.transfer_attempts!r}")
+
+
+@dataclasses.dataclass
+class _Batch:
+  """One client's generate call: its requests, answered together."""
+
+  conn: object
+  ids: list
+
+
+@dataclasses.dataclass
+class _Flight:
+  """A request between admission and landing (its pages reserved here)."""
+
+  req: Request
+  uuid: int
+  sent_at: float
+  attempts: int = 0
+  offer: dict | None = None
+  pull: "_Pull | None" = None
+  offered_at: float | None = None
+  emitted: bool = False  # its first token (from the first offer) was emitted
+
+
+class _Pull(threading.Thread):
+  """Pulls one offered payload (blocking in JAX) off the serving thread."""
+
+  def __init__(self, conn, uuid: int, specs):
+    super().__init__(daemon=True)
+    self.conn, self.uuid, self.specs = conn, uuid, specs
+    self.result = self.error = None
+    self.started_at = time.monotonic()
+    self.seconds = None
+
+  def run(self):
+    try:
+      out = self.conn.pull(self.uuid, self.specs)
+      jax.block_until_ready(out)
+      self.result = out
+    except Exception as e:  # a dead peer: reported to the serving thread, which decides
+      self.error = e
+    self.seconds = time.monotonic() - self.started_at
+
+
+@dataclasses.dataclass
+class DecodeStats:
+  submitted: int = 0
+  transfers: int = 0
+  transfer_retries: int = 0
+  transfer_failures: int = 0
+  transfer_bytes: int = 0
+  transfer_seconds: float = 0.0
+  timeouts: int = 0
+  peer_lost: int = 0
+  reconnects: int = 0
+  requeued: int = 0
+  aborted: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+class FrontDoor:
+  """What the decode and colocated servers share: clients, batches, request ends."""
+
+  def __init__(self, engine, listener, model_name: str):
+    self.engine = engine
+    self.listener = listener
+    self.model_name = model_name
+    self.inbox = proto.Inbox()
+    self.requests: dict[int, Request] = {}
+    self._batches: list[_Batch] = []
+    self._stop = False
+
+  def serve_forever(self) -> None:
+    self.inbox.accept_from(self.listener)
+    while not self._stop:
+      self.poll(0.0 if self._busy() else 0.02)
+
+  def _busy(self) -> bool:
+    return self.engine.has_unfinished()
+
+  def poll(self, wait_s: float) -> None:
+    raise NotImplementedError
+
+  def _handle_client(self, conn, msg: dict) -> bool:
+    """Handles a client's message; False when it is not a client message."""
+    kind = msg["kind"]
+    if kind == "generate":
+      try:
+        prompts = msg["prompts"]
+        samplings = [proto.sampling_from_dict(s) for s in msg["sampling"]]
+        if len(samplings) != len(prompts):
+          raise ValueError(f"{len(samplings)} sampling entries for {len(prompts)} prompts")
+        checked = [self.engine.check_request(p, s) for p, s in zip(prompts, samplings)]
+      except (ValueError, TypeError, KeyError) as e:
+        self.inbox.send(conn, proto.message("error", error=f"generate: {e}"))
+        return True
+      ids = [self._new_request(p, s) for p, s in checked]
+      self._batches.append(_Batch(conn, ids))
+      self._answer_batches()
+    elif kind == "metrics":
+      self.inbox.send(conn, proto.message("ok", metrics=self.metrics()))
+    elif kind == "hello":
+      self.inbox.send(conn, proto.message("welcome", version=proto.PROTOCOL_VERSION,
+                                          role=self.role, model=self.model_name))
+    elif kind == "shutdown":
+      self._stop = True
+      self.inbox.send(conn, proto.message("ok"))
+    elif kind in (proto.CLOSED, "error"):
+      self._batches = [b for b in self._batches if b.conn is not conn]
+    else:
+      return False
+    return True
+
+  def _answer_batches(self) -> None:
+    keep = []
+    for b in self._batches:
+      reqs = [self.requests[i] for i in b.ids]
+      if all(r.done for r in reqs):
+        self.inbox.send(b.conn, proto.message("result", outputs=[_describe(r) for r in reqs]))
+      else:
+        keep.append(b)
+    self._batches = keep
+
+  def metrics(self) -> dict:
+    return self.engine.metrics()
+
+
+def _describe(r: Request) -> dict:
+  ttft = r.first_token_time - r.arrival_time if r.first_token_time is not None else None
+  return {"request_id": r.request_id, "tokens": list(r.output), "status": r.status.value,
+          "finish_reason": r.finish_reason, "abort_reason": r.abort_reason, "error": r.error,
+          "ttft_s": ttft,
+          "latency_s": r.finish_time - r.arrival_time if r.finish_time is not None else None}
+
+
+class ColocatedServer(FrontDoor):
+  """One plain Engine that prefills and decodes (no peer): the comparison point."""
+
+  role = "colocated"
+
+  def _new_request(self, prompt, sampling) -> int:
+    rid = self.engine.submit(prompt, sampling)
+    self.requests[rid] = self.engine.get(rid)
+    return rid
+
+  def poll(self, wait_s: float) -> None:
+    item = self.inbox.get(wait_s)
+    while item is not None:
+      conn, msg = item
+      if not self._handle_client(conn, msg):
+        self.inbox.send(conn, proto.message("error", error=f"a colocated server does not take "
+                                            f"{msg['kind']!r}"))
+      item = self.inbox.get(0.0)
+    if self.engine.has_unfinished():
+      self.engine.step()
+      self._answer_batches()
+
+
+class DecodeServer(FrontDoor):
+  """The decode half: admits, asks a prefill server, pulls and lands KV, decodes.
+
+  Args:
+    engine: an ``Engine`` (role "serve") on this process's devices.
+    listener: the client-facing Listener.
+    transfer_server: a started ``jax.experimental.transfer`` server.
+    prefill_address: the prefill server's control address HOST:PORT.
+    authkey: the shared control-channel key.
+    model_name: must match the prefill server's.
+    options: :class:`DecodeOptions`.
+  """
+
+  role = "decode"
+
+  def __init__(self, engine, listener, transfer_server, prefill_address: str, *, authkey: bytes,
+               model_name: str, options: DecodeOptions = DecodeOptions()):
+    super().__init__(engine, listener, model_name)
+    if engine.role != "serve":
+      raise ValueError(f"DecodeServer needs an Engine with role 'serve', got {engine.role!r}")
+    self.transfer = transfer_server
+    self.prefill_address = prefill_address
+    self.authkey = authkey
+    self.options = options
+    self.stats = DecodeStats()
+    self._ids = itertools.count()
+    # uuids: random high bits per process, so two decode servers never collide on one prefill server.
+    self._uuids = itertools.count(int.from_bytes(os.urandom(4), "little") << 24)
+    self._queue: collections.deque[Request] = collections.deque()  # admitted to nothing yet
+    self._flights: dict[int, _Flight] = {}  # by uuid
+    self._peer = None  # control connection to the prefill server
+    self._peer_ready = False
+    self._pull_conn = None  # transfer connection to the prefill server's transfer server
+    self._next_connect = 0.0
+    dev = min(engine.state.page_tags.sharding.device_set, key=lambda d: d.id)
+    self._pull_sharding = SingleDeviceSharding(dev)
+    self._replicated = NamedSharding(engine.mesh, PartitionSpec()) if engine.mesh is not None else None
+
+  # ------------------------------------------------------------------ peer
+  def connect_peer(self, timeout_s: float) -> None:
+    """Connects to the prefill server and sends hello (the welcome arrives through the inbox).
+
+    Raises:
+      ConnectionError: no prefill server reachable within ``timeout_s``.
+    """
+    conn = proto.connect(self.prefill_address, self.authkey, timeout_s)
+    self._peer, self._peer_ready = conn, False
+    self.inbox.add(conn)
+    self.inbox.send(conn, proto.message("hello", version=proto.PROTOCOL_VERSION, role="decode",
+                                        model=self.model_name))
+
+  def wait_peer(self, timeout_s: float) -> None:
+    """Serves the inbox until the prefill server's welcome arrived (start-up).
+
+    Raises:
+      ConnectionError: no welcome within ``timeout_s``, or a mismatched peer.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not self._peer_ready:
+      if self._peer is None or time.monotonic() > deadline:
+        raise ConnectionError(f"the prefill server at {self.prefill_address} did not answer "
+                              f"hello within {timeout_s:g} s")
+      self.poll(0.05)
+
+  def _welcome(self, msg: dict) -> None:
+    problems = []
+    if msg.get("version") != proto.PROTOCOL_VERSION:
+      problems.append(f"protocol version {msg.get('version')} != {proto.PROTOCOL_VERSION}")
+    if msg.get("model") != self.model_name:
+      problems.append(f"it serves {msg.get('model')!r}, this decode server {self.model_name!r}")
+    try:
+      check_pools(msg.get("attention"), msg.get("n_layers"), self.engine.state)
+    except ValueError as e:
+      problems.append(str(e))
+    if problems:
+      logging.error("decode: refusing prefill server %s: %s", self.prefill_address,
+                    "; ".join(problems))
+      self._drop_peer("refused")
+      self._next_connect = time.monotonic() + 5.0
+      return
+    self._pull_conn = self.transfer.connect(msg["transfer_address"])
+    self._peer_ready = True
+    logging.info("decode: prefill server %s ready (transfer %s)", self.prefill_address,
+                 msg["transfer_address"])
+
+  def _drop_peer(self, why: str) -> None:
+    """Forgets the prefill server: every request it held ends with ``peer_lost``."""
+    if self._peer is not None:
+      try:
+        self._peer.close()
+      except OSError:
+        pass
+    self._peer, self._peer_ready, self._pull_conn = None, False, None
+    self._next_connect = time.monotonic() + self.options.reconnect_interval_s
+    lost = list(self._flights.values())
+    if lost:
+      logging.error("decode: prefill server lost (%s): aborting %d request(s)", why, len(lost))
+    for f in lost:
+      self.stats.peer_lost += 1
+      self._fail(f, ABORT_PEER_LOST, f"the prefill server went away ({why})", release=False)
+
+  def _maybe_reconnect(self) -> None:
+    if self._peer is not None or time.monotonic() < self._next_connect:
+      return
+    try:
+      self.connect_peer(timeout_s=0.2)
+      self.stats.reconnects += 1
+    except ConnectionError:
+      self._next_connect = time.monotonic() + self.options.reconnect_interval_s
+
+  # ------------------------------------------------------------------ requests
+  def _new_request(self, prompt, sampling) -> int:
+    rid = next(self._ids)
+    req = Request(request_id=rid, prompt=tuple(prompt), sampling=sampling,
+                  arrival_time=time.perf_counter(), prefill_tokens=tuple(prompt))
+    self.requests[rid] = req
+    self._queue.append(req)
+    self.stats.submitted += 1
+    return rid
+
+  def _busy(self) -> bool:
+    return bool(self.engine.has_unfinished() or self._flights
+                or (self._queue and self._peer_ready))
+
+  def _reserve_key(self, req: Request):
+    return ("reserved", req.request_id)
+
+  def _reserve(self, req: Request) -> bool:
+    """Holds pages for the request's prefill tokens in this pool (the protocol's step 1).
+
+    ``Engine.adopt`` allocates and fills in one call; the prefill's round trip
+    lies between the two here, so the pages are held under a reservation key in
+    the engine's allocator (no step reads them) and handed to ``adopt`` on landing.
+    """
+    eng = self.engine
+    s, alloc = eng.scheduler, eng.allocator
+    if len(s.running) + len(self._flights) >= eng.config.max_running:
+      return False
+    reserve = eng.config.admission_reserve if (s.running or self._flights) else 0
+    if alloc.pages_for(len(req.prefill_tokens)) + reserve > alloc.num_free:
+      return False
+    return alloc.admit(self._reserve_key(req), len(req.prefill_tokens)) is None
+
+  def _unreserve(self, req: Request) -> None:
+    key = self._reserve_key(req)
+    if self.engine.allocator.has_request(key):
+      self.engine.allocator.release(key)
+
+  def _admit(self) -> None:
+    while self._queue and self._peer_ready:
+      req = self._queue[0]
+      if not self._reserve(req):
+        return
+      self._queue.popleft()
+      f = _Flight(req, next(self._uuids), time.monotonic())
+      self._flights[f.uuid] = f
+      s = req.sampling
+      # A recompute (after a preemption) prefills prompt + output and samples what is left.
+      remaining = dataclasses.replace(s, max_new_tokens=s.max_new_tokens - len(req.output))
+      self.inbox.send(self._peer, proto.message(
+          "prefill", uuid=f.uuid, tokens=list(req.prefill_tokens),
+          sampling=proto.sampling_to_dict(remaining)))
+
+  def _fail(self, f: _Flight, reason: str, why: str, *, release: bool = True) -> None:
+    """Ends a request in flight: its reservation is freed, the prefill server told to free its pages."""
+    self._flights.pop(f.uuid, None)
+    self._unreserve(f.req)
+    if release and self._peer is not None:
+      self.inbox.send(self._peer, proto.message("release", uuid=f.uuid))
+    _abort(f.req, reason, why)
+    self.stats.aborted[reason] += 1
+    logging.error("decode: request %d aborted (%s): %s", f.req.request_id, reason, why)
+
+  # ------------------------------------------------------------------ the loop
+  def poll(self, wait_s: float) -> None:
+    """One turn: messages, reconnection, admission, pulls and landings, timeouts, a decode step."""
+    item = self.inbox.get(wait_s)
+    while item is not None:
+      self._handle(*item)
+      item = self.inbox.get(0.0)
+    self._maybe_reconnect()
+    self._admit()
+    self._progress_flights()
+    if self.engine.has_unfinished():
+      self.engine.step()
+    preempted = self.engine.drain_preempted()
+    for req in reversed(preempted):  # recomputed remotely, first in line
+      self.stats.requeued += 1
+      self._queue.appendleft(req)
+    self._answer_batches()
+
+  def _handle(self, conn, msg: dict) -> None:
+    kind = msg["kind"]
+    if conn is self._peer:
+      if kind in (proto.CLOSED, "error"):
+        self._drop_peer(msg.get("error") or "connection closed")
+      elif kind == "welcome":
+        self._welcome(msg)
+      elif kind in ("offered", "finished", "failed"):
+        self._from_prefill(msg)
+      return
+    if not self._handle_client(conn, msg):
+      self.inbox.send(conn, proto.message("error", error=f"a decode server does not take {kind!r}"))
+
+  def _from_prefill(self, msg: dict) -> None:
+    f = self._flights.get(msg["uuid"])
+    if f is None:  # it timed out or ended here already: let the prefill server free its pages
+      if msg["kind"] == "offered":
+        self.inbox.send(self._peer, proto.message("release", uuid=msg["uuid"]))
+      return
+    req = f.req
+    now = time.perf_counter()
+    if msg["kind"] == "finished":  # the first token ended it (a stop token, or one token wanted)
+      self._flights.pop(f.uuid)
+      self._unreserve(req)
+      for t in msg["tokens"]:
+        req.emit(t, now)
+      req.status = RequestStatus.FINISHED
+      req.finish_reason = msg["finish_reason"] or FINISH_LENGTH
+      req.finish_time = now
+    elif msg["kind"] == "failed":
+      self._fail(f, msg.get("abort_reason") or ABORT_ERROR,
+                 f"the prefill server failed it: {msg.get('error')}", release=False)
+    else:
+      if not f.emitted:  # the first token is known now (a resend repeats it)
+        req.emit(msg["first_token"], now)
+        f.emitted = True
+      f.offer, f.offered_at = msg, time.monotonic()
+      specs = [jax.ShapeDtypeStruct(tuple(shape), np.dtype(dt), sharding=self._pull_sharding)
+               for shape, dt in msg["specs"]]
+      f.pull = _Pull(self._pull_conn, f.uuid, specs)
+      f.pull.start()
+
+  def _progress_flights(self) -> None:
+    now = time.monotonic()
+    for f in list(self._flights.values()):
+      if f.pull is None:
+        if f.offer is None and now - f.sent_at > self.options.prefill_timeout_s:
+          self.stats.timeouts += 1
+          self._fail(f, ABORT_TIMEOUT, f"no answer from the prefill server within "
+                     f"{self.options.prefill_timeout_s:g} s")
+        continue
+      if f.pull.is_alive():
+        if now - f.pull.started_at > self.options.pull_timeout_s:
+          self.stats.timeouts += 1
+          # The thread is abandoned: it writes only into arrays of its own, never into pages.
+          self._fail(f, ABORT_TIMEOUT, f"pulling its KV took over {self.options.pull_timeout_s:g} s")
+        continue
+      self._land(f)
+
+  def _land(self, f: _Flight) -> None:
+    pull, offer, req = f.pull, f.offer, f.req
+    f.pull = None
+    if pull.error is not None:
+      # A dead peer shows here first, or as the closed connection: both end the same way.
+      self._fail(f, ABORT_PEER_LOST, f"pulling its KV failed: {pull.error}")
+      return
+    leaves = pull.result
+    if self._replicated is not None:
+      leaves = jax.device_put(leaves, self._replicated)
+    payload = [dict(zip(keys, leaves[i:i + len(keys)]))
+               for keys, i in zip(offer["layer_keys"], _offsets(offer["layer_keys"]))]
+    sent = np.asarray(offer["checksum"], np.uint32)
+    nbytes = sum(x.nbytes for x in pull.result)
+    self.stats.transfer_bytes += nbytes
+    self.stats.transfer_seconds += pull.seconds
+    f.attempts += 1
+    why = verify_payload(payload, sent)
+    if why is not None:  # corrupted in transit: nothing was written; ask again or give up
+      logging.warning("decode: request %d attempt %d: %s", req.request_id, f.attempts, why)
+      if f.attempts < self.options.transfer_attempts:
+        self.stats.transfer_retries += 1
+        new = next(self._uuids)
+        self._flights[new] = self._flights.pop(f.uuid)
+        self.inbox.send(self._peer, proto.message("resend", uuid=f.uuid, new_uuid=new))
+        f.uuid, f.sent_at, f.offer, f.offered_at = new, time.monotonic(), None, None
+        return
+      self.stats.transfer_failures += 1
+      self._fail(f, ABORT_TRANSFER, f"{why} (after {f.attempts} attempts)")
+      return
+    length, base = int(offer["length"]), int(offer["base"])
+
+    def fill(state, pages, start):
+      return _fill(state, pages, start, payload, sent, length, base)
+
+    self._flights.pop(f.uuid)
+    self._unreserve(req)
+    self.inbox.send(self._peer, proto.message("release", uuid=f.uuid))
+    adopted = self.engine.adopt(req, length, fill)
+    if adopted is None:  # the reservation was just released, so only a bug lands here
+      self.stats.transfer_failures += 1
+      self.stats.aborted[ABORT_TRANSFER] += 1
+      _abort(req, ABORT_TRANSFER, "no pages to land in after the reservation was released")
+    elif not adopted:  # the landing check failed: the Engine aborted it (reason transfer)
+      self.stats.transfer_failures += 1
+    else:
+      self.stats.transfers += 1
+
+  def metrics(self) -> dict:
+    m = self.engine.metrics()
+    s = dataclasses.asdict(self.stats)
+    s["aborted"] = dict(self.stats.aborted)
+    m["serve"] = {**s, "in_flight": len(self._flights), "queued": len(self._queue),
+                  "peer_ready": self._peer_ready}
+    return m
+
+
+def _offsets(layer_keys) -> list[int]:
+  out, i = [], 0
+  for keys in layer_keys:
+    out.append(i)
+    i += len(keys)
+  return out
+
+
+def _fill(state, pages, start, payload, sent, length, base):
+  state, result = land_payload(state, pages, payload, sent, length, base=base, start=start)
+  return state, result.ok, result.reason or ""
+
+
+def _abort(req: Request, reason: str, why: str) -> None:
+  req.status = RequestStatus.ABORTED
+  req.abort_reason = reason
+  req.error = why
+  req.finish_time = time.perf_counter()

@@ -1,0 +1,212 @@
+"""Prefill and decode as two processes (mlkit.serve): same tokens as DisaggEngine, failures end cleanly.
+
+One prefill+decode pair is started for the module (a 1-layer TINY_MLA, f32 KV,
+page sizes 4 and 8 so the KV is re-paged) and reused by every test, in order:
+equality with the in-process DisaggEngine, a corrupted transfer, a slow prefill
+server, and last a kill -9 of the prefill server, after which a new one is
+started on the same port. docs/serving_processes.md describes the protocol.
+"""
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import jax
+from absl.testing import absltest
+
+from mlkit.serve.client import Client
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = ["--model", "tiny-mla", "--n-layers", "1", "--recipe", "bf16", "--kv-dtype", "float32",
+         "--num-pages", "32", "--max-running", "4", "--prefill-chunk", "8",
+         "--max-pages-per-seq", "8"]
+PREFILL_PAGE, DECODE_PAGE = 4, 8
+PROMPTS = [[5, 17, 99, 3, 250], [7] * 9, list(range(40, 53)), [1, 2, 3, 4, 5, 6, 7]]
+MAX_NEW = 6
+PREFILL_TIMEOUT = 3.0
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _start(role: str, listen: str, *extra: str, log: str) -> subprocess.Popen:
+  f = open(log, "w")
+  return subprocess.Popen([sys.executable, "-m", "mlkit.serve", "--role", role, "--listen", listen,
+                           *MODEL, *extra], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+
+
+def _wait_ready(proc: subprocess.Popen, log: str, timeout_s: float = 180.0) -> None:
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    text = open(log).read()
+    if "mlkit.serve: ready" in text:
+      return
+    if proc.poll() is not None:
+      raise RuntimeError(f"server exited with {proc.returncode}:\n{text[-3000:]}")
+    time.sleep(0.2)
+  raise TimeoutError(f"server not ready in {timeout_s} s:\n{open(log).read()[-3000:]}")
+
+
+class ServeProcessesTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.tmp = tempfile.mkdtemp(prefix="mlkit-serve-test-")
+    cls.pre_addr = f"127.0.0.1:{_free_port()}"
+    cls.dec_addr = f"127.0.0.1:{_free_port()}"
+    cls.pre_log = os.path.join(cls.tmp, "prefill.log")
+    cls.dec_log = os.path.join(cls.tmp, "decode.log")
+    cls.prefill = cls._start_prefill()
+    cls.decode = _start("decode", cls.dec_addr, "--prefill", cls.pre_addr, "--page-size",
+                        str(DECODE_PAGE), "--prefill-timeout", str(PREFILL_TIMEOUT),
+                        "--pull-timeout", "10", "--connect-timeout", "120", log=cls.dec_log)
+    # The in-process reference compiles here while the servers start.
+    cls.reference = cls._reference()
+    _wait_ready(cls.decode, cls.dec_log)
+    cls.client = Client(cls.dec_addr, timeout_s=60)
+    cls.control = Client(cls.pre_addr, timeout_s=60)  # the test's own line to the prefill server
+
+  @classmethod
+  def _start_prefill(cls):
+    return _start("prefill", cls.pre_addr, "--page-size", str(PREFILL_PAGE),
+                  "--enable-fault-injection", "--offer-timeout", "20", log=cls.pre_log)
+
+  @classmethod
+  def tearDownClass(cls):
+    for proc, addr in ((cls.decode, cls.dec_addr), (cls.prefill, cls.pre_addr)):
+      try:
+        with Client(addr, timeout_s=5) as c:
+          c.shutdown()
+        proc.wait(timeout=10)
+      except Exception:
+        proc.kill()
+        proc.wait()
+    super().tearDownClass()
+
+  @classmethod
+  def _reference(cls):
+    """The same params served by DisaggEngine in this process (greedy tokens per prompt)."""
+    from mlkit.engine.disagg import DisaggConfig, DisaggEngine, PoolConfig
+    from mlkit.parallel import MeshConfig
+    from mlkit.quant import BF16
+    from mlkit.sampling import SamplingParams
+    from mlkit.serve.model import ServeConfig, engine_config, load_model
+    kw = dict(model="tiny-mla", n_layers=1, recipe="bf16", kv_dtype="float32", num_pages=32,
+              max_running=4, prefill_chunk=8, max_pages_per_seq=8)
+    pre = ServeConfig(role="prefill", page_size=PREFILL_PAGE, **kw)
+    params, mcfg = load_model(pre)
+    dec = dataclasses.replace(pre, role="decode", page_size=DECODE_PAGE)
+    cfg = DisaggConfig(prefill=PoolConfig(engine_config(pre, mcfg), BF16, MeshConfig()),
+                       decode=PoolConfig(engine_config(dec, mcfg), BF16, MeshConfig()))
+    eng = DisaggEngine(params, cfg, devices=jax.devices()[:2])
+    return eng.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW))
+
+  def _assert_pages_free(self):
+    m = self.client.metrics()
+    self.assertEqual(m["pages_used"], 0, m)
+    self.assertEqual(m["serve"]["in_flight"], 0)
+
+  def test_1_same_tokens_as_in_process_disagg(self):
+    outs = self.client.generate(PROMPTS, max_new_tokens=MAX_NEW)
+    self.assertEqual([o["tokens"] for o in outs], self.reference)
+    self.assertTrue(all(o["finish_reason"] == "length" for o in outs))
+    self._assert_pages_free()
+    m = self.client.metrics()["serve"]
+    self.assertGreaterEqual(m["transfers"], len(PROMPTS))
+    self.assertGreater(m["transfer_bytes"], 0)
+
+  def test_2_corrupted_transfer_retried_then_aborted(self):
+    before = self.client.metrics()["serve"]
+    self.control.request("fault", corrupt=1)  # one flipped bit after the checksum: one retry
+    (out,) = self.client.generate(PROMPTS[:1], max_new_tokens=MAX_NEW)
+    self.assertEqual(out["tokens"], self.reference[0])
+    m = self.client.metrics()["serve"]
+    self.assertEqual(m["transfer_retries"], before["transfer_retries"] + 1)
+    self.control.request("fault", corrupt=2)  # every attempt corrupted: aborted, never decoded
+    (out,) = self.client.generate(PROMPTS[:1], max_new_tokens=MAX_NEW)
+    self.assertEqual(out["abort_reason"], "transfer")
+    self.assertIn("checksum mismatch", out["error"])
+    self.assertEqual(out["tokens"], self.reference[0][:1])  # the prefill's token only
+    self._assert_pages_free()
+
+  def test_3_slow_prefill_server_times_out(self):
+    self.control.request("fault", delay_s=PREFILL_TIMEOUT + 2)
+    t0 = time.monotonic()
+    (out,) = self.client.generate(PROMPTS[:1], max_new_tokens=MAX_NEW)
+    self.assertLess(time.monotonic() - t0, PREFILL_TIMEOUT + 1.5)
+    self.assertEqual(out["abort_reason"], "timeout")
+    self._assert_pages_free()
+    self.control.request("fault", delay_s=0.0)  # answered once the slow offer is done
+    (out,) = self.client.generate(PROMPTS[:1], max_new_tokens=MAX_NEW)
+    self.assertEqual(out["tokens"], self.reference[0])
+
+  def test_4_kill_prefill_mid_transfer_then_a_new_one(self):
+    cls = type(self)
+    self.control.request("fault", delay_s=30.0)  # it will hang in the offer: kill it there
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(
+        out=Client(self.dec_addr, timeout_s=60).generate(PROMPTS[:2], max_new_tokens=MAX_NEW)))
+    thread.start()
+    deadline = time.monotonic() + 20
+    while self.client.metrics()["serve"]["in_flight"] < 2:
+      self.assertLess(time.monotonic(), deadline)
+      time.sleep(0.05)
+    self.assertGreater(self.client.metrics()["pages_used"], 0)  # reserved before the prefill
+    os.kill(cls.prefill.pid, signal.SIGKILL)
+    cls.prefill.wait()
+    thread.join(30)
+    self.assertEqual([o["abort_reason"] for o in result["out"]], ["peer_lost"] * 2)
+    self._assert_pages_free()
+    self.control.close()
+    cls.prefill = cls._start_prefill()
+    _wait_ready(cls.prefill, cls.pre_log)
+    cls.control = Client(cls.pre_addr, timeout_s=60)
+    deadline = time.monotonic() + 30
+    while not self.client.metrics()["serve"]["peer_ready"]:  # the decode server reconnects
+      self.assertLess(time.monotonic(), deadline)
+      time.sleep(0.1)
+    outs = self.client.generate(PROMPTS, max_new_tokens=MAX_NEW)
+    self.assertEqual([o["tokens"] for o in outs], self.reference)
+    self._assert_pages_free()
+
+
+class CliTest(absltest.TestCase):
+
+  def _run(self, *args):
+    return subprocess.run([sys.executable, "-m", "mlkit.serve", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+
+  def test_help(self):
+    res = self._run("--help")
+    self.assertEqual(res.returncode, 0, res.stderr)
+    for flag in ("--role", "--prefill", "--checkpoint", "--model", "--prefill-timeout"):
+      self.assertIn(flag, res.stdout)
+
+  def test_bad_starts(self):
+    res = self._run("--role", "prefill", "--checkpoint", "/nonexistent/ckpt")
+    self.assertEqual(res.returncode, 2)
+    self.assertIn("checkpoint directory /nonexistent/ckpt does not exist", res.stderr)
+    with socket.socket() as busy:
+      busy.bind(("127.0.0.1", 0))
+      busy.listen()
+      port = busy.getsockname()[1]
+      res = self._run("--role", "prefill", "--model", "tiny-mla", "--listen", f"127.0.0.1:{port}")
+    self.assertEqual(res.returncode, 2)
+    self.assertIn(f"cannot listen on 127.0.0.1:{port}", res.stderr)
+    res = self._run("--role", "decode", "--model", "tiny-mla")
+    self.assertEqual(res.returncode, 2)
+    self.assertIn("--prefill", res.stderr)
+
+
+if __name__ == "__main__":
+  absltest.main()
