@@ -170,6 +170,27 @@ class OrbaxTest(TreeAssertions):
     with self.assertRaisesRegex(ValueError, r"layers\.1\.ffn\.w_gate"):
       load_checkpoint(path, target=bad)
 
+  def test_recorded_recipe_restores_without_target_on_a_mesh(self):
+    from mlkit.parallel import MeshConfig, make_mesh, shard_params
+    from mlkit.quant import INT4_EXPERTS, quantize_params
+    params = quantize_params(_params(TINY_BF16), INT4_EXPERTS)
+    path = os.path.join(self.tmpdir(), "q")
+    with self.assertRaisesRegex(ValueError, "recipe 'int3' is not one of mlkit.quant.RECIPES"):
+      save_checkpoint(path, params, TINY_BF16, recipe="int3")
+    save_checkpoint(path, params, TINY_BF16, recipe=INT4_EXPERTS)
+    self.assertTreesIdentical(params, load_checkpoint(path)[0])
+    mesh = make_mesh(MeshConfig(tensor=2, expert=2), jax.devices()[:4])
+    got, _ = load_checkpoint(path, mesh=mesh)
+    want = shard_params(params, mesh, cfg=TINY_BF16)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+      self.assertEqual(a.sharding, b.sharding)
+    self.assertTreesIdentical(want, got)
+    with self.assertRaisesRegex(ValueError, "mesh= or a target="):
+      load_checkpoint(path, mesh=mesh, target=params)
+    with self.assertRaisesRegex(ValueError, "rules= needs a mesh="):
+      from mlkit.parallel import DEFAULT_RULES
+      load_checkpoint(path, rules=DEFAULT_RULES)
+
   def test_errors(self):
     tmp = self.tmpdir()
     with self.assertRaisesRegex(FileNotFoundError, "does not exist"):
