@@ -457,7 +457,7 @@ class _Reader:
     # resident memory until unmapped, so reading a whole checkpoint through the map
     # would hold all of it (docs/checkpoints.md). Also, safetensors' numpy backend cannot
     # build float8 arrays. Format: u64 header length, JSON header with data_offsets, data.
-    # A box is read as its contiguous runs only (docs/checkpoints.md, "Multi-process").
+    # A box is read as its contiguous runs only (docs/checkpoints.md, "Multi-process loading").
     fname = self._where[name]
     try:
       hdr = self._header(fname)
@@ -703,7 +703,6 @@ def open_hf_checkpoint(path: str | os.PathLike, *, dtype=None, recipe=None, mesh
   cfg = dataclasses.replace(cfg, dtype=dt, param_dtype=dt)
   return HFCheckpoint(path, cfg, reader, targets, treedef, block,
                       _LeafConverter(targets, treedef, cfg, recipe, mesh, rules))
-
 
 
 class HFCheckpoint:
