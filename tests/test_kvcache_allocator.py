@@ -297,6 +297,25 @@ class ConservationTest(parameterized.TestCase):
     self.assertEmpty(alloc.audit())
     self.assertEqual(alloc.num_free, 7)
 
+  def test_release_checked_spares_a_page_reused_by_another_request(self):
+    # a's page p0 is freed behind its back and handed to c (a use after free): a's
+    # table still names p0, with the old tag. Releasing a by its table would drop
+    # c's only reference and put c's live page on the free list.
+    alloc = self._pool()
+    (p0, t0), (p1, _) = alloc.block_table("a")
+    alloc.free([p0])
+    alloc._free = dict.fromkeys([p0, *(p for p in alloc._free if p != p0)])  # reused next
+    self.assertIsNone(alloc.admit("c", 1))
+    self.assertEqual(alloc.block_table("c")[0][0], p0)
+    self.assertNotEqual(alloc.block_table("c")[0][1], t0)
+    self.assertEqual(alloc.release_checked("a"), [p1])
+    self.assertEqual(alloc.block_table("c")[0][0], p0)
+    self.assertEqual(int(alloc.refcounts[p0]), 1)
+    rest = alloc.allocate(alloc.num_free)
+    self.assertNotIn(p0, rest)
+    alloc.free(rest)
+    self.assertEmpty(alloc.audit())
+
 
 class CapacityTest(parameterized.TestCase):
 

@@ -128,13 +128,21 @@ class AllocatorMachine(RuleBasedStateMachine):
 
   @rule(rid=requests, kind=st.sampled_from(list(FaultKind)), index=st.integers(0, 5))
   def inject_fault(self, rid, kind, index):
-    if not self.alloc.has_request(rid) or not self.alloc.block_table(rid):
+    # A tainted victim's table is stale: its pages may be someone else's by now, so a
+    # second fault through it would corrupt a request the model still trusts.
+    if not self.alloc.has_request(rid) or not self.alloc.block_table(rid) or rid in self.tainted:
       return
     pages = self.alloc.block_table(rid)
     if kind is FaultKind.USE_AFTER_FREE and self.alloc.refcounts[pages[index % len(pages)][0]] != 1:
       return
+    # A double allocation reaches every holder of the page (a forked sharer too): the
+    # page gets quarantined under all of them, and the allocator refuses to share it
+    # further. The other kinds corrupt the victim's own table or page only.
+    sharers = (self.alloc.holders([pages[index % len(pages)][0]])
+               if kind is FaultKind.DOUBLE_ALLOCATION else [])
     record = faults_lib.inject(self.alloc, Fault(kind, rid, index % len(pages)))
     self.tainted.add(rid)
+    self.tainted.update(sharers)
     if record.other_owner is not None:
       self.tainted.add(record.other_owner)
     self.pending = True  # corrupt until the next recover(); allocations may meet it meanwhile

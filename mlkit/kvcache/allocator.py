@@ -365,9 +365,21 @@ class PageAllocator:
   def release_checked(self, request_id) -> list[int]:
     """``release``, falling back to :meth:`drop_and_reconcile` if the bookkeeping is inconsistent.
 
+    The table is not trusted when a page it lists no longer carries the tag the
+    request was given (freed behind its back and handed to another request, or a
+    wrong entry pointing at someone else's page): releasing by that table would
+    drop another request's reference, and could put a live page on the free
+    list. A page already freed shows up as a double free. Either way the request
+    is forgotten and the pool rebuilt from the other tables.
+
     Returns:
       Pages reclaimed by reconciliation (empty when the plain release worked).
     """
+    req = self._get(request_id)
+    pages = req.pages
+    if (pages.size and (pages.min() < 0 or pages.max() >= self.num_pages
+                        or np.any(self.tags[pages] != req.tags))):
+      return self.drop_and_reconcile(request_id)
     try:
       self.release(request_id)
       return []
