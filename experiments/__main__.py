@@ -80,6 +80,11 @@ EXPERIMENTS = {
                  "32 requests x 128-token prompts x 64 greedy tokens: tok/s, ratio, identical "
                  "tokens (transformers from $MLKIT_PEER_PYTHON; skipped without it; not in the "
                  "default suite: quick ~1.5 min)"),
+    "serve_processes": ("experiments.serve_processes",
+                        "prefill and decode as two server processes (mlkit.serve, KV over "
+                        "jax.experimental.transfer) vs the in-process DisaggEngine: transfer MB/s, "
+                        "added latency and TTFT per prompt length (not in the default suite: "
+                        "quick ~1.5 min)"),
 }
 DEFAULT_SUITE = ("generate", "capacity", "engine_overhead", "kv_dtype", "weight_quant", "disagg",
                  "integrity", "prefix_cache", "paper", "h200_compile", "kernels")

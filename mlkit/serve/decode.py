@@ -47,6 +47,10 @@ from mlkit.engine.transfer import check_pools, land_payload, verify_payload
 from mlkit.serve import protocol as proto
 
 
+# An inbox event from a pull thread (not a wire message): a payload arrived or failed.
+PULLED = "pulled"
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
   """Timeouts and retries of a decode server (seconds).
@@ -98,9 +102,9 @@ class _Flight:
 class _Pull(threading.Thread):
   """Pulls one offered payload (blocking in JAX) off the serving thread."""
 
-  def __init__(self, conn, uuid: int, specs):
+  def __init__(self, conn, uuid: int, specs, wake):
     super().__init__(daemon=True)
-    self.conn, self.uuid, self.specs = conn, uuid, specs
+    self.conn, self.uuid, self.specs, self.wake = conn, uuid, specs, wake
     self.result = self.error = None
     self.started_at = time.monotonic()
     self.seconds = None
@@ -113,6 +117,7 @@ class _Pull(threading.Thread):
     except Exception as e:  # a dead peer: reported to the serving thread, which decides
       self.error = e
     self.seconds = time.monotonic() - self.started_at
+    self.wake()  # the serving thread may be blocked on its inbox: it lands the payload now
 
 
 @dataclasses.dataclass
@@ -148,6 +153,9 @@ class FrontDoor:
       self.poll(0.0 if self._busy() else 0.02)
 
   def _busy(self) -> bool:
+    # Only engine work spins the loop. Anything else waits on a message or a pull, both of which
+    # wake the inbox (a spinning serving thread would starve the threads that read the sockets
+    # and pull the KV); timeouts are checked at least every 20 ms.
     return self.engine.has_unfinished()
 
   def poll(self, wait_s: float) -> None:
@@ -348,10 +356,6 @@ class DecodeServer(FrontDoor):
     self.stats.submitted += 1
     return rid
 
-  def _busy(self) -> bool:
-    return bool(self.engine.has_unfinished() or self._flights
-                or (self._queue and self._peer_ready))
-
   def _reserve_key(self, req: Request):
     return ("reserved", req.request_id)
 
@@ -421,6 +425,8 @@ class DecodeServer(FrontDoor):
 
   def _handle(self, conn, msg: dict) -> None:
     kind = msg["kind"]
+    if kind == PULLED:
+      return  # a wake-up: _progress_flights lands it
     if conn is self._peer:
       if kind in (proto.CLOSED, "error"):
         self._drop_peer(msg.get("error") or "connection closed")
@@ -458,7 +464,8 @@ class DecodeServer(FrontDoor):
       f.offer, f.offered_at = msg, time.monotonic()
       specs = [jax.ShapeDtypeStruct(tuple(shape), np.dtype(dt), sharding=self._pull_sharding)
                for shape, dt in msg["specs"]]
-      f.pull = _Pull(self._pull_conn, f.uuid, specs)
+      f.pull = _Pull(self._pull_conn, f.uuid, specs,
+                     lambda: self.inbox.queue.put((None, {"kind": PULLED})))
       f.pull.start()
 
   def _progress_flights(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import os
 import queue
 import socket
 import threading
@@ -87,6 +88,17 @@ def listen(addr: str, authkey: bytes) -> mpc.Listener:
                   "(is another server using this port?)") from None
 
 
+def no_delay(conn: mpc.Connection) -> mpc.Connection:
+  """Turns off Nagle's algorithm on a connection's socket.
+
+  Two small messages in a row (a ``release`` then the next ``prefill``) would
+  otherwise wait for the peer's delayed ACK: ~40 ms on every request.
+  """
+  with socket.socket(fileno=os.dup(conn.fileno())) as s:
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+  return conn
+
+
 def connect(addr: str, authkey: bytes, timeout_s: float) -> mpc.Connection:
   """Connects to a Listener, retrying until ``timeout_s`` (the peer may still be starting).
 
@@ -101,7 +113,7 @@ def connect(addr: str, authkey: bytes, timeout_s: float) -> mpc.Connection:
       # Probe with a plain socket first: mpc.Client has no connect timeout of its own.
       with socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic())):
         pass
-      return mpc.Client((host, port), family="AF_INET", authkey=authkey)
+      return no_delay(mpc.Client((host, port), family="AF_INET", authkey=authkey))
     except mpc.AuthenticationError as e:
       raise ConnectionError(f"{host}:{port} refused our authkey ({e})") from None
     except OSError as e:
@@ -126,6 +138,7 @@ class Inbox:
     self._locks: dict[int, threading.Lock] = {}
 
   def add(self, conn: mpc.Connection) -> None:
+    no_delay(conn)
     self._locks[id(conn)] = threading.Lock()
     threading.Thread(target=self._read, args=(conn,), daemon=True).start()
 
