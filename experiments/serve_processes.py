@@ -150,7 +150,7 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
                    f"{row['inproc_e2e_ms']:.1f}", f"{row['proc_e2e_ms']:.1f}",
                    f"{row['added_e2e_ms']:+.1f}", f"{row['inproc_ttft_ms']:.1f}",
                    f"{row['proc_ttft_ms']:.1f}", f"{row['added_ttft_ms']:+.1f}",
-                   row["same_tokens"]])
+                   "yes" if row["same_tokens"] else "no"])
     for addr in (dec_addr, pre_addr):
       with Client(addr, timeout_s=10) as c:
         c.shutdown()

@@ -206,6 +206,15 @@ class CliTest(absltest.TestCase):
     res = self._run("--role", "decode", "--model", "tiny-mla")
     self.assertEqual(res.returncode, 2)
     self.assertIn("--prefill", res.stderr)
+    with socket.socket() as s:  # a port nothing listens on (bound, never listening)
+      s.bind(("127.0.0.1", 0))
+      dead = s.getsockname()[1]
+      res = self._run("--role", "decode", "--model", "tiny-mla", "--listen",
+                      f"127.0.0.1:{_free_port()}", "--prefill", f"127.0.0.1:{dead}",
+                      "--connect-timeout", "0.5")
+    self.assertEqual(res.returncode, 2)
+    self.assertIn(f"prefill server unreachable: no server reachable at 127.0.0.1:{dead}",
+                  res.stderr)
 
 
 if __name__ == "__main__":

@@ -120,6 +120,11 @@ def main(argv=None) -> int:
   except OSError as e:
     _fail(str(e))
   _log(f"role {cfg.role}: control channel on {listen}")
+  if cfg.role == "decode":  # an unreachable peer fails before the model is loaded
+    try:
+      proto.probe(args.prefill, args.connect_timeout)
+    except ConnectionError as e:
+      _fail(f"prefill server unreachable: {e}")
 
   import jax
   from absl import logging

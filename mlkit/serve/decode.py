@@ -380,6 +380,18 @@ class DecodeServer(FrontDoor):
     if self.engine.allocator.has_request(key):
       self.engine.allocator.release(key)
 
+  def _expire_queue(self) -> None:
+    """Ends queued requests that waited a whole prefill timeout without a prefill server."""
+    if self._peer_ready or not self._queue:
+      return
+    now = time.perf_counter()
+    limit = self.options.prefill_timeout_s
+    for req in [r for r in self._queue if now - r.arrival_time > limit]:
+      self._queue.remove(req)
+      self.stats.peer_lost += 1
+      self.stats.aborted[ABORT_PEER_LOST] += 1
+      _abort(req, ABORT_PEER_LOST, f"no prefill server at {self.prefill_address} for {limit:g} s")
+
   def _admit(self) -> None:
     while self._queue and self._peer_ready:
       req = self._queue[0]
@@ -413,6 +425,7 @@ class DecodeServer(FrontDoor):
       self._handle(*item)
       item = self.inbox.get(0.0)
     self._maybe_reconnect()
+    self._expire_queue()
     self._admit()
     self._progress_flights()
     if self.engine.has_unfinished():

@@ -99,29 +99,42 @@ def no_delay(conn: mpc.Connection) -> mpc.Connection:
   return conn
 
 
+def probe(addr: str, timeout_s: float) -> None:
+  """Waits until something listens at HOST:PORT (a plain TCP connect, retried; no handshake).
+
+  Raises:
+    ConnectionError: nothing accepted a connection within ``timeout_s``.
+  """
+  host, port = parse_address(addr)
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      with socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic())):
+        return
+    except OSError as e:
+      if time.monotonic() >= deadline:
+        raise ConnectionError(f"no server reachable at {host}:{port} within {timeout_s:g} s "
+                              f"({e})") from None
+    time.sleep(0.1)
+
+
 def connect(addr: str, authkey: bytes, timeout_s: float) -> mpc.Connection:
   """Connects to a Listener, retrying until ``timeout_s`` (the peer may still be starting).
+
+  The handshake itself waits for the server to accept (a server still loading
+  its model accepts once it serves).
 
   Raises:
     ConnectionError: no peer accepted within the timeout, or the authkey was refused.
   """
+  probe(addr, timeout_s)  # mpc.Client has no connect timeout of its own
   host, port = parse_address(addr)
-  deadline = time.monotonic() + timeout_s
-  last = None
-  while True:
-    try:
-      # Probe with a plain socket first: mpc.Client has no connect timeout of its own.
-      with socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic())):
-        pass
-      return no_delay(mpc.Client((host, port), family="AF_INET", authkey=authkey))
-    except mpc.AuthenticationError as e:
-      raise ConnectionError(f"{host}:{port} refused our authkey ({e})") from None
-    except OSError as e:
-      last = e
-    if time.monotonic() >= deadline:
-      raise ConnectionError(f"no server reachable at {host}:{port} within {timeout_s:g} s "
-                            f"({last})")
-    time.sleep(0.1)
+  try:
+    return no_delay(mpc.Client((host, port), family="AF_INET", authkey=authkey))
+  except mpc.AuthenticationError as e:
+    raise ConnectionError(f"{host}:{port} refused our authkey ({e})") from None
+  except OSError as e:
+    raise ConnectionError(f"{host}:{port} dropped the connection ({e})") from None
 
 
 class Inbox:
