@@ -105,6 +105,10 @@ def _declared_dtype(hf_config: dict):
 def config_from_hf(hf_config: dict, *, dtype=None) -> ModelConfig:
   """Builds a ModelConfig from a DeepSeek-V3 / Kimi-K2 ``config.json`` dict.
 
+  Both layouts are read: the classic one (top-level ``rope_theta``, ``rope_scaling``)
+  and the one transformers 5 writes (``rope_parameters``, ``mlp_layer_types``,
+  ``dtype``).
+
   Args:
     hf_config: the parsed ``config.json``.
     dtype: parameter/compute dtype override ("bfloat16", "float32" or a dtype);
@@ -116,7 +120,8 @@ def config_from_hf(hf_config: dict, *, dtype=None) -> ModelConfig:
 
   Raises:
     ValueError: an unsupported ``architectures``/``model_type``/``moe_layer_freq``/
-      ``hidden_act``/``scoring_func``/``rope_scaling``, a missing required field, no
+      ``hidden_act``/``scoring_func``/``rope_scaling``/``rope_parameters``/
+      ``mlp_layer_types``, a missing required field, no
       dtype at all (neither ``dtype`` nor ``torch_dtype``/``dtype`` in the config), or
       inconsistent values; the message names the HF field.
   """
@@ -163,25 +168,64 @@ def config_from_hf(hf_config: dict, *, dtype=None) -> ModelConfig:
   if scoring not in ("sigmoid", "softmax"):
     raise ValueError(f"config_from_hf: scoring_func={scoring!r} is not supported ('sigmoid' or 'softmax')")
 
+  # Rope: the classic layout has a top-level rope_theta and an optional rope_scaling
+  # dict; transformers 5 writes one rope_parameters dict holding both (rope_type,
+  # rope_theta and the YaRN fields). Either is read; when both are given they must agree.
+  rp = hf_config.get("rope_parameters")
+  if rp is not None and not isinstance(rp, dict):
+    raise ValueError(f"config_from_hf: rope_parameters must be a dict or null, got {rp!r}")
+  rope_theta = hf_config.get("rope_theta")
+  if rp is not None and rp.get("rope_theta") is not None:
+    if rope_theta is not None and num("rope_theta", rope_theta) != num("rope_parameters.rope_theta",
+                                                                        rp["rope_theta"]):
+      raise ValueError(f"config_from_hf: rope_theta {rope_theta!r} and rope_parameters.rope_theta "
+                       f"{rp['rope_theta']!r} disagree")
+    rope_theta = rp["rope_theta"]
+  if rope_theta is None:
+    raise ValueError("config_from_hf: missing required field 'rope_theta' (top level or in "
+                     "'rope_parameters')")
+  rs, rs_field = hf_config.get("rope_scaling"), "rope_scaling"
+  if rs is None and rp is not None:
+    rs, rs_field = rp, "rope_parameters"
   rope_scaling = None
-  rs = hf_config.get("rope_scaling")
   if rs is not None:
     if not isinstance(rs, dict):
       raise ValueError(f"config_from_hf: rope_scaling must be a dict or null, got {rs!r}")
-    kind = rs.get("type", rs.get("rope_type"))
+    kind = rs.get("type", rs.get("rope_type", "default"))
     if kind == "yarn":
       if "factor" not in rs:
-        raise ValueError("config_from_hf: missing required field 'rope_scaling.factor'")
+        raise ValueError(f"config_from_hf: missing required field '{rs_field}.factor'")
       # Defaults are those of DeepSeek-V3's reference modelling code.
       rope_scaling = RopeScaling(
-          factor=num("rope_scaling.factor", rs["factor"]),
+          factor=num(f"{rs_field}.factor", rs["factor"]),
           original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 4096)),
-          beta_fast=num("rope_scaling.beta_fast", rs.get("beta_fast", 32)),
-          beta_slow=num("rope_scaling.beta_slow", rs.get("beta_slow", 1)),
-          mscale=num("rope_scaling.mscale", rs.get("mscale", 1)),
-          mscale_all_dim=num("rope_scaling.mscale_all_dim", rs.get("mscale_all_dim", 0)))
+          beta_fast=num(f"{rs_field}.beta_fast", rs.get("beta_fast", 32)),
+          beta_slow=num(f"{rs_field}.beta_slow", rs.get("beta_slow", 1)),
+          mscale=num(f"{rs_field}.mscale", rs.get("mscale", 1)),
+          mscale_all_dim=num(f"{rs_field}.mscale_all_dim", rs.get("mscale_all_dim", 0)))
     elif kind != "default":
-      raise ValueError(f"config_from_hf: rope_scaling type {kind!r} is not supported (only 'yarn')")
+      raise ValueError(f"config_from_hf: {rs_field} type {kind!r} is not supported (only 'yarn')")
+
+  # transformers 5 also writes mlp_layer_types ("dense" / "sparse" per layer); this model
+  # runs dense layers first, then MoE layers, as first_k_dense_replace says.
+  mlp_types = hf_config.get("mlp_layer_types")
+  if mlp_types is not None:
+    if (not isinstance(mlp_types, (list, tuple))
+        or any(t not in ("dense", "sparse") for t in mlp_types)):
+      raise ValueError(f"config_from_hf: mlp_layer_types must be a list of 'dense'/'sparse', "
+                       f"got {mlp_types!r}")
+    n_dense = mlp_types.count("dense")
+    if list(mlp_types) != ["dense"] * n_dense + ["sparse"] * (len(mlp_types) - n_dense):
+      raise ValueError(f"config_from_hf: mlp_layer_types {mlp_types!r} is not supported (only dense "
+                       "layers first, then MoE layers)")
+    if hf_config.get("first_k_dense_replace") is None:
+      hf_config = {**hf_config, "first_k_dense_replace": n_dense}
+    elif hf_config["first_k_dense_replace"] != n_dense:
+      raise ValueError(f"config_from_hf: mlp_layer_types has {n_dense} dense layers, "
+                       f"first_k_dense_replace says {hf_config['first_k_dense_replace']!r}")
+    if len(mlp_types) != hf_config.get("num_hidden_layers"):
+      raise ValueError(f"config_from_hf: mlp_layer_types has {len(mlp_types)} entries, "
+                       f"num_hidden_layers is {hf_config.get('num_hidden_layers')!r}")
 
   first_k = req_int("first_k_dense_replace")
   dense_ffn = req_int("intermediate_size") if first_k > 0 else int(hf_config.get("intermediate_size") or 0)
@@ -220,7 +264,7 @@ def config_from_hf(hf_config: dict, *, dtype=None) -> ModelConfig:
       norm_topk_prob=bool(req("norm_topk_prob")),
       n_group=req_int("n_group"),
       topk_group=req_int("topk_group"),
-      rope_theta=num("rope_theta", req("rope_theta")),
+      rope_theta=num("rope_theta", rope_theta),
       rope_scaling=rope_scaling,
       rope_interleave=bool(hf_config.get("rope_interleave", True)),
       rms_norm_eps=num("rms_norm_eps", req("rms_norm_eps")),

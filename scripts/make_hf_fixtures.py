@@ -1,0 +1,116 @@
+"""Writes the Hugging Face parity fixtures under tests/fixtures/ (torch + transformers only).
+
+Run in a throwaway virtual environment, never the project's (the tests must not
+import torch):
+
+    python3.12 -m venv /tmp/peervenv
+    /tmp/peervenv/bin/pip install torch "transformers>=5"
+    /tmp/peervenv/bin/python scripts/make_hf_fixtures.py
+
+For each fixture it builds a tiny random model with transformers, saves it with
+``save_pretrained`` (so config.json is in the layout current transformers
+writes: ``rope_parameters``, ``dtype``, ...) and records, in ``reference.npz``:
+
+- ``tokens`` [B, T] int32 and ``logits`` [B, T, V] float32: a cache-free forward
+  over the whole sequence;
+- ``prompt_len``, ``decode_logits`` [B, T - prompt_len, V]: the logits of a
+  prefill of the first ``prompt_len`` tokens then one token at a time through
+  transformers' KV cache (teacher forced with ``tokens``);
+- ``greedy`` [B, N] int32 and ``greedy_logits`` [B, N, V]: ``generate`` with
+  greedy decoding from the prompt, and the logits each token was chosen from.
+
+The weights are drawn with a fixed seed at a scale where the logits are far from
+uniform (the default 0.02 init makes every layer nearly an identity), and the
+router's correction bias is random, so routing differs from a plain top-k.
+``tests/test_hf_parity.py`` holds the project's model to these in float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+import torch
+import transformers
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "tests", "fixtures")
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+  g = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight") or "layernorm" in name:
+        p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+      else:  # fan-in scaled, so activations keep their size through the layers
+        fan_in = p.shape[-1] if p.ndim > 1 else 1
+        p.copy_(torch.randn(p.shape, generator=g) * (0.7 / fan_in ** 0.5 if p.ndim > 1 else 0.1))
+    for name, b in model.named_buffers():
+      if name.endswith("e_score_correction_bias"):
+        b.copy_(0.05 * torch.randn(b.shape, generator=g))
+
+
+def _reference(model, tokens: np.ndarray, prompt_len: int, new_tokens: int) -> dict:
+  ids = torch.tensor(tokens, dtype=torch.long)
+  with torch.inference_mode():
+    full = model(ids, use_cache=False).logits.float().numpy()
+    out = model(ids[:, :prompt_len], use_cache=True)
+    cache, steps = out.past_key_values, []
+    for t in range(prompt_len, tokens.shape[1]):
+      out = model(ids[:, t:t + 1], cache=cache, use_cache=True)
+      cache = out.past_key_values
+      steps.append(out.logits[:, -1].float().numpy())
+    gen = model.generate(ids[:, :prompt_len], attention_mask=torch.ones_like(ids[:, :prompt_len]),
+                         do_sample=False, max_new_tokens=new_tokens, eos_token_id=None,
+                         pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+  return {"tokens": tokens.astype(np.int32), "logits": full, "prompt_len": np.int32(prompt_len),
+          "decode_logits": np.stack(steps, axis=1),
+          "greedy": gen.sequences[:, prompt_len:].numpy().astype(np.int32),
+          "greedy_logits": torch.stack(gen.logits, dim=1).float().numpy()}
+
+
+def deepseek_v3(out_dir: str) -> None:
+  """A 3-layer DeepSeek-V3 (one dense layer, two MoE with grouped routing), YaRN rope."""
+  cfg = transformers.DeepseekV3Config(
+      vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+      n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48,
+      qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=2, topk_group=1,
+      num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=256,
+      rms_norm_eps=1e-6, tie_word_embeddings=False,
+      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                       "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+                       "mscale": 1.0, "mscale_all_dim": 1.0})
+  cfg._attn_implementation = "eager"
+  torch.manual_seed(0)
+  model = transformers.DeepseekV3ForCausalLM(cfg).eval()
+  _randomise(model, seed=1)
+  model.save_pretrained(out_dir)
+  tokens = np.random.default_rng(2).integers(2, cfg.vocab_size, (2, 24))
+  np.savez(os.path.join(out_dir, "reference.npz"), **_reference(model, tokens, 16, 8))
+
+
+FIXTURE_BUILDERS = {"deepseek_v3_tf5": deepseek_v3}
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("names", nargs="*", help=f"fixtures to write (default all: {sorted(FIXTURE_BUILDERS)})")
+  args = ap.parse_args(argv)
+  torch.set_num_threads(1)
+  for name in args.names or sorted(FIXTURE_BUILDERS):
+    out = os.path.join(FIXTURES, name)
+    os.makedirs(out, exist_ok=True)
+    FIXTURE_BUILDERS[name](out)
+    with open(os.path.join(out, "MADE_BY.json"), "w") as f:
+      json.dump({"script": "scripts/make_hf_fixtures.py", "transformers": transformers.__version__,
+                 "torch": torch.__version__}, f, indent=1)
+    print(f"wrote {out}")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
