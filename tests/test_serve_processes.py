@@ -179,6 +179,24 @@ class ServeProcessesTest(absltest.TestCase):
     self.assertEqual([o["tokens"] for o in outs], self.reference)
     self._assert_pages_free()
 
+  def test_5_prefill_frees_pages_of_a_decode_server_that_drops(self):
+    cls = type(self)
+    sampling = dict(max_new_tokens=MAX_NEW, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+                    stop_tokens=[])
+    rogue = Client(self.pre_addr, timeout_s=30)  # a decode server that vanishes mid-transfer
+    offer = rogue.request("prefill", uuid=12345, tokens=PROMPTS[2], sampling=sampling)
+    self.assertEqual(offer["kind"], "offered")
+    self.assertEqual(offer["first_token"], self.reference[2][0])
+    self.assertGreater(rogue.metrics()["pages_used"], 0)
+    rogue.close()  # never pulled, never released
+    deadline = time.monotonic() + 10
+    while (m := cls.control.metrics())["pages_used"]:
+      self.assertLess(time.monotonic(), deadline, m)
+      time.sleep(0.05)
+    self.assertGreaterEqual(m["serve"]["peer_drops"], 1)
+    outs = self.client.generate(PROMPTS, max_new_tokens=MAX_NEW)  # the real decode server goes on
+    self.assertEqual([o["tokens"] for o in outs], self.reference)
+
 
 class CliTest(absltest.TestCase):
 

@@ -496,7 +496,12 @@ class DecodeServer(FrontDoor):
           # The thread is abandoned: it writes only into arrays of its own, never into pages.
           self._fail(f, ABORT_TIMEOUT, f"pulling its KV took over {self.options.pull_timeout_s:g} s")
         continue
-      self._land(f)
+      try:
+        self._land(f)
+      except Exception as e:  # one request's landing must not stop the server
+        logging.exception("decode: landing request %d failed", f.req.request_id)
+        if f.uuid in self._flights:
+          self._fail(f, ABORT_ERROR, f"landing its KV raised {type(e).__name__}: {e}")
 
   def _land(self, f: _Flight) -> None:
     pull, offer, req = f.pull, f.offer, f.req

@@ -100,7 +100,13 @@ class PrefillServer:
     for req in self.engine.prefilled():
       job = self._jobs.get(req.request_id)
       if job is not None and job.offered_at is None:
-        self._offer(job, req)
+        try:
+          self._offer(job, req)
+        except Exception as e:  # one request's gather or offer must not stop the server
+          logging.exception("prefill: offering request %d failed", req.request_id)
+          self.inbox.send(job.conn, proto.message("failed", uuid=job.uuid, abort_reason="error",
+                                                  error=f"{type(e).__name__}: {e}"))
+          self._drop(job)
     now = time.monotonic()
     for job in list(self._jobs.values()):
       if job.offered_at is not None and now - job.offered_at > self.offer_timeout_s:
@@ -135,7 +141,7 @@ class PrefillServer:
       del self._by_uuid[job.uuid]
       job.uuid = msg["new_uuid"]
       self._by_uuid[job.uuid] = job
-      self._offer(job, self.engine.get(job.request_id))
+      job.offered_at = None  # offered again by the next poll
     elif kind == "release":
       job = self._by_uuid.get(msg["uuid"])
       if job is not None:
