@@ -23,9 +23,7 @@ cost, not a network's. docs/serving_processes.md describes the protocol.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -33,6 +31,7 @@ import jax
 import numpy as np
 
 from experiments import common
+from mlkit.serve import launch
 
 SHAPES = {
     "smoke": dict(lengths=(16,), reps=1, n_layers=1),
@@ -40,32 +39,12 @@ SHAPES = {
     "full": dict(lengths=(16, 64, 128, 224), reps=7, n_layers=3),
 }
 PAGE, NUM_PAGES, MAX_PAGES, CHUNK, RUNNING = 16, 64, 16, 32, 4
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _serve_args(n_layers: int, kv_dtype: str) -> list[str]:
   return ["--model", "tiny-mla", "--n-layers", str(n_layers), "--recipe", "bf16", "--kv-dtype",
           kv_dtype, "--page-size", str(PAGE), "--num-pages", str(NUM_PAGES), "--max-running",
           str(RUNNING), "--prefill-chunk", str(CHUNK), "--max-pages-per-seq", str(MAX_PAGES)]
-
-
-def _start(role: str, addr: str, extra: list[str], log: str) -> subprocess.Popen:
-  return subprocess.Popen([sys.executable, "-m", "mlkit.serve", "--role", role, "--listen", addr,
-                           *extra], cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-
-
-def _wait_ready(proc, log: str, timeout_s: float = 300.0) -> None:
-  deadline = time.monotonic() + timeout_s
-  while "mlkit.serve: ready" not in open(log).read():
-    if proc.poll() is not None or time.monotonic() > deadline:
-      raise RuntimeError(f"server did not start:\n{open(log).read()[-2000:]}")
-    time.sleep(0.2)
 
 
 def _in_process(n_layers: int):
@@ -94,16 +73,17 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
     raise ValueError("serve_processes needs 2 devices for the in-process reference; on CPU set "
                      "XLA_FLAGS=--xla_force_host_platform_device_count=2 (python -m experiments does)")
   logs = tempfile.mkdtemp(prefix="serve_processes_")
-  pre_addr, dec_addr = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
+  pre_addr, dec_addr = f"127.0.0.1:{launch.free_port()}", f"127.0.0.1:{launch.free_port()}"
   common.progress(f"serve_processes: starting a prefill and a decode server (logs in {logs})")
-  pre = _start("prefill", pre_addr, _serve_args(shape["n_layers"], "bfloat16"),
-               os.path.join(logs, "prefill.log"))
-  dec = _start("decode", dec_addr, _serve_args(shape["n_layers"], "float8_e4m3fn")
-               + ["--prefill", pre_addr, "--connect-timeout", "300"], os.path.join(logs, "decode.log"))
+  pre = launch.start("prefill", pre_addr, _serve_args(shape["n_layers"], "bfloat16"),
+                     log=os.path.join(logs, "prefill.log"))
+  dec = launch.start("decode", dec_addr, _serve_args(shape["n_layers"], "float8_e4m3fn")
+                     + ["--prefill", pre_addr, "--connect-timeout", "300"],
+                     log=os.path.join(logs, "decode.log"))
   rows, record_rows = [], []
   try:
     engine = _in_process(shape["n_layers"])
-    _wait_ready(dec, os.path.join(logs, "decode.log"))
+    launch.wait_ready(dec, os.path.join(logs, "decode.log"))
     client = Client(dec_addr, timeout_s=300)
     rng = np.random.default_rng(0)
     sampling = SamplingParams(max_new_tokens=2)

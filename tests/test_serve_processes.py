@@ -20,9 +20,10 @@ import time
 import jax
 from absl.testing import absltest
 
+from mlkit.serve import launch
 from mlkit.serve.client import Client
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the CLI tests' cwd
 MODEL = ["--model", "tiny-mla", "--n-layers", "1", "--recipe", "bf16", "--kv-dtype", "float32",
          "--num-pages", "32", "--max-running", "4", "--prefill-chunk", "8",
          "--max-pages-per-seq", "8"]
@@ -32,28 +33,8 @@ MAX_NEW = 6
 PREFILL_TIMEOUT = 3.0
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _start(role: str, listen: str, *extra: str, log: str) -> subprocess.Popen:
-  f = open(log, "w")
-  return subprocess.Popen([sys.executable, "-m", "mlkit.serve", "--role", role, "--listen", listen,
-                           *MODEL, *extra], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-
-
-def _wait_ready(proc: subprocess.Popen, log: str, timeout_s: float = 180.0) -> None:
-  deadline = time.monotonic() + timeout_s
-  while time.monotonic() < deadline:
-    text = open(log).read()
-    if "mlkit.serve: ready" in text:
-      return
-    if proc.poll() is not None:
-      raise RuntimeError(f"server exited with {proc.returncode}:\n{text[-3000:]}")
-    time.sleep(0.2)
-  raise TimeoutError(f"server not ready in {timeout_s} s:\n{open(log).read()[-3000:]}")
+def _start(role: str, listen: str, *extra: str, log: str):
+  return launch.start(role, listen, [*MODEL, *extra], log=log)
 
 
 class ServeProcessesTest(absltest.TestCase):
@@ -62,8 +43,8 @@ class ServeProcessesTest(absltest.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     cls.tmp = tempfile.mkdtemp(prefix="mlkit-serve-test-")
-    cls.pre_addr = f"127.0.0.1:{_free_port()}"
-    cls.dec_addr = f"127.0.0.1:{_free_port()}"
+    cls.pre_addr = f"127.0.0.1:{launch.free_port()}"
+    cls.dec_addr = f"127.0.0.1:{launch.free_port()}"
     cls.pre_log = os.path.join(cls.tmp, "prefill.log")
     cls.dec_log = os.path.join(cls.tmp, "decode.log")
     cls.prefill = cls._start_prefill()
@@ -72,7 +53,7 @@ class ServeProcessesTest(absltest.TestCase):
                         "--pull-timeout", "10", "--connect-timeout", "120", log=cls.dec_log)
     # The in-process reference compiles here while the servers start.
     cls.reference = cls._reference()
-    _wait_ready(cls.decode, cls.dec_log)
+    launch.wait_ready(cls.decode, cls.dec_log)
     cls.client = Client(cls.dec_addr, timeout_s=60)
     cls.control = Client(cls.pre_addr, timeout_s=60)  # the test's own line to the prefill server
 
@@ -169,7 +150,7 @@ class ServeProcessesTest(absltest.TestCase):
     self._assert_pages_free()
     self.control.close()
     cls.prefill = cls._start_prefill()
-    _wait_ready(cls.prefill, cls.pre_log)
+    launch.wait_ready(cls.prefill, cls.pre_log)
     cls.control = Client(cls.pre_addr, timeout_s=60)
     deadline = time.monotonic() + 30
     while not self.client.metrics()["serve"]["peer_ready"]:  # the decode server reconnects
@@ -228,7 +209,7 @@ class CliTest(absltest.TestCase):
       s.bind(("127.0.0.1", 0))
       dead = s.getsockname()[1]
       res = self._run("--role", "decode", "--model", "tiny-mla", "--listen",
-                      f"127.0.0.1:{_free_port()}", "--prefill", f"127.0.0.1:{dead}",
+                      f"127.0.0.1:{launch.free_port()}", "--prefill", f"127.0.0.1:{dead}",
                       "--connect-timeout", "0.5")
     self.assertEqual(res.returncode, 2)
     self.assertIn(f"prefill server unreachable: no server reachable at 127.0.0.1:{dead}",

@@ -37,6 +37,10 @@ into ``dispatch`` and ``collect``; the decode pool ``adopt``s a request with
 a fill function that moves its KV, and hands back what it preempted through
 ``drain_preempted``. Admission, bookkeeping and the integrity defences are
 each pool's own, written once in ``Engine``. docs/engine.md has the picture.
+
+The same two roles as two processes, the KV moved by JAX's transfer server
+through the same extract and land halves of ``transfer_kv``: ``mlkit.serve``
+(docs/serving_processes.md).
 """
 
 from __future__ import annotations
