@@ -179,6 +179,64 @@ class ServeProcessesTest(absltest.TestCase):
     self.assertEqual([o["tokens"] for o in outs], self.reference)
 
 
+class ProtocolTest(absltest.TestCase):
+  """The control channel's pieces, in this process (no server)."""
+
+  def test_messages_and_addresses(self):
+    from mlkit.sampling import SamplingParams
+    from mlkit.serve import protocol as proto
+    self.assertEqual(proto.message("release", uuid=3), {"kind": "release", "uuid": 3})
+    with self.assertRaisesRegex(ValueError, "unknown message kind 'rpc'"):
+      proto.message("rpc")
+    s = SamplingParams(max_new_tokens=3, temperature=0.5, stop_tokens=(1, 2))
+    self.assertEqual(proto.sampling_from_dict(proto.sampling_to_dict(s)), s)
+    with self.assertRaises(ValueError):  # SamplingParams' own check
+      proto.sampling_from_dict(dict(proto.sampling_to_dict(s), max_new_tokens=0))
+    self.assertEqual(proto.parse_address("127.0.0.1:7100"), ("127.0.0.1", 7100))
+    for bad in ("7100", "localhost:", ":80", "host:99999", "host:port"):
+      with self.assertRaisesRegex(ValueError, "HOST:PORT"):
+        proto.parse_address(bad)
+
+  def test_round_trip_and_a_closed_peer(self):
+    from mlkit.serve import protocol as proto
+    key = b"k"
+    addr = f"127.0.0.1:{launch.free_port()}"
+    listener = proto.listen(addr, key)
+    inbox = proto.Inbox()
+    inbox.accept_from(listener)
+    with self.assertRaisesRegex(ConnectionError, "refused our authkey"):
+      proto.connect(addr, b"wrong", 5)
+    conn = proto.connect(addr, key, 5)
+    conn.send(proto.message("hello", version=proto.PROTOCOL_VERSION))
+    peer, msg = inbox.get(5)
+    self.assertEqual(msg["kind"], "hello")
+    self.assertTrue(inbox.send(peer, proto.message("ok")))
+    self.assertEqual(conn.recv(), {"kind": "ok"})
+    conn.close()
+    _, msg = inbox.get(5)
+    self.assertEqual(msg["kind"], proto.CLOSED)
+    with self.assertRaisesRegex(OSError, "cannot listen on .*in use"):
+      proto.listen(addr, key)
+    listener.close()
+    with self.assertRaisesRegex(ConnectionError, "no server reachable"):
+      proto.connect(f"127.0.0.1:{launch.free_port()}", key, 0.3)
+
+  def test_options_checked(self):
+    from mlkit.engine import ABORT_REASONS
+    from mlkit.serve.decode import DecodeOptions
+    from mlkit.serve.model import ServeConfig
+    self.assertIn("peer_lost", ABORT_REASONS)
+    self.assertIn("timeout", ABORT_REASONS)
+    with self.assertRaisesRegex(ValueError, "prefill_timeout_s"):
+      DecodeOptions(prefill_timeout_s=0)
+    with self.assertRaisesRegex(ValueError, "transfer_attempts"):
+      DecodeOptions(transfer_attempts=0)
+    with self.assertRaisesRegex(ValueError, "exactly one of checkpoint"):
+      ServeConfig(role="decode")
+    with self.assertRaisesRegex(ValueError, "recipe"):
+      ServeConfig(role="decode", model="tiny-mla", recipe="int3")
+
+
 class CliTest(absltest.TestCase):
 
   def _run(self, *args):
