@@ -131,6 +131,24 @@ class ServeProcessesTest(absltest.TestCase):
     (out,) = self.client.generate(PROMPTS[:1], max_new_tokens=MAX_NEW)
     self.assertEqual(out["tokens"], self.reference[0])
 
+  def test_3b_client_that_disconnects_cancels_its_requests(self):
+    before = self.client.metrics()["serve"]["aborted"].get("cancelled", 0)
+    self.control.request("fault", delay_s=1.0)  # keeps them in flight while the client goes
+    gone = Client(self.dec_addr, timeout_s=30)
+    gone._conn.send({"kind": "generate", "prompts": PROMPTS[:2], "sampling": [
+        dict(max_new_tokens=MAX_NEW, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+             stop_tokens=[])] * 2})
+    deadline = time.monotonic() + 10
+    while self.client.metrics()["serve"]["in_flight"] < 2:
+      self.assertLess(time.monotonic(), deadline)
+      time.sleep(0.02)
+    gone.close()
+    while (m := self.client.metrics())["serve"]["aborted"].get("cancelled", 0) < before + 2:
+      self.assertLess(time.monotonic(), deadline, m["serve"])
+      time.sleep(0.02)
+    self._assert_pages_free()
+    self.control.request("fault", delay_s=0.0)
+
   def test_4_kill_prefill_mid_transfer_then_a_new_one(self):
     cls = type(self)
     self.control.request("fault", delay_s=30.0)  # it will hang in the offer: kill it there

@@ -41,7 +41,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from mlkit.engine.request import (ABORT_ERROR, ABORT_PEER_LOST, ABORT_TIMEOUT, ABORT_TRANSFER,
+from mlkit.engine.request import (ABORT_CANCELLED, ABORT_ERROR, ABORT_PEER_LOST, ABORT_TIMEOUT, ABORT_TRANSFER,
                                   FINISH_LENGTH, Request, RequestStatus)
 from mlkit.engine.transfer import check_pools, land_payload, verify_payload
 from mlkit.serve import protocol as proto
@@ -185,7 +185,11 @@ class FrontDoor:
     elif kind == "shutdown":
       self._stop = True
       self.inbox.send(conn, proto.message("ok"))
-    elif kind in (proto.CLOSED, "error"):
+    elif kind in (proto.CLOSED, "error"):  # the client went away: its requests are cancelled
+      for b in [b for b in self._batches if b.conn is conn]:
+        for rid in b.ids:
+          if not self.requests[rid].done:
+            self._cancel(rid, "its client disconnected")
       self._batches = [b for b in self._batches if b.conn is not conn]
     else:
       return False
@@ -203,6 +207,10 @@ class FrontDoor:
 
   def metrics(self) -> dict:
     return self.engine.metrics()
+
+  def _cancel(self, rid: int, why: str) -> None:
+    if self.engine.holds(rid):
+      self.engine.cancel(rid)
 
 
 def _describe(r: Request) -> dict:
@@ -379,6 +387,19 @@ class DecodeServer(FrontDoor):
     key = self._reserve_key(req)
     if self.engine.allocator.has_request(key):
       self.engine.allocator.release(key)
+
+  def _cancel(self, rid: int, why: str) -> None:
+    """Cancels a request wherever it is: queued, in flight (both sides' pages freed) or decoding."""
+    req = self.requests[rid]
+    flight = next((f for f in self._flights.values() if f.req is req), None)
+    if flight is not None:
+      self._fail(flight, ABORT_CANCELLED, why)
+    elif req in self._queue:
+      self._queue.remove(req)
+      self.stats.aborted[ABORT_CANCELLED] += 1
+      _abort(req, ABORT_CANCELLED, why)
+    elif self.engine.holds(rid):
+      self.engine.cancel(rid)
 
   def _expire_queue(self) -> None:
     """Ends queued requests that waited a whole prefill timeout without a prefill server."""
