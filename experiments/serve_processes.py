@@ -124,8 +124,8 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
       record_rows.append(row)
       common.progress(f"serve_processes: {n} tokens: {row['transfer_mb_s'] or 0:.1f} MB/s, "
                       f"e2e {row['inproc_e2e_ms']:.1f} -> {row['proc_e2e_ms']:.1f} ms "
-                      f"(+{row['added_e2e_ms']:.1f}), TTFT {row['inproc_ttft_ms']:.1f} -> "
-                      f"{row['proc_ttft_ms']:.1f} ms (+{row['added_ttft_ms']:.1f})")
+                      f"({row['added_e2e_ms']:+.1f}), TTFT {row['inproc_ttft_ms']:.1f} -> "
+                      f"{row['proc_ttft_ms']:.1f} ms ({row['added_ttft_ms']:+.1f})")
       rows.append([n, row["payload_bytes"], f"{row['transfer_mb_s'] or 0:.1f}",
                    f"{row['inproc_e2e_ms']:.1f}", f"{row['proc_e2e_ms']:.1f}",
                    f"{row['added_e2e_ms']:+.1f}", f"{row['inproc_ttft_ms']:.1f}",
