@@ -115,13 +115,19 @@ class ModelConfig:
   # Groups kept per token under group-limited routing.
   topk_group: int = 1
 
-  # --- Sparse-attention indexer (GLM 5.x); 0 heads means none. Only its cache is modelled. ---
+  # --- Sparse-attention indexer (GLM 5.x, DeepSeek Sparse Attention); 0 heads means none. ---
   # Indexer heads.
   index_n_heads: int = 0
   # Indexer head dim; its per-token key cache holds this many values per layer.
   index_head_dim: int = 0
   # Tokens the indexer selects per query.
   index_topk: int = 0
+  # Per layer, "full" (runs the indexer and keeps its keys) or "shared" (reuses the
+  # previous full layer's selection). Empty: the indexer is declared for capacity and
+  # weight accounting only and the model runs dense MLA (docs/sparse_attention.md).
+  indexer_types: tuple[str, ...] = ()
+  # Rotate the indexer's rope dims as interleaved pairs (GLM) instead of halves (DeepSeek-V3.2).
+  index_rope_interleave: bool = True
 
   # --- Positions and norms ---
   # RoPE base frequency.
@@ -132,6 +138,9 @@ class ModelConfig:
   rope_interleave: bool = True
   # RMSNorm epsilon.
   rms_norm_eps: float = 1e-6
+  # Epsilon of MLA's query and KV latent RMSNorms (None: rms_norm_eps). transformers builds
+  # them with its default 1e-6 whatever rms_norm_eps says (GLM 5 uses 1e-5 elsewhere).
+  latent_norm_eps: float | None = None
   # Share the embedding matrix with the output projection.
   tie_embeddings: bool = False
   # Longest sequence the model is run at (cache length for generation).
@@ -186,6 +195,28 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
     if (self.index_n_heads > 0) != (self.index_head_dim > 0):
       raise ValueError("ModelConfig.index_head_dim and index_n_heads must both be set or both be 0")
+    object.__setattr__(self, "indexer_types", tuple(self.indexer_types))  # hashable (jit static)
+    if self.indexer_types:
+      if self.attention != "mla" or not self.q_lora_rank:
+        raise ValueError("ModelConfig.indexer_types needs MLA attention with q_lora_rank > 0 (the "
+                         "indexer's queries come from the query latent)")
+      if not (self.index_n_heads and self.index_topk):
+        raise ValueError("ModelConfig.indexer_types needs index_n_heads, index_head_dim and "
+                         "index_topk > 0")
+      if len(self.indexer_types) != self.n_layers:
+        raise ValueError(f"ModelConfig.indexer_types has {len(self.indexer_types)} entries for "
+                         f"{self.n_layers} layers")
+      bad = sorted(set(self.indexer_types) - {"full", "shared"})
+      if bad:
+        raise ValueError(f"ModelConfig.indexer_types entries must be 'full' or 'shared', got {bad}")
+      if self.indexer_types[0] != "full":
+        raise ValueError("ModelConfig.indexer_types[0] must be 'full' (a shared layer reuses the "
+                         "previous full layer's selection)")
+      if self.index_head_dim < self.qk_rope_head_dim:
+        raise ValueError(f"ModelConfig.index_head_dim ({self.index_head_dim}) must hold the "
+                         f"{self.qk_rope_head_dim} rope dims")
+    if self.latent_norm_eps is not None and not self.latent_norm_eps > 0:
+      raise ValueError(f"ModelConfig.latent_norm_eps must be > 0 or None, got {self.latent_norm_eps}")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in ("bfloat16", "float32"):
         raise ValueError(f"ModelConfig.{name} must be 'bfloat16' or 'float32', got {getattr(self, name)!r}")
@@ -211,6 +242,20 @@ class ModelConfig:
 
   def is_moe_layer(self, layer: int) -> bool:
     return layer >= self.first_k_dense
+
+  @property
+  def sparse_attention(self) -> bool:
+    """Whether the model runs the sparse-attention indexer (``indexer_types`` set)."""
+    return bool(self.indexer_types)
+
+  def runs_indexer(self, layer: int) -> bool:
+    """Whether ``layer`` runs its own indexer (and caches its keys)."""
+    return bool(self.indexer_types) and self.indexer_types[layer] == "full"
+
+  @property
+  def latent_eps(self) -> float:
+    """Epsilon of MLA's query/KV latent norms."""
+    return self.rms_norm_eps if self.latent_norm_eps is None else self.latent_norm_eps
 
   @property
   def cache_values_per_token(self) -> int:
@@ -244,6 +289,8 @@ class ModelConfig:
       raise ValueError(f"ModelConfig: unknown fields {sorted(unknown)}")
     if d.get("rope_scaling") is not None:
       d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    if d.get("indexer_types") is not None:
+      d["indexer_types"] = tuple(d["indexer_types"])
     return cls(**d)
 
 

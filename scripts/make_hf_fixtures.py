@@ -93,7 +93,82 @@ def deepseek_v3(out_dir: str) -> None:
   np.savez(os.path.join(out_dir, "reference.npz"), **_reference(model, tokens, 16, 8))
 
 
-FIXTURE_BUILDERS = {"deepseek_v3_tf5": deepseek_v3}
+def _topk_margins(model, tokens: np.ndarray) -> float:
+  """The smallest relative gap between the k-th and (k+1)-th visible index score.
+
+  Recomputes each full indexer's scores from its own forward inputs (transformers
+  returns only the indices), so a fixture can be refused when a selection would
+  hinge on rounding.
+  """
+  import torch.nn.functional as F
+  gaps = []
+
+  def hook(mod, args, kwargs):
+    hidden, q_resid, (cos, sin), mask = args[:4]  # as GlmMoeDsaAttention calls it
+    B, S, _ = hidden.shape
+    R = mod.qk_rope_head_dim
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
+    q = mod.wq_b(q_resid).view(B, S, mod.n_heads, mod.head_dim)
+    k = mod.k_norm(mod.wk(hidden)).unsqueeze(2)
+    q_rot, k_rot = apply_rotary_pos_emb_interleave(q[..., :R], k[..., :R], cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q[..., R:]], -1)
+    k = torch.cat([k_rot, k[..., R:]], -1).squeeze(2)
+    sc = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * mod.softmax_scale)
+    w = mod.weights_proj(hidden.float()) * mod.n_heads ** -0.5
+    idx = torch.matmul(w.unsqueeze(-2), sc).squeeze(-2)  # [B, S, S]
+    vis = mask if mask.dtype == torch.bool else mask == 0
+    for b in range(B):
+      for t in range(S):
+        v = idx[b, t][vis[b, t]].sort(descending=True).values
+        if v.numel() > mod.index_topk:
+          kth, nxt = v[mod.index_topk - 1], v[mod.index_topk]
+          gaps.append(float((kth - nxt) / (v.abs().max() + 1e-12)))
+
+  hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()
+           if type(m).__name__ == "GlmMoeDsaIndexer"]
+  with torch.inference_mode():
+    model(torch.tensor(tokens, dtype=torch.long), use_cache=False)
+  for h in hooks:
+    h.remove()
+  return min(gaps)
+
+
+def glm_moe_dsa(out_dir: str) -> None:
+  """A 4-layer GLM 5 (DeepSeek Sparse Attention): full/shared/full/shared indexer layers,
+  one dense and three MoE layers, index_topk 6 below the 24-token sequence."""
+  cfg = transformers.GlmMoeDsaConfig(
+      vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+      n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48,
+      qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=2, topk_group=1,
+      num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=256,
+      rms_norm_eps=1e-5, tie_word_embeddings=False, index_topk=6, index_head_dim=16,
+      index_n_heads=8, indexer_types=["full", "shared", "full", "shared"],
+      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+  cfg._attn_implementation = "eager"
+  tokens = np.random.default_rng(2).integers(2, cfg.vocab_size, (2, 24))
+  # Draw until every full layer's top-k has a clear margin (a selection that hinges on
+  # the last bits of a score would make a 1e-4 comparison meaningless).
+  # Greedy generation is checked too, so the generated continuation needs them as well.
+  for seed in range(1, 200):
+    torch.manual_seed(0)
+    model = transformers.GlmMoeDsaForCausalLM(cfg).eval()
+    _randomise(model, seed=seed)
+    if _topk_margins(model, tokens) <= 2e-4:
+      continue
+    ref = _reference(model, tokens, 16, 8)
+    margin = min(_topk_margins(model, tokens),
+                 _topk_margins(model, np.concatenate([tokens[:, :16], ref["greedy"]], 1)))
+    if margin > 2e-4:  # float32 rounding moves a score by ~1e-6 of its scale
+      break
+  else:
+    raise RuntimeError("no seed gave clear top-k margins")
+  print(f"glm_moe_dsa: seed {seed}, smallest relative top-k margin {margin:.2e}")
+  model.save_pretrained(out_dir)
+  np.savez(os.path.join(out_dir, "reference.npz"), **ref, topk_margin=np.float32(margin))
+
+
+FIXTURE_BUILDERS = {"deepseek_v3_tf5": deepseek_v3, "glm_moe_dsa": glm_moe_dsa}
 
 
 def main(argv=None) -> int:

@@ -15,16 +15,18 @@ and identical greedy tokens.
 import dataclasses
 import json
 import os
+import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
-from mlkit.checkpoint import config_from_hf, load_hf_checkpoint
+from mlkit.checkpoint import config_from_hf, config_to_hf, load_hf_checkpoint, save_hf_checkpoint
 from mlkit.engine import Engine, EngineConfig
 from mlkit.kvcache import KVCacheConfig
-from mlkit.model import apply
+from mlkit.model import apply_jit, forward
+from mlkit.generate import generate
 from mlkit.model.cache import init_cache
 from mlkit.sampling import SamplingParams
 
@@ -35,6 +37,26 @@ RTOL_L2 = 1e-4
 def rel_l2(got, want) -> float:
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def cached_decode(params, cfg, ref: dict, mla_mode: str):
+  """Prefill of ref's prompt, then its remaining tokens one at a time through a cache.
+
+  Returns:
+    (logits of each decode step [B, T - prompt_len, V], the final cache).
+  """
+  tokens, n = ref["tokens"], int(ref["prompt_len"])
+  B, T = tokens.shape
+  cache = init_cache(cfg, B, T)
+  pos = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
+  _, cache = apply_jit(params, jnp.asarray(tokens[:, :n]), jnp.asarray(pos[:, :n]), cache,
+                       cfg=cfg, mla_mode=mla_mode)
+  steps = []
+  for t in range(n, T):
+    logits, cache = apply_jit(params, jnp.asarray(tokens[:, t:t + 1]), jnp.asarray(pos[:, t:t + 1]),
+                              cache, cfg=cfg, mla_mode=mla_mode)
+    steps.append(np.asarray(logits[:, 0]))
+  return np.stack(steps, 1), cache
 
 
 class DeepseekV3Transformers5Test(parameterized.TestCase):
@@ -60,25 +82,13 @@ class DeepseekV3Transformers5Test(parameterized.TestCase):
     self.assertEqual(cfg.first_k_dense, 1)
 
   def test_cache_free_forward(self):
-    tokens = jnp.asarray(self.ref["tokens"])
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    logits, _ = apply(self.params, tokens, positions, None, cfg=self.cfg)
+    logits = forward(self.params, jnp.asarray(self.ref["tokens"]), cfg=self.cfg)
     self.assertLess(rel_l2(logits, self.ref["logits"]), RTOL_L2)
 
   @parameterized.parameters("naive", "absorbed")
   def test_prefill_then_decode_through_a_cache(self, mla_mode):
-    tokens, n = self.ref["tokens"], int(self.ref["prompt_len"])
-    B, T = tokens.shape
-    cache = init_cache(self.cfg, B, T)
-    pos = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
-    _, cache = apply(self.params, jnp.asarray(tokens[:, :n]), jnp.asarray(pos[:, :n]), cache,
-                     cfg=self.cfg, mla_mode=mla_mode)
-    steps = []
-    for t in range(n, T):
-      logits, cache = apply(self.params, jnp.asarray(tokens[:, t:t + 1]), jnp.asarray(pos[:, t:t + 1]),
-                            cache, cfg=self.cfg, mla_mode=mla_mode)
-      steps.append(np.asarray(logits[:, 0]))
-    self.assertLess(rel_l2(np.stack(steps, 1), self.ref["decode_logits"]), RTOL_L2)
+    steps, _ = cached_decode(self.params, self.cfg, self.ref, mla_mode)
+    self.assertLess(rel_l2(steps, self.ref["decode_logits"]), RTOL_L2)
 
   def test_engine_greedy_matches(self):
     n, greedy = int(self.ref["prompt_len"]), self.ref["greedy"]
@@ -95,6 +105,64 @@ class DeepseekV3Transformers5Test(parameterized.TestCase):
     for i, rid in enumerate(ids):
       self.assertEqual(eng.get(rid).output, greedy[i].tolist())
       self.assertLess(rel_l2(np.stack(eng.logits[rid]), self.ref["greedy_logits"][i]), RTOL_L2)
+
+
+class GlmMoeDsaTest(parameterized.TestCase):
+  """GLM 5 (DeepSeek Sparse Attention): full and shared indexer layers, index_topk < sequence."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.path = os.path.join(FIXTURES, "glm_moe_dsa")
+    cls.ref = dict(np.load(os.path.join(cls.path, "reference.npz")))
+    cls.params, cls.cfg = load_hf_checkpoint(cls.path)
+
+  def _forward(self, cfg):
+    return forward(self.params, jnp.asarray(self.ref["tokens"]), cfg=cfg)
+
+  def test_config(self):
+    cfg = self.cfg
+    self.assertEqual(cfg.indexer_types, ("full", "shared", "full", "shared"))
+    self.assertEqual((cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk), (8, 16, 6))
+    self.assertEqual(cfg.latent_eps, 1e-6)  # transformers' latent norms, not rms_norm_eps 1e-5
+    self.assertEqual(config_from_hf(config_to_hf(cfg)), cfg)
+    self.assertIn("indexer_wq_b", self.params["layers"][0]["attn"])
+    self.assertNotIn("indexer_wq_b", self.params["layers"][1]["attn"])  # shared layer
+
+  def test_cache_free_forward(self):
+    self.assertLess(rel_l2(self._forward(self.cfg), self.ref["logits"]), RTOL_L2)
+
+  def test_the_selection_matters(self):
+    # The same weights attending densely are far off: the comparison above checks the
+    # indexer's choice, not just MLA.
+    dense = dataclasses.replace(self.cfg, index_topk=10_000)
+    self.assertGreater(rel_l2(self._forward(dense), self.ref["logits"]), 1e-2)
+
+  @parameterized.parameters("naive", "absorbed")
+  def test_prefill_then_decode_through_a_cache(self, mla_mode):
+    steps, cache = cached_decode(self.params, self.cfg, self.ref, mla_mode)
+    self.assertIn("index_k", cache.layers[0])  # a full layer caches its indexer keys
+    self.assertNotIn("index_k", cache.layers[1])  # a shared one does not
+    self.assertLess(rel_l2(steps, self.ref["decode_logits"]), RTOL_L2)
+
+  def test_greedy_generation(self):
+    n, greedy = int(self.ref["prompt_len"]), self.ref["greedy"]
+    out = generate(self.params, self.cfg, self.ref["tokens"][:, :n].tolist(),
+                   SamplingParams(max_new_tokens=greedy.shape[1]))
+    self.assertEqual(out.tokens, greedy.tolist())
+
+  def test_hf_round_trip(self):
+    with tempfile.TemporaryDirectory() as d:
+      save_hf_checkpoint(d, self.params, self.cfg)
+      params, cfg = load_hf_checkpoint(d)
+    self.assertEqual(cfg, self.cfg)
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(self.params)):
+      np.testing.assert_array_equal(a, b)
+
+  def test_paged_serving_is_refused_clearly(self):
+    kv = KVCacheConfig(num_pages=8, dtype="float32").resolve(self.cfg)
+    with self.assertRaisesRegex(NotImplementedError, "no indexer-key pages"):
+      Engine(self.params, EngineConfig(model=self.cfg, kv=kv))
 
 
 class TransformersConfigLayoutTest(absltest.TestCase):

@@ -62,6 +62,9 @@ log = logging.getLogger(__name__)
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+# GLM 5.x: DeepSeek-V3's layout plus DeepSeek Sparse Attention (an indexer per layer).
+GLM_ARCHITECTURE = "GlmMoeDsaForCausalLM"
+GLM_MODEL_TYPE = "glm_moe_dsa"
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -70,9 +73,12 @@ _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": m
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
               "BOOL": np.bool_}
 
-_ATTN = {"wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj",
-         "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj",
-         "wo": "o_proj"}
+_ATTN = {"wq": "q_proj.weight", "wq_a": "q_a_proj.weight", "q_norm": "q_a_layernorm.weight",
+         "wq_b": "q_b_proj.weight", "wkv_a": "kv_a_proj_with_mqa.weight",
+         "kv_norm": "kv_a_layernorm.weight", "wkv_b": "kv_b_proj.weight", "wo": "o_proj.weight",
+         "indexer_wq_b": "indexer.wq_b.weight", "indexer_wk": "indexer.wk.weight",
+         "indexer_k_norm": "indexer.k_norm.weight", "indexer_k_bias": "indexer.k_norm.bias",
+         "indexer_weights_proj": "indexer.weights_proj.weight"}
 _FFN = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _LOAD = "load_hf_checkpoint"
@@ -102,8 +108,40 @@ def _declared_dtype(hf_config: dict):
   return hf_config.get("dtype") if declared is None else declared
 
 
+def _sparse_attention_fields(hf_config: dict, req_int) -> dict:
+  """GLM 5's indexer fields: heads, head dim, top-k and the per-layer schedule.
+
+  ``indexer_types`` is read when given; otherwise it is derived as transformers
+  does, from ``index_topk_pattern`` ("F"/"S" per layer) or from ``index_topk_freq``
+  and ``index_skip_topk_offset`` (defaults 1 and 2: every layer full).
+  """
+  n = req_int("num_hidden_layers")
+  types = hf_config.get("indexer_types")
+  if types is None:
+    pattern = hf_config.get("index_topk_pattern")
+    if pattern is not None:
+      if isinstance(pattern, str):
+        if set(pattern) - set("FS"):
+          raise ValueError(f"config_from_hf: index_topk_pattern {pattern!r} must use only 'F' and 'S'")
+        types = [{"F": "full", "S": "shared"}[c] for c in pattern]
+      else:
+        types = list(pattern)
+    else:
+      freq = max(int(hf_config.get("index_topk_freq", 1) or 1), 1)
+      offset = int(hf_config.get("index_skip_topk_offset", 2))
+      types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+  if not isinstance(types, (list, tuple)) or any(t not in ("full", "shared") for t in types):
+    raise ValueError(f"config_from_hf: indexer_types must be a list of 'full'/'shared', got {types!r}")
+  if len(types) != n:
+    raise ValueError(f"config_from_hf: indexer_types has {len(types)} entries, num_hidden_layers "
+                     f"is {n}")
+  return dict(index_n_heads=req_int("index_n_heads"), index_head_dim=req_int("index_head_dim"),
+              index_topk=req_int("index_topk"), indexer_types=tuple(types),
+              index_rope_interleave=True)
+
+
 def config_from_hf(hf_config: dict, *, dtype=None) -> ModelConfig:
-  """Builds a ModelConfig from a DeepSeek-V3 / Kimi-K2 ``config.json`` dict.
+  """Builds a ModelConfig from a DeepSeek-V3 / Kimi-K2 / GLM-5 (``glm_moe_dsa``) ``config.json`` dict.
 
   Both layouts are read: the classic one (top-level ``rope_theta``, ``rope_scaling``)
   and the one transformers 5 writes (``rope_parameters``, ``mlp_layer_types``,
@@ -128,12 +166,15 @@ def config_from_hf(hf_config: dict, *, dtype=None) -> ModelConfig:
   if not isinstance(hf_config, dict):
     raise ValueError(f"config_from_hf: expected a dict, got {type(hf_config).__name__}")
   arch = hf_config.get("architectures")
-  if not isinstance(arch, (list, tuple)) or ARCHITECTURE not in arch:
+  if not isinstance(arch, (list, tuple)) or not {ARCHITECTURE, GLM_ARCHITECTURE} & set(arch):
     raise ValueError(f"config_from_hf: unsupported architectures {arch!r}; expected a list containing "
-                     f"{ARCHITECTURE!r}")
+                     f"{ARCHITECTURE!r} or {GLM_ARCHITECTURE!r}")
+  glm = GLM_ARCHITECTURE in arch
   model_type = hf_config.get("model_type")
-  if model_type is not None and model_type not in MODEL_TYPES:
-    raise ValueError(f"config_from_hf: unsupported model_type {model_type!r}; expected one of {MODEL_TYPES}")
+  types = (GLM_MODEL_TYPE,) if glm else MODEL_TYPES
+  if model_type is not None and model_type not in types:
+    raise ValueError(f"config_from_hf: unsupported model_type {model_type!r} for {arch!r}; expected "
+                     f"one of {types}")
 
   def req(name: str):
     if name not in hf_config or hf_config[name] is None:
@@ -241,6 +282,7 @@ def config_from_hf(hf_config: dict, *, dtype=None) -> ModelConfig:
   if not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0:
     raise ValueError(f"config_from_hf: field 'num_nextn_predict_layers' must be a non-negative int, "
                      f"got {mtp!r}")
+  sparse = _sparse_attention_fields(hf_config, req_int) if glm else {}
   fields = dict(
       name=str(hf_config.get("_name_or_path") or model_type or "deepseek_v3"),
       vocab_size=req_int("vocab_size"),
@@ -266,13 +308,17 @@ def config_from_hf(hf_config: dict, *, dtype=None) -> ModelConfig:
       topk_group=req_int("topk_group"),
       rope_theta=num("rope_theta", rope_theta),
       rope_scaling=rope_scaling,
-      rope_interleave=bool(hf_config.get("rope_interleave", True)),
+      # GLM's modelling code always rotates interleaved pairs (it has no rope_interleave).
+      rope_interleave=True if glm else bool(hf_config.get("rope_interleave", True)),
       rms_norm_eps=num("rms_norm_eps", req("rms_norm_eps")),
       tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
       max_seq_len=req_int("max_position_embeddings"),
       dtype=dt,
       param_dtype=dt,
       n_mtp_layers=mtp,
+      # transformers builds the query/KV latent norms with its default eps, 1e-6.
+      latent_norm_eps=None if num("rms_norm_eps", req("rms_norm_eps")) == 1e-6 else 1e-6,
+      **sparse,
   )
   try:
     return ModelConfig(**fields)
@@ -281,19 +327,24 @@ def config_from_hf(hf_config: dict, *, dtype=None) -> ModelConfig:
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
-  """The ``config.json`` dict (DeepseekV3ForCausalLM) for an MLA ModelConfig.
+  """The ``config.json`` dict for an MLA ModelConfig.
+
+  DeepseekV3ForCausalLM, or GlmMoeDsaForCausalLM (transformers-5 layout) for a
+  config that runs sparse attention (``indexer_types``).
 
   Raises:
-    ValueError: ``cfg`` is GQA or declares a sparse-attention indexer (no such HF layout here).
+    ValueError: ``cfg`` is GQA, declares an indexer it does not run (no HF layout
+      holds that), or has latent-norm / rope settings the layout cannot express.
   """
   if cfg.attention != "mla":
     raise ValueError(f"config_to_hf: attention={cfg.attention!r}; the DeepSeek-V3 layout needs 'mla'")
-  if cfg.index_n_heads:
-    raise ValueError("config_to_hf: index_n_heads > 0 (sparse-attention indexer) has no DeepSeek-V3 layout")
-  rs = cfg.rope_scaling
-  return {
-      "architectures": [ARCHITECTURE],
-      "model_type": "deepseek_v3",
+  if cfg.index_n_heads and not cfg.sparse_attention:
+    raise ValueError("config_to_hf: index_n_heads > 0 without indexer_types (an indexer counted, "
+                     "not run) has no Hugging Face layout")
+  if cfg.latent_eps != 1e-6:
+    raise ValueError(f"config_to_hf: transformers builds the query/KV latent norms with eps 1e-6, "
+                     f"this config uses {cfg.latent_eps} (set latent_norm_eps=1e-6)")
+  common = {
       "_name_or_path": cfg.name,
       "vocab_size": cfg.vocab_size,
       "hidden_size": cfg.d_model,
@@ -311,22 +362,52 @@ def config_to_hf(cfg: ModelConfig) -> dict:
       "n_shared_experts": cfg.n_shared_experts,
       "num_experts_per_tok": cfg.top_k,
       "first_k_dense_replace": cfg.first_k_dense,
-      "moe_layer_freq": 1,
       "routed_scaling_factor": cfg.routed_scaling_factor,
       "norm_topk_prob": cfg.norm_topk_prob,
       "n_group": cfg.n_group,
       "topk_group": cfg.topk_group,
-      "scoring_func": cfg.router,
-      "topk_method": "noaux_tc" if cfg.router == "sigmoid" else "greedy",
       "hidden_act": "silu",
-      "rope_theta": cfg.rope_theta,
-      "rope_scaling": None if rs is None else {"type": "yarn", **dataclasses.asdict(rs)},
-      "rope_interleave": cfg.rope_interleave,
       "rms_norm_eps": cfg.rms_norm_eps,
       "tie_word_embeddings": cfg.tie_embeddings,
       "max_position_embeddings": cfg.max_seq_len,
       "num_nextn_predict_layers": cfg.n_mtp_layers,
+  }
+  rs = cfg.rope_scaling
+  if cfg.sparse_attention:
+    return {"architectures": [GLM_ARCHITECTURE], "model_type": GLM_MODEL_TYPE, **common,
+            **_glm_fields(cfg), "dtype": cfg.param_dtype}
+  return {
+      "architectures": [ARCHITECTURE],
+      "model_type": "deepseek_v3",
+      **common,
+      "moe_layer_freq": 1,
+      "scoring_func": cfg.router,
+      "topk_method": "noaux_tc" if cfg.router == "sigmoid" else "greedy",
+      "rope_theta": cfg.rope_theta,
+      "rope_scaling": None if rs is None else {"type": "yarn", **dataclasses.asdict(rs)},
+      "rope_interleave": cfg.rope_interleave,
       "torch_dtype": cfg.param_dtype,
+  }
+
+
+def _glm_fields(cfg: ModelConfig) -> dict:
+  """GlmMoeDsaForCausalLM's own config fields (transformers 5: rope_parameters, layer-type lists)."""
+  if not (cfg.rope_interleave and cfg.index_rope_interleave):
+    raise ValueError("config_to_hf: GLM's layout rotates interleaved pairs (rope_interleave and "
+                     "index_rope_interleave must be True)")
+  if cfg.router != "sigmoid":
+    raise ValueError(f"config_to_hf: GLM's router is sigmoid, got {cfg.router!r}")
+  rs = cfg.rope_scaling
+  rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+  if rs is not None:
+    rope = {"rope_type": "yarn", "rope_theta": cfg.rope_theta, **dataclasses.asdict(rs)}
+  return {
+      "mlp_layer_types": ["dense" if i < cfg.first_k_dense else "sparse" for i in range(cfg.n_layers)],
+      "rope_parameters": rope,
+      "index_n_heads": cfg.index_n_heads,
+      "index_head_dim": cfg.index_head_dim,
+      "index_topk": cfg.index_topk,
+      "indexer_types": list(cfg.indexer_types),
   }
 
 
@@ -366,7 +447,7 @@ def _hf_names(path: tuple, cfg: ModelConfig, shape: tuple[int, ...]) -> tuple[st
   if group == "ffn_norm":
     return (pre + "post_attention_layernorm.weight",)
   if group == "attn":
-    return (f"{pre}self_attn.{_ATTN[path[3]]}.weight",)
+    return (f"{pre}self_attn.{_ATTN[path[3]]}",)
   name = path[3]
   if not cfg.is_moe_layer(i):
     return (f"{pre}mlp.{_FFN[name]}.weight",)

@@ -199,6 +199,11 @@ def init_paged_state(cfg: ModelConfig, kv_cfg: KVCacheConfig) -> PagedKVState:
   Returns:
     A :class:`PagedKVState`.
   """
+  if cfg.sparse_attention:
+    raise NotImplementedError(
+        f"{cfg.name}: sparse attention (indexer_types) keeps indexer keys per token, and the "
+        "paged pool has no indexer-key pages yet; run it with the contiguous cache "
+        "(mlkit.model.cache.init_cache) or without a cache")
   kv_cfg = kv_cfg.resolve(cfg)
   N, P = kv_cfg.num_pages, kv_cfg.page_size
   dtype = jnp.dtype(kv_cfg.dtype)

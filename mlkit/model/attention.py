@@ -68,33 +68,41 @@ def attend_in_query_blocks(attend, queries: tuple, mask: jax.Array,
 # ----------------------------------------------------------------------------- MLA
 
 def mla_project(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, *,
-                backend: str | None = None):
+                backend: str | None = None, return_q_latent: bool = False):
   """Query heads and this step's cache entries for MLA.
 
   Args:
     p: the layer's attention params.
     x: normed hidden states [B, T, D].
     positions: [B, T] int32.
+    return_q_latent: also return the normed query latent [B, T, q_lora] (the
+      sparse-attention indexer's input; needs q_lora_rank > 0).
 
   Returns:
     (q_nope [B, T, H, nope], q_rope [B, T, H, R], new) where new = {latent [B, T, C], k_rope [B, T, R]}
-    holds the RMS-normed latent and the rotated shared rope key, exactly what the cache stores.
+    holds the RMS-normed latent and the rotated shared rope key, exactly what the cache stores;
+    plus q_latent last with ``return_q_latent``.
   """
   B, T, _ = x.shape
   H, nope, R = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
   mm = functools.partial(matmul, backend=backend)
+  q_latent = None
   if cfg.q_lora_rank:
-    q = mm(rms_norm(mm(x, p["wq_a"]), p["q_norm"], cfg.rms_norm_eps), p["wq_b"])
+    q_latent = rms_norm(mm(x, p["wq_a"]), p["q_norm"], cfg.latent_eps)
+    q = mm(q_latent, p["wq_b"])
   else:
     q = mm(x, p["wq"])
   q = q.reshape(B, T, H, nope + R)
   q_nope, q_rope = q[..., :nope], q[..., nope:]
   kv = mm(x, p["wkv_a"])  # [B, T, C + R]
-  latent = rms_norm(kv[..., :cfg.kv_lora_rank], p["kv_norm"], cfg.rms_norm_eps)
+  latent = rms_norm(kv[..., :cfg.kv_lora_rank], p["kv_norm"], cfg.latent_eps)
   cos, sin = rope.cos_sin(cfg, positions)
   q_rope = rope.apply_rope(q_rope, cos, sin, interleave=cfg.rope_interleave)
   k_rope = rope.apply_rope(kv[..., cfg.kv_lora_rank:], cos, sin, interleave=cfg.rope_interleave)
-  return q_nope, q_rope, {"latent": latent, "k_rope": k_rope}
+  new = {"latent": latent, "k_rope": k_rope}
+  if return_q_latent:
+    return q_nope, q_rope, new, q_latent
+  return q_nope, q_rope, new
 
 
 def _wkv_b(p: dict, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
@@ -226,7 +234,8 @@ def gqa_attention(q, k, v, mask, scale) -> jax.Array:
 
 def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: int,
                     cfg: ModelConfig, *, batch_meta=None, mla_mode: str = "auto",
-                    backend: str | None = None, segment_ids: jax.Array | None = None):
+                    backend: str | None = None, segment_ids: jax.Array | None = None,
+                    selection: jax.Array | None = None):
   """One attention sub-layer: project, write the cache, attend, project out.
 
   Decode steps (T == 1) on a cache that offers ``decode_attention`` (the paged
@@ -242,13 +251,20 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: i
     mla_mode: "naive", "absorbed" or "auto" (absorbed when T == 1).
     backend: kernel backend ("pallas" | "interpret" | "xla" | None for the platform default).
     segment_ids: [B, T] int, cache-free forwards only: tokens attend within their segment.
+    selection: with sparse attention (``cfg.indexer_types``), the keys the previous
+      full layer selected [B, T, S] bool, which a "shared" layer attends to.
 
   Returns:
-    (out [B, T, D], cache).
+    (out [B, T, D], cache), plus this layer's selection [B, T, S] bool (None without
+    sparse attention) third when ``cfg.indexer_types`` is set.
   """
   from mlkit.model.cache import no_cache_view
   B, T, _ = x.shape
   mla = cfg.attention == "mla"
+  if cfg.sparse_attention:
+    return _sparse_mla_block(p, x, positions, cache, layer, cfg, batch_meta=batch_meta,
+                             mla_mode=mla_mode, backend=backend, segment_ids=segment_ids,
+                             selection=selection)
   if mla:
     q_nope, q_rope, new = mla_project(p, x, positions, cfg, backend=backend)
   else:
@@ -277,3 +293,44 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: i
       heads = gqa_attention(q, view["k"], view["v"], mask, cfg.softmax_scale)
   out = matmul(heads.reshape(B, T, -1), p["wo"], backend=backend)
   return out, cache
+
+
+def _sparse_mla_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: int,
+                      cfg: ModelConfig, *, batch_meta, mla_mode: str, backend: str | None,
+                      segment_ids: jax.Array | None, selection: jax.Array | None):
+  """MLA over the keys the sparse-attention indexer selects (``attention_block``'s sparse form).
+
+  A full layer computes its indexer keys, stores them in the cache beside the
+  latent (entry ``index_k``), scores every visible key and keeps the top
+  ``index_topk``; a shared layer reuses ``selection``. Attention is MLA with the
+  causal mask narrowed to the selection (docs/sparse_attention.md).
+  """
+  from mlkit.model.cache import no_cache_view
+  from mlkit.model import sparse_attention as dsa
+  B, T, _ = x.shape
+  if cache is not None and hasattr(cache, "decode_attention"):
+    raise NotImplementedError(
+        "sparse attention (ModelConfig.indexer_types) runs over the contiguous cache or none; "
+        "the paged cache has no indexer-key pages yet")
+  full = cfg.runs_indexer(layer)
+  if not full and selection is None:
+    raise ValueError(f"layer {layer} is a shared sparse-attention layer but no earlier full layer "
+                     "passed its selection")
+  q_nope, q_rope, new, q_latent = mla_project(p, x, positions, cfg, backend=backend,
+                                              return_q_latent=True)
+  if full:
+    iq, iw, new["index_k"] = dsa.indexer_project(p, x, q_latent, positions, cfg, backend=backend)
+  if cache is None:
+    view, mask = no_cache_view(new, positions, segment_ids)
+  else:
+    cache, view, mask = cache.update(layer, new, positions, batch_meta)
+  if full:
+    selection = dsa.select_topk(dsa.index_scores(iq, iw, view["index_k"], mask), mask,
+                                cfg.index_topk)
+  elif selection.shape != mask.shape:
+    raise ValueError(f"selection {selection.shape} does not match layer {layer}'s keys {mask.shape}")
+  absorbed = mla_mode == "absorbed" or (mla_mode == "auto" and T == 1)
+  fn = mla_attention_absorbed if absorbed else mla_attention_naive
+  heads = fn(p, q_nope, q_rope, view, mask & selection, cfg)  # [B, T, H, v]
+  out = matmul(heads.reshape(B, T, -1), p["wo"], backend=backend)
+  return out, cache, selection

@@ -4,7 +4,8 @@ A cache is any pytree with an ``update(layer, new, positions, batch_meta)``
 method returning ``(cache, view, mask)``:
 
 * ``new`` holds this step's entries, keyed like the view (MLA: ``latent``
-  [B, T, C] and ``k_rope`` [B, T, R]; GQA: ``k`` and ``v`` [B, T, KV, hd]).
+  [B, T, C] and ``k_rope`` [B, T, R], plus ``index_k`` [B, T, Di] on a layer
+  that runs the sparse-attention indexer; GQA: ``k`` and ``v`` [B, T, KV, hd]).
 * ``view`` holds every key/value the step's queries may attend to, with the same
   keys and a length axis S in place of T.
 * ``mask`` [B, T, S] bool says which of them each query may see.
@@ -28,10 +29,17 @@ from flax import struct
 from mlkit.config import ModelConfig
 
 
-def cache_entry_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-  """Per-token cache entry shapes for one layer (without the batch/length axes)."""
+def cache_entry_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]]:
+  """Per-token cache entry shapes for one layer (without the batch/length axes).
+
+  A layer that runs the sparse-attention indexer also caches its key (``index_k``
+  [index_head_dim]).
+  """
   if cfg.attention == "mla":
-    return {"latent": (cfg.kv_lora_rank,), "k_rope": (cfg.qk_rope_head_dim,)}
+    shapes = {"latent": (cfg.kv_lora_rank,), "k_rope": (cfg.qk_rope_head_dim,)}
+    if cfg.runs_indexer(layer):
+      shapes["index_k"] = (cfg.index_head_dim,)
+    return shapes
   return {"k": (cfg.n_kv_heads, cfg.head_dim), "v": (cfg.n_kv_heads, cfg.head_dim)}
 
 
@@ -83,9 +91,9 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int | None = None,
   """An empty contiguous cache [B, max_len, ...] per layer in ``dtype`` (default cfg.dtype)."""
   max_len = max_len or cfg.max_seq_len
   dtype = jnp.dtype(dtype or cfg.dtype)
-  shapes = cache_entry_shapes(cfg)
-  layers = [{name: jnp.zeros((batch_size, max_len) + shp, dtype) for name, shp in shapes.items()}
-            for _ in range(cfg.n_layers)]
+  layers = [{name: jnp.zeros((batch_size, max_len) + shp, dtype)
+             for name, shp in cache_entry_shapes(cfg, i).items()}
+            for i in range(cfg.n_layers)]
   return ContiguousKVCache(layers=layers)
 
 

@@ -9,6 +9,9 @@ weight formats. Layout::
     attn_norm [D], ffn_norm [D]
     attn (MLA): wq [D, H*(nope+rope)] or wq_a [D, q_lora], q_norm [q_lora], wq_b [q_lora, H*(nope+rope)];
                 wkv_a [D, kv_lora+rope], kv_norm [kv_lora], wkv_b [kv_lora, H*(nope+v)], wo [H*v, D]
+                plus, on a layer that runs the sparse-attention indexer (cfg.indexer_types "full"):
+                indexer_wq_b [q_lora, Hi*Di], indexer_wk [D, Di], indexer_k_norm [Di],
+                indexer_k_bias [Di], indexer_weights_proj [D, Hi] (f32)
     attn (GQA): wq [D, H*hd], wk [D, KV*hd], wv [D, KV*hd], wo [H*hd, D]
     ffn (dense): w_gate [D, F], w_up [D, F], w_down [F, D]
     ffn (MoE):   router [D, E] (f32), router_bias [E] (f32, sigmoid routers only),
@@ -32,7 +35,20 @@ from mlkit.quant.tree import path_str
 Spec = tuple[tuple[int, ...], str]
 
 
-def _attn_specs(cfg: ModelConfig) -> dict[str, Spec]:
+def _indexer_specs(cfg: ModelConfig) -> dict[str, Spec]:
+  """A full sparse-attention layer's indexer (mlkit.model.sparse_attention)."""
+  D, Hi, Di = cfg.d_model, cfg.index_n_heads, cfg.index_head_dim
+  return {
+      "indexer_wq_b": ((cfg.q_lora_rank, Hi * Di), "normal"),
+      "indexer_wk": ((D, Di), "normal"),
+      "indexer_k_norm": ((Di,), "ones"),
+      "indexer_k_bias": ((Di,), "zeros"),
+      # f32 like the router: its head weights scale every score (transformers keeps it f32).
+      "indexer_weights_proj": ((D, Hi), "normal", "float32"),
+  }
+
+
+def _attn_specs(cfg: ModelConfig, layer: int = 0) -> dict[str, Spec]:
   D, H = cfg.d_model, cfg.n_heads
   if cfg.attention == "gqa":
     return {
@@ -53,6 +69,8 @@ def _attn_specs(cfg: ModelConfig) -> dict[str, Spec]:
   specs["kv_norm"] = ((cfg.kv_lora_rank,), "ones")
   specs["wkv_b"] = ((cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim)), "normal")
   specs["wo"] = ((H * cfg.v_head_dim, D), "normal")
+  if cfg.runs_indexer(layer):
+    specs.update(_indexer_specs(cfg))
   return specs
 
 
@@ -85,7 +103,7 @@ def param_specs(cfg: ModelConfig) -> dict[str, Any]:
     specs["lm_head"] = ((D, V), "normal")
   specs["layers"] = [
       {"attn_norm": ((D,), "ones"), "ffn_norm": ((D,), "ones"),
-       "attn": _attn_specs(cfg), "ffn": _ffn_specs(cfg, i)}
+       "attn": _attn_specs(cfg, i), "ffn": _ffn_specs(cfg, i)}
       for i in range(cfg.n_layers)
   ]
   return specs
@@ -146,14 +164,20 @@ _init_params_jit = jax.jit(_init_params, static_argnums=0)
 
 
 def indexer_param_count(cfg: ModelConfig) -> int:
-  """Parameters of a sparse-attention indexer (GLM 5.x) per model; counted, never instantiated."""
+  """Parameters of the sparse-attention indexer (GLM 5.x) per model.
+
+  With ``cfg.indexer_types`` they are instantiated on the "full" layers (and
+  counted there); a config that only declares the indexer (``index_n_heads`` > 0,
+  no ``indexer_types``) counts one on every layer, as GLM 5 ships it.
+  """
   if not cfg.index_n_heads:
     return 0
   q_in = cfg.q_lora_rank or cfg.d_model
   per_layer = (q_in * cfg.index_n_heads * cfg.index_head_dim  # wq_b
                + cfg.d_model * cfg.index_head_dim + 2 * cfg.index_head_dim  # wk, k_norm
                + cfg.d_model * cfg.index_n_heads)  # per-head weights
-  return per_layer * cfg.n_layers
+  layers = cfg.indexer_types.count("full") if cfg.sparse_attention else cfg.n_layers
+  return per_layer * layers
 
 
 def count_params(cfg: ModelConfig, *, include_indexer: bool = True) -> int:
@@ -162,9 +186,12 @@ def count_params(cfg: ModelConfig, *, include_indexer: bool = True) -> int:
   Includes the sparse-attention indexer when the config declares one; excludes
   multi-token-prediction heads, which are not part of the serving model.
   """
-  leaves = jax.tree_util.tree_leaves(param_specs(cfg), is_leaf=_is_spec)
+  specs = param_specs(cfg)
+  leaves = jax.tree_util.tree_leaves(specs, is_leaf=_is_spec)
   total = sum(math.prod(spec[0]) for spec in leaves)
-  return total + (indexer_param_count(cfg) if include_indexer else 0)
+  instantiated = sum(math.prod(spec[0]) for lp in specs["layers"] for name, spec in lp["attn"].items()
+                     if name.startswith("indexer_"))
+  return total - instantiated + (indexer_param_count(cfg) if include_indexer else 0)
 
 
 def active_params_per_token(cfg: ModelConfig) -> int:

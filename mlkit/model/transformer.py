@@ -74,12 +74,18 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
   with jax.named_scope("embed"):
     x = jnp.take(params["embed"], tokens, axis=0).astype(dtype)  # [B, T, D]
   loads, probs = [], []
+  selection = None  # sparse attention: the last full layer's selected keys [B, T, S]
   for i, lp in enumerate(params["layers"]):
     with jax.named_scope(f"layer_{i}"):
       h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-      attn_out, cache = attention_block(lp["attn"], h, positions, cache, i, cfg,
-                                        batch_meta=batch_meta, mla_mode=mla_mode,
-                                        backend=backend, segment_ids=segment_ids)
+      if cfg.sparse_attention:
+        attn_out, cache, selection = attention_block(
+            lp["attn"], h, positions, cache, i, cfg, batch_meta=batch_meta, mla_mode=mla_mode,
+            backend=backend, segment_ids=segment_ids, selection=selection)
+      else:
+        attn_out, cache = attention_block(lp["attn"], h, positions, cache, i, cfg,
+                                          batch_meta=batch_meta, mla_mode=mla_mode,
+                                          backend=backend, segment_ids=segment_ids)
       x = x + attn_out
       h = rms_norm(x, lp["ffn_norm"], cfg.rms_norm_eps)
       if cfg.is_moe_layer(i):

@@ -111,7 +111,7 @@ def checkpoint_specs(cfg, specs: Any = None) -> dict:
     for n in ("enorm", "hnorm", "head_norm"):
       mtp[n] = jax.ShapeDtypeStruct((D,), dtype)
     layers.append(mtp)
-  if cfg.index_n_heads:
+  if cfg.index_n_heads and not cfg.sparse_attention:  # declared only: add what GLM 5 ships
     nh, hd = cfg.index_n_heads, cfg.index_head_dim
     q_in = cfg.q_lora_rank or D
     indexer = {"indexer_wq_b": jax.ShapeDtypeStruct((q_in, nh * hd), dtype),

@@ -308,14 +308,15 @@ def calibration_paths(params, recipe: Recipe) -> list[str]:
 
 # Rules shared by every preset: never-quantised params, plus tensors only some
 # configs have (optional). lm_head stays bf16 as in both the Kimi K2 int4 and the
-# DeepSeek-V3/GLM fp8 checkpoints. MTP layers (eh_proj) and GLM's sparse-attention
-# indexer only appear in accounting trees (mlkit.quant.accounting); both ship in bf16.
+# DeepSeek-V3/GLM fp8 checkpoints. MTP layers (eh_proj, in accounting trees only) and
+# GLM's sparse-attention indexer ship in bf16 (the indexer's head weights in f32).
 _DENSE_ALWAYS = (
     Rule("{embed,lm_head}", KEEP),
     Rule("**/*norm", KEEP),
     Rule("layers/*/ffn/router*", KEEP, optional=True),
     Rule("layers/*/eh_proj", KEEP, optional=True),
     Rule("layers/*/attn/indexer_w*", KEEP, optional=True),
+    Rule("layers/*/attn/indexer_k_bias", KEEP, optional=True),
 )
 
 
