@@ -266,6 +266,33 @@ class SchedulerApiTest(absltest.TestCase):
     self.assertIsNone(s.adopt(_request(1, 33 * 8), 33 * 8))  # refused: nothing changed
     self.assertEqual(alloc.num_free, 32)
 
+  def test_reservations_hold_slots_and_pages_until_adopted(self):
+    s, alloc = self.sched, self.alloc
+    self.assertTrue(s.reserve("a", 20))  # 3 pages, a running slot
+    self.assertEqual((alloc.num_used, s.slots_taken), (3, 1))
+    with self.assertRaisesRegex(ValueError, "already holds"):
+      s.reserve("a", 1)
+    self.assertFalse(s.can_admit(29 * 8))  # 29 pages + 1 reserve > 29 free: the reserve applies
+    s.add(_request(5, 8))
+    for key in ("b", "c", "d"):
+      self.assertTrue(s.reserve(key, 1))
+    self.assertFalse(s.reserve("e", 1))  # every running slot is reserved
+    s.schedule()  # the queued request is not admitted into a reserved slot
+    self.assertLen(s.waiting, 1)
+    req = _request(0, 20)
+    self.assertEqual(s.adopt(req, 20, reservation="a"), 0)  # takes a's slot and pages
+    self.assertEqual((alloc.num_used, s.slots_taken), (6, 4))
+    s.release_reservation("b")
+    s.release_reservation("b")  # unknown key: no-op
+    self.assertEqual((alloc.num_used, s.slots_taken), (5, 3))
+    self.assertFalse(s.reserve("big", 33 * 8))  # refused: nothing changed
+    self.assertEqual(alloc.num_used, 5)
+    for key in ("c", "d"):
+      s.release_reservation(key)
+    s.remove(req)
+    self.assertEqual((alloc.num_free, s.slots_taken), (32, 0))
+    self.assertEqual(alloc.audit(), [])
+
   def test_drain_preempted_and_requeue_keep_queue_order(self):
     s = self.sched
     fresh = _request(9, 4)

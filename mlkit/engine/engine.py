@@ -276,9 +276,24 @@ class Engine(ServingLoop):
       raise ValueError(f"hand_over: request {request_id} is not waiting for a hand-over")
     self.scheduler.remove(req)
 
+  def reserve(self, key, num_tokens: int) -> bool:
+    """Holds a running slot and pages for ``num_tokens`` under ``key`` (see ``adopt``).
+
+    A serving process that admits a request before its KV is computed elsewhere
+    reserves here first, so that the request can always land; ``adopt(...,
+    reservation=key)`` then takes the reserved capacity, and
+    ``release_reservation(key)`` gives it back if the request never lands.
+    Returns whether the pool could reserve now (nothing changes if not).
+    """
+    return self.scheduler.reserve(key, num_tokens)
+
+  def release_reservation(self, key) -> None:
+    """Gives back what :meth:`reserve` held under ``key`` (no-op for an unknown key)."""
+    self.scheduler.release_reservation(key)
+
   def adopt(self, req: Request, num_tokens: int,
-            fill: Callable[[PagedKVState, list[int], int], tuple[PagedKVState, bool, str]]
-            ) -> bool | None:
+            fill: Callable[[PagedKVState, list[int], int], tuple[PagedKVState, bool, str]],
+            reservation=None) -> bool | None:
     """Takes over a live request whose first ``num_tokens`` tokens of KV come from elsewhere.
 
     The request is admitted by the pool's admission rule, sharing whatever
@@ -289,12 +304,15 @@ class Engine(ServingLoop):
     state, ok, why not). It then decodes here from the next step, and its
     pages are offered to the prefix cache.
 
+    With ``reservation`` (a key given to :meth:`reserve`), the reserved slot and
+    pages are released and taken by the request in the same call.
+
     Returns:
-      None: the pool cannot take it now (nothing changed). True: adopted.
-      False: ``fill`` failed; the request is aborted with reason ``transfer``
-      and its pages here are free again.
+      None: the pool cannot take it now (nothing changed but the reservation's
+      release). True: adopted. False: ``fill`` failed; the request is aborted with
+      reason ``transfer`` and its pages here are free again.
     """
-    start = self.scheduler.adopt(req, num_tokens)
+    start = self.scheduler.adopt(req, num_tokens, reservation=reservation)
     if start is None:
       return None
     self.requests[req.request_id] = req

@@ -98,6 +98,9 @@ class Scheduler:
     # Requests holding pages outside this pool's steps (a finished prefill awaiting its
     # transfer), oldest first.
     self.detached: list[Request] = []
+    # Pages held for requests that will be adopted later (a decode server holds them
+    # while the prefill runs elsewhere): key -> tokens. Each takes a running slot.
+    self.reservations: dict = {}
     self._admit_counter = 0
     self._preempted: list[Request] = []  # preempted here since the last drain_preempted
     self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # block-table cache
@@ -171,12 +174,54 @@ class Scheduler:
     to running requests this step; ``shared_pages`` of the request's pages are
     cached pages it shares (they need no free page).
     """
-    if len(self.running) >= self.config.max_running:
+    if self.slots_taken >= self.config.max_running:
       return False
     return self._page_shortfall(num_tokens, extra_pages, shared_pages) <= 0
 
+  @property
+  def slots_taken(self) -> int:
+    """Running slots in use: running requests plus reservations."""
+    return len(self.running) + len(self.reservations)
+
+  def _reservation_key(self, key):
+    return ("reservation", key)
+
+  def reserve(self, key, num_tokens: int) -> bool:
+    """Holds a running slot and pages for ``num_tokens`` under ``key``, by the admission rule.
+
+    For a request whose KV will arrive from elsewhere and be :meth:`adopt`-ed
+    with ``reservation=key``: holding the pages first means an admitted request
+    can always land. Cached prefix pages are evicted to make room, as for any
+    admission. Returns whether the reservation was made (nothing changes if not).
+
+    Raises:
+      ValueError: ``key`` already holds a reservation.
+    """
+    if key in self.reservations:
+      raise ValueError(f"reserve: {key!r} already holds a reservation")
+    if self.slots_taken >= self.config.max_running:
+      return False
+    self._make_room(self._page_shortfall(num_tokens))
+    if self._page_shortfall(num_tokens) > 0:
+      return False
+    if self.allocator.admit(self._reservation_key(key), num_tokens) is not None:
+      return False
+    self.reservations[key] = num_tokens
+    return True
+
+  def release_reservation(self, key) -> None:
+    """Returns a reservation's slot and pages (no-op for an unknown key).
+
+    The audit's recovery may already have dropped its pages (a quarantined page);
+    the slot is returned either way.
+    """
+    if self.reservations.pop(key, None) is not None:
+      k = self._reservation_key(key)
+      if self.allocator.has_request(k):
+        self.allocator.release_checked(k)
+
   def _page_shortfall(self, num_tokens: int, extra_pages: int = 0, shared_pages: int = 0) -> int:
-    reserve = self.config.admission_reserve if self.running else 0
+    reserve = self.config.admission_reserve if (self.running or self.reservations) else 0
     need = self.allocator.pages_for(num_tokens) - shared_pages + reserve + extra_pages
     return need - self.allocator.num_free
 
@@ -185,8 +230,11 @@ class Scheduler:
     if shortfall > 0 and self.prefix_cache is not None:
       self.prefix_cache.evict(shortfall, keep=keep)
 
-  def adopt(self, req: Request, num_tokens: int) -> int | None:
+  def adopt(self, req: Request, num_tokens: int, reservation=None) -> int | None:
     """Admits a request whose first ``num_tokens`` tokens of KV arrive from elsewhere.
+
+    With ``reservation`` (a key given to :meth:`reserve`), that reservation's slot and
+    pages are released first, in the same call, so they are what the request gets.
 
     Shares whatever whole pages of those tokens the prefix cache holds,
     allocates the rest (fresh tags) and puts the request in the running set,
@@ -198,7 +246,9 @@ class Scheduler:
       a cache), or None when :meth:`can_admit` refused even after evicting
       cached pages (nothing changed).
     """
-    if len(self.running) >= self.config.max_running:
+    if reservation is not None:
+      self.release_reservation(reservation)
+    if self.slots_taken >= self.config.max_running:
       return None
     cache = self.prefix_cache
     match = cache.match(req.prefill_tokens[:num_tokens]) if cache is not None else Match()
@@ -274,7 +324,7 @@ class Scheduler:
     # 1. Admission, after the longest cached prefix (if any).
     cache = self.prefix_cache
     copies, keep = [], set()
-    while self.waiting and len(self.running) < cfg.max_running:
+    while self.waiting and self.slots_taken < cfg.max_running:
       req = self.waiting[0]
       n = len(req.prefill_tokens)
       match = cache.match(req.prefill_tokens) if cache is not None else Match()

@@ -67,6 +67,8 @@ class DecodeOptions:
   transfer_attempts: int = 2
   # Between reconnection tries after the prefill server went away.
   reconnect_interval_s: float = 0.5
+  # Accept test-only ``fault`` messages from clients (a delay before each pull).
+  enable_fault_injection: bool = False
 
   def __post_init__(self):
     for name in ("prefill_timeout_s", "pull_timeout_s", "reconnect_interval_s"):
@@ -102,15 +104,18 @@ class _Flight:
 class _Pull(threading.Thread):
   """Pulls one offered payload (blocking in JAX) off the serving thread."""
 
-  def __init__(self, conn, uuid: int, specs, wake):
+  def __init__(self, conn, uuid: int, specs, wake, delay_s: float = 0.0):
     super().__init__(daemon=True)
     self.conn, self.uuid, self.specs, self.wake = conn, uuid, specs, wake
+    self.delay_s = delay_s  # test fault: the pull starts this much later (a slow transfer)
     self.result = self.error = None
     self.started_at = time.monotonic()
     self.seconds = None
 
   def run(self):
     try:
+      if self.delay_s:
+        time.sleep(self.delay_s)
       out = self.conn.pull(self.uuid, self.specs)
       jax.block_until_ready(out)
       self.result = out
@@ -278,6 +283,7 @@ class DecodeServer(FrontDoor):
     self._peer_ready = False
     self._pull_conn = None  # transfer connection to the prefill server's transfer server
     self._next_connect = 0.0
+    self._pull_delay_s = 0.0  # test fault (options.enable_fault_injection)
     dev = min(engine.state.page_tags.sharding.device_set, key=lambda d: d.id)
     self._pull_sharding = SingleDeviceSharding(dev)
     self._replicated = NamedSharding(engine.mesh, PartitionSpec()) if engine.mesh is not None else None
@@ -364,29 +370,16 @@ class DecodeServer(FrontDoor):
     self.stats.submitted += 1
     return rid
 
-  def _reserve_key(self, req: Request):
-    return ("reserved", req.request_id)
-
   def _reserve(self, req: Request) -> bool:
-    """Holds pages for the request's prefill tokens in this pool (the protocol's step 1).
+    """Holds a running slot and pages for the request's prefill tokens (the protocol's step 1).
 
-    ``Engine.adopt`` allocates and fills in one call; the prefill's round trip
-    lies between the two here, so the pages are held under a reservation key in
-    the engine's allocator (no step reads them) and handed to ``adopt`` on landing.
+    The engine's admission rule decides (``Engine.reserve``); ``adopt(...,
+    reservation=)`` hands the reserved capacity to the request when its KV lands.
     """
-    eng = self.engine
-    s, alloc = eng.scheduler, eng.allocator
-    if len(s.running) + len(self._flights) >= eng.config.max_running:
-      return False
-    reserve = eng.config.admission_reserve if (s.running or self._flights) else 0
-    if alloc.pages_for(len(req.prefill_tokens)) + reserve > alloc.num_free:
-      return False
-    return alloc.admit(self._reserve_key(req), len(req.prefill_tokens)) is None
+    return self.engine.reserve(req.request_id, len(req.prefill_tokens))
 
   def _unreserve(self, req: Request) -> None:
-    key = self._reserve_key(req)
-    if self.engine.allocator.has_request(key):
-      self.engine.allocator.release(key)
+    self.engine.release_reservation(req.request_id)
 
   def _cancel(self, rid: int, why: str) -> None:
     """Cancels a request wherever it is: queued, in flight (both sides' pages freed) or decoding."""
@@ -469,6 +462,14 @@ class DecodeServer(FrontDoor):
       elif kind in ("offered", "finished", "failed"):
         self._from_prefill(msg)
       return
+    if kind == "fault":
+      if not self.options.enable_fault_injection:
+        self.inbox.send(conn, proto.message("error", error="fault injection is disabled (start "
+                                            "the server with --enable-fault-injection)"))
+        return
+      self._pull_delay_s = float(msg.get("pull_delay_s", self._pull_delay_s))
+      self.inbox.send(conn, proto.message("ok"))
+      return
     if not self._handle_client(conn, msg):
       self.inbox.send(conn, proto.message("error", error=f"a decode server does not take {kind!r}"))
 
@@ -499,7 +500,8 @@ class DecodeServer(FrontDoor):
       specs = [jax.ShapeDtypeStruct(tuple(shape), np.dtype(dt), sharding=self._pull_sharding)
                for shape, dt in msg["specs"]]
       f.pull = _Pull(self._pull_conn, f.uuid, specs,
-                     lambda: self.inbox.queue.put((None, {"kind": PULLED})))
+                     lambda: self.inbox.queue.put((None, {"kind": PULLED})),
+                     delay_s=self._pull_delay_s)
       f.pull.start()
 
   def _progress_flights(self) -> None:
@@ -560,10 +562,9 @@ class DecodeServer(FrontDoor):
       return _fill(state, pages, start, payload, sent, length, base)
 
     self._flights.pop(f.uuid)
-    self._unreserve(req)
     self.inbox.send(self._peer, proto.message("release", uuid=f.uuid))
-    adopted = self.engine.adopt(req, length, fill)
-    if adopted is None:  # the reservation was just released, so only a bug lands here
+    adopted = self.engine.adopt(req, length, fill, reservation=req.request_id)
+    if adopted is None:  # the reservation is what it lands in, so only a bug lands here
       self.stats.transfer_failures += 1
       self.stats.aborted[ABORT_TRANSFER] += 1
       _abort(req, ABORT_TRANSFER, "no pages to land in after the reservation was released")
@@ -577,6 +578,7 @@ class DecodeServer(FrontDoor):
     s = dataclasses.asdict(self.stats)
     s["aborted"] = dict(self.stats.aborted)
     m["serve"] = {**s, "in_flight": len(self._flights), "queued": len(self._queue),
+                  "pulling": sum(f.pull is not None for f in self._flights.values()),
                   "peer_ready": self._peer_ready}
     return m
 
