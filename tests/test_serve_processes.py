@@ -50,7 +50,8 @@ class ServeProcessesTest(absltest.TestCase):
     cls.prefill = cls._start_prefill()
     cls.decode = _start("decode", cls.dec_addr, "--prefill", cls.pre_addr, "--page-size",
                         str(DECODE_PAGE), "--prefill-timeout", str(PREFILL_TIMEOUT),
-                        "--pull-timeout", "10", "--connect-timeout", "120", log=cls.dec_log)
+                        "--pull-timeout", "10", "--connect-timeout", "120",
+                        "--enable-fault-injection", log=cls.dec_log)
     # The in-process reference compiles here while the servers start.
     cls.reference = cls._reference()
     launch.wait_ready(cls.decode, cls.dec_log)
@@ -150,21 +151,36 @@ class ServeProcessesTest(absltest.TestCase):
     self.control.request("fault", delay_s=0.0)
 
   def test_4_kill_prefill_mid_transfer_then_a_new_one(self):
+    # One request is caught while its KV is being pulled (offered, the pull pending),
+    # the other while the prefill server prepares its offer: kill -9 the prefill server.
     cls = type(self)
-    self.control.request("fault", delay_s=30.0)  # it will hang in the offer: kill it there
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(
-        out=Client(self.dec_addr, timeout_s=60).generate(PROMPTS[:2], max_new_tokens=MAX_NEW)))
-    thread.start()
-    deadline = time.monotonic() + 20
-    while self.client.metrics()["serve"]["in_flight"] < 2:
-      self.assertLess(time.monotonic(), deadline)
-      time.sleep(0.05)
+    results = []
+
+    def generate(prompt):
+      with Client(self.dec_addr, timeout_s=60) as c:
+        results.append(c.generate([prompt], max_new_tokens=MAX_NEW)[0])
+
+    def wait_for(what, cond):
+      deadline = time.monotonic() + 20
+      while not cond(self.client.metrics()["serve"]):
+        self.assertLess(time.monotonic(), deadline, what)
+        time.sleep(0.05)
+
+    self.assertEqual(self.client.request("fault", pull_delay_s=30.0)["kind"], "ok")
+    threads = [threading.Thread(target=generate, args=(PROMPTS[0],))]
+    threads[0].start()
+    wait_for("a pull in progress", lambda s: s["pulling"] == 1)
+    self.control.request("fault", delay_s=30.0)  # the next offer hangs
+    threads.append(threading.Thread(target=generate, args=(PROMPTS[1],)))
+    threads[1].start()
+    wait_for("a second request in flight", lambda s: s["in_flight"] == 2)
     self.assertGreater(self.client.metrics()["pages_used"], 0)  # reserved before the prefill
     os.kill(cls.prefill.pid, signal.SIGKILL)
     cls.prefill.wait()
-    thread.join(30)
-    self.assertEqual([o["abort_reason"] for o in result["out"]], ["peer_lost"] * 2)
+    for t in threads:
+      t.join(30)
+    self.assertEqual([o["abort_reason"] for o in results], ["peer_lost"] * 2)
+    self.assertEqual(self.client.request("fault", pull_delay_s=0.0)["kind"], "ok")
     self._assert_pages_free()
     self.control.close()
     cls.prefill = cls._start_prefill()

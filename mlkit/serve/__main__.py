@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--no-warmup", dest="warmup", action="store_false",
                  help="skip compiling the steps on a dummy request at start-up")
   p.add_argument("--enable-fault-injection", action="store_true",
-                 help="prefill: accept test-only fault messages (corruption, delay)")
+                 help="accept test-only fault messages (prefill: corruption, a delayed offer; "
+                      "decode: a delayed pull)")
   return p
 
 
@@ -109,7 +110,8 @@ def main(argv=None) -> int:
       proto.parse_address(args.prefill)
     from mlkit.serve.decode import DecodeOptions
     options = DecodeOptions(prefill_timeout_s=args.prefill_timeout, pull_timeout_s=args.pull_timeout,
-                            transfer_attempts=args.transfer_attempts)
+                            transfer_attempts=args.transfer_attempts,
+                            enable_fault_injection=args.enable_fault_injection)
   except ValueError as e:
     _fail(str(e))
   if cfg.checkpoint is not None and not os.path.isdir(cfg.checkpoint):
