@@ -12,7 +12,7 @@ import errno
 import sys
 
 _DESCRIPTION = """\
-Converts a Hugging Face checkpoint (DeepSeek-V3 / Kimi-K2 layout: config.json and
+Converts a Hugging Face checkpoint (DeepSeek-V3 / Kimi-K2 / GLM-5 layout: config.json and
 *.safetensors) into a quantised orbax checkpoint that mlkit.checkpoint.load_checkpoint
 loads directly, bit-identical to load_hf_checkpoint(SRC, recipe=...) and without
 reading or quantising the source again.

@@ -92,6 +92,18 @@ class ConvertTest(absltest.TestCase):
     want, _ = load_hf_checkpoint(self.src, recipe=INT4_EXPERTS, mesh=mesh)
     self.assertIdentical(got, want, shardings=True)
 
+  def test_a_glm5_checkpoint_with_its_sparse_attention_indexer(self):
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "glm_moe_dsa")
+    dst = self.dst()
+    rc, err = _run([src, dst, "--recipe", INT4_EXPERTS.name])
+    self.assertEqual(rc, 0, err)
+    got, cfg = load_checkpoint(dst)
+    want, want_cfg = load_hf_checkpoint(src, recipe=INT4_EXPERTS)
+    self.assertEqual(cfg, want_cfg)
+    self.assertTrue(cfg.sparse_attention)
+    self.assertIn("indexer_weights_proj", got["layers"][0]["attn"])
+    self.assertIdentical(got, want)
+
   def test_resume_after_an_interruption_converts_only_the_rest(self):
     dst, k = self.dst(), 7
 
