@@ -6,7 +6,6 @@ The checkpoints are written here from random params (nothing is downloaded).
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from mlkit.checkpoint import load_hf_checkpoint, save_hf_checkpoint
 from mlkit.parallel import MeshConfig, make_mesh, shard_params
 from mlkit.quant import FP8_ALL, INT4_EXPERTS, INT4_EXPERTS_GPTQ, quantize_params
 from numpy_params import init_params_np
+from two_processes import two_processes
 
 _F32 = dict(dtype="float32", param_dtype="float32")
 
@@ -161,28 +161,7 @@ class MultiProcessReadTest(absltest.TestCase):
     cfg = dataclasses.replace(TINY_MLA, n_layers=2, moe_ffn_dim=256, **_F32)
     src = tempfile.mkdtemp(prefix="hf_multi_")
     save_hf_checkpoint(src, init_params_np(cfg, seed=3), cfg, shards=2)
-    with socket.socket() as s:  # a free port (released just before the coordinator binds it)
-      s.bind(("127.0.0.1", 0))
-      port = s.getsockname()[1]
-    worker = os.path.abspath(worker_mod.__file__)
-    root = os.path.dirname(os.path.dirname(worker))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)  # the worker sets 2 devices per process itself
-    with tempfile.TemporaryDirectory() as out:
-      procs = [subprocess.Popen([sys.executable, worker, "--port", str(port), "--process_id", str(i),
-                                 "--src", src, "--out", out], cwd=root, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for i in range(2)]
-      logs = []
-      try:
-        for p in procs:
-          logs.append(p.communicate(timeout=self.TIMEOUT_S)[0])
-      except subprocess.TimeoutExpired:
-        for p in procs:
-          p.kill()
-        self.fail(f"2-process load exceeded {self.TIMEOUT_S} s")
-      for i, p in enumerate(procs):
-        self.assertEqual(p.returncode, 0, f"process {i} failed:\n{logs[i][-3000:]}")
+    with two_processes(self, worker_mod.__file__, ["--src", src], self.TIMEOUT_S) as out:
       reports = []
       for i in range(2):
         with open(os.path.join(out, f"report_{i}.json")) as f:

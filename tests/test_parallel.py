@@ -3,10 +3,6 @@
 import dataclasses
 import functools
 import os
-import socket
-import subprocess
-import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +16,7 @@ from mlkit import model
 from mlkit import parallel
 from mlkit.quant import (INT4_EXPERTS, Int4Weight, dequantize, fp8_all, quantize_fp8,
                          quantize_int4, quantize_params)
+from two_processes import two_processes
 from numpy_params import init_params_np  # noqa: F401  (also imported from here by other tests)
 
 PAGE = 4
@@ -306,28 +303,7 @@ class MultiProcessTest(absltest.TestCase):
 
   def test_two_process_decode_step_matches_single_process(self):
     import multihost_worker
-    with socket.socket() as s:  # a free port (released just before the coordinator binds it)
-      s.bind(("127.0.0.1", 0))
-      port = s.getsockname()[1]
-    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multihost_worker.py")
-    root = os.path.dirname(os.path.dirname(worker))
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)  # the worker sets 2 devices per process itself
-    with tempfile.TemporaryDirectory() as out:
-      procs = [subprocess.Popen([sys.executable, worker, "--port", str(port), "--process_id",
-                                 str(i), "--out", out], cwd=root, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for i in range(2)]
-      logs = []
-      try:
-        for p in procs:
-          logs.append(p.communicate(timeout=self.TIMEOUT_S)[0])
-      except subprocess.TimeoutExpired:
-        for p in procs:
-          p.kill()
-        self.fail(f"2-process run exceeded {self.TIMEOUT_S} s")
-      for i, p in enumerate(procs):
-        self.assertEqual(p.returncode, 0, f"process {i} failed:\n{logs[i][-3000:]}")
+    with two_processes(self, multihost_worker.__file__, timeout_s=self.TIMEOUT_S) as out:
       results = [dict(np.load(os.path.join(out, f"result_{i}.npz"))) for i in range(2)]
     ref = multihost_worker.run_scenario(None)
     for r in results:
