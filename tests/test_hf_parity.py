@@ -159,10 +159,7 @@ class GlmMoeDsaTest(parameterized.TestCase):
     for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(self.params)):
       np.testing.assert_array_equal(a, b)
 
-  def test_paged_serving_is_refused_clearly(self):
-    kv = KVCacheConfig(num_pages=8, dtype="float32").resolve(self.cfg)
-    with self.assertRaisesRegex(NotImplementedError, "no indexer-key pages"):
-      Engine(self.params, EngineConfig(model=self.cfg, kv=kv))
+  # Paged serving (Engine, DisaggEngine) of this fixture: tests/test_glm_serving.py.
 
 
 class TransformersConfigLayoutTest(absltest.TestCase):

@@ -18,6 +18,11 @@ page size, page count and devices. A transfer is four jitted pieces:
    format independently, reads the stored bytes back out of the destination
    pages, and sums both: a mismatch means the write went wrong.
 
+Every entry a layer pages moves the same way: the latent and rope key (MLA) or
+K and V (GQA), and on a sparse-attention layer that runs the indexer (GLM 5)
+its keys ``index_k`` too, so a layer's payload has the entries its pool layer
+has (``PagedKVState.layer_names``) and layers may differ in their entry count.
+
 Checksums are position-weighted sums of the raw bits (uint32, wrapping): every
 word is multiplied by an odd weight that depends on its index, so any single
 changed word always changes the sum, and swapped tokens almost always do.
@@ -63,9 +68,10 @@ class TransferResult:
   nbytes: int
 
 
-def _entry_keys(state: PagedKVState) -> list[str]:
+def _entry_keys(state: PagedKVState, layer: int) -> list[str]:
+  """Layer ``layer``'s page arrays and (fp8) their scales: what a payload layer carries."""
   keys = []
-  for name in state.names:
+  for name in state.layer_names(layer):
     keys.append(name)
     if state.is_fp8:
       keys.append(scale_name(name))
@@ -98,8 +104,8 @@ def extract_kv(state: PagedKVState, pages: jax.Array, length: jax.Array) -> Payl
     Per layer {name: [M * P, *E] storage dtype, (fp8) name_scale: [M * P, *E[:-1]] f32},
     zero past ``length``.
   """
-  return [{k: _gather_raw(layer[k], pages, length) for k in _entry_keys(state)}
-          for layer in state.layers]
+  return [{k: _gather_raw(layer[k], pages, length) for k in _entry_keys(state, i)}
+          for i, layer in enumerate(state.layers)]
 
 
 def _words(x: jax.Array) -> jax.Array:
@@ -127,10 +133,23 @@ def checksum(x: jax.Array) -> jax.Array:
   return jnp.sum(w * weights, dtype=jnp.uint32)
 
 
+def _stack_rows(rows: list) -> jax.Array:
+  """Per-layer checksum rows stacked into [n_layers, n_entries], short rows zero-padded.
+
+  Layers may carry different entry counts (only sparse-attention layers that run
+  the indexer have ``index_k``); a rectangular array keeps the checksum one plain
+  array for the host and the wire (mlkit.serve sends it as a nested list).
+  """
+  width = max(len(r) for r in rows)
+  return jnp.stack([jnp.concatenate([jnp.stack(r), jnp.zeros((width - len(r),), jnp.uint32)])
+                    for r in rows])
+
+
 @jax.jit
 def payload_checksum(payload: Payload) -> jax.Array:
-  """[n_layers, n_entries] uint32 checksums of a payload (entries in sorted key order)."""
-  return jnp.stack([jnp.stack([checksum(layer[k]) for k in sorted(layer)]) for layer in payload])
+  """[n_layers, n_entries] uint32 checksums of a payload (each layer's entries in sorted key
+  order, rows zero-padded to the longest layer)."""
+  return _stack_rows([[checksum(layer[k]) for k in sorted(layer)] for layer in payload])
 
 
 def _to_f32(payload_layer: dict, names) -> dict:
@@ -169,7 +188,7 @@ def write_kv(state: PagedKVState, payload: Payload, pages: jax.Array, length: ja
     The updated pool: fp8 pools get per-token scales computed here.
   """
   for i, layer in enumerate(payload):
-    new = _to_f32(layer, state.names)
+    new = _to_f32(layer, state.layer_names(i))
     T = new[state.names[0]].shape[0]
     positions = base + jnp.arange(T, dtype=jnp.int32)
     positions = jnp.where(positions >= start, positions, -1)[None]  # negative: dropped
@@ -193,29 +212,30 @@ def landing_checksums(state: PagedKVState, payload: Payload, pages: jax.Array,
   Returns:
     (expected, stored), each [n_layers, n_entries] uint32: the payload converted
     to the destination format, and the destination pages read back, both over
-    positions [start, length).
+    positions [start, length); each layer's entries in sorted key order, rows
+    zero-padded to the longest layer.
   """
   expected, stored = [], []
-  keys = sorted(_entry_keys(state))
   for i, layer in enumerate(payload):
-    new = _to_f32(layer, state.names)
+    names = state.layer_names(i)
+    new = _to_f32(layer, names)
     T = new[state.names[0]].shape[0]
     conv = {}
-    for name in state.names:
+    for name in names:
       if state.is_fp8:
         conv[name], conv[scale_name(name)] = quantize_fp8(new[name])
       else:
         conv[name] = new[name].astype(state.dtype)
     exp_row, got_row = [], []
-    for k in keys:
+    for k in sorted(_entry_keys(state, i)):
       got = _gather_raw(state.layers[i][k], pages, length)  # positions [0, M' * P)
       got = _fit(got, got.shape[0] + T)  # room to read T tokens from any base
       got = jax.lax.dynamic_slice_in_dim(got, base, T)  # positions [base, base + T)
       exp_row.append(checksum(_window(conv[k], base, start, length)))
       got_row.append(checksum(_window(got, base, start, length)))
-    expected.append(jnp.stack(exp_row))
-    stored.append(jnp.stack(got_row))
-  return jnp.stack(expected), jnp.stack(stored)
+    expected.append(exp_row)
+    stored.append(got_row)
+  return _stack_rows(expected), _stack_rows(stored)
 
 
 def _window(x: jax.Array, base, start, length) -> jax.Array:
@@ -233,9 +253,11 @@ def _fit(x: jax.Array, n: int) -> jax.Array:
   return jnp.concatenate([x, jnp.zeros((n - T,) + x.shape[1:], x.dtype)])
 
 
-def _where(sums_a: np.ndarray, sums_b: np.ndarray, keys: list[str]) -> str:
+def _where(sums_a: np.ndarray, sums_b: np.ndarray, keys: list[list[str]]) -> str:
+  """Where two checksum arrays first differ; keys[layer] names that layer's entries (sorted)."""
   layer, entry = map(int, np.argwhere(sums_a != sums_b)[0])
-  return f"layer {layer} entry {keys[entry]!r}"
+  name = keys[layer][entry] if entry < len(keys[layer]) else f"#{entry}"
+  return f"layer {layer} entry {name!r}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +284,21 @@ def check_pools(src_attention: str, src_layers: int, dst: PagedKVState) -> None:
   if src_attention != dst.attention or src_layers != dst.n_layers:
     raise ValueError(f"transfer between incompatible pools: {src_attention}/{src_layers} layers "
                      f"-> {dst.attention}/{dst.n_layers} layers")
+
+
+def _check_payload_layout(payload: Payload, dst: PagedKVState) -> None:
+  """Raises ValueError unless every payload layer carries the entries its ``dst`` layer pages.
+
+  Scales may differ (a bf16 payload lands in an fp8 pool); the entries may not: a
+  payload without index keys cannot land in a sparse-attention layer that needs them.
+  """
+  if len(payload) != dst.n_layers:
+    raise ValueError(f"a payload of {len(payload)} layers cannot land in a pool of {dst.n_layers}")
+  for i, layer in enumerate(payload):
+    got = sorted(k for k in layer if not any(k == scale_name(n) for n in layer))
+    want = sorted(dst.layer_names(i))
+    if got != want:
+      raise ValueError(f"payload layer {i} carries {got}, the destination pool layer pages {want}")
 
 
 def _check_landing(dst: PagedKVState, dst_pages, length: int, start: int) -> None:
@@ -310,7 +347,8 @@ def verify_payload(payload: Payload, sent: np.ndarray) -> str | None:
   sent = np.asarray(sent)
   if sent.shape == received.shape and np.array_equal(sent, received):
     return None
-  where = (_where(sent, received, sorted(payload[0])) if sent.shape == received.shape
+  where = (_where(sent, received, [sorted(layer) for layer in payload])
+           if sent.shape == received.shape
            else f"checksum shape {sent.shape} != {received.shape}")
   return f"transfer checksum mismatch in transit at {where}"
 
@@ -348,8 +386,7 @@ def land_payload(dst: PagedKVState, dst_pages, payload: Payload, sent: np.ndarra
       destination pages, or a payload whose layer count differs from the pool's.
   """
   _check_landing(dst, dst_pages, length, start)
-  if len(payload) != dst.n_layers:
-    raise ValueError(f"a payload of {len(payload)} layers cannot land in a pool of {dst.n_layers}")
+  _check_payload_layout(payload, dst)
   nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(payload))
   why = verify_payload(payload, sent)
   if why is not None:
@@ -361,8 +398,9 @@ def land_payload(dst: PagedKVState, dst_pages, payload: Payload, sent: np.ndarra
     dst = corrupt_landing(dst)
   expected, stored = map(np.asarray, landing_checksums(dst, payload, dst_pages, n, base, start))
   if not np.array_equal(expected, stored):
+    keys = [sorted(_entry_keys(dst, i)) for i in range(dst.n_layers)]
     return dst, TransferResult(False, f"transfer checksum mismatch after the write at "
-                                      f"{_where(expected, stored, sorted(_entry_keys(dst)))}", nbytes)
+                                      f"{_where(expected, stored, keys)}", nbytes)
   return dst, TransferResult(True, None, nbytes)
 
 

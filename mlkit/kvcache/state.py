@@ -4,6 +4,11 @@ Layout (fixed; the Pallas kernels are written against it):
 
 * MLA layer: ``latent`` [N, P, C] and ``k_rope`` [N, P, R]; fp8 adds
   ``latent_scale`` and ``k_rope_scale`` [N, P] f32.
+* MLA layer that runs the sparse-attention indexer (``cfg.runs_indexer(layer)``,
+  GLM 5): also ``index_k`` [N, P, Di]; fp8 adds ``index_k_scale`` [N, P] f32.
+  It lives in the same pages as the latent, so one page id covers all of a
+  token's entries and the allocator, prefix cache, tags and transfers handle
+  it with no extra bookkeeping (docs/sparse_attention.md).
 * GQA layer: ``k`` and ``v`` [N, P, KV, hd]; fp8 adds ``k_scale`` and
   ``v_scale`` [N, P, KV] f32.
 * ``page_tags`` [N] int32: the allocator's uint32 generation counters, bit-cast.
@@ -40,7 +45,11 @@ PAD_PAGE = -1
 
 
 def entry_names(attention: str) -> tuple[str, str]:
-  """The two page arrays per layer: MLA ("latent", "k_rope"); GQA ("k", "v")."""
+  """The two page arrays every layer has: MLA ("latent", "k_rope"); GQA ("k", "v").
+
+  A sparse-attention layer has more (``index_k``); use :meth:`PagedKVState.layer_names`
+  when iterating a layer's entries.
+  """
   return ("latent", "k_rope") if attention == "mla" else ("k", "v")
 
 
@@ -49,11 +58,11 @@ def scale_name(name: str) -> str:
   return name + "_scale"
 
 
-def entry_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-  """Per-token entry shapes for one layer (MLA: [C], [R]; GQA: [KV, hd] twice)."""
-  if cfg.attention == "mla":
-    return {"latent": (cfg.kv_lora_rank,), "k_rope": (cfg.qk_rope_head_dim,)}
-  return {"k": (cfg.n_kv_heads, cfg.head_dim), "v": (cfg.n_kv_heads, cfg.head_dim)}
+def entry_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]]:
+  """Per-token entry shapes for one layer (MLA: [C], [R], plus [Di] ``index_k`` on a layer
+  that runs the sparse-attention indexer; GQA: [KV, hd] twice): the contiguous cache's."""
+  from mlkit.model.cache import cache_entry_shapes
+  return cache_entry_shapes(cfg, layer)
 
 
 def _is_tracer(*xs) -> bool:
@@ -95,7 +104,14 @@ class PagedKVState:
 
   @property
   def names(self) -> tuple[str, str]:
+    """The entries every layer has (see :meth:`layer_names` for one layer's full list)."""
     return entry_names(self.attention)
+
+  def layer_names(self, layer: int) -> tuple[str, ...]:
+    """Layer ``layer``'s page arrays (scales excluded): :attr:`names`, plus ``index_k`` on a
+    sparse-attention layer that runs the indexer."""
+    extra = tuple(k for k in self.layers[layer] if k == "index_k")
+    return self.names + extra
 
   @property
   def num_pages(self) -> int:
@@ -119,7 +135,7 @@ class PagedKVState:
     return len(self.layers)
 
   def nbytes(self) -> int:
-    """Bytes held by every array of the state (pages, scales and tags)."""
+    """Bytes held by every array of the state (pages, index keys, scales and tags)."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self))
 
   def update(self, layer: int, new: dict, positions: jax.Array, batch_meta: BatchMeta):
@@ -143,7 +159,7 @@ class PagedKVState:
       ValueError: on a page-size / shape mismatch, or (when run eagerly) a bad block table or length.
     """
     state = self.write(layer, new, positions, batch_meta)
-    dtype = new[self.names[0]].dtype
+    dtype = new[self.names[0]].dtype  # index_k too: the indexer scores in the model's dtype
     view = gather_layer(state, layer, batch_meta.block_tables, batch_meta.lengths, dtype=dtype)
     S = view[self.names[0]].shape[1]
     mask = paged_mask(positions, batch_meta.lengths, S)
@@ -199,18 +215,13 @@ def init_paged_state(cfg: ModelConfig, kv_cfg: KVCacheConfig) -> PagedKVState:
   Returns:
     A :class:`PagedKVState`.
   """
-  if cfg.sparse_attention:
-    raise NotImplementedError(
-        f"{cfg.name}: sparse attention (indexer_types) keeps indexer keys per token, and the "
-        "paged pool has no indexer-key pages yet; run it with the contiguous cache "
-        "(mlkit.model.cache.init_cache) or without a cache")
   kv_cfg = kv_cfg.resolve(cfg)
   N, P = kv_cfg.num_pages, kv_cfg.page_size
   dtype = jnp.dtype(kv_cfg.dtype)
   layers = []
-  for _ in range(cfg.n_layers):
+  for i in range(cfg.n_layers):
     layer = {}
-    for name, shp in entry_shapes(cfg).items():
+    for name, shp in entry_shapes(cfg, i).items():
       layer[name] = jnp.zeros((N, P) + shp, dtype)
       if kv_cfg.is_fp8:
         layer[scale_name(name)] = jnp.ones((N, P) + shp[:-1], jnp.float32)
@@ -236,12 +247,17 @@ def validate_state(state: PagedKVState, kv_cfg: KVCacheConfig, cfg: ModelConfig 
     raise ValueError(f"page count mismatch: state has {state.num_pages} pages, "
                      f"the call expects {kv_cfg.num_pages}")
   if cfg is not None:
-    shapes = entry_shapes(cfg)
-    for name, shp in shapes.items():
-      if name not in state.layers[0] or state.layers[0][name].shape[2:] != shp:
-        raise ValueError(f"state layer entry {name!r} does not match the model config {cfg.name!r}")
     if state.n_layers != cfg.n_layers:
       raise ValueError(f"state has {state.n_layers} layers, model config says {cfg.n_layers}")
+    for i in range(cfg.n_layers):
+      shapes = entry_shapes(cfg, i)
+      if set(state.layer_names(i)) != set(shapes):
+        raise ValueError(f"state layer {i} (entries {sorted(state.layer_names(i))}) does not match "
+                         f"the model config {cfg.name!r}, which caches {sorted(shapes)}")
+      for name, shp in shapes.items():
+        if state.layers[i][name].shape[2:] != shp:
+          raise ValueError(f"state layer {i} entry {name!r} does not match the model config "
+                           f"{cfg.name!r}")
 
 
 def _check_static(state: PagedKVState, meta: BatchMeta, positions=None) -> None:
@@ -299,9 +315,9 @@ def _check_entries(state: PagedKVState, layer: int, new: dict, B: int, T: int) -
   if not 0 <= layer < state.n_layers:
     raise ValueError(f"layer {layer} out of range for a state of {state.n_layers} layers")
   cur = state.layers[layer]
-  for name in state.names:
+  for name in state.layer_names(layer):
     if name not in new:
-      raise ValueError(f"new entries lack {name!r} (a {state.attention} pool)")
+      raise ValueError(f"new entries lack {name!r} (layer {layer} of a {state.attention} pool)")
     want = (B, T) + cur[name].shape[2:]
     if new[name].shape != want:
       raise ValueError(f"new {name!r} has shape {new[name].shape}, the pool expects {want}")
@@ -349,7 +365,7 @@ def write_layer(state: PagedKVState, layer: int, new: dict, positions: jax.Array
                              meta.lengths.astype(jnp.int32), state.page_size, state.num_pages)
     cur = state.layers[layer]
     upd = dict(cur)
-    for name in state.names:
+    for name in state.layer_names(layer):
       x = new[name]
       if state.is_fp8:
         q, s = quantize_fp8(x)
@@ -396,7 +412,7 @@ def gather_layer(state: PagedKVState, layer: int, block_tables: jax.Array, lengt
   cur = state.layers[layer]
   with jax.named_scope("paged_kv_gather"):
     return {name: gather_pages(cur[name], cur.get(scale_name(name)), block_tables, lengths, dtype)
-            for name in state.names}
+            for name in state.layer_names(layer)}
 
 
 def paged_mask(positions: jax.Array, lengths: jax.Array, S: int) -> jax.Array:
@@ -509,12 +525,16 @@ def sync_tags(state: PagedKVState, tags: np.ndarray) -> PagedKVState:
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _copy_pages_jit(state: PagedKVState, src: jax.Array, dst: jax.Array) -> PagedKVState:
+  # Every array of a layer (pages, scales, index keys) is indexed by page id first.
   layers = [{k: v.at[dst].set(v[src]) for k, v in layer.items()} for layer in state.layers]
   return state.replace(layers=layers)
 
 
 def copy_pages(state: PagedKVState, copies: Sequence[tuple[int, int]]) -> PagedKVState:
-  """Copies page contents src -> dst in every layer (copy-on-write after a fork); donates ``state``.
+  """Copies page contents src -> dst in every layer and entry (copy-on-write after a fork).
+
+  Donates ``state``. Every page array moves: latent, rope key, sparse-attention
+  index keys and fp8 scales.
 
   Args:
     copies: (src, dst) physical page pairs, e.g. from ``PageAllocator.fork``.

@@ -240,7 +240,8 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: i
 
   Decode steps (T == 1) on a cache that offers ``decode_attention`` (the paged
   cache) run attention through it, i.e. through the paged-attention kernels,
-  always in MLA's absorbed form; everything else attends over the cache's view.
+  always in MLA's absorbed form; everything else, and sparse attention on any
+  cache, attends over the cache's view.
 
   Args:
     p: the layer's attention params.
@@ -308,10 +309,10 @@ def _sparse_mla_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer:
   from mlkit.model.cache import no_cache_view
   from mlkit.model import sparse_attention as dsa
   B, T, _ = x.shape
-  if cache is not None and hasattr(cache, "decode_attention"):
-    raise NotImplementedError(
-        "sparse attention (ModelConfig.indexer_types) runs over the contiguous cache or none; "
-        "the paged cache has no indexer-key pages yet")
+  # Every cache, the paged one included and for decode steps too, goes through
+  # ``cache.update``: its view holds the indexer keys the selection is scored over.
+  # The paged-attention kernels (``decode_attention``) would ignore the selection,
+  # and there is no sparse paged decode kernel yet (docs/sparse_attention.md).
   full = cfg.runs_indexer(layer)
   if not full and selection is None:
     raise ValueError(f"layer {layer} is a shared sparse-attention layer but no earlier full layer "
