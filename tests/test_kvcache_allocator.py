@@ -317,6 +317,11 @@ class ConservationTest(parameterized.TestCase):
     self.assertEmpty(alloc.audit())
 
 
+# TINY_MLA with sparse attention: full, shared, full indexer layers.
+TINY_DSA = dataclasses.replace(TINY_MLA, name="tiny-dsa", index_n_heads=2, index_head_dim=16,
+                               index_topk=4, indexer_types=("full", "shared", "full"))
+
+
 class CapacityTest(parameterized.TestCase):
 
   def test_kimi_per_gpu(self):
@@ -347,7 +352,20 @@ class CapacityTest(parameterized.TestCase):
     self.assertEqual(kvc.bytes_per_token(cfg, "bfloat16", tp=2), 2 * 2 * 2 * 16 * 2)
     self.assertEqual(kvc.bytes_per_token(cfg, "float8_e4m3fn", tp=4), 2 * (2 * 16 + 2 * 4))
 
-  @parameterized.product(cfg=[TINY_MLA, TINY_GQA], dtype=["bfloat16", "float8_e4m3fn", "float32"])
+  def test_sparse_attention_counts_the_pool_layout(self):
+    # A config that runs its indexer pages index keys on its full layers only, in the
+    # pool's dtype (fp8: one f32 scale per token), not the declared-only analytic size.
+    Di = TINY_DSA.index_head_dim
+    bf = kvc.bytes_per_token_breakdown(TINY_DSA, "bfloat16")
+    self.assertEqual(bf["indexer"], 2 * Di * 2)  # layers 0 and 2 are full, layer 1 shared
+    f8 = kvc.bytes_per_token_breakdown(TINY_DSA, "float8_e4m3fn")
+    self.assertEqual(f8["indexer"], 2 * (Di + 4))
+    self.assertEqual(kvc.bytes_per_token_breakdown(TINY_DSA, "float32")["indexer"], 2 * Di * 4)
+    with self.assertRaisesRegex(ValueError, "pool's dtype"):
+      kvc.bytes_per_token(TINY_DSA, "bfloat16", index_dtype="float8_e4m3fn")
+
+  @parameterized.product(cfg=[TINY_MLA, TINY_GQA, TINY_DSA],
+                         dtype=["bfloat16", "float8_e4m3fn", "float32"])
   def test_accounting_matches_allocated_pool(self, cfg, dtype):
     cap = kvc.capacity(cfg, dtype, 100_000, page_size=4)
     state = kvc.init_paged_state(cfg, kvc.KVCacheConfig(cap["pages"], 4, dtype))

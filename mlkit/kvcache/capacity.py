@@ -9,9 +9,16 @@ Per token per layer:
 * MLA: (kv_lora_rank + qk_rope_head_dim) values; fp8 adds two f32 scales (latent, rope).
 * GQA: 2 * kv_heads * head_dim values; fp8 adds 2 * kv_heads f32 scales.
 * Sparse-attention indexer (GLM 5.x; configs with ``index_head_dim > 0``): one key of
-  ``index_head_dim`` values per token per layer, stored in bf16 unless
-  ``index_dtype="float8_e4m3fn"`` is requested (then 1 B per value plus one f32 scale).
-  The KV dtype does not change the indexer's dtype.
+  ``index_head_dim`` values per token.
+
+  - A config that runs it (``indexer_types``) counts the paged pool's real layout
+    (``mlkit.kvcache.state``): keys only on the "full" layers, in the pool's dtype,
+    plus one f32 scale per token when the pool is fp8. ``index_dtype`` must then be
+    None or the pool's dtype.
+  - A config that only declares it (``index_n_heads`` without ``indexer_types``,
+    e.g. the paper-scale ``GLM_5_2`` preset) counts the analytic size: a key on
+    every layer, stored in ``index_dtype`` (default bf16, whatever the KV dtype;
+    "float8_e4m3fn" adds one f32 scale).
 
 Per page, the pool also holds one int32 tag (4 bytes).
 """
@@ -35,24 +42,46 @@ def _check_dtype(dtype: str, what: str) -> None:
     raise ValueError(f"{what} must be one of {KV_DTYPES}, got {dtype!r}")
 
 
-def bytes_per_token_breakdown(cfg: ModelConfig, dtype: str, *, index_dtype: str = "bfloat16",
+def _indexer_bytes(cfg: ModelConfig, dtype: str, index_dtype: str | None) -> int:
+  """Indexer-key bytes per token over all layers (see the module docstring)."""
+  if not cfg.index_head_dim:
+    return 0
+  if cfg.sparse_attention:  # the pool's layout: full layers, the pool's dtype and scales
+    if index_dtype not in (None, dtype):
+      raise ValueError(f"{cfg.name} runs its indexer: the paged pool keeps index keys in the pool's "
+                       f"dtype {dtype!r}, not index_dtype={index_dtype!r}")
+    index_dtype = dtype
+    n_layers = sum(cfg.runs_indexer(i) for i in range(cfg.n_layers))
+  else:
+    index_dtype = "bfloat16" if index_dtype is None else index_dtype
+    n_layers = cfg.n_layers
+  per_layer = cfg.index_head_dim * _ITEMSIZE[index_dtype]
+  if index_dtype == "float8_e4m3fn":
+    per_layer += SCALE_BYTES
+  return n_layers * per_layer
+
+
+def bytes_per_token_breakdown(cfg: ModelConfig, dtype: str, *, index_dtype: str | None = None,
                               tp: int = 1) -> dict[str, int]:
   """Per-GPU cache bytes per token, split into values, scales and indexer (all layers).
 
   Args:
     cfg: the model config.
     dtype: KV storage dtype ("bfloat16", "float8_e4m3fn" or "float32").
-    index_dtype: storage dtype of the indexer key cache (only for configs with one).
+    index_dtype: storage dtype of a declared-only indexer's key cache (None: bf16); for a
+      config that runs its indexer, None or ``dtype`` (the pool stores index keys in its dtype).
     tp: tensor-parallel degree (affects GQA only).
 
   Returns:
     {"values", "scales", "indexer", "total"} in bytes per token.
 
   Raises:
-    ValueError: on an unknown dtype or tp < 1.
+    ValueError: on an unknown dtype, tp < 1, or an index_dtype other than the pool's for a
+      config that runs its indexer.
   """
   _check_dtype(dtype, "dtype")
-  _check_dtype(index_dtype, "index_dtype")
+  if index_dtype is not None:
+    _check_dtype(index_dtype, "index_dtype")
   if tp < 1:
     raise ValueError(f"tp must be >= 1, got {tp}")
   fp8 = dtype == "float8_e4m3fn"
@@ -65,17 +94,12 @@ def bytes_per_token_breakdown(cfg: ModelConfig, dtype: str, *, index_dtype: str 
     n_scales = 2 * kv_local if fp8 else 0
   values = cfg.n_layers * n_values * _ITEMSIZE[dtype]
   scales = cfg.n_layers * n_scales * SCALE_BYTES
-  indexer = 0
-  if cfg.index_head_dim:
-    per_layer = cfg.index_head_dim * _ITEMSIZE[index_dtype]
-    if index_dtype == "float8_e4m3fn":
-      per_layer += SCALE_BYTES
-    indexer = cfg.n_layers * per_layer
+  indexer = _indexer_bytes(cfg, dtype, index_dtype)
   return {"values": values, "scales": scales, "indexer": indexer,
           "total": values + scales + indexer}
 
 
-def bytes_per_token(cfg: ModelConfig, dtype: str, *, index_dtype: str = "bfloat16",
+def bytes_per_token(cfg: ModelConfig, dtype: str, *, index_dtype: str | None = None,
                     tp: int = 1) -> int:
   """Per-GPU cache bytes per token (values + fp8 scales + indexer keys), all layers.
 
@@ -88,7 +112,7 @@ def bytes_per_token(cfg: ModelConfig, dtype: str, *, index_dtype: str = "bfloat1
 
 
 def capacity(cfg: ModelConfig, dtype: str, budget_bytes: int, *, page_size: int | None = None,
-             index_dtype: str = "bfloat16", tp: int = 1) -> dict:
+             index_dtype: str | None = None, tp: int = 1) -> dict:
   """How many pages and tokens of ``cfg``'s cache fit in ``budget_bytes`` (per GPU).
 
   Args:
