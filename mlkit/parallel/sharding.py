@@ -19,8 +19,9 @@ scales drop the K entry. An axis that cannot be split that way, or whose size th
 mesh axis does not divide, is replicated instead: placement only changes
 communication, never results, since GSPMD keeps every computation exact.
 
-Paged KV state: MLA pages (one latent + rope key per token, shared by all heads)
-are replicated across the tensor axis, as SGLang does, which is why KV capacity
+Paged KV state: MLA pages (one latent + rope key per token, shared by all heads,
+plus the sparse-attention index key on a layer that runs the indexer) are
+replicated across the tensor axis, as SGLang does, which is why KV capacity
 is per device; with ``data_parallel=True`` the page axis is split over ``data``.
 GQA pages are split over KV heads.
 """
@@ -284,8 +285,8 @@ def kv_state_partition_specs(state: PagedKVState, mesh: Mesh, rules: ShardingRul
     data_parallel: split the page axis over ``rules.pages`` (data-parallel attention).
 
   Returns:
-    A PagedKVState whose leaves are PartitionSpecs. MLA: pages and scales
-    replicated across tensor (page axis over data when data_parallel); GQA:
+    A PagedKVState whose leaves are PartitionSpecs. MLA: pages (latent, rope key,
+    sparse-attention index keys) and scales replicated across tensor (page axis over data when data_parallel); GQA:
     additionally the KV-head axis (axis 2) over ``rules.kv_heads``. ``page_tags``
     is always replicated (every row's check reads any page's tag).
   """
