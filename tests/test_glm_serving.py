@@ -22,6 +22,7 @@ from mlkit import kvcache as kvc
 from mlkit import model, parallel
 from mlkit.checkpoint import load_hf_checkpoint
 from mlkit.engine import Engine, EngineConfig, Fault, FaultKind, RequestStatus
+from mlkit.engine import transfer as tr
 from mlkit.engine.disagg import DisaggConfig, DisaggEngine, PoolConfig
 from mlkit.quant import BF16, INT4_EXPERTS
 from mlkit.sampling import SamplingParams
@@ -148,6 +149,45 @@ class GlmServingTest(parameterized.TestCase):
         for name in want[layer]:
           with self.subTest(dtype=dtype, layer=layer, entry=name):
             self.assertLessEqual(_rel(got[name][:, :n], want[layer][name]), bound)
+
+  def test_transfer_checks_index_keys(self):
+    # f32 pages of 4 -> fp8 pages of 8: index keys land converted (fp8 + scales) and are
+    # checksummed per layer; a bad write to them is caught and named, and a payload
+    # without them cannot land in a pool whose layer pages them.
+    cfg, n = self.cfg, self.n
+    tokens = jnp.asarray(self.prompts[:1], jnp.int32)
+    positions = jnp.arange(n, dtype=jnp.int32)[None]
+    src_alloc, dst_alloc = kvc.PageAllocator(8, 4), kvc.PageAllocator(4, 8)
+    self.assertIsNone(src_alloc.admit(0, n))
+    self.assertIsNone(dst_alloc.admit(0, n))
+    src = kvc.sync_tags(kvc.init_paged_state(cfg, kvc.KVCacheConfig(8, 4, "float32")),
+                        src_alloc.device_tags())
+    src = _prefill(self.params, tokens, positions, src, src_alloc.batch_meta([0]), cfg=cfg)
+    src_pages = [p for p, _ in src_alloc.block_table(0)]
+    dst_pages = [p for p, _ in dst_alloc.block_table(0)]
+
+    def dst_pool():
+      return kvc.init_paged_state(cfg, kvc.KVCacheConfig(4, 8, "float8_e4m3fn"))
+
+    def flip_index_k(state):
+      layers = list(state.layers)
+      layers[2] = dict(layers[2], index_k=tr.flip_low_bit(layers[2]["index_k"]))
+      return state.replace(layers=layers)
+
+    dst, res = tr.transfer_kv(src, src_pages, dst_pool(), dst_pages, n)
+    self.assertTrue(res.ok, res.reason)
+    meta = dst_alloc.batch_meta([0])
+    for layer in (0, 2):
+      got = kvc.read_layer(dst, layer, meta)["index_k"][:, :n]
+      want = kvc.read_layer(src, layer, src_alloc.batch_meta([0]))["index_k"][:, :n]
+      self.assertLessEqual(_rel(got, want), 5e-2)  # fp8 against f32 (docs/testing.md)
+    _, res = tr.transfer_kv(src, src_pages, dst_pool(), dst_pages, n, corrupt_landing=flip_index_k)
+    self.assertFalse(res.ok)
+    self.assertIn("layer 2 entry 'index_k'", res.reason)
+    ex = tr.extract_payload(src, src_pages, n)
+    payload = [{k: v for k, v in layer.items() if k != "index_k"} for layer in ex.payload]
+    with self.assertRaisesRegex(ValueError, "payload layer 0 carries"):
+      tr.land_payload(dst_pool(), dst_pages, payload, ex.checksum, n)
 
   # ------------------------------------------------------------------ DisaggEngine
 
