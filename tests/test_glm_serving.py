@@ -53,8 +53,10 @@ class GlmServingTest(parameterized.TestCase):
     cls.n = int(cls.ref["prompt_len"])
     cls.greedy = cls.ref["greedy"]  # [B, N]
     cls.prompts = [cls.ref["tokens"][i, :cls.n].tolist() for i in range(cls.greedy.shape[0])]
-    # The f32 engine, with fault injection on for the integrity test (which runs after).
-    cls.f32 = Engine(cls.params, cls._engine_config("float32", 8, enable_fault_injection=True))
+    # The f32 engine, with the prefix cache and fault injection on for the tests that
+    # reuse it after this first run.
+    cls.f32 = Engine(cls.params, cls._engine_config("float32", 8, enable_fault_injection=True,
+                                                    prefix_cache=True))
     cls.f32_out = cls._drive(cls.f32)
 
   @classmethod
@@ -99,13 +101,25 @@ class GlmServingTest(parameterized.TestCase):
         self.assertEqual(out, self.greedy[i].tolist())
     # Closeness of the stored entries (index keys included): test_pages_hold_the_cache_entries.
 
+  def test_prefix_cache_shares_index_keys(self):
+    # The fixture's prompts again: each reuses the first run's pages (a whole page, and a
+    # copy-on-write copy of the partly matching second one), index keys included; keys
+    # missing from a shared or copied page would change the selection and the tokens.
+    stats = self.f32.prefix_cache.stats
+    saved, copied = stats.tokens_saved, stats.copied_pages
+    for i, (out, _) in enumerate(self._drive(self.f32)):
+      self.assertEqual(out, self.greedy[i].tolist())
+    self.assertGreater(stats.tokens_saved, saved)
+    self.assertGreater(stats.copied_pages, copied)
+
   def test_integrity_fault_aborts_only_its_request(self):
     eng = self.f32
-    victim = eng.submit(self.prompts[0], SamplingParams(max_new_tokens=self.greedy.shape[1]))
+    fresh = self.prompts[0][::-1]  # not in the prefix cache
+    victim = eng.submit(fresh, SamplingParams(max_new_tokens=self.greedy.shape[1]))
     other = eng.submit(self.prompts[1], SamplingParams(max_new_tokens=self.greedy.shape[1]))
-    while eng.get(victim).status is not RequestStatus.DECODING:
+    while len(eng.get(victim).output) < 2:  # decoding into a page past the (cached) prompt's
       eng.step()
-    eng.inject_fault(Fault(FaultKind.USE_AFTER_FREE, victim, 0))
+    eng.inject_fault(Fault(FaultKind.USE_AFTER_FREE, victim, -1))
     eng.run_until_done(max_steps=200)
     self.assertEqual(eng.get(victim).abort_reason, "integrity")
     self.assertEqual(list(eng.get(other).output), self.greedy[1].tolist())
