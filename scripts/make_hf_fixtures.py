@@ -93,12 +93,13 @@ def deepseek_v3(out_dir: str) -> None:
   np.savez(os.path.join(out_dir, "reference.npz"), **_reference(model, tokens, 16, 8))
 
 
-def _topk_margins(model, tokens: np.ndarray) -> float:
+def _topk_margins(model, tokens: np.ndarray, rope) -> float:
   """The smallest relative gap between the k-th and (k+1)-th visible index score.
 
   Recomputes each full indexer's scores from its own forward inputs (transformers
   returns only the indices), so a fixture can be refused when a selection would
-  hinge on rounding.
+  hinge on rounding. ``rope`` is the modelling module's rope function for the
+  indexer (GLM: interleaved pairs; DeepSeek-V3.2: halves).
   """
   import torch.nn.functional as F
   gaps = []
@@ -107,10 +108,9 @@ def _topk_margins(model, tokens: np.ndarray) -> float:
     hidden, q_resid, (cos, sin), mask = args[:4]  # as GlmMoeDsaAttention calls it
     B, S, _ = hidden.shape
     R = mod.qk_rope_head_dim
-    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
     q = mod.wq_b(q_resid).view(B, S, mod.n_heads, mod.head_dim)
     k = mod.k_norm(mod.wk(hidden)).unsqueeze(2)
-    q_rot, k_rot = apply_rotary_pos_emb_interleave(q[..., :R], k[..., :R], cos, sin, unsqueeze_dim=2)
+    q_rot, k_rot = rope(q[..., :R], k[..., :R], cos, sin, unsqueeze_dim=2)
     q = torch.cat([q_rot, q[..., R:]], -1)
     k = torch.cat([k_rot, k[..., R:]], -1).squeeze(2)
     sc = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * mod.softmax_scale)
@@ -125,7 +125,7 @@ def _topk_margins(model, tokens: np.ndarray) -> float:
           gaps.append(float((kth - nxt) / (v.abs().max() + 1e-12)))
 
   hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()
-           if type(m).__name__ == "GlmMoeDsaIndexer"]
+           if type(m).__name__.endswith("Indexer")]
   with torch.inference_mode():
     model(torch.tensor(tokens, dtype=torch.long), use_cache=False)
   for h in hooks:
@@ -133,9 +133,56 @@ def _topk_margins(model, tokens: np.ndarray) -> float:
   return min(gaps)
 
 
+def _sparse_fixture(out_dir: str, name: str, model_cls, cfg, rope) -> None:
+  """Saves the first seed's model whose top-k choices all have clear margins, with its reference.
+
+  Greedy generation is checked too, so the generated continuation needs them as
+  well (a selection that hinges on the last bits of a score would make a 1e-4
+  comparison meaningless).
+  """
+  cfg._attn_implementation = "eager"
+  tokens = np.random.default_rng(2).integers(2, cfg.vocab_size, (2, 24))
+  for seed in range(1, 200):
+    torch.manual_seed(0)
+    model = model_cls(cfg).eval()
+    _randomise(model, seed=seed)
+    if _topk_margins(model, tokens, rope) <= 2e-4:
+      continue
+    ref = _reference(model, tokens, 16, 8)
+    margin = min(_topk_margins(model, tokens, rope),
+                 _topk_margins(model, np.concatenate([tokens[:, :16], ref["greedy"]], 1), rope))
+    if margin > 2e-4:  # float32 rounding moves a score by ~1e-6 of its scale
+      break
+  else:
+    raise RuntimeError("no seed gave clear top-k margins")
+  print(f"{name}: seed {seed}, smallest relative top-k margin {margin:.2e}")
+  model.save_pretrained(out_dir)
+  np.savez(os.path.join(out_dir, "reference.npz"), **ref, topk_margin=np.float32(margin))
+
+
+def deepseek_v32(out_dir: str) -> None:
+  """A 3-layer DeepSeek-V3.2 (the indexer on every layer, its rope in halves), YaRN rope,
+  one dense and two MoE layers, index_topk 6 below the 24-token sequence."""
+  from transformers.models.deepseek_v32 import modeling_deepseek_v32 as m
+  cfg = transformers.DeepseekV32Config(
+      vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+      n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=48,
+      qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=2, topk_group=1,
+      num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=256,
+      rms_norm_eps=1e-6, tie_word_embeddings=False, index_topk=6, index_head_dim=16,
+      index_n_heads=8,
+      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                       "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+                       "mscale": 1.0, "mscale_all_dim": 1.0})
+  _sparse_fixture(out_dir, "deepseek_v32", transformers.DeepseekV32ForCausalLM, cfg,
+                  m.apply_rotary_pos_emb)
+
+
 def glm_moe_dsa(out_dir: str) -> None:
   """A 4-layer GLM 5 (DeepSeek Sparse Attention): full/shared/full/shared indexer layers,
   one dense and three MoE layers, index_topk 6 below the 24-token sequence."""
+  from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as m
   cfg = transformers.GlmMoeDsaConfig(
       vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
@@ -145,30 +192,12 @@ def glm_moe_dsa(out_dir: str) -> None:
       rms_norm_eps=1e-5, tie_word_embeddings=False, index_topk=6, index_head_dim=16,
       index_n_heads=8, indexer_types=["full", "shared", "full", "shared"],
       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-  cfg._attn_implementation = "eager"
-  tokens = np.random.default_rng(2).integers(2, cfg.vocab_size, (2, 24))
-  # Draw until every full layer's top-k has a clear margin (a selection that hinges on
-  # the last bits of a score would make a 1e-4 comparison meaningless).
-  # Greedy generation is checked too, so the generated continuation needs them as well.
-  for seed in range(1, 200):
-    torch.manual_seed(0)
-    model = transformers.GlmMoeDsaForCausalLM(cfg).eval()
-    _randomise(model, seed=seed)
-    if _topk_margins(model, tokens) <= 2e-4:
-      continue
-    ref = _reference(model, tokens, 16, 8)
-    margin = min(_topk_margins(model, tokens),
-                 _topk_margins(model, np.concatenate([tokens[:, :16], ref["greedy"]], 1)))
-    if margin > 2e-4:  # float32 rounding moves a score by ~1e-6 of its scale
-      break
-  else:
-    raise RuntimeError("no seed gave clear top-k margins")
-  print(f"glm_moe_dsa: seed {seed}, smallest relative top-k margin {margin:.2e}")
-  model.save_pretrained(out_dir)
-  np.savez(os.path.join(out_dir, "reference.npz"), **ref, topk_margin=np.float32(margin))
+  _sparse_fixture(out_dir, "glm_moe_dsa", transformers.GlmMoeDsaForCausalLM, cfg,
+                  m.apply_rotary_pos_emb_interleave)
 
 
-FIXTURE_BUILDERS = {"deepseek_v3_tf5": deepseek_v3, "glm_moe_dsa": glm_moe_dsa}
+FIXTURE_BUILDERS = {"deepseek_v3_tf5": deepseek_v3, "deepseek_v32": deepseek_v32,
+                    "glm_moe_dsa": glm_moe_dsa}
 
 
 def main(argv=None) -> int:

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 import tempfile
+import unittest
 
 import jax
 import jax.numpy as jnp
@@ -107,13 +108,19 @@ class DeepseekV3Transformers5Test(parameterized.TestCase):
       self.assertLess(rel_l2(np.stack(eng.logits[rid]), self.ref["greedy_logits"][i]), RTOL_L2)
 
 
-class GlmMoeDsaTest(parameterized.TestCase):
-  """GLM 5 (DeepSeek Sparse Attention): full and shared indexer layers, index_topk < sequence."""
+class _SparseAttentionParity(parameterized.TestCase):
+  """DeepSeek Sparse Attention against transformers; subclasses name the fixture."""
+
+  FIXTURE = ""
+  # The indexer layer schedule the fixture was saved with.
+  INDEXER_TYPES: tuple = ()
 
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.path = os.path.join(FIXTURES, "glm_moe_dsa")
+    if not cls.FIXTURE:
+      raise unittest.SkipTest("the shared body; its subclasses name a fixture")
+    cls.path = os.path.join(FIXTURES, cls.FIXTURE)
     cls.ref = dict(np.load(os.path.join(cls.path, "reference.npz")))
     cls.params, cls.cfg = load_hf_checkpoint(cls.path)
 
@@ -122,12 +129,12 @@ class GlmMoeDsaTest(parameterized.TestCase):
 
   def test_config(self):
     cfg = self.cfg
-    self.assertEqual(cfg.indexer_types, ("full", "shared", "full", "shared"))
+    self.assertEqual(cfg.indexer_types, self.INDEXER_TYPES)
     self.assertEqual((cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk), (8, 16, 6))
-    self.assertEqual(cfg.latent_eps, 1e-6)  # transformers' latent norms, not rms_norm_eps 1e-5
+    self.assertEqual(cfg.latent_eps, 1e-6)  # transformers' latent norms, whatever rms_norm_eps says
     self.assertEqual(config_from_hf(config_to_hf(cfg)), cfg)
-    self.assertIn("indexer_wq_b", self.params["layers"][0]["attn"])
-    self.assertNotIn("indexer_wq_b", self.params["layers"][1]["attn"])  # shared layer
+    for i, kind in enumerate(cfg.indexer_types):  # indexer weights on full layers only
+      self.assertEqual("indexer_wq_b" in self.params["layers"][i]["attn"], kind == "full")
 
   def test_cache_free_forward(self):
     self.assertLess(rel_l2(self._forward(self.cfg), self.ref["logits"]), RTOL_L2)
@@ -141,8 +148,8 @@ class GlmMoeDsaTest(parameterized.TestCase):
   @parameterized.parameters("naive", "absorbed")
   def test_prefill_then_decode_through_a_cache(self, mla_mode):
     steps, cache = cached_decode(self.params, self.cfg, self.ref, mla_mode)
-    self.assertIn("index_k", cache.layers[0])  # a full layer caches its indexer keys
-    self.assertNotIn("index_k", cache.layers[1])  # a shared one does not
+    for i, kind in enumerate(self.cfg.indexer_types):  # full layers cache their indexer keys
+      self.assertEqual("index_k" in cache.layers[i], kind == "full")
     self.assertLess(rel_l2(steps, self.ref["decode_logits"]), RTOL_L2)
 
   def test_greedy_generation(self):
@@ -159,7 +166,32 @@ class GlmMoeDsaTest(parameterized.TestCase):
     for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(self.params)):
       np.testing.assert_array_equal(a, b)
 
+
+class GlmMoeDsaTest(_SparseAttentionParity):
+  """GLM 5: full and shared indexer layers, indexer rope in interleaved pairs."""
+
+  FIXTURE = "glm_moe_dsa"
+  INDEXER_TYPES = ("full", "shared", "full", "shared")
+
+  def test_glm_specifics(self):
+    self.assertTrue(self.cfg.index_rope_interleave)
+    self.assertEqual(self.cfg.rms_norm_eps, 1e-5)
+
   # Paged serving (Engine, DisaggEngine) of this fixture: tests/test_glm_serving.py.
+
+
+class DeepseekV32Test(_SparseAttentionParity):
+  """DeepSeek-V3.2: the indexer on every layer, its rope in halves; YaRN."""
+
+  FIXTURE = "deepseek_v32"
+  INDEXER_TYPES = ("full", "full", "full")
+
+  def test_v32_specifics(self):
+    self.assertFalse(self.cfg.index_rope_interleave)
+    self.assertIsNotNone(self.cfg.rope_scaling)
+    # The other layout is far off: the indexer rope layout matters here.
+    glm_rope = dataclasses.replace(self.cfg, index_rope_interleave=True)
+    self.assertGreater(rel_l2(self._forward(glm_rope), self.ref["logits"]), 1e-3)
 
 
 class TransformersConfigLayoutTest(absltest.TestCase):

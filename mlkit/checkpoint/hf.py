@@ -65,6 +65,13 @@ MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 # GLM 5.x: DeepSeek-V3's layout plus DeepSeek Sparse Attention (an indexer per layer).
 GLM_ARCHITECTURE = "GlmMoeDsaForCausalLM"
 GLM_MODEL_TYPE = "glm_moe_dsa"
+# DeepSeek-V3.2: the same sparse attention on every layer, its indexer rope in halves.
+V32_ARCHITECTURE = "DeepseekV32ForCausalLM"
+V32_MODEL_TYPE = "deepseek_v32"
+# Sparse-attention layouts: architecture -> (model_type, indexer rope interleaved,
+# whether config.json may give a per-layer indexer schedule).
+_SPARSE_LAYOUTS = {GLM_ARCHITECTURE: (GLM_MODEL_TYPE, True, True),
+                   V32_ARCHITECTURE: (V32_MODEL_TYPE, False, False)}
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -108,15 +115,17 @@ def _declared_dtype(hf_config: dict):
   return hf_config.get("dtype") if declared is None else declared
 
 
-def _sparse_attention_fields(hf_config: dict, req_int) -> dict:
-  """GLM 5's indexer fields: heads, head dim, top-k and the per-layer schedule.
+def _sparse_attention_fields(hf_config: dict, req_int, arch: str) -> dict:
+  """The indexer fields of GLM 5 or DeepSeek-V3.2: heads, head dim, top-k, per-layer schedule.
 
-  ``indexer_types`` is read when given; otherwise it is derived as transformers
-  does, from ``index_topk_pattern`` ("F"/"S" per layer) or from ``index_topk_freq``
-  and ``index_skip_topk_offset`` (defaults 1 and 2: every layer full).
+  GLM: ``indexer_types`` is read when given; otherwise it is derived as
+  transformers does, from ``index_topk_pattern`` ("F"/"S" per layer) or from
+  ``index_topk_freq`` and ``index_skip_topk_offset`` (defaults 1 and 2: every
+  layer full). DeepSeek-V3.2 runs the indexer on every layer.
   """
   n = req_int("num_hidden_layers")
-  types = hf_config.get("indexer_types")
+  _, interleave, scheduled = _SPARSE_LAYOUTS[arch]
+  types = hf_config.get("indexer_types") if scheduled else ["full"] * n
   if types is None:
     pattern = hf_config.get("index_topk_pattern")
     if pattern is not None:
@@ -137,11 +146,11 @@ def _sparse_attention_fields(hf_config: dict, req_int) -> dict:
                      f"is {n}")
   return dict(index_n_heads=req_int("index_n_heads"), index_head_dim=req_int("index_head_dim"),
               index_topk=req_int("index_topk"), indexer_types=tuple(types),
-              index_rope_interleave=True)
+              index_rope_interleave=interleave)
 
 
 def config_from_hf(hf_config: dict, *, dtype=None) -> ModelConfig:
-  """Builds a ModelConfig from a DeepSeek-V3 / Kimi-K2 / GLM-5 (``glm_moe_dsa``) ``config.json`` dict.
+  """Builds a ModelConfig from a DeepSeek-V3 / Kimi-K2 / GLM-5 / DeepSeek-V3.2 ``config.json`` dict.
 
   Both layouts are read: the classic one (top-level ``rope_theta``, ``rope_scaling``)
   and the one transformers 5 writes (``rope_parameters``, ``mlp_layer_types``,
@@ -166,12 +175,13 @@ def config_from_hf(hf_config: dict, *, dtype=None) -> ModelConfig:
   if not isinstance(hf_config, dict):
     raise ValueError(f"config_from_hf: expected a dict, got {type(hf_config).__name__}")
   arch = hf_config.get("architectures")
-  if not isinstance(arch, (list, tuple)) or not {ARCHITECTURE, GLM_ARCHITECTURE} & set(arch):
+  known = (ARCHITECTURE, *_SPARSE_LAYOUTS)
+  if not isinstance(arch, (list, tuple)) or not set(known) & set(arch):
     raise ValueError(f"config_from_hf: unsupported architectures {arch!r}; expected a list containing "
-                     f"{ARCHITECTURE!r} or {GLM_ARCHITECTURE!r}")
-  glm = GLM_ARCHITECTURE in arch
+                     f"one of {known}")
+  sparse_arch = next((a for a in arch if a in _SPARSE_LAYOUTS), None)
   model_type = hf_config.get("model_type")
-  types = (GLM_MODEL_TYPE,) if glm else MODEL_TYPES
+  types = (_SPARSE_LAYOUTS[sparse_arch][0],) if sparse_arch else MODEL_TYPES
   if model_type is not None and model_type not in types:
     raise ValueError(f"config_from_hf: unsupported model_type {model_type!r} for {arch!r}; expected "
                      f"one of {types}")
@@ -282,7 +292,7 @@ def config_from_hf(hf_config: dict, *, dtype=None) -> ModelConfig:
   if not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0:
     raise ValueError(f"config_from_hf: field 'num_nextn_predict_layers' must be a non-negative int, "
                      f"got {mtp!r}")
-  sparse = _sparse_attention_fields(hf_config, req_int) if glm else {}
+  sparse = _sparse_attention_fields(hf_config, req_int, sparse_arch) if sparse_arch else {}
   fields = dict(
       name=str(hf_config.get("_name_or_path") or model_type or "deepseek_v3"),
       vocab_size=req_int("vocab_size"),
@@ -308,8 +318,8 @@ def config_from_hf(hf_config: dict, *, dtype=None) -> ModelConfig:
       topk_group=req_int("topk_group"),
       rope_theta=num("rope_theta", rope_theta),
       rope_scaling=rope_scaling,
-      # GLM's modelling code always rotates interleaved pairs (it has no rope_interleave).
-      rope_interleave=True if glm else bool(hf_config.get("rope_interleave", True)),
+      # GLM's and V3.2's modelling code always rotates MLA's rope dims as interleaved pairs.
+      rope_interleave=True if sparse_arch else bool(hf_config.get("rope_interleave", True)),
       rms_norm_eps=num("rms_norm_eps", req("rms_norm_eps")),
       tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
       max_seq_len=req_int("max_position_embeddings"),
@@ -374,8 +384,9 @@ def config_to_hf(cfg: ModelConfig) -> dict:
   }
   rs = cfg.rope_scaling
   if cfg.sparse_attention:
-    return {"architectures": [GLM_ARCHITECTURE], "model_type": GLM_MODEL_TYPE, **common,
-            **_glm_fields(cfg), "dtype": cfg.param_dtype}
+    arch = GLM_ARCHITECTURE if cfg.index_rope_interleave else V32_ARCHITECTURE
+    return {"architectures": [arch], "model_type": _SPARSE_LAYOUTS[arch][0], **common,
+            **_sparse_fields(cfg, arch), "dtype": cfg.param_dtype}
   return {
       "architectures": [ARCHITECTURE],
       "model_type": "deepseek_v3",
@@ -390,13 +401,20 @@ def config_to_hf(cfg: ModelConfig) -> dict:
   }
 
 
-def _glm_fields(cfg: ModelConfig) -> dict:
-  """GlmMoeDsaForCausalLM's own config fields (transformers 5: rope_parameters, layer-type lists)."""
-  if not (cfg.rope_interleave and cfg.index_rope_interleave):
-    raise ValueError("config_to_hf: GLM's layout rotates interleaved pairs (rope_interleave and "
-                     "index_rope_interleave must be True)")
+def _sparse_fields(cfg: ModelConfig, arch: str) -> dict:
+  """GLM 5's or DeepSeek-V3.2's own config fields (transformers 5: rope_parameters, layer lists).
+
+  The indexer's rope layout picks the architecture: interleaved pairs are GLM's,
+  halves DeepSeek-V3.2's (which runs the indexer on every layer).
+  """
+  if not cfg.rope_interleave:
+    raise ValueError(f"config_to_hf: {arch} rotates MLA's rope dims as interleaved pairs "
+                     "(rope_interleave must be True)")
+  if arch == V32_ARCHITECTURE and "shared" in cfg.indexer_types:
+    raise ValueError("config_to_hf: an indexer rope in halves is DeepSeek-V3.2's layout, which runs "
+                     "the indexer on every layer; this config has shared layers")
   if cfg.router != "sigmoid":
-    raise ValueError(f"config_to_hf: GLM's router is sigmoid, got {cfg.router!r}")
+    raise ValueError(f"config_to_hf: {arch}'s router is sigmoid, got {cfg.router!r}")
   rs = cfg.rope_scaling
   rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
   if rs is not None:
@@ -407,7 +425,7 @@ def _glm_fields(cfg: ModelConfig) -> dict:
       "index_n_heads": cfg.index_n_heads,
       "index_head_dim": cfg.index_head_dim,
       "index_topk": cfg.index_topk,
-      "indexer_types": list(cfg.indexer_types),
+      **({"indexer_types": list(cfg.indexer_types)} if arch == GLM_ARCHITECTURE else {}),
   }
 
 
