@@ -213,6 +213,44 @@ class ServeProcessesTest(absltest.TestCase):
     self.assertEqual([o["tokens"] for o in outs], self.reference)
 
 
+class HuggingFaceCheckpointPairTest(absltest.TestCase):
+  """A pair serving a Hugging Face checkpoint: GLM 5 with sparse attention (indexer keys paged,
+  pulled and landed with the latent), against the greedy tokens transformers generated."""
+
+  FIXTURE = os.path.join(ROOT, "tests", "fixtures", "glm_moe_dsa")
+
+  def test_greedy_tokens_of_transformers(self):
+    import numpy as np
+    ref = np.load(os.path.join(self.FIXTURE, "reference.npz"))
+    n, greedy = int(ref["prompt_len"]), ref["greedy"]
+    tmp = tempfile.mkdtemp(prefix="mlkit-serve-hf-")
+    pre_addr, dec_addr = (f"127.0.0.1:{launch.free_port()}" for _ in range(2))
+    common = ["--checkpoint", self.FIXTURE, "--kv-dtype", "float32", "--num-pages", "32",
+              "--max-running", "4", "--prefill-chunk", "8", "--max-pages-per-seq", "8"]
+    logs = [os.path.join(tmp, f"{r}.log") for r in ("prefill", "decode")]
+    procs = [launch.start("prefill", pre_addr, [*common, "--page-size", "4"], log=logs[0])]
+    procs.append(launch.start("decode", dec_addr, [*common, "--page-size", "8", "--prefill", pre_addr,
+                                                  "--connect-timeout", "120"], log=logs[1]))
+    try:
+      for proc, log in zip(procs, logs):
+        launch.wait_ready(proc, log)
+      with Client(dec_addr, timeout_s=120) as c:
+        outs = c.generate(ref["tokens"][:, :n].tolist(), max_new_tokens=greedy.shape[1])
+        self.assertEqual([o["tokens"] for o in outs], greedy.tolist())
+        m = c.metrics()
+        self.assertEqual(m["pages_used"], 0)
+        self.assertGreaterEqual(m["serve"]["transfers"], len(outs))
+    finally:
+      for proc, addr in zip(procs, (pre_addr, dec_addr)):
+        try:
+          with Client(addr, timeout_s=5) as c:
+            c.shutdown()
+          proc.wait(timeout=10)
+        except Exception:
+          proc.kill()
+          proc.wait()
+
+
 class ProtocolTest(absltest.TestCase):
   """The control channel's pieces, in this process (no server)."""
 
