@@ -72,14 +72,18 @@ class BlockSizes:
     block_h = max(16, min(tiles.block_h, _next_pow2(num_heads)))
     ppb = min(max(1, 64 // page_size), _next_pow2(max_pages))
     head_blocks = -(-num_heads // block_h)
-    programs = batch * head_blocks
-    steps = -(-max_pages // ppb)
-    splits = 1
-    # 132 SMs on H100/H200; split until ~2 waves, each split >= 4 steps.
-    while programs * splits < 264 and steps // (splits * 2) >= 4:
-      splits *= 2
+    splits = _num_splits(batch * head_blocks, -(-max_pages // ppb), min_steps=4)
     return cls(block_h=block_h, pages_per_block=ppb, num_splits=splits,
                num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def _num_splits(programs: int, steps: int, *, min_steps: int) -> int:
+  """Split-K count: double while the programs cover fewer than 2 waves of the
+  132 SMs of an H100/H200 and each split keeps >= min_steps steps."""
+  splits = 1
+  while programs * splits < 264 and steps // (splits * 2) >= min_steps:
+    splits *= 2
+  return splits
 
 
 def _next_pow2(n: int) -> int:
@@ -124,3 +128,62 @@ TILES: dict[tuple[str, str], Tiles] = {
     ("default", "mla"): Tiles(block_h=32, num_warps=8, num_stages=2),
     ("default", "gqa"): Tiles(block_h=16, num_warps=4, num_stages=2),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseBlockSizes:
+  """Tiling of one sparse paged MLA decode launch (ops.paged_mla_sparse_decode).
+
+  Attributes:
+    block_h: query heads per program, a power of two >= 16 (dot M >= 16).
+    block_k: selected token rows gathered per inner-loop step, a power of two
+      >= 16 (Triton tensors are powers of two; it is the dot's N and K).
+    num_splits: split-K partitions of each request's K selected indices,
+      merged afterwards as in the dense kernel.
+    num_warps: Triton warps per program.
+    num_stages: Triton software-pipelining stages.
+  """
+
+  block_h: int = 32
+  block_k: int = 32
+  num_splits: int = 1
+  num_warps: int = 8
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("block_h", "block_k"):
+      v = getattr(self, name)
+      if v < 16 or v & (v - 1):
+        raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+    if self.num_splits < 1:
+      raise ValueError(f"num_splits must be >= 1, got {self.num_splits}")
+
+  @classmethod
+  def get_default(cls, *, num_heads: int, num_indices: int, batch: int,
+                  device_kind: str | None = None) -> "SparseBlockSizes":
+    """Default tiling: the dense MLA kernel's heads, warps and stages (TILES
+    "mla") with 32-row steps, and splits until batch * head blocks * splits
+    covers the 132 SMs twice, each split keeping >= 2 steps.
+
+    Why 32 rows and not the dense kernel's 64-token page: ptxas 13.0 for
+    sm_90a (C 512, R 64, 32 heads, 8 warps) reads 186 registers, no spills,
+    for a bf16 cache at 32 rows, but 255 (the cap, zero spills, no margin) at
+    64; fp8 reads 182 / 190. 64 heads spill at either dtype
+    (docs/sparse_attention.md).
+
+    Args:
+      num_heads: query heads.
+      num_indices: K, the selected positions per request.
+      batch: requests.
+      device_kind: the target device (None: the active abstract mesh's GPU,
+        else jax.devices()).
+    """
+    if device_kind is None:
+      device_kind = device.device_kind()
+    tiles = TILES.get((device_kind, "mla")) or TILES[("default", "mla")]
+    block_h = max(16, min(tiles.block_h, _next_pow2(num_heads)))
+    block_k = 32
+    splits = _num_splits(batch * -(-num_heads // block_h), -(-num_indices // block_k),
+                         min_steps=2)
+    return cls(block_h=block_h, block_k=block_k, num_splits=splits,
+               num_warps=tiles.num_warps, num_stages=tiles.num_stages)

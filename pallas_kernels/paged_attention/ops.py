@@ -14,6 +14,7 @@ from pallas_kernels.paged_attention import mla_mgpu
 from pallas_kernels.paged_attention import reference
 from pallas_kernels.paged_attention import triton_kernels
 from pallas_kernels.paged_attention.block_sizes import BlockSizes
+from pallas_kernels.paged_attention.block_sizes import SparseBlockSizes
 
 FP8 = jnp.float8_e4m3fn
 
@@ -25,6 +26,23 @@ def _check_cache(name, pages, scales, scale_shape):
     raise ValueError(f"{name}: scales must be given exactly when the cache is fp8")
   if scales is not None and scales.shape != scale_shape:
     raise ValueError(f"{name} scales: expected shape {scale_shape}, got {scales.shape}")
+
+
+def _check_mla_inputs(q_latent, q_rope, latent, k_rope, latent_scale,
+                      k_rope_scale, block_tables, lengths):
+  """ValueError unless the MLA decode inputs agree in shape and dtype."""
+  b, h, c = q_latent.shape
+  n, ps, r = k_rope.shape
+  if latent.shape != (n, ps, c) or q_rope.shape != (b, h, r):
+    raise ValueError(f"shape mismatch: q_latent {q_latent.shape}, q_rope "
+                     f"{q_rope.shape}, latent {latent.shape}, k_rope {k_rope.shape}")
+  if latent.dtype != k_rope.dtype:
+    raise ValueError(f"latent and k_rope dtypes differ: {latent.dtype}, {k_rope.dtype}")
+  _check_cache("latent", latent, latent_scale, (n, ps))
+  _check_cache("k_rope", k_rope, k_rope_scale, (n, ps))
+  if block_tables.ndim != 2 or block_tables.shape[0] != b or lengths.shape != (b,):
+    raise ValueError(f"block_tables {block_tables.shape} / lengths {lengths.shape} "
+                     f"do not match batch {b}")
 
 
 def _pad_tables(block_tables, multiple):
@@ -172,18 +190,8 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
     ValueError: on inconsistent shapes or dtypes, or an unknown backend.
   """
   backend = dispatch.resolve_backend(backend)
-  b, h, c = q_latent.shape
-  n, ps, r = k_rope.shape
-  if latent.shape != (n, ps, c) or q_rope.shape != (b, h, r):
-    raise ValueError(f"shape mismatch: q_latent {q_latent.shape}, q_rope "
-                     f"{q_rope.shape}, latent {latent.shape}, k_rope {k_rope.shape}")
-  if latent.dtype != k_rope.dtype:
-    raise ValueError(f"latent and k_rope dtypes differ: {latent.dtype}, {k_rope.dtype}")
-  _check_cache("latent", latent, latent_scale, (n, ps))
-  _check_cache("k_rope", k_rope, k_rope_scale, (n, ps))
-  if block_tables.shape[0] != b or lengths.shape != (b,):
-    raise ValueError(f"block_tables {block_tables.shape} / lengths {lengths.shape} "
-                     f"do not match batch {b}")
+  _check_mla_inputs(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
+                    block_tables, lengths)
   if backend == "xla":
     return reference.paged_mla_decode_reference(
         q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
@@ -194,12 +202,6 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
     return _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
                      k_rope_scale, block_tables, lengths, scale=scale,
                      num_splits=bs.num_splits, interpret=backend == "interpret")
-  bh = bs.block_h
-  h_pad = -h % bh
-  if h_pad:
-    q_latent = jnp.pad(q_latent, ((0, 0), (0, h_pad), (0, 0)))
-    q_rope = jnp.pad(q_rope, ((0, 0), (0, h_pad), (0, 0)))
-  hp = h + h_pad
   ppb = bs.pages_per_block
   splits = bs.num_splits
   block_tables = _pad_tables(block_tables.astype(jnp.int32), splits * ppb)
@@ -207,16 +209,134 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
   kernel = functools.partial(
       triton_kernels.mla_kernel, scale=float(scale),
       pages_per_split=pages_per_split, pages_per_block=ppb)
-  grid = (b, hp // bh, splits)
+  return _mla_split_k_call(
+      kernel, "paged_mla_decode", q_latent, q_rope,
+      [(latent, _full_spec(latent)), (k_rope, _full_spec(k_rope)),
+       (latent_scale, _full_spec(latent_scale)),
+       (k_rope_scale, _full_spec(k_rope_scale)),
+       (block_tables, _full_spec(block_tables)),
+       (lengths.astype(jnp.int32), _full_spec(lengths))],
+      block_h=bs.block_h, splits=splits, num_warps=bs.num_warps,
+      num_stages=bs.num_stages, interpret=backend == "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "backend", "block_sizes"))
+def paged_mla_sparse_decode(q_latent, q_rope, latent, k_rope, latent_scale,
+                            k_rope_scale, block_tables, lengths, indices, *,
+                            scale, backend=None, block_sizes=None):
+  """Sparse MLA decode attention (absorbed form) over a paged latent cache.
+
+  Request b attends only to the token positions indices[b] selects
+  (DeepSeek Sparse Attention's top-k; docs/sparse_attention.md): position p
+  at page block_tables[b, p // page_size], slot p % page_size. Softmax in
+  f32, fp8 pages dequantised with their per-token scales. The Pallas kernel
+  (triton_kernels.sparse_mla_kernel, Triton backend) gathers block_k selected
+  rows per step, so it reads K rows per request whatever the context; it
+  splits the K indices into ``num_splits`` partitions (split-K) and merges
+  their partials as paged_mla_decode does.
+
+  Args:
+    q_latent: [B, H, C] absorbed query (bf16 or f32).
+    q_rope: [B, H, R] rope part of the query.
+    latent: [N, page_size, C] latent pages, bf16, f32 or float8_e4m3fn.
+    k_rope: [N, page_size, R] rope-key pages, same dtype as latent.
+    latent_scale, k_rope_scale: [N, page_size] f32 per-token scales when fp8,
+      else None.
+    block_tables: [B, M] int32 page ids; entries past the used pages may be
+      out of the pool (PAD_PAGE = -1).
+    lengths: [B] int32 valid tokens per request.
+    indices: [B, K] int32 selected positions, K <= M * page_size; -1 selects
+      nothing (as does any position outside [0, lengths[b])). Positions
+      should be distinct: a repeated one counts twice.
+    scale: softmax scale.
+    backend: "pallas" | "interpret" | "xla" | None (pallas on GPU, else xla).
+    block_sizes: SparseBlockSizes, or None for SparseBlockSizes.get_default.
+
+  Returns:
+    [B, H, C] in q_latent's dtype; a row with no valid index gives zeros.
+
+  Raises:
+    ValueError: on inconsistent shapes or dtypes, or an unknown backend.
+  """
+  backend = dispatch.resolve_backend(backend)
+  _check_mla_inputs(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
+                    block_tables, lengths)
+  b, h, _ = q_latent.shape
+  n, ps, _ = k_rope.shape
+  if indices.dtype != jnp.int32:
+    raise ValueError(f"indices must be int32 token positions, got {indices.dtype}")
+  if indices.ndim != 2 or indices.shape[0] != b or indices.shape[1] < 1:
+    raise ValueError(f"indices must be [B={b}, K >= 1], got {indices.shape}")
+  k = indices.shape[1]
+  m = block_tables.shape[1]
+  if k > m * ps:
+    raise ValueError(f"indices select K={k} positions but block_tables [{b}, {m}] "
+                     f"of {ps}-token pages hold at most {m * ps}")
+  if backend == "xla":
+    return reference.paged_mla_sparse_decode_reference(
+        q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
+        block_tables, lengths, indices, scale=scale)
+
+  bs = block_sizes or SparseBlockSizes.get_default(num_heads=h, num_indices=k, batch=b)
+  bk, splits = bs.block_k, bs.num_splits
+  # Pad K with -1 to whole steps in every split; padded steps select nothing.
+  per_split = -(-k // (splits * bk)) * bk
+  indices = jnp.pad(indices, ((0, 0), (0, splits * per_split - k)), constant_values=-1)
+  kernel = functools.partial(
+      triton_kernels.sparse_mla_kernel, scale=float(scale), page_size=ps,
+      table_width=m, indices_per_split=per_split, block_k=bk)
+
+  def rows(x):
+    """[N, ps, ...] -> [N * ps, ...]: one row per token slot (a free reshape
+    of the contiguous pool), so a step gathers rows page * ps + slot."""
+    if x is None:
+      return None, None
+    x = x.reshape(n * ps, *x.shape[2:])
+    return x, _full_spec(x)
+
+  flat_tables = block_tables.astype(jnp.int32).reshape(b * m)
+  return _mla_split_k_call(
+      kernel, "paged_mla_sparse_decode", q_latent, q_rope,
+      [rows(latent), rows(k_rope), rows(latent_scale), rows(k_rope_scale),
+       (flat_tables, _full_spec(flat_tables)),
+       (lengths.astype(jnp.int32), _full_spec(lengths)),
+       (indices, _full_spec(indices))],
+      block_h=bs.block_h, splits=splits, num_warps=bs.num_warps,
+      num_stages=bs.num_stages, interpret=backend == "interpret")
+
+
+def _mla_split_k_call(kernel, name, q_latent, q_rope, operands, *, block_h,
+                      splits, num_warps, num_stages, interpret):
+  """Runs a split-K MLA decode kernel on the Triton backend and merges its splits.
+
+  Args:
+    kernel: the kernel, taking (q_lat_ref [bh, C], q_rope_ref [bh, R],
+      *operand refs, acc_ref [bh, C], m_ref [bh], l_ref [bh]) per
+      (request, head block, split) program.
+    name: the kernel's name.
+    q_latent: [B, H, C], q_rope: [B, H, R]; heads are padded to block_h.
+    operands: (array or None, BlockSpec or None) pairs after the query.
+    block_h, splits, num_warps, num_stages: the launch's tiling.
+    interpret: run in interpret mode.
+
+  Returns:
+    [B, H, C] in q_latent's dtype.
+  """
+  b, h, c = q_latent.shape
+  r = q_rope.shape[-1]
+  bh = block_h
+  h_pad = -h % bh
+  if h_pad:
+    q_latent = jnp.pad(q_latent, ((0, 0), (0, h_pad), (0, 0)))
+    q_rope = jnp.pad(q_rope, ((0, 0), (0, h_pad), (0, 0)))
+  hp = h + h_pad
   acc, m, l = pl.pallas_call(
       kernel,
-      grid=grid,
+      grid=(b, hp // bh, splits),
       in_specs=[
           pl.BlockSpec((None, bh, c), lambda i, j, k: (i, j, 0)),
           pl.BlockSpec((None, bh, r), lambda i, j, k: (i, j, 0)),
-          _full_spec(latent), _full_spec(k_rope),
-          _full_spec(latent_scale), _full_spec(k_rope_scale),
-          _full_spec(block_tables), _full_spec(lengths),
+          *(spec for _, spec in operands),
       ],
       out_specs=[
           pl.BlockSpec((None, None, bh, c), lambda i, j, k: (i, k, j, 0)),
@@ -228,12 +348,10 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
           jax.ShapeDtypeStruct((b, splits, hp), jnp.float32),
           jax.ShapeDtypeStruct((b, splits, hp), jnp.float32),
       ],
-      compiler_params=pltriton.CompilerParams(
-          num_warps=bs.num_warps, num_stages=bs.num_stages),
-      interpret=backend == "interpret",
-      name="paged_mla_decode",
-  )(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
-    block_tables, lengths.astype(jnp.int32))
+      compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name=name,
+  )(q_latent, q_rope, *(x for x, _ in operands))
   out = reference.combine_splits(acc, m, l)[:, :h]
   return out.astype(q_latent.dtype)
 

@@ -66,6 +66,57 @@ def paged_mla_decode_reference(q_latent, q_rope, latent, k_rope, latent_scale,
   return out.astype(q_latent.dtype)
 
 
+def paged_mla_sparse_decode_reference(q_latent, q_rope, latent, k_rope,
+                                      latent_scale, k_rope_scale, block_tables,
+                                      lengths, indices, *, scale):
+  """Sparse MLA decode attention (absorbed form) over a paged latent cache.
+
+  As paged_mla_decode_reference, but request b attends only to the token
+  positions indices[b] selects (DeepSeek Sparse Attention's top-k,
+  docs/sparse_attention.md): the K selected rows are gathered, then plain
+  attention runs over them. Softmax in f32.
+
+  Args:
+    q_latent: [B, H, C] absorbed query (bf16 or f32).
+    q_rope: [B, H, R] rope part of the query.
+    latent: [N, page_size, C] latent pages, bf16 or float8_e4m3fn.
+    k_rope: [N, page_size, R] rope-key pages, same dtype as latent.
+    latent_scale, k_rope_scale: [N, page_size] f32 per-token scales when fp8,
+      else None.
+    block_tables: [B, M] int32 page ids (PAD_PAGE = -1 past the used pages).
+    lengths: [B] int32 valid tokens per request.
+    indices: [B, K] int32 selected positions; -1 (and, defensively, any
+      position outside [0, lengths[b])) selects nothing. A position listed
+      twice counts twice, as it would in any gather-then-attend kernel.
+    scale: softmax scale.
+
+  Returns:
+    [B, H, C] in q_latent's dtype; a row with no valid index gives zeros.
+  """
+  n, ps = latent.shape[:2]
+  valid = (indices >= 0) & (indices < lengths[:, None])  # [B, K]
+  pos = jnp.where(valid, indices, 0)
+  page = jnp.take_along_axis(block_tables, pos // ps, axis=1)  # [B, K]
+  page = jnp.clip(page, 0, n - 1)
+  slot = pos % ps
+
+  def gather(pages, scales):
+    x = pages[page, slot].astype(jnp.float32)  # [B, K, ...]
+    if scales is not None:
+      x = x * scales[page, slot].astype(jnp.float32)[..., None]
+    return jnp.where(valid[..., None], x, 0.0)  # unselected rows may be NaN
+
+  lat = gather(latent, latent_scale)  # [B, K, C]
+  rope = gather(k_rope, k_rope_scale)  # [B, K, R]
+  logits = jnp.einsum("BHC,BKC->BHK", q_latent.astype(jnp.float32), lat, precision=_HI)
+  logits += jnp.einsum("BHR,BKR->BHK", q_rope.astype(jnp.float32), rope, precision=_HI)
+  logits = jnp.where(valid[:, None, :], logits * scale, -jnp.inf)
+  p = jax.nn.softmax(logits, axis=-1)
+  out = jnp.einsum("BHK,BKC->BHC", p, lat, precision=_HI)
+  out = jnp.where(valid.any(axis=1)[:, None, None], out, 0.0)  # empty rows: zeros
+  return out.astype(q_latent.dtype)
+
+
 def paged_gqa_decode_reference(q, k, v, k_scale, v_scale, block_tables, lengths,
                                *, scale):
   """GQA decode attention over paged K/V.

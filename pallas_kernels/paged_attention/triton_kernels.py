@@ -56,6 +56,33 @@ def _online_softmax_step(logits, carry):
   return p, alpha, m_new, l_new
 
 
+def _mla_logits(q_lat, q_rope, lat, rope, lat_scale_ref, rope_scale_ref, ids,
+                col_ok):
+  """Unscaled MLA logits of one step and the latent's value scales.
+
+  Args:
+    q_lat [bh, C], q_rope [bh, R]: the query; lat [bk, C], rope [bk, R]: the
+      step's tokens in the compute dtype (fp8 not yet scaled).
+    lat_scale_ref, rope_scale_ref: per-token scale refs or None (not fp8).
+    ids: what indexes the scale refs to give this step's [bk] scales.
+    col_ok [1, bk]: the columns that hold a real token.
+
+  Returns:
+    (logits [bh, bk] f32 = q_lat . lat + q_rope . rope, dequantised;
+     lat_scale [1, bk] f32, 0 where not col_ok, or None).
+  """
+  s_lat = _dot_nt(q_lat, lat)  # [bh, bk] f32
+  s_rope = _dot_nt(q_rope, rope)
+  if lat_scale_ref is None:
+    return s_lat + s_rope, None
+  bk = col_ok.shape[1]
+  # Scales of unused slots may be garbage too; zero them so p * scale stays
+  # finite (a [1, bk] select, cheap).
+  lat_scale = jnp.where(col_ok, lat_scale_ref[ids].reshape(1, bk), 0.0)
+  rope_scale = jnp.where(col_ok, rope_scale_ref[ids].reshape(1, bk), 0.0)
+  return s_lat * lat_scale + s_rope * rope_scale, lat_scale
+
+
 def _split_range(b, pages_per_split, page_size, lengths_ref):
   """Page range [start, end) of this program's split for request b."""
   split = pl.program_id(2)
@@ -107,18 +134,9 @@ def mla_kernel(q_lat_ref, q_rope_ref, lat_ref, rope_ref, lat_scale_ref,
                     lat_ref.shape[0], length, ps)  # [ppb]
     lat = lat_ref[ids].reshape(bk, c).astype(compute_dtype)
     rope = rope_ref[ids].reshape(bk, rope_ref.shape[2]).astype(compute_dtype)
-    s_lat = _dot_nt(q_lat, lat)  # [bh, bk] f32
-    s_rope = _dot_nt(q_rope, rope)
-    if lat_scale_ref is not None:
-      # Scales of unused slots may be garbage too; zero them so p * scale
-      # stays finite (a [1, bk] select, cheap).
-      col_ok = (first * ps + lax.broadcasted_iota(jnp.int32, (1, bk), 1)) < length
-      lat_scale = jnp.where(col_ok, lat_scale_ref[ids].reshape(1, bk), 0.0)
-      rope_scale = jnp.where(col_ok, rope_scale_ref[ids].reshape(1, bk), 0.0)
-      logits = s_lat * lat_scale + s_rope * rope_scale
-    else:
-      lat_scale = None
-      logits = s_lat + s_rope
+    col_ok = (first * ps + lax.broadcasted_iota(jnp.int32, (1, bk), 1)) < length
+    logits, lat_scale = _mla_logits(q_lat, q_rope, lat, rope, lat_scale_ref,
+                                    rope_scale_ref, ids, col_ok)
     logits = logits * scale
     pos = first * ps + lax.broadcasted_iota(jnp.int32, (bh, bk), 1)
     logits = jnp.where(pos < length, logits, MASK_VALUE)
@@ -191,6 +209,77 @@ def gqa_kernel(q_ref, k_ref, v_ref, k_scale_ref, v_scale_ref,
           jnp.zeros((bh,), jnp.float32))
   steps = pl.cdiv(jnp.maximum(end - start, 0), pages_per_block)
   acc, m, l = lax.fori_loop(0, steps, body, init)
+  acc_ref[...] = acc
+  m_ref[...] = m
+  l_ref[...] = l
+
+
+def sparse_mla_kernel(q_lat_ref, q_rope_ref, lat_ref, rope_ref, lat_scale_ref,
+                      rope_scale_ref, block_tables_ref, lengths_ref, indices_ref,
+                      acc_ref, m_ref, l_ref, *, scale, page_size, table_width,
+                      indices_per_split, block_k):
+  """One (request, head block, split) program of sparse paged MLA decode.
+
+  Like mla_kernel, but a step gathers ``block_k`` selected token rows instead
+  of whole pages: token position p lives at row
+  block_tables[b, p // page_size] * page_size + p % page_size of the
+  flattened pages, so the latent read per query is bounded by the selection
+  (K rows), not the context (docs/sparse_attention.md).
+
+  Refs:
+    q_lat_ref [bh, C], q_rope_ref [bh, R]: this head block's query.
+    lat_ref [N * ps, C], rope_ref [N * ps, R]: all pages, one row per token slot.
+    lat_scale_ref, rope_scale_ref [N * ps] or None.
+    block_tables_ref [B * M]: the flattened tables (a 1-D gather per step).
+    lengths_ref [B].
+    indices_ref [B, K_pad]: selected positions, -1 = none.
+    acc_ref [bh, C] f32, m_ref, l_ref [bh] f32: this split's partials.
+  """
+  b = pl.program_id(0)
+  split = pl.program_id(2)
+  bh, c = q_lat_ref.shape
+  rows_total = lat_ref.shape[0]
+  num_pages = rows_total // page_size
+  length = lengths_ref[b]
+  q_lat = q_lat_ref[...]
+  q_rope = q_rope_ref[...]
+  compute_dtype = q_lat.dtype
+
+  def body(i, carry):
+    acc, _, _ = carry
+    first = split * indices_per_split + i * block_k
+    pos = indices_ref[b, pl.ds(first, block_k)]  # [bk] token positions
+    # -1 padding and (defensively) positions past the length select nothing;
+    # they read row 0 so no load is out of bounds, and are masked below.
+    valid = (pos >= 0) & (pos < length)
+    pos = jnp.where(valid, pos, 0)
+    page = block_tables_ref[b * table_width + pos // page_size]  # [bk]
+    page = jnp.clip(page, 0, num_pages - 1)
+    rows = jnp.where(valid, page * page_size + pos % page_size, 0)
+    lat = lat_ref[rows].astype(compute_dtype)  # [bk, C]
+    rope = rope_ref[rows].astype(compute_dtype)  # [bk, R]
+    col_ok = valid.reshape(1, block_k)
+    # Invalid columns read row 0, whose scales may be garbage: _mla_logits
+    # zeroes them.
+    logits, lat_scale = _mla_logits(q_lat, q_rope, lat, rope, lat_scale_ref,
+                                    rope_scale_ref, rows, col_ok)
+    logits = jnp.where(col_ok, logits * scale, MASK_VALUE)
+    p, alpha, m_new, _ = _online_softmax_step(logits, carry)
+    # A block with no valid column would give p = exp(0) = 1 while m is still
+    # MASK_VALUE; zero p so an empty row keeps l == 0 (and gives zeros).
+    p = jnp.where(col_ok, p, 0.0)
+    l_new = alpha * carry[2] + p.sum(axis=-1)
+    pv = p if lat_scale is None else p * lat_scale
+    # Invalid rows read row 0, which may hold NaN (fp8 0x7f); p == 0 does not
+    # cancel NaN, so zero them.
+    lat = jnp.where(valid.reshape(block_k, 1), lat, jnp.zeros_like(lat))
+    acc = acc * alpha[:, None] + _dot_nn(pv.astype(compute_dtype), lat)
+    return acc, m_new, l_new
+
+  init = (jnp.zeros((bh, c), jnp.float32),
+          jnp.full((bh,), MASK_VALUE, jnp.float32),
+          jnp.zeros((bh,), jnp.float32))
+  acc, m, l = lax.fori_loop(0, indices_per_split // block_k, body, init)
   acc_ref[...] = acc
   m_ref[...] = m
   l_ref[...] = l
