@@ -7,11 +7,20 @@ leaves an output element unwritten, fails. The reference itself is checked
 against the dense reference with every position selected.
 """
 
+import functools
+import os
+from unittest import mock
+
 from absl.testing import absltest
 from absl.testing import parameterized
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mlkit import kvcache as kvc
+from mlkit import model
+from mlkit.checkpoint import load_hf_checkpoint
+from mlkit.model import sparse_attention as dsa
 from pallas_kernels.paged_attention import SparseBlockSizes
 from pallas_kernels.paged_attention import paged_mla_decode_reference
 from pallas_kernels.paged_attention import paged_mla_sparse_decode
@@ -196,6 +205,62 @@ class SparseBadInputTest(parameterized.TestCase):
   def test_unknown_backend(self):
     with self.assertRaisesRegex(ValueError, "backend"):
       paged_mla_sparse_decode(*self.args, scale=1.0, backend="cuda")
+
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "glm_moe_dsa")
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"))
+def _apply(params, tokens, positions, cache, meta, *, cfg, backend=None):
+  return model.apply(params, tokens, positions, cache, cfg=cfg, batch_meta=meta,
+                     backend=backend)
+
+
+class SparseDecodeModelTest(absltest.TestCase):
+  """The model's paged decode step on a sparse-attention layer runs the kernel."""
+
+  def test_selected_positions(self):
+    sel = jnp.asarray([[False, True, False, True, True, False],
+                       [False] * 6,
+                       [True] * 6])
+    got = dsa.selected_positions(sel, 4)
+    np.testing.assert_array_equal(np.asarray(got), [[1, 3, 4, -1], [-1] * 4, [0, 1, 2, 3]])
+    self.assertEqual(got.dtype, jnp.int32)
+    self.assertEqual(dsa.selected_positions(sel, 9).shape, (3, 6))  # k capped at S
+
+  def test_paged_decode_matches_the_contiguous_cache(self):
+    # GLM fixture (docs/sparse_attention.md; index_topk 6 below the prompt), f32: prefill
+    # the prompt, then decode the next token through a paged pool with the kernel in
+    # interpret mode and through the contiguous cache (XLA over the view, mask narrowed
+    # to the selection). Every layer's decode goes through sparse_decode_attention.
+    params, cfg = load_hf_checkpoint(FIXTURE)
+    ref = np.load(os.path.join(FIXTURE, "reference.npz"))
+    n = int(ref["prompt_len"])
+    tokens = jnp.asarray(ref["tokens"][:, : n + 1], jnp.int32)
+    B = tokens.shape[0]
+    self.assertGreater(n + 1, cfg.index_topk)  # the selection is narrower than dense
+    pos = jnp.broadcast_to(jnp.arange(n + 1, dtype=jnp.int32), (B, n + 1))
+    page = 4
+    pages = -(-(n + 1) // page)
+    alloc = kvc.PageAllocator(B * pages + 3, page)
+    alloc.allocate(3)  # so the requests do not start at page 0
+    for rid in range(B):
+      self.assertIsNone(alloc.admit(rid, n + 1))
+    meta = alloc.batch_meta(list(range(B)), max_pages=pages)
+    pool = kvc.sync_tags(
+        kvc.init_paged_state(cfg, kvc.KVCacheConfig(B * pages + 3, page, "float32")),
+        alloc.device_tags())
+    contig = model.init_cache(cfg, B, 32)
+    _, contig = _apply(params, tokens[:, :n], pos[:, :n], contig, None, cfg=cfg)
+    want, _ = _apply(params, tokens[:, n:], pos[:, n:], contig, None, cfg=cfg)
+    _, pool = _apply(params, tokens[:, :n], pos[:, :n], pool, meta, cfg=cfg)
+    real = kvc.PagedKVState.sparse_decode_attention
+    with mock.patch.object(kvc.PagedKVState, "sparse_decode_attention", autospec=True,
+                           side_effect=real) as spy:
+      got, _ = _apply(params, tokens[:, n:], pos[:, n:], pool, meta, cfg=cfg,
+                      backend="interpret")
+    self.assertEqual(spy.call_count, cfg.n_layers)
+    self.assertLessEqual(_rel_err(got, want), 1e-4)
 
 
 if __name__ == "__main__":

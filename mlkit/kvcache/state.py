@@ -204,6 +204,35 @@ class PagedKVState:
     return fn(*queries, lp[a], lp[b], sa, sb, batch_meta.block_tables, batch_meta.lengths,
               scale=float(scale), backend=backend)
 
+  def sparse_decode_attention(self, layer: int, queries: tuple, indices: jax.Array,
+                              batch_meta: BatchMeta, *, scale: float,
+                              backend: str | None = None) -> jax.Array:
+    """One MLA decode query per request attending to the positions it selected.
+
+    The sparse form of :meth:`decode_attention` (DeepSeek Sparse Attention,
+    docs/sparse_attention.md): the paged kernel reads only the selected tokens.
+
+    Args:
+      layer: layer index (an MLA pool's).
+      queries: (q_latent [B, H, C], q_rope [B, H, R]).
+      indices: [B, K] int32 selected token positions, -1 = none.
+      batch_meta: block tables and lengths (the current token included).
+      scale: softmax scale.
+      backend: "pallas" | "interpret" | "xla" | None (platform default).
+
+    Returns:
+      out_latent [B, H, C]; a row with no selected position gives zeros.
+    """
+    from pallas_kernels import paged_attention as kernels
+    if self.attention != "mla":
+      raise ValueError("sparse decode attention needs an MLA pool")
+    lp = self.layers[layer]
+    a, b = self.names
+    sa, sb = (lp[scale_name(a)], lp[scale_name(b)]) if self.is_fp8 else (None, None)
+    return kernels.paged_mla_sparse_decode(
+        *queries, lp[a], lp[b], sa, sb, batch_meta.block_tables, batch_meta.lengths,
+        indices, scale=float(scale), backend=backend)
+
 
 def init_paged_state(cfg: ModelConfig, kv_cfg: KVCacheConfig) -> PagedKVState:
   """An empty pool: zero pages, unit scales (fp8), all tags 0 (never allocated).

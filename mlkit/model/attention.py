@@ -240,8 +240,9 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: i
 
   Decode steps (T == 1) on a cache that offers ``decode_attention`` (the paged
   cache) run attention through it, i.e. through the paged-attention kernels,
-  always in MLA's absorbed form; everything else, and sparse attention on any
-  cache, attends over the cache's view.
+  always in MLA's absorbed form (sparse attention: through
+  ``sparse_decode_attention`` over the selected positions); everything else
+  attends over the cache's view.
 
   Args:
     p: the layer's attention params.
@@ -311,8 +312,10 @@ def _sparse_mla_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer:
   B, T, _ = x.shape
   # Every cache, the paged one included and for decode steps too, goes through
   # ``cache.update``: its view holds the indexer keys the selection is scored over.
-  # The paged-attention kernels (``decode_attention``) would ignore the selection,
-  # and there is no sparse paged decode kernel yet (docs/sparse_attention.md).
+  # A decode step on a cache with ``sparse_decode_attention`` (the paged one) then
+  # attends through the sparse paged kernel over the selected positions only; the
+  # dense kernels (``decode_attention``) would ignore the selection
+  # (docs/sparse_attention.md).
   full = cfg.runs_indexer(layer)
   if not full and selection is None:
     raise ValueError(f"layer {layer} is a shared sparse-attention layer but no earlier full layer "
@@ -330,8 +333,17 @@ def _sparse_mla_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer:
                                 cfg.index_topk)
   elif selection.shape != mask.shape:
     raise ValueError(f"selection {selection.shape} does not match layer {layer}'s keys {mask.shape}")
-  absorbed = mla_mode == "absorbed" or (mla_mode == "auto" and T == 1)
-  fn = mla_attention_absorbed if absorbed else mla_attention_naive
-  heads = fn(p, q_nope, q_rope, view, mask & selection, cfg)  # [B, T, H, v]
+  if T == 1 and cache is not None and hasattr(cache, "sparse_decode_attention"):
+    with jax.named_scope("paged_sparse_decode_attention"):
+      indices = dsa.selected_positions(mask[:, 0] & selection[:, 0], cfg.index_topk)
+      q_latent = mla_absorb_query(p, q_nope, cfg)  # [B, 1, H, C]
+      out_latent = cache.sparse_decode_attention(
+          layer, (q_latent[:, 0], q_rope[:, 0]), indices, batch_meta,
+          scale=cfg.softmax_scale, backend=backend)
+      heads = mla_absorb_output(p, out_latent[:, None], cfg)  # [B, 1, H, v]
+  else:
+    absorbed = mla_mode == "absorbed" or (mla_mode == "auto" and T == 1)
+    fn = mla_attention_absorbed if absorbed else mla_attention_naive
+    heads = fn(p, q_nope, q_rope, view, mask & selection, cfg)  # [B, T, H, v]
   out = matmul(heads.reshape(B, T, -1), p["wo"], backend=backend)
   return out, cache, selection
