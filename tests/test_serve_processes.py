@@ -37,6 +37,18 @@ def _start(role: str, listen: str, *extra: str, log: str):
   return launch.start(role, listen, [*MODEL, *extra], log=log)
 
 
+def _stop(servers) -> None:
+  """Shuts (process, address) servers down over their control channel, killing any that hang."""
+  for proc, addr in servers:
+    try:
+      with Client(addr, timeout_s=5) as c:
+        c.shutdown()
+      proc.wait(timeout=10)
+    except Exception:
+      proc.kill()
+      proc.wait()
+
+
 class ServeProcessesTest(absltest.TestCase):
 
   @classmethod
@@ -65,14 +77,7 @@ class ServeProcessesTest(absltest.TestCase):
 
   @classmethod
   def tearDownClass(cls):
-    for proc, addr in ((cls.decode, cls.dec_addr), (cls.prefill, cls.pre_addr)):
-      try:
-        with Client(addr, timeout_s=5) as c:
-          c.shutdown()
-        proc.wait(timeout=10)
-      except Exception:
-        proc.kill()
-        proc.wait()
+    _stop([(cls.decode, cls.dec_addr), (cls.prefill, cls.pre_addr)])
     super().tearDownClass()
 
   @classmethod
@@ -241,14 +246,7 @@ class HuggingFaceCheckpointPairTest(absltest.TestCase):
         self.assertEqual(m["pages_used"], 0)
         self.assertGreaterEqual(m["serve"]["transfers"], len(outs))
     finally:
-      for proc, addr in zip(procs, (pre_addr, dec_addr)):
-        try:
-          with Client(addr, timeout_s=5) as c:
-            c.shutdown()
-          proc.wait(timeout=10)
-        except Exception:
-          proc.kill()
-          proc.wait()
+      _stop(zip(procs, (pre_addr, dec_addr)))
 
 
 class ProtocolTest(absltest.TestCase):
