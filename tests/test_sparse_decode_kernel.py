@@ -232,7 +232,8 @@ class SparseDecodeModelTest(absltest.TestCase):
     # GLM fixture (docs/sparse_attention.md; index_topk 6 below the prompt), f32: prefill
     # the prompt, then decode the next token through a paged pool with the kernel in
     # interpret mode and through the contiguous cache (XLA over the view, mask narrowed
-    # to the selection). Every layer's decode goes through sparse_decode_attention.
+    # to the selection). Every layer's decode goes through sparse_decode_attention, every
+    # full layer's selection through the paged indexer kernel, and no page is gathered.
     params, cfg = load_hf_checkpoint(FIXTURE)
     ref = np.load(os.path.join(FIXTURE, "reference.npz"))
     n = int(ref["prompt_len"])
@@ -255,11 +256,18 @@ class SparseDecodeModelTest(absltest.TestCase):
     want, _ = _apply(params, tokens[:, n:], pos[:, n:], contig, None, cfg=cfg)
     _, pool = _apply(params, tokens[:, :n], pos[:, :n], pool, meta, cfg=cfg)
     real = kvc.PagedKVState.sparse_decode_attention
+    real_select = kvc.PagedKVState.sparse_decode_select
     with mock.patch.object(kvc.PagedKVState, "sparse_decode_attention", autospec=True,
-                           side_effect=real) as spy:
+                           side_effect=real) as spy, \
+         mock.patch.object(kvc.PagedKVState, "sparse_decode_select", autospec=True,
+                           side_effect=real_select) as select_spy, \
+         mock.patch.object(kvc.PagedKVState, "update", autospec=True,
+                           side_effect=AssertionError("a paged decode step gathered pages")):
       got, _ = _apply(params, tokens[:, n:], pos[:, n:], pool, meta, cfg=cfg,
                       backend="interpret")
     self.assertEqual(spy.call_count, cfg.n_layers)
+    # The indexer kernel scores the paged keys on the full layers only.
+    self.assertEqual(select_spy.call_count, sum(map(cfg.runs_indexer, range(cfg.n_layers))))
     self.assertLessEqual(_rel_err(got, want), 1e-4)
 
 

@@ -234,6 +234,35 @@ class PagedKVState:
         indices, scale=float(scale), backend=backend)
 
 
+  def sparse_decode_select(self, layer: int, q: jax.Array, weights: jax.Array,
+                           batch_meta: BatchMeta, *, k: int,
+                           backend: str | None = None) -> jax.Array:
+    """The positions each decode query selects: its ``k`` best-scoring cached tokens.
+
+    The sparse-attention indexer over this layer's paged index keys (the
+    paged index-scoring kernel, then top-k; docs/sparse_attention.md): no
+    gather of the request's pages.
+
+    Args:
+      layer: a layer that stores index keys (``index_k``).
+      q: [B, Hi, Di] indexer queries; weights: [B, Hi] f32 head weights.
+      batch_meta: block tables and lengths (the current token included).
+      k: index_topk.
+      backend: "pallas" | "interpret" | "xla" | None (platform default).
+
+    Returns:
+      [B, min(k, max_pages * page_size)] int32 positions ascending, then -1:
+      the ``indices`` of :meth:`sparse_decode_attention`.
+    """
+    from pallas_kernels import indexer
+    lp = self.layers[layer]
+    if "index_k" not in lp:
+      raise ValueError(f"layer {layer} stores no index keys (not a full sparse-attention layer)")
+    return indexer.paged_index_topk(q, weights, lp["index_k"], lp.get(scale_name("index_k")),
+                                    batch_meta.block_tables, batch_meta.lengths, k=int(k),
+                                    backend=backend)
+
+
 def init_paged_state(cfg: ModelConfig, kv_cfg: KVCacheConfig) -> PagedKVState:
   """An empty pool: zero pages, unit scales (fp8), all tags 0 (never allocated).
 

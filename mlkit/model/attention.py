@@ -254,11 +254,12 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: i
     backend: kernel backend ("pallas" | "interpret" | "xla" | None for the platform default).
     segment_ids: [B, T] int, cache-free forwards only: tokens attend within their segment.
     selection: with sparse attention (``cfg.indexer_types``), the keys the previous
-      full layer selected [B, T, S] bool, which a "shared" layer attends to.
+      full layer selected, which a "shared" layer attends to: [B, T, S] bool, or on a
+      paged decode step the selected positions [B, K] int32.
 
   Returns:
-    (out [B, T, D], cache), plus this layer's selection [B, T, S] bool (None without
-    sparse attention) third when ``cfg.indexer_types`` is set.
+    (out [B, T, D], cache), plus this layer's selection (as above) third when
+    ``cfg.indexer_types`` is set.
   """
   from mlkit.model.cache import no_cache_view
   B, T, _ = x.shape
@@ -310,12 +311,14 @@ def _sparse_mla_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer:
   from mlkit.model.cache import no_cache_view
   from mlkit.model import sparse_attention as dsa
   B, T, _ = x.shape
-  # Every cache, the paged one included and for decode steps too, goes through
-  # ``cache.update``: its view holds the indexer keys the selection is scored over.
-  # A decode step on a cache with ``sparse_decode_attention`` (the paged one) then
-  # attends through the sparse paged kernel over the selected positions only; the
-  # dense kernels (``decode_attention``) would ignore the selection
-  # (docs/sparse_attention.md).
+  # A decode step on the paged pool (a cache with ``sparse_decode_attention``)
+  # writes this token and never gathers the request's pages: a full layer
+  # scores the paged index keys with the indexer kernel and keeps the top
+  # ``index_topk`` positions, and the sparse paged MLA kernel attends to
+  # those only; ``selection`` is then those positions [B, K]. Every other
+  # step (prefill, chunks, the contiguous cache) goes through
+  # ``cache.update``, whose view holds the indexer keys, and ``selection`` is
+  # the [B, T, S] mask (docs/sparse_attention.md).
   full = cfg.runs_indexer(layer)
   if not full and selection is None:
     raise ValueError(f"layer {layer} is a shared sparse-attention layer but no earlier full layer "
@@ -324,24 +327,32 @@ def _sparse_mla_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer:
                                               return_q_latent=True)
   if full:
     iq, iw, new["index_k"] = dsa.indexer_project(p, x, q_latent, positions, cfg, backend=backend)
-  if cache is None:
-    view, mask = no_cache_view(new, positions, segment_ids)
-  else:
-    cache, view, mask = cache.update(layer, new, positions, batch_meta)
-  if full:
-    selection = dsa.select_topk(dsa.index_scores(iq, iw, view["index_k"], mask), mask,
-                                cfg.index_topk)
-  elif selection.shape != mask.shape:
-    raise ValueError(f"selection {selection.shape} does not match layer {layer}'s keys {mask.shape}")
   if T == 1 and cache is not None and hasattr(cache, "sparse_decode_attention"):
+    cache = cache.write(layer, new, positions, batch_meta)
+    if full:
+      with jax.named_scope("paged_index_topk"):
+        selection = cache.sparse_decode_select(layer, iq[:, 0], iw[:, 0], batch_meta,
+                                               k=cfg.index_topk, backend=backend)
+    elif selection.ndim != 2 or selection.shape[0] != B:
+      raise ValueError(f"selection {selection.shape} is not the [B={B}, K] positions a paged "
+                       f"decode step's layer {layer} takes")
     with jax.named_scope("paged_sparse_decode_attention"):
-      indices = dsa.selected_positions(mask[:, 0] & selection[:, 0], cfg.index_topk)
       q_latent = mla_absorb_query(p, q_nope, cfg)  # [B, 1, H, C]
       out_latent = cache.sparse_decode_attention(
-          layer, (q_latent[:, 0], q_rope[:, 0]), indices, batch_meta,
+          layer, (q_latent[:, 0], q_rope[:, 0]), selection, batch_meta,
           scale=cfg.softmax_scale, backend=backend)
       heads = mla_absorb_output(p, out_latent[:, None], cfg)  # [B, 1, H, v]
   else:
+    if cache is None:
+      view, mask = no_cache_view(new, positions, segment_ids)
+    else:
+      cache, view, mask = cache.update(layer, new, positions, batch_meta)
+    if full:
+      selection = dsa.select_topk(dsa.index_scores(iq, iw, view["index_k"], mask), mask,
+                                  cfg.index_topk)
+    elif selection.shape != mask.shape:
+      raise ValueError(f"selection {selection.shape} does not match layer {layer}'s keys "
+                       f"{mask.shape}")
     absorbed = mla_mode == "absorbed" or (mla_mode == "auto" and T == 1)
     fn = mla_attention_absorbed if absorbed else mla_attention_naive
     heads = fn(p, q_nope, q_rope, view, mask & selection, cfg)  # [B, T, H, v]

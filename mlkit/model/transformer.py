@@ -74,7 +74,7 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
   with jax.named_scope("embed"):
     x = jnp.take(params["embed"], tokens, axis=0).astype(dtype)  # [B, T, D]
   loads, probs = [], []
-  selection = None  # sparse attention: the last full layer's selected keys [B, T, S]
+  selection = None  # sparse attention: the last full layer's selection (attention_block)
   for i, lp in enumerate(params["layers"]):
     with jax.named_scope(f"layer_{i}"):
       h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)

@@ -1,0 +1,189 @@
+"""Paged indexer scoring and top-k (pallas_kernels.indexer) against the jnp reference.
+
+The kernel runs in interpret mode on the CPU at small shapes (docs/testing.md).
+Every page slot a request does not own, and every slot past its length, is NaN
+(scales too): a kernel that reads a token it should not, or leaves a score
+unwritten, fails. The reference is checked against the model's contiguous
+indexer (mlkit.model.sparse_attention), and the top-k against its selection.
+"""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax.numpy as jnp
+import numpy as np
+
+from mlkit.model import sparse_attention as dsa
+from pallas_kernels.indexer import IndexerBlockSizes
+from pallas_kernels.indexer import paged_index_scores
+from pallas_kernels.indexer import paged_index_scores_reference
+from pallas_kernels.indexer import paged_index_topk
+from pallas_kernels.indexer import topk_positions
+
+FP8 = jnp.float8_e4m3fn
+# Relative-norm tolerances over the visible scores (docs/testing.md): bf16 keys
+# and queries against an f32 reference 1e-2, fp8 keys 5e-2, f32 1e-5.
+TOL = {"f32": 1e-5, "bf16": 1e-2, "fp8": 5e-2}
+
+
+def make_inputs(seed, *, batch, heads, di, page_size, max_pages, lengths, kv, poison=True):
+  """Random inputs of paged_index_scores; slots no request may read are NaN if poison."""
+  rng = np.random.default_rng(seed)
+  n = batch * max_pages + 3
+  q_dt = jnp.float32 if kv == "f32" else jnp.bfloat16
+  q = jnp.asarray(rng.standard_normal((batch, heads, di)), q_dt)
+  # Mixed-sign weights, as weights_proj gives: scores are not all positive.
+  w = jnp.asarray(rng.standard_normal((batch, heads)), jnp.float32)
+  k = rng.standard_normal((n, page_size, di)).astype(np.float32)
+  scale = None
+  if kv == "fp8":
+    scale = (np.abs(k).max(-1) / 448.0 * rng.uniform(1.0, 2.0, (n, page_size))).astype(np.float32)
+    k = k / scale[..., None]
+  bt = rng.permutation(n)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+  if poison:
+    used = np.zeros((n, page_size), bool)
+    for b, length in enumerate(lengths):
+      for t in range(length):
+        used[bt[b, t // page_size], t % page_size] = True
+    k[~used] = np.nan
+    if scale is not None:
+      scale[~used] = np.nan
+  for b, length in enumerate(lengths):  # PAD_PAGE past the used pages, as the cache
+    bt[b, -(-length // page_size):] = -1
+  dt = {"f32": jnp.float32, "bf16": jnp.bfloat16, "fp8": FP8}[kv]
+  return (q, w, jnp.asarray(k, dt), None if scale is None else jnp.asarray(scale),
+          jnp.asarray(bt), jnp.asarray(lengths, jnp.int32))
+
+
+def _rel_err(out, ref):
+  out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+  finite = np.isfinite(ref)
+  return float(np.linalg.norm(out[finite] - ref[finite]) / np.linalg.norm(ref[finite]))
+
+
+# A full table, a short request, an empty one, one ending mid-page; 12 heads pad to 16.
+SHAPE = dict(batch=4, heads=12, di=16, page_size=4, max_pages=9, lengths=[36, 7, 0, 29])
+
+
+class IndexerKernelInterpretTest(parameterized.TestCase):
+
+  @parameterized.product(kv=("f32", "bf16", "fp8"), block_k=(16, 32))
+  def test_scores_match_reference(self, kv, block_k):
+    args = make_inputs(3 + block_k, kv=kv, **SHAPE)
+    out = paged_index_scores(*args, backend="interpret",
+                             block_sizes=IndexerBlockSizes(block_k=block_k, num_warps=4))
+    ref = paged_index_scores_reference(*args)
+    out, ref = np.asarray(out), np.asarray(ref)
+    self.assertEqual(out.shape, (4, 36))
+    # -inf exactly past each length, finite (no NaN read) before it.
+    np.testing.assert_array_equal(np.isneginf(out), np.isneginf(ref))
+    for b, length in enumerate(SHAPE["lengths"]):
+      self.assertTrue(np.isfinite(out[b, :length]).all(), f"request {b}")
+      self.assertTrue(np.isneginf(out[b, length:]).all(), f"request {b}")
+    self.assertLessEqual(_rel_err(out, ref), TOL[kv])
+
+  def test_default_block_sizes(self):
+    args = make_inputs(5, kv="bf16", batch=2, heads=32, di=32, page_size=8, max_pages=20,
+                       lengths=[150, 9])
+    out = paged_index_scores(*args, backend="interpret")
+    self.assertLessEqual(_rel_err(out, paged_index_scores_reference(*args)), TOL["bf16"])
+
+  @parameterized.parameters("f32", "fp8")
+  def test_topk_kernel_equals_reference_selection(self, kv):
+    # Well separated scores (f32 keys): the kernel's and the reference's top-k agree.
+    args = make_inputs(9, kv=kv, **SHAPE)
+    got = paged_index_topk(*args, k=10, backend="interpret",
+                           block_sizes=IndexerBlockSizes(block_k=16, num_warps=4))
+    want = topk_positions(paged_index_scores_reference(*args), 10)
+    if kv == "f32":
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    else:  # fp8 with bf16 queries: near-ties may flip; most of each full selection agrees
+      for b in (0, 3):
+        self.assertGreaterEqual(len(set(np.asarray(got)[b]) & set(np.asarray(want)[b])), 8)
+    got = np.asarray(got)
+    np.testing.assert_array_equal(got[2], -1)  # the empty request selects nothing
+    np.testing.assert_array_equal(got[1], [0, 1, 2, 3, 4, 5, 6, -1, -1, -1])  # 7 <= k: all
+
+
+class IndexerReferenceTest(parameterized.TestCase):
+  """The reference and top-k against the model's contiguous indexer."""
+
+  def test_reference_equals_model_index_scores(self):
+    args = make_inputs(1, kv="f32", poison=False, **SHAPE)
+    q, w, k, _, bt, lengths = args
+    ref = paged_index_scores_reference(*args)
+    keys = k[jnp.clip(bt, 0, k.shape[0] - 1)].reshape(4, -1, SHAPE["di"])  # [B, S, Di]
+    mask = (jnp.arange(keys.shape[1])[None, :] < lengths[:, None])[:, None, :]
+    model = dsa.index_scores(q[:, None], w[:, None], keys, mask)[:, 0]
+    np.testing.assert_allclose(np.asarray(ref), np.asarray(model), rtol=1e-5, atol=1e-5)
+    # ... and its top-k selects what select_topk + selected_positions do.
+    sel = dsa.select_topk(model[:, None], mask, 10)[:, 0]
+    np.testing.assert_array_equal(np.asarray(topk_positions(ref, 10)),
+                                  np.asarray(dsa.selected_positions(sel, 10)))
+
+  def test_topk_ties_break_toward_the_earlier_position(self):
+    # ReLU gives exact ties at 0; the earlier positions win, as in the model.
+    scores = jnp.asarray([[0.0, 2.0, 0.0, 0.0, 1.0, -jnp.inf],
+                          [-jnp.inf] * 6], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(topk_positions(scores, 4)),
+                                  [[0, 1, 2, 4], [-1, -1, -1, -1]])
+    self.assertEqual(topk_positions(scores, 9).shape, (2, 6))  # k capped at S
+
+  def test_xla_backend_is_the_reference(self):
+    args = make_inputs(2, kv="fp8", poison=False, **SHAPE)
+    np.testing.assert_array_equal(np.asarray(paged_index_scores(*args, backend="xla")),
+                                  np.asarray(paged_index_scores_reference(*args)))
+
+
+class IndexerBadInputTest(parameterized.TestCase):
+
+  def setUp(self):
+    super().setUp()
+    self.args = list(make_inputs(4, kv="fp8", batch=2, heads=4, di=16, page_size=4,
+                                 max_pages=2, lengths=[5, 8]))
+
+  def _call(self, **changes):
+    args = list(self.args)
+    for i, v in changes.items():
+      args[int(i[1:])] = v
+    return paged_index_scores(*args, backend="interpret")
+
+  def test_weights_shape(self):
+    with self.assertRaisesRegex(ValueError, r"weights must be \[B=2, Hi=4\]"):
+      self._call(a1=self.args[1][:, :3])
+
+  def test_key_width(self):
+    with self.assertRaisesRegex(ValueError, r"index_k must be \[N, page_size, Di=16\]"):
+      self._call(a2=self.args[2][..., :8])
+
+  def test_fp8_without_scales(self):
+    with self.assertRaisesRegex(ValueError, "index_k_scale"):
+      self._call(a3=None)
+
+  def test_int_keys(self):
+    with self.assertRaisesRegex(ValueError, "bf16, f32 or float8"):
+      self._call(a2=self.args[2].astype(jnp.int8), a3=None)
+
+  def test_tables_do_not_match_batch(self):
+    with self.assertRaisesRegex(ValueError, "do not match batch 2"):
+      self._call(a4=self.args[4][:1])
+
+  def test_head_dim_not_a_power_of_two(self):
+    args = make_inputs(4, kv="bf16", batch=1, heads=4, di=24, page_size=4, max_pages=2,
+                       lengths=[5])
+    with self.assertRaisesRegex(ValueError, "power of two"):
+      paged_index_scores(*args, backend="interpret")
+    paged_index_scores(*args, backend="xla")  # the reference takes any width
+
+  def test_bad_k_and_backend(self):
+    with self.assertRaisesRegex(ValueError, "k must be >= 1"):
+      paged_index_topk(*self.args, k=0, backend="xla")
+    with self.assertRaisesRegex(ValueError, "backend"):
+      paged_index_scores(*self.args, backend="cuda")
+
+  def test_block_sizes(self):
+    with self.assertRaisesRegex(ValueError, "power of two >= 16"):
+      IndexerBlockSizes(block_k=24)
+
+
+if __name__ == "__main__":
+  absltest.main()
