@@ -1,9 +1,13 @@
 """Model presets.
 
 ``KIMI_K2_6`` and ``GLM_5_2`` carry the full published shapes (docs/report.md) and are
-used only for capacity, weight-byte and roofline math: they are never instantiated
-as weights. The small presets are for tests, CPU experiments and one-H200 runs.
+used for capacity, weight-byte and roofline math and for deviceless H200 compiles
+(abstract weights): they are never allocated. The small presets are for tests, CPU
+experiments and one-H200 runs; ``TINY_GLM`` and ``H200_GLM`` have GLM 5's
+architecture (sparse attention).
 """
+
+import dataclasses
 
 from mlkit.config import ModelConfig, RopeScaling
 
@@ -63,9 +67,13 @@ GLM_5_2 = ModelConfig(
     index_n_heads=32,
     index_head_dim=128,
     index_topk=2048,
+    # transformers' default schedule for glm_moe_dsa (index_topk_freq 1): every
+    # layer runs its own indexer.
+    indexer_types=("full",) * 78,
     rope_theta=1000000.0,
     max_seq_len=202752,
     rms_norm_eps=1e-5,
+    latent_norm_eps=1e-6,  # GLM's query / KV latent norms (docs/sparse_attention.md)
     # The checkpoint ships one multi-token-prediction layer (counted in weight bytes).
     n_mtp_layers=1,
 )
@@ -205,5 +213,19 @@ H200_MLA = ModelConfig(
     max_seq_len=32768,
 )
 
-MODEL_PRESETS = {c.name: c for c in (KIMI_K2_6, GLM_5_2, TINY_MLA, TINY_GQA, MINI_MLA, SMALL_MLA,
-                                      H200_MLA)}
+# GLM 5.x architecture at test size: sparse attention (DeepSeek Sparse Attention) with a
+# full / shared indexer schedule, interleaved indexer rope, one dense layer then MoE,
+# index_topk below a short prompt so the selection matters (docs/sparse_attention.md).
+TINY_GLM = dataclasses.replace(
+    TINY_MLA, name="tiny-glm", n_layers=4, n_group=1, topk_group=1, rope_scaling=None,
+    norm_topk_prob=True, index_n_heads=4, index_head_dim=16, index_topk=8,
+    indexer_types=("full", "shared", "full", "shared"), rms_norm_eps=1e-5, latent_norm_eps=1e-6)
+
+# H200_MLA's widths with GLM 5's indexer on every layer (32 heads of 128, top 2048):
+# the GLM cache entry (512 latent + 64 rope + 128 index key per layer) for pools
+# allocated on one device (the capacity experiment).
+H200_GLM = dataclasses.replace(H200_MLA, name="h200-glm", index_n_heads=32, index_head_dim=128,
+                               index_topk=2048, indexer_types=("full",) * H200_MLA.n_layers)
+
+MODEL_PRESETS = {c.name: c for c in (KIMI_K2_6, GLM_5_2, TINY_MLA, TINY_GQA, TINY_GLM, MINI_MLA,
+                                      SMALL_MLA, H200_MLA, H200_GLM)}

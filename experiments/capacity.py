@@ -6,7 +6,9 @@ measured model is H200_MLA, whose cache entry is Kimi's (512 latent + 64 rope pe
 layer): the fp8 pool's per-token f32 scales (8 bytes per layer) are then 1.4% of
 its size, as they are for Kimi. The tiny presets' entries are so small (40 and
 144 values) that the same 8 bytes cap their ratio at 1.67 and 1.89; the quick
-run records SMALL_MLA beside it to show that.
+run records SMALL_MLA beside it to show that. H200_GLM is the same widths with
+GLM 5's sparse-attention indexer on every layer: its pool pages 128 index-key
+values per token and layer beside the latent (fp8: plus one more f32 scale).
 
 Paper-scale part: bytes per token and tokens per GPU for KIMI_K2_6 and GLM_5_2
 with 48 GB of KV space per H200 (docs/report.md), next to the report's figures.
@@ -18,7 +20,7 @@ import os
 
 import jax
 
-from configs import GLM_5_2, H200_MLA, KIMI_K2_6, SMALL_MLA
+from configs import GLM_5_2, H200_GLM, H200_MLA, KIMI_K2_6, SMALL_MLA
 from experiments import common
 from mlkit import kvcache as kvc
 
@@ -132,9 +134,11 @@ def run(out_dir: str, *, quick: bool = True) -> dict:
   budget = (64 if quick else 1024) * 2**20
   common.progress(f"capacity: allocating pools inside {budget / 2**20:.0f} MiB on "
                   f"{jax.default_backend()}")
-  measured = [_measure(cfg, dtype, budget) for cfg in (H200_MLA, SMALL_MLA) for dtype in DTYPES]
+  measured = [_measure(cfg, dtype, budget) for cfg in (H200_MLA, H200_GLM, SMALL_MLA)
+              for dtype in DTYPES]
   tok = {(r["model"], r["dtype"]): r["tokens"] for r in measured}
   ratio = tok[(H200_MLA.name, "float8_e4m3fn")] / tok[(H200_MLA.name, "bfloat16")]
+  glm_ratio = tok[(H200_GLM.name, "float8_e4m3fn")] / tok[(H200_GLM.name, "bfloat16")]
   small_ratio = tok[(SMALL_MLA.name, "float8_e4m3fn")] / tok[(SMALL_MLA.name, "bfloat16")]
   paper = _paper(KIMI_K2_6) + _paper(GLM_5_2)
   by_recipe = _paper_recipes()
@@ -142,12 +146,15 @@ def run(out_dir: str, *, quick: bool = True) -> dict:
   record = {
       "experiment": "capacity",
       "machine": common.machine_info(),
-      "config": {"measured_model": H200_MLA.to_dict(), "also_measured": SMALL_MLA.name,
+      "config": {"measured_model": H200_MLA.to_dict(),
+                 "also_measured": [H200_GLM.name, SMALL_MLA.name],
                  "page_size": PAGE_SIZE, "budget_bytes": budget, "paper_budget_bytes": PAPER_BUDGET,
-                 "paper_tp": 8, "glm_indexer_dtype": "bfloat16"},
+                 "paper_tp": 8,
+                 "glm_indexer": "paged: every layer, the pool's dtype (fp8: + f32 scale)"},
       "measured": measured,
       "ratio": ratio,
       "ratio_ok": ratio >= MIN_RATIO,
+      "glm_layout_ratio": glm_ratio,
       "small_mla_ratio": small_ratio,
       "paper": paper,
       "paper_by_recipe": by_recipe,
@@ -165,8 +172,9 @@ def run(out_dir: str, *, quick: bool = True) -> dict:
           [[r["model"], r["dtype"], r["bytes_per_token"], r["pages"], r["tokens"],
             r["allocated_bytes"]] for r in measured]),
       f"\nfp8/bf16 ratio: **{ratio:.3f}** for {H200_MLA.name} (Kimi's 512+64 entry; target >= "
-      f"{MIN_RATIO}); {small_ratio:.3f} for {SMALL_MLA.name}, whose 144-value entry makes the "
-      "8 B/layer of f32 scales a larger share.\n",
+      f"{MIN_RATIO}); {glm_ratio:.3f} for {H200_GLM.name} (the same entry plus GLM 5's 128 "
+      f"index-key values, paged in the pool's dtype); {small_ratio:.3f} for {SMALL_MLA.name}, "
+      "whose 144-value entry makes the 8 B/layer of f32 scales a larger share.\n",
       "\n## Paper scale (per H200, 48 GB of KV, TP 8: the MLA latent is replicated per rank)\n\n",
       common.markdown_table(
           ["model", "dtype", "B/token", "values", "scales", "indexer", "tokens/GPU", "report"],
@@ -175,7 +183,8 @@ def run(out_dir: str, *, quick: bool = True) -> dict:
             "-" if r["report_tokens"] is None else f"~{r['report_tokens']:,}"] for r in paper]),
       "\nThe report's 1.37M fp8 figure divides the budget by 35,136 B/token (no scales); our "
       "per-token scales add 488 B/token for Kimi, hence 1.35M. GLM's indexer keys are counted "
-      "in bf16 (128 values per token per layer).\n",
+      "from the paged pool's layout: 128 values per token on each of its 78 layers (all run "
+      "the indexer), in the pool's dtype, plus one f32 scale per token in fp8.\n",
       "\n## Paper scale by weight recipe (per H200, TP 8)\n\n"
       f"KV budget = {by_recipe[0]['static_memory_fraction']:.4f} of HBM (the fraction that gives "
       "Kimi with INT4 experts its 48 GB of KV) minus the recipe's weights per GPU.\n\n",

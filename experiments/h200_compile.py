@@ -172,7 +172,7 @@ def step_shape(kind: str, work: pm.Workload, plan: Plan) -> tuple[int, int, int]
 
 
 def _depth_config(cfg: ModelConfig, n_moe: int) -> ModelConfig:
-  return dataclasses.replace(cfg, n_layers=cfg.first_k_dense + n_moe)
+  return cfg.first_layers(cfg.first_k_dense + n_moe)
 
 
 # ----------------------------------------------------------------------------- weights
@@ -186,10 +186,10 @@ def served_weight_bytes(v: Variant, mesh) -> int:
 def unserved_weight_bytes(v: Variant, served: int) -> dict:
   """Per-device bytes a checkpoint holds beyond the served model, placed like the rest.
 
-  GLM 5.2 ships a multi-token-prediction layer and a sparse-attention indexer
-  per layer that this model does not instantiate (``mlkit.quant.checkpoint_specs``
-  counts both); a deployment loads them, so they count against its memory. They
-  are the analytic model's resident weights per GPU (the same placement) minus the
+  GLM 5.2 ships a multi-token-prediction layer that this model does not
+  instantiate (``mlkit.quant.checkpoint_specs`` counts it; its sparse-attention
+  indexer is served); a deployment loads it, so it counts against its memory. It
+  is the analytic model's resident weights per GPU (the same placement) minus the
   served ones.
 
   Args:
@@ -204,7 +204,7 @@ def unserved_weight_bytes(v: Variant, served: int) -> dict:
   parts = []
   if v.model.n_mtp_layers:
     parts.append(f"{v.model.n_mtp_layers} MTP layer")
-  if v.model.index_n_heads:
+  if v.model.index_n_heads and not v.model.sparse_attention:
     parts.append("indexer weights")
   return {"bytes": int(extra), "what": " + ".join(parts) or "-"}
 
@@ -497,10 +497,11 @@ def notes(plan: Plan) -> list[str]:
       "Figures at full depth extend the deepest two compiled depths (dense prefix + the listed "
       "MoE-layer counts) by their increment per MoE layer; the fits table has the least-squares "
       "line and its residual over all compiled depths, the test that memory is linear in depth.",
-      "GLM 5.2's sparse-attention indexer is not instantiated in the model: its weights and its "
-      "per-token key cache (128 bf16 values per layer) are counted analytically (weights with the "
-      "MTP layer under 'not served'; keys in bytes/token and the pools). The compiled step "
-      "attends densely.",
+      "GLM 5.2 runs its sparse-attention indexer on every layer (DeepSeek Sparse Attention, "
+      "docs/sparse_attention.md): its weights are served, its index keys are paged beside the "
+      "latent in the pool's dtype (fp8 with a per-token scale), the decode step scores them with "
+      "the paged indexer kernel and attends to the top 2048 positions with the sparse MLA kernel, "
+      "and the prefill step selects through the query-blocked indexer over the gathered view.",
       "FP8 weights have no Pallas kernel: their matmuls dequantise through XLA, which the "
       "temporaries include.",
       "Weights per GPU: the report's GLM figures (88 and 52 GiB) are its totals (705 and 421 "

@@ -243,6 +243,14 @@ class ModelConfig:
   def is_moe_layer(self, layer: int) -> bool:
     return layer >= self.first_k_dense
 
+  def first_layers(self, n: int) -> "ModelConfig":
+    """This config cut to its first ``n`` layers (depth sweeps, fast demos): the
+    dense prefix capped at n and the per-layer indexer schedule truncated."""
+    if n < 1:
+      raise ValueError(f"a model needs at least one layer, got n={n}")
+    return dataclasses.replace(self, n_layers=n, first_k_dense=min(self.first_k_dense, n),
+                               indexer_types=self.indexer_types[:n])
+
   @property
   def sparse_attention(self) -> bool:
     """Whether the model runs the sparse-attention indexer (``indexer_types`` set)."""

@@ -5,7 +5,7 @@ import dataclasses
 from absl.testing import absltest, parameterized
 
 import configs
-from configs import GLM_5_2, H200, KIMI_K2_6, MINI_MLA, SMALL_MLA, TINY_GQA, TINY_MLA
+from configs import GLM_5_2, H200, KIMI_K2_6, MINI_MLA, SMALL_MLA, TINY_GLM, TINY_GQA, TINY_MLA
 from mlkit.config import HardwareConfig, ModelConfig, RopeScaling
 from mlkit.model import count_params
 
@@ -63,6 +63,22 @@ class ConfigValidationTest(parameterized.TestCase):
     self.assertEqual(KIMI_K2_6.cache_values_per_token, 576)
     self.assertEqual((GLM_5_2.n_layers, GLM_5_2.first_k_dense, GLM_5_2.v_head_dim), (78, 3, 256))
     self.assertEqual((GLM_5_2.index_n_heads, GLM_5_2.index_head_dim, GLM_5_2.index_topk), (32, 128, 2048))
+    # GLM 5.2 runs DeepSeek Sparse Attention: every layer its own indexer (transformers'
+    # default schedule), the GLM latent-norm epsilon.
+    self.assertTrue(GLM_5_2.sparse_attention)
+    self.assertEqual(set(GLM_5_2.indexer_types), {"full"})
+    self.assertEqual(GLM_5_2.latent_eps, 1e-6)
+    self.assertTrue(TINY_GLM.sparse_attention)
+    self.assertIn("shared", TINY_GLM.indexer_types)
+
+  def test_first_layers(self):
+    cut = GLM_5_2.first_layers(5)
+    self.assertEqual((cut.n_layers, cut.first_k_dense, len(cut.indexer_types)), (5, 3, 5))
+    self.assertEqual(TINY_GLM.first_layers(2).indexer_types, ("full", "shared"))
+    self.assertEqual(KIMI_K2_6.first_layers(1).first_k_dense, 1)
+    self.assertEqual(TINY_MLA.first_layers(2).indexer_types, ())
+    with self.assertRaisesRegex(ValueError, "at least one layer"):
+      TINY_MLA.first_layers(0)
     for cfg in (TINY_MLA, TINY_GQA):
       self.assertBetween(cfg.n_layers, 2, 4)
       self.assertBetween(cfg.n_routed_experts, 8, 16)

@@ -244,5 +244,48 @@ class GlmServingTest(parameterized.TestCase):
     self.assertEqual(eng.stats.transfer_failures, 0)
 
 
+class TinyGlmPresetTest(absltest.TestCase):
+  """The TINY_GLM preset (GLM 5's architecture at test size, random weights) end to end."""
+
+  def test_serves_through_engine_and_disaggregated_pools(self):
+    from configs import TINY_GLM
+    params = model.init_params(TINY_GLM, jax.random.key(3))
+    rng = np.random.default_rng(3)
+    # One prompt longer than index_topk (8), so its selection is sparse, one shorter.
+    prompts = [rng.integers(0, TINY_GLM.vocab_size, n).tolist() for n in (21, 5)]
+
+    def engine_config(dtype, page_size):
+      return EngineConfig(model=TINY_GLM, kv=kvc.KVCacheConfig(40, page_size, dtype),
+                          max_running=2, batch_buckets=(2,), prefill_buckets=(24,),
+                          prefill_token_budget=48, max_pages_per_seq=8)
+
+    def drive(eng):
+      ids = [eng.submit(p, SamplingParams(max_new_tokens=6)) for p in prompts]
+      eng.run_until_done(max_steps=100)
+      reqs = [eng.get(i) for i in ids]
+      for r in reqs:
+        self.assertIs(r.status, RequestStatus.FINISHED, r)
+      return [list(r.output) for r in reqs]
+
+    plain = drive(Engine(params, engine_config("float32", 4)))
+    same = DisaggEngine(params, DisaggConfig(
+        prefill=PoolConfig(engine_config("float32", 4), BF16, parallel.MeshConfig(tensor=2)),
+        decode=PoolConfig(engine_config("float32", 8), BF16, parallel.MeshConfig(expert=2))))
+    self.assertEqual(drive(same), plain)  # f32 pools: the same greedy tokens
+    # The report's split: bf16 KV for prefill, INT4 experts + fp8 KV (index keys too) for
+    # decode. Lossy, so only served to completion with every page returned.
+    split = DisaggEngine(params, DisaggConfig(
+        prefill=PoolConfig(engine_config("bfloat16", 4), BF16, parallel.MeshConfig(tensor=2)),
+        decode=PoolConfig(engine_config("float8_e4m3fn", 8), INT4_EXPERTS,
+                          parallel.MeshConfig(expert=2))))
+    out = drive(split)
+    self.assertEqual([len(o) for o in out], [6, 6])
+    self.assertIn("index_k_scale", split.decode.state.layers[0])
+    self.assertNotIn("index_k", split.decode.state.layers[1])  # a shared layer
+    self.assertEqual(split.stats.transfer_failures, 0)
+    self.assertEqual(split.decode.allocator.num_free, 40)
+    self.assertEqual(split.prefill.allocator.num_free, 40)
+
+
 if __name__ == "__main__":
   absltest.main()

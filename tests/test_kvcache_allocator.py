@@ -337,13 +337,20 @@ class CapacityTest(parameterized.TestCase):
     self.assertGreaterEqual(f8["tokens"] / bf["tokens"], 1.95)
 
   def test_glm_indexer(self):
+    # GLM 5.2 runs its indexer on every layer: index keys in the pool's layout.
     bf = kvc.bytes_per_token_breakdown(GLM_5_2, "bfloat16")
     self.assertEqual(bf["values"], 78 * 576 * 2)
-    self.assertEqual(bf["indexer"], 78 * 128 * 2)  # bf16 indexer keys by default
+    self.assertEqual(bf["indexer"], 78 * 128 * 2)
     f8 = kvc.bytes_per_token_breakdown(GLM_5_2, "float8_e4m3fn")
-    self.assertEqual(f8["indexer"], bf["indexer"])  # the KV dtype does not change it
-    f8i = kvc.bytes_per_token_breakdown(GLM_5_2, "float8_e4m3fn", index_dtype="float8_e4m3fn")
-    self.assertEqual(f8i["indexer"], 78 * (128 + 4))
+    self.assertEqual(f8["indexer"], 78 * (128 + 4))  # fp8 keys + one f32 scale per token
+    with self.assertRaisesRegex(ValueError, "pool's dtype"):
+      kvc.bytes_per_token(GLM_5_2, "float8_e4m3fn", index_dtype="bfloat16")
+    # Declared only (no indexer_types): the analytic size, bf16 keys unless told.
+    declared = dataclasses.replace(GLM_5_2, indexer_types=())
+    d8 = kvc.bytes_per_token_breakdown(declared, "float8_e4m3fn")
+    self.assertEqual(d8["indexer"], bf["indexer"])  # the KV dtype does not change it
+    d8i = kvc.bytes_per_token_breakdown(declared, "float8_e4m3fn", index_dtype="float8_e4m3fn")
+    self.assertEqual(d8i["indexer"], 78 * (128 + 4))
     self.assertEqual(kvc.bytes_per_token_breakdown(KIMI_K2_6, "bfloat16")["indexer"], 0)
 
   def test_gqa_tensor_parallel(self):

@@ -348,8 +348,7 @@ def _sparse_mla_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer:
     else:
       cache, view, mask = cache.update(layer, new, positions, batch_meta)
     if full:
-      selection = dsa.select_topk(dsa.index_scores(iq, iw, view["index_k"], mask), mask,
-                                  cfg.index_topk)
+      selection = dsa.select(iq, iw, view["index_k"], mask, cfg.index_topk)
     elif selection.shape != mask.shape:
       raise ValueError(f"selection {selection.shape} does not match layer {layer}'s keys "
                        f"{mask.shape}")

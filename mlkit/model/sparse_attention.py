@@ -32,6 +32,10 @@ from mlkit.model import rope
 from mlkit.quant import matmul
 
 _LAYER_NORM_EPS = 1e-6  # the indexer key norm's epsilon in GLM 5 and DeepSeek-V3.2
+# Bytes of one query block's per-head scores [B, Tq, Hi, S] f32 that :func:`select`
+# allows before it splits the queries into blocks (a 2K-token prefill of GLM 5 over
+# 2K keys would otherwise hold 2 GB per layer at batch 4).
+SCORE_BLOCK_BYTES = 256 * 2**20
 
 
 def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
@@ -123,3 +127,51 @@ def select_topk(scores: jax.Array, mask: jax.Array, k: int) -> jax.Array:
   chosen = chosen.at[b, t, idx].set(True)
   return chosen & mask  # a hidden key picked to fill k (fewer visible than k) stays hidden
 
+
+
+def query_block(B: int, T: int, Hi: int, S: int, budget: int = SCORE_BLOCK_BYTES) -> int:
+  """Queries per block of :func:`select`: all T when their [B, T, Hi, S] f32 per-head
+  scores fit ``budget`` bytes, else the largest power of two that fits (at least 1)."""
+  per_query = B * Hi * S * 4
+  if T * per_query <= budget:
+    return T
+  block = 1
+  while block * 2 * per_query <= budget:
+    block *= 2
+  return block
+
+
+def select(q: jax.Array, weights: jax.Array, keys: jax.Array, mask: jax.Array, k: int, *,
+           block: int | None = None) -> jax.Array:
+  """:func:`index_scores` then :func:`select_topk`, a block of queries at a time.
+
+  The per-head scores [B, T, Hi, S] of a long prefill do not fit memory, so the
+  queries are scored and selected ``block`` at a time (``lax.map``); the result
+  is identical to the unblocked form.
+
+  Args:
+    q: [B, T, Hi, Di]; weights: [B, T, Hi]; keys: [B, S, Di]; mask: [B, T, S] bool.
+    k: index_topk.
+    block: queries per block (None: :func:`query_block`).
+
+  Returns:
+    [B, T, S] bool, the keys each query attends to.
+  """
+  B, T, Hi, _ = q.shape
+  S = keys.shape[1]
+  block = query_block(B, T, Hi, S) if block is None else max(1, min(block, T))
+  if block >= T:
+    return select_topk(index_scores(q, weights, keys, mask), mask, k)
+  n = -(-T // block)
+  pad = n * block - T
+
+  def blocks(x):  # [B, T, ...] -> [n, B, block, ...], padded queries see nothing
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape(B, n, block, *x.shape[2:]), 1, 0)
+
+  def one(args):
+    qb, wb, mb = args
+    return select_topk(index_scores(qb, wb, keys, mb), mb, k)
+
+  sel = jax.lax.map(one, (blocks(q), blocks(weights), blocks(mask)))  # [n, B, block, S]
+  return jnp.moveaxis(sel, 0, 1).reshape(B, n * block, S)[:, :T]

@@ -101,8 +101,7 @@ def load_model(cfg: ServeConfig) -> tuple[dict, ModelConfig]:
   from mlkit.model import init_params
   mcfg = MODEL_PRESETS[cfg.model]
   if cfg.n_layers is not None:
-    mcfg = dataclasses.replace(mcfg, n_layers=cfg.n_layers,
-                               first_k_dense=min(mcfg.first_k_dense, cfg.n_layers))
+    mcfg = mcfg.first_layers(cfg.n_layers)
   return init_params(mcfg, jax.random.PRNGKey(cfg.seed)), mcfg
 
 
