@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import os
+import socket
 
 import jax
 import jax.numpy as jnp
@@ -297,22 +298,31 @@ class ShardedEqualsUnshardedTest(parameterized.TestCase):
 
 
 class MultiProcessTest(absltest.TestCase):
-  """Two processes on this machine run the engine's sharded steps together (gloo collectives)."""
+  """Two processes on this machine serve as one pool (gloo collectives): process 0 leads,
+  process 1 repeats its device operations (mlkit.engine.lockstep)."""
 
   TIMEOUT_S = 240
 
-  def test_two_process_decode_step_matches_single_process(self):
+  def test_two_process_pool_serves_like_one_process(self):
     import multihost_worker
-    with two_processes(self, multihost_worker.__file__, timeout_s=self.TIMEOUT_S) as out:
-      results = [dict(np.load(os.path.join(out, f"result_{i}.npz"))) for i in range(2)]
-    ref = multihost_worker.run_scenario(None)
-    for r in results:
-      self.assertEqual(int(r["process_count"]), 2)
-      self.assertEqual(int(r["num_devices"]), 4)
-      self.assertTrue(r["ok"].all())
-      np.testing.assert_array_equal(r["tok"], ref["tok"])
-      self.assertTrue(np.isfinite(r["logits"]).all())
-      np.testing.assert_allclose(r["logits"], ref["logits"], atol=1e-5, rtol=1e-5)
+    with socket.socket() as s:  # a free port for the pool's own channel
+      s.bind(("127.0.0.1", 0))
+      pool_port = s.getsockname()[1]
+    with two_processes(self, multihost_worker.__file__, args=("--pool_port", str(pool_port)),
+                       timeout_s=self.TIMEOUT_S) as out:
+      got = dict(np.load(os.path.join(out, "leader.npz")))
+      follower = dict(np.load(os.path.join(out, "follower_1.npz")))
+    self.assertEqual(int(got["num_devices"]), 4)
+    self.assertGreater(int(follower["ops"]), 10)  # it ran the steps, not nothing
+    # The same engine on a 4-device mesh of this process.
+    ref = multihost_worker.run_scenario(parallel.make_mesh(parallel.MeshConfig(tensor=2, expert=2),
+                                                           jax.devices()[:4]))
+    self.assertGreater(int(ref["prefill_tokens_saved"]), 0)  # the prefix cache shared pages
+    self.assertEqual(int(got["prefill_tokens_saved"]), int(ref["prefill_tokens_saved"]))
+    for i in range(3):
+      np.testing.assert_array_equal(got[f"tok{i}"], ref[f"tok{i}"])
+      np.testing.assert_allclose(got[f"logits{i}"], ref[f"logits{i}"], atol=1e-5, rtol=1e-5)
+
 
 if __name__ == "__main__":
   absltest.main()

@@ -41,13 +41,12 @@ import functools
 import time
 from typing import Callable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
 from mlkit.engine import faults as faults_lib
 from mlkit.engine.config import EngineConfig
+from mlkit.engine import lockstep
 from mlkit.engine.metrics import EngineMetrics
 from mlkit.engine.prefix_cache import PrefixCache
 from mlkit.engine.request import (ABORT_CANCELLED, ABORT_ERROR, ABORT_INTEGRITY, ABORT_TOO_LONG,
@@ -56,8 +55,7 @@ from mlkit.engine.request import (ABORT_CANCELLED, ABORT_ERROR, ABORT_INTEGRITY,
 from mlkit.engine.runner import Runner, StepBatch
 from mlkit.engine.scheduler import PrefillItem, Scheduler
 from mlkit.engine.serving import EngineStalled, ServingLoop, check_batch  # noqa: F401 (re-export)
-from mlkit.kvcache import (PageAllocator, PageViolation, PagedKVState, copy_pages, init_paged_state,
-                           sync_tags)
+from mlkit.kvcache import PageAllocator, PageViolation, PagedKVState, init_paged_state
 from mlkit.model import check_params
 from mlkit.parallel import DEFAULT_RULES, ShardingRules, shard_params, sharded_kv_state
 from mlkit.sampling import SamplingParams
@@ -83,24 +81,6 @@ class _InFlight:
   launched_at: float
   host_s: float
   exposed_host_s: float
-
-  @property
-  def decode_tokens(self):
-    """[B] int32 device tokens of the decode rows (None without decode rows)."""
-    return self.outputs[-1][0] if self.dec_rows else None
-
-
-@jax.jit
-def _chain_tokens(host_tokens, prev_tokens, prev_row):
-  """[B, 1] decode inputs: row i takes prev_tokens[prev_row[i]] where prev_row[i] >= 0.
-
-  Args:
-    host_tokens: [B, 1] int32 tokens the host knows.
-    prev_tokens: [B'] int32 tokens sampled by the step in flight (on device).
-    prev_row: [B] int32 row of prev_tokens, or -1 to keep the host token.
-  """
-  taken = prev_tokens[jnp.maximum(prev_row, 0)][:, None]
-  return jnp.where(prev_row[:, None] >= 0, taken, host_tokens)
 
 
 class Engine(ServingLoop):
@@ -137,11 +117,14 @@ class Engine(ServingLoop):
     self.mesh = mesh
     if mesh is not None:
       params = shard_params(params, mesh, rules, config.model)
-      self.state = sharded_kv_state(config.model, config.kv, mesh, rules,
-                                    data_parallel=data_parallel_attention)
+      state = sharded_kv_state(config.model, config.kv, mesh, rules,
+                               data_parallel=data_parallel_attention)
     else:
-      self.state = init_paged_state(config.model, config.kv)
+      state = init_paged_state(config.model, config.kv)
     self.runner = Runner(params, config)
+    # Every device operation goes through this (lockstep.Leader when the pool spans
+    # processes and this one decides: each operation is then repeated by the others).
+    self.device = lockstep.DeviceSide(self.runner, state, mesh)
     self.allocator = PageAllocator(config.kv.num_pages, config.page_size)
     # Shared prompt prefixes, kept under the integrity tags (docs/prefix_cache.md).
     self.prefix_cache = PrefixCache(self.allocator) if config.prefix_cache else None
@@ -154,6 +137,30 @@ class Engine(ServingLoop):
     self._in_flight: _InFlight | None = None
     # Requests aborted or ended outside a step's rows since the last collect (reported by it).
     self._touched: dict[int, tuple[Request, int]] = {}
+
+  @property
+  def state(self) -> PagedKVState:
+    """The pool's KV state (this process's view of it)."""
+    return self.device.state
+
+  @state.setter
+  def state(self, value: PagedKVState) -> None:
+    self.device.state = value
+
+  def lead(self, followers: lockstep.Followers) -> None:
+    """Makes this engine the leader of a pool spread over processes: from now on every
+    device operation is sent to ``followers`` (processes running :meth:`follow` on an
+    engine built the same way) before it runs here (docs/serving_processes.md)."""
+    if not self.device.multiprocess:
+      raise ValueError("lead(): this engine's mesh does not span processes")
+    self.device = lockstep.Leader(self.device, followers)
+
+  def follow(self, address, authkey: bytes, **kw) -> int:
+    """Runs this process as a follower of the pool whose leader listens at ``address``:
+    repeats its device operations until it stops (see :func:`lockstep.follow`)."""
+    if not self.device.multiprocess:
+      raise ValueError("follow(): this engine's mesh does not span processes")
+    return lockstep.follow(address, self.device, authkey, **kw)
 
   # --------------------------------------------------------------- requests
   def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams()) -> int:
@@ -318,7 +325,12 @@ class Engine(ServingLoop):
     self.requests[req.request_id] = req
     self._sync_tags()
     try:
-      self.state, ok, why = fill(self.state, self.kv_pages(req.request_id), start)
+      if isinstance(fill, lockstep.Fill):  # device work every process of the pool repeats
+        ok, why = self.device.call(fill.fn, self.kv_pages(req.request_id), start, *fill.args)
+      elif self.device.multiprocess:
+        raise ValueError("a pool spread over processes adopts only with a lockstep.Fill")
+      else:
+        self.state, ok, why = fill(self.state, self.kv_pages(req.request_id), start)
     except Exception as e:  # a broken transfer must not leave the request half adopted
       ok, why = False, f"filling its KV raised {type(e).__name__}: {e}"
     if ok:
@@ -396,7 +408,7 @@ class Engine(ServingLoop):
       self._touched.setdefault(r.request_id, (r, len(r.output)))
 
   def _sync_tags(self) -> None:
-    self.state = sync_tags(self.state, self.allocator.device_tags())
+    self.device.sync_tags(self.allocator.device_tags())
     self._tags_dirty = False
 
   def _launch(self, prev: _InFlight | None):
@@ -418,7 +430,7 @@ class Engine(ServingLoop):
     if plan.allocation_changed or self._tags_dirty:
       self._sync_tags()
     if plan.copies:  # copy-on-write of partly matching cached pages, before any step writes
-      self.state = copy_pages(self.state, plan.copies)
+      self.device.copy_pages(plan.copies)
     pre, pre_rows = self._build(build_prefill_batch, plan.prefill)
     prev_rows = ({r.request_id: i for i, r in enumerate(prev.dec_rows)} if prev is not None
                  else {})
@@ -433,16 +445,11 @@ class Engine(ServingLoop):
     t1 = time.perf_counter()
     outputs = []
     if pre is not None:
-      tok, ok, self.state, lg = self.runner.run("prefill", self.state, pre)
-      outputs.append((tok, ok, lg))
+      outputs.append(self.device.run("prefill", pre))
       for item in pre_rows:  # their KV is written by this step, whatever the host does next
         item.req.num_computed += item.n
     if dec is not None:
-      if any(r.pending for r in dec_rows):
-        dec = dataclasses.replace(dec, tokens=_chain_tokens(dec.tokens, prev.decode_tokens,
-                                                            dec.prev_row))
-      tok, ok, self.state, lg = self.runner.run("decode", self.state, dec)
-      outputs.append((tok, ok, lg))
+      outputs.append(self.device.run("decode", dec, any(r.pending for r in dec_rows)))
       for r in dec_rows:
         r.pending += 1
     host = t1 - t0
@@ -452,7 +459,7 @@ class Engine(ServingLoop):
     """Reads a step's results and does its bookkeeping; returns the step's RequestOutputs."""
     generated = 0
     if inf is not None:
-      host_out = jax.device_get(inf.outputs)  # the step's only synchronisation
+      host_out = self.device.read(len(inf.outputs))  # the step's only synchronisation
       t2 = time.perf_counter()
       self._touch([it.req for it in inf.pre_rows])
       self._touch(inf.dec_rows)

@@ -588,7 +588,8 @@ def _copy_pages_jit(state: PagedKVState, src: jax.Array, dst: jax.Array) -> Page
   return state.replace(layers=layers)
 
 
-def copy_pages(state: PagedKVState, copies: Sequence[tuple[int, int]]) -> PagedKVState:
+def copy_pages(state: PagedKVState, copies: Sequence[tuple[int, int]], *,
+               place=None) -> PagedKVState:
   """Copies page contents src -> dst in every layer and entry (copy-on-write after a fork).
 
   Donates ``state``. Every page array moves: latent, rope key, sparse-attention
@@ -596,6 +597,8 @@ def copy_pages(state: PagedKVState, copies: Sequence[tuple[int, int]]) -> PagedK
 
   Args:
     copies: (src, dst) physical page pairs, e.g. from ``PageAllocator.fork``.
+    place: places the [n] int32 page-id arrays (a pool spread over processes needs
+      them on its mesh); None: the default device.
 
   Raises:
     ValueError: if a page id is outside the pool.
@@ -605,4 +608,5 @@ def copy_pages(state: PagedKVState, copies: Sequence[tuple[int, int]]) -> PagedK
   arr = np.asarray(copies, np.int64).reshape(-1, 2)
   if (arr < 0).any() or (arr >= state.num_pages).any():
     raise ValueError(f"copy_pages: page ids {arr.tolist()} outside the pool of {state.num_pages}")
-  return _copy_pages_jit(state, jnp.asarray(arr[:, 0], jnp.int32), jnp.asarray(arr[:, 1], jnp.int32))
+  place = place or jnp.asarray
+  return _copy_pages_jit(state, place(arr[:, 0].astype(np.int32)), place(arr[:, 1].astype(np.int32)))
