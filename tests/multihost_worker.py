@@ -97,8 +97,8 @@ def main() -> None:
       followers.close()
     np.savez(os.path.join(args.out, "leader.npz"), **out, num_devices=len(jax.devices()))
   else:
-    ops = engine.follow(address, AUTHKEY, connect_timeout_s=60)
-    np.savez(os.path.join(args.out, f"follower_{args.process_id}.npz"), ops=ops)
+    ops, stopped = engine.follow(address, AUTHKEY, connect_timeout_s=60)
+    np.savez(os.path.join(args.out, f"follower_{args.process_id}.npz"), ops=ops, stopped=stopped)
   jax.distributed.shutdown()
 
 

@@ -314,6 +314,7 @@ class MultiProcessTest(absltest.TestCase):
       follower = dict(np.load(os.path.join(out, "follower_1.npz")))
     self.assertEqual(int(got["num_devices"]), 4)
     self.assertGreater(int(follower["ops"]), 10)  # it ran the steps, not nothing
+    self.assertTrue(bool(follower["stopped"]))  # told to stop by its leader
     # The same engine on a 4-device mesh of this process.
     ref = multihost_worker.run_scenario(parallel.make_mesh(parallel.MeshConfig(tensor=2, expert=2),
                                                            jax.devices()[:4]))

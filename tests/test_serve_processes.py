@@ -112,6 +112,45 @@ class ServeProcessesTest(absltest.TestCase):
     self.assertGreaterEqual(m["transfers"], len(PROMPTS))
     self.assertGreater(m["transfer_bytes"], 0)
 
+  def test_1b_pools_over_two_processes_each(self):
+    # Both servers as pools over two JAX processes (gloo): each leader serves and sends its
+    # device work to its follower; the decode leader lands each payload on both processes,
+    # the prefill pool extracts on both. Same tokens as the in-process reference.
+    tmp = tempfile.mkdtemp(prefix="mlkit-serve-mh-")
+    pre_addr, dec_addr = (f"127.0.0.1:{launch.free_port()}" for _ in range(2))
+    procs, logs = [], []
+    for role, addr, extra in (
+        ("prefill", pre_addr, ["--page-size", str(PREFILL_PAGE)]),
+        ("decode", dec_addr, ["--page-size", str(DECODE_PAGE), "--prefill", pre_addr])):
+      pool = ["--num-processes", "2", "--coordinator", f"127.0.0.1:{launch.free_port()}",
+              "--pool-address", f"127.0.0.1:{launch.free_port()}", "--connect-timeout", "120"]
+      for pid in (0, 1):
+        logs.append(os.path.join(tmp, f"{role}{pid}.log"))
+        procs.append(_start(role, addr, *extra, *pool, "--process-id", str(pid), log=logs[-1]))
+    try:
+      launch.wait_ready(procs[0], logs[0])
+      launch.wait_ready(procs[2], logs[2])
+      with Client(dec_addr, timeout_s=120) as c:
+        outs = c.generate(PROMPTS, max_new_tokens=MAX_NEW)
+        self.assertEqual([o["tokens"] for o in outs], self.reference)
+        m = c.metrics()
+        self.assertEqual(m["pages_used"], 0)
+        self.assertGreaterEqual(m["serve"]["transfers"], len(PROMPTS))
+    finally:
+      _stop([(procs[2], dec_addr), (procs[0], pre_addr)])
+      for follower, log in ((procs[1], logs[1]), (procs[3], logs[3])):
+        try:  # a follower stops with its leader
+          follower.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+          follower.kill()
+          follower.wait()
+          self.fail(f"a pool follower outlived its leader:\n{open(log).read()[-2000:]}")
+    for log in (logs[1], logs[3]):
+      with open(log) as f:
+        text = f.read()
+      self.assertIn("following the pool leader", text)
+      self.assertRegex(text, r"stopped after [1-9]\d* pool operations")
+
   def test_2_corrupted_transfer_retried_then_aborted(self):
     before = self.client.metrics()["serve"]
     self.control.request("fault", corrupt=1)  # one flipped bit after the checksum: one retry
@@ -342,6 +381,17 @@ class CliTest(absltest.TestCase):
     self.assertEqual(res.returncode, 2)
     self.assertIn(f"prefill server unreachable: no server reachable at 127.0.0.1:{dead}",
                   res.stderr)
+    # A pool over several processes needs its coordinator and pool addresses, and a
+    # process id within the pool.
+    res = self._run("--role", "prefill", "--model", "tiny-mla", "--num-processes", "2")
+    self.assertEqual(res.returncode, 2)
+    self.assertIn("--num-processes > 1 needs --coordinator HOST:PORT and --pool-address",
+                  res.stderr)
+    res = self._run("--role", "prefill", "--model", "tiny-mla", "--num-processes", "2",
+                    "--process-id", "2", "--coordinator", "127.0.0.1:1", "--pool-address",
+                    "127.0.0.1:2")
+    self.assertEqual(res.returncode, 2)
+    self.assertIn("--process-id 2 must be in [0, --num-processes 2)", res.stderr)
 
 
 if __name__ == "__main__":

@@ -155,7 +155,7 @@ class Engine(ServingLoop):
       raise ValueError("lead(): this engine's mesh does not span processes")
     self.device = lockstep.Leader(self.device, followers)
 
-  def follow(self, address, authkey: bytes, **kw) -> int:
+  def follow(self, address, authkey: bytes, **kw) -> tuple[int, bool]:
     """Runs this process as a follower of the pool whose leader listens at ``address``:
     repeats its device operations until it stops (see :func:`lockstep.follow`)."""
     if not self.device.multiprocess:

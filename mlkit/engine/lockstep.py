@@ -55,6 +55,14 @@ def spans_processes(mesh) -> bool:
                                   for d in mesh.devices.flat)
 
 
+def first_local_device(state):
+  """The lowest-id device of this process that holds ``state``'s pages (where a transfer's
+  payload is offered or pulled)."""
+  here = jax.process_index()
+  return min((d for d in state.page_tags.sharding.device_set if d.process_index == here),
+             key=lambda d: d.id)
+
+
 def to_host(tree) -> Any:
   """The full host value of every array of ``tree``, also of arrays spread over processes.
 
@@ -234,7 +242,8 @@ class Leader:
 MIRRORED = ("sync_tags", "copy_pages", "run", "read", "call")
 
 
-def follow(address, side: DeviceSide, authkey: bytes, *, connect_timeout_s: float = 120.0) -> int:
+def follow(address, side: DeviceSide, authkey: bytes, *,
+           connect_timeout_s: float = 120.0) -> tuple[int, bool]:
   """Runs a follower: repeats the leader's device operations until it stops or goes away.
 
   Args:
@@ -244,7 +253,7 @@ def follow(address, side: DeviceSide, authkey: bytes, *, connect_timeout_s: floa
     connect_timeout_s: how long to retry connecting (the leader may start later).
 
   Returns:
-    The number of operations run.
+    (operations run, whether the leader said stop: False when it went away).
 
   Raises:
     ConnectionError: the leader never answered.
@@ -266,9 +275,9 @@ def follow(address, side: DeviceSide, authkey: bytes, *, connect_timeout_s: floa
       try:
         op, args = conn.recv()
       except (EOFError, OSError):
-        return n  # the leader is gone: nothing more will be launched
+        return n, False  # the leader is gone: nothing more will be launched
       if op == "stop":
-        return n
+        return n, True
       if op not in MIRRORED:
         raise ValueError(f"unknown pool operation {op!r}")
       getattr(side, op)(*args)

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from mlkit.engine.lockstep import spans_processes, to_host
 from mlkit.kvcache import BatchMeta, PagedKVState
 from mlkit.kvcache.fp8 import dequantize_fp8, quantize_fp8
 from mlkit.kvcache.state import scale_name, write_layer
@@ -310,6 +311,17 @@ def _check_landing(dst: PagedKVState, dst_pages, length: int, start: int) -> Non
                      f"{length} tokens")
 
 
+def pool_placer(state: PagedKVState):
+  """How host inputs of a transfer half must be placed for ``state``: replicated on its mesh
+  when that spans processes (docs/serving_processes.md), else None (as they are)."""
+  sharding = getattr(state.page_tags, "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if not spans_processes(mesh):
+    return None
+  from mlkit.parallel import replicate
+  return lambda tree: replicate(tree, mesh)
+
+
 def extract_payload(src: PagedKVState, src_pages, length: int, *, start: int = 0) -> Extracted:
   """The sending half of :func:`transfer_kv`: gathers and checksums ``length`` tokens.
 
@@ -332,9 +344,12 @@ def extract_payload(src: PagedKVState, src_pages, length: int, *, start: int = 0
     raise ValueError(f"{len(src_pages)} source pages of {src.page_size} hold fewer than {length} tokens")
   first = start // src.page_size  # the source page holding token `start`
   base = first * src.page_size
-  pages = np.asarray(src_pages, np.int32)[first:]
-  payload = extract_kv(src, pages, np.int32(length - base))
-  return Extracted(payload, np.asarray(payload_checksum(payload)), base, length)
+  pages, n = np.asarray(src_pages, np.int32)[first:], np.int32(length - base)
+  place = pool_placer(src)
+  if place is not None:
+    pages, n = place(pages), place(n)
+  payload = extract_kv(src, pages, n)
+  return Extracted(payload, to_host(payload_checksum(payload)), base, length)
 
 
 def verify_payload(payload: Payload, sent: np.ndarray) -> str | None:
@@ -343,7 +358,7 @@ def verify_payload(payload: Payload, sent: np.ndarray) -> str | None:
   :func:`land_payload` runs it before writing; a receiver that wants to retry a
   transfer before committing any pages to it may run it first, too.
   """
-  received = np.asarray(payload_checksum(payload))
+  received = to_host(payload_checksum(payload))
   sent = np.asarray(sent)
   if sent.shape == received.shape and np.array_equal(sent, received):
     return None
@@ -388,20 +403,39 @@ def land_payload(dst: PagedKVState, dst_pages, payload: Payload, sent: np.ndarra
   _check_landing(dst, dst_pages, length, start)
   _check_payload_layout(payload, dst)
   nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(payload))
+  dst_pages = np.asarray(dst_pages, np.int32)
+  n, base, start = np.int32(length), np.int32(base), np.int32(start)
+  place = pool_placer(dst)
+  if place is not None:  # a pool spread over processes: every input on its mesh
+    payload, dst_pages, n, base, start = place((payload, dst_pages, n, base, start))
   why = verify_payload(payload, sent)
   if why is not None:
     return dst, TransferResult(False, why, nbytes)
-  dst_pages = np.asarray(dst_pages, np.int32)
-  n, base, start = np.int32(length), np.int32(base), np.int32(start)
   dst = write_kv(dst, payload, dst_pages, n, base, start)
   if corrupt_landing is not None:
     dst = corrupt_landing(dst)
-  expected, stored = map(np.asarray, landing_checksums(dst, payload, dst_pages, n, base, start))
+  expected, stored = to_host(landing_checksums(dst, payload, dst_pages, n, base, start))
   if not np.array_equal(expected, stored):
     keys = [sorted(_entry_keys(dst, i)) for i in range(dst.n_layers)]
     return dst, TransferResult(False, f"transfer checksum mismatch after the write at "
                                       f"{_where(expected, stored, keys)}", nbytes)
   return dst, TransferResult(True, None, nbytes)
+
+
+def land_fill(state: PagedKVState, pages, start: int, payload: Payload, sent: np.ndarray,
+              length: int, base: int):
+  """:func:`land_payload` as an adopt fill (``lockstep.Fill(land_fill, (payload, sent,
+  length, base))``): returns (state, (ok, why)); ``payload`` host arrays when the pool
+  spans processes (each process places them), device arrays otherwise."""
+  state, result = land_payload(state, pages, payload, sent, length, base=base, start=start)
+  return state, (result.ok, result.reason or "")
+
+
+def extract_to_host(state: PagedKVState, pages, length: int):
+  """:func:`extract_payload` for ``DeviceSide.call``: (state, (payload, checksum, base)),
+  read to the host by the caller (every process of a pool spread over processes runs it)."""
+  ex = extract_payload(state, pages, length)
+  return state, (ex.payload, ex.checksum, ex.base)
 
 
 def transfer_kv(src: PagedKVState, src_pages, dst: PagedKVState, dst_pages, length: int, *,

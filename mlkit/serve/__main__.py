@@ -52,6 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--prefill-chunk", type=int, default=16, help="prompt tokens per request per step")
   p.add_argument("--devices", type=int, default=1,
                  help="local devices of this process's pool (on a CPU: host devices made)")
+  mh = p.add_argument_group("a pool over several processes (multi-host, jax.distributed)")
+  mh.add_argument("--num-processes", type=int, default=1,
+                  help="processes of this server's pool; > 1: process 0 serves (the leader), "
+                       "the others repeat its device work (followers)")
+  mh.add_argument("--process-id", type=int, default=0, help="this process's index in the pool")
+  mh.add_argument("--coordinator", default=None,
+                  help="HOST:PORT of jax.distributed's coordinator (process 0 binds it)")
+  mh.add_argument("--pool-address", default=None,
+                  help="HOST:PORT where the leader listens for its followers")
   p.add_argument("--authkey", default=os.environ.get("MLKIT_SERVE_AUTHKEY", "mlkit-serve"),
                  help="shared key of the control channel (env MLKIT_SERVE_AUTHKEY)")
   p.add_argument("--connect-timeout", type=float, default=30.0,
@@ -104,6 +113,15 @@ def main(argv=None) -> int:
                       prefill_chunk=args.prefill_chunk, devices=args.devices,
                       enable_fault_injection=args.enable_fault_injection)
     proto.parse_address(listen)
+    if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+      raise ValueError(f"--process-id {args.process_id} must be in [0, --num-processes "
+                       f"{args.num_processes})")
+    if args.num_processes > 1:
+      if not (args.coordinator and args.pool_address):
+        raise ValueError("--num-processes > 1 needs --coordinator HOST:PORT and "
+                         "--pool-address HOST:PORT")
+      proto.parse_address(args.coordinator)
+      proto.parse_address(args.pool_address)
     if args.role == "decode":
       if not args.prefill:
         raise ValueError("--role decode needs --prefill HOST:PORT (the prefill server)")
@@ -117,6 +135,8 @@ def main(argv=None) -> int:
   if cfg.checkpoint is not None and not os.path.isdir(cfg.checkpoint):
     _fail(f"checkpoint directory {os.path.abspath(cfg.checkpoint)} does not exist")
   authkey = args.authkey.encode()
+  if args.process_id > 0:  # a follower: no channels of its own, it repeats its leader's work
+    return _follow(args, cfg, authkey)
   try:
     listener = proto.listen(listen, authkey)  # before the model: a busy port fails at once
   except OSError as e:
@@ -129,24 +149,21 @@ def main(argv=None) -> int:
       _fail(f"prefill server unreachable: {e}")
 
   import jax
-  from absl import logging
   from jax.experimental import transfer
 
-  from mlkit.serve.model import build_engine, load_model
-  logging.set_verbosity(logging.WARNING)
-  t0 = time.perf_counter()
-  try:
-    params, mcfg = load_model(cfg)
-  except (OSError, ValueError) as e:
-    _fail(f"cannot load the model: {e}")
-  what = (f"checkpoint {cfg.checkpoint}" if cfg.checkpoint else
-          f"preset {cfg.model} (random params, seed {cfg.seed})")
-  _log(f"model {mcfg.name}: {mcfg.n_layers} layers, {what}, loaded in {time.perf_counter() - t0:.1f} s")
-  engine = build_engine(cfg, params, mcfg)
-  del params
-  _log(f"pool: {cfg.num_pages} pages of {engine.config.page_size} tokens, KV {cfg.kv_dtype}, "
-       f"weights {cfg.recipe}, {cfg.devices} {jax.default_backend()} device(s), "
-       f"max {cfg.max_running} running")
+  engine, mcfg = _build(args, cfg)
+  followers = None
+  if args.num_processes > 1:
+    from mlkit.engine import lockstep
+    from mlkit.serve import protocol as proto_
+    try:
+      followers = lockstep.Followers(proto_.parse_address(args.pool_address),
+                                     args.num_processes - 1, authkey,
+                                     timeout_s=args.connect_timeout)
+    except (OSError, TimeoutError) as e:
+      _fail(f"pool followers: {e}")
+    engine.lead(followers)
+    _log(f"leading a pool of {args.num_processes} processes ({len(jax.devices())} devices)")
   if args.warmup:
     from mlkit.serve.model import warm_up
     if cfg.role == "colocated":
@@ -157,7 +174,7 @@ def main(argv=None) -> int:
     else:
       _log(f"warm-up (compiles) took {warm_up(engine):.1f} s")
   if cfg.role != "colocated":
-    tserver = transfer.start_transfer_server(jax.devices()[0].client, f"{args.transfer_host}:0",
+    tserver = transfer.start_transfer_server(jax.local_devices()[0].client, f"{args.transfer_host}:0",
                                              [f"{args.transfer_host}:0"])
     _log(f"KV transfer server on {tserver.address()}")
   if cfg.role == "prefill":
@@ -183,8 +200,59 @@ def main(argv=None) -> int:
     server.serve_forever()
   except KeyboardInterrupt:
     pass
+  finally:
+    if followers is not None:  # they stop with their leader
+      followers.close()
   _log("stopped")
   listener.close()
+  return 0
+
+
+def _build(args, cfg):
+  """Joins the pool's processes (when several), loads the model and builds the engine."""
+  import jax
+  from absl import logging
+
+  from mlkit.serve.model import build_engine, load_model
+  logging.set_verbosity(logging.WARNING)
+  if args.num_processes > 1:
+    from mlkit.parallel import initialize_distributed
+    initialize_distributed(args.coordinator, args.num_processes, args.process_id,
+                           initialization_timeout=int(args.connect_timeout))
+  t0 = time.perf_counter()
+  try:
+    params, mcfg = load_model(cfg)
+  except (OSError, ValueError) as e:
+    _fail(f"cannot load the model: {e}")
+  what = (f"checkpoint {cfg.checkpoint}" if cfg.checkpoint else
+          f"preset {cfg.model} (random params, seed {cfg.seed})")
+  _log(f"model {mcfg.name}: {mcfg.n_layers} layers, {what}, loaded in {time.perf_counter() - t0:.1f} s")
+  engine = build_engine(cfg, params, mcfg)
+  del params
+  _log(f"pool: {cfg.num_pages} pages of {engine.config.page_size} tokens, KV {cfg.kv_dtype}, "
+       f"weights {cfg.recipe}, {len(jax.devices())} {jax.default_backend()} device(s), "
+       f"max {cfg.max_running} running")
+  return engine, mcfg
+
+
+def _follow(args, cfg, authkey: bytes) -> int:
+  """A follower process: builds the same engine and repeats its leader's device work."""
+  import jax
+  from mlkit.serve import protocol as proto
+  engine, _ = _build(args, cfg)
+  _log(f"process {args.process_id} of {args.num_processes}: following the pool leader at "
+       f"{args.pool_address}")
+  try:
+    ops, stopped = engine.follow(proto.parse_address(args.pool_address), authkey,
+                                 connect_timeout_s=args.connect_timeout)
+  except ConnectionError as e:
+    _fail(f"pool leader unreachable: {e}")
+  if not stopped:  # the leader died: no coordinator to shut down with, so leave at once
+    _log(f"the pool leader went away after {ops} pool operations")
+    sys.stdout.flush()
+    os._exit(1)
+  _log(f"stopped after {ops} pool operations")
+  jax.distributed.shutdown()
   return 0
 
 

@@ -43,7 +43,8 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from mlkit.engine.request import (ABORT_CANCELLED, ABORT_ERROR, ABORT_PEER_LOST, ABORT_TIMEOUT, ABORT_TRANSFER,
                                   FINISH_LENGTH, Request, RequestStatus)
-from mlkit.engine.transfer import check_pools, land_payload, verify_payload
+from mlkit.engine import lockstep
+from mlkit.engine.transfer import check_pools, land_fill, verify_payload
 from mlkit.serve import protocol as proto
 
 
@@ -284,9 +285,11 @@ class DecodeServer(FrontDoor):
     self._pull_conn = None  # transfer connection to the prefill server's transfer server
     self._next_connect = 0.0
     self._pull_delay_s = 0.0  # test fault (options.enable_fault_injection)
-    dev = min(engine.state.page_tags.sharding.device_set, key=lambda d: d.id)
-    self._pull_sharding = SingleDeviceSharding(dev)
-    self._replicated = NamedSharding(engine.mesh, PartitionSpec()) if engine.mesh is not None else None
+    self._pull_sharding = SingleDeviceSharding(lockstep.first_local_device(engine.state))
+    # A pool on local devices gets the pulled payload replicated on its mesh; a pool spread
+    # over processes lands it through a lockstep.Fill instead (every process places it).
+    self._replicated = (NamedSharding(engine.mesh, PartitionSpec())
+                        if engine.mesh is not None and not engine.device.multiprocess else None)
 
   # ------------------------------------------------------------------ peer
   def connect_peer(self, timeout_s: float) -> None:
@@ -557,10 +560,11 @@ class DecodeServer(FrontDoor):
       self._fail(f, ABORT_TRANSFER, f"{why} (after {f.attempts} attempts)")
       return
     length, base = int(offer["length"]), int(offer["base"])
-
-    def fill(state, pages, start):
-      return _fill(state, pages, start, payload, sent, length, base)
-
+    if self.engine.device.multiprocess:
+      # Every process of this pool lands the payload: it is sent to them as host arrays
+      # with the landing call (docs/serving_processes.md).
+      payload = jax.device_get(payload)
+    fill = lockstep.Fill(land_fill, (payload, sent, length, base))
     self._flights.pop(f.uuid)
     self.inbox.send(self._peer, proto.message("release", uuid=f.uuid))
     adopted = self.engine.adopt(req, length, fill, reservation=req.request_id)
@@ -589,11 +593,6 @@ def _offsets(layer_keys) -> list[int]:
     out.append(i)
     i += len(keys)
   return out
-
-
-def _fill(state, pages, start, payload, sent, length, base):
-  state, result = land_payload(state, pages, payload, sent, length, base=base, start=start)
-  return state, result.ok, result.reason or ""
 
 
 def _abort(req: Request, reason: str, why: str) -> None:

@@ -117,12 +117,16 @@ def engine_config(cfg: ServeConfig, mcfg: ModelConfig):
 
 
 def build_engine(cfg: ServeConfig, params, mcfg: ModelConfig):
-  """The process's Engine on its local devices (role "prefill" for a prefill server)."""
+  """The process's Engine on its local devices, or on every process's devices when the pool
+  spans processes (``jax.distributed`` initialised); role "prefill" for a prefill server."""
   import jax
   from mlkit.engine import Engine
   from mlkit.parallel import MeshConfig, split_mesh
   from mlkit.quant import RECIPES, quantize_params
-  (mesh,) = split_mesh([MeshConfig(tensor=cfg.devices)], list(jax.devices())[:cfg.devices])
+  if jax.process_count() > 1:  # one pool over every process's devices (docs/serving_processes.md)
+    (mesh,) = split_mesh([MeshConfig(tensor=len(jax.devices()))], list(jax.devices()))
+  else:
+    (mesh,) = split_mesh([MeshConfig(tensor=cfg.devices)], list(jax.devices())[:cfg.devices])
   return Engine(quantize_params(params, RECIPES[cfg.recipe]), engine_config(cfg, mcfg), mesh=mesh,
                 role="prefill" if cfg.role == "prefill" else "serve")
 
@@ -136,10 +140,10 @@ def warm_up(engine) -> float:
   """
   import time
 
-  import jax
 
+  from mlkit.engine import lockstep
   from mlkit.engine.request import Request
-  from mlkit.engine.transfer import extract_payload, land_payload
+  from mlkit.engine.transfer import extract_to_host
   from mlkit.sampling import SamplingParams
   t0 = time.perf_counter()
   n = min(engine.config.prefill_buckets[-1], engine.config.max_seq_tokens - 2)
@@ -149,16 +153,12 @@ def warm_up(engine) -> float:
     rid = engine.submit(prompt, sampling)
     while not engine.prefilled() and engine.has_unfinished():
       engine.step()
-    ex = extract_payload(engine.state, engine.kv_pages(rid), n)
-    jax.block_until_ready(ex.payload)
+    engine.device.call(extract_to_host, engine.kv_pages(rid), n)
     engine.hand_over(rid)
     return time.perf_counter() - t0
 
-  def fill(state, pages, start):  # lands the pool's own (zero) KV: the decode-side halves compile
-    ex = extract_payload(state, pages, n)
-    state, res = land_payload(state, pages, ex.payload, ex.checksum, n, start=start)
-    return state, res.ok, res.reason or ""
-
+  # Lands the pool's own (zero) KV: the decode-side halves compile.
+  fill = lockstep.Fill(_warm_up_fill, (n,))
   req = Request(request_id=-1, prompt=tuple(prompt), sampling=sampling,
                 arrival_time=time.perf_counter(), prefill_tokens=tuple(prompt))
   req.emit(0, time.perf_counter())
@@ -167,3 +167,12 @@ def warm_up(engine) -> float:
       engine.step()
   engine.requests.pop(-1, None)  # not a request anyone sent
   return time.perf_counter() - t0
+
+
+def _warm_up_fill(state, pages, start, n):
+  """The warm-up's adopt fill: extracts the pool's own pages and lands them back (module
+  level, so that the processes of a pool spread over processes are sent it)."""
+  from mlkit.engine.transfer import extract_payload, land_payload
+  ex = extract_payload(state, pages, n)
+  state, res = land_payload(state, pages, ex.payload, ex.checksum, n, start=start)
+  return state, (res.ok, res.reason or "")

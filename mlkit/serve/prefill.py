@@ -21,7 +21,8 @@ import jax
 import numpy as np
 from absl import logging
 
-from mlkit.engine.transfer import extract_payload, flip_low_bit
+from mlkit.engine import lockstep
+from mlkit.engine.transfer import extract_payload, extract_to_host, flip_low_bit
 from mlkit.serve import protocol as proto
 
 
@@ -195,24 +196,30 @@ class PrefillServer:
     if self._delay_s:
       time.sleep(self._delay_s)  # test fault: a slow peer
     length = len(req.prefill_tokens)
-    ex = extract_payload(self.engine.state, self.engine.kv_pages(req.request_id), length)
-    leaves, treedef = jax.tree_util.tree_flatten(ex.payload)
+    pages = self.engine.kv_pages(req.request_id)
+    if self.engine.device.multiprocess:
+      # Every process of this pool runs the extraction; the leader offers the host copy.
+      payload, checksum, base = self.engine.device.call(extract_to_host, pages, length)
+    else:
+      ex = extract_payload(self.engine.state, pages, length)
+      payload, checksum, base = ex.payload, ex.checksum, ex.base
+    leaves, treedef = jax.tree_util.tree_flatten(payload)
     # One device holds the offer: the puller asks for plain single-device arrays.
-    dev = min(self.engine.state.page_tags.sharding.device_set, key=lambda d: d.id)
+    dev = lockstep.first_local_device(self.engine.state)
     leaves = [jax.device_put(x, dev) for x in leaves]
     if self._corrupt_next:  # test fault: corrupt after the checksum was taken
       self._corrupt_next -= 1
       self.stats.corrupted += 1
       leaves[0] = flip_low_bit(leaves[0])
-    job.payload, job.checksum, job.treedef = leaves, ex.checksum, treedef
+    job.payload, job.checksum, job.treedef = leaves, checksum, treedef
     job.specs = proto.specs_of(leaves)
     self.transfer.await_pull(job.uuid, leaves)
     job.offered_at = time.monotonic()
     self.stats.offers += 1
     self.stats.offer_bytes += sum(x.nbytes for x in leaves)
     self.inbox.send(job.conn, proto.message(
-        "offered", uuid=job.uuid, first_token=int(req.output[-1]), checksum=ex.checksum.tolist(),
-        specs=job.specs, layer_keys=[sorted(layer) for layer in ex.payload], base=ex.base,
+        "offered", uuid=job.uuid, first_token=int(req.output[-1]), checksum=checksum.tolist(),
+        specs=job.specs, layer_keys=[sorted(layer) for layer in payload], base=base,
         length=length))
 
   def _drop(self, job: _Job) -> None:
