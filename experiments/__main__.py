@@ -62,7 +62,7 @@ EXPERIMENTS = {
                      "the report's decode and prefill steps compiled for 8x H200 without a GPU: "
                      "per-device weights, KV pool and temporaries from XLA, the largest pool that "
                      "fits, beside the analytic model (quick: Kimi K2.6, ~3.5 min; --full adds "
-                     "GLM 5.2, ~15 min)"),
+                     "GLM 5.2, ~20 min)"),
     "kernels": ("experiments.kernels",
                 "roofline sheet of every kernel at its target shapes (modelled; ~2 s); on a "
                 "GPU also per-kernel time and bandwidth vs references and peers"),
