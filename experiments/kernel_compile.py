@@ -19,8 +19,9 @@ The sweep behind the deviceless compile tests (tests/test_h200_compile_*.py) and
 Needs ``pallas_kernels.h200.env.prepare()`` before jax is imported (the tests'
 conftest does it) for the compiles; loading and rendering records do not.
 
-Run the whole sweep by hand (92 compiles, about 4 minutes on two busy cores;
-``--verify`` compiles every build of a shared compile on its own, 236, about 12)::
+Run the whole sweep by hand (``--other-impl``: 86 compiles, a few minutes on two
+busy cores; ``--verify`` compiles every build of a shared compile on its own, 274,
+about 12)::
 
     .venv/bin/python -m experiments.kernel_compile [--other-impl] [--verify] [substring ...]
 """
@@ -49,9 +50,12 @@ from experiments import common  # noqa: E402
 from experiments import kernel_targets as kt  # noqa: E402
 from pallas_kernels.h200 import compile as hc  # noqa: E402
 from pallas_kernels.h200 import env  # noqa: E402
+from pallas_kernels.indexer import IndexerBlockSizes  # noqa: E402
+from pallas_kernels.indexer import paged_index_scores  # noqa: E402
 from pallas_kernels.int4_matmul import BlockSizes as Int4BlockSizes  # noqa: E402
 from pallas_kernels.int4_matmul import int4_grouped_matmul  # noqa: E402
 from pallas_kernels.int4_matmul import int4_matmul  # noqa: E402
+from pallas_kernels.paged_attention import SparseBlockSizes  # noqa: E402
 from pallas_kernels.paged_attention import ops as attention_ops  # noqa: E402
 from pallas_kernels.tag_check import BlockSizes as TagBlockSizes  # noqa: E402
 from pallas_kernels.tag_check import tag_check  # noqa: E402
@@ -73,6 +77,10 @@ REGISTER_NOISE = 4
 # From this many pipeline steps on, the INT4 loop's trip count no longer changes the
 # kernel ptxas builds (a short constant-trip loop is unrolled; a long one is not).
 INT4_LONG_LOOP_STEPS = 8
+# The same for the sparse MLA decode kernel's loop over a split's selected rows
+# (indices per split / block_k): ptxas reads 1, 2 and 3 steps differently and 4 to
+# 32 alike (docs/h200_compile.md).
+SPARSE_LONG_LOOP_STEPS = 4
 # A shared compile covers its other cases only with this much headroom below the
 # register limit; closer to 255 every case of the group is compiled on its own,
 # so "zero spills" never rests on a neighbour's reading.
@@ -119,6 +127,8 @@ OPS: dict[str, Callable[..., Any]] = {
     "int4_matmul": int4_matmul,
     "int4_grouped_matmul": int4_grouped_matmul,
     "tag_check": tag_check,
+    "paged_mla_sparse_decode": attention_ops.paged_mla_sparse_decode,
+    "paged_index_scores": paged_index_scores,
 }
 
 
@@ -167,6 +177,17 @@ def _tag_block_sizes(case):
   return TagBlockSizes.get_default(d["batch"], d["max_pages"])
 
 
+def _sparse_block_sizes(case):
+  d = case.d
+  return SparseBlockSizes.get_default(num_heads=d["heads"], num_indices=d["topk"],
+                                      batch=d["batch"], device_kind=H200)
+
+
+def _indexer_block_sizes(case):
+  del case  # one tiling for every shape (IndexerBlockSizes' defaults are the H200's)
+  return IndexerBlockSizes()
+
+
 def builds(case, *, other_impl: bool = False) -> list[Build]:
   """What the engine compiles for ``case`` on an H200 (and optionally the other kernel).
 
@@ -174,6 +195,7 @@ def builds(case, *, other_impl: bool = False) -> list[Build]:
     case: an ``experiments.kernel_targets.KernelCase``.
     other_impl: for paged attention, also the kernel "auto" does not pick
       (Triton where Mosaic GPU runs, and the reverse where the shape allows).
+      The sparse-attention kernels have one implementation (Triton).
 
   Returns:
     The builds, the engine's first.
@@ -183,8 +205,10 @@ def builds(case, *, other_impl: bool = False) -> list[Build]:
   if case.kernel in ("int4_matmul", "int4_grouped_matmul"):
     bs = _int4_block_sizes(case)
     return [Build(case, "mgpu", True, bs, kernel_key(case, "mgpu", bs))]
-  if case.kernel == "tag_check":
-    bs = _tag_block_sizes(case)
+  block_sizes = {"tag_check": _tag_block_sizes, "paged_mla_sparse_decode": _sparse_block_sizes,
+                 "paged_index_scores": _indexer_block_sizes}
+  if case.kernel in block_sizes:
+    bs = block_sizes[case.kernel](case)
     return [Build(case, "triton", True, bs, kernel_key(case, "triton", bs))]
   raise ValueError(f"unknown kernel {case.kernel!r}")
 
@@ -194,18 +218,21 @@ def kernel_key(case, impl: str, block_sizes) -> tuple:
 
   Every static value the kernel body is built from is in the key: dtypes, the
   per-token entry widths, page size, softmax scale, every block size, and for
-  INT4 the pipeline's static step count (a short constant-trip loop is unrolled
-  differently: 140 registers at 1 step, 184 at 5). Left out are the dims that
-  only set grid extents, global-memory extents and address constants: batch,
-  context (block-table width), pool pages, experts, token rows beyond one tile,
-  columns beyond one tile and the split-K count (attention's per-split page count
-  is an address constant; the loop over a split's pages runs to a length read at
-  run time). Three exceptions keep the key honest, each seen in ptxas' readings:
-  a grid axis of extent 1 turns its program index into a constant (GQA at one
-  request or one split: up to 11 registers apart), so which axes have extent 1
-  is in the key; a Triton kernel switches to 64-bit addressing once an operand
-  exceeds 4 GiB (MLA bf16, 16 heads: 218 against 168 registers); and GQA's KV
-  head count sizes a shared-memory scale tile. What is left moves the register
+  INT4 and sparse MLA decode the loop's static step count (a short constant-trip
+  loop is compiled differently: INT4 140 registers at 1 step, 184 at 5; sparse
+  MLA fp8 176 at 2 steps, 182 at 4 or more). Left out are the dims that only set
+  grid extents, global-memory extents and address constants: batch, context
+  (block-table width), pool pages, experts, the number of selected positions,
+  token rows beyond one tile, columns beyond one tile and the split-K count
+  (dense attention's per-split page count is an address constant, its loop over
+  a split's pages runs to a length read at run time; the sparse kernel's splits
+  matter only through its step count, which is in the key). Three exceptions
+  keep the key honest, each seen in ptxas' readings: a grid axis of extent 1
+  turns its program index into a constant (GQA at one request or one split: up
+  to 11 registers apart), so which axes have extent 1 is in the key; a Triton
+  kernel switches to 64-bit addressing once an operand exceeds 4 GiB (MLA bf16,
+  16 heads: 218 against 168 registers; sparse MLA fp8, 16 heads: 106 against
+  128); and GQA's KV head count sizes a shared-memory scale tile. What is left moves the register
   count by a register or two (REGISTER_NOISE); :func:`verify_dedup` measures it.
 
   Args:
@@ -248,6 +275,25 @@ def kernel_key(case, impl: str, block_sizes) -> tuple:
     key.update(page_size=d["page_size"],
                padded_pages=1 << max(0, (d["max_pages"] - 1).bit_length()))
     key["unit_axes"] = _unit_axes(programs=-(-d["batch"] // block_sizes.block_b))
+  elif case.kernel == "paged_mla_sparse_decode":
+    # The splits set a grid axis and an index offset; the indices per split set the
+    # loop's constant trip count (ops.paged_mla_sparse_decode pads K to whole steps).
+    fields.pop("num_splits")
+    bk, splits = block_sizes.block_k, block_sizes.num_splits
+    steps = -(-d["topk"] // (splits * bk))
+    long_loop = SPARSE_LONG_LOOP_STEPS
+    key.update(kv=d["kv"], page_size=d["page_size"], c=d["c"], r=d["r"],
+               k_steps=steps if steps < long_loop else f">={long_loop}",
+               **case.static_kwargs())
+    key["unit_axes"] = _unit_axes(batch=d["batch"],
+                                  heads=-(-d["heads"] // block_sizes.block_h),
+                                  splits=block_sizes.num_splits)
+  elif case.kernel == "paged_index_scores":
+    key.update(kv=d["kv"], page_size=d["page_size"], index_dim=d["index_dim"],
+               # the op pads heads to a power of two >= 16 (the dot's M) before the kernel
+               index_heads=max(16, 1 << (d["index_heads"] - 1).bit_length()))
+    key["unit_axes"] = _unit_axes(batch=d["batch"],
+                                  blocks=-(-d["context"] // block_sizes.block_k))
   if impl == "triton":
     big = max(math.prod(s) * _itemsize(dt) for s, dt in filter(None, case.arg_shapes()))
     key["wide_offsets"] = big > TRITON_WIDE_OFFSET_BYTES
@@ -512,6 +558,10 @@ def _fmt_bs(bs: dict, kernel: str, impl: str) -> str:
   if kernel in ("int4_matmul", "int4_grouped_matmul"):
     return (f"n{bs['tile_n']} m{bs['tile_m']} k{bs['tile_k']} ks{bs['k_splits']} "
             f"p{bs['max_concurrent_steps']}")
+  if kernel == "paged_mla_sparse_decode":  # splits vary by case (the step count is keyed)
+    return f"h{bs['block_h']} k{bs['block_k']} w{bs['num_warps']} st{bs['num_stages']}"
+  if kernel == "paged_index_scores":
+    return f"k{bs['block_k']} w{bs['num_warps']} st{bs['num_stages']}"
   return " ".join(f"{k}{v}" for k, v in bs.items())
 
 

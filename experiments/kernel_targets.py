@@ -21,6 +21,13 @@ the targets with it:
   tokens of Kimi at page 64), 64 requests of 128K tokens.
 * **GQA decode**: head_dim 128, groups 1-16, bf16 and fp8 (the GQA path of the
   model; not in the report's models).
+* **Sparse MLA decode** (GLM 5's DeepSeek Sparse Attention, absorbed form over the
+  ``index_topk`` = 2048 positions the indexer selected, page 64): heads per device
+  under TP 8 (8) and data-parallel attention (64), batch 1-64, contexts 32K and 128K
+  (at least ``index_topk``, so the selection is sparse), bf16 and fp8 pages.
+* **Indexer scoring** (GLM 5's lightning indexer over the paged index keys): all
+  ``index_n_heads`` = 32 heads of ``index_head_dim`` = 128 under either parallelism
+  (the indexer is replicated), the same batches, contexts and page dtypes.
 
 A case holds shapes and static arguments only; callers make abstract inputs
 (``jax.ShapeDtypeStruct``) for compiles or random arrays for timed runs.
@@ -43,7 +50,7 @@ EP = 8  # expert parallelism of the same
 KV_TOKENS_PER_H200 = 1_372_000  # the report's fp8 KV capacity of Kimi K2.6 on one H200
 
 KERNELS = ("paged_mla_decode", "paged_gqa_decode", "int4_matmul", "int4_grouped_matmul",
-           "tag_check")
+           "tag_check", "paged_mla_sparse_decode", "paged_index_scores")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,13 +100,30 @@ class KernelCase:
     if self.kernel == "tag_check":
       b, p, n = d["batch"], d["max_pages"], d["num_pages"]
       return [((n,), jnp.int32), ((b, p), jnp.int32), ((b, p), jnp.int32), ((b,), jnp.int32)]
+    if self.kernel == "paged_mla_sparse_decode":
+      b, h, c, r, ps, n, p, k = (d[x] for x in ("batch", "heads", "c", "r", "page_size",
+                                                 "num_pages", "max_pages", "topk"))
+      dt = FP8 if d["kv"] == "fp8" else jnp.bfloat16
+      sc = ((n, ps), jnp.float32) if d["kv"] == "fp8" else None
+      return [((b, h, c), jnp.bfloat16), ((b, h, r), jnp.bfloat16), ((n, ps, c), dt),
+              ((n, ps, r), dt), sc, sc, ((b, p), jnp.int32), ((b,), jnp.int32),
+              ((b, k), jnp.int32)]
+    if self.kernel == "paged_index_scores":
+      b, hi, di, ps, n, p = (d[x] for x in ("batch", "index_heads", "index_dim", "page_size",
+                                             "num_pages", "max_pages"))
+      dt = FP8 if d["kv"] == "fp8" else jnp.bfloat16
+      sc = ((n, ps), jnp.float32) if d["kv"] == "fp8" else None
+      return [((b, hi, di), jnp.bfloat16), ((b, hi), jnp.float32), ((n, ps, di), dt), sc,
+              ((b, p), jnp.int32), ((b,), jnp.int32)]
     raise ValueError(f"unknown kernel {self.kernel!r}")
 
   def static_kwargs(self) -> dict:
     """Static keyword arguments of the op other than backend and block sizes."""
     d = self.d
-    if self.kernel == "paged_mla_decode":
+    if self.kernel in ("paged_mla_decode", "paged_mla_sparse_decode"):
       return {"scale": 1.0 / math.sqrt(d["qk_head_dim"])}
+    if self.kernel == "paged_index_scores":
+      return {}
     if self.kernel == "paged_gqa_decode":
       return {"scale": 1.0 / math.sqrt(d["head_dim"])}
     if self.kernel in ("int4_matmul", "int4_grouped_matmul"):
@@ -211,11 +235,54 @@ def gqa_cases() -> list[KernelCase]:
   return cases
 
 
+SPARSE_CONTEXTS = (32768, 131072)  # both above GLM 5.2's index_topk: the selection is sparse
+
+
+def _sparse_config():
+  """GLM 5.2, checked to run DeepSeek Sparse Attention at the shapes the cases assume."""
+  cfg = GLM_5_2
+  assert cfg.indexer_types and "full" in cfg.indexer_types, cfg.name
+  assert cfg.index_topk <= min(SPARSE_CONTEXTS), cfg.index_topk
+  return cfg
+
+
+def sparse_mla_cases() -> list[KernelCase]:
+  """GLM 5.2's sparse MLA decode per device: TP 8 and data-parallel heads x batch x
+  context x bf16/fp8, over K = index_topk selected positions."""
+  cfg = _sparse_config()
+  c, r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+  cases = []
+  for (par, heads), kv, b, ctx in itertools.product(
+      (("tp8", cfg.n_heads // TP), ("dp", cfg.n_heads)), ("bf16", "fp8"), MLA_BATCHES,
+      SPARSE_CONTEXTS):
+    p = ctx // PAGE_SIZE
+    cases.append(_case("paged_mla_sparse_decode", f"sparse_mla/{par}/{kv}/b{b}/ctx{ctx}",
+                       "GLM 5.2", batch=b, heads=heads, c=c, r=r, page_size=PAGE_SIZE,
+                       context=ctx, max_pages=p, num_pages=b * p + 1, kv=kv,
+                       topk=cfg.index_topk, qk_head_dim=cfg.qk_nope_head_dim + r))
+  return cases
+
+
+def indexer_cases() -> list[KernelCase]:
+  """GLM 5.2's indexer scoring per device: all index heads (the indexer is replicated
+  under either parallelism) x batch x context x bf16/fp8 index keys."""
+  cfg = _sparse_config()
+  cases = []
+  for kv, b, ctx in itertools.product(("bf16", "fp8"), MLA_BATCHES, SPARSE_CONTEXTS):
+    p = ctx // PAGE_SIZE
+    cases.append(_case("paged_index_scores", f"indexer/{kv}/b{b}/ctx{ctx}", "GLM 5.2",
+                       batch=b, index_heads=cfg.index_n_heads, index_dim=cfg.index_head_dim,
+                       page_size=PAGE_SIZE, context=ctx, max_pages=p, num_pages=b * p + 1,
+                       kv=kv))
+  return cases
+
+
 def target_cases(kernels: tuple[str, ...] = KERNELS) -> list[KernelCase]:
   """Every target case of the given kernels, in KERNELS order."""
   builders = {"paged_mla_decode": mla_cases, "paged_gqa_decode": gqa_cases,
               "int4_matmul": int4_dense_cases, "int4_grouped_matmul": int4_grouped_cases,
-              "tag_check": tag_check_cases}
+              "tag_check": tag_check_cases, "paged_mla_sparse_decode": sparse_mla_cases,
+              "paged_index_scores": indexer_cases}
   unknown = [k for k in kernels if k not in builders]
   if unknown:
     raise ValueError(f"unknown kernel(s) {unknown}; known: {KERNELS}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from experiments import kernel_targets as kt
 from pallas_kernels import benchmark as bm
+from pallas_kernels.indexer import bench as indexer_bench
 from pallas_kernels.int4_matmul import bench as int4_bench
 from pallas_kernels.paged_attention import bench as attn_bench
 from pallas_kernels.tag_check import bench as tag_bench
@@ -44,17 +45,22 @@ def job_cost(case: kt.KernelCase) -> tuple[int, int]:
     return int4_bench.job_cost(case.kernel, case.d)
   if case.kernel == "tag_check":
     return tag_bench.job_cost(case.d)
+  if case.kernel == "paged_index_scores":
+    return indexer_bench.job_cost(case.d)
   raise ValueError(f"unknown kernel {case.kernel!r}; known: {kt.KERNELS}")
 
 
 def twin_cost(case: kt.KernelCase) -> tuple[int, int] | None:
-  """(bytes, FLOPs) of the same job in bf16: bf16 pages for an fp8 attention case,
-  dequantised bf16 weights for an INT4 one; None where there is no narrower format."""
+  """(bytes, FLOPs) of the same job in bf16: bf16 pages (or index keys) for an fp8
+  attention or indexer case, dequantised bf16 weights for an INT4 one; None where
+  there is no narrower format."""
   d = case.d
   if case.kernel in attn_bench.KERNELS:
     if d["kv"] != "fp8":
       return None
     return attn_bench.job_cost(case.kernel, d | {"kv": "bf16"})
+  if case.kernel == "paged_index_scores":
+    return indexer_bench.job_cost(d | {"kv": "bf16"}) if d["kv"] == "fp8" else None
   if case.kernel in int4_bench.KERNELS:
     return int4_bench.job_cost(case.kernel, d, weights="bf16")
   return None
@@ -167,6 +173,26 @@ def summary_lines(sheet: list[dict]) -> list[str]:
     out.append(f"- paged_mla_decode, fp8: {len(mla)} cases with a bandwidth target, allowing "
                f"{_us(min(r['target_s'] for r in mla))}-{_us(max(r['target_s'] for r in mla))} us "
                "per call.")
+  sparse = [r for r in sheet if r["kernel"] == "paged_mla_sparse_decode"]
+  if sparse:
+    # The dense job at the same shape reads every cached token instead of the selection.
+    by_name = {c.name: c for c in kt.target_cases(("paged_mla_sparse_decode",))}
+    gains = [bm.roofline_s(*attn_bench.job_cost("paged_mla_decode", by_name[r["case"]].d))
+             / r["roofline_s"] for r in sparse if r["case"] in by_name]
+    # The indexer's scoring at the same batch, context and dtype reads every cached key.
+    index = {r["case"].removeprefix("indexer/"): r["roofline_s"] for r in sheet
+             if r["kernel"] == "paged_index_scores"}
+    ratios = [index[r["case"].split("/", 2)[2]] / r["roofline_s"] for r in sparse
+              if r["case"].split("/", 2)[2] in index]
+    if gains:
+      out.append(f"- paged_mla_sparse_decode: the dense kernel's roofline at the same shape is "
+                 f"{min(gains):.0f}-{max(gains):.0f}x this one's (the selected rows instead of "
+                 "the whole context)"
+                 + (f"; the indexer's scoring, which reads every cached index key, is "
+                    f"{min(ratios):.1f}-{max(ratios):.0f}x the sparse kernel's at the same "
+                    "batch, context and dtype: at these contexts the indexer, not the attention, "
+                    "sets a sparse decode step's floor."
+                    if ratios else "."))
   tag = [r for r in sheet if r["kernel"] == "tag_check"]
   if tag:
     out.append(f"- tag_check: {_us(min(r['roofline_s'] for r in tag))}-"

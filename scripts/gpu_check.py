@@ -13,10 +13,10 @@ What it does (docs/gpu_check.md has the whole story and the record format):
 
 * **Plan.** The device's own ceilings first (a copy and a bf16 matmul), then the
   target cases of ``experiments.kernel_targets`` in tiers: tier 1 holds the most
-  important point of every kernel x variant (MLA: TP-8 or data-parallel heads x
-  bf16/fp8 pages; INT4: group size, ...), tier 2 the next point of each, and so
-  on, so whatever the time allows covers every kernel. Twins (bf16 and fp8 pages
-  of one shape) run back to back.
+  important point of every kernel x variant (MLA, dense and sparse: TP-8 or
+  data-parallel heads x bf16/fp8 pages; INT4: group size, ...), tier 2 the next
+  point of each, and so on, so whatever the time allows covers every kernel.
+  Twins (bf16 and fp8 pages of one shape) run back to back.
 * **Isolation.** Cases run in a worker process that starts jax once (start-up
   costs seconds per process, so one worker runs case after case) and streams each
   result back as it is measured. A case that crashes the worker or runs past
@@ -31,7 +31,8 @@ What it does (docs/gpu_check.md has the whole story and the record format):
   ``budget`` record lists the cases not started.
 * **Per case:** the Pallas kernel, XLA's path (the jnp reference) and, in the
   first ``--peer-tiers`` tiers, peers (our other attention kernel, JAX's own
-  Pallas GPU kernels for the same job, bf16 twins of the INT4 matmuls), each
+  Pallas GPU kernels for the same job, bf16 twins of the INT4 matmuls, the dense
+  MLA kernel over the whole context beside the sparse one), each
   with its relative-norm error against the f32 reference, its kernel time from
   CUPTI (perf_counter where CUPTI is unavailable; each timing names its
   source), achieved bytes/s and FLOP/s against the H200 ceilings, and the
@@ -65,8 +66,10 @@ DEFAULT_BUDGET_S = 480.0  # 8 minutes: one device command, with room for a rerun
 DEFAULT_CASE_TIMEOUT_S = 90.0  # the slowest legitimate case (grouped INT4 prefill + peers) ~1 min
 DEFAULT_STARTUP_TIMEOUT_S = 180.0
 RESERVE_S = 3.0  # kept back from the budget for the summary
-KERNEL_ORDER = ("paged_mla_decode", "int4_grouped_matmul", "tag_check", "int4_matmul",
-                "paged_gqa_decode")
+# GLM 5's sparse decode kernels follow dense MLA: together they are a GLM decode step's
+# attention, and they have never run on a GPU.
+KERNEL_ORDER = ("paged_mla_decode", "paged_mla_sparse_decode", "paged_index_scores",
+                "int4_grouped_matmul", "tag_check", "int4_matmul", "paged_gqa_decode")
 
 # How target cases are ranked. "variant": the facets every value of which tier 1 covers (the
 # dtype axis and the like). "prefs": preferred values, most important first, per facet; a
@@ -89,16 +92,23 @@ PRIORITY = {
     "paged_gqa_decode": {"variant": ("kv",),
                          "prefs": {"kv": ("bf16", "fp8"), "batch": (64, 1),
                                    "group": (8, 1, 16, 4, 2)}},
+    "paged_mla_sparse_decode": {"variant": ("par", "kv"),
+                                "prefs": {"par": ("tp8", "dp"), "kv": ("bf16", "fp8"),
+                                          "batch": (64, 8, 1), "context": (32768, 131072)}},
+    "paged_index_scores": {"variant": ("kv",),
+                           "prefs": {"kv": ("bf16", "fp8"), "batch": (64, 8, 1),
+                                     "context": (32768, 131072)}},
 }
 # Facets read from a case's name (position in name.split("/")) rather than its dims.
-NAME_FACETS = {"paged_mla_decode": {"par": 1}, "int4_matmul": {"proj": 2},
-               "int4_grouped_matmul": {"proj": 2, "rows": 3}}
+NAME_FACETS = {"paged_mla_decode": {"par": 1}, "paged_mla_sparse_decode": {"par": 1},
+               "int4_matmul": {"proj": 2}, "int4_grouped_matmul": {"proj": 2, "rows": 3}}
 
 CEILINGS = {"copy": {"elements": 1 << 30}, "matmul_bf16": {"m": 8192, "k": 8192, "n": 8192}}
 SMOKE_CEILINGS = {"copy": {"elements": 1 << 16}, "matmul_bf16": {"m": 128, "k": 128, "n": 128}}
 # Seconds a case is expected to take before one has been seen (then: the median seen).
 PRIOR_S = {"ceiling": 15.0, "paged_mla_decode": 20.0, "paged_gqa_decode": 15.0,
-           "int4_matmul": 12.0, "int4_grouped_matmul": 25.0, "tag_check": 6.0, "fault": 1.0}
+           "int4_matmul": 12.0, "int4_grouped_matmul": 25.0, "tag_check": 6.0,
+           "paged_mla_sparse_decode": 20.0, "paged_index_scores": 10.0, "fault": 1.0}
 SMOKE_PRIOR_S = {"ceiling": 1.0, "fault": 0.5}
 PRIOR_STARTUP_S = {False: 30.0, True: 3.0}
 
@@ -195,6 +205,21 @@ def _smoke_gqa(d: dict) -> dict:
               context=ctx, max_pages=ctx // ps, num_pages=b * ctx // ps + 1)
 
 
+def _smoke_sparse_mla(d: dict) -> dict:
+  # As _smoke_mla (the dense peer keeps its Mosaic GPU kernel), with a selection of a
+  # quarter of the context: two 32-row steps of the sparse kernel.
+  m = _smoke_mla(d)
+  b, ps, ctx = m["batch"], m["page_size"], 256
+  return dict(m, context=ctx, max_pages=ctx // ps, num_pages=b * ctx // ps + 1, topk=64)
+
+
+def _smoke_indexer(d: dict) -> dict:
+  # 8 heads pad to the kernel's 16; two 128-position blocks per request.
+  b, ps, ctx = min(d["batch"], 2), 16, 256
+  return dict(d, batch=b, index_heads=8, index_dim=64, page_size=ps, context=ctx,
+              max_pages=ctx // ps, num_pages=b * ctx // ps + 1)
+
+
 # Tiny dims of the same kind per kernel (interpret mode on a CPU): dtypes, group sizes,
 # one-vs-many requests and head counts stay; sizes shrink.
 SMOKE_DIMS = {
@@ -204,11 +229,14 @@ SMOKE_DIMS = {
     "int4_grouped_matmul": lambda d: dict(d, m=16, k=256, n=128, experts=4),
     "tag_check": lambda d: dict(d, batch=min(d["batch"], 7), max_pages=5, num_pages=40,
                                 page_size=4),
+    "paged_mla_sparse_decode": _smoke_sparse_mla,
+    "paged_index_scores": _smoke_indexer,
 }
 
 
 def build_plan(*, smoke: bool, kernels: set[str] | None = None, peer_tiers: int = 1,
-               max_tier: int = 0, faults: tuple[str, ...] = ()) -> list[PlanItem]:
+               max_tier: int = 0, faults: tuple[str, ...] = (),
+               cases: tuple[str, ...] = ()) -> list[PlanItem]:
   """The run's cases in order: ceilings, then target tiers (faults after the first case).
 
   Args:
@@ -217,6 +245,8 @@ def build_plan(*, smoke: bool, kernels: set[str] | None = None, peer_tiers: int 
     peer_tiers: time peers in tiers 1..peer_tiers.
     max_tier: leave out target tiers past this (0: none left out).
     faults: injected test faults ("crash", "hang"), placed after the first case.
+    cases: keep only target cases whose name contains one of these substrings (a
+      rerun of chosen cases); empty keeps all. Tiers are those of the whole plan.
 
   Returns:
     PlanItems with increasing ``order``.
@@ -230,6 +260,8 @@ def build_plan(*, smoke: bool, kernels: set[str] | None = None, peer_tiers: int 
   for tier, c in prioritise(targets):
     if max_tier and tier > max_tier:
       break
+    if cases and not any(sub in c.name for sub in cases):
+      continue
     dims = SMOKE_DIMS[c.kernel](c.d) if smoke else c.d
     items.append(("target", tier, c.kernel, c.name, c.model, dims, tier <= peer_tiers))
   for i, fault in enumerate(faults):
@@ -247,7 +279,7 @@ def _bench_for(item: dict, smoke: bool):
   if kernel == "ceiling":
     from pallas_kernels import benchmark
     return benchmark.ceiling_bench(item["name"].split("/", 1)[1], dims)
-  if kernel in ("paged_mla_decode", "paged_gqa_decode"):
+  if kernel in ("paged_mla_decode", "paged_gqa_decode", "paged_mla_sparse_decode"):
     from pallas_kernels.paged_attention import bench
     return bench.bench_case(kernel, dims, backend=backend, peers=item["peers"])
   if kernel in ("int4_matmul", "int4_grouped_matmul"):
@@ -255,6 +287,9 @@ def _bench_for(item: dict, smoke: bool):
     return bench.bench_case(kernel, dims, backend=backend, peers=item["peers"])
   if kernel == "tag_check":
     from pallas_kernels.tag_check import bench
+    return bench.bench_case(dims, backend=backend)
+  if kernel == "paged_index_scores":
+    from pallas_kernels.indexer import bench
     return bench.bench_case(dims, backend=backend)
   raise ValueError(f"unknown kernel {kernel!r}")
 
@@ -565,7 +600,8 @@ def orchestrate(args) -> int:
   faults = tuple(f for f in args.inject_fault.split(",") if f) if args.inject_fault else ()
   max_tier = args.max_tier if args.max_tier is not None else (1 if args.smoke else 0)
   plan = build_plan(smoke=args.smoke, kernels=kernels, peer_tiers=args.peer_tiers,
-                    max_tier=max_tier, faults=faults)
+                    max_tier=max_tier, faults=faults,
+                    cases=tuple(c for c in args.cases.split(",") if c))
   if os.path.exists(args.out):
     os.remove(args.out)  # one run per file; earlier results are not mixed in
   out = JsonlWriter(args.out)
@@ -668,6 +704,9 @@ def main(argv=None) -> int:
                  help="time peers (JAX's kernels, our other kernel) in tiers 1..N")
   p.add_argument("--max-tier", type=int, default=None,
                  help="run target tiers 1..N only (default: all; --smoke: 1)")
+  p.add_argument("--cases", default="",
+                 help="comma-separated substrings: run only target cases whose name "
+                 "contains one (e.g. a rerun of failed cases); default all")
   p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--inject-fault", default="", help=argparse.SUPPRESS)  # tests: crash,hang
   args = p.parse_args(argv)

@@ -9,8 +9,8 @@ test per kernel family compiles a second, most different member of a shared
 compile on its own and asserts the same readings (registers within
 kernel_compile.REGISTER_NOISE): the evidence, in every run, that the cases a compile
 covers really build the same kernel. A compile within 2 * REGISTER_NOISE registers of
-the limit covers nothing but itself (kernel_compile.compile_group). Two modules, so
-that pytest-xdist's two workers compile at once.
+the limit covers nothing but itself (kernel_compile.compile_group). Several modules
+(attention, INT4, sparse attention), so that pytest-xdist's two workers compile at once.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 The script runs for real, as subprocesses in smoke mode (CPU, interpret mode, tiny
 shapes), on its cheapest cases: the two ceilings and the tag check, with an injected
-crash and an injected hang between them. The plan (which of the 202 target cases run
-first) is checked as data.
+crash and an injected hang between them, and one case each of GLM 5's sparse MLA
+decode (with the dense kernel as its peer) and indexer scoring. The plan (which of the
+238 target cases run first) is checked as data.
 """
 
 import importlib.util
@@ -20,6 +21,8 @@ from absl.testing import absltest
 
 from experiments import kernel_targets as kt
 from pallas_kernels import benchmark as bm
+from pallas_kernels.indexer import bench as indexer_bench
+from pallas_kernels.paged_attention import bench as attn_bench
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(_REPO, "scripts", "gpu_check.py")
@@ -62,7 +65,7 @@ class PlanTest(absltest.TestCase):
   def test_ceilings_then_every_target_case_once(self):
     self.assertEqual([p.name for p in self.plan[:2]], ["ceiling/copy", "ceiling/matmul_bf16"])
     targets = [p.name for p in self.plan if p.group == "target"]
-    self.assertLen(targets, 202)
+    self.assertLen(targets, 238)
     self.assertCountEqual(targets, [c.name for c in kt.target_cases()])
     self.assertEqual([p.order for p in self.plan], list(range(len(self.plan))))
     tiers = [p.tier for p in self.plan if p.group == "target"]
@@ -73,6 +76,9 @@ class PlanTest(absltest.TestCase):
     self.assertEqual(tier1, [
         "mla/tp8/bf16/b64/ctx32768", "mla/tp8/fp8/b64/ctx32768",
         "mla/dp/bf16/b64/ctx32768", "mla/dp/fp8/b64/ctx32768",
+        "sparse_mla/tp8/bf16/b64/ctx32768", "sparse_mla/tp8/fp8/b64/ctx32768",
+        "sparse_mla/dp/bf16/b64/ctx32768", "sparse_mla/dp/fp8/b64/ctx32768",
+        "indexer/bf16/b64/ctx32768", "indexer/fp8/b64/ctx32768",
         "int4g/kimi-k2.6/up/r8/g32", "int4g/kimi-k2.6/up/r8/g128",
         "int4g/glm-5.2/up/r8/g32", "int4g/glm-5.2/up/r8/g128",
         "tag/b64/pool21437",
@@ -85,7 +91,7 @@ class PlanTest(absltest.TestCase):
   def test_fp8_cases_follow_their_bf16_twins(self):
     names = [p.name for p in self.plan]
     fp8 = [i for i, n in enumerate(names) if "/fp8/" in n]
-    self.assertLen(fp8, 28)  # 18 MLA + 10 GQA
+    self.assertLen(fp8, 46)  # 18 MLA + 10 GQA + 12 sparse MLA + 6 indexer
     for i in fp8:
       self.assertEqual(names[i - 1], names[i].replace("/fp8/", "/bf16/"))
 
@@ -100,6 +106,31 @@ class PlanTest(absltest.TestCase):
     self.assertEqual([p.name for p in plan], ["tag/b64/pool21437", "fault/crash", "fault/hang"])
     self.assertEqual(plan[0].dims, dict(batch=7, max_pages=5, num_pages=40, page_size=4))
 
+  def test_case_filter_keeps_tiers(self):
+    plan = self.gc.build_plan(smoke=False, kernels={"paged_index_scores"},
+                              cases=("indexer/fp8/b1/",))
+    self.assertEqual([(p.name, p.tier) for p in plan],
+                     [("indexer/fp8/b1/ctx32768", 5), ("indexer/fp8/b1/ctx131072", 6)])
+
+  def test_smoke_dims_keep_each_kernel_valid(self):
+    # Sparse: a real selection (topk < context) that the tables can hold; the dense peer's
+    # Mosaic GPU kernel stays in play (page 64, C % 128). Indexer: heads padded, Di a power
+    # of two. Pools hold every request's pages.
+    plan = self.gc.build_plan(smoke=True, kernels={"paged_mla_sparse_decode",
+                                                   "paged_index_scores"}, max_tier=3)
+    self.assertLen(plan, 18)
+    for p in plan:
+      d = p.dims
+      self.assertEqual(d["max_pages"] * d["page_size"], d["context"], p.name)
+      self.assertEqual(d["num_pages"], d["batch"] * d["max_pages"] + 1, p.name)
+      if p.kernel == "paged_mla_sparse_decode":
+        self.assertLess(d["topk"], d["context"])
+        self.assertEqual((d["page_size"], d["c"] % 128), (64, 0))
+        self.assertEqual(d["heads"], 8 if "/tp8/" in p.name else 16)
+      else:
+        self.assertEqual((d["index_heads"], d["index_dim"]), (8, 64))
+      self.assertEqual(d["batch"], 1 if "/b1/" in p.name else 2)
+
   def test_a_kernel_without_priority_is_refused(self):
     case = kt.KernelCase("new_kernel", "new/a", "both", (("batch", 1),))
     with self.assertRaisesRegex(ValueError, "no PRIORITY entry.*new_kernel"):
@@ -111,7 +142,8 @@ class ScriptRunsTest(absltest.TestCase):
 
   The fault run: ceilings, an injected crash and hang, then two tag-check cases.
   The budget run: the ceilings with a hang that would outlast a 20 s budget (it ends
-  before the fault run does).
+  before the fault run does). The sparse run: one sparse MLA decode case and one
+  indexer case (it uses the CPU while the other two wait on their hangs).
   """
 
   BUDGET_S = 20.0
@@ -122,11 +154,14 @@ class ScriptRunsTest(absltest.TestCase):
     cls.dir = tempfile.mkdtemp(prefix="gpu_check_")
     cls.out = os.path.join(cls.dir, "run.jsonl")
     cls.budget_out = os.path.join(cls.dir, "budget.jsonl")
+    cls.sparse_out = os.path.join(cls.dir, "sparse.jsonl")
     runs = {
         "faults": ["--kernels", "ceiling,tag_check", "--max-tier", "2", "--inject-fault",
                    "crash,hang", "--case-timeout-s", str(CASE_TIMEOUT_S), "--out", cls.out],
         "budget": ["--kernels", "ceiling", "--inject-fault", "hang", "--case-timeout-s", "60",
-                   "--budget-s", str(cls.BUDGET_S), "--out", cls.budget_out]}
+                   "--budget-s", str(cls.BUDGET_S), "--out", cls.budget_out],
+        "sparse": ["--kernels", "paged_mla_sparse_decode,paged_index_scores", "--cases",
+                   "sparse_mla/dp/bf16/,indexer/fp8/", "--out", cls.sparse_out]}
     procs, logs, started, ended = {}, {}, {}, {}
     for name, args in runs.items():
       logs[name] = open(os.path.join(cls.dir, f"{name}.stdout"), "w+")
@@ -200,6 +235,32 @@ class ScriptRunsTest(absltest.TestCase):
       self.assertEqual(rec["flops"], 0)
     # b64 smoke: 6 full rows of 5 pages and one of 3 (half its 20 tokens), 12 B per page.
     self.assertEqual(self.by_name["tag/b64/pool21437"]["bytes"], (6 * 5 + 3) * 12 + 7 * 5)
+
+  def test_sparse_attention_cases_correct_with_their_peers(self):
+    records = _read(self.sparse_out)
+    self.assertEqual(self.rc["sparse"], 0, self.stdout["sparse"])
+    by = {r["name"]: r for r in _cases(records)}
+    self.assertEqual(list(by), ["sparse_mla/dp/bf16/b64/ctx32768", "indexer/fp8/b64/ctx32768"])
+    sparse, index = by.values()
+    for rec, impls in ((sparse, ["pallas", "xla", "pallas_dense"]), (index, ["pallas", "xla"])):
+      self.assertEqual(rec["status"], "ok", rec)
+      self.assertEqual([p["impl"] for p in rec["impls"]], impls)
+      for p in rec["impls"]:
+        self.assertTrue(p["correct"], p)
+        self.assertLess(p["rel_err"], p["tol"])
+        self.assertGreater(p["timing"]["median_s"], 0)
+    # The smoke dims' job, as the roofline sheet counts it; the dense peer is rated
+    # against the dense job over the whole context.
+    d = sparse["dims"]
+    self.assertEqual((sparse["bytes"], sparse["flops"]),
+                     attn_bench.job_cost("paged_mla_sparse_decode", d))
+    dense = sparse["impls"][2]
+    self.assertEqual((dense["bytes"], dense["flops"]), attn_bench.job_cost("paged_mla_decode", d))
+    self.assertGreater(dense["bytes"], 2 * sparse["bytes"])
+    self.assertIn("whole context", dense["note"])
+    self.assertEqual(sparse["info"]["kernel_impl"], "triton")
+    self.assertEqual((index["bytes"], index["flops"]), indexer_bench.job_cost(index["dims"]))
+    self.assertEqual(index["dims"]["kv"], "fp8")
 
   def test_ceilings_measured(self):
     copy = self.by_name["ceiling/copy"]

@@ -1,6 +1,7 @@
 """The H200 compile sweep's plan and record API (no compiles here; see test_h200_compile_*)."""
 
 import collections
+import dataclasses
 import os
 import tempfile
 
@@ -53,6 +54,38 @@ class PlanTest(absltest.TestCase):
     # GQA groups are padded to 64 rows in the Mosaic kernel: one kernel for all of them.
     self.assertEqual(key[("gqa/g1/fp8/b64/ctx4096", "mgpu")],
                      key[("gqa/g16/fp8/b64/ctx4096", "mgpu")])
+
+  def test_sparse_attention_builds_and_keys(self):
+    by = {(b.case.name, b.impl): b for b in self.builds}
+    key = {name: dict(b.key) for (name, _), b in by.items()}
+    # One Triton kernel each, the op's H200 defaults: TP-8 heads fit one 16-head program,
+    # data-parallel heads two of 32; splits until the SMs are covered twice.
+    for name, (block_h, splits) in (("sparse_mla/tp8/bf16/b1/ctx32768", (16, 32)),
+                                    ("sparse_mla/dp/bf16/b8/ctx32768", (32, 32)),
+                                    ("sparse_mla/dp/bf16/b64/ctx32768", (32, 4))):
+      b = by[(name, "triton")]
+      self.assertTrue(b.engine)
+      self.assertEqual((b.block_sizes.block_h, b.block_sizes.block_k, b.block_sizes.num_splits,
+                        b.block_sizes.num_warps), (block_h, 32, splits, 8))
+    self.assertEqual(by[("indexer/fp8/b8/ctx32768", "triton")].block_sizes.block_k, 128)
+    # The split count sets the loop's constant trip count: 2 steps of 32 rows at 32 splits,
+    # 16 at 4 (176 against 182 registers for fp8); both contexts of a batch share a kernel.
+    self.assertEqual(key["sparse_mla/dp/fp8/b8/ctx32768"]["k_steps"], 2)
+    self.assertEqual(key["sparse_mla/dp/fp8/b64/ctx32768"]["k_steps"], ">=4")
+    self.assertEqual(key["sparse_mla/dp/fp8/b8/ctx32768"], key["sparse_mla/dp/fp8/b8/ctx131072"])
+    self.assertNotEqual(key["sparse_mla/dp/fp8/b8/ctx32768"],
+                        key["sparse_mla/tp8/fp8/b8/ctx32768"])  # 16 against 32 heads
+    # A > 4 GiB pool (64 x 128K tokens of 512 fp8 entries, plus one page) goes 64-bit.
+    self.assertTrue(key["sparse_mla/tp8/fp8/b64/ctx131072"]["wide_offsets"])
+    self.assertFalse(key["sparse_mla/tp8/fp8/b64/ctx32768"]["wide_offsets"])
+    self.assertEqual(key["sparse_mla/tp8/bf16/b1/ctx32768"]["unit_axes"], "batch+heads")
+    # The indexer: one request is a unit grid axis; other batches and contexts share.
+    self.assertEqual(key["indexer/bf16/b1/ctx32768"]["unit_axes"], "batch")
+    self.assertEqual(key["indexer/bf16/b8/ctx32768"], key["indexer/bf16/b64/ctx131072"])
+    self.assertNotEqual(key["indexer/bf16/b8/ctx32768"], key["indexer/fp8/b8/ctx32768"])
+    self.assertEqual(kc._fmt_bs(dataclasses.asdict(by[("sparse_mla/dp/fp8/b8/ctx32768",
+                                                       "triton")].block_sizes),
+                                "paged_mla_sparse_decode", "triton"), "h32 k32 w8 st2")
 
   def test_groups_compile_their_largest_build(self):
     for g in self.groups:

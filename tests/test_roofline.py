@@ -8,6 +8,7 @@ from absl.testing import absltest, parameterized
 from experiments import kernel_targets as kt
 from experiments import roofline as rf
 from pallas_kernels import benchmark as bm
+from pallas_kernels.indexer import bench as indexer_bench
 from pallas_kernels.int4_matmul import bench as int4_bench
 from pallas_kernels.paged_attention import bench as attn_bench
 from pallas_kernels.tag_check import bench as tag_bench
@@ -21,6 +22,10 @@ _SMALL = {
     "int4_matmul": dict(m=8, k=256, n=128, group_size=32),
     "int4_grouped_matmul": dict(m=3, k=256, n=128, group_size=64, experts=4),
     "tag_check": dict(batch=3, max_pages=5, num_pages=40, page_size=4),
+    "paged_mla_sparse_decode": dict(batch=2, heads=4, c=128, r=64, page_size=8, context=32,
+                                    kv="fp8", max_pages=4, num_pages=9, topk=8, qk_head_dim=192),
+    "paged_index_scores": dict(batch=2, index_heads=4, index_dim=32, page_size=8, context=32,
+                               kv="fp8", max_pages=4, num_pages=9),
 }
 
 
@@ -32,6 +37,8 @@ class JobCostTest(parameterized.TestCase):
     dims = _SMALL[kernel]
     if kernel == "tag_check":
       bench, cost = tag_bench.bench_case(dims, backend="xla"), tag_bench.job_cost(dims)
+    elif kernel == "paged_index_scores":
+      bench, cost = indexer_bench.bench_case(dims, backend="xla"), indexer_bench.job_cost(dims)
     elif kernel in attn_bench.KERNELS:
       bench = attn_bench.bench_case(kernel, dims, backend="xla")
       cost = attn_bench.job_cost(kernel, dims)
@@ -51,6 +58,27 @@ class JobCostTest(parameterized.TestCase):
     per_expert = 256 // 2 * 128 + 256 // 64 * 128 * 2
     self.assertEqual(int4_bench.job_cost("int4_grouped_matmul", d),
                      (3 * per_expert + 3 * 256 * 2 + 3 * 128 * 2, 2 * 3 * 256 * 128))
+
+  def test_sparse_attention_by_hand(self):
+    # Sparse MLA decode, fp8: 2 requests x 8 selected rows of 128 + 64 entries and two
+    # 4-byte scales; q in (bf16, 192 wide), out (bf16, 128 wide), 8 int32 indices each,
+    # and min(8 rows, 4 pages) table entries each. QK over 192, PV over 128, 4 heads.
+    d = _SMALL["paged_mla_sparse_decode"]
+    self.assertEqual(attn_bench.job_cost("paged_mla_sparse_decode", d),
+                     (16 * 200 + 3072 + 2048 + 64 + 32, 16 * 4 * 2 * (192 + 128)))
+    # A selection longer than the context reads the context once (it cannot select more).
+    self.assertEqual(attn_bench.job_cost("paged_mla_sparse_decode", d | {"topk": 64})[1],
+                     attn_bench.job_cost("paged_mla_decode", d)[1])
+    # Its bf16 twin: 2-byte entries, no scales.
+    self.assertEqual(attn_bench.job_cost("paged_mla_sparse_decode", d | {"kv": "bf16"})[0],
+                     16 * 384 + 3072 + 2048 + 64 + 32)
+    # Indexer scoring, fp8: 64 cached keys of 32 entries + a 4-byte scale, the tables
+    # (8 entries), q (4 x 32 bf16) and weights (4 f32) per request, one f32 score per key.
+    d = _SMALL["paged_index_scores"]
+    self.assertEqual(indexer_bench.job_cost(d),
+                     (64 * 36 + 8 * 4 + 2 * 4 * 32 * 2 + 2 * 4 * 4 + 64 * 4, 2 * 64 * 4 * 32))
+    self.assertEqual(indexer_bench.job_cost(d | {"kv": "bf16"})[0],
+                     64 * 64 + 8 * 4 + 2 * 4 * 32 * 2 + 2 * 4 * 4 + 64 * 4)
 
   def test_unknown_kernel(self):
     with self.assertRaisesRegex(ValueError, "unknown kernel"):
@@ -101,7 +129,8 @@ class SheetTest(absltest.TestCase):
   def test_twin_gain(self):
     by_name = {r["case"]: r for r in self.sheet}
     for c, r in zip(self.cases, self.sheet):
-      if c.kernel == "paged_mla_decode" and c.d["kv"] == "fp8":
+      if c.kernel in ("paged_mla_decode", "paged_mla_sparse_decode", "paged_index_scores") \
+          and c.d["kv"] == "fp8":
         # The bf16 twin is itself a target case: its roofline over this one's.
         twin = by_name[c.name.replace("/fp8/", "/bf16/")]
         self.assertAlmostEqual(r["twin_gain"], twin["roofline_s"] / r["roofline_s"], places=9)
@@ -125,11 +154,13 @@ class SheetTest(absltest.TestCase):
 
   def test_markdown_and_plot(self):
     md = rf.markdown(self.sheet)
-    self.assertIn("202 target cases; 0 measured on a GPU", md)
+    self.assertIn("238 target cases; 0 measured on a GPU", md)
     for kernel in kt.KERNELS:
       self.assertIn(f"### {kernel}", md)
     self.assertIn("| mla/tp8/fp8/b64/ctx131072 |", md)
     self.assertIn("### What the model says about the targets", md)
+    # 32K / 2048 and 128K / 2048 selected rows: the dense job reads 16x and 64x the bytes.
+    self.assertIn("the dense kernel's roofline at the same shape is 15-64x this one's", md)
     path = os.path.join(tempfile.mkdtemp(), "roofline.png")
     rf.plot(self.sheet, path)
     with open(path, "rb") as f:

@@ -1,10 +1,14 @@
 """Benchmark cases for paged decode attention: the kernels, XLA's path and JAX's own kernels.
 
 ``bench_case(kernel, dims, ...)`` builds a :class:`pallas_kernels.benchmark.Bench`
-for one shape of ``paged_mla_decode`` or ``paged_gqa_decode`` (dims as in the
-target cases: batch, heads / kv_heads + group, page_size, context, kv dtype).
-Every request uses its whole context; block tables are a random permutation of
-the pool, so pages are scattered as in a long-running server.
+for one shape of ``paged_mla_decode``, ``paged_gqa_decode`` or
+``paged_mla_sparse_decode`` (dims as in the target cases: batch, heads / kv_heads
++ group, page_size, context, kv dtype, and for the sparse kernel topk). Every
+request uses its whole context; block tables are a random permutation of the
+pool, so pages are scattered as in a long-running server. The sparse kernel's
+requests each select ``topk`` distinct positions drawn uniformly from their
+context (ascending, as the indexer's top-k hands them over): scattered rows, the
+gather's hardest case.
 
 Impls, in order:
   * ``pallas``: the op with its default block sizes (the kernel it picks,
@@ -21,6 +25,10 @@ run the latent-only job (K = V = the 512-wide latent, one KV head) and are
 checked against our reference with a zero rope query (the same function); their
 roofline counts the bytes that job reads. They take no softmax scale, so the
 query is pre-scaled inside the timed call.
+
+The sparse kernel has no JAX counterpart; its peer (``pallas_dense``) is our
+dense ``paged_mla_decode`` over the whole context, the job the selection
+replaces, checked against the dense reference and rated against the dense job.
 """
 
 from __future__ import annotations
@@ -34,13 +42,14 @@ import jax.numpy as jnp
 
 from pallas_kernels import benchmark as bm
 from pallas_kernels.paged_attention import ops
+from pallas_kernels.paged_attention.block_sizes import SparseBlockSizes
 
 FP8 = jnp.float8_e4m3fn
-KERNELS = ("paged_mla_decode", "paged_gqa_decode")
+KERNELS = ("paged_mla_decode", "paged_gqa_decode", "paged_mla_sparse_decode")
 
 
 @jax.jit(static_argnames=("shape", "kv"))
-def _pages(key, *, shape, kv):
+def random_pages(key, *, shape, kv):
   """Random pages [N, ps, ...] (bf16) or fp8 pages with per-token f32 scales."""
   k1, k2 = jax.random.split(key)
   if kv == "bf16":
@@ -50,6 +59,17 @@ def _pages(key, *, shape, kv):
   s = jnp.max(jnp.abs(x), axis=-1) / 448.0 * jax.random.uniform(k2, shape[:-1], jnp.float32,
                                                                  1.0, 2.0)
   return (x / s[..., None]).astype(FP8), s
+
+
+def _mla_operands(ks, b, h, c, r, n, ps, p, ctx, kv) -> tuple:
+  """Random MLA decode operands from keys ks[0..4]: queries [B, H, C] / [B, H, R], latent
+  and rope pages (+ scales), a block table of distinct pages and full lengths."""
+  lat, lat_s = random_pages(ks[2], shape=(n, ps, c), kv=kv)
+  rope, rope_s = random_pages(ks[3], shape=(n, ps, r), kv=kv)
+  bt, lengths = _table(ks[4], b, p, n, ctx)
+  return (jax.random.normal(ks[0], (b, h, c), jnp.bfloat16),
+          jax.random.normal(ks[1], (b, h, r), jnp.bfloat16), lat, rope, lat_s, rope_s, bt,
+          lengths)
 
 
 def _table(key, b, p, n, ctx):
@@ -74,9 +94,11 @@ def job_cost(kernel: str, dims: dict) -> tuple[int, int]:
   """(bytes, FLOPs) one call of a decode-attention job must at least move and do.
 
   Bytes: every cached token of every request read once (entries, plus fp8 scales), the
-  queries in and the outputs out (bf16) and the block tables; FLOPs: QK and PV. Pure
-  arithmetic on ``dims`` (experiments.kernel_targets), so the roofline sheet needs no
-  device and no arrays.
+  queries in and the outputs out (bf16) and the block tables; FLOPs: QK and PV. For
+  the sparse kernel the cached tokens are the min(topk, context) selected rows of each
+  request, plus its int32 indices, and of its block table only the entries those rows
+  can hit (at most one per row, at most the table). Pure arithmetic on ``dims``
+  (experiments.kernel_targets), so the roofline sheet needs no device and no arrays.
 
   Raises:
     ValueError: for an unknown kernel.
@@ -86,6 +108,13 @@ def job_cost(kernel: str, dims: dict) -> tuple[int, int]:
   b, ctx, kv, p = dims["batch"], dims["context"], dims["kv"], dims["max_pages"]
   item = 1 if kv == "fp8" else 2
   tokens = b * ctx
+  if kernel == "paged_mla_sparse_decode":
+    h, c, r = dims["heads"], dims["c"], dims["r"]
+    k = min(dims["topk"], ctx)  # selected rows per request
+    # Queries in, outputs out (bf16), the int32 indices, the table entries the rows hit.
+    extra = b * h * (c + r) * 2 + b * h * c * 2 + b * dims["topk"] * 4 + b * min(k, p) * 4
+    return (b * k * ((c + r) * item + (8 if kv == "fp8" else 0)) + extra,
+            b * k * h * 2 * (2 * c + r))
   if kernel == "paged_mla_decode":
     h, c, r = dims["heads"], dims["c"], dims["r"]
     q_bytes = b * h * (c + r) * 2 + b * h * c * 2 + b * p * 4
@@ -107,13 +136,8 @@ def _mla(dims, backend, peers, seed):
   set_bytes = n * ps * (c + r) * item + (8 * n * ps if kv == "fp8" else 0) + b * h * (c + r) * 2
 
   def make(i):
-    ks = jax.random.split(jax.random.key(seed * 1000 + i), 5)
-    lat, lat_s = _pages(ks[2], shape=(n, ps, c), kv=kv)
-    rope, rope_s = _pages(ks[3], shape=(n, ps, r), kv=kv)
-    bt, lengths = _table(ks[4], b, p, n, ctx)
-    return (jax.random.normal(ks[0], (b, h, c), jnp.bfloat16),
-            jax.random.normal(ks[1], (b, h, r), jnp.bfloat16), lat, rope, lat_s, rope_s, bt,
-            lengths)
+    return _mla_operands(jax.random.split(jax.random.key(seed * 1000 + i), 5), b, h, c, r, n,
+                         ps, p, ctx, kv)
 
   sets = bm.once(lambda: [make(i) for i in range(bm.rotation_sets(set_bytes))])
   q_bytes = b * h * (c + r) * 2 + b * h * c * 2 + b * p * 4
@@ -199,8 +223,8 @@ def _gqa(dims, backend, peers, seed):
 
   def make(i):
     ks = jax.random.split(jax.random.key(seed * 1000 + i), 4)
-    k, k_s = _pages(ks[1], shape=(n, ps, nkv, hd), kv=kv)
-    v, v_s = _pages(ks[2], shape=(n, ps, nkv, hd), kv=kv)
+    k, k_s = random_pages(ks[1], shape=(n, ps, nkv, hd), kv=kv)
+    v, v_s = random_pages(ks[2], shape=(n, ps, nkv, hd), kv=kv)
     bt, lengths = _table(ks[3], b, p, n, ctx)
     return (jax.random.normal(ks[0], (b, h, hd), jnp.bfloat16), k, v, k_s, v_s, bt, lengths)
 
@@ -252,16 +276,74 @@ def _gqa(dims, backend, peers, seed):
   return bm.Bench(nbytes, flops, bm.TOL[kv], impls, info)
 
 
+@jax.jit(static_argnames=("b", "ctx", "k"))
+def _selection(key, *, b, ctx, k):
+  """[b, k] int32: k distinct positions per request, uniform over [0, ctx), ascending."""
+  _, idx = jax.lax.top_k(jax.random.uniform(key, (b, ctx)), k)
+  return jnp.sort(idx, axis=-1).astype(jnp.int32)
+
+
+def _sparse_mla(dims, backend, peers, seed):
+  b, h, c, r, ps, ctx, kv, k = (dims[x] for x in ("batch", "heads", "c", "r", "page_size",
+                                                   "context", "kv", "topk"))
+  p, n = dims["max_pages"], dims["num_pages"]
+  if k > ctx:
+    raise ValueError(f"topk {k} > context {ctx}: the bench selects distinct positions")
+  scale = 1.0 / math.sqrt(dims["qk_head_dim"])
+  item = 1 if kv == "fp8" else 2
+  # A call reads only the selected rows, so the rotation is sized by those: each input
+  # set has its own pool, so that the rows one call reads are not in L2 from the last.
+  touched = b * k * ((c + r) * item + (8 if kv == "fp8" else 0)) + b * h * (c + r) * 2
+
+  def make(i):
+    ks = jax.random.split(jax.random.key(seed * 1000 + i), 6)
+    return (*_mla_operands(ks, b, h, c, r, n, ps, p, ctx, kv),
+            _selection(ks[5], b=b, ctx=ctx, k=k))
+
+  sets = bm.once(lambda: [make(i) for i in range(bm.rotation_sets(touched))])
+  nbytes, flops = job_cost("paged_mla_sparse_decode", dims)
+  ref = bm.once(lambda: ops.paged_mla_sparse_decode(*_upcast(sets()[0]), scale=scale,
+                                                    backend="xla"))
+  bs = SparseBlockSizes.get_default(num_heads=h, num_indices=k, batch=b)
+  impls = [
+      bm.Impl("pallas", functools.partial(ops.paged_mla_sparse_decode, scale=scale,
+                                          backend=backend), sets, ref,
+              note="Triton kernel: gathers the selected rows"),
+      bm.Impl("xla", functools.partial(ops.paged_mla_sparse_decode, scale=scale, backend="xla"),
+              sets, ref, note="jnp reference: gather the selected rows, then attend (f32)")]
+  info = {"kernel_impl": "triton", "block_sizes": dataclasses.asdict(bs),
+          "input_sets": bm.rotation_sets(touched)}
+  if peers:
+    # The dense kernel over every cached token: what attending to the selection saves.
+    dense_ref = bm.once(lambda: ops.paged_mla_decode(*_upcast(sets()[0][:8]), scale=scale,
+                                                     backend="xla"))
+    s0 = sets()[0]
+    _, dense_impl = ops.mla_kernel_choice(s0[0], s0[2], s0[3], s0[6])
+
+    @jax.jit
+    def dense(*args):
+      return ops.paged_mla_decode(*args[:8], scale=scale, backend=backend)
+
+    dense_bytes, dense_flops = job_cost("paged_mla_decode", dims)
+    impls.append(bm.Impl("pallas_dense", dense, sets, dense_ref, nbytes=dense_bytes,
+                         flops=dense_flops,
+                         note=f"paged_mla_decode ({dense_impl} kernel) over the whole context, "
+                         "the dense job the selection replaces; checked against the dense "
+                         "reference"))
+  return bm.Bench(nbytes, flops, bm.TOL[kv], impls, info)
+
+
 def bench_case(kernel: str, dims: dict, *, backend: str = "pallas", peers: bool = False,
                seed: int = 0) -> bm.Bench:
   """The Bench of one paged-attention case.
 
   Args:
-    kernel: "paged_mla_decode" or "paged_gqa_decode".
+    kernel: "paged_mla_decode", "paged_gqa_decode" or "paged_mla_sparse_decode".
     dims: the case's dims (experiments.kernel_targets), or smaller ones of the same kind.
     backend: "pallas" on a GPU, "interpret" on a CPU (JAX's kernels run in
       their interpreter too).
-    peers: also time our other kernel and JAX's kernels.
+    peers: also time our other kernel and JAX's kernels (for the sparse kernel: the
+      dense kernel over the whole context).
     seed: base seed of the random inputs.
 
   Returns:
@@ -275,4 +357,6 @@ def bench_case(kernel: str, dims: dict, *, backend: str = "pallas", peers: bool 
     return _mla(dims, backend, peers, seed)
   if kernel == "paged_gqa_decode":
     return _gqa(dims, backend, peers, seed)
+  if kernel == "paged_mla_sparse_decode":
+    return _sparse_mla(dims, backend, peers, seed)
   raise ValueError(f"unknown kernel {kernel!r}; known: {KERNELS}")
