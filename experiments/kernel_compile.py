@@ -52,6 +52,8 @@ from pallas_kernels.h200 import compile as hc  # noqa: E402
 from pallas_kernels.h200 import env  # noqa: E402
 from pallas_kernels.indexer import IndexerBlockSizes  # noqa: E402
 from pallas_kernels.indexer import paged_index_scores  # noqa: E402
+from pallas_kernels.indexer import TopkBlockSizes  # noqa: E402
+from pallas_kernels.indexer import topk_positions  # noqa: E402
 from pallas_kernels.int4_matmul import BlockSizes as Int4BlockSizes  # noqa: E402
 from pallas_kernels.int4_matmul import int4_grouped_matmul  # noqa: E402
 from pallas_kernels.int4_matmul import int4_matmul  # noqa: E402
@@ -129,6 +131,7 @@ OPS: dict[str, Callable[..., Any]] = {
     "tag_check": tag_check,
     "paged_mla_sparse_decode": attention_ops.paged_mla_sparse_decode,
     "paged_index_scores": paged_index_scores,
+    "topk_positions": topk_positions,
 }
 
 
@@ -188,6 +191,11 @@ def _indexer_block_sizes(case):
   return IndexerBlockSizes()
 
 
+def _topk_block_sizes(case):
+  del case  # one tiling for every shape (TopkBlockSizes' defaults are the H200's)
+  return TopkBlockSizes()
+
+
 def builds(case, *, other_impl: bool = False) -> list[Build]:
   """What the engine compiles for ``case`` on an H200 (and optionally the other kernel).
 
@@ -206,7 +214,7 @@ def builds(case, *, other_impl: bool = False) -> list[Build]:
     bs = _int4_block_sizes(case)
     return [Build(case, "mgpu", True, bs, kernel_key(case, "mgpu", bs))]
   block_sizes = {"tag_check": _tag_block_sizes, "paged_mla_sparse_decode": _sparse_block_sizes,
-                 "paged_index_scores": _indexer_block_sizes}
+                 "paged_index_scores": _indexer_block_sizes, "topk_positions": _topk_block_sizes}
   if case.kernel in block_sizes:
     bs = block_sizes[case.kernel](case)
     return [Build(case, "triton", True, bs, kernel_key(case, "triton", bs))]
@@ -294,6 +302,11 @@ def kernel_key(case, impl: str, block_sizes) -> tuple:
                index_heads=max(16, 1 << (d["index_heads"] - 1).bit_length()))
     key["unit_axes"] = _unit_axes(batch=d["batch"],
                                   blocks=-(-d["context"] // block_sizes.block_k))
+  elif case.kernel == "topk_positions":
+    # k sizes the output and the kernel's arithmetic; the context only its passes' trip
+    # counts (run-time loops) and the input's extent.
+    key.update(k=d["topk"])
+    key["unit_axes"] = _unit_axes(batch=d["batch"])
   if impl == "triton":
     big = max(math.prod(s) * _itemsize(dt) for s, dt in filter(None, case.arg_shapes()))
     key["wide_offsets"] = big > TRITON_WIDE_OFFSET_BYTES
@@ -562,6 +575,8 @@ def _fmt_bs(bs: dict, kernel: str, impl: str) -> str:
     return f"h{bs['block_h']} k{bs['block_k']} w{bs['num_warps']} st{bs['num_stages']}"
   if kernel == "paged_index_scores":
     return f"k{bs['block_k']} w{bs['num_warps']} st{bs['num_stages']}"
+  if kernel == "topk_positions":
+    return f"block{bs['block']} w{bs['num_warps']}"
   return " ".join(f"{k}{v}" for k, v in bs.items())
 
 

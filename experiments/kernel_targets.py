@@ -28,6 +28,8 @@ the targets with it:
 * **Indexer scoring** (GLM 5's lightning indexer over the paged index keys): all
   ``index_n_heads`` = 32 heads of ``index_head_dim`` = 128 under either parallelism
   (the indexer is replicated), the same batches, contexts and page dtypes.
+* **Top-k selection** (the indexer's scores to ``index_topk`` = 2048 positions per
+  request): the same batches and contexts.
 
 A case holds shapes and static arguments only; callers make abstract inputs
 (``jax.ShapeDtypeStruct``) for compiles or random arrays for timed runs.
@@ -50,7 +52,7 @@ EP = 8  # expert parallelism of the same
 KV_TOKENS_PER_H200 = 1_372_000  # the report's fp8 KV capacity of Kimi K2.6 on one H200
 
 KERNELS = ("paged_mla_decode", "paged_gqa_decode", "int4_matmul", "int4_grouped_matmul",
-           "tag_check", "paged_mla_sparse_decode", "paged_index_scores")
+           "tag_check", "paged_mla_sparse_decode", "paged_index_scores", "topk_positions")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +117,8 @@ class KernelCase:
       sc = ((n, ps), jnp.float32) if d["kv"] == "fp8" else None
       return [((b, hi, di), jnp.bfloat16), ((b, hi), jnp.float32), ((n, ps, di), dt), sc,
               ((b, p), jnp.int32), ((b,), jnp.int32)]
+    if self.kernel == "topk_positions":
+      return [((d["batch"], d["context"]), jnp.float32)]
     raise ValueError(f"unknown kernel {self.kernel!r}")
 
   def static_kwargs(self) -> dict:
@@ -124,6 +128,8 @@ class KernelCase:
       return {"scale": 1.0 / math.sqrt(d["qk_head_dim"])}
     if self.kernel == "paged_index_scores":
       return {}
+    if self.kernel == "topk_positions":
+      return {"k": d["topk"]}
     if self.kernel == "paged_gqa_decode":
       return {"scale": 1.0 / math.sqrt(d["head_dim"])}
     if self.kernel in ("int4_matmul", "int4_grouped_matmul"):
@@ -277,12 +283,21 @@ def indexer_cases() -> list[KernelCase]:
   return cases
 
 
+def topk_cases() -> list[KernelCase]:
+  """GLM 5.2's top-k selection per device: a request's index scores to index_topk
+  positions, batch x context."""
+  cfg = _sparse_config()
+  return [_case("topk_positions", f"topk/b{b}/ctx{ctx}", "GLM 5.2", batch=b, context=ctx,
+                topk=cfg.index_topk)
+          for b, ctx in itertools.product(MLA_BATCHES, SPARSE_CONTEXTS)]
+
+
 def target_cases(kernels: tuple[str, ...] = KERNELS) -> list[KernelCase]:
   """Every target case of the given kernels, in KERNELS order."""
   builders = {"paged_mla_decode": mla_cases, "paged_gqa_decode": gqa_cases,
               "int4_matmul": int4_dense_cases, "int4_grouped_matmul": int4_grouped_cases,
               "tag_check": tag_check_cases, "paged_mla_sparse_decode": sparse_mla_cases,
-              "paged_index_scores": indexer_cases}
+              "paged_index_scores": indexer_cases, "topk_positions": topk_cases}
   unknown = [k for k in kernels if k not in builders]
   if unknown:
     raise ValueError(f"unknown kernel(s) {unknown}; known: {KERNELS}")

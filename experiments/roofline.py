@@ -28,6 +28,7 @@ from __future__ import annotations
 from experiments import kernel_targets as kt
 from pallas_kernels import benchmark as bm
 from pallas_kernels.indexer import bench as indexer_bench
+from pallas_kernels.indexer import topk_bench
 from pallas_kernels.int4_matmul import bench as int4_bench
 from pallas_kernels.paged_attention import bench as attn_bench
 from pallas_kernels.tag_check import bench as tag_bench
@@ -47,6 +48,8 @@ def job_cost(case: kt.KernelCase) -> tuple[int, int]:
     return tag_bench.job_cost(case.d)
   if case.kernel == "paged_index_scores":
     return indexer_bench.job_cost(case.d)
+  if case.kernel == "topk_positions":
+    return topk_bench.job_cost(case.d)
   raise ValueError(f"unknown kernel {case.kernel!r}; known: {kt.KERNELS}")
 
 

@@ -69,7 +69,8 @@ RESERVE_S = 3.0  # kept back from the budget for the summary
 # GLM 5's sparse decode kernels follow dense MLA: together they are a GLM decode step's
 # attention, and they have never run on a GPU.
 KERNEL_ORDER = ("paged_mla_decode", "paged_mla_sparse_decode", "paged_index_scores",
-                "int4_grouped_matmul", "tag_check", "int4_matmul", "paged_gqa_decode")
+                "topk_positions", "int4_grouped_matmul", "tag_check", "int4_matmul",
+                "paged_gqa_decode")
 
 # How target cases are ranked. "variant": the facets every value of which tier 1 covers (the
 # dtype axis and the like). "prefs": preferred values, most important first, per facet; a
@@ -98,6 +99,8 @@ PRIORITY = {
     "paged_index_scores": {"variant": ("kv",),
                            "prefs": {"kv": ("bf16", "fp8"), "batch": (64, 8, 1),
                                      "context": (32768, 131072)}},
+    "topk_positions": {"variant": (), "prefs": {"batch": (64, 1, 8),
+                                                "context": (32768, 131072)}},
 }
 # Facets read from a case's name (position in name.split("/")) rather than its dims.
 NAME_FACETS = {"paged_mla_decode": {"par": 1}, "paged_mla_sparse_decode": {"par": 1},
@@ -108,7 +111,8 @@ SMOKE_CEILINGS = {"copy": {"elements": 1 << 16}, "matmul_bf16": {"m": 128, "k": 
 # Seconds a case is expected to take before one has been seen (then: the median seen).
 PRIOR_S = {"ceiling": 15.0, "paged_mla_decode": 20.0, "paged_gqa_decode": 15.0,
            "int4_matmul": 12.0, "int4_grouped_matmul": 25.0, "tag_check": 6.0,
-           "paged_mla_sparse_decode": 20.0, "paged_index_scores": 10.0, "fault": 1.0}
+           "paged_mla_sparse_decode": 20.0, "paged_index_scores": 10.0, "topk_positions": 6.0,
+           "fault": 1.0}
 SMOKE_PRIOR_S = {"ceiling": 1.0, "fault": 0.5}
 PRIOR_STARTUP_S = {False: 30.0, True: 3.0}
 
@@ -231,6 +235,8 @@ SMOKE_DIMS = {
                                 page_size=4),
     "paged_mla_sparse_decode": _smoke_sparse_mla,
     "paged_index_scores": _smoke_indexer,
+    # Two 1024-position blocks, k below and above the context's half.
+    "topk_positions": lambda d: dict(d, batch=min(d["batch"], 2), context=2048, topk=300),
 }
 
 
@@ -291,6 +297,9 @@ def _bench_for(item: dict, smoke: bool):
   if kernel == "paged_index_scores":
     from pallas_kernels.indexer import bench
     return bench.bench_case(dims, backend=backend)
+  if kernel == "topk_positions":
+    from pallas_kernels.indexer import topk_bench
+    return topk_bench.bench_case(dims, backend=backend)
   raise ValueError(f"unknown kernel {kernel!r}")
 
 

@@ -4,7 +4,7 @@ The script runs for real, as subprocesses in smoke mode (CPU, interpret mode, ti
 shapes), on its cheapest cases: the two ceilings and the tag check, with an injected
 crash and an injected hang between them, and one case each of GLM 5's sparse MLA
 decode (with the dense kernel as its peer) and indexer scoring. The plan (which of the
-238 target cases run first) is checked as data.
+244 target cases run first) is checked as data.
 """
 
 import importlib.util
@@ -22,6 +22,7 @@ from absl.testing import absltest
 from experiments import kernel_targets as kt
 from pallas_kernels import benchmark as bm
 from pallas_kernels.indexer import bench as indexer_bench
+from pallas_kernels.indexer import topk_bench
 from pallas_kernels.paged_attention import bench as attn_bench
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,7 +66,7 @@ class PlanTest(absltest.TestCase):
   def test_ceilings_then_every_target_case_once(self):
     self.assertEqual([p.name for p in self.plan[:2]], ["ceiling/copy", "ceiling/matmul_bf16"])
     targets = [p.name for p in self.plan if p.group == "target"]
-    self.assertLen(targets, 238)
+    self.assertLen(targets, 244)
     self.assertCountEqual(targets, [c.name for c in kt.target_cases()])
     self.assertEqual([p.order for p in self.plan], list(range(len(self.plan))))
     tiers = [p.tier for p in self.plan if p.group == "target"]
@@ -78,7 +79,7 @@ class PlanTest(absltest.TestCase):
         "mla/dp/bf16/b64/ctx32768", "mla/dp/fp8/b64/ctx32768",
         "sparse_mla/tp8/bf16/b64/ctx32768", "sparse_mla/tp8/fp8/b64/ctx32768",
         "sparse_mla/dp/bf16/b64/ctx32768", "sparse_mla/dp/fp8/b64/ctx32768",
-        "indexer/bf16/b64/ctx32768", "indexer/fp8/b64/ctx32768",
+        "indexer/bf16/b64/ctx32768", "indexer/fp8/b64/ctx32768", "topk/b64/ctx32768",
         "int4g/kimi-k2.6/up/r8/g32", "int4g/kimi-k2.6/up/r8/g128",
         "int4g/glm-5.2/up/r8/g32", "int4g/glm-5.2/up/r8/g128",
         "tag/b64/pool21437",
@@ -160,8 +161,9 @@ class ScriptRunsTest(absltest.TestCase):
                    "crash,hang", "--case-timeout-s", str(CASE_TIMEOUT_S), "--out", cls.out],
         "budget": ["--kernels", "ceiling", "--inject-fault", "hang", "--case-timeout-s", "60",
                    "--budget-s", str(cls.BUDGET_S), "--out", cls.budget_out],
-        "sparse": ["--kernels", "paged_mla_sparse_decode,paged_index_scores", "--cases",
-                   "sparse_mla/dp/bf16/,indexer/fp8/", "--out", cls.sparse_out]}
+        "sparse": ["--kernels", "paged_mla_sparse_decode,paged_index_scores,topk_positions",
+                   "--cases", "sparse_mla/dp/bf16/,indexer/fp8/,topk/b64/", "--out",
+                   cls.sparse_out]}
     procs, logs, started, ended = {}, {}, {}, {}
     for name, args in runs.items():
       logs[name] = open(os.path.join(cls.dir, f"{name}.stdout"), "w+")
@@ -240,15 +242,19 @@ class ScriptRunsTest(absltest.TestCase):
     records = _read(self.sparse_out)
     self.assertEqual(self.rc["sparse"], 0, self.stdout["sparse"])
     by = {r["name"]: r for r in _cases(records)}
-    self.assertEqual(list(by), ["sparse_mla/dp/bf16/b64/ctx32768", "indexer/fp8/b64/ctx32768"])
-    sparse, index = by.values()
-    for rec, impls in ((sparse, ["pallas", "xla", "pallas_dense"]), (index, ["pallas", "xla"])):
+    self.assertEqual(list(by), ["sparse_mla/dp/bf16/b64/ctx32768", "indexer/fp8/b64/ctx32768",
+                                "topk/b64/ctx32768"])
+    sparse, index, topk = by.values()
+    for rec, impls in ((sparse, ["pallas", "xla", "pallas_dense"]), (index, ["pallas", "xla"]),
+                       (topk, ["pallas", "xla"])):
       self.assertEqual(rec["status"], "ok", rec)
       self.assertEqual([p["impl"] for p in rec["impls"]], impls)
       for p in rec["impls"]:
         self.assertTrue(p["correct"], p)
-        self.assertLess(p["rel_err"], p["tol"])
+        if rec is not topk:  # the top-k is checked for exact equality, not a norm
+          self.assertLess(p["rel_err"], p["tol"])
         self.assertGreater(p["timing"]["median_s"], 0)
+    self.assertEqual((topk["bytes"], topk["flops"]), topk_bench.job_cost(topk["dims"]))
     # The smoke dims' job, as the roofline sheet counts it; the dense peer is rated
     # against the dense job over the whole context.
     d = sparse["dims"]

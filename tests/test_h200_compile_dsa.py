@@ -1,10 +1,10 @@
 """GLM 5's DeepSeek Sparse Attention decode kernels compiled for an H200 at every target
 shape: sparse paged MLA decode (TP-8 and data-parallel heads, K = index_topk selected
-positions) and the paged indexer's scoring (all 32 indexer heads), batch 1-64, 32K and
-128K contexts, bf16 and fp8 pages. They compile, spill no registers and fit the shared
+positions), the paged indexer's scoring (all 32 indexer heads) and the top-k selection
+after it (k = index_topk), batch 1-64, 32K and 128K contexts, bf16 and fp8 pages. They compile, spill no registers and fit the shared
 memory of a block (see h200_compile_cases and docs/h200_compile.md).
 
-A module of its own (20 compiles of about a second each) rather than part of the
+A module of its own (22 compiles of about a second each) rather than part of the
 attention module (about 100 s): under `pytest -n 2 --dist loadfile` one worker can take
 it and then the INT4 module (about 80 s) while the other compiles attention.
 """
@@ -14,7 +14,7 @@ from absl.testing import absltest
 import h200_compile_cases
 from experiments import kernel_compile as kc
 
-GROUPS = kc.target_groups(("paged_mla_sparse_decode", "paged_index_scores"))
+GROUPS = kc.target_groups(("paged_mla_sparse_decode", "paged_index_scores", "topk_positions"))
 
 H200CompileDsaTest = h200_compile_cases.make_test_case(__file__, GROUPS)
 

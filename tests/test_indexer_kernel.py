@@ -1,4 +1,4 @@
-"""Paged indexer scoring and top-k (pallas_kernels.indexer) against the jnp reference.
+"""Paged indexer scoring and top-k (pallas_kernels.indexer) against the jnp references.
 
 The kernel runs in interpret mode on the CPU at small shapes (docs/testing.md).
 Every page slot a request does not own, and every slot past its length, is NaN
@@ -17,7 +17,9 @@ from pallas_kernels.indexer import IndexerBlockSizes
 from pallas_kernels.indexer import paged_index_scores
 from pallas_kernels.indexer import paged_index_scores_reference
 from pallas_kernels.indexer import paged_index_topk
-from pallas_kernels.indexer import topk_positions
+from pallas_kernels.indexer import TopkBlockSizes
+from pallas_kernels.indexer import topk_positions as topk_kernel_op
+from pallas_kernels.indexer import topk_positions_reference as topk_positions
 
 FP8 = jnp.float8_e4m3fn
 # Relative-norm tolerances over the visible scores (docs/testing.md): bf16 keys
@@ -132,6 +134,47 @@ class IndexerReferenceTest(parameterized.TestCase):
     args = make_inputs(2, kv="fp8", poison=False, **SHAPE)
     np.testing.assert_array_equal(np.asarray(paged_index_scores(*args, backend="xla")),
                                   np.asarray(paged_index_scores_reference(*args)))
+
+
+def _topk_cases(seed):
+  """[B, S] f32 scores that exercise the top-k's edges, row by row."""
+  rng = np.random.default_rng(seed)
+  S = 150
+  x = rng.standard_normal((8, S)).astype(np.float32)
+  x[1, :] = -np.inf
+  x[1, :5] = rng.standard_normal(5)  # fewer visible than k: all of them
+  x[2, ::3] = 0.0  # exact ties (ReLU zeros) across the k-th place
+  x[3, 60:] = -np.inf  # a short request
+  x[4, :] = -np.inf  # an empty one
+  x[5] = np.round(x[5] * 2) / 2  # many ties everywhere
+  x[6] = -np.abs(x[6]) - 1.0  # all negative (mixed-sign head weights)
+  x[7, :] = 3.0  # all equal: the earliest k
+  return jnp.asarray(x)
+
+
+class TopkKernelInterpretTest(parameterized.TestCase):
+  """The Pallas top-k (radix select) in interpret mode: the reference's positions exactly."""
+
+  @parameterized.product(k=(1, 9, 40, 149, 150, 400), block=(16, 64))
+  def test_matches_reference(self, k, block):
+    scores = _topk_cases(k + block)
+    got = topk_kernel_op(scores, k=k, backend="interpret",
+                         block_sizes=TopkBlockSizes(block=block, num_warps=4))
+    want = topk_positions(scores, k)
+    self.assertEqual(got.shape, want.shape)
+    self.assertEqual(got.dtype, jnp.int32)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+  def test_xla_backend_and_bad_input(self):
+    scores = _topk_cases(0)
+    np.testing.assert_array_equal(np.asarray(topk_kernel_op(scores, k=7, backend="xla")),
+                                  np.asarray(topk_positions(scores, 7)))
+    with self.assertRaisesRegex(ValueError, r"\[B, S\] float32"):
+      topk_kernel_op(scores.astype(jnp.bfloat16), k=3, backend="interpret")
+    with self.assertRaisesRegex(ValueError, "k must be >= 1"):
+      topk_kernel_op(scores, k=0, backend="interpret")
+    with self.assertRaisesRegex(ValueError, "power of two"):
+      TopkBlockSizes(block=100)
 
 
 class BlockedSelectionTest(parameterized.TestCase):

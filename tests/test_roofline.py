@@ -9,6 +9,7 @@ from experiments import kernel_targets as kt
 from experiments import roofline as rf
 from pallas_kernels import benchmark as bm
 from pallas_kernels.indexer import bench as indexer_bench
+from pallas_kernels.indexer import topk_bench
 from pallas_kernels.int4_matmul import bench as int4_bench
 from pallas_kernels.paged_attention import bench as attn_bench
 from pallas_kernels.tag_check import bench as tag_bench
@@ -26,6 +27,7 @@ _SMALL = {
                                     kv="fp8", max_pages=4, num_pages=9, topk=8, qk_head_dim=192),
     "paged_index_scores": dict(batch=2, index_heads=4, index_dim=32, page_size=8, context=32,
                                kv="fp8", max_pages=4, num_pages=9),
+    "topk_positions": dict(batch=2, context=48, topk=20),
 }
 
 
@@ -39,6 +41,8 @@ class JobCostTest(parameterized.TestCase):
       bench, cost = tag_bench.bench_case(dims, backend="xla"), tag_bench.job_cost(dims)
     elif kernel == "paged_index_scores":
       bench, cost = indexer_bench.bench_case(dims, backend="xla"), indexer_bench.job_cost(dims)
+    elif kernel == "topk_positions":
+      bench, cost = topk_bench.bench_case(dims, backend="xla"), topk_bench.job_cost(dims)
     elif kernel in attn_bench.KERNELS:
       bench = attn_bench.bench_case(kernel, dims, backend="xla")
       cost = attn_bench.job_cost(kernel, dims)
@@ -154,7 +158,7 @@ class SheetTest(absltest.TestCase):
 
   def test_markdown_and_plot(self):
     md = rf.markdown(self.sheet)
-    self.assertIn("238 target cases; 0 measured on a GPU", md)
+    self.assertIn("244 target cases; 0 measured on a GPU", md)
     for kernel in kt.KERNELS:
       self.assertIn(f"### {kernel}", md)
     self.assertIn("| mla/tp8/fp8/b64/ctx131072 |", md)

@@ -11,6 +11,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import dispatch
 from pallas_kernels.indexer import kernel as kernel_lib
 from pallas_kernels.indexer import reference
+from pallas_kernels.indexer import topk as topk_lib
 
 FP8 = jnp.float8_e4m3fn
 
@@ -136,14 +137,84 @@ def paged_index_scores(q, weights, index_k, index_k_scale, block_tables, lengths
   return out[:, :s]
 
 
+@dataclasses.dataclass(frozen=True)
+class TopkBlockSizes:
+  """Tiling of the top-k kernel (one program per row).
+
+  Attributes:
+    block: positions per step of each pass over a row, a power of two >= 16.
+    num_warps: Triton warps per program.
+  """
+
+  # ptxas 13.0 for sm_90a at GLM 5's shapes (32K-128K positions, k 2048): 60-64
+  # registers, no spills, 8 KB of shared memory (docs/sparse_attention.md).
+  block: int = 1024
+  num_warps: int = 8
+
+  def __post_init__(self):
+    if self.block < 16 or self.block & (self.block - 1):
+      raise ValueError(f"block must be a power of two >= 16, got {self.block}")
+    if self.num_warps < 1:
+      raise ValueError(f"num_warps must be >= 1, got {self.num_warps}")
+
+
+@functools.partial(jax.jit, static_argnames=("k", "backend", "block_sizes"))
+def topk_positions(scores, *, k, backend=None, block_sizes=None):
+  """The positions of each row's k largest finite scores, ascending, then -1.
+
+  ``backend="xla"`` is :func:`reference.topk_positions` (``lax.top_k``); the
+  Pallas kernel (topk.topk_kernel: a radix select, one program per row) gives
+  the same positions, ties toward the earlier position.
+
+  Args:
+    scores: [B, S] f32, -inf where a key is hidden.
+    k: how many to keep (>= 1).
+    backend: "pallas" | "interpret" | "xla" | None (pallas on GPU, else xla).
+    block_sizes: TopkBlockSizes, or None for the default.
+
+  Returns:
+    [B, min(k, S)] int32.
+
+  Raises:
+    ValueError: scores not [B, S] f32, k < 1, or an unknown backend.
+  """
+  backend = dispatch.resolve_backend(backend)
+  if scores.ndim != 2 or scores.dtype != jnp.float32:
+    raise ValueError(f"scores must be [B, S] float32, got {scores.shape} {scores.dtype}")
+  if k < 1:
+    raise ValueError(f"k must be >= 1, got {k}")
+  if backend == "xla":
+    return reference.topk_positions(scores, k)
+  bs = block_sizes or TopkBlockSizes()
+  block = bs.block
+  b, s = scores.shape
+  kk = min(k, s)
+  s_pad = -(-s // block) * block
+  k_pad = -(-kk // block) * block
+  if s_pad != s:  # padding is hidden
+    scores = jnp.pad(scores, ((0, 0), (0, s_pad - s)), constant_values=-jnp.inf)
+  out = pl.pallas_call(
+      functools.partial(topk_lib.topk_kernel, k=kk, block=block),
+      grid=(b,),
+      in_specs=[pl.BlockSpec((None, s_pad), lambda i: (i, 0))],
+      # One spare block past k_pad: the masked lanes' store addresses (topk_kernel).
+      out_specs=pl.BlockSpec((None, k_pad + block), lambda i: (i, 0)),
+      out_shape=jax.ShapeDtypeStruct((b, k_pad + block), jnp.int32),
+      compiler_params=pltriton.CompilerParams(num_warps=bs.num_warps, num_stages=1),
+      interpret=backend == "interpret",
+      name="topk_positions",
+  )(scores)
+  return out[:, :kk]
+
+
 @functools.partial(jax.jit, static_argnames=("k", "backend", "block_sizes"))
 def paged_index_topk(q, weights, index_k, index_k_scale, block_tables, lengths, *, k,
                      backend=None, block_sizes=None):
   """The positions each decode query selects: its k best-scoring cached tokens.
 
-  :func:`paged_index_scores` then :func:`reference.topk_positions` (XLA's
-  top-k, as DeepSeek-V3.2's inference code uses ``torch.topk`` after its
-  logits kernel). A request with at most k cached tokens keeps them all.
+  :func:`paged_index_scores` then :func:`topk_positions` (both kernels on the
+  Pallas backends, ``lax.top_k`` on "xla"). A request with at most k cached
+  tokens keeps them all.
 
   Args:
     q, weights, index_k, index_k_scale, block_tables, lengths, backend,
@@ -158,4 +229,4 @@ def paged_index_topk(q, weights, index_k, index_k_scale, block_tables, lengths, 
     raise ValueError(f"k must be >= 1, got {k}")
   scores = paged_index_scores(q, weights, index_k, index_k_scale, block_tables, lengths,
                               backend=backend, block_sizes=block_sizes)
-  return reference.topk_positions(scores, k)
+  return topk_positions(scores, k=k, backend=backend)
