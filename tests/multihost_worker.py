@@ -39,7 +39,7 @@ def _engine(mesh):
   from mlkit.engine import Engine, EngineConfig
   from mlkit.kvcache import KVCacheConfig
   from test_parallel import init_params_np
-  cfg = dataclasses.replace(TINY_MLA, n_layers=2)
+  cfg = dataclasses.replace(TINY_MLA, n_layers=1, first_k_dense=0)  # one MoE layer
   ecfg = EngineConfig(model=cfg, kv=KVCacheConfig(24, 4, "float32"), max_running=4,
                       batch_buckets=(4,), prefill_buckets=(12,), prefill_token_budget=24,
                       max_pages_per_seq=6, record_logits=True, overlap=True, prefix_cache=True)
@@ -86,7 +86,7 @@ def main() -> None:
   mesh = parallel.make_mesh(parallel.MeshConfig(tensor=2, expert=args.num_processes))
   engine = _engine(mesh)
   # The weights really are split across the processes.
-  assert not engine.runner.params["layers"][1]["ffn"]["w_gate"].is_fully_addressable
+  assert not engine.runner.params["layers"][0]["ffn"]["w_gate"].is_fully_addressable
   address = ("127.0.0.1", args.pool_port)
   if args.process_id == 0:
     followers = lockstep.Followers(address, args.num_processes - 1, AUTHKEY, timeout_s=60)

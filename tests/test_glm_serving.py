@@ -247,7 +247,7 @@ class GlmServingTest(parameterized.TestCase):
 class TinyGlmPresetTest(absltest.TestCase):
   """The TINY_GLM preset (GLM 5's architecture at test size, random weights) end to end."""
 
-  def test_serves_through_engine_and_disaggregated_pools(self):
+  def test_serves_through_disaggregated_pools(self):
     from configs import TINY_GLM
     params = model.init_params(TINY_GLM, jax.random.key(3))
     rng = np.random.default_rng(3)
@@ -267,13 +267,10 @@ class TinyGlmPresetTest(absltest.TestCase):
         self.assertIs(r.status, RequestStatus.FINISHED, r)
       return [list(r.output) for r in reqs]
 
-    plain = drive(Engine(params, engine_config("float32", 4)))
-    same = DisaggEngine(params, DisaggConfig(
-        prefill=PoolConfig(engine_config("float32", 4), BF16, parallel.MeshConfig(tensor=2)),
-        decode=PoolConfig(engine_config("float32", 8), BF16, parallel.MeshConfig(expert=2))))
-    self.assertEqual(drive(same), plain)  # f32 pools: the same greedy tokens
     # The report's split: bf16 KV for prefill, INT4 experts + fp8 KV (index keys too) for
-    # decode. Lossy, so only served to completion with every page returned.
+    # decode. Lossy (exact tokens are checked on the transformers fixture above), so the
+    # checks are that it serves to completion, pages and stores what GLM 5 needs, and
+    # gives every page back.
     split = DisaggEngine(params, DisaggConfig(
         prefill=PoolConfig(engine_config("bfloat16", 4), BF16, parallel.MeshConfig(tensor=2)),
         decode=PoolConfig(engine_config("float8_e4m3fn", 8), INT4_EXPERTS,
