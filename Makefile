@@ -12,7 +12,7 @@ run: venv
 	$(PY) -m experiments
 
 test: venv
-	$(PY) -m pytest -n 2 --dist loadfile tests
+	$(PY) -m pytest -n 2 --dist loadscope tests
 
 # A long randomised search of the allocator and engine state machines (not part of `make test`).
 soak: venv
