@@ -288,7 +288,7 @@ def kernel_key(case, impl: str, block_sizes) -> tuple:
     # loop's constant trip count (ops.paged_mla_sparse_decode pads K to whole steps).
     fields.pop("num_splits")
     bk, splits = block_sizes.block_k, block_sizes.num_splits
-    steps = -(-d["topk"] // (splits * bk))
+    steps = max(-(-d["topk"] // (splits * bk)), 2)  # the op runs at least two steps
     long_loop = SPARSE_LONG_LOOP_STEPS
     key.update(kv=d["kv"], page_size=d["page_size"], c=d["c"], r=d["r"],
                k_steps=steps if steps < long_loop else f">={long_loop}",

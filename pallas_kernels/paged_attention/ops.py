@@ -279,8 +279,10 @@ def paged_mla_sparse_decode(q_latent, q_rope, latent, k_rope, latent_scale,
 
   bs = block_sizes or SparseBlockSizes.get_default(num_heads=h, num_indices=k, batch=b)
   bk, splits = bs.block_k, bs.num_splits
-  # Pad K with -1 to whole steps in every split; padded steps select nothing.
-  per_split = -(-k // (splits * bk)) * bk
+  # Pad K with -1 to whole steps in every split; padded steps select nothing. At least
+  # two steps: ptxas spills the fully unrolled one-step loop in bf16 (12 B at 32 heads,
+  # 4 B at 16, 128 registers), while two steps read 180, no spills.
+  per_split = max(-(-k // (splits * bk)), 2) * bk
   indices = jnp.pad(indices, ((0, 0), (0, splits * per_split - k)), constant_values=-1)
   kernel = functools.partial(
       triton_kernels.sparse_mla_kernel, scale=float(scale), page_size=ps,
