@@ -115,7 +115,8 @@ class ServeProcessesTest(absltest.TestCase):
   def test_1b_pools_over_two_processes_each(self):
     # Both servers as pools over two JAX processes (gloo): each leader serves and sends its
     # device work to its follower; the decode leader lands each payload on both processes,
-    # the prefill pool extracts on both. Same tokens as the in-process reference.
+    # the prefill pool extracts on both. Same tokens as the in-process reference; then a
+    # follower's death ends its pool cleanly.
     tmp = tempfile.mkdtemp(prefix="mlkit-serve-mh-")
     pre_addr, dec_addr = (f"127.0.0.1:{launch.free_port()}" for _ in range(2))
     procs, logs = [], []
@@ -136,6 +137,22 @@ class ServeProcessesTest(absltest.TestCase):
         m = c.metrics()
         self.assertEqual(m["pages_used"], 0)
         self.assertGreaterEqual(m["serve"]["transfers"], len(PROMPTS))
+      # kill -9 of the decode pool's follower: its leader cannot run another step, so the
+      # next request's first device operation ends the leader (status 3, saying why); the
+      # prefill pool sees its peer go and keeps no page.
+      procs[3].kill()
+      procs[3].wait()
+      with Client(dec_addr, timeout_s=120) as c:
+        with self.assertRaises((ConnectionError, EOFError, OSError)):
+          c.generate(PROMPTS[:1], max_new_tokens=MAX_NEW)
+      self.assertEqual(procs[2].wait(timeout=60), 3)
+      with open(logs[2]) as f:
+        self.assertIn("the pool cannot go on: PoolBroken: pool follower 1 is gone", f.read())
+      with Client(pre_addr, timeout_s=30) as c:
+        deadline = time.monotonic() + 30
+        while c.metrics()["pages_used"] and time.monotonic() < deadline:
+          time.sleep(0.2)
+        self.assertEqual(c.metrics()["pages_used"], 0)
     finally:
       _stop([(procs[2], dec_addr), (procs[0], pre_addr)])
       for follower, log in ((procs[1], logs[1]), (procs[3], logs[3])):
@@ -145,11 +162,10 @@ class ServeProcessesTest(absltest.TestCase):
           follower.kill()
           follower.wait()
           self.fail(f"a pool follower outlived its leader:\n{open(log).read()[-2000:]}")
-    for log in (logs[1], logs[3]):
-      with open(log) as f:
-        text = f.read()
-      self.assertIn("following the pool leader", text)
-      self.assertRegex(text, r"stopped after [1-9]\d* pool operations")
+    with open(logs[1]) as f:  # the prefill pool's follower, stopped by its leader
+      text = f.read()
+    self.assertIn("following the pool leader", text)
+    self.assertRegex(text, r"stopped after [1-9]\d* pool operations")
 
   def test_2_corrupted_transfer_retried_then_aborted(self):
     before = self.client.metrics()["serve"]

@@ -331,6 +331,8 @@ class Engine(ServingLoop):
         raise ValueError("a pool spread over processes adopts only with a lockstep.Fill")
       else:
         self.state, ok, why = fill(self.state, self.kv_pages(req.request_id), start)
+    except lockstep.PoolBroken:
+      raise  # not this request's failure: the pool cannot run anything any more
     except Exception as e:  # a broken transfer must not leave the request half adopted
       ok, why = False, f"filling its KV raised {type(e).__name__}: {e}"
     if ok:

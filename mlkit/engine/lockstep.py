@@ -168,6 +168,11 @@ class Fill:
   args: tuple = ()
 
 
+class PoolBroken(RuntimeError):
+  """A follower of this pool is gone: its mesh can run no further SPMD program (the
+  collectives would wait for the missing process), so the pool must stop."""
+
+
 class Followers:
   """The leader's channel to the other processes of its pool.
 
@@ -197,9 +202,17 @@ class Followers:
       listener.close()
 
   def send(self, op: str, args: tuple) -> None:
-    """Sends one operation to every follower (before the leader runs it)."""
-    for c in self._conns:
-      c.send((op, args))
+    """Sends one operation to every follower (before the leader runs it).
+
+    Raises:
+      PoolBroken: a follower's connection is closed (the process died): nothing of
+        this operation runs anywhere.
+    """
+    for i, c in enumerate(self._conns):
+      try:
+        c.send((op, args))
+      except (OSError, EOFError) as e:
+        raise PoolBroken(f"pool follower {i + 1} is gone ({type(e).__name__}: {e})") from e
 
   def close(self) -> None:
     """Tells every follower to stop and closes the channel."""

@@ -200,6 +200,16 @@ def main(argv=None) -> int:
     server.serve_forever()
   except KeyboardInterrupt:
     pass
+  except Exception as e:
+    if followers is None:
+      raise
+    # A pool over processes that lost a member (or whose SPMD step failed) cannot run
+    # another step: leave at once, so that clients and the peer server see the
+    # connections close and reclaim what they hold. No jax.distributed shutdown: it
+    # would wait for the missing process.
+    _log(f"error: the pool cannot go on: {type(e).__name__}: {e}")
+    sys.stderr.flush()
+    os._exit(3)
   finally:
     if followers is not None:  # they stop with their leader
       followers.close()

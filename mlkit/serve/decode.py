@@ -524,6 +524,8 @@ class DecodeServer(FrontDoor):
         continue
       try:
         self._land(f)
+      except lockstep.PoolBroken:
+        raise  # the pool itself is gone (mlkit.serve exits)
       except Exception as e:  # one request's landing must not stop the server
         logging.exception("decode: landing request %d failed", f.req.request_id)
         if f.uuid in self._flights:

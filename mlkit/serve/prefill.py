@@ -103,6 +103,8 @@ class PrefillServer:
       if job is not None and job.offered_at is None:
         try:
           self._offer(job, req)
+        except lockstep.PoolBroken:
+          raise  # the pool itself is gone (mlkit.serve exits)
         except Exception as e:  # one request's gather or offer must not stop the server
           logging.exception("prefill: offering request %d failed", req.request_id)
           self.inbox.send(job.conn, proto.message("failed", uuid=job.uuid, abort_reason="error",
