@@ -51,6 +51,7 @@ from experiments import kernel_targets as kt  # noqa: E402
 from pallas_kernels.h200 import compile as hc  # noqa: E402
 from pallas_kernels.h200 import env  # noqa: E402
 from pallas_kernels.indexer import IndexerBlockSizes  # noqa: E402
+from pallas_kernels.paged_attention.block_sizes import next_pow2  # noqa: E402
 from pallas_kernels.indexer import paged_index_scores  # noqa: E402
 from pallas_kernels.indexer import TopkBlockSizes  # noqa: E402
 from pallas_kernels.indexer import topk_positions  # noqa: E402
@@ -281,7 +282,7 @@ def kernel_key(case, impl: str, block_sizes) -> tuple:
         splits=1 if grouped else block_sizes.k_splits)
   elif case.kernel == "tag_check":
     key.update(page_size=d["page_size"],
-               padded_pages=1 << max(0, (d["max_pages"] - 1).bit_length()))
+               padded_pages=next_pow2(d["max_pages"]))
     key["unit_axes"] = _unit_axes(programs=-(-d["batch"] // block_sizes.block_b))
   elif case.kernel == "paged_mla_sparse_decode":
     # The splits set a grid axis and an index offset; the indices per split set the
@@ -299,7 +300,7 @@ def kernel_key(case, impl: str, block_sizes) -> tuple:
   elif case.kernel == "paged_index_scores":
     key.update(kv=d["kv"], page_size=d["page_size"], index_dim=d["index_dim"],
                # the op pads heads to a power of two >= 16 (the dot's M) before the kernel
-               index_heads=max(16, 1 << (d["index_heads"] - 1).bit_length()))
+               index_heads=max(16, next_pow2(d["index_heads"])))
     key["unit_axes"] = _unit_axes(batch=d["batch"],
                                   blocks=-(-d["context"] // block_sizes.block_k))
   elif case.kernel == "topk_positions":

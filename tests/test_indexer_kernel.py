@@ -117,10 +117,13 @@ class IndexerReferenceTest(parameterized.TestCase):
     mask = (jnp.arange(keys.shape[1])[None, :] < lengths[:, None])[:, None, :]
     model = dsa.index_scores(q[:, None], w[:, None], keys, mask)[:, 0]
     np.testing.assert_allclose(np.asarray(ref), np.asarray(model), rtol=1e-5, atol=1e-5)
-    # ... and its top-k selects what select_topk + selected_positions do.
-    sel = dsa.select_topk(model[:, None], mask, 10)[:, 0]
-    np.testing.assert_array_equal(np.asarray(topk_positions(ref, 10)),
-                                  np.asarray(dsa.selected_positions(sel, 10)))
+    # ... and its top-k selects the positions select_topk does, ascending, -1 after them.
+    sel = np.asarray(dsa.select_topk(model[:, None], mask, 10)[:, 0])
+    want = np.full((4, 10), -1, np.int32)
+    for b in range(4):
+      pos = np.flatnonzero(sel[b])
+      want[b, :len(pos)] = pos
+    np.testing.assert_array_equal(np.asarray(topk_positions(ref, 10)), want)
 
   def test_topk_ties_break_toward_the_earlier_position(self):
     # ReLU gives exact ties at 0; the earlier positions win, as in the model.

@@ -219,15 +219,6 @@ def _apply(params, tokens, positions, cache, meta, *, cfg, backend=None):
 class SparseDecodeModelTest(absltest.TestCase):
   """The model's paged decode step on a sparse-attention layer runs the kernel."""
 
-  def test_selected_positions(self):
-    sel = jnp.asarray([[False, True, False, True, True, False],
-                       [False] * 6,
-                       [True] * 6])
-    got = dsa.selected_positions(sel, 4)
-    np.testing.assert_array_equal(np.asarray(got), [[1, 3, 4, -1], [-1] * 4, [0, 1, 2, 3]])
-    self.assertEqual(got.dtype, jnp.int32)
-    self.assertEqual(dsa.selected_positions(sel, 9).shape, (3, 6))  # k capped at S
-
   def test_paged_decode_matches_the_contiguous_cache(self):
     # GLM fixture (docs/sparse_attention.md; index_topk 6 below the prompt), f32: prefill
     # the prompt, then decode the next token through a paged pool with the kernel in

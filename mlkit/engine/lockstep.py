@@ -12,7 +12,8 @@ and each follower runs the same method on its own :class:`DeviceSide`
 (:func:`follow`). docs/serving_processes.md has the picture.
 
 The channel is ``multiprocessing.connection`` (HMAC authkey, pickled tuples of
-numpy arrays and ints): a step's host inputs are a few KB. KV never crosses it.
+numpy arrays and ints): a step's host inputs are a few KB. The one bulk item is a
+transfer's payload, which a decode leader forwards with the landing call.
 
 Host inputs are placed on the mesh replicated (``mlkit.parallel.put``: each
 process builds its own shards from the identical host value), and results are
@@ -127,13 +128,14 @@ class DeviceSide:
     Returns:
       (tokens [B], ok [B], logits [B, V] or None) on device.
     """
-    placed = {f.name: (None if getattr(batch, f.name) is None
-                       else self.place(getattr(batch, f.name)))
-              for f in dataclasses.fields(batch)}
+    if self.multiprocess:  # one pool's step inputs: identical host values on every process
+      batch = dataclasses.replace(batch, **{
+          f.name: self.place(getattr(batch, f.name)) for f in dataclasses.fields(batch)
+          if getattr(batch, f.name) is not None})
     if chain:
-      placed["tokens"] = chain_tokens(placed["tokens"], self._last_decode, placed["prev_row"])
-    tok, ok, self.state, lg = self.runner.run(kind, self.state,
-                                              dataclasses.replace(batch, **placed))
+      batch = dataclasses.replace(
+          batch, tokens=chain_tokens(batch.tokens, self._last_decode, batch.prev_row))
+    tok, ok, self.state, lg = self.runner.run(kind, self.state, batch)
     if kind == "decode":
       self._last_decode = tok
     self._pending.append((tok, ok, lg))
@@ -205,8 +207,8 @@ class Followers:
     """Sends one operation to every follower (before the leader runs it).
 
     Raises:
-      PoolBroken: a follower's connection is closed (the process died): nothing of
-        this operation runs anywhere.
+      PoolBroken: a follower's connection is closed (the process died); the leader
+        does not run the operation.
     """
     for i, c in enumerate(self._conns):
       try:

@@ -91,25 +91,6 @@ def index_scores(q: jax.Array, weights: jax.Array, keys: jax.Array, mask: jax.Ar
   return jnp.where(mask, scores, -jnp.inf)
 
 
-def selected_positions(selected: jax.Array, k: int) -> jax.Array:
-  """The positions a decode query selected, as the sparse paged kernel takes them.
-
-  Args:
-    selected: [B, S] bool, one query's selection (within its visible keys).
-    k: index_topk; at most min(k, S) positions are selected.
-
-  Returns:
-    [B, min(k, S)] int32 positions in increasing order, -1 past the selected ones.
-  """
-  S = selected.shape[-1]
-  k = min(k, S)
-  pos = jnp.arange(S, dtype=jnp.int32)
-  # The k largest of (S - pos where selected, else 0) are the selected
-  # positions in increasing order, then unselected ones with score 0.
-  score, idx = jax.lax.top_k(jnp.where(selected, S - pos, 0), k)
-  return jnp.where(score > 0, idx, -1).astype(jnp.int32)
-
-
 def select_topk(scores: jax.Array, mask: jax.Array, k: int) -> jax.Array:
   """The keys each query attends to: its k best visible keys, [B, T, S] bool.
 

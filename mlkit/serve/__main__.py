@@ -155,9 +155,8 @@ def main(argv=None) -> int:
   followers = None
   if args.num_processes > 1:
     from mlkit.engine import lockstep
-    from mlkit.serve import protocol as proto_
     try:
-      followers = lockstep.Followers(proto_.parse_address(args.pool_address),
+      followers = lockstep.Followers(proto.parse_address(args.pool_address),
                                      args.num_processes - 1, authkey,
                                      timeout_s=args.connect_timeout)
     except (OSError, TimeoutError) as e:

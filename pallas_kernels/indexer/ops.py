@@ -12,6 +12,7 @@ from pallas_kernels import dispatch
 from pallas_kernels.indexer import kernel as kernel_lib
 from pallas_kernels.indexer import reference
 from pallas_kernels.indexer import topk as topk_lib
+from pallas_kernels.paged_attention.block_sizes import next_pow2
 
 FP8 = jnp.float8_e4m3fn
 
@@ -63,10 +64,6 @@ def _check_inputs(q, weights, index_k, index_k_scale, block_tables, lengths):
                      f"match batch {b}")
 
 
-def _next_pow2(n):
-  return 1 << max(0, (n - 1).bit_length())
-
-
 @functools.partial(jax.jit, static_argnames=("backend", "block_sizes"))
 def paged_index_scores(q, weights, index_k, index_k_scale, block_tables, lengths, *,
                        backend=None, block_sizes=None):
@@ -107,7 +104,7 @@ def paged_index_scores(q, weights, index_k, index_k_scale, block_tables, lengths
   bs = block_sizes or IndexerBlockSizes()
   bk = bs.block_k
   # Heads pad to a power of two >= 16 (the dot's M) with zero weights.
-  hp = max(16, _next_pow2(hi))
+  hp = max(16, next_pow2(hi))
   if hp != hi:
     q = jnp.pad(q, ((0, 0), (0, hp - hi), (0, 0)))
     weights = jnp.pad(weights, ((0, 0), (0, hp - hi)))
@@ -225,8 +222,6 @@ def paged_index_topk(q, weights, index_k, index_k_scale, block_tables, lengths, 
     [B, min(k, M * page_size)] int32 positions ascending, then -1: the
     ``indices`` of paged_mla_sparse_decode.
   """
-  if k < 1:
-    raise ValueError(f"k must be >= 1, got {k}")
   scores = paged_index_scores(q, weights, index_k, index_k_scale, block_tables, lengths,
                               backend=backend, block_sizes=block_sizes)
   return topk_positions(scores, k=k, backend=backend)

@@ -69,8 +69,8 @@ class BlockSizes:
     if device_kind is None:
       device_kind = device.device_kind()
     tiles = TILES.get((device_kind, kind)) or TILES[("default", kind)]
-    block_h = max(16, min(tiles.block_h, _next_pow2(num_heads)))
-    ppb = min(max(1, 64 // page_size), _next_pow2(max_pages))
+    block_h = max(16, min(tiles.block_h, next_pow2(num_heads)))
+    ppb = min(max(1, 64 // page_size), next_pow2(max_pages))
     head_blocks = -(-num_heads // block_h)
     splits = _num_splits(batch * head_blocks, -(-max_pages // ppb), min_steps=4)
     return cls(block_h=block_h, pages_per_block=ppb, num_splits=splits,
@@ -86,7 +86,8 @@ def _num_splits(programs: int, steps: int, *, min_steps: int) -> int:
   return splits
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+  """The smallest power of two >= n (1 for n <= 1)."""
   return 1 << max(0, (n - 1).bit_length())
 
 
@@ -181,7 +182,7 @@ class SparseBlockSizes:
     if device_kind is None:
       device_kind = device.device_kind()
     tiles = TILES.get((device_kind, "mla")) or TILES[("default", "mla")]
-    block_h = max(16, min(tiles.block_h, _next_pow2(num_heads)))
+    block_h = max(16, min(tiles.block_h, next_pow2(num_heads)))
     block_k = 32
     splits = _num_splits(batch * -(-num_heads // block_h), -(-num_indices // block_k),
                          min_steps=2)
