@@ -173,7 +173,8 @@ def _int4_block_sizes(case):
   d = case.d
   grouped = case.kernel == "int4_grouped_matmul"
   return Int4BlockSizes.get_default(d["m"], d["n"], d["k"], grouped=grouped,
-                                device_kind=H200).fit(d["m"], d["n"], d["k"])
+                                    experts=d.get("experts", 1),
+                                    device_kind=H200).fit(d["m"], d["n"], d["k"])
 
 
 def _tag_block_sizes(case):
@@ -275,11 +276,10 @@ def kernel_key(case, impl: str, block_sizes) -> tuple:
                pipeline_depth=min(block_sizes.max_concurrent_steps, steps),
                **{f"{n}_dtype": _dtype_name(a[1])
                   for n, a in zip(("x", "packed", "scales"), case.arg_shapes())})
-    m_tiles = -(-d["m"] // block_sizes.tile_m)
-    key["unit_axes"] = _unit_axes(
-        n=d["n"] // block_sizes.tile_n,
-        tiles=m_tiles + d["experts"] - 1 if grouped else m_tiles,
-        splits=1 if grouped else block_sizes.k_splits)
+    if not grouped:  # the grouped grid is persistent: one axis of many CTAs
+      key["unit_axes"] = _unit_axes(n=d["n"] // block_sizes.tile_n,
+                                    tiles=-(-d["m"] // block_sizes.tile_m),
+                                    splits=block_sizes.k_splits)
   elif case.kernel == "tag_check":
     key.update(page_size=d["page_size"],
                padded_pages=next_pow2(d["max_pages"]))

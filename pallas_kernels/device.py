@@ -28,3 +28,28 @@ def device_kind() -> str:
     return jax.devices()[0].device_kind
   except RuntimeError:
     return "cpu"
+
+
+# Streaming multiprocessors per device kind, for persistent grids sized to the
+# machine. Kinds not listed read ``core_count`` from the local device.
+_SM_COUNT = {"NVIDIA H200": 132, "NVIDIA H100 80GB HBM3": 132}
+
+
+def num_sms(kind: str | None = None) -> int:
+  """Streaming multiprocessors of the device a trace targets (132 on an H200).
+
+  Args:
+    kind: a device kind; None reads :func:`device_kind`.
+
+  Returns:
+    The table's count for a known kind, else the local device's ``core_count``
+    when it has one, else 132 (what the Hopper tables are sized for; the
+    interpreter and the CPU have no SMs).
+  """
+  kind = device_kind() if kind is None else kind
+  if kind in _SM_COUNT:
+    return _SM_COUNT[kind]
+  try:
+    return int(getattr(jax.devices()[0], "core_count", 0)) or 132
+  except RuntimeError:
+    return 132

@@ -26,6 +26,8 @@ from pallas_kernels.int4_matmul import int4_matmul
 from pallas_kernels.int4_matmul import int4_matmul_reference
 from pallas_kernels.int4_matmul import pack_int4
 from pallas_kernels.int4_matmul import unpack_int4
+from pallas_kernels.int4_matmul.int4_matmul import _grouped_schedule
+from pallas_kernels.int4_matmul.int4_matmul import grouped_tile_bound
 from pallas_kernels.int4_matmul.block_sizes import H200_SMEM_BYTES
 from pallas_kernels.int4_matmul.block_sizes import TUNED
 
@@ -190,11 +192,14 @@ class Int4GroupedMatmulTest(_KernelTestBase):
 
 class Int4GroupedMatmulInterpretTest(Int4GroupedMatmulTest):
   INTERPRET = True
-  # M=13 and 19 are not multiples of tile_m=8; (64, 8, 128) puts an expert
-  # boundary inside a token tile.
+  # M=13 and 19 are not multiples of tile_m=8, so experts start inside a
+  # tile_m stretch of rows and one expert of 19 rows takes three tiles (8, 8,
+  # 3 rows: the row-count TMAs of every size). The third shape runs two n
+  # tiles on three persistent CTAs, so each CTA walks several work items.
   SHAPES = [(13, 128, 64, 4, 32, (64, 8, 128)),
-            (19, 256, 64, 5, 128, (64, 8, 128))]
-  GROUPINGS = (("empty_experts", "short"), ("one_expert_all",))
+            (19, 256, 64, 5, 128, (64, 8, 128)),
+            (21, 128, 128, 6, 64, (64, 16, 128, 1, 2, 3))]
+  GROUPINGS = (("empty_experts", "short"), ("one_expert_all",), ("ragged",))
 
   def test_matches_reference(self):
     self._matches_reference()
@@ -224,6 +229,40 @@ class Int4TinyModelShapesInterpretTest(_KernelTestBase):
     out = int4_grouped_matmul(x, p, s, gs, group_size=32, backend=self.backend)
     self.assert_close(
         out, int4_grouped_matmul_reference(x, p, s, gs, group_size=32))
+
+
+class GroupedScheduleTest(parameterized.TestCase):
+  """The grouped kernel's tiles: one expert each, every row written once."""
+
+  @parameterized.parameters(
+      (37, 6, 8, 0), (64, 48, 8, 1), (64, 8, 16, 2), (5, 16, 8, 3), (300, 5, 128, 4))
+  def test_tiles_cover_rows_once_without_mixing_experts(self, m, e, tile_m, seed):
+    rng = np.random.default_rng(seed)
+    bound = grouped_tile_bound(m, e, tile_m)
+    for trial in range(20):
+      # Ragged, with empty experts; some sums short of M, one past it.
+      gs = rng.multinomial(m - trial % 3 * (m // 4), rng.dirichlet(np.ones(e) * 0.3))
+      if trial == 19:
+        gs[-1] += 7
+      meta = np.asarray(_grouped_schedule(
+          jnp.asarray(gs, jnp.int32), m, tile_m, bound))
+      expert, window, offset, rows, used = meta
+      self.assertTrue((used == used[0]).all())
+      self.assertLessEqual(used[0], bound)
+      np.testing.assert_array_equal(rows[used[0]:], 0)
+      self.assertTrue((rows[:used[0]] > 0).all())
+      np.testing.assert_array_equal(window % 8, 0)  # x boxes start on aligned rows
+      self.assertTrue((offset + rows <= tile_m).all())  # stored rows lie in the window
+      self.assertTrue((window + tile_m <= m + tile_m).all())  # inside the padded x
+      owner = np.full(m, -2)
+      bounds = np.concatenate([[0], np.cumsum(gs)])
+      for t in range(used[0]):
+        span = np.arange(window[t] + offset[t], window[t] + offset[t] + rows[t])
+        self.assertTrue((owner[span] == -2).all(), "a row written twice")
+        owner[span] = expert[t]
+      want = np.searchsorted(bounds, np.arange(m), side="right") - 1
+      want[np.arange(m) >= bounds[-1]] = -1  # rows past sum(group_sizes): zero tiles
+      np.testing.assert_array_equal(owner, want)
 
 
 class ReferenceTest(parameterized.TestCase):
@@ -318,6 +357,15 @@ class BlockSizesTest(parameterized.TestCase):
     pre = BlockSizes.get_default(256, 2048, 7168, device_kind="NVIDIA H200")
     self.assertGreater(dec.k_splits, 1)  # decode fills SMs by splitting K
     self.assertGreater(pre.tile_m, dec.tile_m)
+
+  @parameterized.parameters(
+      # (rows, experts): mean rows per expert 1, 8, 64 and Kimi's 4096-token chunk.
+      (48, 48, 8, 128), (384, 48, 16, 128), (3072, 48, 128, 64), (4096, 48, 128, 64),
+      (40, 48, 8, 128))
+  def test_grouped_tile_m_follows_rows_per_expert(self, m, e, tile_m, tile_n):
+    bs = BlockSizes.get_default(m, 7168, 2048, grouped=True, experts=e,
+                                device_kind="NVIDIA H200")
+    self.assertEqual((bs.tile_m, bs.tile_n), (tile_m, tile_n))
 
   def test_tuned_table_fits_hopper_smem(self):
     # Worst case: group 32 (most scale rows per step) with f32 scales.

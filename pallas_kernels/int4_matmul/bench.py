@@ -184,7 +184,7 @@ def _grouped(dims, backend, peers, seed):
   ref = bm.once(lambda: int4_grouped_matmul(sets()[0][0].astype(jnp.float32), *sets()[0][1:],
                                              group_size=g, backend="xla"))
   call = lambda be: functools.partial(int4_grouped_matmul, group_size=g, backend=be)  # noqa: E731
-  bs = BlockSizes.get_default(m, n, k, grouped=True).fit(m, n, k)
+  bs = BlockSizes.get_default(m, n, k, grouped=True, experts=e).fit(m, n, k)
 
   def bf16_sets():
     return [(x, reference.dequantize_int4(p, s, g, jnp.bfloat16), c) for x, p, s, c in sets()]

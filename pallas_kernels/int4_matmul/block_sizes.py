@@ -8,6 +8,12 @@ from pallas_kernels import device
 # above it "prefill" (compute-bound). The kernels swap operands, so tokens sit
 # in wgmma's N dimension, which goes up to 256.
 DECODE_MAX_M = 64
+# The grouped kernel's tiles never mix experts, so its shape class and tile_m
+# follow the mean rows per expert (M / E), not M: tile_m is twice the mean
+# (rounded up to 8, capped by the table) so that a ragged expert with more rows
+# than the mean still fits one tile and streams its weights once. Means up to
+# this many rows use the decode table.
+GROUPED_DECODE_MAX_ROWS = 8
 # Dynamic shared memory per CTA on Hopper (H100/H200), less a little slack for
 # the pipeline's barriers.
 H200_SMEM_BYTES = 227 * 1024 - 1024
@@ -22,10 +28,12 @@ class BlockSizes:
     tile_m: tokens per CTA; wgmma's N dimension, a multiple of 8 and <= 256.
     tile_k: K rows per pipeline step; a multiple of 128 (64 packed rows, one
       WGMMA-layout register tile) and of group_size.
-    k_splits: dense only; K is split over this many CTAs whose f32 partials are
-      summed outside the kernel, so a decode matmul with few N tiles still
-      fills the 132 SMs of an H200.
+    k_splits: dense only (the grouped kernel ignores it); K is split over
+      this many CTAs whose f32 partials are summed outside the kernel, so a
+      decode matmul with few N tiles still fills the 132 SMs of an H200.
     max_concurrent_steps: pipeline depth (TMA buffers in flight).
+    max_ctas: grouped only; the persistent grid's CTAs, 0 for as many as fit
+      the device at once (SMs x CTAs per SM by shared memory).
   """
 
   tile_n: int = 128
@@ -33,6 +41,7 @@ class BlockSizes:
   tile_k: int = 128
   k_splits: int = 1
   max_concurrent_steps: int = 2
+  max_ctas: int = 0
 
   def __post_init__(self):
     if self.tile_n % 64 or self.tile_n <= 0:
@@ -45,6 +54,8 @@ class BlockSizes:
       raise ValueError(f"k_splits={self.k_splits} must be >= 1")
     if self.max_concurrent_steps < 1:
       raise ValueError("max_concurrent_steps must be >= 1")
+    if self.max_ctas < 0:
+      raise ValueError(f"max_ctas={self.max_ctas} must be >= 0 (0: fill the device)")
 
   def smem_bytes(self, group_size: int = 32, scale_bytes: int = 4,
                  grouped: bool = False) -> int:
@@ -63,24 +74,31 @@ class BlockSizes:
 
   @classmethod
   def get_default(cls, m: int, n: int, k: int, *, grouped: bool = False,
-                  device_kind: str | None = None) -> "BlockSizes":
+                  experts: int = 1, device_kind: str | None = None) -> "BlockSizes":
     """Tuned block sizes for an [m, k] x [k, n] problem on `device_kind`.
 
     Looks the device kind and shape class up in `TUNED`, then shrinks the tiles
     to fit the problem (tile_n divides n, tile_k divides k, k_splits divides the
-    K steps, tile_m no larger than m rounded up to 8). ``device_kind`` None
-    reads it from the active abstract mesh (an AOT compile for a GPU topology)
-    or jax.devices().
+    K steps, tile_m no larger than m rounded up to 8). The dense class is set by
+    m; the grouped one by the mean rows per expert, m / experts, which also sets
+    tile_m (GROUPED_DECODE_MAX_ROWS). ``device_kind`` None reads it from the
+    active abstract mesh (an AOT compile for a GPU topology) or jax.devices().
 
     Raises:
       ValueError: if n is not a multiple of 64 or k not a multiple of 128.
     """
     if device_kind is None:
       device_kind = device.device_kind()
-    shape_class = "decode" if m <= DECODE_MAX_M else "prefill"
+    if grouped:
+      rows = -(-m // max(experts, 1))
+      shape_class = "decode" if rows <= GROUPED_DECODE_MAX_ROWS else "prefill"
+    else:
+      shape_class = "decode" if m <= DECODE_MAX_M else "prefill"
     op = "grouped" if grouped else "dense"
     base = TUNED.get((device_kind, op, shape_class)) or TUNED[
         ("default", op, shape_class)]
+    if grouped:
+      base = dataclasses.replace(base, tile_m=min(base.tile_m, -(-2 * rows // 8) * 8))
     return base.fit(m, n, k)
 
   def fit(self, m: int, n: int, k: int) -> "BlockSizes":
@@ -119,15 +137,17 @@ class BlockSizes:
 #   dense decode (128, 8|16, 128, 8 splits, 4 deep): 89-197 registers over every
 #     projection of Kimi K2.6 and GLM 5.2 (the K steps per split, 1-7, and so the
 #     pipeline depth vary with K), no spills, at most 94,240 B of shared memory.
-#   grouped decode (128, 16, 128, 1, 4): 204-205 registers, no spills.
+#   grouped decode (128, 8|16, 128, 1, 4), the persistent kernel writing rows in
+#     place: 187-197 registers, no spills, 76,832-90,144 B (two CTAs per SM);
+#     grouped prefill (64, 128): 159-161 registers, 107,536 B.
 #   prefill, tile_n x tile_m = 128 x 128 (the first guess): 255 registers and
 #     12-108 B of spills (dense g128, grouped g32 and g128); its [128, 128] f32
 #     accumulator is 128 registers per thread and each 64-row dequantisation
 #     chunk [64, tile_n] of int32 codes, nibbles and scales needs as many again.
 #     128 x 64: dense 236-244, grouped 249-252 registers (too close to 255).
 #     64 x 256: dense 216-218 registers but 222,224 B of shared memory.
-#     64 x 128: dense 153-157, grouped 157-159 registers, 123,920 / 107,536 B:
-#     the same 128 tokens per dequantised weight, half the registers.
+#     64 x 128: dense 153-157 registers, 123,920 B: the same 128 tokens per
+#     dequantised weight, half the registers.
 TUNED: dict[tuple[str, str, str], BlockSizes] = {
     ("default", "dense", "decode"): BlockSizes(128, 8, 128, 1, 2),
     ("default", "dense", "prefill"): BlockSizes(128, 64, 128, 1, 2),

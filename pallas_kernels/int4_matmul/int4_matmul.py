@@ -31,16 +31,26 @@ abstract H200), so worked around as above:
     the SMEM scratch that wgmma also reads ("Layout inference failed to find a
     solution"), hence explicit WGMMA layouts and 64-row register chunks, which
     is why tile_k must be a multiple of 128;
-  * the grouped kernel's tokens are the minor (column) axis of out^T, and a TMA
-    store needs a static box whose minor extent is at least 16 bytes, so a tile
-    cannot store just its expert's dynamic column range. It writes a full
-    [tile_n, tile_m] slab with the other columns zeroed, and the wrapper sums
-    the slabs of each token block (segment_sum; exactly one nonzero term).
+  * a TMA box has a static shape, so the grouped kernel writes a dynamic
+    number of output rows as one box per set bit of the count (as jax's
+    ragged_dot_mgpu does), which needs token-major rows: the accumulator
+    (out^T, tokens in columns) is stored transposed into the SMEM tile;
+  * an x box whose first row Mosaic GPU cannot prove to be a multiple of 8
+    fails layout inference, so grouped tiles are windows that start on such
+    rows and store only their expert's rows.
+
+Grouped schedule (docs/int4_matmul.md). Each expert's rows are cut into tiles
+of their own (windows of tile_m rows starting on a multiple of 8 at or below
+the expert's first row), so a tile streams one expert's weights and writes its
+expert's rows of the [M, N] output in place; rows past sum(group_sizes) get
+tiles that write zeros. A persistent grid (SMs x CTAs per SM) walks the tiles
+in use, read from a schedule computed on the device. tile_m follows the mean
+rows per expert (BlockSizes.get_default).
 
 Performance notes (not yet measured on a GPU):
   * The wrapper adds XLA ops around each kernel: the even/odd split of x (fuses
-    into x's producer inside a model), and the split-K sum, transpose and cast
-    of the output (one small fusion for decode shapes).
+    into x's producer inside a model), and for the dense kernel the split-K
+    sum, transpose and cast of the output (one small fusion for decode shapes).
   * One warpgroup per CTA both dequantises and issues wgmma, waiting for each
     step's wgmma before reusing the scratch. Dequantisation costs about 8 ALU
     ops per weight, so a single warpgroup per SM would cap decode well below
@@ -58,9 +68,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import device
 from pallas_kernels import dispatch
 from pallas_kernels.int4_matmul import reference
 from pallas_kernels.int4_matmul.block_sizes import BlockSizes
+from pallas_kernels.int4_matmul.block_sizes import H200_SMEM_BYTES
 
 # One register chunk of packed rows: the WGMMA register layout is 64 rows tall.
 _CHUNK = 64
@@ -118,11 +130,21 @@ def _mma_step(xe_smem, xo_smem, p_smem, s_smem, wlo_smem, whi_smem, acc_ref, *,
   plgpu.wgmma_wait(0)
 
 
-def _in_specs(tile_m, tile_n, tile_k, ng, m_block, n_block, k_offset):
+def _in_specs(tile_m, tile_n, tile_k, ng, m_block, n_block, k_offset, *,
+              first_row=None):
+  """x even/odd, packed and scales specs; x rows from block m_block, or from
+  row first_row when given (a multiple of _ROW_ALIGN: the grouped kernel's
+  windows start near their expert's rows)."""
   tkh = tile_k // 2
+  if first_row is not None:
+    # x is padded by tile_m rows, so the box never leaves it (no zero fill).
+    x_spec = plgpu.BlockSpec((pl.Element(tile_m), tkh), lambda kk: (first_row, kk),
+                             oob_fill_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+  else:
+    x_spec = plgpu.BlockSpec((tile_m, tkh), lambda kk: (m_block, kk + k_offset))
   return [
-      plgpu.BlockSpec((tile_m, tkh), lambda kk: (m_block, kk + k_offset)),
-      plgpu.BlockSpec((tile_m, tkh), lambda kk: (m_block, kk + k_offset)),
+      x_spec,
+      x_spec,
       plgpu.BlockSpec((tkh, tile_n), lambda kk: (kk + k_offset, n_block)),
       plgpu.BlockSpec((ng, tile_n), lambda kk: (kk + k_offset, n_block)),
   ]
@@ -267,107 +289,149 @@ def _prefix_sum(x):
   return jnp.sum(jnp.where(j <= i, x[None, :], 0), axis=1, dtype=x.dtype)
 
 
-def _grouped_schedule(group_sizes, m, tile_m, num_tiles):
-  """Maps each scheduled tile to (expert, token block, first row, end row).
+# Token rows per SMEM tile of x: a tile's first row must be a provable multiple of
+# this for Mosaic GPU to lower its TMA (layout inference fails otherwise).
+_ROW_ALIGN = 8
 
-  Tile t covers rows [block*tile_m + lo, block*tile_m + hi) of expert e; a token
-  block split between experts gets one tile per expert. Tiles past the last one
-  in use get block = cdiv(m, tile_m) (dropped by the wrapper's slab sum) and
-  lo = hi = 0 (skipped by the kernel). Empty experts get no tile.
+
+def _grouped_schedule(group_sizes, m, tile_m, num_tiles):
+  """Cuts each expert's rows into tiles of its own, then the rows past them.
+
+  The segments are the E experts' rows [start_e, end_e) and a last one of the
+  rows [sum(group_sizes), m), whose tiles write zeros (expert -1). A segment's
+  tiles are windows of tile_m rows, the first starting at start_e rounded down
+  to _ROW_ALIGN, the next ones tile_m further on; each window computes all its
+  rows but stores only its segment's. So a tile streams one expert's weights,
+  each row is written by exactly one tile, and every window starts on an
+  aligned row. Tiles past those in use have 0 rows. num_tiles must be at least
+  ``grouped_tile_bound(m, e, tile_m)``.
 
   Returns:
-    [4, num_tiles] int32: rows expert, block, lo, hi.
+    [5, num_tiles] int32 rows: expert (-1: zeros), window start (a multiple of
+    _ROW_ALIGN), offset of the segment's first row in the window, row count,
+    and the number of tiles in use (repeated, read with one scalar load).
   """
-  m_tiles = -(-m // tile_m)
   gs = group_sizes.astype(jnp.int32)
+  e = gs.shape[0]
   ends = jnp.minimum(_prefix_sum(gs), m)  # rows past M are never computed
-  starts = jnp.minimum(ends - gs, m)
-  first = starts // tile_m
-  last = (ends - 1) // tile_m
-  n_tiles = jnp.where(ends > starts, last - first + 1, 0)
+  starts = jnp.minimum(_prefix_sum(gs) - gs, m)
+  total = ends[-1]
+  starts = jnp.concatenate([starts, total[None]])  # [E + 1]: the zero rows last
+  ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+  windows = starts // _ROW_ALIGN * _ROW_ALIGN
+  n_tiles = jnp.where(ends > starts, -(-(ends - windows) // tile_m), 0)  # [E + 1]
   tile_ends = _prefix_sum(n_tiles)
-  tile_starts = tile_ends - n_tiles
+  used = tile_ends[-1]
   t = jnp.arange(num_tiles, dtype=jnp.int32)
-  # The tile's expert: how many experts' tiles end at or before it.
-  e = jnp.minimum(jnp.sum(tile_ends[None, :] <= t[:, None], axis=1, dtype=jnp.int32),
-                  gs.shape[0] - 1)
-  valid = t < tile_ends[-1]
-  block = first[e] + t - tile_starts[e]
-  lo = jnp.clip(starts[e] - block * tile_m, 0, tile_m)
-  hi = jnp.clip(ends[e] - block * tile_m, 0, tile_m)
+  # The tile's segment: how many segments' tiles end at or before it.
+  seg = jnp.minimum(jnp.sum(tile_ends[None, :] <= t[:, None], axis=1, dtype=jnp.int32), e)
+  window = windows[seg] + (t - (tile_ends[seg] - n_tiles[seg])) * tile_m
+  first = jnp.maximum(starts[seg], window)
+  rows = jnp.clip(jnp.minimum(ends[seg], window + tile_m) - first, 0, tile_m)
+  in_use = t < used
   return jnp.stack([
-      jnp.where(valid, e, 0),
-      jnp.where(valid, block, m_tiles),
-      jnp.where(valid, lo, 0),
-      jnp.where(valid, hi, 0),
+      jnp.where(in_use & (seg < e), seg, -1),
+      jnp.where(in_use, window, 0),
+      jnp.where(in_use, first - window, 0),
+      jnp.where(in_use, rows, 0),
+      jnp.broadcast_to(used, (num_tiles,)),
   ]).astype(jnp.int32)
 
 
-def _sum_block_slabs(slabs, block, m_tiles):
-  """Sums the slabs of each token block: [T, N, tile_m] -> [m_tiles, N, tile_m].
+def grouped_tile_bound(m: int, e: int, tile_m: int) -> int:
+  """Most tiles ``_grouped_schedule`` can use for M rows over E experts.
 
-  Tiles are ordered by block (unused trailing tiles, never written, carry block
-  m_tiles and are dropped); each output element has exactly one nonzero
-  contributor, so the sum is exact in the slabs' dtype. The first slab of each
-  block is gathered and the block's other slabs are added onto it. A
-  segment_sum would scatter into a zero-initialised [m_tiles, N, tile_m]
-  buffer instead, and XLA merges such identical zero buffers across a model's
-  layers and hoists every layer's copy to the start of the program, so a
-  prefill step would hold one per MoE layer at once.
+  A non-empty segment (at most min(E, M) experts and the zero rows) of r rows
+  takes ceil((r + a) / t) <= (r + a + t - 1) / t tiles, a < _ROW_ALIGN being
+  its start's distance from the window's, so all of them together at most
+  (M + (min(E, M) + 1)(t + _ROW_ALIGN - 2)) / t.
   """
-  num_tiles = slabs.shape[0]
-  b = jnp.arange(m_tiles, dtype=jnp.int32)
-  first = jnp.sum(block[None, :] < b[:, None], axis=1, dtype=jnp.int32)  # [m_tiles]
-  f = jnp.minimum(first, num_tiles - 1)
-  has = (first < num_tiles) & (block[f] == b)
-  init = jnp.where(has[:, None, None], slabs[f], jnp.zeros((), slabs.dtype))
-  t = jnp.arange(num_tiles, dtype=jnp.int32)
-  is_first = (t == 0) | (block != jnp.roll(block, 1))
-  rest = jnp.where(is_first, m_tiles, block)  # first slabs are already in init
-  return init.at[rest].add(slabs, mode="drop")
+  return (m + (min(e, m) + 1) * (tile_m + _ROW_ALIGN - 2)) // tile_m
+
+
+def _store_rows(o_smem, o_gmem, src_first, dst_first, cols, rows, *, max_rows):
+  """Copies o_smem[src_first:src_first + rows] to o_gmem[dst_first:dst_first + rows, cols].
+
+  A TMA box has a static shape, so the dynamic count is written as its binary
+  digits: one copy of 2^i rows for each bit i set (as jax's ragged_dot_mgpu
+  does). rows <= max_rows; every copy is in one bulk group.
+  """
+  offset = 0  # a Python int: a constant jnp scalar as a slice start fails to lower
+  for bit in reversed(range(max_rows.bit_length())):
+    size = 1 << bit
+    take = (rows & size) != 0
+    src = o_smem.at[pl.ds(src_first + offset, size)]
+    dst = o_gmem.at[pl.ds(dst_first + offset, size), cols]
+
+    @pl.when(take)
+    def _():
+      plgpu.copy_smem_to_gmem(src, dst, commit_group=False)
+    offset = offset + jnp.where(take, size, 0)
+  plgpu.commit_smem_to_gmem_group()
 
 
 def _int4_grouped_matmul_kernel(meta_gmem, xe_gmem, xo_gmem, p_gmem, s_gmem,
                                 o_gmem, wlo_smem, whi_smem, o_smem, *,
                                 group_size, tile_n, tile_m, tile_k, k_steps,
-                                max_concurrent_steps):
-  """Grouped kernel body: one CTA computes one (n tile, scheduled tile) slab.
+                                max_concurrent_steps, n_tiles, num_ctas):
+  """Grouped kernel body: a persistent CTA walks (tile, n tile) work items.
 
-  meta_gmem: [4, T] int32 from _grouped_schedule; xe/xo_gmem: [Mp, K/2] bf16;
-  p_gmem: [E, K/2, N] uint8; s_gmem: [E, K/g, N]; o_gmem: [T, N, tile_m] with
-  the token columns outside [lo, hi) of the tile zeroed.
+  meta_gmem: [5, T] int32 from _grouped_schedule; xe/xo_gmem: [M + tile_m, K/2]
+  bf16 (padded, so a tile's [tile_m, K/2] box never leaves the array);
+  p_gmem: [E, K/2, N] uint8; s_gmem: [E, K/g, N]; o_gmem: [M, N], every row
+  written by exactly one tile, in place.
+
+  Item w is tile w // n_tiles, n tile w % n_tiles: neighbouring CTAs share a
+  tile's token rows (read once from HBM, then from L2).
   """
-  ni = lax.axis_index("n")
-  ti = lax.axis_index("t")
-  expert = meta_gmem[0, ti]
-  block = meta_gmem[1, ti]
-  lo = meta_gmem[2, ti]
-  hi = meta_gmem[3, ti]
+  cta = lax.axis_index("c")
+  work = meta_gmem[4, 0] * n_tiles
+  trips = lax.div(jnp.maximum(work - cta, 0) + (num_ctas - 1), num_ctas)
   ng = tile_k // group_size
 
-  @pl.when(hi > lo)
-  def _():
-    def acc_scope(acc_ref):
-      step = functools.partial(_mma_step, tile_n=tile_n, tile_k=tile_k,
-                               group_size=group_size)
-      plgpu.emit_pipeline(
-          lambda _, xe, xo, p, s: step(xe, xo, p, s, wlo_smem, whi_smem,
-                                       acc_ref),
-          grid=(k_steps,),
-          in_specs=_in_specs(tile_m, tile_n, tile_k, ng, block, ni, 0),
-          max_concurrent_steps=max_concurrent_steps,
-      )(xe_gmem, xo_gmem, p_gmem.at[expert], s_gmem.at[expert])
-      return acc_ref[...]
+  def item(i, carry):
+    w = cta + i * num_ctas
+    t = lax.div(w, n_tiles)
+    ni = lax.rem(w, n_tiles)
+    expert = meta_gmem[0, t]
+    # div * mul: the window start is a multiple of _ROW_ALIGN, and Mosaic GPU
+    # must see it to lower the x TMAs.
+    window = lax.div(meta_gmem[1, t], _ROW_ALIGN) * _ROW_ALIGN
+    offset = meta_gmem[2, t]
+    rows = meta_gmem[3, t]
 
-    acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, tile_m), jnp.float32))
-    # Token block rows owned by another expert (or past sum(group_sizes)) are
-    # zeroed so the wrapper can sum the slabs of one token block.
-    col = lax.broadcasted_iota(jnp.int32, (tile_n, tile_m), 1)
-    acc = jnp.where((col >= lo) & (col < hi), acc, 0.0)
-    o_smem[...] = acc.astype(o_smem.dtype)
+    @pl.when(expert >= 0)
+    def _():
+      def acc_scope(acc_ref):
+        step = functools.partial(_mma_step, tile_n=tile_n, tile_k=tile_k,
+                                 group_size=group_size)
+        plgpu.emit_pipeline(
+            lambda _, xe, xo, p, s: step(xe, xo, p, s, wlo_smem, whi_smem,
+                                         acc_ref),
+            grid=(k_steps,),
+            in_specs=_in_specs(tile_m, tile_n, tile_k, ng, None, ni, 0,
+                               first_row=window),
+            max_concurrent_steps=max_concurrent_steps,
+        )(xe_gmem, xo_gmem,
+          p_gmem.at[expert], s_gmem.at[expert])
+        return acc_ref[...]
+
+      acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, tile_m), jnp.float32))
+      # out^T [tile_n, tile_m] in registers -> token-major rows in SMEM.
+      o_smem.T[...] = acc.astype(o_smem.dtype)
+
+    @pl.when(expert < 0)  # rows past sum(group_sizes)
+    def _():
+      o_smem[...] = jnp.zeros(o_smem.shape, o_smem.dtype)
+
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[ti, pl.ds(ni * tile_n, tile_n)])
+    _store_rows(o_smem, o_gmem, offset, window + offset, pl.ds(ni * tile_n, tile_n), rows,
+                max_rows=tile_m)
+    # The next item rewrites o_smem: its copies must have read it.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    return carry
+
+  lax.fori_loop(0, trips, item, None)
 
 
 @functools.partial(jax.jit,
@@ -383,6 +447,9 @@ def int4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
 
   The kernel backends round x to bf16 (W4A16) and zero-pad K to a multiple of
   128 and N to a multiple of 64 (a weight copy; real model shapes need none).
+  They run a persistent grid over the tiles in use only: each expert's rows
+  are cut into tiles of their own, and each tile writes its rows of the output
+  in place (docs/int4_matmul.md).
 
   Args:
     x: [M, K] activations (bf16; f32 is rounded to bf16 by the kernels),
@@ -392,7 +459,8 @@ def int4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
     group_sizes: [E] int32, rows per expert; sum(group_sizes) <= M.
     group_size: 32, 64 or 128 (quantisation group along K).
     backend: "pallas", "interpret" or "xla"; None picks by platform.
-    block_sizes: tiles (k_splits is ignored); None uses the tuned default.
+    block_sizes: tiles (k_splits is ignored); None uses the tuned default,
+      whose tile_m follows the mean rows per expert.
 
   Returns:
     [M, N] in x's dtype.
@@ -411,38 +479,42 @@ def int4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
   out_dtype, n_out = x.dtype, n
   x, packed, scales = _kernel_operands(x, packed, scales, group_size)
   k, n = x.shape[1], packed.shape[-1]
-  bs = (block_sizes or BlockSizes.get_default(m, n, k, grouped=True)).fit(
+  bs = (block_sizes or BlockSizes.get_default(m, n, k, grouped=True, experts=e)).fit(
       m, n, k)
   tile_n, tile_m, tile_k = bs.tile_n, bs.tile_m, bs.tile_k
-  m_tiles = -(-m // tile_m)
-  m_pad = m_tiles * tile_m
-  # Each expert boundary inside a token block adds at most one tile.
-  num_tiles = m_tiles + e - 1
+  num_tiles = grouped_tile_bound(m, e, tile_m)
   meta = _grouped_schedule(group_sizes, m, tile_m, num_tiles)
-  x_even, x_odd = _split_even_odd(x, m_pad)
+  x_even, x_odd = _split_even_odd(x, m + tile_m)
   k_steps = k // tile_k
+  n_tiles = n // tile_n
+  num_ctas = min(n_tiles * num_tiles, bs.max_ctas or grouped_ctas(bs, group_size))
   kernel = functools.partial(
       _int4_grouped_matmul_kernel, group_size=group_size, tile_n=tile_n,
       tile_m=tile_m, tile_k=tile_k, k_steps=k_steps,
-      max_concurrent_steps=min(bs.max_concurrent_steps, k_steps))
+      max_concurrent_steps=min(bs.max_concurrent_steps, k_steps),
+      n_tiles=n_tiles, num_ctas=num_ctas)
   tkh = tile_k // 2
-  slabs = plgpu.kernel(
+  out = plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct((num_tiles, n, tile_m), x.dtype),
-      grid=(n // tile_n, num_tiles),
-      grid_names=("n", "t"),
+      out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
+      grid=(num_ctas,),
+      grid_names=("c",),
       kernel_name="int4_grouped_matmul",
       scratch_types=[
           plgpu.SMEM((tkh, tile_n), jnp.bfloat16),
           plgpu.SMEM((tkh, tile_n), jnp.bfloat16),
-          plgpu.SMEM((tile_n, tile_m), x.dtype),
+          plgpu.SMEM((tile_m, tile_n), x.dtype),
       ],
       compiler_params=_compiler_params(),
       interpret=_interpret_params(backend),
   )(meta, x_even, x_odd, packed, scales)
-  out_t = _sum_block_slabs(slabs, meta[1], m_tiles)
-  out = out_t.transpose(0, 2, 1).reshape(m_pad, n)  # [Mp, Np]
-  return out[:m, :n_out].astype(out_dtype)
+  return out[:, :n_out].astype(out_dtype)
+
+
+def grouped_ctas(bs: BlockSizes, group_size: int) -> int:
+  """The persistent grid that fills the device: SMs x CTAs per SM by shared memory."""
+  per_sm = max(1, H200_SMEM_BYTES // bs.smem_bytes(group_size=group_size, grouped=True))
+  return device.num_sms() * per_sm
 
 
 int4_matmul_reference = reference.int4_matmul_reference
