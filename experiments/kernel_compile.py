@@ -266,8 +266,12 @@ def kernel_key(case, impl: str, block_sizes) -> tuple:
     else:
       key.update(head_dim=d["head_dim"], kv_heads=d["kv_heads"])
       head_programs = d["kv_heads"]
-    key["unit_axes"] = _unit_axes(batch=d["batch"], heads=head_programs,
-                                  splits=block_sizes.num_splits)
+    if case.kernel == "paged_mla_decode" and impl == "mgpu":
+      # Grid (head blocks, pieces): the balanced schedule has no batch or split axis.
+      key["unit_axes"] = _unit_axes(heads=head_programs)
+    else:
+      key["unit_axes"] = _unit_axes(batch=d["batch"], heads=head_programs,
+                                    splits=block_sizes.num_splits)
   elif case.kernel in ("int4_matmul", "int4_grouped_matmul"):
     grouped = case.kernel == "int4_grouped_matmul"
     steps = d["k"] // block_sizes.tile_k // (1 if grouped else block_sizes.k_splits)

@@ -24,6 +24,8 @@ from pallas_kernels.paged_attention import paged_gqa_decode
 from pallas_kernels.paged_attention import paged_gqa_decode_reference
 from pallas_kernels.paged_attention import paged_mla_decode
 from pallas_kernels.paged_attention import paged_mla_decode_reference
+from pallas_kernels.paged_attention import mla_mgpu
+from pallas_kernels.paged_attention import reference
 
 FP8 = jnp.float8_e4m3fn
 # Relative-norm tolerances (docs/testing.md): fp8 vs an f32 reference 5e-2; a
@@ -220,18 +222,19 @@ class PagedMlaDecodeMgpuTest(parameterized.TestCase):
     if not self.INTERPRET and not ON_GPU:
       self.skipTest("compiled Pallas kernels need a GPU")
 
-  # ("fp8", "one", 3): two of the three splits are empty.
+  # The kernel runs a balanced schedule of pieces (mla_mgpu.schedule_pieces)
+  # and ignores num_splits; "ragged" gives the long request several pieces.
   @parameterized.parameters(
-      ("bf16", "ragged", 1), ("fp8", "boundary", 2), ("fp8", "one", 3))
-  def test_matches_reference(self, kv_dtype, length_kind, num_splits):
+      ("bf16", "ragged"), ("fp8", "boundary"), ("fp8", "one"))
+  def test_matches_reference(self, kv_dtype, length_kind):
     s = self.SHAPE
     lengths = _lengths(length_kind, s["batch"], s["page_size"], s["max_pages"])
-    args = make_mla(_seed("mgpu", kv_dtype, length_kind, num_splits),
+    args = make_mla(_seed("mgpu", kv_dtype, length_kind),
                     batch=s["batch"], heads=s["heads"], c=s["c"], r=s["r"],
                     page_size=s["page_size"], max_pages=s["max_pages"],
                     lengths=lengths, kv_dtype=kv_dtype)
     scale = 1.0 / math.sqrt(s["c"] + s["r"])
-    bs = BlockSizes(num_splits=num_splits, impl="mgpu")
+    bs = BlockSizes(impl="mgpu")
     out = paged_mla_decode(*args, scale=scale,
                            backend="interpret" if self.INTERPRET else "pallas",
                            block_sizes=bs)
@@ -255,7 +258,71 @@ class PagedMlaDecodeMgpuInterpretTest(PagedMlaDecodeMgpuTest):
   # 20 heads pad to one 64-head block; 3 pages of 64 tokens. C = 256: each
   # warpgroup's 128 columns take two 64-column passes when a page is masked or
   # dequantised (bf16: two 64-wide tiles; fp8: two halves of one 128-wide tile).
-  SHAPE = dict(heads=20, c=256, r=64, page_size=64, max_pages=3, batch=2)
+  # Three requests: "ragged" is 3 pages (two pieces), 42 tokens and an empty
+  # one (an empty piece), on a grid of 12 pieces of which 9 are unused.
+  SHAPE = dict(heads=20, c=256, r=64, page_size=64, max_pages=3, batch=3)
+
+
+class MlaPieceScheduleTest(parameterized.TestCase):
+  """mla_mgpu's balanced schedule and the merge of its pieces (plain jnp)."""
+
+  @parameterized.parameters((1, 128, 132), (1, 2048, 132), (64, 2048, 132), (3, 5, 132),
+                            (200, 64, 132), (8, 40, 16), (4, 1, 132))
+  def test_pieces_cover_each_request_once_and_balance(self, batch, max_pages, sms):
+    rng = np.random.default_rng(batch * 7 + max_pages)
+    g = mla_mgpu.num_pieces(batch, max_pages, sms)
+    for trial in range(10):
+      pages = rng.integers(0, max_pages + 1, batch)
+      if trial == 0:
+        pages[:] = 0
+      if trial == 1:
+        pages[:] = max_pages
+      if trial == 2:
+        pages[:] = 0
+        pages[0] = max_pages  # one long request among empty ones
+      lengths = np.maximum(pages * 64 - rng.integers(0, 64, batch), 0)
+      pages = -(-lengths // 64)
+      req, first, steps = np.asarray(mla_mgpu.schedule_pieces(
+          jnp.asarray(lengths, jnp.int32), page_size=64, max_pages=max_pages, pieces=g))
+      used = req >= 0
+      self.assertTrue((np.diff(req[used]) >= 0).all())  # ordered by request
+      self.assertTrue((req[~used] == -1).all() and (steps[~used] == 0).all())
+      q = steps.max()
+      for b in range(batch):
+        mine = req == b
+        self.assertGreaterEqual(mine.sum(), 1, "every request has a piece")
+        covered = np.concatenate([np.arange(f, f + s) for f, s in
+                                  zip(first[mine], steps[mine])] or [[]])
+        np.testing.assert_array_equal(covered, np.arange(pages[b]))
+      self.assertLessEqual(used.sum(), g)
+      if pages.sum() and q > mla_mgpu.MIN_PAGES_PER_PIECE:
+        # Pieces of one size q (a request's last one shorter), q the smallest that fits.
+        self.assertTrue(all(steps[req == b].max() == q for b in range(batch)
+                            if pages[b] >= q))
+        self.assertGreater(sum(max(1, -(-p // (q - 1))) for p in pages), g)
+      if trial == 2 and max_pages >= 2 * sms:
+        self.assertGreaterEqual(used.sum(), sms // 2, "one long request fills the grid")
+
+  def test_combine_pieces_matches_one_softmax(self):
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(7, 4)) * 3  # [T, H]: 7 tokens, 4 heads
+    v = rng.normal(size=(7, 4, 5))  # [T, H, D]
+    want = np.einsum("TH,THD->HD", np.exp(logits) / np.exp(logits).sum(0), v)
+    cuts = [(0, 3), (3, 5), (5, 7)]  # request 0 in three pieces, request 1 empty
+    o, lse = [], []
+    for a, z in cuts:
+      p = np.exp(logits[a:z])
+      o.append(np.einsum("TH,THD->HD", p / p.sum(0), v[a:z]))
+      lse.append(np.log(p.sum(0)))
+    o.append(np.zeros((4, 5)))  # the empty request's empty piece
+    lse.append(np.full(4, -1e30))
+    o.append(np.full((4, 5), 7.0))  # an unused piece: ignored
+    lse.append(np.zeros(4))
+    out = reference.combine_pieces(jnp.asarray(np.stack(o), jnp.float32),
+                                   jnp.asarray(np.stack(lse), jnp.float32),
+                                   jnp.asarray([0, 0, 0, 1, -1], jnp.int32), 2)
+    np.testing.assert_allclose(np.asarray(out[0]), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(out[1]), 0)
 
 
 class PagedGqaDecodeTest(parameterized.TestCase):

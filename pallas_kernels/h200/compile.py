@@ -44,7 +44,7 @@ _PTXAS_RE = re.compile(
     r"Function properties for (\S+)\n\s+(\d+) bytes stack frame, (\d+) bytes spill stores, "
     r"(\d+) bytes spill loads\nptxas info\s+: Used (\d+) registers")
 # XLA's own fusions and copies, which are not Pallas kernels.
-_XLA_KERNEL_RE = re.compile(r"(loop|input|wrapped|fusion|copy|transpose|concatenate|reduce)_?")
+_XLA_KERNEL_RE = re.compile(r"(loop|input|wrapped|fusion|gemm_fusion|copy|transpose|concatenate|reduce)_?")
 
 
 class H200CompileUnavailable(RuntimeError):

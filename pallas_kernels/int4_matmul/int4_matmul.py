@@ -70,6 +70,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device
 from pallas_kernels import dispatch
+from pallas_kernels import schedule
 from pallas_kernels.int4_matmul import reference
 from pallas_kernels.int4_matmul.block_sizes import BlockSizes
 from pallas_kernels.int4_matmul.block_sizes import H200_SMEM_BYTES
@@ -277,18 +278,6 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *,
   return out_t.sum(axis=0)[:n_out, :m].T.astype(out_dtype)
 
 
-def _prefix_sum(x):
-  """Inclusive prefix sum of a short [E] vector as one masked [E, E] reduction.
-
-  E is the experts on one device (tens), so this is one small fusion; XLA's GPU
-  cumsum (a reduce-window) and searchsorted (a while loop) add several kernels
-  per MoE layer and seconds of compile time.
-  """
-  i = lax.broadcasted_iota(jnp.int32, (x.shape[0], x.shape[0]), 0)
-  j = lax.broadcasted_iota(jnp.int32, (x.shape[0], x.shape[0]), 1)
-  return jnp.sum(jnp.where(j <= i, x[None, :], 0), axis=1, dtype=x.dtype)
-
-
 # Token rows per SMEM tile of x: a tile's first row must be a provable multiple of
 # this for Mosaic GPU to lower its TMA (layout inference fails otherwise).
 _ROW_ALIGN = 8
@@ -313,14 +302,14 @@ def _grouped_schedule(group_sizes, m, tile_m, num_tiles):
   """
   gs = group_sizes.astype(jnp.int32)
   e = gs.shape[0]
-  ends = jnp.minimum(_prefix_sum(gs), m)  # rows past M are never computed
-  starts = jnp.minimum(_prefix_sum(gs) - gs, m)
+  ends = jnp.minimum(schedule.prefix_sum(gs), m)  # rows past M are never computed
+  starts = jnp.minimum(schedule.prefix_sum(gs) - gs, m)
   total = ends[-1]
   starts = jnp.concatenate([starts, total[None]])  # [E + 1]: the zero rows last
   ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
   windows = starts // _ROW_ALIGN * _ROW_ALIGN
   n_tiles = jnp.where(ends > starts, -(-(ends - windows) // tile_m), 0)  # [E + 1]
-  tile_ends = _prefix_sum(n_tiles)
+  tile_ends = schedule.prefix_sum(n_tiles)
   used = tile_ends[-1]
   t = jnp.arange(num_tiles, dtype=jnp.int32)
   # The tile's segment: how many segments' tiles end at or before it.

@@ -1,6 +1,11 @@
 """Paged MLA decode on Pallas Mosaic GPU (Hopper): TMA page gathers + wgmma.
 
-One CTA per (64-head block, split, request) with two compute warpgroups.
+One CTA per (64-head block, piece) with two compute warpgroups. A piece is a
+run of one request's pages from a balanced schedule (``schedule_pieces``,
+computed on the device from the lengths): every request's pages are cut into
+pieces of the same size, sized so that all of them fit one grid of about the
+SMs, so a single long request fills the machine and a ragged batch spreads
+its work evenly instead of by a static per-request split.
 Both warpgroups compute the same [64, page] logits (QK over the full
 576-wide key), and each owns half of the 512 output columns for PV: a
 [64, 512] f32 accumulator would need 256 registers per thread in one
@@ -30,9 +35,9 @@ stay live beside the accumulator and spill. The loop body therefore
 addresses every buffer through an index that is 0 but opaque to LLVM (an
 optimization barrier), so descriptors are computed next to their wgmma.
 
-Outputs per split: o [B, S, Hp, C] f32 already divided by the split's
-softmax sum, and lse [B, S, Hp] f32 (a very negative number for an empty
-split); combine_lse merges them.
+Outputs per piece: o [G, Hp, C] f32 already divided by the piece's softmax
+sum, and lse [G, Hp] f32 (a very negative number for an empty piece);
+reference.combine_pieces merges each request's pieces.
 """
 
 import math
@@ -43,12 +48,73 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import schedule
+
 FP8 = jnp.float8_e4m3fn
 BLOCK_H = 64  # wgmma M per warpgroup
 NEG = -1e30  # finite "minus infinity" for empty splits and masked logits
 _LOG2E = math.log2(math.e)
 _OUT_CHUNK = 32  # columns per f32 output TMA tile (keeps the smem scratch small)
 _STAGE_CHUNK = 64  # columns per register pass when masking/dequantising a page
+# Fewest pages a piece gets when there is work to spare: each piece also loads
+# the query and writes a [64, C] f32 partial, and with one page nothing is
+# prefetched while a page is computed.
+MIN_PAGES_PER_PIECE = 2
+
+
+def num_pieces(batch: int, max_pages: int, num_sms: int) -> int:
+  """The grid's pieces per head block: the SMs (one wave: the kernel's shared
+  memory allows one CTA per SM), more than the requests, and never more than
+  batch * max_pages + 1 (a schedule uses at most one piece per page, or one
+  per request)."""
+  return max(batch + 1, min(num_sms, batch * max_pages + 1))
+
+
+def schedule_pieces(lengths, *, page_size, max_pages, pieces):
+  """Cuts every request's pages into pieces of one size that fill ``pieces`` CTAs.
+
+  The piece size q is the smallest (at least MIN_PAGES_PER_PIECE) for which the
+  pieces fit: request b takes max(1, ceil(pages_b / q)) pieces (a request with
+  no tokens gets one empty piece, whose output is zero), and their sum must be
+  at most ``pieces``. q = max_pages always fits (one piece per request, and
+  pieces > B), and the count only falls as q grows, so a bisection over
+  [ceil(T / pieces), max_pages] (T the pages in all) finds it in
+  log2(max_pages) + 1 rounds of a [B] sum. The longest piece then bounds the
+  step's critical path: 1,024 pages for 64 requests of 2,048 pages over 132
+  pieces, against 2,048 / 2 for any split of each request in two. Pieces are
+  ordered by request. A few small XLA fusions: no sort, search or scatter.
+
+  Args:
+    lengths: [B] int32 tokens per request.
+    page_size, max_pages: the page size and the block table's width.
+    pieces: the grid's pieces (``num_pieces``), > B.
+
+  Returns:
+    [3, pieces] int32 rows: request (-1: unused), first page (an index into the
+    request's block-table row), pages.
+  """
+  b = lengths.shape[0]
+  pages = jnp.clip(-(-lengths.astype(jnp.int32) // page_size), 0, max_pages)  # [B]
+
+  def count(q):
+    return jnp.sum(jnp.maximum(1, -(-pages // q)))
+
+  lo = jnp.maximum(MIN_PAGES_PER_PIECE, -(-jnp.sum(pages) // pieces)).astype(jnp.int32)
+  hi = jnp.maximum(lo, max_pages).astype(jnp.int32)  # fits: count(hi) == B < pieces
+  for _ in range(max(1, max_pages).bit_length() + 1):
+    mid = (lo + hi) // 2
+    fits = count(mid) <= pieces
+    lo, hi = jnp.where(fits, lo, mid + 1), jnp.where(fits, mid, hi)
+  q = hi
+  n = jnp.maximum(1, -(-pages // q))  # [B] pieces per request
+  ends = schedule.prefix_sum(n)
+  p = jnp.arange(pieces, dtype=jnp.int32)
+  req = jnp.minimum(jnp.sum(ends[None, :] <= p[:, None], axis=1, dtype=jnp.int32), b - 1)
+  first = (p - (ends[req] - n[req])) * q
+  steps = jnp.clip(pages[req] - first, 0, q)
+  used = p < ends[-1]
+  return jnp.stack([jnp.where(used, req, -1), jnp.where(used, first, 0),
+                    jnp.where(used, steps, 0)]).astype(jnp.int32)
 
 
 def _transforms(cols, dtype):
@@ -64,9 +130,9 @@ def _smem(shape, dtype):
 
 
 def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
-                    k_rope_scale, block_tables, lengths, *, scale,
-                    pages_per_split, num_splits, interpret=False):
-  """Split-K paged MLA decode partials on Mosaic GPU.
+                    k_rope_scale, block_tables, lengths, pieces, *, scale,
+                    interpret=False):
+  """Paged MLA decode partials over a balanced schedule of pieces, on Mosaic GPU.
 
   Args:
     q_latent: [B, Hp, C] query in the compute dtype (bf16 for an fp8 cache,
@@ -74,20 +140,21 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
     q_rope: [B, Hp, R] same dtype.
     latent, k_rope: [N, ps, C], [N, ps, R] pages (bf16/f16 or fp8 e4m3).
     latent_scale, k_rope_scale: [N, ps] f32 or None.
-    block_tables: [B, num_splits * pages_per_split] int32.
+    block_tables: [B, P] int32.
     lengths: [B] int32.
+    pieces: [3, G] int32 from ``schedule_pieces`` (G CTAs per head block).
     scale: softmax scale.
-    pages_per_split, num_splits: split-K partition.
     interpret: False, or a plgpu.InterpretGPUParams.
 
   Returns:
-    (o [B, S, Hp, C] f32 normalised per split, lse [B, S, Hp] f32).
+    (o [G, Hp, C] f32 normalised per piece, lse [G, Hp] f32).
 
   Raises:
     ValueError: on an unsupported shape or dtype combination.
   """
   b, hp, c = q_latent.shape
   n, ps, r = k_rope.shape
+  num_g = pieces.shape[1]
   fp8 = latent.dtype == FP8
   cdt = q_latent.dtype
   half = c // 2
@@ -105,17 +172,17 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
   p_in_smem = bool(interpret)
 
   def kernel(ql_ref, qr_ref, lat_ref, rope_ref, ls_ref, rs_ref, bt_ref, len_ref,
-             o_ref, lse_ref, scratch):
+             pc_ref, o_ref, lse_ref, scratch):
     (ql_smem, qr_smem, lat_st, rope_st, ls_st, rs_st, lat16, rope16, p_smem,
      o_smem, lse_smem, q_bar, tma_bar, conv_bar, free_bar, done_bar) = scratch
     hb = lax.axis_index("h")
-    split = lax.axis_index("s")
-    bi = lax.axis_index("b")
+    piece = lax.axis_index("s")
     wg = lax.axis_index("wg")
+    # An unused piece (request -1) runs no step and writes an empty partial.
+    bi = jnp.maximum(pc_ref[0, piece], 0)
+    start = pc_ref[1, piece]
+    steps = pc_ref[2, piece]
     length = len_ref[bi]
-    num_pages = lax.div(length + (ps - 1), ps)
-    start = split * pages_per_split
-    steps = jnp.maximum(jnp.minimum(start + pages_per_split, num_pages) - start, 0)
     heads = pl.ds(hb * BLOCK_H, BLOCK_H)
     cols = pl.ds(wg * half, half)
 
@@ -268,13 +335,13 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(
           o_smem.at[wg],
-          o_ref.at[bi, split, heads, pl.ds(wg * half + j * _OUT_CHUNK, _OUT_CHUNK)])
+          o_ref.at[piece, heads, pl.ds(wg * half + j * _OUT_CHUNK, _OUT_CHUNK)])
       plgpu.wait_smem_to_gmem(0)
     @pl.when(wg == 0)
     def _():
       lse_smem[...] = jnp.where(nonempty, m_i + jnp.log(jnp.where(nonempty, l_i, 1.0)), NEG)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, split, heads])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[piece, heads])
       plgpu.wait_smem_to_gmem(0)
 
   def entry(*refs):
@@ -304,18 +371,18 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
     pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, *barriers,
                   collective_axes="wg")
 
-  out_type = (jax.ShapeDtypeStruct((b, num_splits, hp, c), jnp.float32),
-              jax.ShapeDtypeStruct((b, num_splits, hp), jnp.float32))
+  out_type = (jax.ShapeDtypeStruct((num_g, hp, c), jnp.float32),
+              jax.ShapeDtypeStruct((num_g, hp), jnp.float32))
   kwargs = dict(interpret=interpret) if interpret else {}
   return plgpu.kernel(
       entry,
       out_type=out_type,
-      grid=(hp // BLOCK_H, num_splits, b),
-      grid_names=("h", "s", "b"),
+      grid=(hp // BLOCK_H, num_g),
+      grid_names=("h", "s"),
       num_threads=2,
       thread_name="wg",
       kernel_name="paged_mla_decode_mgpu",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **kwargs,
   )(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
-    block_tables, lengths)
+    block_tables, lengths, pieces)

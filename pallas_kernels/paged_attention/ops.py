@@ -8,6 +8,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import device
 from pallas_kernels import dispatch
 from pallas_kernels.paged_attention import gqa_mgpu
 from pallas_kernels.paged_attention import mla_mgpu
@@ -165,8 +166,10 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
   * latent_t over the first lengths[b] tokens of request b, with token t at
   page block_tables[b, t // page_size], slot t % page_size. Softmax in f32.
   On Mosaic GPU (mla_mgpu.py) where the shape allows, else on Triton
-  (triton_kernels.py). The kernel splits each request's pages into ``block_sizes.num_splits``
-  partitions (split-K) and merges their partial (max, sum, acc) afterwards.
+  (triton_kernels.py). The Triton kernel splits each request's pages into
+  ``block_sizes.num_splits`` partitions (split-K); the Mosaic GPU kernel cuts
+  them into pieces of one size balanced over about the SMs (mla_mgpu.py, which
+  ignores num_splits). Both merge their partial (max, sum, acc) afterwards.
 
   Args:
     q_latent: [B, H, C] absorbed query (bf16 or f32).
@@ -201,7 +204,7 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
   if impl == "mgpu":
     return _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
                      k_rope_scale, block_tables, lengths, scale=scale,
-                     num_splits=bs.num_splits, interpret=backend == "interpret")
+                     interpret=backend == "interpret")
   ppb = bs.pages_per_block
   splits = bs.num_splits
   block_tables = _pad_tables(block_tables.astype(jnp.int32), splits * ppb)
@@ -359,8 +362,8 @@ def _mla_split_k_call(kernel, name, q_latent, q_rope, operands, *, block_h,
 
 
 def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
-              block_tables, lengths, *, scale, num_splits, interpret):
-  """Runs mla_mgpu: pads heads to 64, casts q, merges the splits."""
+              block_tables, lengths, *, scale, interpret):
+  """Runs mla_mgpu: pads heads to 64, casts q, schedules the pieces, merges them."""
   b, h, _ = q_latent.shape
   h_pad = -h % mla_mgpu.BLOCK_H
   # fp8 pages are dequantised to bf16 in the kernel (see mla_mgpu), and wgmma
@@ -368,13 +371,16 @@ def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
   cdt = jnp.bfloat16 if latent.dtype == FP8 else latent.dtype
   ql = jnp.pad(q_latent, ((0, 0), (0, h_pad), (0, 0))).astype(cdt)
   qr = jnp.pad(q_rope, ((0, 0), (0, h_pad), (0, 0))).astype(cdt)
-  bt = _pad_tables(block_tables.astype(jnp.int32), num_splits)
+  bt = block_tables.astype(jnp.int32)
+  lengths = lengths.astype(jnp.int32)
+  pieces = mla_mgpu.schedule_pieces(
+      lengths, page_size=latent.shape[1], max_pages=bt.shape[1],
+      pieces=mla_mgpu.num_pieces(b, bt.shape[1], device.num_sms()))
   o, lse = mla_mgpu.mla_decode_mgpu(
-      ql, qr, latent, k_rope, latent_scale, k_rope_scale, bt,
-      lengths.astype(jnp.int32), scale=float(scale),
-      pages_per_split=bt.shape[1] // num_splits, num_splits=num_splits,
-      interpret=mgpu_interpret_params() if interpret else False)
-  return reference.combine_lse(o, lse)[:, :h].astype(q_latent.dtype)
+      ql, qr, latent, k_rope, latent_scale, k_rope_scale, bt, lengths, pieces,
+      scale=float(scale), interpret=mgpu_interpret_params() if interpret else False)
+  out = reference.combine_pieces(o, lse, pieces[0], b)
+  return out[:, :h].astype(q_latent.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "backend", "block_sizes"))

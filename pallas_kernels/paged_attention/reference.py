@@ -188,3 +188,28 @@ def combine_lse(o, lse):
   w = jnp.exp(lse - jnp.max(lse, axis=1, keepdims=True))  # [B, S, H]
   num = jnp.einsum("BSH,BSHD->BHD", w, o, precision=_HI)
   return num / jnp.sum(w, axis=1)[..., None]
+
+
+def combine_pieces(o, lse, request, batch):
+  """Merges per-piece partials into each request's output (mla_mgpu's schedule).
+
+  A masked product over a one-hot [B, G] map rather than a scatter, so no
+  zero-filled [B, H, D] buffer is built per layer.
+
+  Args:
+    o: [G, H, D] f32 per-piece outputs, each already divided by its own softmax
+      sum (0 for an empty piece).
+    lse: [G, H] f32 per-piece log-sum-exp (a very negative finite number for an
+      empty piece).
+    request: [G] int32 the piece's request, -1 for an unused piece; every
+      request has at least one piece.
+    batch: B.
+
+  Returns:
+    [B, H, D] f32.
+  """
+  mine = request[None, :] == jnp.arange(batch, dtype=request.dtype)[:, None]  # [B, G]
+  lse_b = jnp.where(mine[..., None], lse[None], -jnp.inf)  # [B, G, H]
+  w = jnp.where(mine[..., None], jnp.exp(lse_b - jnp.max(lse_b, axis=1, keepdims=True)), 0.0)
+  num = jnp.einsum("BGH,GHD->BHD", w, o, precision=_HI)
+  return num / jnp.sum(w, axis=1)[..., None]
