@@ -266,7 +266,7 @@ def kernel_key(case, impl: str, block_sizes) -> tuple:
     else:
       key.update(head_dim=d["head_dim"], kv_heads=d["kv_heads"])
       head_programs = d["kv_heads"]
-    if case.kernel == "paged_mla_decode" and impl == "mgpu":
+    if impl == "mgpu":
       # Grid (head blocks, pieces): the balanced schedule has no batch or split axis.
       key["unit_axes"] = _unit_axes(heads=head_programs)
     else:

@@ -1,4 +1,9 @@
-"""Small device-side helpers for the kernels' work schedules (computed by XLA before a launch)."""
+"""Device-side work schedules of the kernels, computed by XLA before a launch.
+
+``prefix_sum`` serves the INT4 grouped kernel's tiles and the attention
+kernels' pieces; ``schedule_pieces`` balances paged decode attention over the
+SMs (mla_mgpu, gqa_mgpu; docs/paged_attention.md).
+"""
 
 import jax
 from jax import lax
@@ -18,3 +23,70 @@ def prefix_sum(x: jax.Array) -> jax.Array:
   i = lax.broadcasted_iota(jnp.int32, (x.shape[0], x.shape[0]), 0)
   j = lax.broadcasted_iota(jnp.int32, (x.shape[0], x.shape[0]), 1)
   return jnp.sum(jnp.where(j <= i, x[None, :], 0), axis=1, dtype=jnp.int32)
+
+
+# Fewest pages a piece gets when there is work to spare: each piece also loads
+# the query and writes a [64, C] f32 partial, and with one page nothing is
+# prefetched while a page is computed.
+MIN_PAGES_PER_PIECE = 2
+
+
+def num_pieces(batch: int, max_pages: int, slots: int) -> int:
+  """The grid's pieces per head block: ``slots`` CTAs (one wave: the SMs times
+  the CTAs per SM, over the head blocks), more than the requests, and never
+  more than batch * max_pages + 1 (a schedule uses at most one piece per page,
+  or one per request).
+
+  Args:
+    batch: requests.
+    max_pages: the block table's width, in the schedule's units.
+    slots: CTAs of one wave that this head block may take.
+  """
+  return max(batch + 1, min(slots, batch * max_pages + 1))
+
+
+def schedule_pieces(lengths, *, page_size, max_pages, pieces):
+  """Cuts every request's pages into pieces of one size that fill ``pieces`` CTAs.
+
+  The piece size q is the smallest (at least MIN_PAGES_PER_PIECE) for which the
+  pieces fit: request b takes max(1, ceil(pages_b / q)) pieces (a request with
+  no tokens gets one empty piece, whose output is zero), and their sum must be
+  at most ``pieces``. q = max_pages always fits (one piece per request, and
+  pieces > B), and the count only falls as q grows, so a bisection over
+  [ceil(T / pieces), max_pages] (T the pages in all) finds it in
+  log2(max_pages) + 1 rounds of a [B] sum. The longest piece then bounds the
+  step's critical path: 1,024 pages for 64 requests of 2,048 pages over 132
+  pieces, against 2,048 / 2 for any split of each request in two. Pieces are
+  ordered by request. A few small XLA fusions: no sort, search or scatter.
+
+  Args:
+    lengths: [B] int32 tokens per request.
+    page_size, max_pages: the page size and the block table's width.
+    pieces: the grid's pieces (``num_pieces``), > B.
+
+  Returns:
+    [3, pieces] int32 rows: request (-1: unused), first page (an index into the
+    request's block-table row), pages.
+  """
+  b = lengths.shape[0]
+  pages = jnp.clip(-(-lengths.astype(jnp.int32) // page_size), 0, max_pages)  # [B]
+
+  def count(q):
+    return jnp.sum(jnp.maximum(1, -(-pages // q)))
+
+  lo = jnp.maximum(MIN_PAGES_PER_PIECE, -(-jnp.sum(pages) // pieces)).astype(jnp.int32)
+  hi = jnp.maximum(lo, max_pages).astype(jnp.int32)  # fits: count(hi) == B < pieces
+  for _ in range(max(1, max_pages).bit_length() + 1):
+    mid = (lo + hi) // 2
+    fits = count(mid) <= pieces
+    lo, hi = jnp.where(fits, lo, mid + 1), jnp.where(fits, mid, hi)
+  q = hi
+  n = jnp.maximum(1, -(-pages // q))  # [B] pieces per request
+  ends = prefix_sum(n)
+  p = jnp.arange(pieces, dtype=jnp.int32)
+  req = jnp.minimum(jnp.sum(ends[None, :] <= p[:, None], axis=1, dtype=jnp.int32), b - 1)
+  first = (p - (ends[req] - n[req])) * q
+  steps = jnp.clip(pages[req] - first, 0, q)
+  used = p < ends[-1]
+  return jnp.stack([jnp.where(used, req, -1), jnp.where(used, first, 0),
+                    jnp.where(used, steps, 0)]).astype(jnp.int32)

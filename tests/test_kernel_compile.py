@@ -45,9 +45,12 @@ class PlanTest(absltest.TestCase):
     self.assertNotEqual(key[("mla/dp/bf16/b64/ctx131072", "triton")],
                         key[("mla/dp/bf16/b64/ctx32768", "triton")])
     self.assertTrue(key[("mla/dp/bf16/b64/ctx131072", "triton")]["wide_offsets"])
-    # One request or one split: a grid axis of extent 1.
-    self.assertNotEqual(key[("gqa/g4/bf16/b1/ctx32768", "mgpu")],
-                        key[("gqa/g4/bf16/b64/ctx4096", "mgpu")])
+    # One request or one split: a grid axis of extent 1 (Triton's static splits).
+    self.assertNotEqual(key[("gqa/g4/bf16/b1/ctx32768", "triton")],
+                        key[("gqa/g4/bf16/b64/ctx4096", "triton")])
+    # The Mosaic GPU kernels' balanced grid (head blocks, pieces) has no batch axis.
+    self.assertEqual(key[("gqa/g4/bf16/b1/ctx32768", "mgpu")],
+                     key[("gqa/g4/bf16/b64/ctx4096", "mgpu")])
     # The INT4 pipeline's static step count (K / tile_k / splits).
     self.assertNotEqual(key[("int4/kimi-k2.6/wq_a/m8/g32", "mgpu")]["k_steps"],
                         key[("int4/kimi-k2.6/wo/m8/g32", "mgpu")]["k_steps"])

@@ -24,7 +24,7 @@ from pallas_kernels.paged_attention import paged_gqa_decode
 from pallas_kernels.paged_attention import paged_gqa_decode_reference
 from pallas_kernels.paged_attention import paged_mla_decode
 from pallas_kernels.paged_attention import paged_mla_decode_reference
-from pallas_kernels.paged_attention import mla_mgpu
+from pallas_kernels import schedule
 from pallas_kernels.paged_attention import reference
 
 FP8 = jnp.float8_e4m3fn
@@ -222,7 +222,7 @@ class PagedMlaDecodeMgpuTest(parameterized.TestCase):
     if not self.INTERPRET and not ON_GPU:
       self.skipTest("compiled Pallas kernels need a GPU")
 
-  # The kernel runs a balanced schedule of pieces (mla_mgpu.schedule_pieces)
+  # The kernel runs a balanced schedule of pieces (schedule.schedule_pieces)
   # and ignores num_splits; "ragged" gives the long request several pieces.
   @parameterized.parameters(
       ("bf16", "ragged"), ("fp8", "boundary"), ("fp8", "one"))
@@ -263,14 +263,14 @@ class PagedMlaDecodeMgpuInterpretTest(PagedMlaDecodeMgpuTest):
   SHAPE = dict(heads=20, c=256, r=64, page_size=64, max_pages=3, batch=3)
 
 
-class MlaPieceScheduleTest(parameterized.TestCase):
-  """mla_mgpu's balanced schedule and the merge of its pieces (plain jnp)."""
+class PieceScheduleTest(parameterized.TestCase):
+  """The attention kernels' balanced schedule and the merge of its pieces (plain jnp)."""
 
   @parameterized.parameters((1, 128, 132), (1, 2048, 132), (64, 2048, 132), (3, 5, 132),
                             (200, 64, 132), (8, 40, 16), (4, 1, 132))
   def test_pieces_cover_each_request_once_and_balance(self, batch, max_pages, sms):
     rng = np.random.default_rng(batch * 7 + max_pages)
-    g = mla_mgpu.num_pieces(batch, max_pages, sms)
+    g = schedule.num_pieces(batch, max_pages, sms)
     for trial in range(10):
       pages = rng.integers(0, max_pages + 1, batch)
       if trial == 0:
@@ -282,7 +282,7 @@ class MlaPieceScheduleTest(parameterized.TestCase):
         pages[0] = max_pages  # one long request among empty ones
       lengths = np.maximum(pages * 64 - rng.integers(0, 64, batch), 0)
       pages = -(-lengths // 64)
-      req, first, steps = np.asarray(mla_mgpu.schedule_pieces(
+      req, first, steps = np.asarray(schedule.schedule_pieces(
           jnp.asarray(lengths, jnp.int32), page_size=64, max_pages=max_pages, pieces=g))
       used = req >= 0
       self.assertTrue((np.diff(req[used]) >= 0).all())  # ordered by request
@@ -295,7 +295,7 @@ class MlaPieceScheduleTest(parameterized.TestCase):
                                   zip(first[mine], steps[mine])] or [[]])
         np.testing.assert_array_equal(covered, np.arange(pages[b]))
       self.assertLessEqual(used.sum(), g)
-      if pages.sum() and q > mla_mgpu.MIN_PAGES_PER_PIECE:
+      if pages.sum() and q > schedule.MIN_PAGES_PER_PIECE:
         # Pieces of one size q (a request's last one shorter), q the smallest that fits.
         self.assertTrue(all(steps[req == b].max() == q for b in range(batch)
                             if pages[b] >= q))
@@ -374,18 +374,19 @@ class PagedGqaDecodeMgpuTest(parameterized.TestCase):
     if not self.INTERPRET and not ON_GPU:
       self.skipTest("compiled Pallas kernels need a GPU")
 
-  @parameterized.parameters(("bf16", "one", 1, 1), ("fp8", "ragged", 2, 16))
-  def test_matches_reference(self, kv_dtype, length_kind, num_splits, group):
+  # The kernel runs the balanced schedule of pieces and ignores num_splits.
+  @parameterized.parameters(("bf16", "one", 1), ("fp8", "ragged", 16))
+  def test_matches_reference(self, kv_dtype, length_kind, group):
     s = self.SHAPE
     lengths = _lengths(length_kind, s["batch"], s["page_size"], s["max_pages"])
-    args = make_gqa(_seed("mgpu", kv_dtype, length_kind, num_splits, group),
+    args = make_gqa(_seed("mgpu", kv_dtype, length_kind, group),
                     batch=s["batch"], heads=s["kv_heads"] * group,
                     kv_heads=s["kv_heads"], hd=s["hd"], page_size=s["page_size"],
                     max_pages=s["max_pages"], lengths=lengths, kv_dtype=kv_dtype)
     scale = 1.0 / math.sqrt(s["hd"])
     out = paged_gqa_decode(*args, scale=scale,
                            backend="interpret" if self.INTERPRET else "pallas",
-                           block_sizes=BlockSizes(num_splits=num_splits, impl="mgpu"))
+                           block_sizes=BlockSizes(impl="mgpu"))
     ref = paged_gqa_decode_reference(*args, scale=scale)
     self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
     self.assertLessEqual(_rel_err(out, ref), TOL[kv_dtype])
@@ -395,7 +396,9 @@ class PagedGqaDecodeMgpuTest(parameterized.TestCase):
 
 class PagedGqaDecodeMgpuInterpretTest(PagedGqaDecodeMgpuTest):
   INTERPRET = True
-  SHAPE = dict(kv_heads=8, hd=64, page_size=16, max_pages=8, batch=2)
+  # 12 pages of 16 tokens = 3 of the kernel's 64-token blocks: "ragged" gives
+  # the first request two pieces (2 blocks, then 1).
+  SHAPE = dict(kv_heads=8, hd=64, page_size=16, max_pages=12, batch=2)
 
 
 class ReferenceTest(parameterized.TestCase):

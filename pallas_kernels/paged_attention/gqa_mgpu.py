@@ -1,6 +1,8 @@
 """Paged GQA decode on Pallas Mosaic GPU (Hopper): TMA page gathers + wgmma.
 
-One CTA (one warpgroup) per (KV head, split, request). The query group of
+One CTA (one warpgroup) per (KV head, piece), a piece being a run of one
+request's 64-token blocks from the same balanced schedule as mla_mgpu
+(``schedule.schedule_pieces``, in blocks). The query group of
 that KV head (1..16 heads) is padded to wgmma's M = 64 rows: decode GQA is
 bandwidth-bound (~64 flop/byte even padded, under the H200's ~180), so the
 idle MMA rows cost no time, and K/V are read once per group.
@@ -18,8 +20,8 @@ minor) cannot be TMA'd into. Rows past the length are zeroed in the same
 pass (bf16: in place, on the partial block only), so garbage, even NaN,
 never reaches the output.
 
-Outputs per split: o [B, S, KV, 64, hd] f32 normalised by the split's
-softmax sum, lse [B, S, KV, 64] f32; combine_lse merges them.
+Outputs per piece: o [G, KV, 64, hd] f32 normalised by the piece's softmax
+sum, lse [G, KV, 64] f32; reference.combine_pieces merges each request's.
 """
 
 import math
@@ -45,49 +47,50 @@ def _transforms(cols, dtype):
           plgpu.SwizzleTransform(swizzle))
 
 
-def gqa_decode_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, *, scale,
-                    pages_per_split, num_splits, interpret=False):
-  """Split-K paged GQA decode partials on Mosaic GPU.
+def gqa_decode_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, pieces, *,
+                    scale, interpret=False):
+  """Paged GQA decode partials over a balanced schedule of pieces, on Mosaic GPU.
 
   Args:
     q: [B, KV, 64, hd] query groups padded to 64 rows, in the compute dtype
       (f16 for an fp8 cache, else the cache dtype).
     k, v: [N, ps, KV, hd] pages (bf16/f16 or fp8 e4m3); 64 % ps == 0.
     k_scale, v_scale: [N, ps, KV] f32 or None; KV % 8 == 0 when given.
-    block_tables: [B, num_splits * pages_per_split] int32, pages_per_split a
-      multiple of 64 // ps.
+    block_tables: [B, P] int32, P a multiple of 64 // ps.
     lengths: [B] int32.
+    pieces: [3, G] int32 from ``schedule.schedule_pieces`` in units of 64-token
+      blocks (request, first block, blocks).
     scale: softmax scale.
-    pages_per_split, num_splits: split-K partition.
     interpret: False, or a plgpu.InterpretGPUParams.
 
   Returns:
-    (o [B, S, KV, 64, hd] f32 normalised per split, lse [B, S, KV, 64] f32).
+    (o [G, KV, 64, hd] f32 normalised per piece, lse [G, KV, 64] f32).
   """
   b, nkv, bh, hd = q.shape
   n, ps, _, _ = k.shape
   fp8 = k.dtype == FP8
   cdt = q.dtype
   ppb = BLOCK_K // ps
-  if bh != BLOCK_H or hd % 64 or BLOCK_K % ps or pages_per_split % ppb:
+  num_g = pieces.shape[1]
+  if bh != BLOCK_H or hd % 64 or BLOCK_K % ps or block_tables.shape[1] % ppb:
     raise ValueError(f"unsupported shape: q {q.shape}, page_size {ps}, "
-                     f"pages_per_split {pages_per_split}")
+                     f"block table width {block_tables.shape[1]}")
   if fp8 and (cdt != jnp.float16 or nkv % 8):
     raise ValueError("an fp8 cache needs an f16 query and KV % 8 == 0")
   p_in_smem = bool(interpret)
 
-  def kernel(q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref, len_ref, o_ref,
+  def kernel(q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref, len_ref, pc_ref, o_ref,
              lse_ref, scratch):
     (q_smem, k_st, v_st, ks_st, vs_st, k16, v16, p_smem, o_smem, lse_smem,
      q_bar, tma_bar) = scratch
     kvh = lax.axis_index("kv")
-    split = lax.axis_index("s")
-    bi = lax.axis_index("b")
+    piece = lax.axis_index("s")
+    # An unused piece (request -1) runs no step and writes an empty partial.
+    bi = jnp.maximum(pc_ref[0, piece], 0)
+    start = pc_ref[1, piece] * ppb  # in pages
+    steps = pc_ref[2, piece]  # in blocks of ppb pages
     length = len_ref[bi]
     num_pages = lax.div(length + (ps - 1), ps)
-    start = split * pages_per_split
-    used = jnp.maximum(jnp.minimum(start + pages_per_split, num_pages) - start, 0)
-    steps = lax.div(used + (ppb - 1), ppb)
 
     def issue(step):
       for j in range(ppb):
@@ -191,11 +194,11 @@ def gqa_decode_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, *, scale,
       o_smem[...] = acc[:, j * _OUT_CHUNK:(j + 1) * _OUT_CHUNK]
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(
-          o_smem, o_ref.at[bi, split, kvh, :, pl.ds(j * _OUT_CHUNK, _OUT_CHUNK)])
+          o_smem, o_ref.at[piece, kvh, :, pl.ds(j * _OUT_CHUNK, _OUT_CHUNK)])
       plgpu.wait_smem_to_gmem(0)
     lse_smem[...] = jnp.where(nonempty, m_i + jnp.log(jnp.where(nonempty, l_i, 1.0)), NEG)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, split, kvh])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[piece, kvh])
     plgpu.wait_smem_to_gmem(0)
 
   def entry(*refs):
@@ -220,15 +223,15 @@ def gqa_decode_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, *, scale,
     ]
     pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, *barriers)
 
-  out_type = (jax.ShapeDtypeStruct((b, num_splits, nkv, BLOCK_H, hd), jnp.float32),
-              jax.ShapeDtypeStruct((b, num_splits, nkv, BLOCK_H), jnp.float32))
+  out_type = (jax.ShapeDtypeStruct((num_g, nkv, BLOCK_H, hd), jnp.float32),
+              jax.ShapeDtypeStruct((num_g, nkv, BLOCK_H), jnp.float32))
   kwargs = dict(interpret=interpret) if interpret else {}
   return plgpu.kernel(
       entry,
       out_type=out_type,
-      grid=(nkv, num_splits, b),
-      grid_names=("kv", "s", "b"),
+      grid=(nkv, num_g),
+      grid_names=("kv", "s"),
       kernel_name="paged_gqa_decode_mgpu",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **kwargs,
-  )(q, k, v, k_scale, v_scale, block_tables, lengths)
+  )(q, k, v, k_scale, v_scale, block_tables, lengths, pieces)

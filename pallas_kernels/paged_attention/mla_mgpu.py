@@ -1,7 +1,7 @@
 """Paged MLA decode on Pallas Mosaic GPU (Hopper): TMA page gathers + wgmma.
 
 One CTA per (64-head block, piece) with two compute warpgroups. A piece is a
-run of one request's pages from a balanced schedule (``schedule_pieces``,
+run of one request's pages from a balanced schedule (``schedule.schedule_pieces``,
 computed on the device from the lengths): every request's pages are cut into
 pieces of the same size, sized so that all of them fit one grid of about the
 SMs, so a single long request fills the machine and a ragged batch spreads
@@ -48,75 +48,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import schedule
-
 FP8 = jnp.float8_e4m3fn
 BLOCK_H = 64  # wgmma M per warpgroup
 NEG = -1e30  # finite "minus infinity" for empty splits and masked logits
 _LOG2E = math.log2(math.e)
 _OUT_CHUNK = 32  # columns per f32 output TMA tile (keeps the smem scratch small)
 _STAGE_CHUNK = 64  # columns per register pass when masking/dequantising a page
-# Fewest pages a piece gets when there is work to spare: each piece also loads
-# the query and writes a [64, C] f32 partial, and with one page nothing is
-# prefetched while a page is computed.
-MIN_PAGES_PER_PIECE = 2
-
-
-def num_pieces(batch: int, max_pages: int, num_sms: int) -> int:
-  """The grid's pieces per head block: the SMs (one wave: the kernel's shared
-  memory allows one CTA per SM), more than the requests, and never more than
-  batch * max_pages + 1 (a schedule uses at most one piece per page, or one
-  per request)."""
-  return max(batch + 1, min(num_sms, batch * max_pages + 1))
-
-
-def schedule_pieces(lengths, *, page_size, max_pages, pieces):
-  """Cuts every request's pages into pieces of one size that fill ``pieces`` CTAs.
-
-  The piece size q is the smallest (at least MIN_PAGES_PER_PIECE) for which the
-  pieces fit: request b takes max(1, ceil(pages_b / q)) pieces (a request with
-  no tokens gets one empty piece, whose output is zero), and their sum must be
-  at most ``pieces``. q = max_pages always fits (one piece per request, and
-  pieces > B), and the count only falls as q grows, so a bisection over
-  [ceil(T / pieces), max_pages] (T the pages in all) finds it in
-  log2(max_pages) + 1 rounds of a [B] sum. The longest piece then bounds the
-  step's critical path: 1,024 pages for 64 requests of 2,048 pages over 132
-  pieces, against 2,048 / 2 for any split of each request in two. Pieces are
-  ordered by request. A few small XLA fusions: no sort, search or scatter.
-
-  Args:
-    lengths: [B] int32 tokens per request.
-    page_size, max_pages: the page size and the block table's width.
-    pieces: the grid's pieces (``num_pieces``), > B.
-
-  Returns:
-    [3, pieces] int32 rows: request (-1: unused), first page (an index into the
-    request's block-table row), pages.
-  """
-  b = lengths.shape[0]
-  pages = jnp.clip(-(-lengths.astype(jnp.int32) // page_size), 0, max_pages)  # [B]
-
-  def count(q):
-    return jnp.sum(jnp.maximum(1, -(-pages // q)))
-
-  lo = jnp.maximum(MIN_PAGES_PER_PIECE, -(-jnp.sum(pages) // pieces)).astype(jnp.int32)
-  hi = jnp.maximum(lo, max_pages).astype(jnp.int32)  # fits: count(hi) == B < pieces
-  for _ in range(max(1, max_pages).bit_length() + 1):
-    mid = (lo + hi) // 2
-    fits = count(mid) <= pieces
-    lo, hi = jnp.where(fits, lo, mid + 1), jnp.where(fits, mid, hi)
-  q = hi
-  n = jnp.maximum(1, -(-pages // q))  # [B] pieces per request
-  ends = schedule.prefix_sum(n)
-  p = jnp.arange(pieces, dtype=jnp.int32)
-  req = jnp.minimum(jnp.sum(ends[None, :] <= p[:, None], axis=1, dtype=jnp.int32), b - 1)
-  first = (p - (ends[req] - n[req])) * q
-  steps = jnp.clip(pages[req] - first, 0, q)
-  used = p < ends[-1]
-  return jnp.stack([jnp.where(used, req, -1), jnp.where(used, first, 0),
-                    jnp.where(used, steps, 0)]).astype(jnp.int32)
-
-
 def _transforms(cols, dtype):
   bits = jnp.dtype(dtype).itemsize * 8
   swizzle = plgpu.find_swizzle(cols * bits, "rhs")
@@ -142,7 +79,7 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
     latent_scale, k_rope_scale: [N, ps] f32 or None.
     block_tables: [B, P] int32.
     lengths: [B] int32.
-    pieces: [3, G] int32 from ``schedule_pieces`` (G CTAs per head block).
+    pieces: [3, G] int32 from ``schedule.schedule_pieces`` (G CTAs per head block).
     scale: softmax scale.
     interpret: False, or a plgpu.InterpretGPUParams.
 

@@ -10,6 +10,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import device
 from pallas_kernels import dispatch
+from pallas_kernels import schedule
 from pallas_kernels.paged_attention import gqa_mgpu
 from pallas_kernels.paged_attention import mla_mgpu
 from pallas_kernels.paged_attention import reference
@@ -373,9 +374,11 @@ def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
   qr = jnp.pad(q_rope, ((0, 0), (0, h_pad), (0, 0))).astype(cdt)
   bt = block_tables.astype(jnp.int32)
   lengths = lengths.astype(jnp.int32)
-  pieces = mla_mgpu.schedule_pieces(
+  # One CTA per SM (the kernel's shared memory), shared by the head blocks.
+  slots = max(1, device.num_sms() // (ql.shape[1] // mla_mgpu.BLOCK_H))
+  pieces = schedule.schedule_pieces(
       lengths, page_size=latent.shape[1], max_pages=bt.shape[1],
-      pieces=mla_mgpu.num_pieces(b, bt.shape[1], device.num_sms()))
+      pieces=schedule.num_pieces(b, bt.shape[1], slots))
   o, lse = mla_mgpu.mla_decode_mgpu(
       ql, qr, latent, k_rope, latent_scale, k_rope_scale, bt, lengths, pieces,
       scale=float(scale), interpret=mgpu_interpret_params() if interpret else False)
@@ -433,8 +436,7 @@ def paged_gqa_decode(q, k, v, k_scale, v_scale, block_tables, lengths, *,
   bs, impl = gqa_kernel_choice(q, k, block_tables, block_sizes)
   if impl == "mgpu":
     return _gqa_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths,
-                     scale=scale, num_splits=bs.num_splits,
-                     interpret=backend == "interpret")
+                     scale=scale, interpret=backend == "interpret")
   # One program covers a whole group: pad the group up to block_h (>= 16,
   # the minimum dot M); the padded rows are computed and dropped.
   bh = max(bs.block_h, 1 << (g - 1).bit_length())
@@ -482,8 +484,9 @@ def paged_gqa_decode(q, k, v, k_scale, v_scale, block_tables, lengths, *,
 
 
 def _gqa_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, *, scale,
-              num_splits, interpret):
-  """Runs gqa_mgpu: pads each group to 64 rows, casts q, merges the splits."""
+              interpret):
+  """Runs gqa_mgpu: pads each group to 64 rows, casts q, schedules the pieces
+  (in blocks of 64 tokens, the kernel's step), merges them."""
   b, h, hd = q.shape
   ps, kv = k.shape[1], k.shape[2]
   g = h // kv
@@ -491,14 +494,19 @@ def _gqa_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, *, scale,
   qg = q.reshape(b, kv, g, hd).astype(cdt)
   qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gqa_mgpu.BLOCK_H - g), (0, 0)))
   ppb = gqa_mgpu.BLOCK_K // ps
-  bt = _pad_tables(block_tables.astype(jnp.int32), num_splits * ppb)
+  bt = _pad_tables(block_tables.astype(jnp.int32), ppb)
+  lengths = lengths.astype(jnp.int32)
+  # 60-81 KB of shared memory: two CTAs per SM, shared by the KV heads.
+  slots = max(1, 2 * device.num_sms() // kv)
+  blocks = bt.shape[1] // ppb
+  pieces = schedule.schedule_pieces(lengths, page_size=gqa_mgpu.BLOCK_K, max_pages=blocks,
+                                    pieces=schedule.num_pieces(b, blocks, slots))
   o, lse = gqa_mgpu.gqa_decode_mgpu(
-      qg, k, v, k_scale, v_scale, bt, lengths.astype(jnp.int32),
-      scale=float(scale), pages_per_split=bt.shape[1] // num_splits,
-      num_splits=num_splits,
+      qg, k, v, k_scale, v_scale, bt, lengths, pieces, scale=float(scale),
       interpret=mgpu_interpret_params() if interpret else False)
   bh = gqa_mgpu.BLOCK_H
-  out = reference.combine_lse(o.reshape(b, num_splits, kv * bh, hd),
-                              lse.reshape(b, num_splits, kv * bh))
+  g_pieces = pieces.shape[1]
+  out = reference.combine_pieces(o.reshape(g_pieces, kv * bh, hd),
+                                 lse.reshape(g_pieces, kv * bh), pieces[0], b)
   out = out.reshape(b, kv, bh, hd)[:, :, :g].reshape(b, h, hd)
   return out.astype(q.dtype)
