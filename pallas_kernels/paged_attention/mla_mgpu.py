@@ -6,10 +6,12 @@ computed on the device from the lengths): every request's pages are cut into
 pieces of the same size, sized so that all of them fit one grid of about the
 SMs, so a single long request fills the machine and a ragged batch spreads
 its work evenly instead of by a static per-request split.
-Both warpgroups compute the same [64, page] logits (QK over the full
-576-wide key), and each owns half of the 512 output columns for PV: a
-[64, 512] f32 accumulator would need 256 registers per thread in one
-warpgroup, above Hopper's 255. The schedule and the register budget are
+Each warpgroup computes the logits of half the page's tokens
+([64, page/2], QK over the full 576-wide key), so no MMA work is duplicated;
+the halves meet in an f32 shared-memory tile, both warpgroups read the whole
+[64, page] logits back and run the same online softmax, and each owns half of
+the 512 output columns for PV: a [64, 512] f32 accumulator would need 256
+registers per thread in one warpgroup, above Hopper's 255. The schedule and the register budget are
 described in docs/paged_attention.md.
 
 Page gather: each loop step reads the page id with a scalar GMEM load from
@@ -107,11 +109,13 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
     raise ValueError(f"query {cdt} and cache {latent.dtype} dtypes differ")
   # Register operands for P are fine on hardware; the interpreter needs SMEM.
   p_in_smem = bool(interpret)
+  half_ps = ps // 2  # tokens per warpgroup in QK
 
   def kernel(ql_ref, qr_ref, lat_ref, rope_ref, ls_ref, rs_ref, bt_ref, len_ref,
              pc_ref, o_ref, lse_ref, scratch):
     (ql_smem, qr_smem, lat_st, rope_st, ls_st, rs_st, lat16, rope16, p_smem,
-     o_smem, lse_smem, q_bar, tma_bar, conv_bar, free_bar, done_bar) = scratch
+     s_smem, o_smem, lse_smem, q_bar, tma_bar, conv_bar, free_bar, done_bar,
+     s_bar) = scratch
     hb = lax.axis_index("h")
     piece = lax.axis_index("s")
     wg = lax.axis_index("wg")
@@ -122,6 +126,7 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
     length = len_ref[bi]
     heads = pl.ds(hb * BLOCK_H, BLOCK_H)
     cols = pl.ds(wg * half, half)
+    tok = pl.ds(pl.multiple_of(wg * half_ps, half_ps), half_ps)
 
     def issue(step):
       # Only used pages are read (steps stops at them); clamp so a corrupt
@@ -208,14 +213,21 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
           plgpu.barrier_arrive(conv_bar)
           plgpu.barrier_wait(conv_bar)
 
+      # QK for this warpgroup's half of the page's tokens only, so no MMA
+      # work is duplicated; the halves meet in shared memory (f32, untiled)
+      # and both warpgroups read the page's whole [64, ps] logits back.
       def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_lat, k_lat.transpose((1, 0)))
-        plgpu.wgmma(acc_ref, q_rp, k_rope.transpose((1, 0)))
+        plgpu.wgmma(acc_ref, q_lat, k_lat.at[tok].transpose((1, 0)))
+        plgpu.wgmma(acc_ref, q_rp, k_rope.at[tok].transpose((1, 0)))
         return acc_ref[...]
-      logits = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, ps), jnp.float32))
+      half_logits = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, half_ps), jnp.float32))
       if fp8:
         plgpu.barrier_arrive(done_bar)
-      logits = logits * scale
+      s_smem[:, tok] = half_logits
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(s_bar)
+      plgpu.barrier_wait(s_bar)
+      logits = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA, optimized=False) * scale
       kpos = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, ps), 1, layout=plgpu.Layout.WGMMA)
       valid = kpos < valid_tokens
       logits = jnp.where(valid, logits, NEG)
@@ -294,6 +306,7 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
         _smem((ps, r), cdt) if fp8 else None,
         (plgpu.SMEM((2, BLOCK_H, ps), cdt, transforms=_transforms(ps, cdt))
          if p_in_smem else None),
+        plgpu.SMEM((BLOCK_H, ps), jnp.float32),  # the page's logits, half per WG
         plgpu.SMEM((2, BLOCK_H, _OUT_CHUNK), jnp.float32),
         plgpu.SMEM((BLOCK_H,), jnp.float32),
     ]
@@ -304,6 +317,7 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
         plgpu.Barrier(num_arrivals=2),  # page converted/masked by both WGs
         plgpu.Barrier(num_arrivals=2),  # staging buffer free
         plgpu.Barrier(num_arrivals=2),  # both WGs done reading lat16
+        plgpu.Barrier(num_arrivals=2),  # both halves of the logits written
     ]
     pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, *barriers,
                   collective_axes="wg")
