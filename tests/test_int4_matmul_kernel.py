@@ -94,6 +94,10 @@ _DENSE_INTERPRET_CASES = _sampled(
                       ("bf16", "f32"),
                       ((64, 8, 128, 1), (128, 8, 128, 2), (64, 16, 256, 1))),
     count=4, seed=6)
+# Dequantisation overlapped with the wgmmas (BlockSizes.overlap_dequant): K 512
+# in 128-row steps, so both scratch slots are used twice, 2 and 3 deep.
+_DENSE_INTERPRET_CASES += [(13, 512, 64, 64, "bf16", (64, 8, 128, 1, 2, 0, True)),
+                           (5, 512, 128, 32, "f32", (64, 8, 128, 1, 3, 0, True))]
 _DENSE_GPU_CASES = list(itertools.product(
     (1, 16, 100, 256), (2048, 7168), (2048, 7168), (32, 64, 128), ("bf16",),
     (None,)))
@@ -198,8 +202,9 @@ class Int4GroupedMatmulInterpretTest(Int4GroupedMatmulTest):
   # tiles on three persistent CTAs, so each CTA walks several work items.
   SHAPES = [(13, 128, 64, 4, 32, (64, 8, 128)),
             (19, 256, 64, 5, 128, (64, 8, 128)),
-            (21, 128, 128, 6, 64, (64, 16, 128, 1, 2, 3))]
-  GROUPINGS = (("empty_experts", "short"), ("one_expert_all",), ("ragged",))
+            (21, 128, 128, 6, 64, (64, 16, 128, 1, 2, 3)),
+            (21, 384, 64, 6, 64, (64, 8, 128, 1, 2, 2, True))]  # overlapped dequant
+  GROUPINGS = (("empty_experts", "short"), ("one_expert_all",), ("ragged",), ("ragged",))
 
   def test_matches_reference(self):
     self._matches_reference()

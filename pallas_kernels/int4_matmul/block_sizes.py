@@ -34,6 +34,11 @@ class BlockSizes:
     max_concurrent_steps: pipeline depth (TMA buffers in flight).
     max_ctas: grouped only; the persistent grid's CTAs, 0 for as many as fit
       the device at once (SMs x CTAs per SM by shared memory).
+    overlap_dequant: dequantise step i+1 while step i's wgmmas run (two
+      dequantisation slots, x buffers released a step late; needs at least
+      two K steps and max_concurrent_steps >= 2, else it is ignored). Off in
+      the tuned table until timed on a GPU: it doubles the dequantisation
+      scratch, which can halve the CTAs per SM.
   """
 
   tile_n: int = 128
@@ -42,6 +47,7 @@ class BlockSizes:
   k_splits: int = 1
   max_concurrent_steps: int = 2
   max_ctas: int = 0
+  overlap_dequant: bool = False
 
   def __post_init__(self):
     if self.tile_n % 64 or self.tile_n <= 0:
@@ -68,7 +74,7 @@ class BlockSizes:
     per_step = (2 * self.tile_m * tkh * 2  # x even/odd, bf16
                 + tkh * self.tile_n  # packed uint8
                 + self.tile_k // group_size * self.tile_n * scale_bytes)
-    dequant = 2 * tkh * self.tile_n * 2  # bf16 wgmma operands
+    dequant = 2 * tkh * self.tile_n * 2 * (2 if self.overlap_dequant else 1)  # bf16 operands
     out = self.tile_n * self.tile_m * (2 if grouped else 4)
     return self.max_concurrent_steps * per_step + dequant + out
 

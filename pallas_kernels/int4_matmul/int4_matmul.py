@@ -119,30 +119,76 @@ def _dequant_tile(p_smem, s_smem, wlo_smem, whi_smem, *, tile_n, tile_k,
     whi_smem[rows, :] = (hi.astype(jnp.float32) * scale).astype(whi_smem.dtype)
 
 
-def _mma_step(xe_smem, xo_smem, p_smem, s_smem, wlo_smem, whi_smem, acc_ref, *,
-              tile_n, tile_k, group_size):
-  # The previous step's wgmmas read the scratches; they completed at its
-  # wgmma_wait, so overwriting them here is safe.
+def _mma_step(step, xe_smem, xo_smem, p_smem, s_smem, wlo_smem, whi_smem, acc_ref, *,
+              tile_n, tile_k, group_size, overlap):
+  """One K step: dequantise the packed tile into the scratch, then its two wgmmas.
+
+  Without overlap the step waits for its wgmmas, so the next step may reuse
+  the scratch. With overlap the scratch has two slots, used in turn, and the
+  step leaves its wgmmas running while the next one dequantises into the
+  other slot: wgmma_wait(1) at the end of step i retires step i-1's, the last
+  reader of the slot step i+1 writes (the x buffers are released a step late,
+  BlockSpec.delay_release, for the same reason).
+  """
+  if overlap:
+    slot = lax.rem(step, 2)
+    wlo_smem, whi_smem = wlo_smem.at[slot], whi_smem.at[slot]
   _dequant_tile(p_smem, s_smem, wlo_smem, whi_smem, tile_n=tile_n,
                 tile_k=tile_k, group_size=group_size)
   plgpu.commit_smem()  # make generic-proxy SMEM stores visible to wgmma
   plgpu.wgmma(acc_ref, wlo_smem.T, xe_smem.T)  # [tn, tk/2] @ [tk/2, tm]
   plgpu.wgmma(acc_ref, whi_smem.T, xo_smem.T)
-  plgpu.wgmma_wait(0)
+  plgpu.wgmma_wait(1 if overlap else 0)
+
+
+def _k_pipeline(acc_ref, xe, xo, packed, scales, wlo_smem, whi_smem, *, in_specs,
+                k_steps, max_concurrent_steps, tile_n, tile_k, group_size, overlap):
+  """Accumulates one output tile over k_steps K steps into acc_ref (both kernels)."""
+  step = functools.partial(_mma_step, tile_n=tile_n, tile_k=tile_k,
+                           group_size=group_size, overlap=overlap)
+  plgpu.emit_pipeline(
+      lambda idx, xe_s, xo_s, p_s, s_s: step(idx[0], xe_s, xo_s, p_s, s_s, wlo_smem,
+                                             whi_smem, acc_ref),
+      grid=(k_steps,),
+      in_specs=in_specs,
+      max_concurrent_steps=max_concurrent_steps,
+  )(xe, xo, packed, scales)
+  if overlap:
+    plgpu.wgmma_wait(0)
+
+
+def _overlap(bs: BlockSizes, k_steps: int) -> bool:
+  """Whether the kernel overlaps dequantisation with the wgmmas: asked for, and
+  at least two K steps in a pipeline at least two deep."""
+  return bs.overlap_dequant and min(bs.max_concurrent_steps, k_steps) >= 2
+
+
+def _scratch(bs: BlockSizes, out_shape, out_dtype, overlap: bool):
+  """SMEM scratch of both kernels: the dequantised even/odd K rows (two slots
+  each with overlap), then the output tile."""
+  tkh = bs.tile_k // 2
+  slots = (2,) if overlap else ()
+  return [plgpu.SMEM((*slots, tkh, bs.tile_n), jnp.bfloat16),
+          plgpu.SMEM((*slots, tkh, bs.tile_n), jnp.bfloat16),
+          plgpu.SMEM(out_shape, out_dtype)]
 
 
 def _in_specs(tile_m, tile_n, tile_k, ng, m_block, n_block, k_offset, *,
-              first_row=None):
+              first_row=None, overlap=False):
   """x even/odd, packed and scales specs; x rows from block m_block, or from
   row first_row when given (a multiple of _ROW_ALIGN: the grouped kernel's
-  windows start near their expert's rows)."""
+  windows start near their expert's rows). With overlap the x buffers are
+  released a step late (a step's wgmmas still read them during the next)."""
   tkh = tile_k // 2
+  delay = 1 if overlap else 0
   if first_row is not None:
     # x is padded by tile_m rows, so the box never leaves it (no zero fill).
     x_spec = plgpu.BlockSpec((pl.Element(tile_m), tkh), lambda kk: (first_row, kk),
-                             oob_fill_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+                             oob_fill_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
+                             delay_release=delay)
   else:
-    x_spec = plgpu.BlockSpec((tile_m, tkh), lambda kk: (m_block, kk + k_offset))
+    x_spec = plgpu.BlockSpec((tile_m, tkh), lambda kk: (m_block, kk + k_offset),
+                             delay_release=delay)
   return [
       x_spec,
       x_spec,
@@ -153,7 +199,7 @@ def _in_specs(tile_m, tile_n, tile_k, ng, m_block, n_block, k_offset, *,
 
 def _int4_matmul_kernel(xe_gmem, xo_gmem, p_gmem, s_gmem, o_gmem,
                         wlo_smem, whi_smem, o_smem, *, group_size, tile_n,
-                        tile_m, tile_k, k_steps, max_concurrent_steps):
+                        tile_m, tile_k, k_steps, max_concurrent_steps, overlap):
   """Dense kernel body: one CTA computes o[split, n tile, m tile] (f32).
 
   xe/xo_gmem: [Mp, K/2] bf16 even/odd columns of x; p_gmem: [K/2, N] uint8;
@@ -165,14 +211,11 @@ def _int4_matmul_kernel(xe_gmem, xo_gmem, p_gmem, s_gmem, o_gmem,
   ng = tile_k // group_size
 
   def acc_scope(acc_ref):
-    step = functools.partial(_mma_step, tile_n=tile_n, tile_k=tile_k,
-                             group_size=group_size)
-    plgpu.emit_pipeline(
-        lambda _, xe, xo, p, s: step(xe, xo, p, s, wlo_smem, whi_smem, acc_ref),
-        grid=(k_steps,),
-        in_specs=_in_specs(tile_m, tile_n, tile_k, ng, mi, ni, si * k_steps),
-        max_concurrent_steps=max_concurrent_steps,
-    )(xe_gmem, xo_gmem, p_gmem, s_gmem)
+    _k_pipeline(acc_ref, xe_gmem, xo_gmem, p_gmem, s_gmem, wlo_smem, whi_smem,
+                in_specs=_in_specs(tile_m, tile_n, tile_k, ng, mi, ni, si * k_steps,
+                                   overlap=overlap),
+                k_steps=k_steps, max_concurrent_steps=max_concurrent_steps,
+                tile_n=tile_n, tile_k=tile_k, group_size=group_size, overlap=overlap)
     return acc_ref[...]
 
   acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, tile_m), jnp.float32))
@@ -258,19 +301,15 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *,
   kernel = functools.partial(
       _int4_matmul_kernel, group_size=group_size, tile_n=tile_n, tile_m=tile_m,
       tile_k=tile_k, k_steps=k_steps,
-      max_concurrent_steps=min(bs.max_concurrent_steps, k_steps))
-  tkh = tile_k // 2
+      max_concurrent_steps=min(bs.max_concurrent_steps, k_steps),
+      overlap=_overlap(bs, k_steps))
   out_t = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((bs.k_splits, n, m_pad), jnp.float32),
       grid=(n // tile_n, m_pad // tile_m, bs.k_splits),
       grid_names=("n", "m", "k"),
       kernel_name="int4_matmul",
-      scratch_types=[
-          plgpu.SMEM((tkh, tile_n), jnp.bfloat16),
-          plgpu.SMEM((tkh, tile_n), jnp.bfloat16),
-          plgpu.SMEM((tile_n, tile_m), jnp.float32),
-      ],
+      scratch_types=_scratch(bs, (tile_n, tile_m), jnp.float32, _overlap(bs, k_steps)),
       compiler_params=_compiler_params(),
       interpret=_interpret_params(backend),
   )(x_even, x_odd, packed, scales)
@@ -362,7 +401,7 @@ def _store_rows(o_smem, o_gmem, src_first, dst_first, cols, rows, *, max_rows):
 def _int4_grouped_matmul_kernel(meta_gmem, xe_gmem, xo_gmem, p_gmem, s_gmem,
                                 o_gmem, wlo_smem, whi_smem, o_smem, *,
                                 group_size, tile_n, tile_m, tile_k, k_steps,
-                                max_concurrent_steps, n_tiles, num_ctas):
+                                max_concurrent_steps, n_tiles, num_ctas, overlap):
   """Grouped kernel body: a persistent CTA walks (tile, n tile) work items.
 
   meta_gmem: [5, T] int32 from _grouped_schedule; xe/xo_gmem: [M + tile_m, K/2]
@@ -392,17 +431,13 @@ def _int4_grouped_matmul_kernel(meta_gmem, xe_gmem, xo_gmem, p_gmem, s_gmem,
     @pl.when(expert >= 0)
     def _():
       def acc_scope(acc_ref):
-        step = functools.partial(_mma_step, tile_n=tile_n, tile_k=tile_k,
-                                 group_size=group_size)
-        plgpu.emit_pipeline(
-            lambda _, xe, xo, p, s: step(xe, xo, p, s, wlo_smem, whi_smem,
-                                         acc_ref),
-            grid=(k_steps,),
-            in_specs=_in_specs(tile_m, tile_n, tile_k, ng, None, ni, 0,
-                               first_row=window),
-            max_concurrent_steps=max_concurrent_steps,
-        )(xe_gmem, xo_gmem,
-          p_gmem.at[expert], s_gmem.at[expert])
+        _k_pipeline(acc_ref, xe_gmem, xo_gmem, p_gmem.at[expert], s_gmem.at[expert],
+                    wlo_smem, whi_smem,
+                    in_specs=_in_specs(tile_m, tile_n, tile_k, ng, None, ni, 0,
+                                       first_row=window, overlap=overlap),
+                    k_steps=k_steps, max_concurrent_steps=max_concurrent_steps,
+                    tile_n=tile_n, tile_k=tile_k, group_size=group_size,
+                    overlap=overlap)
         return acc_ref[...]
 
       acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, tile_m), jnp.float32))
@@ -481,19 +516,14 @@ def int4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
       _int4_grouped_matmul_kernel, group_size=group_size, tile_n=tile_n,
       tile_m=tile_m, tile_k=tile_k, k_steps=k_steps,
       max_concurrent_steps=min(bs.max_concurrent_steps, k_steps),
-      n_tiles=n_tiles, num_ctas=num_ctas)
-  tkh = tile_k // 2
+      n_tiles=n_tiles, num_ctas=num_ctas, overlap=_overlap(bs, k_steps))
   out = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
       grid=(num_ctas,),
       grid_names=("c",),
       kernel_name="int4_grouped_matmul",
-      scratch_types=[
-          plgpu.SMEM((tkh, tile_n), jnp.bfloat16),
-          plgpu.SMEM((tkh, tile_n), jnp.bfloat16),
-          plgpu.SMEM((tile_m, tile_n), x.dtype),
-      ],
+      scratch_types=_scratch(bs, (tile_m, tile_n), x.dtype, _overlap(bs, k_steps)),
       compiler_params=_compiler_params(),
       interpret=_interpret_params(backend),
   )(meta, x_even, x_odd, packed, scales)
