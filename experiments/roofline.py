@@ -25,6 +25,8 @@ short of its own roofline).
 
 from __future__ import annotations
 
+import functools
+
 from experiments import kernel_targets as kt
 from pallas_kernels import benchmark as bm
 from pallas_kernels.indexer import bench as indexer_bench
@@ -33,6 +35,7 @@ from pallas_kernels.int4_matmul import bench as int4_bench
 from pallas_kernels.paged_attention import bench as attn_bench
 from pallas_kernels.tag_check import bench as tag_bench
 
+H200 = "NVIDIA H200"  # the device kind the block-size tables are read for
 MLA_BW_TARGET = 0.8  # fraction of the copy bandwidth
 INT4_DENSE_TARGET = 3.0  # x XLA's bf16 dot, M <= 16
 INT4_GROUPED_TARGET = 2.5  # x XLA's bf16 ragged dot, decode rows
@@ -51,6 +54,57 @@ def job_cost(case: kt.KernelCase) -> tuple[int, int]:
   if case.kernel == "topk_positions":
     return topk_bench.job_cost(case.d)
   raise ValueError(f"unknown kernel {case.kernel!r}; known: {kt.KERNELS}")
+
+
+@functools.cache
+def _grouped_expert_tiles(m: int, e: int, tile_m: int) -> int:
+  """Tiles the INT4 grouped kernel's schedule gives the bench's balanced rows."""
+  import jax
+  import numpy as np
+  from pallas_kernels.int4_matmul.int4_matmul import _grouped_schedule, grouped_tile_bound
+  schedule = jax.jit(_grouped_schedule, static_argnums=(1, 2, 3))  # one small program
+  meta = schedule(int4_bench.balanced_group_sizes(m, e), m, tile_m,
+                  grouped_tile_bound(m, e, tile_m))
+  return int(np.sum(np.asarray(meta[0]) >= 0))
+
+
+def design_flops(case: kt.KernelCase) -> int:
+  """MMA FLOPs the engine's kernel executes for ``case`` on an H200, padding included.
+
+  The job's FLOPs (``job_cost``) count only the real rows; the kernels pad them to
+  their MMA tiles, which at decode can make a kernel MMA-bound where the job is not:
+  - MLA decode (Mosaic GPU): query heads padded to 64 per CTA (wgmma's M), QK over
+    latent + rope and PV over the latent for every cached token;
+  - GQA decode (Mosaic GPU): each KV head's group padded to 64 rows;
+  - sparse MLA decode (Triton): heads padded to the program's block_h, over the
+    selected positions;
+  - INT4 dense: tokens padded to tile_m; INT4 grouped: every tile computes tile_m
+    token columns (tiles from the kernel's schedule over the bench's balanced rows);
+  - the others (indexer, top-k, tag check): the job's FLOPs.
+  """
+  d = case.d
+  if case.kernel == "paged_mla_decode":
+    rows = -(-d["heads"] // 64) * 64
+    return d["batch"] * d["context"] * rows * 2 * (2 * d["c"] + d["r"])
+  if case.kernel == "paged_gqa_decode":
+    return d["batch"] * d["context"] * d["kv_heads"] * 64 * 2 * 2 * d["head_dim"]
+  if case.kernel == "paged_mla_sparse_decode":
+    from pallas_kernels.paged_attention.block_sizes import SparseBlockSizes
+    bh = SparseBlockSizes.get_default(num_heads=d["heads"], num_indices=d["topk"],
+                                      batch=d["batch"], device_kind=H200).block_h
+    rows = -(-d["heads"] // bh) * bh
+    return d["batch"] * d["topk"] * rows * 2 * (2 * d["c"] + d["r"])
+  if case.kernel in int4_bench.KERNELS:
+    from pallas_kernels.int4_matmul import BlockSizes
+    m, k, n = d["m"], d["k"], d["n"]
+    grouped = case.kernel == "int4_grouped_matmul"
+    e = d.get("experts", 1)
+    bs = BlockSizes.get_default(m, n, k, grouped=grouped, experts=e,
+                                device_kind=H200).fit(m, n, k)
+    if not grouped:
+      return 2 * (-(-m // bs.tile_m) * bs.tile_m) * k * n
+    return 2 * _grouped_expert_tiles(m, e, bs.tile_m) * bs.tile_m * k * n
+  return job_cost(case)[1]
 
 
 def twin_cost(case: kt.KernelCase) -> tuple[int, int] | None:
@@ -94,8 +148,10 @@ def rows(cases: list[kt.KernelCase] | None = None,
 
   Returns:
     Dicts with kernel, case, model, bytes, flops, intensity (FLOP/B), bound,
-    roofline_s, target, target_s, twin_gain (bf16 twin's roofline / the case's),
-    time_s and roofline_fraction (None where not measured).
+    roofline_s, design_flops (``design_flops``), design_s (max(bytes / copy BW,
+    design FLOPs / MMA peak): the design's predicted time), design_bound, target,
+    target_s, twin_gain (bf16 twin's roofline / the case's), time_s and
+    roofline_fraction (None where not measured).
   """
   cases = kt.target_cases() if cases is None else cases
   measured = measured or {}
@@ -105,6 +161,8 @@ def rows(cases: list[kt.KernelCase] | None = None,
     floor = bm.roofline_s(nbytes, flops)
     twin = twin_cost(c)
     what, allowed = target(c)
+    dflops = design_flops(c)
+    design = bm.roofline_s(nbytes, dflops)
     rec = measured.get(c.name) or {}
     t = rec.get("time_s") if rec.get("status") == "ok" else None
     out.append({
@@ -112,7 +170,10 @@ def rows(cases: list[kt.KernelCase] | None = None,
         "intensity": flops / nbytes,
         "bound": "memory" if nbytes / bm.H200_COPY_BW >= flops / bm.H200_BF16_FLOPS
                  else "compute",
-        "roofline_s": floor, "target": what, "target_s": allowed,
+        "roofline_s": floor, "design_flops": dflops, "design_s": design,
+        "design_bound": "memory" if nbytes / bm.H200_COPY_BW >= dflops / bm.H200_BF16_FLOPS
+                        else "MMA",
+        "target": what, "target_s": allowed,
         "twin_gain": None if twin is None else bm.roofline_s(*twin) / floor,
         "time_s": t, "roofline_fraction": None if t is None else floor / t})
   return out
@@ -133,17 +194,20 @@ def markdown(sheet: list[dict]) -> str:
            f"{len(sheet)} target cases; {measured} measured on a GPU, the rest modelled. "
            f"Roofline = max(bytes / {bm.H200_COPY_BW / 1e12:.1f} TB/s, FLOPs / "
            f"{bm.H200_BF16_FLOPS / 1e12:.0f} TFLOP/s), the measured ceilings. 'target us' is "
-           "the time the case's target allows where it is a bandwidth target; 'bf16 twin x' is "
+           "the time the case's target allows where it is a bandwidth target; 'design us' is "
+           "the same bound over the MMA FLOPs the engine's kernel executes, its tile padding "
+           "included (experiments.roofline.design_flops); 'bf16 twin x' is "
            "the bf16 twin's roofline over this case's (the most the narrower format can gain "
            "when both run at the same efficiency).\n"]
   for kernel in dict.fromkeys(r["kernel"] for r in sheet):
     part = [r for r in sheet if r["kernel"] == kernel]
     lines.append(f"### {kernel}\n")
     lines.append(common.markdown_table(
-        ["case", "model", "MB", "GFLOP", "FLOP/B", "bound", "roofline us", "target",
-         "target us", "bf16 twin x", "measured us", "of roofline"],
+        ["case", "model", "MB", "GFLOP", "FLOP/B", "bound", "roofline us", "design us",
+         "design bound", "target", "target us", "bf16 twin x", "measured us", "of roofline"],
         [[r["case"], r["model"], f"{r['bytes'] / 1e6:,.2f}", f"{r['flops'] / 1e9:,.3f}",
-          f"{r['intensity']:.1f}", r["bound"], _us(r["roofline_s"]), r["target"],
+          f"{r['intensity']:.1f}", r["bound"], _us(r["roofline_s"]), _us(r["design_s"]),
+          r["design_bound"], r["target"],
           _us(r["target_s"]), "-" if r["twin_gain"] is None else f"{r['twin_gain']:.2f}",
           _us(r["time_s"]),
           "-" if r["roofline_fraction"] is None else f"{r['roofline_fraction']:.2f}"]
@@ -176,6 +240,21 @@ def summary_lines(sheet: list[dict]) -> list[str]:
     out.append(f"- paged_mla_decode, fp8: {len(mla)} cases with a bandwidth target, allowing "
                f"{_us(min(r['target_s'] for r in mla))}-{_us(max(r['target_s'] for r in mla))} us "
                "per call.")
+    over = [r for r in mla if r["design_s"] > r["target_s"]]
+    if over:
+      frac = [r["bytes"] / bm.H200_COPY_BW / r["design_s"] for r in over]
+      job_bound = [r for r in over if r["bound"] == "compute"]
+      ridge = bm.H200_BF16_FLOPS / bm.H200_COPY_BW
+      out.append(f"  The Mosaic GPU kernel's design misses it at {len(over)} of them: its MMA "
+                 f"work takes longer than the target allows, so it reaches at most "
+                 f"{min(frac):.0%}-{max(frac):.0%} of the copy bandwidth there. "
+                 + (f"At {len(job_bound)} the job itself is MMA-bound in bf16 "
+                    f"({min(r['intensity'] for r in job_bound):.0f} FLOP per byte against the "
+                    f"H200's {ridge:.0f}): only fp8 MMA (twice the bf16 rate) could meet it. "
+                    if job_bound else "")
+                 + ("The rest are bound by the padding of their heads to wgmma's 64 rows; "
+                    "meeting it there needs fewer padded rows (tokens in wgmma's M)."
+                    if len(job_bound) < len(over) else ""))
   sparse = [r for r in sheet if r["kernel"] == "paged_mla_sparse_decode"]
   if sparse:
     # The dense job at the same shape reads every cached token instead of the selection.

@@ -119,6 +119,28 @@ class SheetTest(absltest.TestCase):
       self.assertIsNone(r["time_s"])
       self.assertIsNone(r["roofline_fraction"])
 
+  def test_design_counts_the_kernels_padding(self):
+    by = {c.name: (c, r) for c, r in zip(self.cases, self.sheet)}
+    for r in self.sheet:
+      self.assertGreaterEqual(r["design_flops"], r["flops"])
+      self.assertGreaterEqual(r["design_s"], r["roofline_s"])
+    # MLA: 8 heads per device run as wgmma's 64 rows; 64 heads need no padding.
+    c, r = by["mla/tp8/fp8/b64/ctx131072"]
+    self.assertEqual(r["design_flops"], 8 * r["flops"])
+    self.assertEqual(r["design_bound"], "MMA")
+    self.assertEqual(r["bound"], "memory")
+    c, r = by["mla/dp/fp8/b64/ctx131072"]
+    self.assertEqual(r["design_flops"], r["flops"])
+    # INT4 dense at one token computes a whole tile_m of token columns.
+    c, r = by["int4/kimi-k2.6/wq_a/m1/g32"]
+    self.assertEqual(r["design_flops"], 8 * r["flops"])  # tile_m: 1 row rounds up to 8
+    # INT4 grouped at one row per expert: one tile of 8 token columns per expert.
+    c, r = by["int4g/kimi-k2.6/up/r1/g32"]
+    self.assertEqual(r["design_flops"], 2 * 48 * 8 * c.d["k"] * c.d["n"])
+    # The sheet says where the fp8 MLA design cannot reach its bandwidth target.
+    text = "\n".join(rf.summary_lines(self.sheet))
+    self.assertIn("design misses it", text)
+
   def test_targets(self):
     for c, r in zip(self.cases, self.sheet):
       d = c.d
