@@ -52,12 +52,11 @@ def schedule_pieces(lengths, *, page_size, max_pages, pieces):
   pieces fit: request b takes max(1, ceil(pages_b / q)) pieces (a request with
   no tokens gets one empty piece, whose output is zero), and their sum must be
   at most ``pieces``. q = max_pages always fits (one piece per request, and
-  pieces > B), and the count only falls as q grows, so a bisection over
-  [ceil(T / pieces), max_pages] (T the pages in all) finds it in
-  log2(max_pages) + 1 rounds of a [B] sum. The longest piece then bounds the
-  step's critical path: 1,024 pages for 64 requests of 2,048 pages over 132
-  pieces, against 2,048 / 2 for any split of each request in two. Pieces are
-  ordered by request. A few small XLA fusions: no sort, search or scatter.
+  pieces > B); every candidate q in [1, max_pages] is counted at once, a
+  [max_pages, B] reduction in one fusion. The longest piece then bounds the
+  step's critical path (64 requests of 2,048 pages over 132 pieces: two pieces
+  of 1,024 pages each). Pieces are ordered by request. A few small XLA fusions:
+  no sort, search or scatter.
 
   Args:
     lengths: [B] int32 tokens per request.
@@ -71,16 +70,13 @@ def schedule_pieces(lengths, *, page_size, max_pages, pieces):
   b = lengths.shape[0]
   pages = jnp.clip(-(-lengths.astype(jnp.int32) // page_size), 0, max_pages)  # [B]
 
-  def count(q):
-    return jnp.sum(jnp.maximum(1, -(-pages // q)))
-
-  lo = jnp.maximum(MIN_PAGES_PER_PIECE, -(-jnp.sum(pages) // pieces)).astype(jnp.int32)
-  hi = jnp.maximum(lo, max_pages).astype(jnp.int32)  # fits: count(hi) == B < pieces
-  for _ in range(max(1, max_pages).bit_length() + 1):
-    mid = (lo + hi) // 2
-    fits = count(mid) <= pieces
-    lo, hi = jnp.where(fits, lo, mid + 1), jnp.where(fits, mid, hi)
-  q = hi
+  # Every candidate size at once ([max_pages, B], one fusion): the piece count
+  # only falls as q grows, so q is the first candidate whose count fits.
+  cand = jnp.arange(1, max(1, max_pages) + 1, dtype=jnp.int32)  # [Q]
+  counts = jnp.sum(jnp.maximum(1, -(-pages[None, :] // cand[:, None])), axis=1)  # [Q]
+  fits = (counts <= pieces) & (cand >= MIN_PAGES_PER_PIECE)
+  # cand = max_pages always fits (one piece per request, and pieces > B).
+  q = jnp.maximum(jnp.min(jnp.where(fits, cand, max(1, max_pages))), MIN_PAGES_PER_PIECE)
   n = jnp.maximum(1, -(-pages // q))  # [B] pieces per request
   ends = prefix_sum(n)
   p = jnp.arange(pieces, dtype=jnp.int32)

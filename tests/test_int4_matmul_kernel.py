@@ -95,9 +95,10 @@ _DENSE_INTERPRET_CASES = _sampled(
                       ((64, 8, 128, 1), (128, 8, 128, 2), (64, 16, 256, 1))),
     count=4, seed=6)
 # Dequantisation overlapped with the wgmmas (BlockSizes.overlap_dequant): K 512
-# in 128-row steps, so both scratch slots are used twice, 2 and 3 deep.
+# in 128-row steps (both scratch slots used twice), and K 256 with a pipeline
+# deeper than its two steps.
 _DENSE_INTERPRET_CASES += [(13, 512, 64, 64, "bf16", (64, 8, 128, 1, 2, 0, True)),
-                           (5, 512, 128, 32, "f32", (64, 8, 128, 1, 3, 0, True))]
+                           (5, 256, 128, 32, "f32", (64, 8, 128, 1, 3, 0, True))]
 _DENSE_GPU_CASES = list(itertools.product(
     (1, 16, 100, 256), (2048, 7168), (2048, 7168), (32, 64, 128), ("bf16",),
     (None,)))
