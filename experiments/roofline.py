@@ -25,8 +25,6 @@ short of its own roofline).
 
 from __future__ import annotations
 
-import functools
-
 from experiments import kernel_targets as kt
 from pallas_kernels import benchmark as bm
 from pallas_kernels.indexer import bench as indexer_bench
@@ -56,16 +54,13 @@ def job_cost(case: kt.KernelCase) -> tuple[int, int]:
   raise ValueError(f"unknown kernel {case.kernel!r}; known: {kt.KERNELS}")
 
 
-@functools.cache
 def _grouped_expert_tiles(m: int, e: int, tile_m: int) -> int:
   """Tiles the INT4 grouped kernel's schedule gives the bench's balanced rows."""
-  import jax
   import numpy as np
-  from pallas_kernels.int4_matmul.int4_matmul import _grouped_schedule, grouped_tile_bound
-  schedule = jax.jit(_grouped_schedule, static_argnums=(1, 2, 3))  # one small program
-  meta = schedule(int4_bench.balanced_group_sizes(m, e), m, tile_m,
-                  grouped_tile_bound(m, e, tile_m))
-  return int(np.sum(np.asarray(meta[0]) >= 0))
+  from pallas_kernels.int4_matmul.int4_matmul import segment_tiles
+  rows = np.asarray(int4_bench.balanced_group_sizes(m, e))
+  ends = np.cumsum(rows)
+  return int(np.sum(segment_tiles(ends - rows, ends, tile_m)))
 
 
 def design_flops(case: kt.KernelCase) -> int:

@@ -347,7 +347,7 @@ def _grouped_schedule(group_sizes, m, tile_m, num_tiles):
   starts = jnp.concatenate([starts, total[None]])  # [E + 1]: the zero rows last
   ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
   windows = starts // _ROW_ALIGN * _ROW_ALIGN
-  n_tiles = jnp.where(ends > starts, -(-(ends - windows) // tile_m), 0)  # [E + 1]
+  n_tiles = segment_tiles(starts, ends, tile_m)  # [E + 1]
   tile_ends = schedule.prefix_sum(n_tiles)
   used = tile_ends[-1]
   t = jnp.arange(num_tiles, dtype=jnp.int32)
@@ -364,6 +364,14 @@ def _grouped_schedule(group_sizes, m, tile_m, num_tiles):
       jnp.where(in_use, rows, 0),
       jnp.broadcast_to(used, (num_tiles,)),
   ]).astype(jnp.int32)
+
+
+def segment_tiles(starts, ends, tile_m: int):
+  """Tiles of each row segment [starts, ends) in ``_grouped_schedule``: windows of
+  tile_m rows from its start rounded down to _ROW_ALIGN (0 for an empty one).
+  Operators only, so numpy arrays work too (the roofline sheet's design model)."""
+  windows = starts // _ROW_ALIGN * _ROW_ALIGN
+  return (ends > starts) * (-(-(ends - windows) // tile_m))
 
 
 def grouped_tile_bound(m: int, e: int, tile_m: int) -> int:
