@@ -77,7 +77,6 @@ READINGS = ("registers", "spill_stores", "spill_loads", "stack", "smem")
 # different heap layouts (191 / 193), or other address constants (+-1). Witnesses
 # of a shared compile must read within this of it.
 REGISTER_NOISE = 4
-_KERNEL_BUILD_XLA_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 # From this many pipeline steps on, the INT4 loop's trip count no longer changes the
 # kernel ptxas builds (a short constant-trip loop is unrolled; a long one is not).
 INT4_LONG_LOOP_STEPS = 8
@@ -383,10 +382,7 @@ def compile_build(build: Build) -> dict:
   fn, specs, kwargs = build.call()
   t0 = time.perf_counter()
   try:
-    # The ops' small XLA epilogues (the attention kernels' merge is a dot) would
-    # otherwise be compiled as Triton GEMM fusions, seconds per build that read
-    # nothing about the Pallas kernel; cuBLAS needs no compile.
-    report = hc.compile_for_h200(fn, *specs, xla_options=_KERNEL_BUILD_XLA_OPTIONS, **kwargs)
+    report = hc.compile_for_h200(fn, *specs, **kwargs)
   except hc.H200CompileUnavailable:
     raise
   except Exception as e:  # a kernel that does not compile is a reading, not a crash

@@ -142,7 +142,7 @@ def _known_mosaic_kernels() -> dict:
 
 
 def compile_for_h200(fn: Callable[..., Any], *args, mesh_=None, ptxas_report: bool = True,
-                     xla_options: dict | None = None, **kwargs) -> CompileReport:
+                     **kwargs) -> CompileReport:
   """Lowers and compiles ``fn(*args, **kwargs)`` for an H200 and reads ptxas' report.
 
   Args:
@@ -152,8 +152,6 @@ def compile_for_h200(fn: Callable[..., Any], *args, mesh_=None, ptxas_report: bo
       GPU kind from it.
     ptxas_report: require XLA's ptxas logging (``env.prepare()``), so that every
       kernel's registers and spills are read; False for memory-only compiles.
-    xla_options: extra XLA debug options for this compile only (e.g.
-      ``{"xla_gpu_enable_triton_gemm": False}``).
     **kwargs: static keyword arguments of ``fn``.
 
   Returns:
@@ -167,10 +165,10 @@ def compile_for_h200(fn: Callable[..., Any], *args, mesh_=None, ptxas_report: bo
     raise H200CompileUnavailable("cannot read ptxas' report here: " + "; ".join(problems))
   m = mesh() if mesh_ is None else mesh_
   with tempfile.TemporaryDirectory(prefix="h200_dump_") as dump:
-    return _compile(fn, args, kwargs, m, dump, xla_options or {})
+    return _compile(fn, args, kwargs, m, dump)
 
 
-def _compile(fn, args, kwargs, m, dump: str, xla_options: dict) -> CompileReport:
+def _compile(fn, args, kwargs, m, dump: str) -> CompileReport:
   known = set(_known_mosaic_kernels())
   log = tempfile.TemporaryFile()
   sys.stderr.flush()
@@ -180,7 +178,7 @@ def _compile(fn, args, kwargs, m, dump: str, xla_options: dict) -> CompileReport
   try:
     with jax.sharding.use_abstract_mesh(m.abstract_mesh):
       lowered = jax.jit(lambda *a: fn(*a, **kwargs)).trace(*args).lower()
-    compiled = lowered.compile({"xla_dump_to": dump, **xla_options})
+    compiled = lowered.compile({"xla_dump_to": dump})
   finally:
     sys.stderr.flush()
     os.dup2(saved, 2)

@@ -341,8 +341,9 @@ def _grouped_schedule(group_sizes, m, tile_m, num_tiles):
   """
   gs = group_sizes.astype(jnp.int32)
   e = gs.shape[0]
-  ends = jnp.minimum(schedule.prefix_sum(gs), m)  # rows past M are never computed
-  starts = jnp.minimum(schedule.prefix_sum(gs) - gs, m)
+  cum = schedule.prefix_sum(gs)
+  ends = jnp.minimum(cum, m)  # rows past M are never computed
+  starts = jnp.minimum(cum - gs, m)
   total = ends[-1]
   starts = jnp.concatenate([starts, total[None]])  # [E + 1]: the zero rows last
   ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])

@@ -6,13 +6,14 @@ computed on the device from the lengths): every request's pages are cut into
 pieces of the same size, sized so that all of them fit one grid of about the
 SMs, so a single long request fills the machine and a ragged batch spreads
 its work evenly instead of by a static per-request split.
+
 Each warpgroup computes the logits of half the page's tokens
 ([64, page/2], QK over the full 576-wide key), so no MMA work is duplicated;
 the halves meet in an f32 shared-memory tile, both warpgroups read the whole
 [64, page] logits back and run the same online softmax, and each owns half of
 the 512 output columns for PV: a [64, 512] f32 accumulator would need 256
-registers per thread in one warpgroup, above Hopper's 255. The schedule and the register budget are
-described in docs/paged_attention.md.
+registers per thread in one warpgroup, above Hopper's 255. The schedule and
+the register budget are described in docs/paged_attention.md.
 
 Page gather: each loop step reads the page id with a scalar GMEM load from
 the block table and issues one TMA per page (latent, rope, and per-token

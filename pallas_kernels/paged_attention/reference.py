@@ -173,23 +173,6 @@ def combine_splits(acc, m, l):
   return num / jnp.where(den > 0, den, 1.0)[..., None]
 
 
-def combine_lse(o, lse):
-  """Merges split-K partials given as normalised outputs and log-sum-exps.
-
-  Args:
-    o: [B, S, H, D] f32 per-split outputs, each already divided by its own
-      softmax sum (0 for an empty split).
-    lse: [B, S, H] f32 per-split log-sum-exp of the scaled logits (a very
-      negative finite number for an empty split).
-
-  Returns:
-    [B, H, D] f32.
-  """
-  w = jnp.exp(lse - jnp.max(lse, axis=1, keepdims=True))  # [B, S, H]
-  num = jnp.einsum("BSH,BSHD->BHD", w, o, precision=_HI)
-  return num / jnp.sum(w, axis=1)[..., None]
-
-
 def combine_pieces(o, lse, request, batch):
   """Merges per-piece partials into each request's output (mla_mgpu's schedule).
 
