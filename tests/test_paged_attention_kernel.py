@@ -25,6 +25,7 @@ from pallas_kernels.paged_attention import paged_gqa_decode_reference
 from pallas_kernels.paged_attention import paged_mla_decode
 from pallas_kernels.paged_attention import paged_mla_decode_reference
 from pallas_kernels import schedule
+from pallas_kernels.paged_attention import mla_mgpu
 from pallas_kernels.paged_attention import reference
 
 FP8 = jnp.float8_e4m3fn
@@ -261,6 +262,31 @@ class PagedMlaDecodeMgpuInterpretTest(PagedMlaDecodeMgpuTest):
   # Three requests: "ragged" is 3 pages (two pieces), 42 tokens and an empty
   # one (an empty piece), on a grid of 12 pieces of which 9 are unused.
   SHAPE = dict(heads=20, c=256, r=64, page_size=64, max_pages=3, batch=3)
+
+
+class F16QueryTest(absltest.TestCase):
+  """mla_mgpu.f16_query: the fp8 cache's f16 query, rows divided by a power of two."""
+
+  def test_rows_of_any_magnitude_round_trip(self):
+    rng = np.random.default_rng(7)
+    mags = np.array([1e-7, 1e-2, 1.0, 3e3, 1e6, 0.0], np.float32)  # 1e6 overflows f16
+    ql = rng.standard_normal((2, 6, 64)).astype(np.float32) * mags[:, None]
+    qr = rng.standard_normal((2, 6, 16)).astype(np.float32) * mags[:, None]
+    ql[1, 2, 5] = 7e4  # the row's largest value sits in the rope-free part
+    q16l, q16r, qs = mla_mgpu.f16_query(jnp.asarray(ql), jnp.asarray(qr))
+    self.assertEqual((q16l.dtype, q16r.dtype, qs.shape), (jnp.float16, jnp.float16, (2, 6)))
+    q16 = np.concatenate([np.asarray(q16l, np.float32), np.asarray(q16r, np.float32)], -1)
+    q = np.concatenate([ql, qr], -1)
+    qs = np.asarray(qs)
+    self.assertTrue(np.all(np.isfinite(q16)))
+    self.assertTrue(np.all(np.log2(qs) == np.round(np.log2(qs))), "not powers of two")
+    amax = np.abs(q16).max(-1)
+    nonzero = np.abs(q).max(-1) > 0
+    self.assertTrue(np.all((amax[nonzero] >= 2.0**13) & (amax[nonzero] < 2.0**14)))
+    np.testing.assert_array_equal(qs[~nonzero], 1.0)
+    # f16 keeps 11 significant bits of each element, relative to the row's largest.
+    err = np.abs(q16 * qs[..., None] - q).max(-1)
+    np.testing.assert_array_less(err, np.abs(q).max(-1) * 2.0**-11 + 1e-30)
 
 
 class PieceScheduleTest(parameterized.TestCase):

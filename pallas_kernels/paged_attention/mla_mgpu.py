@@ -19,17 +19,24 @@ Page gather: each loop step reads the page id with a scalar GMEM load from
 the block table and issues one TMA per page (latent, rope, and per-token
 scales for fp8), so the gather costs no extra pass over memory.
 
-fp8 pages are dequantised into bf16 pages in shared memory (wgmma reads its
-B operand only from SMEM): e4m3 -> f32 (through f16, exact), times the
-token's scale, -> bf16. With the scale applied there, QK and PV are the
-same bf16 wgmmas as on a bf16 cache and need one f32 logits tile, not one
-per scale. bf16 rather than f16 because a scaled latent may exceed f16's
-range, and because the query then needs no cast (the e4m3 -> bf16
-instruction needs PTX ISA >= 9.2, hence the f32 step). The rounding to bf16
-(8 significant bits) is small next to e4m3's 4. Slots past a request's
-length are zeroed in the same pass (on a bf16 cache, in place on the
-partial last page only), and their probabilities are selected to 0, so
-garbage (even NaN) never leaks into the output.
+fp8 pages are converted to f16 pages in shared memory (wgmma reads its B
+operand only from SMEM) with one instruction per pair of values
+(cvt.rn.f16x2.e4m3x2, exact), and nothing else: the per-token scales stay
+out of the conversion, which is the kernel's ALU bottleneck (docs/paged_attention.md).
+They are folded in where they cost a [64, page] tile instead of a
+[page, 576] one:
+  * QK runs two f16 wgmmas into two f32 tiles, latent and rope, and the
+    logits are s_lat[:, t] * latent_scale[t] + s_rope[:, t] * k_rope_scale[t];
+  * PV multiplies P by latent_scale[t] / g before its f16 cast, g being the
+    page's largest scale over its valid tokens (so P stays in [0, 1], where
+    f16 is precise), and folds g into the accumulator's rescale: the loop
+    keeps acc / g of the latest page, and the output multiplies it back.
+The query enters as f16 divided by a per-row power of two (the wrapper picks
+it so the row's largest value is below 2^14: no f16 overflow, full
+precision), which the kernel multiplies back into the logits (q_scale).
+Slots past a request's length are zeroed in the same pass (on a bf16 cache,
+in place on the partial last page only), and their probabilities and scales
+are selected to 0, so garbage (even NaN) never leaks into the output.
 
 Registers: the [64, 256] f32 PV accumulator takes 128 of a thread's 255.
 Every wgmma takes a 64-bit shared-memory descriptor (36 for QK alone), and
@@ -57,6 +64,8 @@ NEG = -1e30  # finite "minus infinity" for empty splits and masked logits
 _LOG2E = math.log2(math.e)
 _OUT_CHUNK = 32  # columns per f32 output TMA tile (keeps the smem scratch small)
 _STAGE_CHUNK = 64  # columns per register pass when masking/dequantising a page
+_MIN_SCALE = 1e-30  # floor of a page's largest scale (an all-zero page has 0)
+_F16_ROW_MAX_LOG2 = 14  # f16_query keeps each row's largest value below 2^14
 def _transforms(cols, dtype):
   bits = jnp.dtype(dtype).itemsize * 8
   swizzle = plgpu.find_swizzle(cols * bits, "rhs")
@@ -69,15 +78,42 @@ def _smem(shape, dtype):
   return plgpu.SMEM((1, *shape), dtype, transforms=_transforms(shape[-1], dtype))
 
 
-def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
+def f16_query(q_latent, q_rope):
+  """The f16 query of an fp8 cache: each row divided by a power of two.
+
+  The factor puts the row's largest |value| (latent and rope together, since
+  their logits add) in [2^13, 2^14): far from f16's overflow at 65504 and
+  from its subnormals, so the cast rounds to 11 significant bits and nothing
+  overflows. A power of two divides exactly. An all-zero row keeps factor 1.
+
+  Args:
+    q_latent: [B, H, C] float.
+    q_rope: [B, H, R] float.
+
+  Returns:
+    (q_latent f16, q_rope f16, q_scale [B, H] f32) with q = q16 * q_scale.
+  """
+  ql = q_latent.astype(jnp.float32)
+  qr = q_rope.astype(jnp.float32)
+  amax = jnp.maximum(jnp.abs(ql).max(-1), jnp.abs(qr).max(-1))
+  _, exp = jnp.frexp(amax)  # amax < 2^exp
+  q_scale = jnp.where(amax > 0, jnp.ldexp(jnp.float32(1), exp - _F16_ROW_MAX_LOG2), 1.0)
+  inv = (1.0 / q_scale)[..., None]  # a power of two: exact
+  return ((ql * inv).astype(jnp.float16), (qr * inv).astype(jnp.float16),
+          q_scale.astype(jnp.float32))
+
+
+def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
                     k_rope_scale, block_tables, lengths, pieces, *, scale,
                     interpret=False):
   """Paged MLA decode partials over a balanced schedule of pieces, on Mosaic GPU.
 
   Args:
-    q_latent: [B, Hp, C] query in the compute dtype (bf16 for an fp8 cache,
-      else the cache dtype); Hp a multiple of 64.
-    q_rope: [B, Hp, R] same dtype.
+    q_latent: [B, Hp, C] query in the compute dtype (f16 for an fp8 cache,
+      divided by q_scale; else the cache dtype); Hp a multiple of 64.
+    q_rope: [B, Hp, R] same dtype and row scale.
+    q_scale: [B, Hp] f32 per-row factors of an fp8 cache's f16 query (see
+      ``f16_query``), or None for a bf16/f16 cache.
     latent, k_rope: [N, ps, C], [N, ps, R] pages (bf16/f16 or fp8 e4m3).
     latent_scale, k_rope_scale: [N, ps] f32 or None.
     block_tables: [B, P] int32.
@@ -104,19 +140,21 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
   if fp8 and c % 256:
     raise ValueError(f"an fp8 cache needs C % 256 == 0 (whole 128-column fp8 tiles "
                      f"per warpgroup), got C {c}")
-  if fp8 and cdt != jnp.bfloat16:
-    raise ValueError(f"an fp8 cache needs a bf16 query (pages dequantise to bf16), got {cdt}")
+  if fp8 and (cdt != jnp.float16 or q_scale is None or q_scale.shape != (b, hp)):
+    raise ValueError(f"an fp8 cache needs an f16 query and its [B, Hp] q_scale "
+                     f"(f16_query), got {cdt} and "
+                     f"{None if q_scale is None else q_scale.shape}")
   if not fp8 and latent.dtype != cdt:
     raise ValueError(f"query {cdt} and cache {latent.dtype} dtypes differ")
   # Register operands for P are fine on hardware; the interpreter needs SMEM.
   p_in_smem = bool(interpret)
   half_ps = ps // 2  # tokens per warpgroup in QK
 
-  def kernel(ql_ref, qr_ref, lat_ref, rope_ref, ls_ref, rs_ref, bt_ref, len_ref,
-             pc_ref, o_ref, lse_ref, scratch):
-    (ql_smem, qr_smem, lat_st, rope_st, ls_st, rs_st, lat16, rope16, p_smem,
-     s_smem, o_smem, lse_smem, q_bar, tma_bar, conv_bar, free_bar, done_bar,
-     s_bar) = scratch
+  def kernel(ql_ref, qr_ref, qs_ref, lat_ref, rope_ref, ls_ref, rs_ref, bt_ref,
+             len_ref, pc_ref, o_ref, lse_ref, scratch):
+    (ql_smem, qr_smem, qs_smem, lat_st, rope_st, ls_st, rs_st, lat16, rope16,
+     p_smem, s_smem, o_smem, lse_smem, q_bar, tma_bar, conv_bar, free_bar,
+     done_bar, s_bar) = scratch
     hb = lax.axis_index("h")
     piece = lax.axis_index("s")
     wg = lax.axis_index("wg")
@@ -136,17 +174,18 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
       plgpu.copy_gmem_to_smem(lat_ref.at[page], lat_st.at[0], tma_bar)
       plgpu.copy_gmem_to_smem(rope_ref.at[page], rope_st.at[0], tma_bar)
       if fp8:
-        plgpu.copy_gmem_to_smem(ls_ref.at[page], ls_st, tma_bar)
-        plgpu.copy_gmem_to_smem(rs_ref.at[page], rs_st, tma_bar)
+        # Scales are read until PV, after the next page's TMA is issued:
+        # two slots, by step parity.
+        slot = lax.rem(step, 2)
+        plgpu.copy_gmem_to_smem(ls_ref.at[page], ls_st.at[slot], tma_bar)
+        plgpu.copy_gmem_to_smem(rs_ref.at[page], rs_st.at[slot], tma_bar)
 
-    def stage(src, dst, valid_tokens, token_scale):
-      """dst = src (* token_scale) with rows >= valid_tokens zeroed; [ps, w] refs.
+    def stage(src, dst, valid_tokens):
+      """dst = src (as dst's dtype) with rows >= valid_tokens zeroed; [ps, w] refs.
 
       In column chunks, so only [ps, 64] values are in registers at a time
       beside the accumulator; src is read a whole swizzle tile at a time.
       """
-      if token_scale is not None:
-        token_scale = plgpu.load(token_scale, layout=plgpu.Layout.WGMMA.reduce(1))
       w = src.shape[1]
       load_w = math.gcd(w, 128 // jnp.dtype(src.dtype).itemsize)
       for j in range(w // load_w):
@@ -154,9 +193,10 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
         for h in range(load_w // _STAGE_CHUNK):
           x = xs[:, h * _STAGE_CHUNK:(h + 1) * _STAGE_CHUNK]
           rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
-          if token_scale is not None:
-            x = x.astype(jnp.float32) * lax.broadcast_in_dim(token_scale, x.shape, [0])
-          # A select, not a multiply: unused slots (and their scales) may be NaN.
+          # e4m3 -> f16 is one exact cvt per pair (8-bit registers allow no
+          # arithmetic, so the select comes after it).
+          x = x.astype(dst.dtype)
+          # A select, not a multiply: unused slots may be NaN.
           x = jnp.where(rows < valid_tokens, x, jnp.zeros_like(x))
           dst[:, pl.ds(j * load_w + h * _STAGE_CHUNK, _STAGE_CHUNK)] = x.astype(dst.dtype)
 
@@ -164,14 +204,21 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
     def _():
       plgpu.copy_gmem_to_smem(ql_ref.at[bi, heads], ql_smem.at[0], q_bar)
       plgpu.copy_gmem_to_smem(qr_ref.at[bi, heads], qr_smem.at[0], q_bar)
+      if fp8:
+        plgpu.copy_gmem_to_smem(qs_ref.at[bi, heads], qs_smem, q_bar)
       @pl.when(steps > 0)
       def _():
         issue(0)
 
     plgpu.barrier_wait(q_bar)
+    row = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector over the heads (rows)
+    col = plgpu.Layout.WGMMA.reduce(0)  # a vector over the tokens (columns)
+    # The softmax scale, times the f16 query's row factors for an fp8 cache.
+    row_scale = (plgpu.load(qs_smem, layout=row) * scale if fp8
+                 else plgpu.layout_cast(jnp.full((BLOCK_H,), scale, jnp.float32), row))
 
     def body(i, carry):
-      acc, m_i, l_i = carry
+      acc, m_i, l_i, g_i = carry
       # 0, but LLVM cannot prove it: buffers indexed by it have loop-variant
       # addresses, so their wgmma descriptors are not hoisted (module doc).
       z = lax.optimization_barrier(jnp.int32(0))
@@ -186,10 +233,10 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
         @pl.when(i > 0)
         def _():
           plgpu.barrier_wait(done_bar)
-        stage(lat_in.at[:, cols], k_lat.at[:, cols], valid_tokens, ls_st)
+        stage(lat_in.at[:, cols], k_lat.at[:, cols], valid_tokens)
         @pl.when(wg == 0)
         def _():
-          stage(rope_in, k_rope, valid_tokens, rs_st)
+          stage(rope_in, k_rope, valid_tokens)
         plgpu.commit_smem()
         plgpu.barrier_arrive(conv_bar)
         plgpu.barrier_arrive(free_bar)
@@ -209,7 +256,7 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
         # cancel NaN in PV: zero those rows, only on that partial page.
         @pl.when(valid_tokens < ps)
         def _():
-          stage(lat_in.at[:, cols], lat_in.at[:, cols], valid_tokens, None)
+          stage(lat_in.at[:, cols], lat_in.at[:, cols], valid_tokens)
           plgpu.commit_smem()
           plgpu.barrier_arrive(conv_bar)
           plgpu.barrier_wait(conv_bar)
@@ -217,18 +264,33 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
       # QK for this warpgroup's half of the page's tokens only, so no MMA
       # work is duplicated; the halves meet in shared memory (f32, untiled)
       # and both warpgroups read the page's whole [64, ps] logits back.
-      def qk(acc_ref):
-        plgpu.wgmma(acc_ref, q_lat, k_lat.at[tok].transpose((1, 0)))
-        plgpu.wgmma(acc_ref, q_rp, k_rope.at[tok].transpose((1, 0)))
-        return acc_ref[...]
-      half_logits = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, half_ps), jnp.float32))
+      half_acc = plgpu.ACC((BLOCK_H, half_ps), jnp.float32)
       if fp8:
+        # Latent and rope have their own per-token scales: one tile each,
+        # scaled per column (token) here rather than per element in stage().
+        def qk(lat_acc, rope_acc):
+          plgpu.wgmma(lat_acc, q_lat, k_lat.at[tok].transpose((1, 0)))
+          plgpu.wgmma(rope_acc, q_rp, k_rope.at[tok].transpose((1, 0)))
+          return lat_acc[...], rope_acc[...]
+        s_lat, s_rope = pl.run_scoped(qk, half_acc, half_acc)
         plgpu.barrier_arrive(done_bar)
+        sc = lax.rem(i, 2)
+        ls_half = plgpu.load(ls_st.at[sc, tok], layout=col)
+        rs_half = plgpu.load(rs_st.at[sc, tok], layout=col)
+        half_logits = (s_lat * lax.broadcast_in_dim(ls_half, s_lat.shape, [1])
+                       + s_rope * lax.broadcast_in_dim(rs_half, s_rope.shape, [1]))
+      else:
+        def qk(acc_ref):
+          plgpu.wgmma(acc_ref, q_lat, k_lat.at[tok].transpose((1, 0)))
+          plgpu.wgmma(acc_ref, q_rp, k_rope.at[tok].transpose((1, 0)))
+          return acc_ref[...]
+        half_logits = pl.run_scoped(qk, half_acc)
       s_smem[:, tok] = half_logits
       plgpu.commit_smem()
       plgpu.barrier_arrive(s_bar)
       plgpu.barrier_wait(s_bar)
-      logits = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA, optimized=False) * scale
+      logits = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA, optimized=False)
+      logits = logits * lax.broadcast_in_dim(row_scale, logits.shape, [0])
       kpos = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, ps), 1, layout=plgpu.Layout.WGMMA)
       valid = kpos < valid_tokens
       logits = jnp.where(valid, logits, NEG)
@@ -236,6 +298,17 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
       alpha = jnp.exp2((m_i - m_new) * _LOG2E)
       p = jnp.exp2((logits - lax.broadcast_in_dim(m_new, logits.shape, [0])) * _LOG2E)
       l_new = l_i * alpha + p.sum(axis=1)
+      g_new = g_i
+      if fp8:
+        # V = latent_scale[t] * f16 page: P takes the scale, divided by the
+        # page's largest (g) so it stays in [0, 1]; acc holds acc / g.
+        ls_page = lax.broadcast_in_dim(plgpu.load(ls_st.at[lax.rem(i, 2)], layout=col),
+                                       logits.shape, [1])
+        ls_page = jnp.where(valid, ls_page, 0.0)  # unused slots' scales may be NaN
+        g_new = jnp.maximum(ls_page.max(axis=1), _MIN_SCALE)
+        inv_g = 1.0 / g_new
+        p = p * ls_page * lax.broadcast_in_dim(inv_g, p.shape, [0])
+        alpha = alpha * g_i * inv_g
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
       p16 = p.astype(cdt)
       if p_in_smem:
@@ -266,19 +339,20 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
           @pl.when(i + 1 < steps)
           def _():
             issue(i + 1)
-      return acc, m_new, l_new
+      return acc, m_new, l_new, g_new
 
     acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_H, half), jnp.float32), plgpu.Layout.WGMMA)
     m0 = plgpu.layout_cast(jnp.full((BLOCK_H,), NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    l0 = plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    acc, m_i, l_i = lax.fori_loop(0, steps, body, (acc0, m0, l0))
+    l0 = plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row)
+    g0 = plgpu.layout_cast(jnp.ones((BLOCK_H,), jnp.float32), row)
+    acc, m_i, l_i, g_i = lax.fori_loop(0, steps, body, (acc0, m0, l0, g0))
     if fp8:
       # Consume the last step's phase: every waiter waits on every phase.
       @pl.when(steps > 0)
       def _():
         plgpu.barrier_wait(done_bar)
     nonempty = l_i > 0
-    inv = 1.0 / jnp.where(nonempty, l_i, 1.0)
+    inv = g_i / jnp.where(nonempty, l_i, 1.0)  # g_i: acc / g (fp8), else 1
     acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
     for j in range(half // _OUT_CHUNK):
       o_smem.at[wg][...] = acc[:, j * _OUT_CHUNK:(j + 1) * _OUT_CHUNK]
@@ -299,10 +373,11 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
     scratch = [
         _smem((BLOCK_H, c), cdt),
         _smem((BLOCK_H, r), cdt),
+        plgpu.SMEM((BLOCK_H,), jnp.float32) if fp8 else None,
         _smem((ps, c), st_dtype),
         _smem((ps, r), st_dtype),
-        plgpu.SMEM((ps,), jnp.float32) if fp8 else None,
-        plgpu.SMEM((ps,), jnp.float32) if fp8 else None,
+        plgpu.SMEM((2, ps), jnp.float32) if fp8 else None,
+        plgpu.SMEM((2, ps), jnp.float32) if fp8 else None,
         _smem((ps, c), cdt) if fp8 else None,
         _smem((ps, r), cdt) if fp8 else None,
         (plgpu.SMEM((2, BLOCK_H, ps), cdt, transforms=_transforms(ps, cdt))
@@ -313,7 +388,7 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
     ]
     barriers = [
         # Every TMA issued with a barrier is one arrival on it.
-        plgpu.Barrier(num_arrivals=2),  # q_latent and q_rope loaded
+        plgpu.Barrier(num_arrivals=3 if fp8 else 2),  # q_latent, q_rope (, q_scale) loaded
         plgpu.Barrier(num_arrivals=4 if fp8 else 2),  # one page's copies landed
         plgpu.Barrier(num_arrivals=2),  # page converted/masked by both WGs
         plgpu.Barrier(num_arrivals=2),  # staging buffer free
@@ -336,5 +411,5 @@ def mla_decode_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
       kernel_name="paged_mla_decode_mgpu",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **kwargs,
-  )(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
+  )(q_latent, q_rope, q_scale, latent, k_rope, latent_scale, k_rope_scale,
     block_tables, lengths, pieces)

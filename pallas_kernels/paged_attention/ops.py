@@ -367,11 +367,14 @@ def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
   """Runs mla_mgpu: pads heads to 64, casts q, schedules the pieces, merges them."""
   b, h, _ = q_latent.shape
   h_pad = -h % mla_mgpu.BLOCK_H
-  # fp8 pages are dequantised to bf16 in the kernel (see mla_mgpu), and wgmma
-  # wants equal operand types, so q goes to bf16 too.
-  cdt = jnp.bfloat16 if latent.dtype == FP8 else latent.dtype
-  ql = jnp.pad(q_latent, ((0, 0), (0, h_pad), (0, 0))).astype(cdt)
-  qr = jnp.pad(q_rope, ((0, 0), (0, h_pad), (0, 0))).astype(cdt)
+  ql = jnp.pad(q_latent, ((0, 0), (0, h_pad), (0, 0)))
+  qr = jnp.pad(q_rope, ((0, 0), (0, h_pad), (0, 0)))
+  if latent.dtype == FP8:
+    # fp8 pages become f16 in the kernel (see mla_mgpu), and wgmma wants equal
+    # operand types: an f16 query, rows divided by a power of two.
+    ql, qr, q_scale = mla_mgpu.f16_query(ql, qr)
+  else:
+    ql, qr, q_scale = ql.astype(latent.dtype), qr.astype(latent.dtype), None
   bt = block_tables.astype(jnp.int32)
   lengths = lengths.astype(jnp.int32)
   # One CTA per SM (the kernel's shared memory), shared by the head blocks.
@@ -380,7 +383,7 @@ def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
       lengths, page_size=latent.shape[1], max_pages=bt.shape[1],
       pieces=schedule.num_pieces(b, bt.shape[1], slots))
   o, lse = mla_mgpu.mla_decode_mgpu(
-      ql, qr, latent, k_rope, latent_scale, k_rope_scale, bt, lengths, pieces,
+      ql, qr, q_scale, latent, k_rope, latent_scale, k_rope_scale, bt, lengths, pieces,
       scale=float(scale), interpret=mgpu_interpret_params() if interpret else False)
   out = reference.combine_pieces(o, lse, pieces[0], b)
   return out[:, :h].astype(q_latent.dtype)
