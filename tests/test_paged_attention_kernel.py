@@ -246,6 +246,23 @@ class PagedMlaDecodeMgpuTest(parameterized.TestCase):
       # The interpreter ran with detect_races=True (ops.mgpu_interpret_params).
       self.assertFalse(gpu_interpret.get_races().races_found, "data race")
 
+  def test_full_and_partial_head_blocks(self):
+    # 72 heads: a full 64-row block and an 8-row one, each writing only its
+    # real rows of the partials.
+    s = dict(self.SHAPE, heads=72, batch=2)
+    lengths = _lengths("ragged", s["batch"], s["page_size"], s["max_pages"])
+    args = make_mla(_seed("mgpu-72", "fp8"), batch=s["batch"], heads=s["heads"],
+                    c=s["c"], r=s["r"], page_size=s["page_size"],
+                    max_pages=s["max_pages"], lengths=lengths, kv_dtype="fp8")
+    scale = 1.0 / math.sqrt(s["c"] + s["r"])
+    out = paged_mla_decode(*args, scale=scale,
+                           backend="interpret" if self.INTERPRET else "pallas",
+                           block_sizes=BlockSizes(impl="mgpu"))
+    ref = paged_mla_decode_reference(*args, scale=scale)
+    self.assertEqual(out.shape, ref.shape)
+    self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
+    self.assertLessEqual(_rel_err(out, ref), TOL["fp8"])
+
   def test_unsupported_shape_raises(self):
     args = make_mla(9, batch=1, heads=4, c=32, r=16, page_size=8, max_pages=2,
                     lengths=[3], kv_dtype="bf16")
@@ -328,6 +345,9 @@ class PieceScheduleTest(parameterized.TestCase):
         self.assertGreater(sum(max(1, -(-p // (q - 1))) for p in pages), g)
       if trial == 2 and max_pages >= 2 * sms:
         self.assertGreaterEqual(used.sum(), sms // 2, "one long request fills the grid")
+      if trial == 1 and g < sms:
+        # Fewer pieces than the SMs only when all full requests use all but one.
+        self.assertGreaterEqual(used.sum(), g - 1, "pieces no schedule can use")
 
   def test_combine_pieces_matches_one_softmax(self):
     rng = np.random.default_rng(0)

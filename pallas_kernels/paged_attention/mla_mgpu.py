@@ -45,9 +45,11 @@ stay live beside the accumulator and spill. The loop body therefore
 addresses every buffer through an index that is 0 but opaque to LLVM (an
 optimization barrier), so descriptors are computed next to their wgmma.
 
-Outputs per piece: o [G, Hp, C] f32 already divided by the piece's softmax
-sum, and lse [G, Hp] f32 (a very negative number for an empty piece);
-reference.combine_pieces merges each request's pieces.
+Outputs per piece: o [G, H, C] f32 already divided by the piece's softmax
+sum, only the H real heads' rows (the padding rows would be most of the
+partials' HBM traffic at 8 heads per device), and lse [G, Hp] f32 (a very
+negative number for an empty piece); reference.combine_pieces merges each
+request's pieces.
 """
 
 import math
@@ -105,7 +107,7 @@ def f16_query(q_latent, q_rope):
 
 def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
                     k_rope_scale, block_tables, lengths, pieces, *, scale,
-                    interpret=False):
+                    heads=None, interpret=False):
   """Paged MLA decode partials over a balanced schedule of pieces, on Mosaic GPU.
 
   Args:
@@ -120,10 +122,11 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
     lengths: [B] int32.
     pieces: [3, G] int32 from ``schedule.schedule_pieces`` (G CTAs per head block).
     scale: softmax scale.
+    heads: H, the real heads (rows of q past them are padding); None: Hp.
     interpret: False, or a plgpu.InterpretGPUParams.
 
   Returns:
-    (o [G, Hp, C] f32 normalised per piece, lse [G, Hp] f32).
+    (o [G, H, C] f32 normalised per piece, lse [G, Hp] f32).
 
   Raises:
     ValueError: on an unsupported shape or dtype combination.
@@ -134,6 +137,10 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
   fp8 = latent.dtype == FP8
   cdt = q_latent.dtype
   half = c // 2
+  heads = hp if heads is None else heads
+  if not 0 < heads <= hp or hp - heads >= BLOCK_H:
+    raise ValueError(f"heads {heads} must be in ({hp - BLOCK_H}, {hp}] for {hp} query rows")
+  full_blocks, tail_rows = divmod(heads, BLOCK_H)
   if hp % BLOCK_H or c % 128 or ps % 64 or r % 64:
     raise ValueError(f"unsupported shape: heads {hp} (x64), C {c} (x128), "
                      f"page {ps} (x64), R {r} (x64)")
@@ -163,7 +170,7 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
     start = pc_ref[1, piece]
     steps = pc_ref[2, piece]
     length = len_ref[bi]
-    heads = pl.ds(hb * BLOCK_H, BLOCK_H)
+    rows_h = pl.ds(hb * BLOCK_H, BLOCK_H)
     cols = pl.ds(wg * half, half)
     tok = pl.ds(pl.multiple_of(wg * half_ps, half_ps), half_ps)
 
@@ -202,10 +209,10 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
 
     @pl.when(wg == 0)
     def _():
-      plgpu.copy_gmem_to_smem(ql_ref.at[bi, heads], ql_smem.at[0], q_bar)
-      plgpu.copy_gmem_to_smem(qr_ref.at[bi, heads], qr_smem.at[0], q_bar)
+      plgpu.copy_gmem_to_smem(ql_ref.at[bi, rows_h], ql_smem.at[0], q_bar)
+      plgpu.copy_gmem_to_smem(qr_ref.at[bi, rows_h], qr_smem.at[0], q_bar)
       if fp8:
-        plgpu.copy_gmem_to_smem(qs_ref.at[bi, heads], qs_smem, q_bar)
+        plgpu.copy_gmem_to_smem(qs_ref.at[bi, rows_h], qs_smem, q_bar)
       @pl.when(steps > 0)
       def _():
         issue(0)
@@ -354,18 +361,26 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
     nonempty = l_i > 0
     inv = g_i / jnp.where(nonempty, l_i, 1.0)  # g_i: acc / g (fp8), else 1
     acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-    for j in range(half // _OUT_CHUNK):
-      o_smem.at[wg][...] = acc[:, j * _OUT_CHUNK:(j + 1) * _OUT_CHUNK]
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(
-          o_smem.at[wg],
-          o_ref.at[piece, heads, pl.ds(wg * half + j * _OUT_CHUNK, _OUT_CHUNK)])
-      plgpu.wait_smem_to_gmem(0)
+
+    def write_out(rows):
+      """This warpgroup's columns of the block's first `rows` rows (a static count)."""
+      for j in range(half // _OUT_CHUNK):
+        o_smem.at[wg][...] = acc[:, j * _OUT_CHUNK:(j + 1) * _OUT_CHUNK]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            o_smem.at[wg, pl.ds(0, rows)],
+            o_ref.at[piece, pl.ds(hb * BLOCK_H, rows),
+                     pl.ds(wg * half + j * _OUT_CHUNK, _OUT_CHUNK)])
+        plgpu.wait_smem_to_gmem(0)
+    if full_blocks:
+      pl.when(hb < full_blocks)(lambda: write_out(BLOCK_H))
+    if tail_rows:
+      pl.when(hb == full_blocks)(lambda: write_out(tail_rows))
     @pl.when(wg == 0)
     def _():
       lse_smem[...] = jnp.where(nonempty, m_i + jnp.log(jnp.where(nonempty, l_i, 1.0)), NEG)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[piece, heads])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[piece, rows_h])
       plgpu.wait_smem_to_gmem(0)
 
   def entry(*refs):
@@ -398,7 +413,7 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
     pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, *barriers,
                   collective_axes="wg")
 
-  out_type = (jax.ShapeDtypeStruct((num_g, hp, c), jnp.float32),
+  out_type = (jax.ShapeDtypeStruct((num_g, heads, c), jnp.float32),
               jax.ShapeDtypeStruct((num_g, hp), jnp.float32))
   kwargs = dict(interpret=interpret) if interpret else {}
   return plgpu.kernel(

@@ -362,6 +362,19 @@ def _mla_split_k_call(kernel, name, q_latent, q_rope, operands, *, block_h,
   return out.astype(q_latent.dtype)
 
 
+def mla_mgpu_pieces(batch: int, heads: int, max_pages: int, kind: str | None = None) -> int:
+  """Pieces (CTAs) per 64-head block of the Mosaic GPU MLA kernel: one CTA per SM
+  (its shared memory), the SMs shared by the head blocks."""
+  blocks = -(-heads // mla_mgpu.BLOCK_H)
+  return schedule.num_pieces(batch, max_pages, max(1, device.num_sms(kind) // blocks))
+
+
+def gqa_mgpu_pieces(batch: int, kv_heads: int, blocks: int, kind: str | None = None) -> int:
+  """Pieces (CTAs) per KV head of the Mosaic GPU GQA kernel over ``blocks`` 64-token
+  blocks: 60-81 KB of shared memory, so two CTAs per SM, shared by the KV heads."""
+  return schedule.num_pieces(batch, blocks, max(1, 2 * device.num_sms(kind) // kv_heads))
+
+
 def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
               block_tables, lengths, *, scale, interpret):
   """Runs mla_mgpu: pads heads to 64, casts q, schedules the pieces, merges them."""
@@ -377,16 +390,15 @@ def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
     ql, qr, q_scale = ql.astype(latent.dtype), qr.astype(latent.dtype), None
   bt = block_tables.astype(jnp.int32)
   lengths = lengths.astype(jnp.int32)
-  # One CTA per SM (the kernel's shared memory), shared by the head blocks.
-  slots = max(1, device.num_sms() // (ql.shape[1] // mla_mgpu.BLOCK_H))
   pieces = schedule.schedule_pieces(
       lengths, page_size=latent.shape[1], max_pages=bt.shape[1],
-      pieces=schedule.num_pieces(b, bt.shape[1], slots))
+      pieces=mla_mgpu_pieces(b, h, bt.shape[1]))
   o, lse = mla_mgpu.mla_decode_mgpu(
       ql, qr, q_scale, latent, k_rope, latent_scale, k_rope_scale, bt, lengths, pieces,
-      scale=float(scale), interpret=mgpu_interpret_params() if interpret else False)
-  out = reference.combine_pieces(o, lse, pieces[0], b)
-  return out[:, :h].astype(q_latent.dtype)
+      scale=float(scale), heads=h,
+      interpret=mgpu_interpret_params() if interpret else False)
+  out = reference.combine_pieces(o, lse[:, :h], pieces[0], b)
+  return out.astype(q_latent.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "backend", "block_sizes"))
@@ -499,11 +511,9 @@ def _gqa_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, *, scale,
   ppb = gqa_mgpu.BLOCK_K // ps
   bt = _pad_tables(block_tables.astype(jnp.int32), ppb)
   lengths = lengths.astype(jnp.int32)
-  # 60-81 KB of shared memory: two CTAs per SM, shared by the KV heads.
-  slots = max(1, 2 * device.num_sms() // kv)
   blocks = bt.shape[1] // ppb
   pieces = schedule.schedule_pieces(lengths, page_size=gqa_mgpu.BLOCK_K, max_pages=blocks,
-                                    pieces=schedule.num_pieces(b, blocks, slots))
+                                    pieces=gqa_mgpu_pieces(b, kv, blocks))
   o, lse = gqa_mgpu.gqa_decode_mgpu(
       qg, k, v, k_scale, v_scale, bt, lengths, pieces, scale=float(scale),
       interpret=mgpu_interpret_params() if interpret else False)
