@@ -102,6 +102,32 @@ def design_flops(case: kt.KernelCase) -> int:
   return job_cost(case)[1]
 
 
+def design_bytes(case: kt.KernelCase) -> int:
+  """Bytes the engine's kernel moves for ``case`` on an H200: the job's, plus the
+  partials of the Mosaic GPU decode kernels' pieces, which each piece (CTA) writes in
+  f32 and the merge (``reference.combine_pieces``) reads back:
+  - MLA decode: [H, C] outputs (the real heads' rows) and 64 log-sum-exps per
+    64-head block, for each of ``ops.mla_mgpu_pieces`` pieces;
+  - GQA decode: [64, hd] outputs and 64 log-sum-exps per KV head (the group padded
+    to 64 rows), for each of ``ops.gqa_mgpu_pieces`` pieces;
+  - the others: the job's bytes.
+  """
+  from pallas_kernels.paged_attention import gqa_mgpu
+  from pallas_kernels.paged_attention import mla_mgpu
+  from pallas_kernels.paged_attention import ops as attn_ops
+  nbytes = job_cost(case)[0]
+  d = case.d
+  if case.kernel == "paged_mla_decode":
+    g = attn_ops.mla_mgpu_pieces(d["batch"], d["heads"], d["max_pages"], kind=H200)
+    blocks = -(-d["heads"] // mla_mgpu.BLOCK_H)
+    return nbytes + 2 * g * (d["heads"] * d["c"] + blocks * mla_mgpu.BLOCK_H) * 4
+  if case.kernel == "paged_gqa_decode":
+    blocks = -(-d["max_pages"] * d["page_size"] // gqa_mgpu.BLOCK_K)
+    g = attn_ops.gqa_mgpu_pieces(d["batch"], d["kv_heads"], blocks, kind=H200)
+    return nbytes + 2 * g * d["kv_heads"] * gqa_mgpu.BLOCK_H * (d["head_dim"] + 1) * 4
+  return nbytes
+
+
 def twin_cost(case: kt.KernelCase) -> tuple[int, int] | None:
   """(bytes, FLOPs) of the same job in bf16: bf16 pages (or index keys) for an fp8
   attention or indexer case, dequantised bf16 weights for an INT4 one; None where
@@ -143,8 +169,9 @@ def rows(cases: list[kt.KernelCase] | None = None,
 
   Returns:
     Dicts with kernel, case, model, bytes, flops, intensity (FLOP/B), bound,
-    roofline_s, design_flops (``design_flops``), design_s (max(bytes / copy BW,
-    design FLOPs / MMA peak): the design's predicted time), design_bound, target,
+    roofline_s, design_bytes (``design_bytes``), design_flops (``design_flops``),
+    design_s (max(design bytes / copy BW, design FLOPs / MMA peak): the design's
+    predicted time), design_bound, target,
     target_s, twin_gain (bf16 twin's roofline / the case's), time_s and
     roofline_fraction (None where not measured).
   """
@@ -157,7 +184,8 @@ def rows(cases: list[kt.KernelCase] | None = None,
     twin = twin_cost(c)
     what, allowed = target(c)
     dflops = design_flops(c)
-    design = bm.roofline_s(nbytes, dflops)
+    dbytes = design_bytes(c)
+    design = bm.roofline_s(dbytes, dflops)
     rec = measured.get(c.name) or {}
     t = rec.get("time_s") if rec.get("status") == "ok" else None
     out.append({
@@ -165,8 +193,9 @@ def rows(cases: list[kt.KernelCase] | None = None,
         "intensity": flops / nbytes,
         "bound": "memory" if nbytes / bm.H200_COPY_BW >= flops / bm.H200_BF16_FLOPS
                  else "compute",
-        "roofline_s": floor, "design_flops": dflops, "design_s": design,
-        "design_bound": "memory" if nbytes / bm.H200_COPY_BW >= dflops / bm.H200_BF16_FLOPS
+        "roofline_s": floor, "design_bytes": dbytes, "design_flops": dflops,
+        "design_s": design,
+        "design_bound": "memory" if dbytes / bm.H200_COPY_BW >= dflops / bm.H200_BF16_FLOPS
                         else "MMA",
         "target": what, "target_s": allowed,
         "twin_gain": None if twin is None else bm.roofline_s(*twin) / floor,
@@ -190,18 +219,21 @@ def markdown(sheet: list[dict]) -> str:
            f"Roofline = max(bytes / {bm.H200_COPY_BW / 1e12:.1f} TB/s, FLOPs / "
            f"{bm.H200_BF16_FLOPS / 1e12:.0f} TFLOP/s), the measured ceilings. 'target us' is "
            "the time the case's target allows where it is a bandwidth target; 'design us' is "
-           "the same bound over the MMA FLOPs the engine's kernel executes, its tile padding "
-           "included (experiments.roofline.design_flops); 'bf16 twin x' is "
+           "the same bound over the bytes and MMA FLOPs the engine's kernel moves and executes, "
+           "its split partials and tile padding included (experiments.roofline.design_bytes, "
+           "design_flops); 'bf16 twin x' is "
            "the bf16 twin's roofline over this case's (the most the narrower format can gain "
            "when both run at the same efficiency).\n"]
   for kernel in dict.fromkeys(r["kernel"] for r in sheet):
     part = [r for r in sheet if r["kernel"] == kernel]
     lines.append(f"### {kernel}\n")
     lines.append(common.markdown_table(
-        ["case", "model", "MB", "GFLOP", "FLOP/B", "bound", "roofline us", "design us",
+        ["case", "model", "MB", "GFLOP", "FLOP/B", "bound", "roofline us", "design MB",
+         "design us",
          "design bound", "target", "target us", "bf16 twin x", "measured us", "of roofline"],
         [[r["case"], r["model"], f"{r['bytes'] / 1e6:,.2f}", f"{r['flops'] / 1e9:,.3f}",
-          f"{r['intensity']:.1f}", r["bound"], _us(r["roofline_s"]), _us(r["design_s"]),
+          f"{r['intensity']:.1f}", r["bound"], _us(r["roofline_s"]),
+          f"{r['design_bytes'] / 1e6:,.2f}", _us(r["design_s"]),
           r["design_bound"], r["target"],
           _us(r["target_s"]), "-" if r["twin_gain"] is None else f"{r['twin_gain']:.2f}",
           _us(r["time_s"]),
@@ -238,18 +270,26 @@ def summary_lines(sheet: list[dict]) -> list[str]:
     over = [r for r in mla if r["design_s"] > r["target_s"]]
     if over:
       frac = [r["bytes"] / bm.H200_COPY_BW / r["design_s"] for r in over]
-      job_bound = [r for r in over if r["bound"] == "compute"]
+      mma = [r for r in over if r["design_bound"] == "MMA"]
+      job_bound = [r for r in mma if r["bound"] == "compute"]
+      partials = [r for r in over if r["design_bound"] == "memory"]
       ridge = bm.H200_BF16_FLOPS / bm.H200_COPY_BW
-      out.append(f"  The Mosaic GPU kernel's design misses it at {len(over)} of them: its MMA "
-                 f"work takes longer than the target allows, so it reaches at most "
-                 f"{min(frac):.0%}-{max(frac):.0%} of the copy bandwidth there. "
-                 + (f"At {len(job_bound)} the job itself is MMA-bound in bf16 "
-                    f"({min(r['intensity'] for r in job_bound):.0f} FLOP per byte against the "
-                    f"H200's {ridge:.0f}): only fp8 MMA (twice the bf16 rate) could meet it. "
-                    if job_bound else "")
-                 + ("The rest are bound by the padding of their heads to wgmma's 64 rows; "
-                    "meeting it there needs fewer padded rows (tokens in wgmma's M)."
-                    if len(job_bound) < len(over) else ""))
+      out.append((f"  The Mosaic GPU kernel's design misses it at {len(over)} of them, reaching "
+                 f"at most {min(frac):.0%}-{max(frac):.0%} of the copy bandwidth there. "
+                 + (f"At {len(mma)} its MMA work takes longer than the target allows"
+                    + (f"; at {len(job_bound)} of those the job itself is MMA-bound in bf16 "
+                       f"({min(r['intensity'] for r in job_bound):.0f} FLOP per byte against "
+                       f"the H200's {ridge:.0f}): only fp8 MMA (twice the bf16 rate) could "
+                       "meet it" if job_bound else "")
+                    + (f"; {'the other ' if job_bound else ''}{len(mma) - len(job_bound)} "
+                       "are bound by the padding of their heads to wgmma's 64 rows (meeting it "
+                       "there needs tokens in wgmma's M)" if len(job_bound) < len(mma) else "")
+                    + ". " if mma else "")
+                 + (f"At {len(partials)} the f32 partials of its pieces, written and read "
+                    f"back by the merge, add {min(r['design_bytes'] / r['bytes'] - 1 for r in partials):.0%}-"
+                    f"{max(r['design_bytes'] / r['bytes'] - 1 for r in partials):.0%} to the "
+                    "bytes (fewer, longer pieces or a merge inside the kernel would cut them)."
+                    if partials else "")).rstrip())
   sparse = [r for r in sheet if r["kernel"] == "paged_mla_sparse_decode"]
   if sparse:
     # The dense job at the same shape reads every cached token instead of the selection.

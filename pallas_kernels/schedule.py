@@ -34,15 +34,19 @@ MIN_PAGES_PER_PIECE = 2
 def num_pieces(batch: int, max_pages: int, slots: int) -> int:
   """The grid's pieces per head block: ``slots`` CTAs (one wave: the SMs times
   the CTAs per SM, over the head blocks), more than the requests, and never
-  more than batch * max_pages + 1 (a schedule uses at most one piece per page,
-  or one per request).
+  more than batch * ceil(max_pages / MIN_PAGES_PER_PIECE) + 1, the most a
+  schedule can use (one piece per MIN_PAGES_PER_PIECE pages, or one per
+  request): every piece, used or not, writes a partial that the merge reads
+  back ([64, 512] f32 for an MLA head block, more than 3 fp8 pages hold), so
+  pieces no schedule can use would only add traffic.
 
   Args:
     batch: requests.
     max_pages: the block table's width, in the schedule's units.
     slots: CTAs of one wave that this head block may take.
   """
-  return max(batch + 1, min(slots, batch * max_pages + 1))
+  usable = batch * -(-max_pages // MIN_PAGES_PER_PIECE) + 1
+  return max(batch + 1, min(slots, usable))
 
 
 def schedule_pieces(lengths, *, page_size, max_pages, pieces):
