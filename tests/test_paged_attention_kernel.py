@@ -25,7 +25,7 @@ from pallas_kernels.paged_attention import paged_gqa_decode_reference
 from pallas_kernels.paged_attention import paged_mla_decode
 from pallas_kernels.paged_attention import paged_mla_decode_reference
 from pallas_kernels import schedule
-from pallas_kernels.paged_attention import mla_mgpu
+from pallas_kernels.paged_attention import ops as attn_ops
 from pallas_kernels.paged_attention import reference
 
 FP8 = jnp.float8_e4m3fn
@@ -282,7 +282,7 @@ class PagedMlaDecodeMgpuInterpretTest(PagedMlaDecodeMgpuTest):
 
 
 class F16QueryTest(absltest.TestCase):
-  """mla_mgpu.f16_query: the fp8 cache's f16 query, rows divided by a power of two."""
+  """ops.f16_query: the fp8 cache's f16 query, rows divided by a power of two."""
 
   def test_rows_of_any_magnitude_round_trip(self):
     rng = np.random.default_rng(7)
@@ -290,7 +290,7 @@ class F16QueryTest(absltest.TestCase):
     ql = rng.standard_normal((2, 6, 64)).astype(np.float32) * mags[:, None]
     qr = rng.standard_normal((2, 6, 16)).astype(np.float32) * mags[:, None]
     ql[1, 2, 5] = 7e4  # the row's largest value sits in the rope-free part
-    q16l, q16r, qs = mla_mgpu.f16_query(jnp.asarray(ql), jnp.asarray(qr))
+    q16l, q16r, qs = attn_ops.f16_query(jnp.asarray(ql), jnp.asarray(qr))
     self.assertEqual((q16l.dtype, q16r.dtype, qs.shape), (jnp.float16, jnp.float16, (2, 6)))
     q16 = np.concatenate([np.asarray(q16l, np.float32), np.asarray(q16r, np.float32)], -1)
     q = np.concatenate([ql, qr], -1)
@@ -421,15 +421,19 @@ class PagedGqaDecodeMgpuTest(parameterized.TestCase):
       self.skipTest("compiled Pallas kernels need a GPU")
 
   # The kernel runs the balanced schedule of pieces and ignores num_splits.
-  @parameterized.parameters(("bf16", "one", 1), ("fp8", "ragged", 16))
-  def test_matches_reference(self, kv_dtype, length_kind, group):
+  # The last case's query is 1e5 times larger (its scale as much smaller): past
+  # f16's range, which the kernel's f16 query keeps to through its row factors.
+  @parameterized.parameters(("bf16", "one", 1, 1.0), ("fp8", "ragged", 16, 1.0),
+                            ("fp8", "boundary", 4, 1e5))
+  def test_matches_reference(self, kv_dtype, length_kind, group, q_mul):
     s = self.SHAPE
     lengths = _lengths(length_kind, s["batch"], s["page_size"], s["max_pages"])
     args = make_gqa(_seed("mgpu", kv_dtype, length_kind, group),
                     batch=s["batch"], heads=s["kv_heads"] * group,
                     kv_heads=s["kv_heads"], hd=s["hd"], page_size=s["page_size"],
                     max_pages=s["max_pages"], lengths=lengths, kv_dtype=kv_dtype)
-    scale = 1.0 / math.sqrt(s["hd"])
+    args = ((args[0].astype(jnp.float32) * q_mul).astype(args[0].dtype), *args[1:])
+    scale = 1.0 / math.sqrt(s["hd"]) / q_mul
     out = paged_gqa_decode(*args, scale=scale,
                            backend="interpret" if self.INTERPRET else "pallas",
                            block_sizes=BlockSizes(impl="mgpu"))

@@ -18,7 +18,9 @@ the values are in registers anyway, and a K scale folded into the logits
 would need a per-column vector that the [page, KV] scale layout (head
 minor) cannot be TMA'd into. Rows past the length are zeroed in the same
 pass (bf16: in place, on the partial block only), so garbage, even NaN,
-never reaches the output.
+never reaches the output. The f16 query comes with per-row power-of-two
+factors (ops.f16_query), multiplied into the logits with the softmax scale,
+so no query value overflows f16.
 
 Outputs per piece: o [G, KV, 64, hd] f32 normalised by the piece's softmax
 sum, lse [G, KV, 64] f32; reference.combine_pieces merges each request's.
@@ -47,13 +49,15 @@ def _transforms(cols, dtype):
           plgpu.SwizzleTransform(swizzle))
 
 
-def gqa_decode_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, pieces, *,
-                    scale, interpret=False):
+def gqa_decode_mgpu(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths,
+                    pieces, *, scale, interpret=False):
   """Paged GQA decode partials over a balanced schedule of pieces, on Mosaic GPU.
 
   Args:
     q: [B, KV, 64, hd] query groups padded to 64 rows, in the compute dtype
-      (f16 for an fp8 cache, else the cache dtype).
+      (f16 for an fp8 cache, divided by q_scale; else the cache dtype).
+    q_scale: [B, KV, 64] f32 per-row factors of an fp8 cache's f16 query
+      (``ops.f16_query``: no f16 overflow), or None for a bf16/f16 cache.
     k, v: [N, ps, KV, hd] pages (bf16/f16 or fp8 e4m3); 64 % ps == 0.
     k_scale, v_scale: [N, ps, KV] f32 or None; KV % 8 == 0 when given.
     block_tables: [B, P] int32, P a multiple of 64 // ps.
@@ -75,14 +79,16 @@ def gqa_decode_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, pieces, *,
   if bh != BLOCK_H or hd % 64 or BLOCK_K % ps or block_tables.shape[1] % ppb:
     raise ValueError(f"unsupported shape: q {q.shape}, page_size {ps}, "
                      f"block table width {block_tables.shape[1]}")
-  if fp8 and (cdt != jnp.float16 or nkv % 8):
-    raise ValueError("an fp8 cache needs an f16 query and KV % 8 == 0")
+  if fp8 and (cdt != jnp.float16 or nkv % 8 or q_scale is None
+              or q_scale.shape != q.shape[:3]):
+    raise ValueError("an fp8 cache needs an f16 query, its [B, KV, 64] q_scale "
+                     "(ops.f16_query) and KV % 8 == 0")
   p_in_smem = bool(interpret)
 
-  def kernel(q_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref, len_ref, pc_ref, o_ref,
-             lse_ref, scratch):
-    (q_smem, k_st, v_st, ks_st, vs_st, k16, v16, p_smem, o_smem, lse_smem,
-     q_bar, tma_bar) = scratch
+  def kernel(q_ref, qs_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref, len_ref, pc_ref,
+             o_ref, lse_ref, scratch):
+    (q_smem, qs_smem, k_st, v_st, ks_st, vs_st, k16, v16, p_smem, o_smem,
+     lse_smem, q_bar, tma_bar) = scratch
     kvh = lax.axis_index("kv")
     piece = lax.axis_index("s")
     # An unused piece (request -1) runs no step and writes an empty partial.
@@ -107,10 +113,16 @@ def gqa_decode_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, pieces, *,
           plgpu.copy_gmem_to_smem(vs_ref.at[page], vs_st.at[rows], tma_bar)
 
     plgpu.copy_gmem_to_smem(q_ref.at[bi, kvh], q_smem, q_bar)
+    if fp8:
+      plgpu.copy_gmem_to_smem(qs_ref.at[bi, kvh], qs_smem, q_bar)
     @pl.when(steps > 0)
     def _():
       issue(0)
     plgpu.barrier_wait(q_bar)
+    # The softmax scale, times the f16 query's row factors for an fp8 cache.
+    row = plgpu.Layout.WGMMA.reduce(1)
+    row_scale = (plgpu.load(qs_smem, layout=row) * scale if fp8
+                 else plgpu.layout_cast(jnp.full((BLOCK_H,), scale, jnp.float32), row))
 
     def head_scale(ref):
       """[64 tokens] scales of this KV head, as a per-row vector."""
@@ -149,7 +161,8 @@ def gqa_decode_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, pieces, *,
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, kk.transpose((1, 0)))
         return acc_ref[...]
-      logits = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_K), jnp.float32)) * scale
+      logits = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_K), jnp.float32))
+      logits = logits * lax.broadcast_in_dim(row_scale, logits.shape, [0])
       kpos = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, BLOCK_K), 1, layout=plgpu.Layout.WGMMA)
       valid = kpos + pos0 < length
       logits = jnp.where(valid, logits, NEG)
@@ -205,6 +218,7 @@ def gqa_decode_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, pieces, *,
     st = k.dtype
     scratch = [
         plgpu.SMEM((BLOCK_H, hd), cdt, transforms=_transforms(hd, cdt)),
+        plgpu.SMEM((BLOCK_H,), jnp.float32) if fp8 else None,
         plgpu.SMEM((BLOCK_K, hd), st, transforms=_transforms(hd, st)),
         plgpu.SMEM((BLOCK_K, hd), st, transforms=_transforms(hd, st)),
         plgpu.SMEM((BLOCK_K, nkv), jnp.float32) if fp8 else None,
@@ -217,7 +231,7 @@ def gqa_decode_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, pieces, *,
         plgpu.SMEM((BLOCK_H,), jnp.float32),
     ]
     barriers = [
-        plgpu.Barrier(num_arrivals=1),  # q loaded
+        plgpu.Barrier(num_arrivals=2 if fp8 else 1),  # q (and q_scale) loaded
         # Every TMA issued with a barrier is one arrival on it.
         plgpu.Barrier(num_arrivals=ppb * (4 if fp8 else 2)),
     ]
@@ -234,4 +248,4 @@ def gqa_decode_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, pieces, *,
       kernel_name="paged_gqa_decode_mgpu",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **kwargs,
-  )(q, k, v, k_scale, v_scale, block_tables, lengths, pieces)
+  )(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths, pieces)

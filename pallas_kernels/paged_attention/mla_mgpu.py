@@ -67,7 +67,6 @@ _LOG2E = math.log2(math.e)
 _OUT_CHUNK = 32  # columns per f32 output TMA tile (keeps the smem scratch small)
 _STAGE_CHUNK = 64  # columns per register pass when masking/dequantising a page
 _MIN_SCALE = 1e-30  # floor of a page's largest scale (an all-zero page has 0)
-_F16_ROW_MAX_LOG2 = 14  # f16_query keeps each row's largest value below 2^14
 def _transforms(cols, dtype):
   bits = jnp.dtype(dtype).itemsize * 8
   swizzle = plgpu.find_swizzle(cols * bits, "rhs")
@@ -80,31 +79,6 @@ def _smem(shape, dtype):
   return plgpu.SMEM((1, *shape), dtype, transforms=_transforms(shape[-1], dtype))
 
 
-def f16_query(q_latent, q_rope):
-  """The f16 query of an fp8 cache: each row divided by a power of two.
-
-  The factor puts the row's largest |value| (latent and rope together, since
-  their logits add) in [2^13, 2^14): far from f16's overflow at 65504 and
-  from its subnormals, so the cast rounds to 11 significant bits and nothing
-  overflows. A power of two divides exactly. An all-zero row keeps factor 1.
-
-  Args:
-    q_latent: [B, H, C] float.
-    q_rope: [B, H, R] float.
-
-  Returns:
-    (q_latent f16, q_rope f16, q_scale [B, H] f32) with q = q16 * q_scale.
-  """
-  ql = q_latent.astype(jnp.float32)
-  qr = q_rope.astype(jnp.float32)
-  amax = jnp.maximum(jnp.abs(ql).max(-1), jnp.abs(qr).max(-1))
-  _, exp = jnp.frexp(amax)  # amax < 2^exp
-  q_scale = jnp.where(amax > 0, jnp.ldexp(jnp.float32(1), exp - _F16_ROW_MAX_LOG2), 1.0)
-  inv = (1.0 / q_scale)[..., None]  # a power of two: exact
-  return ((ql * inv).astype(jnp.float16), (qr * inv).astype(jnp.float16),
-          q_scale.astype(jnp.float32))
-
-
 def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
                     k_rope_scale, block_tables, lengths, pieces, *, scale,
                     heads=None, interpret=False):
@@ -115,7 +89,7 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
       divided by q_scale; else the cache dtype); Hp a multiple of 64.
     q_rope: [B, Hp, R] same dtype and row scale.
     q_scale: [B, Hp] f32 per-row factors of an fp8 cache's f16 query (see
-      ``f16_query``), or None for a bf16/f16 cache.
+      ``ops.f16_query``), or None for a bf16/f16 cache.
     latent, k_rope: [N, ps, C], [N, ps, R] pages (bf16/f16 or fp8 e4m3).
     latent_scale, k_rope_scale: [N, ps] f32 or None.
     block_tables: [B, P] int32.
@@ -149,7 +123,7 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
                      f"per warpgroup), got C {c}")
   if fp8 and (cdt != jnp.float16 or q_scale is None or q_scale.shape != (b, hp)):
     raise ValueError(f"an fp8 cache needs an f16 query and its [B, Hp] q_scale "
-                     f"(f16_query), got {cdt} and "
+                     f"(ops.f16_query), got {cdt} and "
                      f"{None if q_scale is None else q_scale.shape}")
   if not fp8 and latent.dtype != cdt:
     raise ValueError(f"query {cdt} and cache {latent.dtype} dtypes differ")

@@ -362,6 +362,33 @@ def _mla_split_k_call(kernel, name, q_latent, q_rope, operands, *, block_h,
   return out.astype(q_latent.dtype)
 
 
+# f16_query keeps each row's largest |value| in [2^13, 2^14).
+_F16_ROW_MAX_LOG2 = 14
+
+
+def f16_query(*parts):
+  """The f16 query of an fp8 cache's Mosaic GPU kernels: rows divided by a power of two.
+
+  The factor puts each row's largest |value| (over all parts, whose logits add:
+  MLA's latent and rope) in [2^13, 2^14): far from f16's overflow at 65504 and
+  from its subnormals, so the cast keeps 11 significant bits and nothing
+  overflows. A power of two divides exactly. An all-zero row keeps factor 1.
+  The kernels multiply the factor back into the logits.
+
+  Args:
+    *parts: [..., D_i] float arrays with the same leading shape.
+
+  Returns:
+    (each part as f16, ..., q_scale [...] f32) with part = part16 * q_scale[..., None].
+  """
+  parts = [x.astype(jnp.float32) for x in parts]
+  amax = functools.reduce(jnp.maximum, [jnp.abs(x).max(-1) for x in parts])
+  _, exp = jnp.frexp(amax)  # amax < 2^exp
+  q_scale = jnp.where(amax > 0, jnp.ldexp(jnp.float32(1), exp - _F16_ROW_MAX_LOG2), 1.0)
+  inv = (1.0 / q_scale)[..., None]  # a power of two: exact
+  return (*[(x * inv).astype(jnp.float16) for x in parts], q_scale.astype(jnp.float32))
+
+
 def mla_mgpu_pieces(batch: int, heads: int, max_pages: int, kind: str | None = None) -> int:
   """Pieces (CTAs) per 64-head block of the Mosaic GPU MLA kernel: one CTA per SM
   (its shared memory), the SMs shared by the head blocks."""
@@ -385,7 +412,7 @@ def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
   if latent.dtype == FP8:
     # fp8 pages become f16 in the kernel (see mla_mgpu), and wgmma wants equal
     # operand types: an f16 query, rows divided by a power of two.
-    ql, qr, q_scale = mla_mgpu.f16_query(ql, qr)
+    ql, qr, q_scale = f16_query(ql, qr)
   else:
     ql, qr, q_scale = ql.astype(latent.dtype), qr.astype(latent.dtype), None
   bt = block_tables.astype(jnp.int32)
@@ -505,9 +532,13 @@ def _gqa_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, *, scale,
   b, h, hd = q.shape
   ps, kv = k.shape[1], k.shape[2]
   g = h // kv
-  cdt = jnp.float16 if k.dtype == FP8 else k.dtype  # see gqa_mgpu: fp8 -> f16
-  qg = q.reshape(b, kv, g, hd).astype(cdt)
-  qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gqa_mgpu.BLOCK_H - g), (0, 0)))
+  qg = jnp.pad(q.reshape(b, kv, g, hd), ((0, 0), (0, 0), (0, gqa_mgpu.BLOCK_H - g), (0, 0)))
+  if k.dtype == FP8:
+    # fp8 pages become f16 in the kernel (see gqa_mgpu): an f16 query, rows
+    # divided by a power of two so that none overflows f16.
+    qg, q_scale = f16_query(qg)
+  else:
+    qg, q_scale = qg.astype(k.dtype), None
   ppb = gqa_mgpu.BLOCK_K // ps
   bt = _pad_tables(block_tables.astype(jnp.int32), ppb)
   lengths = lengths.astype(jnp.int32)
@@ -515,7 +546,7 @@ def _gqa_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, *, scale,
   pieces = schedule.schedule_pieces(lengths, page_size=gqa_mgpu.BLOCK_K, max_pages=blocks,
                                     pieces=gqa_mgpu_pieces(b, kv, blocks))
   o, lse = gqa_mgpu.gqa_decode_mgpu(
-      qg, k, v, k_scale, v_scale, bt, lengths, pieces, scale=float(scale),
+      qg, q_scale, k, v, k_scale, v_scale, bt, lengths, pieces, scale=float(scale),
       interpret=mgpu_interpret_params() if interpret else False)
   bh = gqa_mgpu.BLOCK_H
   g_pieces = pieces.shape[1]
