@@ -104,14 +104,16 @@ def design_flops(case: kt.KernelCase) -> int:
 
 def design_bytes(case: kt.KernelCase) -> int:
   """Bytes the engine's kernel moves for ``case`` on an H200: the job's, plus the
-  partials of the Mosaic GPU decode kernels' pieces, which each piece (CTA) writes in
-  f32 and the merge (``reference.combine_pieces``) reads back:
-  - MLA decode: [H, C] outputs (the real heads' rows) and 64 log-sum-exps per
-    64-head block, for each of ``ops.mla_mgpu_pieces`` pieces;
-  - GQA decode: [64, hd] outputs and 64 log-sum-exps per KV head (the group padded
+  partials of the Mosaic GPU decode kernels' pieces, which each piece (CTA) writes
+  and the merge (``reference.combine_pieces``) reads back:
+  - MLA decode: [H, C] bf16 outputs (the real heads' rows, rounded up to 8) and
+    64 f32 log-sum-exps per 64-head block, for each of ``ops.mla_mgpu_pieces``
+    pieces;
+  - GQA decode: [64, hd] f32 outputs and 64 log-sum-exps per KV head (the group padded
     to 64 rows), for each of ``ops.gqa_mgpu_pieces`` pieces;
   - the others: the job's bytes.
   """
+  import numpy as np
   from pallas_kernels.paged_attention import gqa_mgpu
   from pallas_kernels.paged_attention import mla_mgpu
   from pallas_kernels.paged_attention import ops as attn_ops
@@ -120,7 +122,9 @@ def design_bytes(case: kt.KernelCase) -> int:
   if case.kernel == "paged_mla_decode":
     g = attn_ops.mla_mgpu_pieces(d["batch"], d["heads"], d["max_pages"], kind=H200)
     blocks = -(-d["heads"] // mla_mgpu.BLOCK_H)
-    return nbytes + 2 * g * (d["heads"] * d["c"] + blocks * mla_mgpu.BLOCK_H) * 4
+    rows = -(-d["heads"] // 8) * 8
+    out_item = np.dtype(mla_mgpu.PARTIAL_DTYPE).itemsize
+    return nbytes + 2 * g * (rows * d["c"] * out_item + blocks * mla_mgpu.BLOCK_H * 4)
   if case.kernel == "paged_gqa_decode":
     blocks = -(-d["max_pages"] * d["page_size"] // gqa_mgpu.BLOCK_K)
     g = attn_ops.gqa_mgpu_pieces(d["batch"], d["kv_heads"], blocks, kind=H200)
@@ -285,7 +289,7 @@ def summary_lines(sheet: list[dict]) -> list[str]:
                        "are bound by the padding of their heads to wgmma's 64 rows (meeting it "
                        "there needs tokens in wgmma's M)" if len(job_bound) < len(mma) else "")
                     + ". " if mma else "")
-                 + (f"At {len(partials)} the f32 partials of its pieces, written and read "
+                 + (f"At {len(partials)} the partials of its pieces, written and read "
                     f"back by the merge, add {min(r['design_bytes'] / r['bytes'] - 1 for r in partials):.0%}-"
                     f"{max(r['design_bytes'] / r['bytes'] - 1 for r in partials):.0%} to the "
                     "bytes (fewer, longer pieces or a merge inside the kernel would cut them)."

@@ -126,9 +126,9 @@ class SheetTest(absltest.TestCase):
       self.assertGreaterEqual(r["design_bytes"], r["bytes"])
       self.assertGreaterEqual(r["design_s"], r["roofline_s"])
     # MLA partials: batch 1, 64 pages of 64 tokens, 64 heads: 1 * 64 / 2 + 1 = 33
-    # pieces, each writing [64, 512] + 64 f32 that the merge reads back.
+    # pieces, each writing [64, 512] bf16 + 64 f32 that the merge reads back.
     c, r = by["mla/dp/fp8/b1/ctx4096"]
-    self.assertEqual(r["design_bytes"] - r["bytes"], 2 * 33 * (64 * 512 + 64) * 4)
+    self.assertEqual(r["design_bytes"] - r["bytes"], 2 * 33 * (64 * 512 * 2 + 64 * 4))
     self.assertEqual(r["design_bound"], "memory")
     # MLA: 8 heads per device run as wgmma's 64 rows; 64 heads need no padding.
     c, r = by["mla/tp8/fp8/b64/ctx131072"]

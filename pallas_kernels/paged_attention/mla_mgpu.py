@@ -45,11 +45,11 @@ stay live beside the accumulator and spill. The loop body therefore
 addresses every buffer through an index that is 0 but opaque to LLVM (an
 optimization barrier), so descriptors are computed next to their wgmma.
 
-Outputs per piece: o [G, H, C] f32 already divided by the piece's softmax
-sum, only the H real heads' rows (the padding rows would be most of the
-partials' HBM traffic at 8 heads per device), and lse [G, Hp] f32 (a very
-negative number for an empty piece); reference.combine_pieces merges each
-request's pieces.
+Outputs per piece: o [G, H8, C] bf16 (PARTIAL_DTYPE) already divided by the
+piece's softmax sum, only the rows of the H real heads rounded up to 8 (the
+padding rows would be most of the partials' HBM traffic at 8 heads per
+device), and lse [G, Hp] f32 (a very negative number for an empty piece);
+reference.combine_pieces merges each request's pieces.
 """
 
 import math
@@ -64,7 +64,12 @@ FP8 = jnp.float8_e4m3fn
 BLOCK_H = 64  # wgmma M per warpgroup
 NEG = -1e30  # finite "minus infinity" for empty splits and masked logits
 _LOG2E = math.log2(math.e)
-_OUT_CHUNK = 32  # columns per f32 output TMA tile (keeps the smem scratch small)
+_OUT_CHUNK = 32  # columns per output TMA tile (keeps the smem scratch small)
+# The pieces' partial outputs are bf16, the attention output's dtype: a
+# request merged from several pieces takes at most one more bf16 rounding of
+# their normalised outputs (one piece: none), and the partials' HBM traffic,
+# written here and read back by the merge, halves.
+PARTIAL_DTYPE = jnp.bfloat16
 _STAGE_CHUNK = 64  # columns per register pass when masking/dequantising a page
 _MIN_SCALE = 1e-30  # floor of a page's largest scale (an all-zero page has 0)
 def _transforms(cols, dtype):
@@ -100,7 +105,8 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
     interpret: False, or a plgpu.InterpretGPUParams.
 
   Returns:
-    (o [G, H, C] f32 normalised per piece, lse [G, Hp] f32).
+    (o [G, H8, C] bf16 normalised per piece, H8 = H rounded up to 8 (rows
+    past H are padding), lse [G, Hp] f32).
 
   Raises:
     ValueError: on an unsupported shape or dtype combination.
@@ -115,6 +121,9 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
   if not 0 < heads <= hp or hp - heads >= BLOCK_H:
     raise ValueError(f"heads {heads} must be in ({hp - BLOCK_H}, {hp}] for {hp} query rows")
   full_blocks, tail_rows = divmod(heads, BLOCK_H)
+  # The staging tile is in 8-row tiles: a partial block writes whole ones.
+  tail_rows = -(-tail_rows // 8) * 8
+  out_rows = full_blocks * BLOCK_H + tail_rows
   if hp % BLOCK_H or c % 128 or ps % 64 or r % 64:
     raise ValueError(f"unsupported shape: heads {hp} (x64), C {c} (x128), "
                      f"page {ps} (x64), R {r} (x64)")
@@ -339,7 +348,7 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
     def write_out(rows):
       """This warpgroup's columns of the block's first `rows` rows (a static count)."""
       for j in range(half // _OUT_CHUNK):
-        o_smem.at[wg][...] = acc[:, j * _OUT_CHUNK:(j + 1) * _OUT_CHUNK]
+        o_smem.at[wg][...] = acc[:, j * _OUT_CHUNK:(j + 1) * _OUT_CHUNK].astype(PARTIAL_DTYPE)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(
             o_smem.at[wg, pl.ds(0, rows)],
@@ -372,7 +381,8 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
         (plgpu.SMEM((2, BLOCK_H, ps), cdt, transforms=_transforms(ps, cdt))
          if p_in_smem else None),
         plgpu.SMEM((BLOCK_H, ps), jnp.float32),  # the page's logits, half per WG
-        plgpu.SMEM((2, BLOCK_H, _OUT_CHUNK), jnp.float32),
+        plgpu.SMEM((2, BLOCK_H, _OUT_CHUNK), PARTIAL_DTYPE,
+                   transforms=_transforms(_OUT_CHUNK, PARTIAL_DTYPE)),
         plgpu.SMEM((BLOCK_H,), jnp.float32),
     ]
     barriers = [
@@ -387,7 +397,7 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
     pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, *barriers,
                   collective_axes="wg")
 
-  out_type = (jax.ShapeDtypeStruct((num_g, heads, c), jnp.float32),
+  out_type = (jax.ShapeDtypeStruct((num_g, out_rows, c), PARTIAL_DTYPE),
               jax.ShapeDtypeStruct((num_g, hp), jnp.float32))
   kwargs = dict(interpret=interpret) if interpret else {}
   return plgpu.kernel(

@@ -424,7 +424,7 @@ def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
       ql, qr, q_scale, latent, k_rope, latent_scale, k_rope_scale, bt, lengths, pieces,
       scale=float(scale), heads=h,
       interpret=mgpu_interpret_params() if interpret else False)
-  out = reference.combine_pieces(o, lse[:, :h], pieces[0], b)
+  out = reference.combine_pieces(o[:, :h], lse[:, :h], pieces[0], b)
   return out.astype(q_latent.dtype)
 
 
