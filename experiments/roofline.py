@@ -122,7 +122,7 @@ def design_bytes(case: kt.KernelCase) -> int:
   if case.kernel == "paged_mla_decode":
     g = attn_ops.mla_mgpu_pieces(d["batch"], d["heads"], d["max_pages"], kind=H200)
     blocks = -(-d["heads"] // mla_mgpu.BLOCK_H)
-    rows = -(-d["heads"] // 8) * 8
+    rows = mla_mgpu.partial_rows(d["heads"])
     out_item = np.dtype(mla_mgpu.PARTIAL_DTYPE).itemsize
     return nbytes + 2 * g * (rows * d["c"] * out_item + blocks * mla_mgpu.BLOCK_H * 4)
   if case.kernel == "paged_gqa_decode":

@@ -26,7 +26,7 @@ def prefix_sum(x: jax.Array) -> jax.Array:
 
 
 # Fewest pages a piece gets when there is work to spare: each piece also loads
-# the query and writes a [64, C] f32 partial, and with one page nothing is
+# the query and writes a partial output, and with one page nothing is
 # prefetched while a page is computed.
 MIN_PAGES_PER_PIECE = 2
 
@@ -37,7 +37,7 @@ def num_pieces(batch: int, max_pages: int, slots: int) -> int:
   more than batch * ceil(max_pages / MIN_PAGES_PER_PIECE) + 1, the most a
   schedule can use (one piece per MIN_PAGES_PER_PIECE pages, or one per
   request): every piece, used or not, writes a partial that the merge reads
-  back ([64, 512] f32 for an MLA head block, more than 3 fp8 pages hold), so
+  back (64 KiB of bf16 for a 64-head MLA block, more than an fp8 page), so
   pieces no schedule can use would only add traffic.
 
   Args:

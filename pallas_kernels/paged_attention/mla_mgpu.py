@@ -84,6 +84,12 @@ def _smem(shape, dtype):
   return plgpu.SMEM((1, *shape), dtype, transforms=_transforms(shape[-1], dtype))
 
 
+def partial_rows(heads: int) -> int:
+  """Rows of the partial outputs for ``heads`` real heads: rounded up to 8, since
+  the bf16 staging tile is in 8-row tiles and a partial head block writes whole ones."""
+  return -(-heads // 8) * 8
+
+
 def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
                     k_rope_scale, block_tables, lengths, pieces, *, scale,
                     heads=None, interpret=False):
@@ -120,10 +126,9 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
   heads = hp if heads is None else heads
   if not 0 < heads <= hp or hp - heads >= BLOCK_H:
     raise ValueError(f"heads {heads} must be in ({hp - BLOCK_H}, {hp}] for {hp} query rows")
-  full_blocks, tail_rows = divmod(heads, BLOCK_H)
-  # The staging tile is in 8-row tiles: a partial block writes whole ones.
-  tail_rows = -(-tail_rows // 8) * 8
-  out_rows = full_blocks * BLOCK_H + tail_rows
+  full_blocks = heads // BLOCK_H
+  out_rows = partial_rows(heads)
+  tail_rows = out_rows - full_blocks * BLOCK_H
   if hp % BLOCK_H or c % 128 or ps % 64 or r % 64:
     raise ValueError(f"unsupported shape: heads {hp} (x64), C {c} (x128), "
                      f"page {ps} (x64), R {r} (x64)")

@@ -180,7 +180,7 @@ def combine_pieces(o, lse, request, batch):
   zero-filled [B, H, D] buffer is built per layer.
 
   Args:
-    o: [G, H, D] f32 per-piece outputs, each already divided by its own softmax
+    o: [G, H, D] f32 or bf16 per-piece outputs, each already divided by its own softmax
       sum (0 for an empty piece).
     lse: [G, H] f32 per-piece log-sum-exp (a very negative finite number for an
       empty piece).
