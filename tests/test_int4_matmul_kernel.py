@@ -26,7 +26,7 @@ from pallas_kernels.int4_matmul import int4_matmul
 from pallas_kernels.int4_matmul import int4_matmul_reference
 from pallas_kernels.int4_matmul import pack_int4
 from pallas_kernels.int4_matmul import unpack_int4
-from pallas_kernels.int4_matmul.int4_matmul import _grouped_schedule
+from pallas_kernels.int4_matmul.int4_matmul import grouped_schedule
 from pallas_kernels.int4_matmul.int4_matmul import grouped_tile_bound
 from pallas_kernels.int4_matmul.block_sizes import H200_SMEM_BYTES
 from pallas_kernels.int4_matmul.block_sizes import TUNED
@@ -250,7 +250,7 @@ class GroupedScheduleTest(parameterized.TestCase):
       gs = rng.multinomial(m - trial % 3 * (m // 4), rng.dirichlet(np.ones(e) * 0.3))
       if trial == 19:
         gs[-1] += 7
-      meta = np.asarray(_grouped_schedule(
+      meta = np.asarray(grouped_schedule(
           jnp.asarray(gs, jnp.int32), m, tile_m, bound))
       expert, window, offset, rows, used = meta
       self.assertTrue((used == used[0]).all())

@@ -5,6 +5,10 @@ from pallas_kernels.int4_matmul.int4_matmul import BACKENDS
 from pallas_kernels.int4_matmul.int4_matmul import int4_grouped_matmul
 from pallas_kernels.int4_matmul.int4_matmul import int4_matmul
 from pallas_kernels.int4_matmul.int4_matmul import resolve_backend
+from pallas_kernels.int4_matmul.nk import from_nk
+from pallas_kernels.int4_matmul.nk import int4_grouped_matmul_nk
+from pallas_kernels.int4_matmul.nk import int4_matmul_nk
+from pallas_kernels.int4_matmul.nk import to_nk
 from pallas_kernels.int4_matmul.reference import dequantize_int4
 from pallas_kernels.int4_matmul.reference import int4_grouped_matmul_reference
 from pallas_kernels.int4_matmul.reference import int4_matmul_reference

@@ -7,6 +7,9 @@ every expert's weights are read, as at the target rows per expert).
 
 Impls, in order:
   * ``pallas``: the kernel with its default block sizes;
+  * ``pallas_overlap``: the same with dequantisation overlapped with the wgmmas;
+  * ``pallas_nk``: the kernel on [N, K] int4 weights (``nk.py``: converted in
+    registers, wgmma's A operand from registers), the same block sizes;
   * ``xla``: the pure-jnp INT4 reference compiled by XLA (dequantise, f32 dot);
   * ``xla_bf16_dot`` / ``xla_bf16_ragged_dot``: the bf16 twin, the same
     (dequantised) weights in bf16 through XLA's dot or ``lax.ragged_dot``:
@@ -32,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import benchmark as bm
+from pallas_kernels.int4_matmul import nk
 from pallas_kernels.int4_matmul import reference
 from pallas_kernels.int4_matmul.block_sizes import H200_SMEM_BYTES
 from pallas_kernels.int4_matmul.block_sizes import BlockSizes
@@ -128,6 +132,7 @@ def _dense(dims, backend, peers, seed):
 
   impls = [bm.Impl("pallas", call(backend), sets, ref, note="Mosaic GPU kernel"),
            _overlap_impl(int4_matmul, g, backend, bs, sets, ref),
+           _nk_impl(nk.int4_matmul_nk, g, backend, bs, sets, ref),
            bm.Impl("xla", call("xla"), sets, ref, note="jnp reference: dequantise, f32 dot"),
            bm.Impl("xla_bf16_dot", _bf16_dot, bf16_sets, ref,
                    nbytes=job_cost("int4_matmul", dims, weights="bf16")[0],
@@ -148,6 +153,20 @@ def _overlap_impl(op, group_size, backend, bs, sets, ref) -> bm.Impl:
   return bm.Impl("pallas_overlap", fn, sets, ref,
                  note=f"Mosaic GPU kernel, dequantisation overlapped with the wgmmas "
                  f"(two scratch slots: {smem} B of shared memory per CTA)")
+
+
+def _nk_impl(op, group_size, backend, bs, sets, ref) -> bm.Impl:
+  """The kernel on [N, K] int4 weights (the same bytes, relaid once, outside the timing)."""
+  fn = functools.partial(op, group_size=group_size, backend=backend, block_sizes=bs)
+  grouped = op is nk.int4_grouped_matmul_nk
+
+  def nk_sets():  # built when timed, like the bf16 twins' sets
+    return [(x, nk.to_nk(p), *rest) for x, p, *rest in sets()]
+
+  smem = bs.smem_bytes(group_size, grouped=grouped, layout="nk")
+  return bm.Impl("pallas_nk", fn, nk_sets, ref,
+                 note=f"Mosaic GPU kernel on [N, K] int4 weights: converted in registers, "
+                 f"wgmma A from registers ({smem} B of shared memory per CTA)")
 
 
 def _mixed_type_peer(sets, m, k, n) -> bm.Impl:
@@ -204,6 +223,7 @@ def _grouped(dims, backend, peers, seed):
   bf16_bytes = job_cost("int4_grouped_matmul", dims, weights="bf16")[0]
   impls = [bm.Impl("pallas", call(backend), sets, ref, note="Mosaic GPU kernel"),
            _overlap_impl(int4_grouped_matmul, g, backend, bs, sets, ref),
+           _nk_impl(nk.int4_grouped_matmul_nk, g, backend, bs, sets, ref),
            bm.Impl("xla", call("xla"), sets, ref, note="jnp reference: dequantise, f32 ragged_dot"),
            bm.Impl("xla_bf16_ragged_dot", _bf16_ragged_dot, bf16_sets, ref, nbytes=bf16_bytes,
                    note="bf16 twin: dequantised weights, lax.ragged_dot")]

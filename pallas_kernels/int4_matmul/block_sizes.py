@@ -64,18 +64,22 @@ class BlockSizes:
       raise ValueError(f"max_ctas={self.max_ctas} must be >= 0 (0: fill the device)")
 
   def smem_bytes(self, group_size: int = 32, scale_bytes: int = 4,
-                 grouped: bool = False) -> int:
+                 grouped: bool = False, layout: str = "kn") -> int:
     """Shared memory one CTA needs (pipeline buffers + scratches), in bytes.
 
-    Lowering for an abstract H200 does not check this, so the tuned table is
-    checked against H200_SMEM_BYTES in the tests instead.
+    layout "kn" is the [K/2, N] uint8 kernel (a bf16 dequantisation scratch),
+    "nk" the [N, K] int4 one (converted in registers, no scratch; at least two
+    pipeline buffers, since x is released a step late). Lowering for an
+    abstract H200 does not check this, so the tuned table is checked against
+    H200_SMEM_BYTES in the tests instead.
     """
-    tkh = self.tile_k // 2
-    per_step = (2 * self.tile_m * tkh * 2  # x even/odd, bf16
-                + tkh * self.tile_n  # packed uint8
+    per_step = (self.tile_m * self.tile_k * 2  # x (even + odd columns for "kn"), bf16
+                + self.tile_k // 2 * self.tile_n  # packed weights, two per byte
                 + self.tile_k // group_size * self.tile_n * scale_bytes)
-    dequant = 2 * tkh * self.tile_n * 2 * (2 if self.overlap_dequant else 1)  # bf16 operands
     out = self.tile_n * self.tile_m * (2 if grouped else 4)
+    if layout == "nk":
+      return max(2, self.max_concurrent_steps) * per_step + out
+    dequant = self.tile_k * self.tile_n * 2 * (2 if self.overlap_dequant else 1)  # bf16
     return self.max_concurrent_steps * per_step + dequant + out
 
   @classmethod

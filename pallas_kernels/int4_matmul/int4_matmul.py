@@ -82,7 +82,7 @@ BACKENDS = dispatch.BACKENDS
 resolve_backend = dispatch.resolve_backend
 
 
-def _interpret_params(backend: str):
+def interpret_params(backend: str):
   if backend == "interpret":
     # NaN-filled fresh buffers poison any output element the kernel skips.
     return plgpu.InterpretGPUParams(detect_races=True,
@@ -197,25 +197,22 @@ def _in_specs(tile_m, tile_n, tile_k, ng, m_block, n_block, k_offset, *,
   ]
 
 
-def _int4_matmul_kernel(xe_gmem, xo_gmem, p_gmem, s_gmem, o_gmem,
-                        wlo_smem, whi_smem, o_smem, *, group_size, tile_n,
-                        tile_m, tile_k, k_steps, max_concurrent_steps, overlap):
-  """Dense kernel body: one CTA computes o[split, n tile, m tile] (f32).
+def dense_kernel(*refs, pipeline, x_refs, tile_n, tile_m, k_steps):
+  """Dense kernel body (both weight layouts): one CTA computes o[split, n tile, m tile].
 
-  xe/xo_gmem: [Mp, K/2] bf16 even/odd columns of x; p_gmem: [K/2, N] uint8;
-  s_gmem: [K/g, N]; o_gmem: [k_splits, N, Mp] f32 partial sums of out^T.
+  refs: the x_refs x operands, the weights and scales (GMEM), o_gmem
+  [k_splits, N, Mp] f32 partial sums of out^T, then the pipeline's scratch and
+  the output tile o_smem [tile_n, tile_m] f32. pipeline(acc_ref, ins, work,
+  m_block=, n_block=, k_offset=) accumulates the tile's K steps.
   """
+  ins, o_gmem = refs[:x_refs + 2], refs[x_refs + 2]
+  work, o_smem = refs[x_refs + 3:-1], refs[-1]
   ni = lax.axis_index("n")
   mi = lax.axis_index("m")
   si = lax.axis_index("k")
-  ng = tile_k // group_size
 
   def acc_scope(acc_ref):
-    _k_pipeline(acc_ref, xe_gmem, xo_gmem, p_gmem, s_gmem, wlo_smem, whi_smem,
-                in_specs=_in_specs(tile_m, tile_n, tile_k, ng, mi, ni, si * k_steps,
-                                   overlap=overlap),
-                k_steps=k_steps, max_concurrent_steps=max_concurrent_steps,
-                tile_n=tile_n, tile_k=tile_k, group_size=group_size, overlap=overlap)
+    pipeline(acc_ref, ins, work, m_block=mi, n_block=ni, k_offset=si * k_steps)
     return acc_ref[...]
 
   acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, tile_m), jnp.float32))
@@ -226,12 +223,30 @@ def _int4_matmul_kernel(xe_gmem, xo_gmem, p_gmem, s_gmem, o_gmem,
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _kn_pipeline(bs: BlockSizes, group_size: int, k_steps: int):
+  """The [K/2, N] uint8 layout's K pipeline for dense_kernel / grouped_kernel:
+  x as even and odd columns, dequantised through the bf16 scratch."""
+  overlap = _overlap(bs, k_steps)
+  ng = bs.tile_k // group_size
+
+  def run(acc_ref, ins, work, *, m_block, n_block, k_offset, first_row=None):
+    xe, xo, packed, scales = ins
+    wlo_smem, whi_smem = work
+    _k_pipeline(acc_ref, xe, xo, packed, scales, wlo_smem, whi_smem,
+                in_specs=_in_specs(bs.tile_m, bs.tile_n, bs.tile_k, ng, m_block,
+                                   n_block, k_offset, first_row=first_row,
+                                   overlap=overlap),
+                k_steps=k_steps, max_concurrent_steps=min(bs.max_concurrent_steps, k_steps),
+                tile_n=bs.tile_n, tile_k=bs.tile_k, group_size=group_size, overlap=overlap)
+  return run
+
+
 def _split_even_odd(x, m_pad):
   x = jnp.pad(x, ((0, m_pad - x.shape[0]), (0, 0)))
   return x[:, 0::2], x[:, 1::2]  # [Mp, K/2] each
 
 
-def _compiler_params():
+def compiler_params():
   return plgpu.CompilerParams(
       lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 
@@ -298,11 +313,8 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *,
   m_pad = -(-m // tile_m) * tile_m
   x_even, x_odd = _split_even_odd(x, m_pad)
   k_steps = k // tile_k // bs.k_splits
-  kernel = functools.partial(
-      _int4_matmul_kernel, group_size=group_size, tile_n=tile_n, tile_m=tile_m,
-      tile_k=tile_k, k_steps=k_steps,
-      max_concurrent_steps=min(bs.max_concurrent_steps, k_steps),
-      overlap=_overlap(bs, k_steps))
+  kernel = functools.partial(dense_kernel, pipeline=_kn_pipeline(bs, group_size, k_steps),
+                             x_refs=2, tile_n=tile_n, tile_m=tile_m, k_steps=k_steps)
   out_t = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((bs.k_splits, n, m_pad), jnp.float32),
@@ -310,8 +322,8 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *,
       grid_names=("n", "m", "k"),
       kernel_name="int4_matmul",
       scratch_types=_scratch(bs, (tile_n, tile_m), jnp.float32, _overlap(bs, k_steps)),
-      compiler_params=_compiler_params(),
-      interpret=_interpret_params(backend),
+      compiler_params=compiler_params(),
+      interpret=interpret_params(backend),
   )(x_even, x_odd, packed, scales)
   # [k_splits, N, Mp] -> [M, N]; the split-K sum stays in f32.
   return out_t.sum(axis=0)[:n_out, :m].T.astype(out_dtype)
@@ -322,7 +334,7 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *,
 _ROW_ALIGN = 8
 
 
-def _grouped_schedule(group_sizes, m, tile_m, num_tiles):
+def grouped_schedule(group_sizes, m, tile_m, num_tiles):
   """Cuts each expert's rows into tiles of its own, then the rows past them.
 
   The segments are the E experts' rows [start_e, end_e) and a last one of the
@@ -368,7 +380,7 @@ def _grouped_schedule(group_sizes, m, tile_m, num_tiles):
 
 
 def segment_tiles(starts, ends, tile_m: int):
-  """Tiles of each row segment [starts, ends) in ``_grouped_schedule``: windows of
+  """Tiles of each row segment [starts, ends) in ``grouped_schedule``: windows of
   tile_m rows from its start rounded down to _ROW_ALIGN (0 for an empty one).
   Operators only, so numpy arrays work too (the roofline sheet's design model)."""
   windows = starts // _ROW_ALIGN * _ROW_ALIGN
@@ -376,7 +388,7 @@ def segment_tiles(starts, ends, tile_m: int):
 
 
 def grouped_tile_bound(m: int, e: int, tile_m: int) -> int:
-  """Most tiles ``_grouped_schedule`` can use for M rows over E experts.
+  """Most tiles ``grouped_schedule`` can use for M rows over E experts.
 
   A non-empty segment (at most min(E, M) experts and the zero rows) of r rows
   takes ceil((r + a) / t) <= (r + a + t - 1) / t tiles, a < _ROW_ALIGN being
@@ -407,24 +419,26 @@ def _store_rows(o_smem, o_gmem, src_first, dst_first, cols, rows, *, max_rows):
   plgpu.commit_smem_to_gmem_group()
 
 
-def _int4_grouped_matmul_kernel(meta_gmem, xe_gmem, xo_gmem, p_gmem, s_gmem,
-                                o_gmem, wlo_smem, whi_smem, o_smem, *,
-                                group_size, tile_n, tile_m, tile_k, k_steps,
-                                max_concurrent_steps, n_tiles, num_ctas, overlap):
-  """Grouped kernel body: a persistent CTA walks (tile, n tile) work items.
+def grouped_kernel(meta_gmem, *refs, pipeline, x_refs, tile_n, tile_m, n_tiles,
+                   num_ctas):
+  """Grouped kernel body (both weight layouts): a persistent CTA walks (tile, n
+  tile) work items.
 
-  meta_gmem: [5, T] int32 from _grouped_schedule; xe/xo_gmem: [M + tile_m, K/2]
-  bf16 (padded, so a tile's [tile_m, K/2] box never leaves the array);
-  p_gmem: [E, K/2, N] uint8; s_gmem: [E, K/g, N]; o_gmem: [M, N], every row
-  written by exactly one tile, in place.
+  meta_gmem: [5, T] int32 from grouped_schedule; refs: the x_refs x operands
+  ([M + tile_m, ..] bf16, padded so a tile's box never leaves them), the
+  experts' weights and scales ([E, ..]), o_gmem [M, N] (every row written by
+  exactly one tile, in place), then the pipeline's scratch and the output tile
+  o_smem [tile_m, tile_n]. pipeline(acc_ref, ins, work, m_block=None, n_block=,
+  k_offset=0, first_row=) accumulates a tile's K steps.
 
   Item w is tile w // n_tiles, n tile w % n_tiles: neighbouring CTAs share a
   tile's token rows (read once from HBM, then from L2).
   """
+  xs, (w_gmem, s_gmem), o_gmem = refs[:x_refs], refs[x_refs:x_refs + 2], refs[x_refs + 2]
+  work, o_smem = refs[x_refs + 3:-1], refs[-1]
   cta = lax.axis_index("c")
-  work = meta_gmem[4, 0] * n_tiles
-  trips = lax.div(jnp.maximum(work - cta, 0) + (num_ctas - 1), num_ctas)
-  ng = tile_k // group_size
+  work_items = meta_gmem[4, 0] * n_tiles
+  trips = lax.div(jnp.maximum(work_items - cta, 0) + (num_ctas - 1), num_ctas)
 
   def item(i, carry):
     w = cta + i * num_ctas
@@ -440,13 +454,8 @@ def _int4_grouped_matmul_kernel(meta_gmem, xe_gmem, xo_gmem, p_gmem, s_gmem,
     @pl.when(expert >= 0)
     def _():
       def acc_scope(acc_ref):
-        _k_pipeline(acc_ref, xe_gmem, xo_gmem, p_gmem.at[expert], s_gmem.at[expert],
-                    wlo_smem, whi_smem,
-                    in_specs=_in_specs(tile_m, tile_n, tile_k, ng, None, ni, 0,
-                                       first_row=window, overlap=overlap),
-                    k_steps=k_steps, max_concurrent_steps=max_concurrent_steps,
-                    tile_n=tile_n, tile_k=tile_k, group_size=group_size,
-                    overlap=overlap)
+        pipeline(acc_ref, (*xs, w_gmem.at[expert], s_gmem.at[expert]), work,
+                 m_block=None, n_block=ni, k_offset=0, first_row=window)
         return acc_ref[...]
 
       acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, tile_m), jnp.float32))
@@ -516,16 +525,14 @@ def int4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
       m, n, k)
   tile_n, tile_m, tile_k = bs.tile_n, bs.tile_m, bs.tile_k
   num_tiles = grouped_tile_bound(m, e, tile_m)
-  meta = _grouped_schedule(group_sizes, m, tile_m, num_tiles)
+  meta = grouped_schedule(group_sizes, m, tile_m, num_tiles)
   x_even, x_odd = _split_even_odd(x, m + tile_m)
   k_steps = k // tile_k
   n_tiles = n // tile_n
   num_ctas = min(n_tiles * num_tiles, bs.max_ctas or grouped_ctas(bs, group_size))
-  kernel = functools.partial(
-      _int4_grouped_matmul_kernel, group_size=group_size, tile_n=tile_n,
-      tile_m=tile_m, tile_k=tile_k, k_steps=k_steps,
-      max_concurrent_steps=min(bs.max_concurrent_steps, k_steps),
-      n_tiles=n_tiles, num_ctas=num_ctas, overlap=_overlap(bs, k_steps))
+  kernel = functools.partial(grouped_kernel, pipeline=_kn_pipeline(bs, group_size, k_steps),
+                             x_refs=2, tile_n=tile_n, tile_m=tile_m, n_tiles=n_tiles,
+                             num_ctas=num_ctas)
   out = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
@@ -533,15 +540,17 @@ def int4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
       grid_names=("c",),
       kernel_name="int4_grouped_matmul",
       scratch_types=_scratch(bs, (tile_m, tile_n), x.dtype, _overlap(bs, k_steps)),
-      compiler_params=_compiler_params(),
-      interpret=_interpret_params(backend),
+      compiler_params=compiler_params(),
+      interpret=interpret_params(backend),
   )(meta, x_even, x_odd, packed, scales)
   return out[:, :n_out].astype(out_dtype)
 
 
-def grouped_ctas(bs: BlockSizes, group_size: int) -> int:
-  """The persistent grid that fills the device: SMs x CTAs per SM by shared memory."""
-  per_sm = max(1, H200_SMEM_BYTES // bs.smem_bytes(group_size=group_size, grouped=True))
+def grouped_ctas(bs: BlockSizes, group_size: int, layout: str = "kn") -> int:
+  """The persistent grid that fills the device: SMs x CTAs per SM by shared memory
+  (layout "kn": the [K/2, N] uint8 kernel, "nk": the [N, K] int4 one)."""
+  per_sm = max(1, H200_SMEM_BYTES // bs.smem_bytes(group_size=group_size, grouped=True,
+                                                   layout=layout))
   return device.num_sms() * per_sm
 
 

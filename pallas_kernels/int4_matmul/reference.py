@@ -1,11 +1,14 @@
 """Pure-jnp references for the INT4 weight-only matmuls, plus pack/unpack helpers.
 
-The layout is fixed (mlkit's ``Int4Weight`` uses exactly this):
+The packed layout (mlkit's ``Int4Weight`` stores exactly this):
   * ``packed`` uint8 [K//2, N] (experts: [E, K//2, N]); byte row i holds input
     rows 2i (low nibble, bits 0-3) and 2i+1 (high nibble, bits 4-7), each a
     two's-complement int4 in [-8, 7].
   * ``scales`` [K//group_size, N] (experts: [E, K//group_size, N]), bf16 or f32.
   * w[k, n] = int4[k, n] * scales[k // group_size, n].
+
+The [N, K] int4 layout of ``nk.py`` (``w_nk[n, k] = int4[k, n]``, the same
+scales) has its references at the end.
 """
 
 import jax
@@ -70,9 +73,13 @@ def dequantize_int4(packed: jax.Array, scales: jax.Array, group_size: int,
   Returns:
     [K, N] (or [E, K, N]) array of `dtype`.
   """
-  q = unpack_int4(packed).astype(jnp.float32)
+  return _scaled(unpack_int4(packed), scales, group_size, dtype)
+
+
+def _scaled(q, scales, group_size, dtype):
+  """int4 codes [.., K, N] times their group's scale, in f32, cast to dtype."""
   s = jnp.repeat(scales.astype(jnp.float32), group_size, axis=-2)
-  return (q * s).astype(dtype)
+  return (q.astype(jnp.float32) * s).astype(dtype)
 
 
 def check_int4_args(x, packed, scales, group_size, experts: bool):
@@ -135,9 +142,21 @@ def int4_matmul_reference(x: jax.Array, packed: jax.Array, scales: jax.Array,
     ValueError: on shape, dtype or group-size mismatch.
   """
   check_int4_args(x, packed, scales, group_size, experts=False)
-  w = dequantize_int4(packed, scales, group_size, jnp.float32)
+  return _dot(x, dequantize_int4(packed, scales, group_size, jnp.float32))
+
+
+def _dot(x, w):
+  """x @ w in f32 (HIGHEST precision), in x's dtype."""
   out = jnp.dot(x.astype(jnp.float32), w, preferred_element_type=jnp.float32,
                 precision=jax.lax.Precision.HIGHEST)
+  return out.astype(x.dtype)
+
+
+def _ragged_dot(x, w, group_sizes):
+  """lax.ragged_dot of x [M, K] and experts w [E, K, N] in f32, in x's dtype."""
+  out = jax.lax.ragged_dot(x.astype(jnp.float32), w, group_sizes.astype(jnp.int32),
+                           precision=jax.lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
   return out.astype(x.dtype)
 
 
@@ -165,9 +184,49 @@ def int4_grouped_matmul_reference(x: jax.Array, packed: jax.Array,
   _, _, _, e = check_int4_args(x, packed, scales, group_size, experts=True)
   if group_sizes.shape != (e,):
     raise ValueError(f"group_sizes must be [{e}], got {group_sizes.shape}")
-  w = dequantize_int4(packed, scales, group_size, jnp.float32)  # [E, K, N]
-  out = jax.lax.ragged_dot(x.astype(jnp.float32), w,
-                           group_sizes.astype(jnp.int32),
-                           precision=jax.lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32)
-  return out.astype(x.dtype)
+  return _ragged_dot(x, dequantize_int4(packed, scales, group_size, jnp.float32), group_sizes)
+
+
+# ------------------------------------------------ the [N, K] int4 layout (nk.py)
+
+def check_int4_nk_args(x, w_nk, scales, group_size, experts: bool):
+  """Validates the [N, K] int4 kernels' arguments (``check_int4_args``'s rules).
+
+  Returns:
+    (M, K, N) and, for experts, E as a 4th element.
+
+  Raises:
+    ValueError: on any shape, dtype or group-size mismatch.
+  """
+  want_ndim = 3 if experts else 2
+  if w_nk.ndim != want_ndim:
+    raise ValueError(f"w_nk must be {want_ndim}-D [{'E, ' if experts else ''}N, K], "
+                     f"got {w_nk.shape}")
+  if w_nk.dtype != jnp.int4:
+    raise ValueError(f"w_nk must be int4, got {w_nk.dtype}")
+  # The same checks as the packed layout, on the packed layout's shape.
+  shape = (*w_nk.shape[:-2], w_nk.shape[-1] // 2, w_nk.shape[-2])
+  if w_nk.shape[-1] % 2:
+    raise ValueError(f"w_nk has an odd K={w_nk.shape[-1]}")
+  return check_int4_args(x, jax.ShapeDtypeStruct(shape, jnp.uint8), scales, group_size,
+                         experts)
+
+
+def dequantize_int4_nk(w_nk: jax.Array, scales: jax.Array, group_size: int,
+                       dtype=jnp.float32) -> jax.Array:
+  """[N, K] int4 (experts [E, N, K]) and [.., K/g, N] scales -> dense [.., K, N]."""
+  return _scaled(jnp.swapaxes(w_nk, -1, -2), scales, group_size, dtype)
+
+
+def int4_matmul_nk_reference(x, w_nk, scales, *, group_size: int):
+  """``int4_matmul_reference`` for [N, K] int4 weights."""
+  check_int4_nk_args(x, w_nk, scales, group_size, experts=False)
+  return _dot(x, dequantize_int4_nk(w_nk, scales, group_size))
+
+
+def int4_grouped_matmul_nk_reference(x, w_nk, scales, group_sizes, *, group_size: int):
+  """``int4_grouped_matmul_reference`` for [E, N, K] int4 weights."""
+  _, _, _, e = check_int4_nk_args(x, w_nk, scales, group_size, experts=True)
+  if group_sizes.shape != (e,):
+    raise ValueError(f"group_sizes must be [{e}], got {group_sizes.shape}")
+  return _ragged_dot(x, dequantize_int4_nk(w_nk, scales, group_size), group_sizes)

@@ -1,0 +1,276 @@
+"""INT4 matmuls on transposed, K-packed weights, dequantised in registers.
+
+The weights are an int4 array ``w_nk [N, K]`` (experts ``[E, N, K]``): the
+transpose of the dense [K, N] weight, two values per byte along K, K row 2i in
+the low nibble (the same bytes as ``packed.T``, see ``to_nk``). The scales keep
+their [K/g, N] layout. This is the layout in which a pipeline step's weight
+tile ``[tile_n, tile_k]`` is wgmma's A operand as it stands, so:
+
+  * the tile loads from shared memory straight into the WGMMA register layout
+    and converts int4 -> bf16 with Mosaic GPU's fragmented-array conversion
+    (CUTLASS's prmt / lop3 / sub.bf16x2 sequence: three instructions per pair
+    of weights, where the [K/2, N] uint8 kernels spend about eight per weight
+    on int32 nibble arithmetic);
+  * each group's scale row (a WGMMA row vector) multiplies its columns in
+    registers, one bf16x2 multiply per pair (f32 scales: in f32, then one
+    rounding to bf16, as the references do);
+  * wgmma reads A from those registers: no bf16 scratch, no shared-memory
+    store and fence, and x enters in its own K order (the [K/2, N] kernels
+    split x into even and odd columns);
+  * the step's wgmmas are left running while the next step converts
+    (``wgmma_wait(1)``); the x buffers are released a step late.
+
+The Mosaic GPU interpreter only runs wgmma with both operands in shared
+memory, so under ``backend="interpret"`` the converted tile goes through a bf16
+scratch first; the conversion, the scales and everything else are the same code.
+
+Both kernels share the grids and schedules of ``int4_matmul.py`` (the dense
+split-K grid, the grouped persistent grid over the tiles in use, rows written in
+place); only the pipeline step differs (docs/int4_matmul.md).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.int4_matmul.int4_matmul import compiler_params
+from pallas_kernels.int4_matmul.int4_matmul import dense_kernel
+from pallas_kernels.int4_matmul.int4_matmul import grouped_ctas
+from pallas_kernels.int4_matmul.int4_matmul import grouped_kernel
+from pallas_kernels.int4_matmul.int4_matmul import grouped_schedule
+from pallas_kernels.int4_matmul.int4_matmul import grouped_tile_bound
+from pallas_kernels.int4_matmul.int4_matmul import interpret_params
+from pallas_kernels.int4_matmul.int4_matmul import resolve_backend
+from pallas_kernels.int4_matmul import reference
+from pallas_kernels.int4_matmul.block_sizes import BlockSizes
+
+
+def to_nk(packed: jax.Array) -> jax.Array:
+  """The [N, K] int4 layout of packed [K/2, N] uint8 weights (experts: [E, ...]).
+
+  A one-time relayout, done when a model is prepared for the kernels (it copies
+  the weights).
+  """
+  return jnp.swapaxes(reference.unpack_int4(packed), -1, -2).astype(jnp.int4)
+
+
+def from_nk(w_nk: jax.Array) -> jax.Array:
+  """Inverse of :func:`to_nk`: int4 [.., N, K] -> packed uint8 [.., K/2, N]."""
+  return reference.pack_int4(jnp.swapaxes(w_nk.astype(jnp.int8), -1, -2))
+
+
+def _dequant(w_s, s_s, *, group_size):
+  """One step's weights, converted and scaled in registers.
+
+  w_s: [tile_n, tile_k] int4 (SMEM); s_s: [tile_k/g, tile_n] (SMEM).
+  Returns bf16 [tile_n, tile_k] in the WGMMA register layout.
+  """
+  tile_k = w_s.shape[1]
+  w = w_s[...].astype(jnp.bfloat16)  # exact: int4 values are bf16 integers
+  row = plgpu.Layout.WGMMA.reduce(1)  # one value per weight column (A row)
+  parts = []
+  for j in range(tile_k // group_size):
+    cols = slice(j * group_size, (j + 1) * group_size)
+    s = plgpu.load(s_s.at[j], layout=row)
+    if s_s.dtype == jnp.bfloat16:
+      # q * s needs at most 12 significant bits: the bf16 product rounds once,
+      # like the f32 product rounded to bf16.
+      parts.append(w[:, cols] * s[:, None])
+    else:
+      parts.append((w[:, cols].astype(jnp.float32) * s[:, None]).astype(jnp.bfloat16))
+  return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+
+
+def _mma_step(x_s, w_s, s_s, acc_ref, a_smem, *, group_size):
+  """Converts the step's weight tile and issues its wgmma; retires the previous
+  step's (the only reader of the x buffer the pipeline refills next)."""
+  a = _dequant(w_s, s_s, group_size=group_size)
+  if a_smem is not None:  # the interpreter: both operands in shared memory
+    a_smem[...] = a
+    plgpu.commit_smem()
+    a = a_smem
+  plgpu.wgmma(acc_ref, a, x_s.T)  # [tn, tk] @ [tk, tm]
+  plgpu.wgmma_wait(1)
+
+
+def _k_pipeline(acc_ref, x, w, scales, a_smem, *, in_specs, k_steps,
+                max_concurrent_steps, group_size):
+  """Accumulates one output tile over k_steps K steps into acc_ref."""
+  plgpu.emit_pipeline(
+      lambda _, x_s, w_s, s_s: _mma_step(x_s, w_s, s_s, acc_ref, a_smem,
+                                         group_size=group_size),
+      grid=(k_steps,),
+      in_specs=in_specs,
+      max_concurrent_steps=max_concurrent_steps,
+  )(x, w, scales)
+  plgpu.wgmma_wait(0)
+
+
+def _in_specs(tile_m, tile_n, tile_k, ng, m_block, n_block, k_offset, *,
+              first_row=None):
+  """x, weight and scale specs; x rows from block m_block, or from row first_row
+  (a multiple of 8, see int4_matmul._in_specs). x is released a step late: the
+  step's wgmma still reads it while the next step converts."""
+  if first_row is not None:
+    x_spec = plgpu.BlockSpec((pl.Element(tile_m), tile_k), lambda kk: (first_row, kk),
+                             oob_fill_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
+                             delay_release=1)
+  else:
+    x_spec = plgpu.BlockSpec((tile_m, tile_k), lambda kk: (m_block, kk + k_offset),
+                             delay_release=1)
+  return [
+      x_spec,
+      plgpu.BlockSpec((tile_n, tile_k), lambda kk: (n_block, kk + k_offset)),
+      plgpu.BlockSpec((ng, tile_n), lambda kk: (kk + k_offset, n_block)),
+  ]
+
+
+def _scratch(bs: BlockSizes, out_shape, out_dtype, interpret: bool):
+  """The interpreter's bf16 A tile (a zero-size placeholder otherwise), then the
+  output tile."""
+  a_shape = (bs.tile_n, bs.tile_k) if interpret else (0,)
+  return [plgpu.SMEM(a_shape, jnp.bfloat16), plgpu.SMEM(out_shape, out_dtype)]
+
+
+def _pipeline(bs, group_size, k_steps):
+  """The K pipeline of dense_kernel / grouped_kernel for this layout."""
+  # delay_release needs a buffer beyond the one in use.
+  mcs = max(2, min(bs.max_concurrent_steps, k_steps)) if k_steps > 1 else 1
+
+  def run(acc_ref, ins, work, *, m_block, n_block, k_offset, first_row=None):
+    x, w, scales = ins
+    (a_smem,) = work
+    _k_pipeline(acc_ref, x, w, scales, a_smem if a_smem.shape != (0,) else None,
+                in_specs=_in_specs(bs.tile_m, bs.tile_n, bs.tile_k,
+                                   bs.tile_k // group_size, m_block, n_block, k_offset,
+                                   first_row=first_row),
+                k_steps=k_steps, max_concurrent_steps=mcs, group_size=group_size)
+  return run
+
+
+def _kernel_operands(x, w_nk, scales, group_size):
+  """Casts x to bf16 and zero-pads K to a multiple of 128 and N of 64 (a weight
+  copy, for small test models only; Kimi K2.6 / GLM 5.2 shapes need none)."""
+  k, n = x.shape[1], w_nk.shape[-2]
+  k_pad = -(-k // 128) * 128 - k
+  n_pad = -(-n // 64) * 64 - n
+  x = x.astype(jnp.bfloat16)
+  if k_pad or n_pad:
+    lead = ((0, 0),) * (w_nk.ndim - 2)
+    x = jnp.pad(x, ((0, 0), (0, k_pad)))
+    w_nk = jnp.pad(w_nk, lead + ((0, n_pad), (0, k_pad)))
+    scales = jnp.pad(scales, lead + ((0, k_pad // group_size), (0, n_pad)))
+  return x, w_nk, scales
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "backend", "block_sizes"))
+def int4_matmul_nk(x: jax.Array, w_nk: jax.Array, scales: jax.Array, *,
+                   group_size: int, backend: str | None = None,
+                   block_sizes: BlockSizes | None = None) -> jax.Array:
+  """W4A16 matmul on [N, K] int4 weights: x @ (w_nk.T * scales), f32 accumulation.
+
+  Args:
+    x: [M, K] activations (bf16; f32 is rounded to bf16 by the kernels).
+    w_nk: [N, K] int4 (see the module docstring; ``to_nk`` converts packed weights).
+    scales: [K//group_size, N] bf16 or f32.
+    group_size: 32, 64 or 128.
+    backend: "pallas", "interpret" or "xla" (the reference); None picks by platform.
+    block_sizes: tiles (overlap_dequant is ignored: this kernel always overlaps);
+      None uses BlockSizes.get_default for this shape.
+
+  Returns:
+    [M, N] in x's dtype.
+
+  Raises:
+    ValueError: on shape, dtype, group-size or backend mismatch.
+  """
+  m, k, n = reference.check_int4_nk_args(x, w_nk, scales, group_size, experts=False)
+  backend = resolve_backend(backend)
+  if backend == "xla":
+    return reference.int4_matmul_nk_reference(x, w_nk, scales, group_size=group_size)
+  out_dtype, n_out = x.dtype, n
+  x, w_nk, scales = _kernel_operands(x, w_nk, scales, group_size)
+  k, n = x.shape[1], w_nk.shape[-2]
+  bs = (block_sizes or BlockSizes.get_default(m, n, k)).fit(m, n, k)
+  m_pad = -(-m // bs.tile_m) * bs.tile_m
+  x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
+  k_steps = k // bs.tile_k // bs.k_splits
+  interpret = backend == "interpret"
+  run = _pipeline(bs, group_size, k_steps)
+  out_t = plgpu.kernel(
+      functools.partial(dense_kernel, pipeline=run, x_refs=1, tile_n=bs.tile_n,
+                        tile_m=bs.tile_m, k_steps=k_steps),
+      out_type=jax.ShapeDtypeStruct((bs.k_splits, n, m_pad), jnp.float32),
+      grid=(n // bs.tile_n, m_pad // bs.tile_m, bs.k_splits),
+      grid_names=("n", "m", "k"),
+      kernel_name="int4_matmul_nk",
+      scratch_types=_scratch(bs, (bs.tile_n, bs.tile_m), jnp.float32, interpret),
+      compiler_params=compiler_params(),
+      interpret=interpret_params(backend),
+  )(x, w_nk, scales)
+  return out_t.sum(axis=0)[:n_out, :m].T.astype(out_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "backend", "block_sizes"))
+def int4_grouped_matmul_nk(x: jax.Array, w_nk: jax.Array, scales: jax.Array,
+                           group_sizes: jax.Array, *, group_size: int,
+                           backend: str | None = None,
+                           block_sizes: BlockSizes | None = None) -> jax.Array:
+  """Grouped (MoE) W4A16 matmul on [E, N, K] int4 weights, like `lax.ragged_dot`.
+
+  Rows of x are sorted by expert (``group_sizes`` rows each); rows past
+  sum(group_sizes) are zero. The schedule is ``int4_grouped_matmul``'s: a
+  persistent grid over the tiles in use, each writing its rows in place.
+
+  Args:
+    x: [M, K] activations (bf16; f32 is rounded to bf16), sorted by expert.
+    w_nk: [E, N, K] int4.
+    scales: [E, K//group_size, N] bf16 or f32.
+    group_sizes: [E] int32; sum(group_sizes) <= M.
+    group_size: 32, 64 or 128.
+    backend: "pallas", "interpret" or "xla"; None picks by platform.
+    block_sizes: tiles (k_splits and overlap_dequant are ignored); None uses the
+      tuned default.
+
+  Returns:
+    [M, N] in x's dtype.
+
+  Raises:
+    ValueError: on shape, dtype, group-size or backend mismatch.
+  """
+  m, k, n, e = reference.check_int4_nk_args(x, w_nk, scales, group_size, experts=True)
+  if group_sizes.shape != (e,):
+    raise ValueError(f"group_sizes must be [{e}], got {group_sizes.shape}")
+  backend = resolve_backend(backend)
+  if backend == "xla":
+    return reference.int4_grouped_matmul_nk_reference(x, w_nk, scales, group_sizes,
+                                                      group_size=group_size)
+  out_dtype, n_out = x.dtype, n
+  x, w_nk, scales = _kernel_operands(x, w_nk, scales, group_size)
+  k, n = x.shape[1], w_nk.shape[-2]
+  bs = (block_sizes or BlockSizes.get_default(m, n, k, grouped=True, experts=e)).fit(
+      m, n, k)
+  num_tiles = grouped_tile_bound(m, e, bs.tile_m)
+  meta = grouped_schedule(group_sizes, m, bs.tile_m, num_tiles)
+  x = jnp.pad(x, ((0, bs.tile_m), (0, 0)))  # a tile's box never leaves x
+  k_steps = k // bs.tile_k
+  n_tiles = n // bs.tile_n
+  num_ctas = min(n_tiles * num_tiles,
+                 bs.max_ctas or grouped_ctas(bs, group_size, layout="nk"))
+  interpret = backend == "interpret"
+  run = _pipeline(bs, group_size, k_steps)
+  out = plgpu.kernel(
+      functools.partial(grouped_kernel, pipeline=run, x_refs=1, tile_n=bs.tile_n,
+                        tile_m=bs.tile_m, n_tiles=n_tiles, num_ctas=num_ctas),
+      out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
+      grid=(num_ctas,),
+      grid_names=("c",),
+      kernel_name="int4_grouped_matmul_nk",
+      scratch_types=_scratch(bs, (bs.tile_m, bs.tile_n), x.dtype, interpret),
+      compiler_params=compiler_params(),
+      interpret=interpret_params(backend),
+  )(meta, x, w_nk, scales)
+  return out[:, :n_out].astype(out_dtype)

@@ -1,0 +1,131 @@
+"""The [N, K] int4 kernels (pallas_kernels.int4_matmul.nk) against the references.
+
+Interpret-mode tests run the Mosaic GPU kernels in the GPU interpreter on CPU with
+race detection and NaN-filled fresh buffers, so an output element never written
+fails the comparison (test_int4_matmul_kernel's base class); the compiled tests
+need a GPU. The random scales vary by group and column, so a scale applied to the
+wrong columns fails, and K spans several steps and groups, so a misplaced group or
+step fails too.
+"""
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.int4_matmul import BlockSizes
+from pallas_kernels.int4_matmul import int4_grouped_matmul_reference
+from pallas_kernels.int4_matmul import int4_matmul_reference
+from pallas_kernels.int4_matmul import nk
+from pallas_kernels.int4_matmul import reference
+from test_int4_matmul_kernel import _KernelTestBase
+from test_int4_matmul_kernel import _make
+
+
+class LayoutTest(parameterized.TestCase):
+
+  def test_to_nk_is_the_transpose_and_round_trips(self):
+    _, p, s = _make(0, 1, 256, 64, 32, experts=3)
+    w_nk = nk.to_nk(p)
+    self.assertEqual((w_nk.shape, w_nk.dtype), ((3, 64, 256), jnp.int4))
+    np.testing.assert_array_equal(
+        np.asarray(w_nk, np.int8), np.swapaxes(np.asarray(reference.unpack_int4(p)), 1, 2))
+    np.testing.assert_array_equal(nk.from_nk(w_nk), p)
+    np.testing.assert_array_equal(reference.dequantize_int4_nk(w_nk, s, 32),
+                                  reference.dequantize_int4(p, s, 32))
+
+  def test_references_match_the_packed_layout(self):
+    x, p, s = _make(1, 5, 256, 64, 64, experts=4)
+    gs = jnp.array([2, 0, 2, 1], jnp.int32)
+    np.testing.assert_array_equal(
+        reference.int4_grouped_matmul_nk_reference(x, nk.to_nk(p), s, gs, group_size=64),
+        int4_grouped_matmul_reference(x, p, s, gs, group_size=64))
+    np.testing.assert_array_equal(
+        nk.int4_matmul_nk(x, nk.to_nk(p[0]), s[0], group_size=64, backend="xla"),
+        int4_matmul_reference(x, p[0], s[0], group_size=64))
+
+  def test_bad_inputs_raise(self):
+    x, p, s = _make(2, 4, 128, 64, 32)
+    w_nk = nk.to_nk(p)
+    with self.assertRaisesRegex(ValueError, "int4"):
+      nk.int4_matmul_nk(x, p, s, group_size=32)  # the packed uint8 layout
+    with self.assertRaisesRegex(ValueError, "2-D"):
+      nk.int4_matmul_nk(x, w_nk[None], s, group_size=32)
+    with self.assertRaisesRegex(ValueError, "K"):
+      nk.int4_matmul_nk(x[:, :64], w_nk, s, group_size=32)
+    with self.assertRaisesRegex(ValueError, "group_size"):
+      nk.int4_matmul_nk(x, w_nk, s, group_size=16)
+    with self.assertRaisesRegex(ValueError, "scales"):
+      nk.int4_matmul_nk(x, w_nk, s[:, :32], group_size=32)
+    with self.assertRaisesRegex(ValueError, "backend"):
+      nk.int4_matmul_nk(x, w_nk, s, group_size=32, backend="triton")
+    with self.assertRaisesRegex(ValueError, "group_sizes"):
+      nk.int4_grouped_matmul_nk(x, w_nk[None], s[None], jnp.array([1, 2], jnp.int32),
+                                group_size=32, backend="xla")
+
+
+# Dense (M, K, N, group, scale dtype, x dtype, block sizes): several K steps and
+# splits; f32 scales (the f32 multiply); unaligned tiny-model shapes (K and N
+# padded, M not a multiple of tile_m, f32 activations).
+DENSE_CASES = [
+    (12, 512, 192, 32, "bf16", jnp.bfloat16, (64, 8, 128, 2, 2)),
+    (5, 384, 128, 128, "f32", jnp.bfloat16, (128, 8, 128, 1, 3)),
+    (3, 64, 32, 32, "bf16", jnp.float32, None),
+]
+# Grouped (M, K, N, group sizes, group, block sizes): empty experts, an expert over
+# three tiles (19 rows at tile_m 8), rows past sum(group_sizes) (zeros), several
+# persistent CTAs each walking several items, unaligned tiny-model shapes.
+GROUPED_CASES = [
+    (19, 256, 64, (0, 19, 0, 0, 0), 128, (64, 8, 128)),
+    (21, 384, 128, (3, 0, 9, 5, 2, 0), 64, (64, 8, 128, 1, 2, 3)),
+    (10, 32, 64, (2, 0, 3, 1, 0, 2, 1, 1), 32, None),
+]
+
+
+class NkKernelTest(_KernelTestBase):
+  """Compiled (GPU only; the marks sit on the methods so the interpret subclass,
+  which re-declares them, is not skipped)."""
+  INTERPRET = False
+
+  @pytest.mark.gpu
+  def test_dense(self):
+    self._dense()
+
+  @pytest.mark.gpu
+  def test_grouped(self):
+    self._grouped()
+
+  def _dense(self):
+    for m, k, n, g, sdt, xdt, bs in DENSE_CASES:
+      with self.subTest(m=m, k=k, n=n, g=g):
+        x, p, s = _make(10 + m, m, k, n, g, scale_dtype=sdt)
+        x = x.astype(xdt)
+        out = nk.int4_matmul_nk(x, nk.to_nk(p), s, group_size=g, backend=self.backend,
+                                block_sizes=None if bs is None else BlockSizes(*bs))
+        self.assert_close(out, int4_matmul_reference(x, p, s, group_size=g))
+
+  def _grouped(self):
+    for m, k, n, gs, g, bs in GROUPED_CASES:
+      with self.subTest(m=m, k=k, n=n, gs=gs):
+        x, p, s = _make(20 + m, m, k, n, g, experts=len(gs))
+        gs = jnp.asarray(gs, jnp.int32)
+        out = nk.int4_grouped_matmul_nk(x, nk.to_nk(p), s, gs, group_size=g,
+                                        backend=self.backend,
+                                        block_sizes=None if bs is None else BlockSizes(*bs))
+        self.assert_close(out, int4_grouped_matmul_reference(x, p, s, gs, group_size=g))
+        np.testing.assert_array_equal(np.asarray(out[int(gs.sum()):], np.float32), 0)
+
+
+class NkKernelInterpretTest(NkKernelTest):
+  INTERPRET = True
+
+  def test_dense(self):
+    self._dense()
+
+  def test_grouped(self):
+    self._grouped()
+
+
+if __name__ == "__main__":
+  absltest.main()
