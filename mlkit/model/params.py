@@ -234,12 +234,15 @@ def _quantised_mismatch(w, shape: tuple[int, ...]) -> tuple[str, str] | None:
     if g not in INT4_GROUP_SIZES or k % 2 or k % g:
       return (f"a dense {list(shape)} weight; int4 needs an even K={k} divisible by the group "
               f"size (one of {INT4_GROUP_SIZES})", found)
-    want_packed, want_scales = (*lead, k // 2, n), (*lead, k // g, n)
+    # Layout "kn": uint8 [..., K/2, N]; "nk": int4 [..., N, K] (mlkit.quant.formats).
+    nk = getattr(w, "layout", "kn") == "nk"
+    want_packed, packed_dtype = ((*lead, n, k), jnp.int4) if nk else ((*lead, k // 2, n), jnp.uint8)
+    want_scales = (*lead, k // g, n)
     ok = (getattr(packed, "shape", None) is not None and tuple(packed.shape) == want_packed
-          and jnp.dtype(packed.dtype) == jnp.uint8
+          and jnp.dtype(packed.dtype) == jnp.dtype(packed_dtype)
           and getattr(scales, "shape", None) is not None and tuple(scales.shape) == want_scales
           and jnp.dtype(scales.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)))
-    expected = (f"int4 (group {g}) for {list(shape)}: packed {_sds(want_packed, jnp.uint8)}, "
+    expected = (f"int4 (group {g}) for {list(shape)}: packed {_sds(want_packed, packed_dtype)}, "
                 f"scales bfloat16|float32{list(want_scales)}")
     return None if ok else (expected, found)
   b = w.block_size

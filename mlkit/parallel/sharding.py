@@ -11,7 +11,8 @@ axes. Defaults:
   ``wkv_a``: tiny, and every head needs their whole output).
 
 Quantised weights shard like the dense weight they replace. ``Int4Weight``'s
-``packed`` [..., K//2, N] and ``scales`` [..., K//g, N] get the same spec, and
+``packed`` [..., K//2, N] and ``scales`` [..., K//g, N] get the same spec (layout
+"nk", packed [..., N, K], the same with its last two entries swapped), and
 K is only split when every shard holds whole groups (so a shard's packed rows
 and its scale rows describe the same input rows). ``Fp8Weight`` with 128x128
 block scales only splits an axis whose shards hold whole blocks; per-channel
@@ -185,7 +186,9 @@ def leaf_partition_spec(leaf, logical: tuple, rules: ShardingRules, mesh: Mesh,
     units[-2] = leaf.group_size
     spec = _dense_spec(shape, logical, rules, mesh, units, counts)
     ps = PartitionSpec(*spec)
-    return Int4Weight(packed=ps, scales=ps, group_size=leaf.group_size)
+    # Layout "nk" holds the codes transposed ([..., N, K]): the same split, K and N swapped.
+    packed = PartitionSpec(*spec[:-2], spec[-1], spec[-2]) if leaf.layout == "nk" else ps
+    return Int4Weight(packed=packed, scales=ps, group_size=leaf.group_size, layout=leaf.layout)
   if isinstance(leaf, Fp8Weight):
     if leaf.block_size is None:
       spec = _dense_spec(shape, logical, rules, mesh, counts=counts)

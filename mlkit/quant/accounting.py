@@ -131,6 +131,9 @@ def _quantised_leaf_bytes(shape: tuple[int, ...], dtype: str, spec: FormatSpec) 
 
 
 def _nbytes(x) -> int:
+  # int4 arrays (Int4Weight layout "nk") hold two values per byte on the device.
+  if jnp.dtype(x.dtype) == jnp.dtype(jnp.int4):
+    return math.prod(x.shape) // 2
   return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
 
 

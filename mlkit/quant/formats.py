@@ -8,7 +8,11 @@ keys on:
   Two values per byte. **Nibble order**: byte row ``i`` of ``packed`` holds input
   rows ``2i`` in the low nibble (bits 0-3) and ``2i+1`` in the high nibble
   (bits 4-7), each a two's-complement int4 in [-8, 7]. Dequantised value
-  ``w[k, n] = int4[k, n] * scales[k // group_size, n]``.
+  ``w[k, n] = int4[k, n] * scales[k // group_size, n]``. That is layout "kn",
+  the one quantisers and checkpoints use; layout "nk" stores the same codes as an
+  int4 array [..., N, K] (the same bytes transposed), the layout the GPU kernels
+  dequantise in registers (docs/int4_matmul.md).
+  ``mlkit.quant.kernels.kernel_layout`` converts a params tree for a kernel backend.
 * :class:`Fp8Weight`: float8_e4m3fn values with f32 scales, either per output
   channel ``[N]`` or per 128x128 block ``[ceil(K/128), ceil(N/128)]`` (the
   DeepSeek-V3 / GLM fp8 checkpoint layout). ``w = values * scale``.
@@ -30,8 +34,14 @@ import jax.numpy as jnp
 from flax import struct
 
 from mlkit.quant.dispatch import dequantize
+from pallas_kernels.int4_matmul import nk as int4_nk
+
+# The relayouts between "kn" and "nk" (the kernels' own, jitted: each copies the codes).
+_to_nk = jax.jit(int4_nk.to_nk)
+_from_nk = jax.jit(int4_nk.from_nk)
 
 INT4_GROUP_SIZES = (32, 64, 128)
+INT4_LAYOUTS = ("kn", "nk")
 FP8_BLOCK = 128
 # Largest finite float8_e4m3fn magnitude.
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
@@ -63,23 +73,32 @@ class Int4Weight:
   """Symmetric group-wise int4 weight, two values per byte (see module docstring).
 
   Attributes:
-    packed: uint8 [K//2, N] (experts [E, K//2, N]).
-    scales: bf16 or f32 [K//group_size, N] (experts [E, K//group_size, N]).
+    packed: layout "kn": uint8 [K//2, N] (experts [E, K//2, N]); layout "nk":
+      int4 [N, K] (experts [E, N, K]).
+    scales: bf16 or f32 [K//group_size, N] (experts [E, K//group_size, N]), in
+      both layouts.
     group_size: input rows sharing one scale: 32, 64 or 128 (static).
+    layout: "kn" or "nk" (static).
   """
 
   packed: jax.Array
   scales: jax.Array
   group_size: int = struct.field(pytree_node=False, default=128)
+  layout: str = struct.field(pytree_node=False, default="kn")
 
   def __post_init__(self):
     if self.group_size not in INT4_GROUP_SIZES:
       raise ValueError(f"Int4Weight.group_size must be one of {INT4_GROUP_SIZES}, "
                        f"got {self.group_size!r}")
+    if self.layout not in INT4_LAYOUTS:
+      raise ValueError(f"Int4Weight.layout must be one of {INT4_LAYOUTS}, got {self.layout!r}")
 
   @property
   def shape(self) -> tuple[int, ...]:
     """The dense weight's shape ([K, N] or [E, K, N])."""
+    if self.layout == "nk":
+      *lead, n, k = self.packed.shape
+      return (*lead, k, n)
     *lead, k2, n = self.packed.shape
     return (*lead, 2 * k2, n)
 
@@ -89,8 +108,25 @@ class Int4Weight:
 
   @property
   def nbytes(self) -> int:
-    """Bytes stored (packed values plus scales)."""
-    return self.packed.nbytes + self.scales.nbytes
+    """Bytes stored (packed values plus scales; two int4 values per byte in both layouts)."""
+    return math.prod(self.shape) // 2 + self.scales.nbytes
+
+  def to_layout(self, layout: str) -> "Int4Weight":
+    """The same codes and scales in ``layout`` ("kn" or "nk"); a copy of the codes."""
+    if layout not in INT4_LAYOUTS:
+      raise ValueError(f"Int4Weight layout must be one of {INT4_LAYOUTS}, got {layout!r}")
+    if layout == self.layout:
+      return self
+    packed = (_to_nk(self.packed) if layout == "nk" else _from_nk(self.packed))
+    return Int4Weight(packed=packed, scales=self.scales, group_size=self.group_size,
+                      layout=layout)
+
+
+def int4_codes(w: Int4Weight) -> jax.Array:
+  """The int4 codes of ``w`` as int8 [..., K, N], whatever its layout."""
+  if w.layout == "nk":
+    return jnp.swapaxes(w.packed.astype(jnp.int8), -1, -2)
+  return unpack_int4(w.packed)
 
 
 def pack_int4(q: jax.Array) -> jax.Array:
@@ -188,7 +224,7 @@ def _rtn_int4(w, group_size, scale_dtype):
 def _dequantize_int4(w: Int4Weight, dtype=None) -> jax.Array:
   """Dense [..., K, N]: unpack, multiply by scales in f32, cast to ``dtype`` (default scales')."""
   dtype = dtype or w.scales.dtype
-  q = unpack_int4(w.packed).astype(jnp.float32)
+  q = int4_codes(w).astype(jnp.float32)
   s = jnp.repeat(w.scales.astype(jnp.float32), w.group_size, axis=-2)
   return (q * s).astype(dtype)
 

@@ -3,7 +3,9 @@
 Each registration chooses by backend: "xla" runs the XLA reference in
 ``mlkit.quant.reference``; "pallas" and "interpret" run the Pallas W4A16 kernels
 in ``pallas_kernels.int4_matmul`` (on a GPU, the default backend is "pallas", so
-the model runs the kernels with no code change). FP8 weights have no Pallas
+the model runs the kernels with no code change). Int4 weights in layout "kn" run
+the packed-layout kernels, in layout "nk" the register-dequantising ones
+(:func:`kernel_layout` converts a tree; docs/int4_matmul.md). FP8 weights have no Pallas
 kernel yet and always use the XLA reference.
 """
 
@@ -19,6 +21,19 @@ from pallas_kernels import dispatch as kernel_dispatch
 from pallas_kernels import int4_matmul as int4_kernels
 
 
+def kernel_layout(tree, backend: str | None = None):
+  """``tree`` with its Int4Weight leaves in the layout the kernels of ``backend`` read.
+
+  "pallas" and "interpret" (and None where it resolves to "pallas", on a GPU) read
+  layout "nk" (docs/int4_matmul.md); "xla" reads either, so its trees are returned
+  unchanged. Converting copies each int4 weight once, leaf by leaf.
+  """
+  if kernel_dispatch.resolve_backend(backend) == "xla":
+    return tree
+  return jax.tree.map(lambda w: w.to_layout("nk") if isinstance(w, Int4Weight) else w, tree,
+                      is_leaf=lambda w: isinstance(w, Int4Weight))
+
+
 @matmul.register(Int4Weight)
 def _matmul_int4(x, w: Int4Weight, *, out_dtype=None, backend=None):
   if kernel_dispatch.resolve_backend(backend) == "xla":
@@ -26,8 +41,9 @@ def _matmul_int4(x, w: Int4Weight, *, out_dtype=None, backend=None):
   if w.packed.ndim != 2:
     raise ValueError(f"matmul: Int4Weight must be 2-D [K, N], got packed {w.packed.shape}")
   lead = x.shape[:-1]
-  y = int4_kernels.int4_matmul(x.reshape(-1, x.shape[-1]), w.packed, w.scales,
-                               group_size=w.group_size, backend=backend)  # [M, N]
+  op = int4_kernels.int4_matmul_nk if w.layout == "nk" else int4_kernels.int4_matmul
+  y = op(x.reshape(-1, x.shape[-1]), w.packed, w.scales, group_size=w.group_size,
+         backend=backend)  # [M, N]
   return y.reshape(*lead, y.shape[-1]).astype(out_dtype or x.dtype)
 
 
@@ -35,8 +51,9 @@ def _matmul_int4(x, w: Int4Weight, *, out_dtype=None, backend=None):
 def _grouped_matmul_int4(x, w: Int4Weight, group_sizes, *, out_dtype=None, backend=None):
   if kernel_dispatch.resolve_backend(backend) == "xla":
     return int4_grouped_matmul_reference(x, w, group_sizes, out_dtype=out_dtype)
-  y = int4_kernels.int4_grouped_matmul(x, w.packed, w.scales, group_sizes.astype(jax.numpy.int32),
-                                       group_size=w.group_size, backend=backend)  # [M, N]
+  op = int4_kernels.int4_grouped_matmul_nk if w.layout == "nk" else int4_kernels.int4_grouped_matmul
+  y = op(x, w.packed, w.scales, group_sizes.astype(jax.numpy.int32), group_size=w.group_size,
+         backend=backend)  # [M, N]
   return y.astype(out_dtype or x.dtype)
 
 

@@ -1,0 +1,110 @@
+"""Int4Weight's two layouts: "kn" (packed uint8 [K/2, N], checkpoints) and "nk" (int4
+[N, K], what the GPU kernels dequantise in registers), and the tree conversion the
+engine applies for a kernel backend (mlkit.quant.kernel_layout).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest
+from jax.sharding import PartitionSpec as P
+
+from configs import TINY_MLA
+from mlkit import parallel
+from mlkit.model import check_params, forward
+from mlkit.quant import (INT4_EXPERTS, Int4Weight, dequantize, grouped_matmul, kernel_layout,
+                         matmul, quantize_int4, quantize_params, weight_bytes)
+from numpy_params import init_params_np
+
+MLA = dataclasses.replace(TINY_MLA, n_layers=2)  # one dense and one MoE layer
+
+
+def _rel_err(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+class Int4LayoutTest(absltest.TestCase):
+
+  @staticmethod
+  def weights():
+    """Int4 experts [4, 256, 64], layout "kn"."""
+    return quantize_int4(jax.random.normal(jax.random.key(0), (4, 256, 64), jnp.float32), 32)
+
+  def setUp(self):
+    super().setUp()
+    self.kn = self.weights()
+    self.nk = self.kn.to_layout("nk")
+
+  def test_same_weight_both_ways(self):
+    self.assertEqual((self.nk.packed.shape, self.nk.packed.dtype), ((4, 64, 256), jnp.int4))
+    self.assertEqual((self.nk.shape, self.nk.ndim), (self.kn.shape, self.kn.ndim))
+    self.assertEqual(self.nk.nbytes, self.kn.nbytes)  # two codes per byte either way
+    np.testing.assert_array_equal(dequantize(self.nk), dequantize(self.kn))
+    back = self.nk.to_layout("kn")
+    np.testing.assert_array_equal(back.packed, self.kn.packed)
+    self.assertIs(self.kn.to_layout("kn"), self.kn)
+
+  def test_bad_layout_raises(self):
+    with self.assertRaisesRegex(ValueError, "layout"):
+      Int4Weight(self.kn.packed, self.kn.scales, 32, layout="km")
+    with self.assertRaisesRegex(ValueError, "layout"):
+      self.kn.to_layout("t")
+
+  def test_kernels_read_the_nk_layout(self):
+    x = jax.random.normal(jax.random.key(1), (5, 256), jnp.float32)
+    gs = jnp.array([2, 0, 3, 0], jnp.int32)
+    ref = grouped_matmul(x, self.kn, gs, backend="xla")
+    np.testing.assert_array_equal(grouped_matmul(x, self.nk, gs, backend="xla"), ref)
+    self.assertLess(_rel_err(grouped_matmul(x, self.nk, gs, backend="interpret"), ref), 1e-2)
+    dense_kn, dense_nk = (jax.tree.map(lambda a: a[1], w) for w in (self.kn, self.nk))
+    self.assertLess(_rel_err(matmul(x, dense_nk, backend="interpret"),
+                             matmul(x, dense_kn, backend="xla")), 1e-2)
+
+  def test_kernel_layout_converts_for_kernel_backends_only(self):
+    tree = {"w": self.kn, "norm": jnp.ones(4)}
+    self.assertIs(kernel_layout(tree, "xla"), tree)
+    out = kernel_layout(tree, "interpret")
+    self.assertEqual(out["w"].layout, "nk")
+    self.assertIs(out["norm"], tree["norm"])
+
+
+class Int4LayoutModelTest(absltest.TestCase):
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.kn = quantize_params(init_params_np(MLA), INT4_EXPERTS)
+    cls.nk = kernel_layout(cls.kn, "interpret")
+
+  def test_params_check_and_bytes_accept_both(self):
+    self.assertEqual(self.nk["layers"][1]["ffn"]["w_gate"].layout, "nk")
+    check_params(self.nk, MLA, where="test")
+    self.assertEqual(weight_bytes(self.nk).total, weight_bytes(self.kn).total)
+
+  def test_sharding_swaps_k_and_n(self):
+    mesh = jax.make_mesh((1, 2, 4), parallel.AXES)
+    # A dense-FFN down projection [mlp, embed] (K split over "tensor") and routed
+    # experts [experts, .., ..] (split over "expert").
+    w = Int4LayoutTest.weights()
+    for leaf, logical in ((jax.tree.map(lambda a: a[0], w), ("mlp", None)),
+                          (w, ("experts", None, None))):
+      kn = parallel.leaf_partition_spec(leaf, logical, parallel.DEFAULT_RULES, mesh)
+      nk = parallel.leaf_partition_spec(leaf.to_layout("nk"), logical, parallel.DEFAULT_RULES,
+                                        mesh)
+      self.assertNotEqual(kn.packed, P(*[None] * leaf.ndim))  # a split, so the swap shows
+      self.assertEqual((nk.layout, nk.scales), ("nk", kn.scales))
+      self.assertEqual(nk.packed, P(*kn.packed[:-2], kn.packed[-1], kn.packed[-2]))
+
+  def test_model_runs_the_nk_kernels(self):
+    toks = jnp.asarray(np.random.default_rng(2).integers(0, MLA.vocab_size, (1, 4)), jnp.int32)
+    ref = forward(self.kn, toks, cfg=MLA, backend="xla")
+    out = forward(self.nk, toks, cfg=MLA, backend="interpret")
+    self.assertTrue(np.all(np.isfinite(np.asarray(out))))
+    self.assertLess(_rel_err(out, ref), 1e-2)  # bf16 activations into the tensor cores
+
+
+if __name__ == "__main__":
+  absltest.main()
