@@ -58,6 +58,8 @@ from pallas_kernels.indexer import topk_positions  # noqa: E402
 from pallas_kernels.int4_matmul import BlockSizes as Int4BlockSizes  # noqa: E402
 from pallas_kernels.int4_matmul import int4_grouped_matmul  # noqa: E402
 from pallas_kernels.int4_matmul import int4_matmul  # noqa: E402
+from pallas_kernels.int4_matmul import int4_grouped_matmul_nk  # noqa: E402
+from pallas_kernels.int4_matmul import int4_matmul_nk  # noqa: E402
 from pallas_kernels.paged_attention import SparseBlockSizes  # noqa: E402
 from pallas_kernels.paged_attention import ops as attention_ops  # noqa: E402
 from pallas_kernels.tag_check import BlockSizes as TagBlockSizes  # noqa: E402
@@ -110,9 +112,14 @@ class Build:
 
   def call(self) -> tuple[Callable[..., Any], list, dict]:
     """(op, abstract arguments on one H200, static keyword arguments)."""
-    specs = [None if a is None else hc.spec(*a) for a in self.case.arg_shapes()]
+    shapes = self.case.arg_shapes()
+    op = OPS[self.case.kernel]
+    if self.impl == "nk":  # the INT4 kernels on [.., N, K] int4 weights (the engine's on a GPU)
+      (wshape, _), op = shapes[1], NK_OPS[self.case.kernel]
+      shapes = [shapes[0], ((*wshape[:-2], wshape[-1], 2 * wshape[-2]), jnp.int4), *shapes[2:]]
+    specs = [None if a is None else hc.spec(*a) for a in shapes]
     kwargs = dict(self.case.static_kwargs(), backend="pallas", block_sizes=self.block_sizes)
-    return OPS[self.case.kernel], specs, kwargs
+    return op, specs, kwargs
 
   @property
   def arg_bytes(self) -> int:
@@ -133,6 +140,11 @@ OPS: dict[str, Callable[..., Any]] = {
     "paged_mla_sparse_decode": attention_ops.paged_mla_sparse_decode,
     "paged_index_scores": paged_index_scores,
     "topk_positions": topk_positions,
+}
+# The INT4 kernels on [N, K] int4 weights (Int4Weight layout "nk"), impl "nk".
+NK_OPS: dict[str, Callable[..., Any]] = {
+    "int4_matmul": int4_matmul_nk,
+    "int4_grouped_matmul": int4_grouped_matmul_nk,
 }
 
 
@@ -204,7 +216,9 @@ def builds(case, *, other_impl: bool = False) -> list[Build]:
   Args:
     case: an ``experiments.kernel_targets.KernelCase``.
     other_impl: for paged attention, also the kernel "auto" does not pick
-      (Triton where Mosaic GPU runs, and the reverse where the shape allows).
+      (Triton where Mosaic GPU runs, and the reverse where the shape allows); for
+      the INT4 matmuls, also the packed-layout kernel ("mgpu") beside the engine's
+      "nk" one.
       The sparse-attention kernels have one implementation (Triton).
 
   Returns:
@@ -213,8 +227,11 @@ def builds(case, *, other_impl: bool = False) -> list[Build]:
   if case.kernel in ("paged_mla_decode", "paged_gqa_decode"):
     return _attention_builds(case, other_impl)
   if case.kernel in ("int4_matmul", "int4_grouped_matmul"):
+    # The engine converts int4 weights to layout "nk" on a GPU (mlkit.quant.kernel_layout),
+    # so it runs the "nk" kernels; "mgpu" is the packed-layout kernel.
     bs = _int4_block_sizes(case)
-    return [Build(case, "mgpu", True, bs, kernel_key(case, "mgpu", bs))]
+    impls = ("nk", "mgpu") if other_impl else ("nk",)
+    return [Build(case, i, i == "nk", bs, kernel_key(case, i, bs)) for i in impls]
   block_sizes = {"tag_check": _tag_block_sizes, "paged_mla_sparse_decode": _sparse_block_sizes,
                  "paged_index_scores": _indexer_block_sizes, "topk_positions": _topk_block_sizes}
   if case.kernel in block_sizes:
