@@ -52,7 +52,7 @@ class LayoutTest(parameterized.TestCase):
       nk.int4_matmul_nk(x, p, s, group_size=32)  # the packed uint8 layout
     with self.assertRaisesRegex(ValueError, "2-D"):
       nk.int4_matmul_nk(x, w_nk[None], s, group_size=32)
-    with self.assertRaisesRegex(ValueError, "K"):
+    with self.assertRaisesRegex(ValueError, "x has K=64 but w_nk has K=128"):
       nk.int4_matmul_nk(x[:, :64], w_nk, s, group_size=32)
     with self.assertRaisesRegex(ValueError, "group_size"):
       nk.int4_matmul_nk(x, w_nk, s, group_size=16)

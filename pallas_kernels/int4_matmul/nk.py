@@ -129,10 +129,9 @@ def _in_specs(tile_m, tile_n, tile_k, ng, m_block, n_block, k_offset, *,
 
 
 def _scratch(bs: BlockSizes, out_shape, out_dtype, interpret: bool):
-  """The interpreter's bf16 A tile (a zero-size placeholder otherwise), then the
-  output tile."""
-  a_shape = (bs.tile_n, bs.tile_k) if interpret else (0,)
-  return [plgpu.SMEM(a_shape, jnp.bfloat16), plgpu.SMEM(out_shape, out_dtype)]
+  """The interpreter's bf16 A tile (none on a GPU), then the output tile."""
+  a_tile = [plgpu.SMEM((bs.tile_n, bs.tile_k), jnp.bfloat16)] if interpret else []
+  return [*a_tile, plgpu.SMEM(out_shape, out_dtype)]
 
 
 def _pipeline(bs, group_size, k_steps):
@@ -142,8 +141,7 @@ def _pipeline(bs, group_size, k_steps):
 
   def run(acc_ref, ins, work, *, m_block, n_block, k_offset, first_row=None):
     x, w, scales = ins
-    (a_smem,) = work
-    _k_pipeline(acc_ref, x, w, scales, a_smem if a_smem.shape != (0,) else None,
+    _k_pipeline(acc_ref, x, w, scales, work[0] if work else None,
                 in_specs=_in_specs(bs.tile_m, bs.tile_n, bs.tile_k,
                                    bs.tile_k // group_size, m_block, n_block, k_offset,
                                    first_row=first_row),

@@ -204,6 +204,8 @@ def check_int4_nk_args(x, w_nk, scales, group_size, experts: bool):
                      f"got {w_nk.shape}")
   if w_nk.dtype != jnp.int4:
     raise ValueError(f"w_nk must be int4, got {w_nk.dtype}")
+  if x.ndim == 2 and x.shape[1] != w_nk.shape[-1]:
+    raise ValueError(f"x has K={x.shape[1]} but w_nk has K={w_nk.shape[-1]}")
   # The same checks as the packed layout, on the packed layout's shape.
   shape = (*w_nk.shape[:-2], w_nk.shape[-1] // 2, w_nk.shape[-2])
   if w_nk.shape[-1] % 2:
