@@ -47,7 +47,7 @@ from mlkit.config import ModelConfig
 from mlkit.engine import EngineConfig
 from mlkit.engine.runner import abstract_batch, lower_step
 from mlkit.parallel import AXES, abstract_kv_state, abstract_params, per_device_bytes
-from mlkit.quant import FP8_ALL, INT4_EXPERTS, Recipe
+from mlkit.quant import FP8_ALL, INT4_EXPERTS, Recipe, kernel_int4_layout
 
 # data x tensor x expert: the 8 GPUs on the tensor axis; experts are split over it too (RULES,
 # the analytic model's placement).
@@ -178,9 +178,15 @@ def _depth_config(cfg: ModelConfig, n_moe: int) -> ModelConfig:
 # ----------------------------------------------------------------------------- weights
 
 
-def served_weight_bytes(v: Variant, mesh) -> int:
+def served_params(cfg: ModelConfig, v: Variant, mesh, backend: str):
+  """The served params of ``cfg`` in ``v``'s recipe, abstract and placed by RULES, int4
+  weights in the layout the engine quantises into for ``backend`` (docs/int4_matmul.md)."""
+  return abstract_params(cfg, v.recipe, mesh, RULES, int4_layout=kernel_int4_layout(backend))
+
+
+def served_weight_bytes(v: Variant, mesh, backend: str) -> int:
   """Per-device bytes of the served params at full depth, placed by RULES (exact, no compile)."""
-  return per_device_bytes(abstract_params(v.model, v.recipe, mesh, RULES))
+  return per_device_bytes(served_params(v.model, v, mesh, backend))
 
 
 def unserved_weight_bytes(v: Variant, served: int) -> dict:
@@ -194,7 +200,7 @@ def unserved_weight_bytes(v: Variant, served: int) -> dict:
 
   Args:
     v: the variant.
-    served: ``served_weight_bytes(v, mesh)``.
+    served: ``served_weight_bytes(v, mesh, backend)``.
 
   Returns:
     {"bytes": per-device bytes, "what": a short description}.
@@ -217,7 +223,7 @@ def _lower(v: Variant, kv_dtype: str, kind: str, n_moe: int, num_pages: int, pla
   cfg = _depth_config(v.model, n_moe)
   B, T, M = step_shape(kind, v.work, plan)
   kv_cfg = kvc.KVCacheConfig(num_pages=num_pages, page_size=PAGE_SIZE, dtype=kv_dtype)
-  params = abstract_params(cfg, v.recipe, mesh, RULES)
+  params = served_params(cfg, v, mesh, plan.backend)
   state = abstract_kv_state(cfg, kv_cfg, mesh, RULES)
   batch = abstract_batch(B, T, M, NamedSharding(mesh, PartitionSpec()))
   config = EngineConfig(model=cfg, kv=kv_cfg, max_running=B, batch_buckets=(B,),
@@ -431,7 +437,7 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   t_start = time.perf_counter()
   weights, jobs = {}, []
   for v in plan.variants:
-    served = served_weight_bytes(v, mesh)
+    served = served_weight_bytes(v, mesh, plan.backend)
     unserved = unserved_weight_bytes(v, served)
     weights[v.key] = (served, unserved)
     for dt in plan.kv_dtypes:

@@ -1,6 +1,6 @@
 """Int4Weight's two layouts: "kn" (packed uint8 [K/2, N], checkpoints) and "nk" (int4
-[N, K], what the GPU kernels dequantise in registers), and the tree conversion the
-engine applies for a kernel backend (mlkit.quant.kernel_layout).
+[N, K], what the GPU kernels dequantise in registers): quantising into either, the
+platform's choice (mlkit.quant.kernel_int4_layout) and converting a tree.
 """
 
 import dataclasses
@@ -14,8 +14,9 @@ from jax.sharding import PartitionSpec as P
 from configs import TINY_MLA
 from mlkit import parallel
 from mlkit.model import check_params, forward
-from mlkit.quant import (INT4_EXPERTS, Int4Weight, dequantize, grouped_matmul, kernel_layout,
-                         matmul, quantize_int4, quantize_params, weight_bytes)
+from mlkit.quant import (INT4_EXPERTS, Int4Weight, dequantize, grouped_matmul,
+                         kernel_int4_layout, kernel_layout, matmul, quantize_int4,
+                         quantize_params, weight_bytes)
 from numpy_params import init_params_np
 
 MLA = dataclasses.replace(TINY_MLA, n_layers=2)  # one dense and one MoE layer
@@ -63,6 +64,17 @@ class Int4LayoutTest(absltest.TestCase):
     self.assertLess(_rel_err(matmul(x, dense_nk, backend="interpret"),
                              matmul(x, dense_kn, backend="xla")), 1e-2)
 
+  def test_device_bytes_count_half_a_byte_per_code(self):
+    mesh = jax.make_mesh((1, 2, 4), parallel.AXES)
+    codes = jax.ShapeDtypeStruct((8, 64, 256), jnp.int4,
+                                 sharding=jax.sharding.NamedSharding(mesh, P("expert")))
+    self.assertEqual(parallel.per_device_bytes([codes]), 2 * 64 * 256 // 2)
+
+  def test_platform_layout(self):
+    self.assertEqual((kernel_int4_layout("xla"), kernel_int4_layout("interpret"),
+                      kernel_int4_layout("pallas")), ("kn", "nk", "nk"))
+    self.assertEqual(kernel_int4_layout(), "nk" if jax.default_backend() == "gpu" else "kn")
+
   def test_kernel_layout_converts_for_kernel_backends_only(self):
     tree = {"w": self.kn, "norm": jnp.ones(4)}
     self.assertIs(kernel_layout(tree, "xla"), tree)
@@ -77,7 +89,15 @@ class Int4LayoutModelTest(absltest.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     cls.kn = quantize_params(init_params_np(MLA), INT4_EXPERTS)
-    cls.nk = kernel_layout(cls.kn, "interpret")
+    cls.nk = quantize_params(init_params_np(MLA), INT4_EXPERTS, int4_layout="nk")
+
+  def test_quantising_into_nk_is_converting(self):
+    converted = kernel_layout(self.kn, "interpret")
+    for a, b in zip(jax.tree.leaves(converted), jax.tree.leaves(self.nk)):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    self.assertEqual(jax.tree.structure(converted), jax.tree.structure(self.nk))
+    with self.assertRaisesRegex(ValueError, "int4_layout"):
+      quantize_params(init_params_np(MLA), INT4_EXPERTS, int4_layout="t")
 
   def test_params_check_and_bytes_accept_both(self):
     self.assertEqual(self.nk["layers"][1]["ffn"]["w_gate"].layout, "nk")

@@ -64,7 +64,7 @@ from mlkit.engine.transfer import Payload, TransferResult, flip_low_bit, transfe
 from mlkit.kvcache import KVCacheConfig, PagedKVState
 from mlkit.model import check_params
 from mlkit.parallel import DEFAULT_RULES, MeshConfig, ShardingRules, split_mesh
-from mlkit.quant import FP8_ALL, INT4_EXPERTS, Recipe, quantize_params
+from mlkit.quant import FP8_ALL, INT4_EXPERTS, Recipe, kernel_int4_layout, quantize_params
 from mlkit.sampling import SamplingParams
 
 # Abort reason: the request's KV failed the transfer checksum on every attempt.
@@ -215,6 +215,13 @@ class DisaggMetrics:
   timeline: list = dataclasses.field(default_factory=list)
 
 
+def _quantize(checkpoint, pool: PoolConfig):
+  """A pool's params: ``checkpoint`` in its recipe, int4 weights in the layout its
+  engine's kernels read (docs/int4_matmul.md)."""
+  return quantize_params(checkpoint, pool.recipe,
+                         int4_layout=kernel_int4_layout(pool.engine.backend))
+
+
 def build_serving_engine(checkpoint, config: DisaggConfig, devices: Sequence | None = None,
                          rules: ShardingRules = DEFAULT_RULES):
   """The engine a :class:`DisaggConfig` describes, from one dense checkpoint.
@@ -239,7 +246,7 @@ def build_serving_engine(checkpoint, config: DisaggConfig, devices: Sequence | N
   check_params(checkpoint, config.model, where="build_serving_engine")
   d = config.decode
   (mesh,) = split_mesh([d.mesh], list(jax.devices() if devices is None else devices))
-  return Engine(quantize_params(checkpoint, d.recipe), d.engine, mesh=mesh, rules=rules,
+  return Engine(_quantize(checkpoint, d), d.engine, mesh=mesh, rules=rules,
                 data_parallel_attention=d.data_parallel_attention)
 
 
@@ -277,10 +284,10 @@ class DisaggEngine(ServingLoop):
     p, d = config.prefill, config.decode
     devices = list(jax.devices() if devices is None else devices)
     self.prefill_mesh, self.decode_mesh = split_mesh([p.mesh, d.mesh], devices)
-    self.prefill = Engine(quantize_params(checkpoint, p.recipe), p.engine, mesh=self.prefill_mesh,
+    self.prefill = Engine(_quantize(checkpoint, p), p.engine, mesh=self.prefill_mesh,
                           rules=rules, data_parallel_attention=p.data_parallel_attention,
                           role="prefill")
-    self.decode = Engine(quantize_params(checkpoint, d.recipe), d.engine, mesh=self.decode_mesh,
+    self.decode = Engine(_quantize(checkpoint, d), d.engine, mesh=self.decode_mesh,
                          rules=rules, data_parallel_attention=d.data_parallel_attention)
     # Every request is submitted to the prefill pool; it keeps the one registry.
     self.requests = self.prefill.requests

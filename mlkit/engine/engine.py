@@ -56,7 +56,6 @@ from mlkit.engine.runner import Runner, StepBatch
 from mlkit.engine.scheduler import PrefillItem, Scheduler
 from mlkit.engine.serving import EngineStalled, ServingLoop, check_batch  # noqa: F401 (re-export)
 from mlkit.kvcache import PageAllocator, PageViolation, PagedKVState, init_paged_state
-from mlkit.quant import kernel_layout
 from mlkit.model import check_params
 from mlkit.parallel import DEFAULT_RULES, ShardingRules, shard_params, sharded_kv_state
 from mlkit.sampling import SamplingParams
@@ -122,10 +121,6 @@ class Engine(ServingLoop):
                                data_parallel=data_parallel_attention)
     else:
       state = init_paged_state(config.model, config.kv)
-    # On a GPU the int4 weights go to the layout the kernels dequantise in registers
-    # (docs/int4_matmul.md), leaf by leaf after sharding (the relayout keeps each
-    # leaf's split, K and N swapped); on a CPU (the XLA reference) they stay as given.
-    params = kernel_layout(params)
     self.runner = Runner(params, config)
     # Every device operation goes through this (lockstep.Leader when the pool spans
     # processes and this one decides: each operation is then repeated by the others).

@@ -21,6 +21,7 @@ from mlkit.kvcache import KVCacheConfig, PagedKVState, init_paged_state
 from mlkit.parallel.sharding import (DEFAULT_RULES, ShardingRules, kv_state_shardings,
                                      param_shardings)
 from mlkit.quant import Recipe, quantize_params
+from mlkit.quant.formats import stored_nbytes
 
 
 def _is_sharding(x) -> bool:
@@ -49,7 +50,7 @@ def with_shardings(tree, shardings):
 
 
 def abstract_params(cfg: ModelConfig, recipe: Recipe | None, mesh: Mesh,
-                    rules: ShardingRules = DEFAULT_RULES):
+                    rules: ShardingRules = DEFAULT_RULES, *, int4_layout: str = "kn"):
   """The serving params of ``cfg`` in ``recipe``'s formats, as sharded ShapeDtypeStructs.
 
   Nothing is allocated: ``init_params`` and ``quantize_params`` run under
@@ -61,6 +62,7 @@ def abstract_params(cfg: ModelConfig, recipe: Recipe | None, mesh: Mesh,
     mesh: the mesh the params would live on (a concrete or compile-only topology mesh).
     rules: logical-axis rules (heads and experts are kept whole, as ``shard_params`` with
       the config does).
+    int4_layout: the int4 weights' layout ("kn" or "nk", see ``quantize_params``).
 
   Returns:
     The params pytree with ShapeDtypeStruct leaves carrying NamedShardings.
@@ -69,7 +71,8 @@ def abstract_params(cfg: ModelConfig, recipe: Recipe | None, mesh: Mesh,
 
   def build():
     params = init_params(cfg, jax.random.key(0))
-    return params if recipe is None else quantize_params(params, recipe)
+    return params if recipe is None else quantize_params(params, recipe,
+                                                         int4_layout=int4_layout)
 
   shapes = jax.eval_shape(build)
   return with_shardings(shapes, param_shardings(shapes, mesh, rules, cfg))
@@ -122,9 +125,5 @@ def per_device_bytes(tree) -> int:
     sharding = getattr(x, "sharding", None)
     if sharding is None:
       raise ValueError(f"per_device_bytes: a leaf of shape {x.shape} has no sharding")
-    shard = sharding.shard_shape(tuple(x.shape))
-    n = 1
-    for d in shard:
-      n *= d
-    total += n * jax.numpy.dtype(x.dtype).itemsize
+    total += stored_nbytes(sharding.shard_shape(tuple(x.shape)), x.dtype)
   return total

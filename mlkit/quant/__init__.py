@@ -16,7 +16,7 @@ from mlkit.quant.recipe import (BF16, FP8_ALL, INT4_EXPERTS, INT4_EXPERTS_FP8_RE
                                 Rule, assign_formats, calibration_paths, dequantize_params, fp8_all,
                                 int4_all, int4_experts, quantize_params)
 from mlkit.quant import kernels as _kernels  # noqa: F401  (registers the formats' matmuls)
-from mlkit.quant.kernels import kernel_layout
+from mlkit.quant.kernels import kernel_int4_layout, kernel_layout
 from mlkit.quant.reference import (fp8_grouped_matmul_reference, fp8_matmul_reference,
                                    int4_grouped_matmul_reference, int4_matmul_reference)
 
@@ -26,7 +26,7 @@ __all__ = [
     "Recipe", "Rule", "WeightBytes", "assign_formats", "calibration_paths", "calibration_stats",
     "checkpoint_specs", "collect_calibration", "dequantize", "dequantize_params", "fp8_all",
     "fp8_grouped_matmul_reference", "fp8_matmul_reference", "gptq_quantize_int4", "grouped_matmul",
-    "int4_all", "int4_experts", "int4_grouped_matmul_reference", "kernel_layout", "int4_matmul_reference", "matmul",
+    "int4_all", "int4_experts", "int4_grouped_matmul_reference", "kernel_int4_layout", "kernel_layout", "int4_matmul_reference", "matmul",
     "merge_calibration", "pack_int4", "quantize_fp8", "quantize_int4", "quantize_params",
     "unpack_int4", "weight_bytes",
 ]

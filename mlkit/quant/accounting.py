@@ -36,13 +36,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from mlkit.quant.formats import Fp8Weight, Int4Weight
+from mlkit.quant.formats import Fp8Weight, Int4Weight, stored_nbytes
 from mlkit.quant.recipe import FormatSpec, Keep, Recipe, assign_formats, quantize_leaf
 from mlkit.quant.tree import flatten_params, is_quantised
 
@@ -131,10 +130,7 @@ def _quantised_leaf_bytes(shape: tuple[int, ...], dtype: str, spec: FormatSpec) 
 
 
 def _nbytes(x) -> int:
-  # int4 arrays (Int4Weight layout "nk") hold two values per byte on the device.
-  if jnp.dtype(x.dtype) == jnp.dtype(jnp.int4):
-    return math.prod(x.shape) // 2
-  return math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+  return stored_nbytes(x.shape, x.dtype)
 
 
 def _leaf_bytes(leaf) -> dict[str, int]:

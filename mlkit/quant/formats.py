@@ -49,6 +49,14 @@ FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 INT4_QMAX = 7
 
 
+def stored_nbytes(shape, dtype) -> int:
+  """Bytes an array of ``shape`` and ``dtype`` takes on a device: int4 arrays (Int4Weight
+  layout "nk") hold two values per byte, where numpy's itemsize (and ``.nbytes``) says one."""
+  if jnp.dtype(dtype) == jnp.dtype(jnp.int4):
+    return -(-math.prod(shape) // 2)
+  return math.prod(shape) * jnp.dtype(dtype).itemsize
+
+
 _all_finite = jax.jit(lambda w: jnp.all(jnp.isfinite(w)))
 
 
@@ -109,7 +117,7 @@ class Int4Weight:
   @property
   def nbytes(self) -> int:
     """Bytes stored (packed values plus scales; two int4 values per byte in both layouts)."""
-    return math.prod(self.shape) // 2 + self.scales.nbytes
+    return math.prod(self.shape) // 2 + stored_nbytes(self.scales.shape, self.scales.dtype)
 
   def to_layout(self, layout: str) -> "Int4Weight":
     """The same codes and scales in ``layout`` ("kn" or "nk"); a copy of the codes."""

@@ -5,7 +5,8 @@ Each registration chooses by backend: "xla" runs the XLA reference in
 in ``pallas_kernels.int4_matmul`` (on a GPU, the default backend is "pallas", so
 the model runs the kernels with no code change). Int4 weights in layout "kn" run
 the packed-layout kernels, in layout "nk" the register-dequantising ones
-(:func:`kernel_layout` converts a tree; docs/int4_matmul.md). FP8 weights have no Pallas
+(:func:`kernel_int4_layout` names the platform's, :func:`kernel_layout` converts
+a tree; docs/int4_matmul.md). Both layouts run on every backend. FP8 weights have no Pallas
 kernel yet and always use the XLA reference.
 """
 
@@ -21,15 +22,23 @@ from pallas_kernels import dispatch as kernel_dispatch
 from pallas_kernels import int4_matmul as int4_kernels
 
 
-def kernel_layout(tree, backend: str | None = None):
-  """``tree`` with its Int4Weight leaves in the layout the kernels of ``backend`` read.
+def kernel_int4_layout(backend: str | None = None) -> str:
+  """The Int4Weight layout the matmuls of ``backend`` run fastest on: "nk" for the
+  kernels ("pallas", "interpret", and None on a GPU; docs/int4_matmul.md), "kn"
+  for the XLA reference, which reads either (None on a CPU)."""
+  return "kn" if kernel_dispatch.resolve_backend(backend) == "xla" else "nk"
 
-  "pallas" and "interpret" (and None where it resolves to "pallas", on a GPU) read
-  layout "nk" (docs/int4_matmul.md); "xla" reads either, so its trees are returned
-  unchanged. Converting copies each int4 weight once, leaf by leaf.
+
+def kernel_layout(tree, backend: str | None = None):
+  """``tree`` with its Int4Weight leaves in layout "nk" for a kernel backend;
+  unchanged for "xla" (see :func:`kernel_int4_layout`).
+
+  Converting copies each int4 weight while the caller still holds ``tree``; for a
+  full-size model, quantise (``quantize_params(..., int4_layout=...)``) into the
+  layout instead.
   """
-  if kernel_dispatch.resolve_backend(backend) == "xla":
-    return tree
+  if kernel_int4_layout(backend) == "kn":
+    return tree  # the XLA reference reads either layout: nothing to copy
   return jax.tree.map(lambda w: w.to_layout("nk") if isinstance(w, Int4Weight) else w, tree,
                       is_leaf=lambda w: isinstance(w, Int4Weight))
 

@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from mlkit.quant.dispatch import dequantize
-from mlkit.quant.formats import FP8_BLOCK, INT4_GROUP_SIZES, quantize_fp8, quantize_int4
+from mlkit.quant.formats import (FP8_BLOCK, INT4_GROUP_SIZES, INT4_LAYOUTS, quantize_fp8,
+                                 quantize_int4)
 from mlkit.quant.gptq import CalibrationStats, gptq_quantize_int4
 from mlkit.quant.tree import flatten_params, is_quantised
 
@@ -229,7 +230,7 @@ def assign_formats(params, recipe: Recipe) -> dict[str, FormatSpec]:
 # ----------------------------------------------------------------------------- applying
 
 def quantize_leaf(w, spec: FormatSpec, *, name: str = "weight",
-                  calibration: CalibrationStats | None = None):
+                  calibration: CalibrationStats | None = None, int4_layout: str = "kn"):
   """Applies one format spec to one dense weight (see :func:`quantize_params`)."""
   if isinstance(spec, Keep):
     # A quantised weight kept by a later recipe stays as it is (no dense cast).
@@ -240,13 +241,16 @@ def quantize_leaf(w, spec: FormatSpec, *, name: str = "weight",
     return quantize_fp8(w, spec.block_size, name=name)
   scale_dtype = jnp.dtype(spec.scale_dtype)
   if spec.method == "gptq" and calibration is not None:
-    return gptq_quantize_int4(w, calibration, spec.group_size, scale_dtype=scale_dtype,
-                              damp=spec.damp, name=name)
-  return quantize_int4(w, spec.group_size, scale_dtype=scale_dtype, name=name)
+    q = gptq_quantize_int4(w, calibration, spec.group_size, scale_dtype=scale_dtype,
+                           damp=spec.damp, name=name)
+  else:
+    q = quantize_int4(w, spec.group_size, scale_dtype=scale_dtype, name=name)
+  return q.to_layout(int4_layout)
 
 
 def quantize_params(params, recipe: Recipe,
-                    calibration: Mapping[str, CalibrationStats | jax.Array] | None = None):
+                    calibration: Mapping[str, CalibrationStats | jax.Array] | None = None,
+                    *, int4_layout: str = "kn"):
   """Returns a new params tree with each weight in the format its rule names.
 
   The model runs on the result unchanged: quantised weights are pytrees that
@@ -259,6 +263,11 @@ def quantize_params(params, recipe: Recipe,
       activations [..., K]}, e.g. from :func:`mlkit.quant.gptq.collect_calibration`.
       GPTQ parameters missing from it (MLA's ``wkv_b``, which the model only
       dequantises) fall back to round-to-nearest with a warning.
+    int4_layout: the new int4 weights' layout: "kn" (packed, what checkpoints
+      hold) or "nk" (what the GPU kernels dequantise in registers;
+      ``mlkit.quant.kernel_int4_layout()`` names the one for this platform). Each
+      weight is relaid as it is quantised, so only one leaf is ever held twice.
+      Weights that are already quantised keep their layout.
 
   Returns:
     The new tree (same structure; quantised leaves are Int4Weight / Fp8Weight).
@@ -278,8 +287,12 @@ def quantize_params(params, recipe: Recipe,
   if uncalibrated:
     warnings.warn(f"Recipe {recipe.name!r}: no calibration for {uncalibrated}; "
                   "using round-to-nearest for them")
+  if int4_layout not in INT4_LAYOUTS:
+    raise ValueError(f"quantize_params: int4_layout must be one of {INT4_LAYOUTS}, "
+                     f"got {int4_layout!r}")
   flat, treedef = flatten_params(params)
-  out = [quantize_leaf(leaf, specs[p], name=p, calibration=calibration.get(p)) for p, leaf in flat]
+  out = [quantize_leaf(leaf, specs[p], name=p, calibration=calibration.get(p),
+                       int4_layout=int4_layout) for p, leaf in flat]
   return jax.tree_util.tree_unflatten(treedef, out)
 
 

@@ -122,12 +122,16 @@ def build_engine(cfg: ServeConfig, params, mcfg: ModelConfig):
   import jax
   from mlkit.engine import Engine
   from mlkit.parallel import MeshConfig, split_mesh
-  from mlkit.quant import RECIPES, quantize_params
+  from mlkit.quant import RECIPES, kernel_int4_layout, quantize_params
   if jax.process_count() > 1:  # one pool over every process's devices (docs/serving_processes.md)
     (mesh,) = split_mesh([MeshConfig(tensor=len(jax.devices()))], list(jax.devices()))
   else:
     (mesh,) = split_mesh([MeshConfig(tensor=cfg.devices)], list(jax.devices())[:cfg.devices])
-  return Engine(quantize_params(params, RECIPES[cfg.recipe]), engine_config(cfg, mcfg), mesh=mesh,
+  ecfg = engine_config(cfg, mcfg)
+  # int4 weights in the layout the engine's kernels read (docs/int4_matmul.md).
+  qparams = quantize_params(params, RECIPES[cfg.recipe],
+                            int4_layout=kernel_int4_layout(ecfg.backend))
+  return Engine(qparams, ecfg, mesh=mesh,
                 role="prefill" if cfg.role == "prefill" else "serve")
 
 
