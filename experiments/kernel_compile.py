@@ -227,8 +227,9 @@ def builds(case, *, other_impl: bool = False) -> list[Build]:
   if case.kernel in ("paged_mla_decode", "paged_gqa_decode"):
     return _attention_builds(case, other_impl)
   if case.kernel in ("int4_matmul", "int4_grouped_matmul"):
-    # The engine converts int4 weights to layout "nk" on a GPU (mlkit.quant.kernel_layout),
-    # so it runs the "nk" kernels; "mgpu" is the packed-layout kernel.
+    # The serving engines quantise into layout "nk" for the Pallas backend
+    # (quantize_params(int4_layout=kernel_int4_layout(...))), so they run the "nk"
+    # kernels; "mgpu" is the packed-layout kernel.
     bs = _int4_block_sizes(case)
     impls = ("nk", "mgpu") if other_impl else ("nk",)
     return [Build(case, i, i == "nk", bs, kernel_key(case, i, bs)) for i in impls]

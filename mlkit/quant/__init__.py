@@ -26,7 +26,8 @@ __all__ = [
     "Recipe", "Rule", "WeightBytes", "assign_formats", "calibration_paths", "calibration_stats",
     "checkpoint_specs", "collect_calibration", "dequantize", "dequantize_params", "fp8_all",
     "fp8_grouped_matmul_reference", "fp8_matmul_reference", "gptq_quantize_int4", "grouped_matmul",
-    "int4_all", "int4_experts", "int4_grouped_matmul_reference", "kernel_int4_layout", "kernel_layout", "int4_matmul_reference", "matmul",
+    "int4_all", "int4_experts", "int4_grouped_matmul_reference", "int4_matmul_reference",
+    "kernel_int4_layout", "kernel_layout", "matmul",
     "merge_calibration", "pack_int4", "quantize_fp8", "quantize_int4", "quantize_params",
     "unpack_int4", "weight_bytes",
 ]

@@ -12,7 +12,8 @@ keys on:
   the one quantisers and checkpoints use; layout "nk" stores the same codes as an
   int4 array [..., N, K] (the same bytes transposed), the layout the GPU kernels
   dequantise in registers (docs/int4_matmul.md).
-  ``mlkit.quant.kernels.kernel_layout`` converts a params tree for a kernel backend.
+  ``quantize_params(..., int4_layout=)`` quantises into either layout;
+  ``mlkit.quant.kernels.kernel_layout`` converts a quantised tree.
 * :class:`Fp8Weight`: float8_e4m3fn values with f32 scales, either per output
   channel ``[N]`` or per 128x128 block ``[ceil(K/128), ceil(N/128)]`` (the
   DeepSeek-V3 / GLM fp8 checkpoint layout). ``w = values * scale``.
