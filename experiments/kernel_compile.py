@@ -74,7 +74,7 @@ MAX_REGISTERS = hc.MAX_REGISTERS
 # Triton addresses an operand with 64-bit offsets once it is larger than this
 # (jax/_src/pallas/triton/lowering.py), which changes the kernel's registers.
 TRITON_WIDE_OFFSET_BYTES = 2**32
-READINGS = ("registers", "spill_stores", "spill_loads", "stack", "smem")
+READINGS = ("registers", "spill_stores", "spill_loads", "stack", "smem", "wgmma_serialized")
 # How far ptxas' register count moves for one kernel structure: the same PTX under
 # different heap layouts (191 / 193), or other address constants (+-1). Witnesses
 # of a shared compile must read within this of it.
@@ -181,12 +181,15 @@ def _attention_builds(case, other_impl: bool) -> list[Build]:
   return out
 
 
-def _int4_block_sizes(case):
+def _int4_block_sizes(case, impl: str = "nk"):
+  """The H200 rows the op resolves for ``case``: impl "nk" (the [N, K] int4 kernels)
+  reads TUNED_NK, "mgpu" (packed) TUNED."""
   d = case.d
   grouped = case.kernel == "int4_grouped_matmul"
   return Int4BlockSizes.get_default(d["m"], d["n"], d["k"], grouped=grouped,
-                                    experts=d.get("experts", 1),
-                                    device_kind=H200).fit(d["m"], d["n"], d["k"])
+                                    experts=d.get("experts", 1), device_kind=H200,
+                                    layout="nk" if impl == "nk" else "kn"
+                                    ).fit(d["m"], d["n"], d["k"])
 
 
 def _tag_block_sizes(case):
@@ -230,9 +233,9 @@ def builds(case, *, other_impl: bool = False) -> list[Build]:
     # The serving engines quantise into layout "nk" for the Pallas backend
     # (quantize_params(int4_layout=kernel_int4_layout(...))), so they run the "nk"
     # kernels; "mgpu" is the packed-layout kernel.
-    bs = _int4_block_sizes(case)
     impls = ("nk", "mgpu") if other_impl else ("nk",)
-    return [Build(case, i, i == "nk", bs, kernel_key(case, i, bs)) for i in impls]
+    return [Build(case, i, i == "nk", bs, kernel_key(case, i, bs))
+            for i in impls for bs in [_int4_block_sizes(case, i)]]
   block_sizes = {"tag_check": _tag_block_sizes, "paged_mla_sparse_decode": _sparse_block_sizes,
                  "paged_index_scores": _indexer_block_sizes, "topk_positions": _topk_block_sizes}
   if case.kernel in block_sizes:
@@ -389,7 +392,7 @@ def compile_build(build: Build) -> dict:
 
   Returns:
     {"kernel_name", "registers", "spill_stores", "spill_loads", "stack", "smem",
-    "seconds", "error"}; readings are None and "error" says why when the compile
+    "wgmma_serialized", "seconds", "error"}; readings are None and "error" says why when the compile
     failed (e.g. shared memory overflow, which Mosaic GPU raises at lowering and
     Triton at compile).
 
@@ -414,18 +417,22 @@ def compile_build(build: Build) -> dict:
   (name, st), = report.kernels.items()
   return {"kernel_name": name, "registers": st.registers, "spill_stores": st.spill_stores,
           "spill_loads": st.spill_loads, "stack": st.stack, "smem": st.smem,
+          "wgmma_serialized": st.wgmma_serialized,
           "seconds": report.seconds, "error": None}
 
 
 def problems(readings: dict) -> list[str]:
-  """What is wrong with one compile's readings; [] when it compiled with zero spills
-  and shared memory within the H200's per-block limit."""
+  """What is wrong with one compile's readings; [] when it compiled with zero spills,
+  its wgmmas not serialised by ptxas, and shared memory within the H200's per-block
+  limit."""
   if readings.get("error"):
     return [readings["error"]]
   out = []
   if readings["spill_stores"] or readings["spill_loads"]:
     out.append(f"register spills: {readings['spill_stores']} B stored, "
                f"{readings['spill_loads']} B loaded ({readings['registers']} registers)")
+  if readings.get("wgmma_serialized"):
+    out.append(f"ptxas serialised the wgmmas: {readings['wgmma_serialized']}")
   if readings["smem"] is None:
     out.append("shared memory not read")
   elif readings["smem"] > SMEM_LIMIT_BYTES:
@@ -502,7 +509,8 @@ def agree(a: dict, b: dict) -> bool:
   memory, registers within REGISTER_NOISE."""
   if a["error"] or b["error"]:
     return bool(a["error"]) == bool(b["error"])
-  return (all(a[k] == b[k] for k in ("spill_stores", "spill_loads", "stack", "smem"))
+  return (all(a.get(k) == b.get(k)
+              for k in ("spill_stores", "spill_loads", "stack", "smem", "wgmma_serialized"))
           and abs(a["registers"] - b["registers"]) <= REGISTER_NOISE)
 
 

@@ -9,6 +9,7 @@ from absl.testing import absltest
 
 from experiments import kernel_compile as kc
 from experiments import kernel_targets as kt
+from pallas_kernels.h200 import compile as hc
 
 
 def _clean(regs):
@@ -130,6 +131,36 @@ class RecordsTest(absltest.TestCase):
     self.assertTrue(kc.agree(_clean(191), _clean(193)))
     self.assertFalse(kc.agree(_clean(146), _clean(157)))
     self.assertFalse(kc.agree(_clean(200), dict(_clean(200), stack=8)))
+    serial = dict(_clean(56), wgmma_serialized="insufficient register resources")
+    self.assertRegex(kc.problems(serial)[0], "serialised the wgmmas: insufficient")
+    self.assertFalse(kc.agree(_clean(56), serial))
+
+  def test_ptxas_log(self):
+    # The shape of XLA's ptxas -v log for one Mosaic GPU kernel and one XLA fusion.
+    log = (
+        "ptxas info    : (C7511) Potential Performance Loss: wgmma.mma_async instructions "
+        "are serialized due to insufficient register resources for the wgmma pipeline in "
+        "the function 'int4_grouped_matmul_nk_mosaic_gpu_kernel'\n"
+        "ptxas info    : Function properties for int4_grouped_matmul_nk_mosaic_gpu_kernel\n"
+        "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+        "ptxas info    : Used 56 registers, used 2 barriers, 1 bytes smem\n"
+        "ptxas info    : Function properties for loop_add_fusion\n"
+        "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+        "ptxas info    : Used 16 registers\n"
+        "ptxas info    : Function properties for paged_mla_decode_mgpu_mosaic_gpu_kernel\n"
+        "    8 bytes stack frame, 12 bytes spill stores, 4 bytes spill loads\n"
+        "ptxas info    : Used 255 registers\n")
+    stats = hc.parse_ptxas_log(log)
+    self.assertEqual(set(stats), {"int4_grouped_matmul_nk_mosaic_gpu_kernel",
+                                  "paged_mla_decode_mgpu_mosaic_gpu_kernel"})
+    int4 = stats["int4_grouped_matmul_nk_mosaic_gpu_kernel"]
+    self.assertEqual(int4["registers"], 56)
+    self.assertEqual(int4["wgmma_serialized"],
+                     "insufficient register resources for the wgmma pipeline")
+    mla = stats["paged_mla_decode_mgpu_mosaic_gpu_kernel"]
+    self.assertEqual((mla["registers"], mla["spill_stores"], mla["spill_loads"], mla["stack"]),
+                     (255, 12, 4, 8))
+    self.assertNotIn("wgmma_serialized", mla)
 
   def test_write_load_markdown(self):
     g = self._group()

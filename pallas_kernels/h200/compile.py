@@ -43,6 +43,10 @@ DEVICE_MEMORY_BYTES = 151397597184
 _PTXAS_RE = re.compile(
     r"Function properties for (\S+)\n\s+(\d+) bytes stack frame, (\d+) bytes spill stores, "
     r"(\d+) bytes spill loads\nptxas info\s+: Used (\d+) registers")
+# ptxas' warning that it serialised a kernel's wgmmas (each waits for the last),
+# which costs the MMA pipeline its overlap without showing in registers or spills.
+_SERIALIZED_RE = re.compile(r"wgmma\.mma_async instructions are serialized due to (.*?) "
+                            r"in the function '(\S+?)'")
 # XLA's own fusions and copies, which are not Pallas kernels.
 _XLA_KERNEL_RE = re.compile(r"(loop|input|wrapped|fusion|gemm_fusion|copy|transpose|concatenate|reduce)_?")
 
@@ -60,6 +64,7 @@ class KernelStats:
     spill_stores / spill_loads: bytes of register spills per thread.
     stack: stack frame bytes per thread.
     smem: shared memory bytes per block (static + dynamic), None if not read.
+    wgmma_serialized: why ptxas serialised the kernel's wgmmas, None if it did not.
   """
 
   registers: int
@@ -67,6 +72,7 @@ class KernelStats:
   spill_loads: int
   stack: int
   smem: int | None = None
+  wgmma_serialized: str | None = None
 
   @property
   def spills(self) -> int:
@@ -141,6 +147,23 @@ def _known_mosaic_kernels() -> dict:
     return {}
 
 
+def parse_ptxas_log(text: str) -> dict[str, dict]:
+  """Per Pallas kernel, what ptxas' ``-v`` log says: {name: KernelStats fields}
+  (registers, spills, stack; wgmma_serialized when ptxas warned that it
+  serialised the kernel's wgmmas; smem None, read elsewhere). XLA's own fusions
+  are left out."""
+  stats: dict[str, dict] = {}
+  for name, stack, st, ld, regs in _PTXAS_RE.findall(text):
+    if _XLA_KERNEL_RE.match(name):
+      continue
+    stats[name] = dict(registers=int(regs), spill_stores=int(st), spill_loads=int(ld),
+                       stack=int(stack), smem=None)
+  for reason, name in _SERIALIZED_RE.findall(text):
+    if name in stats:
+      stats[name]["wgmma_serialized"] = reason
+  return stats
+
+
 def compile_for_h200(fn: Callable[..., Any], *args, mesh_=None, ptxas_report: bool = True,
                      **kwargs) -> CompileReport:
   """Lowers and compiles ``fn(*args, **kwargs)`` for an H200 and reads ptxas' report.
@@ -185,13 +208,7 @@ def _compile(fn, args, kwargs, m, dump: str) -> CompileReport:
     os.close(saved)
   secs = time.perf_counter() - t0
   log.seek(0)
-  text = log.read().decode(errors="replace")
-  stats: dict[str, dict] = {}
-  for name, stack, st, ld, regs in _PTXAS_RE.findall(text):
-    if _XLA_KERNEL_RE.match(name):
-      continue
-    stats[name] = dict(registers=int(regs), spill_stores=int(st), spill_loads=int(ld),
-                       stack=int(stack), smem=None)
+  stats = parse_ptxas_log(log.read().decode(errors="replace"))
   # Triton kernels: shared memory from the launch lines of XLA's thunk dump.
   for path in glob.glob(os.path.join(dump, "*thunk_sequence.txt")):
     for mt in re.finditer(r"kCustomKernel.*?\] (\S+) grid: .*?shared_memory: (\d+) bytes",
