@@ -73,7 +73,8 @@ def design_flops(case: kt.KernelCase) -> int:
   - GQA decode (Mosaic GPU): each KV head's group padded to 64 rows;
   - sparse MLA decode (Triton): heads padded to the program's block_h, over the
     selected positions;
-  - INT4 dense: tokens padded to tile_m; INT4 grouped: every tile computes tile_m
+  - INT4 dense: tokens padded to tile_m (the [N, K] kernels' table, which the
+    engine runs on a GPU); INT4 grouped: every tile computes tile_m
     token columns (tiles from the kernel's schedule over the bench's balanced rows);
   - the others (indexer, top-k, tag check): the job's FLOPs.
   """
@@ -94,8 +95,8 @@ def design_flops(case: kt.KernelCase) -> int:
     m, k, n = d["m"], d["k"], d["n"]
     grouped = case.kernel == "int4_grouped_matmul"
     e = d.get("experts", 1)
-    bs = BlockSizes.get_default(m, n, k, grouped=grouped, experts=e,
-                                device_kind=H200).fit(m, n, k)
+    bs = BlockSizes.get_default(m, n, k, grouped=grouped, experts=e, device_kind=H200,
+                                layout="nk").fit(m, n, k)
     if not grouped:
       return 2 * (-(-m // bs.tile_m) * bs.tile_m) * k * n
     return 2 * _grouped_expert_tiles(m, e, bs.tile_m) * bs.tile_m * k * n

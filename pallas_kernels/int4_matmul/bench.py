@@ -9,7 +9,10 @@ Impls, in order:
   * ``pallas``: the kernel with its default block sizes;
   * ``pallas_overlap``: the same with dequantisation overlapped with the wgmmas;
   * ``pallas_nk``: the kernel on [N, K] int4 weights (``nk.py``: converted in
-    registers, wgmma's A operand from registers), the same block sizes;
+    registers, wgmma's A operand from registers), with its own table's block
+    sizes (``TUNED_NK``, derived by ``experiments.int4_tune``);
+  * ``pallas_nk_kn_tiles``: the same kernel with the packed kernel's block sizes,
+    where they differ: one device run says whether the derived table pays;
   * ``xla``: the pure-jnp INT4 reference compiled by XLA (dequantise, f32 dot);
   * ``xla_bf16_dot`` / ``xla_bf16_ragged_dot``: the bf16 twin, the same
     (dequantised) weights in bf16 through XLA's dot or ``lax.ragged_dot``:
@@ -126,13 +129,14 @@ def _dense(dims, backend, peers, seed):
                                      group_size=g, backend="xla"))
   call = lambda be: functools.partial(int4_matmul, group_size=g, backend=be)  # noqa: E731
   bs = BlockSizes.get_default(m, n, k).fit(m, n, k)
+  nk_bs = BlockSizes.get_default(m, n, k, layout="nk").fit(m, n, k)
 
   def bf16_sets():
     return [(x, reference.dequantize_int4(p, s, g, jnp.bfloat16)) for x, p, s in sets()]
 
   impls = [bm.Impl("pallas", call(backend), sets, ref, note="Mosaic GPU kernel"),
            _overlap_impl(int4_matmul, g, backend, bs, sets, ref),
-           _nk_impl(nk.int4_matmul_nk, g, backend, bs, sets, ref),
+           *_nk_impls(nk.int4_matmul_nk, g, backend, nk_bs, bs, sets, ref),
            bm.Impl("xla", call("xla"), sets, ref, note="jnp reference: dequantise, f32 dot"),
            bm.Impl("xla_bf16_dot", _bf16_dot, bf16_sets, ref,
                    nbytes=job_cost("int4_matmul", dims, weights="bf16")[0],
@@ -141,6 +145,7 @@ def _dense(dims, backend, peers, seed):
     impls.append(_mixed_type_peer(sets, m, k, n))
   return bm.Bench(*job_cost("int4_matmul", dims), bm.TOL["bf16"], impls,
                   {"block_sizes": dataclasses.asdict(bs),
+                   "block_sizes_nk": dataclasses.asdict(nk_bs),
                    "input_sets": bm.rotation_sets(wbytes + io_bytes)})
 
 
@@ -155,18 +160,28 @@ def _overlap_impl(op, group_size, backend, bs, sets, ref) -> bm.Impl:
                  f"(two scratch slots: {smem} B of shared memory per CTA)")
 
 
-def _nk_impl(op, group_size, backend, bs, sets, ref) -> bm.Impl:
-  """The kernel on [N, K] int4 weights (the same bytes, relaid once, outside the timing)."""
-  fn = functools.partial(op, group_size=group_size, backend=backend, block_sizes=bs)
+def _nk_impls(op, group_size, backend, nk_bs, kn_bs, sets, ref) -> list[bm.Impl]:
+  """The kernel on [N, K] int4 weights (the same bytes, relaid once, outside the
+  timing) with its own block sizes, and with the packed kernel's where they differ."""
   grouped = op is nk.int4_grouped_matmul_nk
 
   def nk_sets():  # built when timed, like the bf16 twins' sets
     return [(x, nk.to_nk(p), *rest) for x, p, *rest in sets()]
 
-  smem = bs.smem_bytes(group_size, grouped=grouped, layout="nk")
-  return bm.Impl("pallas_nk", fn, nk_sets, ref,
-                 note=f"Mosaic GPU kernel on [N, K] int4 weights: converted in registers, "
-                 f"wgmma A from registers ({smem} B of shared memory per CTA)")
+  out = []
+  for name, bs, which in (("pallas_nk", nk_bs, "TUNED_NK"),
+                          ("pallas_nk_kn_tiles", kn_bs, "the packed kernel's")):
+    if out and bs == nk_bs:
+      continue
+    fn = functools.partial(op, group_size=group_size, backend=backend, block_sizes=bs)
+    smem = bs.smem_bytes(group_size, grouped=grouped, layout="nk")
+    out.append(bm.Impl(name, fn, nk_sets, ref,
+                       note=f"Mosaic GPU kernel on [N, K] int4 weights: converted in "
+                       f"registers, wgmma A from registers; {which} block sizes "
+                       f"{bs.tile_n}x{bs.tile_m}x{bs.tile_k}, depth {bs.max_concurrent_steps}"
+                       f"{f', {bs.k_splits} splits' if bs.k_splits > 1 else ''} "
+                       f"({smem} B of shared memory per CTA)"))
+  return out
 
 
 def _mixed_type_peer(sets, m, k, n) -> bm.Impl:
@@ -216,6 +231,7 @@ def _grouped(dims, backend, peers, seed):
                                              group_size=g, backend="xla"))
   call = lambda be: functools.partial(int4_grouped_matmul, group_size=g, backend=be)  # noqa: E731
   bs = BlockSizes.get_default(m, n, k, grouped=True, experts=e).fit(m, n, k)
+  nk_bs = BlockSizes.get_default(m, n, k, grouped=True, experts=e, layout="nk").fit(m, n, k)
 
   def bf16_sets():
     return [(x, reference.dequantize_int4(p, s, g, jnp.bfloat16), c) for x, p, s, c in sets()]
@@ -223,7 +239,7 @@ def _grouped(dims, backend, peers, seed):
   bf16_bytes = job_cost("int4_grouped_matmul", dims, weights="bf16")[0]
   impls = [bm.Impl("pallas", call(backend), sets, ref, note="Mosaic GPU kernel"),
            _overlap_impl(int4_grouped_matmul, g, backend, bs, sets, ref),
-           _nk_impl(nk.int4_grouped_matmul_nk, g, backend, bs, sets, ref),
+           *_nk_impls(nk.int4_grouped_matmul_nk, g, backend, nk_bs, bs, sets, ref),
            bm.Impl("xla", call("xla"), sets, ref, note="jnp reference: dequantise, f32 ragged_dot"),
            bm.Impl("xla_bf16_ragged_dot", _bf16_ragged_dot, bf16_sets, ref, nbytes=bf16_bytes,
                    note="bf16 twin: dequantised weights, lax.ragged_dot")]
@@ -231,7 +247,9 @@ def _grouped(dims, backend, peers, seed):
     impls.append(bm.Impl("jax_ragged_dot_mgpu", _jax_ragged_dot, bf16_sets, ref, nbytes=bf16_bytes,
                          note="JAX Mosaic GPU ragged dot, bf16 weights"))
   return bm.Bench(*job_cost("int4_grouped_matmul", dims), bm.TOL["bf16"], impls,
-                  {"block_sizes": dataclasses.asdict(bs), "active_experts": active,
+                  {"block_sizes": dataclasses.asdict(bs),
+                   "block_sizes_nk": dataclasses.asdict(nk_bs),
+                   "active_experts": active,
                    "input_sets": bm.rotation_sets(wbytes + io_bytes)})
 
 

@@ -84,10 +84,13 @@ class BlockSizes:
 
   @classmethod
   def get_default(cls, m: int, n: int, k: int, *, grouped: bool = False,
-                  experts: int = 1, device_kind: str | None = None) -> "BlockSizes":
+                  experts: int = 1, device_kind: str | None = None,
+                  layout: str = "kn") -> "BlockSizes":
     """Tuned block sizes for an [m, k] x [k, n] problem on `device_kind`.
 
-    Looks the device kind and shape class up in `TUNED`, then shrinks the tiles
+    Looks the device kind and shape class up in `TUNED` (layout "kn", the packed
+    [K/2, N] kernels) or `TUNED_NK` (layout "nk", the [N, K] int4 kernels; device
+    kinds it lacks fall back to `TUNED`), then shrinks the tiles
     to fit the problem (tile_n divides n, tile_k divides k, k_splits divides the
     K steps, tile_m no larger than m rounded up to 8). The dense class is set by
     m; the grouped one by the mean rows per expert, m / experts, which also sets
@@ -95,8 +98,11 @@ class BlockSizes:
     active abstract mesh (an AOT compile for a GPU topology) or jax.devices().
 
     Raises:
-      ValueError: if n is not a multiple of 64 or k not a multiple of 128.
+      ValueError: if n is not a multiple of 64, k not a multiple of 128, or the
+        layout unknown.
     """
+    if layout not in ("kn", "nk"):
+      raise ValueError(f"layout must be 'kn' or 'nk', got {layout!r}")
     if device_kind is None:
       device_kind = device.device_kind()
     if grouped:
@@ -105,8 +111,9 @@ class BlockSizes:
     else:
       shape_class = "decode" if m <= DECODE_MAX_M else "prefill"
     op = "grouped" if grouped else "dense"
-    base = TUNED.get((device_kind, op, shape_class)) or TUNED[
-        ("default", op, shape_class)]
+    base = ((layout == "nk" and TUNED_NK.get((device_kind, op, shape_class)))
+            or TUNED.get((device_kind, op, shape_class))
+            or TUNED[("default", op, shape_class)])
     if grouped:
       base = dataclasses.replace(base, tile_m=min(base.tile_m, -(-2 * rows // 8) * 8))
     return base.fit(m, n, k)
@@ -167,4 +174,30 @@ TUNED: dict[tuple[str, str, str], BlockSizes] = {
     ("NVIDIA H200", "dense", "prefill"): BlockSizes(64, 128, 128, 1, 2),
     ("NVIDIA H200", "grouped", "decode"): BlockSizes(128, 16, 128, 1, 4),
     ("NVIDIA H200", "grouped", "prefill"): BlockSizes(64, 128, 128, 1, 2),
+}
+
+
+# The [N, K] int4 kernels (layout "nk"), keyed like TUNED. Derived, not guessed:
+# `python -m experiments.int4_tune` compiles every candidate tile shape for sm_90a
+# (ptxas registers, spills, stack, serialised wgmmas), takes the CTAs per SM from
+# registers and shared memory, models every target case's time under every
+# candidate (tile shape x pipeline depth x K splits) and keeps, per class, the
+# candidate with the smallest geometric mean of time / the case's best. The
+# readings are committed (experiments/data/int4_nk_tiles_h200.json) and
+# tests/test_int4_tune.py checks that they still select these rows. Modelled, not
+# timed: scripts/gpu_check.py times them beside the packed table's tiles
+# ("pallas_nk" and "pallas_nk_kn_tiles"). docs/int4_matmul.md explains the model.
+#   dense decode: 64 x 64 x 256, 4 splits, depth 4. tile_m 64 reads each weight
+#     once at 64 tokens (the packed table's 16 reads it four times); 64-wide N
+#     tiles and 4 splits give the small projections enough CTAs.
+#   grouped decode: 128 x 16 x 128, depth 4: the packed table's row (128
+#     registers, three CTAs per SM by shared memory); tile_m 16 keeps the experts
+#     a random router sends more than 8 rows to in one tile.
+#   dense prefill: 128 x 64 x 128, depth 2 (128 registers, [128, 64] f32
+#     accumulator); grouped prefill: 64 x 64 x 128, depth 2.
+TUNED_NK: dict[tuple[str, str, str], BlockSizes] = {
+    ("NVIDIA H200", "dense", "decode"): BlockSizes(64, 64, 256, 4, 4),
+    ("NVIDIA H200", "dense", "prefill"): BlockSizes(128, 64, 128, 1, 2),
+    ("NVIDIA H200", "grouped", "decode"): BlockSizes(128, 16, 128, 1, 4),
+    ("NVIDIA H200", "grouped", "prefill"): BlockSizes(64, 64, 128, 1, 2),
 }

@@ -177,7 +177,7 @@ def int4_matmul_nk(x: jax.Array, w_nk: jax.Array, scales: jax.Array, *,
     group_size: 32, 64 or 128.
     backend: "pallas", "interpret" or "xla" (the reference); None picks by platform.
     block_sizes: tiles (overlap_dequant is ignored: this kernel always overlaps);
-      None uses BlockSizes.get_default for this shape.
+      None uses BlockSizes.get_default(layout="nk") for this shape.
 
   Returns:
     [M, N] in x's dtype.
@@ -192,7 +192,7 @@ def int4_matmul_nk(x: jax.Array, w_nk: jax.Array, scales: jax.Array, *,
   out_dtype, n_out = x.dtype, n
   x, w_nk, scales = _kernel_operands(x, w_nk, scales, group_size)
   k, n = x.shape[1], w_nk.shape[-2]
-  bs = (block_sizes or BlockSizes.get_default(m, n, k)).fit(m, n, k)
+  bs = (block_sizes or BlockSizes.get_default(m, n, k, layout="nk")).fit(m, n, k)
   m_pad = -(-m // bs.tile_m) * bs.tile_m
   x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
   k_steps = k // bs.tile_k // bs.k_splits
@@ -231,7 +231,7 @@ def int4_grouped_matmul_nk(x: jax.Array, w_nk: jax.Array, scales: jax.Array,
     group_size: 32, 64 or 128.
     backend: "pallas", "interpret" or "xla"; None picks by platform.
     block_sizes: tiles (k_splits and overlap_dequant are ignored); None uses the
-      tuned default.
+      tuned default (BlockSizes.get_default(layout="nk")).
 
   Returns:
     [M, N] in x's dtype.
@@ -249,7 +249,8 @@ def int4_grouped_matmul_nk(x: jax.Array, w_nk: jax.Array, scales: jax.Array,
   out_dtype, n_out = x.dtype, n
   x, w_nk, scales = _kernel_operands(x, w_nk, scales, group_size)
   k, n = x.shape[1], w_nk.shape[-2]
-  bs = (block_sizes or BlockSizes.get_default(m, n, k, grouped=True, experts=e)).fit(
+  bs = (block_sizes or BlockSizes.get_default(m, n, k, grouped=True, experts=e,
+                                              layout="nk")).fit(
       m, n, k)
   num_tiles = grouped_tile_bound(m, e, bs.tile_m)
   meta = grouped_schedule(group_sizes, m, bs.tile_m, num_tiles)
