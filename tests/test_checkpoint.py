@@ -192,6 +192,41 @@ class OrbaxTest(TreeAssertions):
       from mlkit.parallel import DEFAULT_RULES
       load_checkpoint(path, rules=DEFAULT_RULES)
 
+  def test_int4_layouts_on_save_and_load(self):
+    from unittest import mock
+
+    import mlkit.quant
+    from mlkit.parallel import MeshConfig, make_mesh, shard_params
+    from mlkit.quant import INT4_EXPERTS, quantize_params
+    from mlkit.serve.model import ServeConfig, load_model
+    dense = _params(TINY_BF16)
+    kn = quantize_params(dense, INT4_EXPERTS)
+    nk = quantize_params(dense, INT4_EXPERTS, int4_layout="nk")
+    path = os.path.join(self.tmpdir(), "q")
+    # A tree quantised for the GPU kernels saves as "kn", what checkpoints hold,
+    # and the caller's "nk" leaves are left intact.
+    save_checkpoint(path, nk, TINY_BF16, recipe=INT4_EXPERTS)
+    self.assertTreesIdentical(kn, load_checkpoint(path)[0])
+    self.assertTreesIdentical(nk, quantize_params(dense, INT4_EXPERTS, int4_layout="nk"))
+    got, _ = load_checkpoint(path, int4_layout="nk")
+    self.assertTreesIdentical(nk, got)
+    layouts = {w.layout for w in jax.tree.leaves(got, is_leaf=lambda x: isinstance(x, Int4Weight))
+               if isinstance(w, Int4Weight)}
+    self.assertEqual(layouts, {"nk"})
+    # On a mesh each leaf keeps its split, K and N swapped (the sharding rules' "nk" spec).
+    mesh = make_mesh(MeshConfig(tensor=2, expert=2), jax.devices()[:4])
+    got, _ = load_checkpoint(path, mesh=mesh, int4_layout="nk")
+    want = shard_params(nk, mesh, cfg=TINY_BF16)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+      self.assertEqual(a.sharding, b.sharding)
+    self.assertTreesIdentical(want, got)
+    with self.assertRaisesRegex(ValueError, "int4_layout must be one of"):
+      load_checkpoint(path, int4_layout="t")
+    # A server restores a quantised checkpoint into its kernels' layout.
+    with mock.patch.object(mlkit.quant, "kernel_int4_layout", lambda backend=None: "nk"):
+      served, _ = load_model(ServeConfig(role="decode", checkpoint=path))
+    self.assertTreesIdentical(nk, served)
+
   def test_errors(self):
     tmp = self.tmpdir()
     with self.assertRaisesRegex(FileNotFoundError, "does not exist"):

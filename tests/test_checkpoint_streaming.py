@@ -107,7 +107,19 @@ class StreamingLoadTest(absltest.TestCase):
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
+  def test_into_the_kernels_int4_layout(self):
+    mesh = make_mesh(MeshConfig(tensor=2, expert=2), jax.devices()[:4])
+    got, cfg = load_hf_checkpoint(self.dir, recipe=INT4_EXPERTS, mesh=mesh, int4_layout="nk")
+    want = shard_params(quantize_params(self.dense, INT4_EXPERTS, int4_layout="nk"), mesh,
+                        cfg=cfg)
+    self.assertEqual(jax.tree_util.tree_structure(got), jax.tree_util.tree_structure(want))
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+      self.assertEqual(a.sharding, b.sharding)
+
   def test_bad_requests_fail_before_reading(self):
+    with self.assertRaisesRegex(ValueError, "int4_layout must be one of"):
+      load_hf_checkpoint(self.dir, recipe=INT4_EXPERTS, int4_layout="NK")
     with self.assertRaisesRegex(ValueError, "GPTQ .* calibration"):
       load_hf_checkpoint(self.dir, recipe=INT4_EXPERTS_GPTQ)
     with self.assertRaisesRegex(ValueError, "rules= needs a mesh="):

@@ -9,12 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from configs import TINY_MLA
 from mlkit import parallel
 from mlkit.model import check_params, forward
-from mlkit.quant import (INT4_EXPERTS, Int4Weight, dequantize, grouped_matmul,
+from mlkit.quant import (INT4_EXPERTS, RECIPES, Int4Weight, dequantize, grouped_matmul,
                          kernel_int4_layout, kernel_layout, matmul, quantize_int4,
                          quantize_params, weight_bytes)
 from numpy_params import init_params_np
@@ -98,6 +99,38 @@ class Int4LayoutModelTest(absltest.TestCase):
     self.assertEqual(jax.tree.structure(converted), jax.tree.structure(self.nk))
     with self.assertRaisesRegex(ValueError, "int4_layout"):
       quantize_params(init_params_np(MLA), INT4_EXPERTS, int4_layout="t")
+
+  def test_kept_int4_weights_are_relaid_only_when_a_layout_is_named(self):
+    # An already-quantised tree through a recipe that keeps its weights (a server
+    # given a quantised checkpoint and the default "bf16" recipe).
+    keep = RECIPES["bf16"]
+    same = lambda a, b: self.assertEqual(jax.tree.structure(a), jax.tree.structure(b))  # noqa: E731
+    same(quantize_params(self.kn, keep, int4_layout="nk"), self.nk)
+    same(quantize_params(self.nk, keep, int4_layout="kn"), self.kn)
+    same(quantize_params(self.nk, keep), self.nk)  # None: kept as they are
+    kept = quantize_params(self.nk, keep, int4_layout="nk")
+    self.assertIs(kept["layers"][1]["ffn"]["w_gate"], self.nk["layers"][1]["ffn"]["w_gate"])
+    with self.assertRaisesRegex(ValueError, "already quantised"):
+      quantize_params(self.nk, INT4_EXPERTS, int4_layout="nk")
+    back = quantize_params(self.nk, keep, int4_layout="kn")
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(self.kn)):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+  def test_relaying_a_sharded_weight_keeps_its_split(self):
+    mesh = jax.make_mesh((1, 2, 4), parallel.AXES)
+    w = Int4LayoutTest.weights()  # experts [E, K, N]
+    spec = parallel.leaf_partition_spec(w, ("experts", None, None), parallel.DEFAULT_RULES,
+                                        mesh)
+    placed = Int4Weight(packed=jax.device_put(w.packed, NamedSharding(mesh, spec.packed)),
+                        scales=jax.device_put(w.scales, NamedSharding(mesh, spec.scales)),
+                        group_size=w.group_size)
+    nk = placed.to_layout("nk")
+    want = parallel.leaf_partition_spec(nk, ("experts", None, None), parallel.DEFAULT_RULES,
+                                        mesh)
+    self.assertEqual(nk.packed.sharding, NamedSharding(mesh, want.packed))
+    np.testing.assert_array_equal(np.asarray(nk.packed, np.int8),
+                                  np.asarray(w.to_layout("nk").packed, np.int8))
+    self.assertEqual(nk.to_layout("kn").packed.sharding, placed.packed.sharding)
 
   def test_params_check_and_bytes_accept_both(self):
     self.assertEqual(self.nk["layers"][1]["ffn"]["w_gate"].layout, "nk")

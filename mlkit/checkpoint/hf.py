@@ -723,7 +723,7 @@ def _resolve_dtype(path: str, cfg_file: str, chosen: str | None, explicit: bool,
 
 
 def load_hf_checkpoint(path: str | os.PathLike, *, dtype=None, recipe=None, mesh=None,
-                       rules=None):
+                       rules=None, int4_layout: str = "kn"):
   """Loads a DeepSeek-V3 / Kimi-K2 Hugging Face checkpoint into our params tree.
 
   Streaming: the checkpoint is read one parameter at a time (an expert stack is
@@ -755,6 +755,10 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=None, recipe=None, mesh
       ``mlkit.parallel.param_shardings`` with ``rules``), or None for the
       default device.
     rules: logical-axis rules with ``mesh`` (default ``mlkit.parallel.DEFAULT_RULES``).
+    int4_layout: the recipe's int4 weights' layout: "kn" (packed, as checkpoints
+      hold them) or "nk" (what the GPU kernels read, ``mlkit.quant.
+      kernel_int4_layout()``), relaid after loading one leaf at a time, each
+      packed copy freed before the next.
 
   Returns:
     (params, cfg): params laid out as ``init_params(cfg)`` (router weights/bias in f32),
@@ -767,9 +771,15 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=None, recipe=None, mesh
       tensor, a wrong shape (with expected and actual shapes), unexpected tensor names,
       a layer beyond the config's layers and declared MTP layers, tensors whose dtypes
       disagree when no dtype is declared, or a narrowing conversion not asked for.
-    ValueError: a recipe that does not fit the model or asks for GPTQ; rules without a mesh.
+    ValueError: a recipe that does not fit the model or asks for GPTQ; rules without a
+      mesh; an unknown int4_layout (before anything is read).
   """
-  return open_hf_checkpoint(path, dtype=dtype, recipe=recipe, mesh=mesh, rules=rules).load()
+  from mlkit.quant.formats import INT4_LAYOUTS, relaid_int4
+  if int4_layout not in INT4_LAYOUTS:
+    raise ValueError(f"{_LOAD}: int4_layout must be one of {INT4_LAYOUTS}, got {int4_layout!r}")
+  params, cfg = open_hf_checkpoint(path, dtype=dtype, recipe=recipe, mesh=mesh,
+                                   rules=rules).load()
+  return relaid_int4(params, int4_layout, free_source=True), cfg
 
 
 def open_hf_checkpoint(path: str | os.PathLike, *, dtype=None, recipe=None, mesh=None,

@@ -48,6 +48,7 @@ import orbax.checkpoint as ocp
 from mlkit.checkpoint.errors import CheckpointError
 from mlkit.config import ModelConfig
 from mlkit.model.params import check_params, param_specs
+from mlkit.quant.formats import INT4_LAYOUTS, relaid_int4
 
 _FORMAT = "mlkit"
 _VERSION = 2  # 2 added "checksums"
@@ -200,6 +201,8 @@ def save_checkpoint(path: str | os.PathLike, params, cfg: ModelConfig, *, step: 
   Args:
     path: checkpoint directory (its parent is created if missing).
     params: the params pytree; leaves may be arrays or ``flax.struct`` weight dataclasses.
+      Int4 weights are stored in layout "kn"; ones in layout "nk" are relaid into a
+      copy for the save.
     cfg: the model config, stored as JSON beside the params.
     step: if given, the checkpoint is written to ``<path>/<step>`` and the step is recorded.
     overwrite: replace an existing checkpoint at the destination (otherwise an error).
@@ -228,6 +231,10 @@ def save_checkpoint(path: str | os.PathLike, params, cfg: ModelConfig, *, step: 
   if os.path.exists(path) and not overwrite:
     raise FileExistsError(f"save_checkpoint: {path} already exists (pass overwrite=True to replace it)")
   os.makedirs(os.path.dirname(path), exist_ok=True)
+  # Checkpoints hold int4 weights in layout "kn" (load_checkpoint(int4_layout=)
+  # relays them on restore): a tree quantised for the GPU kernels is saved through
+  # a "kn" copy of its "nk" weights.
+  params = relaid_int4(params, "kn")
   meta = {"format": _FORMAT, "version": _VERSION, "step": step, "config": cfg.to_dict(),
           "checksums": _checksums(params)}
   if recipe_name is not None:
@@ -297,7 +304,7 @@ def _check_structure(path: str, stored: dict[str, Any], expected: dict[str, tupl
 
 def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
                     target=None, step: int | None = None, verify: bool = True, mesh=None,
-                    rules=None):
+                    rules=None, int4_layout: str = "kn"):
   """Restores params and config saved by :func:`save_checkpoint`.
 
   Args:
@@ -313,6 +320,11 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
     mesh: without ``target``: restore every leaf sharded on this mesh
       (``mlkit.parallel.param_shardings``), each device reading its own shard.
     rules: logical-axis rules with ``mesh`` (default ``mlkit.parallel.DEFAULT_RULES``).
+    int4_layout: the int4 weights' layout in the result: "kn" as stored, or "nk",
+      what the GPU kernels read (``mlkit.quant.kernel_int4_layout()``). Each
+      weight is relaid after its checksum is verified and its stored copy freed
+      before the next, so one leaf at most is held in both layouts, and shardings
+      carry over (K and N swapped).
 
   Returns:
     (params, cfg): params with the stored dtypes; cfg as passed, else as stored.
@@ -320,7 +332,8 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
   Raises:
     FileNotFoundError: ``path`` (or the requested step) does not exist.
     ValueError: ``cfg`` is not a ModelConfig, ``mesh`` comes with ``target`` or ``rules``
-      without ``mesh``, or ``path`` is not a (finished) mlkit checkpoint.
+      without ``mesh``, ``int4_layout`` is unknown, or ``path`` is not a (finished)
+      mlkit checkpoint.
     CheckpointError: (a ValueError) naming the path: the stored params do not match
       ``cfg``/``target`` (names the parameter), an item cannot be read (truncated or
       corrupt files: names the item, the parameter where known and the cause), or a
@@ -333,6 +346,9 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
     raise ValueError("load_checkpoint: pass mesh= or a target= with shardings, not both")
   if rules is not None and mesh is None:
     raise ValueError("load_checkpoint: rules= needs a mesh=")
+  if int4_layout not in INT4_LAYOUTS:
+    raise ValueError(f"load_checkpoint: int4_layout must be one of {INT4_LAYOUTS}, "
+                     f"got {int4_layout!r}")
   path = _resolve(os.path.abspath(os.fspath(path)), step)
   ckptr = _checkpointer()
   try:
@@ -396,4 +412,5 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
         raise CheckpointError(_LOAD, path, f"item '{_PARAMS}', parameter {name}: restored bytes do not "
                                            f"match the checksum recorded at save (CRC-32 {got:#010x}, "
                                            f"expected {want:#010x}): the data files are corrupt")
-  return params, out_cfg
+  return relaid_int4(params, int4_layout, free_source=True), out_cfg
+

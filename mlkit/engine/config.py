@@ -42,7 +42,10 @@ class EngineConfig:
   # Audit page conservation (free + held + quarantined = all, refcounts = table entries) around
   # every step; violating pages are quarantined and their holders aborted (off only for ablations).
   page_audit: bool = True
-  # Kernel backend for the tag check: "pallas" | "interpret" | "xla" | None (platform default).
+  # Kernel backend of every kernel the engine's steps run (attention, the int4
+  # matmuls, the tag check): "pallas" | "interpret" | "xla" | None (platform
+  # default). The serving paths also quantise into the int4 layout it reads
+  # (mlkit.quant.kernel_int4_layout).
   backend: str | None = None
   # Free pages that must remain after admitting a request, so running requests can still grow.
   admission_reserve: int = 1

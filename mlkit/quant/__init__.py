@@ -8,7 +8,7 @@ Importing this package registers the int4 and fp8 formats on those functions.
 from mlkit.quant.accounting import GB, GIB, WeightBytes, checkpoint_specs, weight_bytes
 from mlkit.quant.dispatch import dequantize, grouped_matmul, matmul
 from mlkit.quant.formats import (Fp8Weight, Int4Weight, pack_int4, quantize_fp8, quantize_int4,
-                                 unpack_int4)
+                                 relaid_int4, unpack_int4)
 from mlkit.quant.gptq import (CalibrationStats, calibration_stats, collect_calibration,
                               gptq_quantize_int4, merge_calibration)
 from mlkit.quant.recipe import (BF16, FP8_ALL, INT4_EXPERTS, INT4_EXPERTS_FP8_REST,
@@ -29,5 +29,5 @@ __all__ = [
     "int4_all", "int4_experts", "int4_grouped_matmul_reference", "int4_matmul_reference",
     "kernel_int4_layout", "kernel_layout", "matmul",
     "merge_calibration", "pack_int4", "quantize_fp8", "quantize_int4", "quantize_params",
-    "unpack_int4", "weight_bytes",
+    "relaid_int4", "unpack_int4", "weight_bytes",
 ]

@@ -38,8 +38,17 @@ from mlkit.quant.dispatch import dequantize
 from pallas_kernels.int4_matmul import nk as int4_nk
 
 # The relayouts between "kn" and "nk" (the kernels' own, jitted: each copies the codes).
-_to_nk = jax.jit(int4_nk.to_nk)
-_from_nk = jax.jit(int4_nk.from_nk)
+def _relaid(fn, packed):
+  """fn(packed) (a transpose between [.., K/2, N] and [.., N, K]), jitted; a
+  NamedSharding keeps its split with the last two entries swapped, so each device
+  relays its own shard (the sharding rules' spec for the other layout)."""
+  sh = None if isinstance(packed, jax.core.Tracer) else getattr(packed, "sharding", None)
+  if isinstance(sh, jax.sharding.NamedSharding):
+    spec = tuple(sh.spec) + (None,) * (packed.ndim - len(sh.spec))
+    out = jax.sharding.NamedSharding(
+        sh.mesh, jax.sharding.PartitionSpec(*spec[:-2], spec[-1], spec[-2]))
+    return jax.jit(fn, out_shardings=out)(packed)
+  return jax.jit(fn)(packed)
 
 INT4_GROUP_SIZES = (32, 64, 128)
 INT4_LAYOUTS = ("kn", "nk")
@@ -126,9 +135,38 @@ class Int4Weight:
       raise ValueError(f"Int4Weight layout must be one of {INT4_LAYOUTS}, got {layout!r}")
     if layout == self.layout:
       return self
-    packed = (_to_nk(self.packed) if layout == "nk" else _from_nk(self.packed))
+    packed = _relaid(int4_nk.to_nk if layout == "nk" else int4_nk.from_nk, self.packed)
     return Int4Weight(packed=packed, scales=self.scales, group_size=self.group_size,
                       layout=layout)
+
+
+def relaid_int4(tree, layout: str, *, free_source: bool = False):
+  """``tree`` with every Int4Weight leaf in ``layout`` ("kn" or "nk"), relaid one
+  leaf at a time (other leaves, and int4 weights already in it, as they are).
+
+  Args:
+    tree: a params tree (any pytree with Int4Weight leaves).
+    layout: the target layout.
+    free_source: delete each old leaf's codes once its relaid copy exists (a
+      tree nobody else holds, e.g. one just restored), so the peak grows by one
+      leaf; otherwise the caller's tree is left intact and each relaid weight is
+      a second copy.
+
+  Raises:
+    ValueError: an unknown layout.
+  """
+  if layout not in INT4_LAYOUTS:
+    raise ValueError(f"Int4Weight layout must be one of {INT4_LAYOUTS}, got {layout!r}")
+
+  def relay(w):
+    if not isinstance(w, Int4Weight) or w.layout == layout:
+      return w
+    out = w.to_layout(layout)
+    if free_source and isinstance(w.packed, jax.Array):
+      out.packed.block_until_ready()
+      w.packed.delete()
+    return out
+  return jax.tree.map(relay, tree, is_leaf=lambda x: isinstance(x, Int4Weight))
 
 
 def int4_codes(w: Int4Weight) -> jax.Array:

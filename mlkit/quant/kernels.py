@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 
 from mlkit.quant.dispatch import grouped_matmul, matmul
-from mlkit.quant.formats import Fp8Weight, Int4Weight
+from mlkit.quant.formats import Fp8Weight, Int4Weight, relaid_int4
 from mlkit.quant.reference import (fp8_grouped_matmul_reference, fp8_matmul_reference,
                                    int4_grouped_matmul_reference, int4_matmul_reference)
 from pallas_kernels import dispatch as kernel_dispatch
@@ -39,8 +39,7 @@ def kernel_layout(tree, backend: str | None = None):
   """
   if kernel_int4_layout(backend) == "kn":
     return tree  # the XLA reference reads either layout: nothing to copy
-  return jax.tree.map(lambda w: w.to_layout("nk") if isinstance(w, Int4Weight) else w, tree,
-                      is_leaf=lambda w: isinstance(w, Int4Weight))
+  return relaid_int4(tree, "nk")
 
 
 @matmul.register(Int4Weight)

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from mlkit.quant.dispatch import dequantize
-from mlkit.quant.formats import (FP8_BLOCK, INT4_GROUP_SIZES, INT4_LAYOUTS, quantize_fp8,
-                                 quantize_int4)
+from mlkit.quant.formats import (FP8_BLOCK, INT4_GROUP_SIZES, INT4_LAYOUTS, Int4Weight,
+                                 quantize_fp8, quantize_int4)
 from mlkit.quant.gptq import CalibrationStats, gptq_quantize_int4
 from mlkit.quant.tree import flatten_params, is_quantised
 
@@ -230,9 +230,11 @@ def assign_formats(params, recipe: Recipe) -> dict[str, FormatSpec]:
 # ----------------------------------------------------------------------------- applying
 
 def quantize_leaf(w, spec: FormatSpec, *, name: str = "weight",
-                  calibration: CalibrationStats | None = None, int4_layout: str = "kn"):
+                  calibration: CalibrationStats | None = None, int4_layout: str | None = None):
   """Applies one format spec to one dense weight (see :func:`quantize_params`)."""
   if isinstance(spec, Keep):
+    if isinstance(w, Int4Weight) and int4_layout is not None:
+      return w.to_layout(int4_layout)  # a copy only when the layouts differ
     # A quantised weight kept by a later recipe stays as it is (no dense cast).
     return w if spec.dtype is None or is_quantised(w) else w.astype(spec.dtype)
   if is_quantised(w):
@@ -245,12 +247,12 @@ def quantize_leaf(w, spec: FormatSpec, *, name: str = "weight",
                            damp=spec.damp, name=name)
   else:
     q = quantize_int4(w, spec.group_size, scale_dtype=scale_dtype, name=name)
-  return q.to_layout(int4_layout)
+  return q.to_layout(int4_layout or "kn")
 
 
 def quantize_params(params, recipe: Recipe,
                     calibration: Mapping[str, CalibrationStats | jax.Array] | None = None,
-                    *, int4_layout: str = "kn"):
+                    *, int4_layout: str | None = None):
   """Returns a new params tree with each weight in the format its rule names.
 
   The model runs on the result unchanged: quantised weights are pytrees that
@@ -263,11 +265,14 @@ def quantize_params(params, recipe: Recipe,
       activations [..., K]}, e.g. from :func:`mlkit.quant.gptq.collect_calibration`.
       GPTQ parameters missing from it (MLA's ``wkv_b``, which the model only
       dequantises) fall back to round-to-nearest with a warning.
-    int4_layout: the new int4 weights' layout: "kn" (packed, what checkpoints
+    int4_layout: the int4 weights' layout: "kn" (packed, what checkpoints
       hold) or "nk" (what the GPU kernels dequantise in registers;
       ``mlkit.quant.kernel_int4_layout()`` names the one for this platform). Each
       weight is relaid as it is quantised, so only one leaf is ever held twice.
-      Weights that are already quantised keep their layout.
+      Int4 weights that were already quantised are relaid too (a copy of each
+      such leaf beside the caller's; ``load_checkpoint(int4_layout=)`` restores a
+      quantised checkpoint into the layout without one). None: new int4 weights
+      in "kn", existing ones as they are.
 
   Returns:
     The new tree (same structure; quantised leaves are Int4Weight / Fp8Weight).
@@ -287,8 +292,8 @@ def quantize_params(params, recipe: Recipe,
   if uncalibrated:
     warnings.warn(f"Recipe {recipe.name!r}: no calibration for {uncalibrated}; "
                   "using round-to-nearest for them")
-  if int4_layout not in INT4_LAYOUTS:
-    raise ValueError(f"quantize_params: int4_layout must be one of {INT4_LAYOUTS}, "
+  if int4_layout is not None and int4_layout not in INT4_LAYOUTS:
+    raise ValueError(f"quantize_params: int4_layout must be one of {INT4_LAYOUTS} or None, "
                      f"got {int4_layout!r}")
   flat, treedef = flatten_params(params)
   out = [quantize_leaf(leaf, specs[p], name=p, calibration=calibration.get(p),

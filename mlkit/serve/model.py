@@ -93,9 +93,13 @@ def load_model(cfg: ServeConfig) -> tuple[dict, ModelConfig]:
     if not os.path.isdir(path):
       raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     from mlkit import checkpoint
+    from mlkit.quant import kernel_int4_layout
     if _is_hf_dir(path):
       return checkpoint.load_hf_checkpoint(path)
-    return checkpoint.load_checkpoint(path)
+    # An already-quantised checkpoint restores straight into the layout the engine's
+    # int4 kernels read (its EngineConfig keeps the platform's default backend), one
+    # leaf at a time; build_engine's quantize_params then keeps it as it is.
+    return checkpoint.load_checkpoint(path, int4_layout=kernel_int4_layout(None))
   import jax
   from configs.models import MODEL_PRESETS
   from mlkit.model import init_params
