@@ -36,6 +36,9 @@ from flax import struct
 
 from mlkit.quant.dispatch import dequantize
 from pallas_kernels.int4_matmul import nk as int4_nk
+# The packing is the kernels' (one definition for the weights and the references).
+from pallas_kernels.int4_matmul.reference import pack_int4, unpack_int4  # noqa: F401
+
 
 # The relayouts between "kn" and "nk" (the kernels' own, jitted: each copies the codes).
 def _relaid(fn, packed):
@@ -174,38 +177,6 @@ def int4_codes(w: Int4Weight) -> jax.Array:
   if w.layout == "nk":
     return jnp.swapaxes(w.packed.astype(jnp.int8), -1, -2)
   return unpack_int4(w.packed)
-
-
-def pack_int4(q: jax.Array) -> jax.Array:
-  """Packs int4 values two per byte along axis -2.
-
-  Args:
-    q: integer values in [-8, 7], [..., K, N] with K even.
-
-  Returns:
-    uint8 [..., K//2, N]: row 2i in the low nibble, row 2i+1 in the high nibble.
-
-  Raises:
-    ValueError: if K is odd.
-  """
-  if q.shape[-2] % 2:
-    raise ValueError(f"pack_int4: input dim K={q.shape[-2]} must be even to pack two per byte")
-  q = q.astype(jnp.int8)
-  *lead, k, n = q.shape
-  pairs = q.reshape(*lead, k // 2, 2, n)
-  lo = jax.lax.bitcast_convert_type(pairs[..., 0, :], jnp.uint8) & 0x0F
-  hi = jax.lax.bitcast_convert_type(pairs[..., 1, :], jnp.uint8) & 0x0F
-  return lo | (hi << 4)
-
-
-def unpack_int4(packed: jax.Array) -> jax.Array:
-  """Inverse of :func:`pack_int4`: uint8 [..., K//2, N] -> int8 [..., K, N] in [-8, 7]."""
-  s = jax.lax.bitcast_convert_type(packed, jnp.int8)
-  # Arithmetic right shifts sign-extend each nibble.
-  lo = jax.lax.shift_right_arithmetic(jax.lax.shift_left(s, jnp.int8(4)), jnp.int8(4))
-  hi = jax.lax.shift_right_arithmetic(s, jnp.int8(4))
-  *lead, k2, n = packed.shape
-  return jnp.stack([lo, hi], axis=-2).reshape(*lead, 2 * k2, n)
 
 
 def _check_int4_shape(shape, group_size: int, name: str) -> None:

@@ -19,12 +19,11 @@ import jax.numpy as jnp
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 
 
-def pack_int4(values: jax.Array) -> jax.Array:
-  """Packs int4 values two per byte along K.
+def pack_int4(q: jax.Array) -> jax.Array:
+  """Packs int4 values two per byte along K (axis -2).
 
   Args:
-    values: [K, N] (or [..., K, N]) integer array with entries in [-8, 7].
-      K must be even.
+    q: [K, N] (or [..., K, N]) integer array with entries in [-8, 7]; K even.
 
   Returns:
     [K//2, N] (or [..., K//2, N]) uint8; byte row i holds rows 2i (low
@@ -33,31 +32,26 @@ def pack_int4(values: jax.Array) -> jax.Array:
   Raises:
     ValueError: if K is odd.
   """
-  k = values.shape[-2]
-  if k % 2:
-    raise ValueError(f"K={k} must be even to pack two int4 values per byte")
-  v = values.astype(jnp.int32) & 0xF
-  lo = v[..., 0::2, :]
-  hi = v[..., 1::2, :]
-  return (lo | (hi << 4)).astype(jnp.uint8)
+  if q.shape[-2] % 2:
+    raise ValueError(f"pack_int4: input dim K={q.shape[-2]} must be even to pack two per byte")
+  # int8 throughout (no int32 intermediate): a full-size expert stack packs on the
+  # host at one byte per value.
+  q = q.astype(jnp.int8)
+  *lead, k, n = q.shape
+  pairs = q.reshape(*lead, k // 2, 2, n)
+  lo = jax.lax.bitcast_convert_type(pairs[..., 0, :], jnp.uint8) & 0x0F
+  hi = jax.lax.bitcast_convert_type(pairs[..., 1, :], jnp.uint8) & 0x0F
+  return lo | (hi << 4)
 
 
 def unpack_int4(packed: jax.Array) -> jax.Array:
-  """Inverse of `pack_int4`.
-
-  Args:
-    packed: [K//2, N] (or [..., K//2, N]) uint8.
-
-  Returns:
-    [K, N] (or [..., K, N]) int8 with entries in [-8, 7].
-  """
-  p = packed.astype(jnp.int32)
-  # Sign-extend each nibble: (v ^ 8) - 8 maps 0..15 to -8..7 two's-complement.
-  lo = ((p & 0xF) ^ 8) - 8
-  hi = (((p >> 4) & 0xF) ^ 8) - 8
-  both = jnp.stack([lo, hi], axis=-2)  # [..., K//2, 2, N]
-  shape = packed.shape[:-2] + (2 * packed.shape[-2], packed.shape[-1])
-  return both.reshape(shape).astype(jnp.int8)
+  """Inverse of `pack_int4`: uint8 [..., K//2, N] -> int8 [..., K, N] in [-8, 7]."""
+  s = jax.lax.bitcast_convert_type(packed, jnp.int8)
+  # Arithmetic right shifts sign-extend each nibble.
+  lo = jax.lax.shift_right_arithmetic(jax.lax.shift_left(s, jnp.int8(4)), jnp.int8(4))
+  hi = jax.lax.shift_right_arithmetic(s, jnp.int8(4))
+  *lead, k2, n = packed.shape
+  return jnp.stack([lo, hi], axis=-2).reshape(*lead, 2 * k2, n)
 
 
 def dequantize_int4(packed: jax.Array, scales: jax.Array, group_size: int,
