@@ -140,6 +140,8 @@ class SheetTest(absltest.TestCase):
     # INT4 dense at one token computes a whole tile_m of token columns.
     c, r = by["int4/kimi-k2.6/wq_a/m1/g32"]
     self.assertEqual(r["design_flops"], 8 * r["flops"])  # tile_m: 1 row rounds up to 8
+    # ... and writes f32 partials [4 splits, N, 8] that the sum reads back.
+    self.assertEqual(r["design_bytes"] - r["bytes"], 2 * 4 * c.d["n"] * 8 * 4)
     # INT4 grouped at one row per expert: one tile of 8 token columns per expert.
     c, r = by["int4g/kimi-k2.6/up/r1/g32"]
     self.assertEqual(r["design_flops"], 2 * 48 * 8 * c.d["k"] * c.d["n"])
