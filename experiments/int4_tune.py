@@ -1,28 +1,30 @@
 """The INT4 [N, K] kernels' H200 block sizes, derived from ptxas readings and occupancy.
 
-The H200 rows of ``pallas_kernels.int4_matmul.block_sizes.TUNED`` for layout "nk"
-come from this module, in three steps (docs/int4_matmul.md, "Block sizes"):
+The H200 rows of ``pallas_kernels.int4_matmul.block_sizes.TUNED_NK`` (layout "nk")
+come from this module, in three steps (docs/int4_matmul.md, "Block sizes of the
+[N, K] kernels"):
 
 1. **Readings.** Every candidate tile shape (tile_n x tile_m x tile_k, per group
-   size) is compiled for sm_90a at a long K loop (INT4_LONG_LOOP_STEPS steps, the
-   loop ptxas builds for every long target), and ptxas gives its registers, spills
-   and shared memory (``experiments.kernel_compile.compile_build``). Shapes that
-   spill or overflow shared memory are out.
+   size) is compiled for sm_90a at a long K loop (LONG_LOOP_STEPS steps, the loop
+   ptxas builds for every long target), and ptxas gives its registers, spills,
+   stack, shared memory and whether it serialised the wgmmas
+   (``experiments.kernel_compile.compile_build``). Shapes that fail any of those
+   are out (:func:`clean`).
 2. **Occupancy.** CTAs per SM from the registers (65,536 per SM, one warpgroup of
    128 threads per CTA, allocated in 8-register steps), the shared memory
    (``BlockSizes.smem_bytes`` at the candidate's pipeline depth, plus the 1 KiB the
-   SM reserves per CTA, out of 228 KiB) and the 32-CTA cap.
+   SM reserves per CTA, out of 228 KiB) and the thread and CTA caps.
 3. **A time model** of every target case (``experiments.kernel_targets``) under
    each candidate (tile shape x pipeline depth x K splits), :func:`modelled_seconds`.
    The work items (output tiles, times K splits; for the grouped kernel the tiles
    its schedule gives rows routed at random, ``routed_group_sizes``) run in rounds
-   of SMs x occupancy
-   CTAs. A round costs one HBM latency (the pipeline's fill) plus the largest of
-   its weight traffic at the bandwidth its loads in flight can sustain (Little's
-   law: CTAs x (depth - 1) steps of bytes over the latency, capped at the copy
-   bandwidth), the busiest SM's MMA time and its conversion time (instructions
-   per weight at four warp instructions per clock). Activations, outputs and the
-   split-K sum move once at the copy bandwidth. Each shape class picks the
+   of SMs x occupancy CTAs. A round costs one HBM latency (the pipeline's fill)
+   plus the largest of its weight traffic at the bandwidth its loads in flight
+   can sustain (Little's law: CTAs x (depth - 1) steps of bytes over the latency,
+   capped at the copy bandwidth), the busiest SM's MMA time and its conversion
+   time (instructions per weight at four warp instructions per clock).
+   Activations and outputs move once at the copy bandwidth, the dense kernel's
+   f32 split partials twice (written, read back). Each shape class picks the
    candidate whose modelled times, over all the class's target cases, have the
    smallest geometric mean of time / the best candidate's time for that case.
 
