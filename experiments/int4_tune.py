@@ -24,7 +24,7 @@ come from this module, in three steps (docs/int4_matmul.md, "Block sizes of the
    capped at the copy bandwidth), the busiest SM's MMA time and its conversion
    time (instructions per weight at four warp instructions per clock).
    Activations and outputs move once at the copy bandwidth, the dense kernel's
-   f32 split partials twice (written, read back). Each shape class picks the
+   f32 split partials (more than one split) twice: written, read back. Each shape class picks the
    candidate whose modelled times, over all the class's target cases, have the
    smallest geometric mean of time / the best candidate's time for that case.
 
@@ -208,7 +208,7 @@ def modelled_seconds(case: kt.KernelCase, bs: BlockSizes, registers: int) -> flo
     total += HBM_LATENCY_S + max(mem, mma, alu)
   m_pad = -(-m // bs.tile_m) * bs.tile_m
   io = m * k * 2 + m * n * 2
-  if not grouped:  # f32 split partials written by the kernel and summed by XLA
+  if not grouped and splits > 1:  # f32 split partials written, then summed by XLA
     io += 2 * splits * n * m_pad * 4
   return total + io / bm.H200_COPY_BW
 

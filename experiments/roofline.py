@@ -112,9 +112,9 @@ def design_bytes(case: kt.KernelCase) -> int:
     pieces;
   - GQA decode: [64, hd] f32 outputs and 64 log-sum-exps per KV head (the group padded
     to 64 rows), for each of ``ops.gqa_mgpu_pieces`` pieces;
-  - INT4 dense: the kernel's f32 [k_splits, N, M padded to tile_m] partials, written
-    and read back by the sum that casts them (the [N, K] kernels' table: at 64 tokens
-    and 4 splits they outweigh the int4 weights);
+  - INT4 dense with K splits: the kernel's f32 [k_splits, N, M padded to tile_m]
+    partials, written and read back by the sum that casts them (the [N, K] kernels'
+    table: at 64 tokens and 4 splits they outweigh the int4 weights);
   - the others: the job's bytes.
   """
   import numpy as np
@@ -137,7 +137,8 @@ def design_bytes(case: kt.KernelCase) -> int:
     from pallas_kernels.int4_matmul import BlockSizes
     m, n, k = d["m"], d["n"], d["k"]
     bs = BlockSizes.get_default(m, n, k, device_kind=H200, layout="nk").fit(m, n, k)
-    return nbytes + 2 * bs.k_splits * n * (-(-m // bs.tile_m) * bs.tile_m) * 4
+    if bs.k_splits > 1:  # one split writes the result itself
+      return nbytes + 2 * bs.k_splits * n * (-(-m // bs.tile_m) * bs.tile_m) * 4
   return nbytes
 
 

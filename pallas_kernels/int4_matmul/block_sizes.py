@@ -76,7 +76,9 @@ class BlockSizes:
     per_step = (self.tile_m * self.tile_k * 2  # x (even + odd columns for "kn"), bf16
                 + self.tile_k // 2 * self.tile_n  # packed weights, two per byte
                 + self.tile_k // group_size * self.tile_n * scale_bytes)
-    out = self.tile_n * self.tile_m * (2 if grouped else 4)
+    # The output tile: bf16 rows (grouped, and dense with one K split: the result
+    # itself), or the dense kernel's f32 split partials.
+    out = self.tile_n * self.tile_m * (2 if grouped or self.k_splits == 1 else 4)
     if layout == "nk":
       return max(2, self.max_concurrent_steps) * per_step + out
     dequant = self.tile_k * self.tile_n * 2 * (2 if self.overlap_dequant else 1)  # bf16
@@ -163,7 +165,8 @@ class BlockSizes:
 #     chunk [64, tile_n] of int32 codes, nibbles and scales needs as many again.
 #     128 x 64: dense 236-244, grouped 249-252 registers (too close to 255).
 #     64 x 256: dense 216-218 registers but 222,224 B of shared memory.
-#     64 x 128: dense 153-157 registers, 123,920 B: the same 128 tokens per
+#     64 x 128: dense 153-157 registers, 123,920 B (107,536 since the one-split
+#     kernel writes a bf16 output tile): the same 128 tokens per
 #     dequantised weight, half the registers.
 TUNED: dict[tuple[str, str, str], BlockSizes] = {
     ("default", "dense", "decode"): BlockSizes(128, 8, 128, 1, 2),

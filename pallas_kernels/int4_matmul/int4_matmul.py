@@ -163,14 +163,14 @@ def _overlap(bs: BlockSizes, k_steps: int) -> bool:
   return bs.overlap_dequant and min(bs.max_concurrent_steps, k_steps) >= 2
 
 
-def _scratch(bs: BlockSizes, out_shape, out_dtype, overlap: bool):
+def _scratch(bs: BlockSizes, o_tile, overlap: bool):
   """SMEM scratch of both kernels: the dequantised even/odd K rows (two slots
-  each with overlap), then the output tile."""
+  each with overlap), then the output tile ``o_tile`` (a plgpu.SMEM)."""
   tkh = bs.tile_k // 2
   slots = (2,) if overlap else ()
   return [plgpu.SMEM((*slots, tkh, bs.tile_n), jnp.bfloat16),
           plgpu.SMEM((*slots, tkh, bs.tile_n), jnp.bfloat16),
-          plgpu.SMEM(out_shape, out_dtype)]
+          o_tile]
 
 
 def _in_specs(tile_m, tile_n, tile_k, ng, m_block, n_block, k_offset, *,
@@ -197,12 +197,34 @@ def _in_specs(tile_m, tile_n, tile_k, ng, m_block, n_block, k_offset, *,
   ]
 
 
-def dense_kernel(*refs, pipeline, x_refs, tile_n, tile_m, k_steps):
-  """Dense kernel body (both weight layouts): one CTA computes o[split, n tile, m tile].
+def dense_out(bs: BlockSizes, n: int, m_pad: int, out_dtype):
+  """(out_type, output tile scratch) of dense_kernel. One K split writes the
+  result itself, [Mp, N] in ``out_dtype``, through a tile transposed in shared
+  memory; several write f32 partials of out^T [k_splits, N, Mp] that
+  :func:`dense_result` sums (at prefill sizes the f32 round trip and the
+  transpose would cost a fifth of the matmul's time)."""
+  if bs.k_splits == 1:
+    return (jax.ShapeDtypeStruct((m_pad, n), out_dtype),
+            plgpu.SMEM((bs.tile_m, bs.tile_n), out_dtype))
+  return (jax.ShapeDtypeStruct((bs.k_splits, n, m_pad), jnp.float32),
+          plgpu.SMEM((bs.tile_n, bs.tile_m), jnp.float32))
 
-  refs: the x_refs x operands, the weights and scales (GMEM), o_gmem
-  [k_splits, N, Mp] f32 partial sums of out^T, then the pipeline's scratch and
-  the output tile o_smem [tile_n, tile_m] f32. pipeline(acc_ref, ins, work,
+
+def dense_result(out, m: int, n: int, out_dtype):
+  """[M, N] in ``out_dtype`` from dense_kernel's output (see :func:`dense_out`)."""
+  if out.ndim == 2:
+    return out[:m, :n]
+  return out.sum(axis=0)[:n, :m].T.astype(out_dtype)  # the split-K sum stays in f32
+
+
+def dense_kernel(*refs, pipeline, x_refs, tile_n, tile_m, k_steps):
+  """Dense kernel body (both weight layouts): one CTA computes one (n, m) tile of
+  one K split.
+
+  refs: the x_refs x operands, the weights and scales (GMEM), o_gmem (see
+  :func:`dense_out`: [Mp, N] written whole, or [k_splits, N, Mp] f32 partial sums
+  of out^T), then the pipeline's scratch and the output tile o_smem ([tile_m,
+  tile_n] or [tile_n, tile_m] f32 to match). pipeline(acc_ref, ins, work,
   m_block=, n_block=, k_offset=) accumulates the tile's K steps.
   """
   ins, o_gmem = refs[:x_refs + 2], refs[x_refs + 2]
@@ -216,10 +238,14 @@ def dense_kernel(*refs, pipeline, x_refs, tile_n, tile_m, k_steps):
     return acc_ref[...]
 
   acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, tile_m), jnp.float32))
-  o_smem[...] = acc
+  if len(o_gmem.shape) == 2:  # one split: the result, rows of tokens
+    o_smem.T[...] = acc.astype(o_smem.dtype)
+    dst = o_gmem.at[pl.ds(mi * tile_m, tile_m), pl.ds(ni * tile_n, tile_n)]
+  else:
+    o_smem[...] = acc
+    dst = o_gmem.at[si, pl.ds(ni * tile_n, tile_n), pl.ds(mi * tile_m, tile_m)]
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(
-      o_smem, o_gmem.at[si, pl.ds(ni * tile_n, tile_n), pl.ds(mi * tile_m, tile_m)])
+  plgpu.copy_smem_to_gmem(o_smem, dst)
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -315,18 +341,18 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *,
   k_steps = k // tile_k // bs.k_splits
   kernel = functools.partial(dense_kernel, pipeline=_kn_pipeline(bs, group_size, k_steps),
                              x_refs=2, tile_n=tile_n, tile_m=tile_m, k_steps=k_steps)
-  out_t = plgpu.kernel(
+  out_type, o_tile = dense_out(bs, n, m_pad, out_dtype)
+  out = plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct((bs.k_splits, n, m_pad), jnp.float32),
+      out_type=out_type,
       grid=(n // tile_n, m_pad // tile_m, bs.k_splits),
       grid_names=("n", "m", "k"),
       kernel_name="int4_matmul",
-      scratch_types=_scratch(bs, (tile_n, tile_m), jnp.float32, _overlap(bs, k_steps)),
+      scratch_types=_scratch(bs, o_tile, _overlap(bs, k_steps)),
       compiler_params=compiler_params(),
       interpret=interpret_params(backend),
   )(x_even, x_odd, packed, scales)
-  # [k_splits, N, Mp] -> [M, N]; the split-K sum stays in f32.
-  return out_t.sum(axis=0)[:n_out, :m].T.astype(out_dtype)
+  return dense_result(out, m, n_out, out_dtype)
 
 
 # Token rows per SMEM tile of x: a tile's first row must be a provable multiple of
@@ -539,7 +565,7 @@ def int4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
       grid=(num_ctas,),
       grid_names=("c",),
       kernel_name="int4_grouped_matmul",
-      scratch_types=_scratch(bs, (tile_m, tile_n), x.dtype, _overlap(bs, k_steps)),
+      scratch_types=_scratch(bs, plgpu.SMEM((tile_m, tile_n), x.dtype), _overlap(bs, k_steps)),
       compiler_params=compiler_params(),
       interpret=interpret_params(backend),
   )(meta, x_even, x_odd, packed, scales)

@@ -38,6 +38,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.int4_matmul.int4_matmul import compiler_params
 from pallas_kernels.int4_matmul.int4_matmul import dense_kernel
+from pallas_kernels.int4_matmul.int4_matmul import dense_out
+from pallas_kernels.int4_matmul.int4_matmul import dense_result
 from pallas_kernels.int4_matmul.int4_matmul import grouped_ctas
 from pallas_kernels.int4_matmul.int4_matmul import grouped_kernel
 from pallas_kernels.int4_matmul.int4_matmul import grouped_schedule
@@ -128,10 +130,10 @@ def _in_specs(tile_m, tile_n, tile_k, ng, m_block, n_block, k_offset, *,
   ]
 
 
-def _scratch(bs: BlockSizes, out_shape, out_dtype, interpret: bool):
-  """The interpreter's bf16 A tile (none on a GPU), then the output tile."""
+def _scratch(bs: BlockSizes, o_tile, interpret: bool):
+  """The interpreter's bf16 A tile (none on a GPU), then the output tile ``o_tile``."""
   a_tile = [plgpu.SMEM((bs.tile_n, bs.tile_k), jnp.bfloat16)] if interpret else []
-  return [*a_tile, plgpu.SMEM(out_shape, out_dtype)]
+  return [*a_tile, o_tile]
 
 
 def _pipeline(bs, group_size, k_steps):
@@ -198,18 +200,19 @@ def int4_matmul_nk(x: jax.Array, w_nk: jax.Array, scales: jax.Array, *,
   k_steps = k // bs.tile_k // bs.k_splits
   interpret = backend == "interpret"
   run = _pipeline(bs, group_size, k_steps)
-  out_t = plgpu.kernel(
+  out_type, o_tile = dense_out(bs, n, m_pad, out_dtype)
+  out = plgpu.kernel(
       functools.partial(dense_kernel, pipeline=run, x_refs=1, tile_n=bs.tile_n,
                         tile_m=bs.tile_m, k_steps=k_steps),
-      out_type=jax.ShapeDtypeStruct((bs.k_splits, n, m_pad), jnp.float32),
+      out_type=out_type,
       grid=(n // bs.tile_n, m_pad // bs.tile_m, bs.k_splits),
       grid_names=("n", "m", "k"),
       kernel_name="int4_matmul_nk",
-      scratch_types=_scratch(bs, (bs.tile_n, bs.tile_m), jnp.float32, interpret),
+      scratch_types=_scratch(bs, o_tile, interpret),
       compiler_params=compiler_params(),
       interpret=interpret_params(backend),
   )(x, w_nk, scales)
-  return out_t.sum(axis=0)[:n_out, :m].T.astype(out_dtype)
+  return dense_result(out, m, n_out, out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "backend", "block_sizes"))
@@ -268,7 +271,7 @@ def int4_grouped_matmul_nk(x: jax.Array, w_nk: jax.Array, scales: jax.Array,
       grid=(num_ctas,),
       grid_names=("c",),
       kernel_name="int4_grouped_matmul_nk",
-      scratch_types=_scratch(bs, (bs.tile_m, bs.tile_n), x.dtype, interpret),
+      scratch_types=_scratch(bs, plgpu.SMEM((bs.tile_m, bs.tile_n), x.dtype), interpret),
       compiler_params=compiler_params(),
       interpret=interpret_params(backend),
   )(meta, x, w_nk, scales)
