@@ -9,6 +9,7 @@ outputs with NaN), fails.
 
 import itertools
 import math
+from unittest import mock
 import zlib
 
 from absl.testing import absltest
@@ -449,6 +450,24 @@ class PagedGqaDecodeMgpuInterpretTest(PagedGqaDecodeMgpuTest):
   # 12 pages of 16 tokens = 3 of the kernel's 64-token blocks: "ragged" gives
   # the first request two pieces (2 blocks, then 1).
   SHAPE = dict(kv_heads=8, hd=64, page_size=16, max_pages=12, batch=2)
+
+  @parameterized.parameters("bf16", "fp8")
+  def test_long_pieces_cycle_the_staging_slots(self, kv_dtype):
+    """One piece per request, so a piece walks up to 5 blocks: a bf16 cache's two
+    staging slots are each refilled while the other is computed on, twice over,
+    and the last block is partial (its tail zeroed in place)."""
+    lengths = [5 * 64 - 7, 2 * 64 + 1]
+    args = make_gqa(_seed("ring", kv_dtype), batch=2, heads=16, kv_heads=8, hd=64,
+                    page_size=16, max_pages=20, lengths=lengths, kv_dtype=kv_dtype)
+    scale = 1.0 / math.sqrt(64)
+    one_piece_each = lambda batch, kv_heads, blocks, kind=None: batch  # noqa: E731
+    with mock.patch.object(attn_ops, "gqa_mgpu_pieces", one_piece_each):
+      out = paged_gqa_decode(*args, scale=scale, backend="interpret",
+                             block_sizes=BlockSizes(impl="mgpu"))
+    ref = paged_gqa_decode_reference(*args, scale=scale)
+    self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
+    self.assertLessEqual(_rel_err(out, ref), TOL[kv_dtype])
+    self.assertFalse(gpu_interpret.get_races().races_found, "data race")
 
 
 class ReferenceTest(parameterized.TestCase):

@@ -9,7 +9,11 @@ idle MMA rows cost no time, and K/V are read once per group.
 
 Each step gathers `64 // page_size` pages (64 tokens) with one TMA per page
 and tensor (K, V, and for fp8 the [page, KV] scale rows), driven by scalar
-block-table reads from GMEM.
+block-table reads from GMEM. A bf16 cache is read in place from two staging
+slots used in turn: block i+1's TMAs are issued before block i is computed (into
+the slot block i-1's PV has finished reading), so the gather overlaps QK,
+softmax and PV. An fp8 cache has one staging slot, free as soon as it is
+converted, when the next block's TMAs are issued.
 
 fp8: e4m3 -> f16 (exact; works with any ptxas, while fp8 -> bf16 needs ISA
 >= 9.2, docs/paged_attention.md) in a conversion pass through SMEM, because wgmma reads
@@ -84,6 +88,7 @@ def gqa_decode_mgpu(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths,
     raise ValueError("an fp8 cache needs an f16 query, its [B, KV, 64] q_scale "
                      "(ops.f16_query) and KV % 8 == 0")
   p_in_smem = bool(interpret)
+  slots = 1 if fp8 else 2  # staging slots (module docstring)
 
   def kernel(q_ref, qs_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref, len_ref, pc_ref,
              o_ref, lse_ref, scratch):
@@ -97,8 +102,13 @@ def gqa_decode_mgpu(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths,
     steps = pc_ref[2, piece]  # in blocks of ppb pages
     length = len_ref[bi]
     num_pages = lax.div(length + (ps - 1), ps)
+    # One barrier per staging slot (a single barrier's ref has no index).
+    tma_at = (lambda slot: tma_bar.at[slot]) if slots > 1 else (lambda slot: tma_bar)
 
     def issue(step):
+      slot = lax.rem(step, slots)
+      k_dst, v_dst = k_st.at[slot], v_st.at[slot]
+      bar = tma_at(slot)
       for j in range(ppb):
         idx = start + step * ppb + j
         # Entries past the used pages may be PAD_PAGE (-1): read page 0
@@ -106,11 +116,11 @@ def gqa_decode_mgpu(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths,
         page = jnp.where(idx < num_pages,
                          jnp.clip(bt_ref[bi, idx], 0, n - 1), 0)
         rows = pl.ds(j * ps, ps)
-        plgpu.copy_gmem_to_smem(k_ref.at[page, :, kvh], k_st.at[rows], tma_bar)
-        plgpu.copy_gmem_to_smem(v_ref.at[page, :, kvh], v_st.at[rows], tma_bar)
+        plgpu.copy_gmem_to_smem(k_ref.at[page, :, kvh], k_dst.at[rows], bar)
+        plgpu.copy_gmem_to_smem(v_ref.at[page, :, kvh], v_dst.at[rows], bar)
         if fp8:
-          plgpu.copy_gmem_to_smem(ks_ref.at[page], ks_st.at[rows], tma_bar)
-          plgpu.copy_gmem_to_smem(vs_ref.at[page], vs_st.at[rows], tma_bar)
+          plgpu.copy_gmem_to_smem(ks_ref.at[page], ks_st.at[rows], bar)
+          plgpu.copy_gmem_to_smem(vs_ref.at[page], vs_st.at[rows], bar)
 
     plgpu.copy_gmem_to_smem(q_ref.at[bi, kvh], q_smem, q_bar)
     if fp8:
@@ -133,14 +143,23 @@ def gqa_decode_mgpu(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths,
     def body(i, carry):
       acc, m_i, l_i = carry
       pos0 = (start + i * ppb) * ps
-      plgpu.barrier_wait(tma_bar)
+      slot = lax.rem(i, slots)
+      k_in, v_in = k_st.at[slot], v_st.at[slot]
+      if not fp8:
+        # The other slot's last reader was block i-1's PV, retired at the end of
+        # its step (wgmma_wait(0)): refill it now, so this block's compute
+        # overlaps the next block's gather.
+        @pl.when(i + 1 < steps)
+        def _():
+          issue(i + 1)
+      plgpu.barrier_wait(tma_at(slot))
       rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K, hd), 0, layout=plgpu.Layout.WGMMA)
       row_ok = rows + pos0 < length
       if fp8:
         # One tensor at a time: K's f32 tile and scales are dead before V's
         # are loaded (ptxas 13.0, sm_90a: 220 registers, against 255 when both
         # tiles were converted together).
-        for src, scales, dst in ((k_st, ks_st, k16), (v_st, vs_st, v16)):
+        for src, scales, dst in ((k_in, ks_st, k16), (v_in, vs_st, v16)):
           s = lax.broadcast_in_dim(head_scale(scales), (BLOCK_K, hd), [0])
           x = src[...].astype(jnp.float32) * s
           dst[...] = jnp.where(row_ok, x, 0.0).astype(cdt)
@@ -153,10 +172,10 @@ def gqa_decode_mgpu(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths,
       else:
         @pl.when(pos0 + BLOCK_K > length)
         def _():
-          x = v_st[...]
-          v_st[...] = jnp.where(row_ok, x, jnp.zeros_like(x))
+          x = v_in[...]
+          v_in[...] = jnp.where(row_ok, x, jnp.zeros_like(x))
           plgpu.commit_smem()
-        kk, vv = k_st, v_st
+        kk, vv = k_in, v_in
 
       def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, kk.transpose((1, 0)))
@@ -190,10 +209,7 @@ def gqa_decode_mgpu(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths,
           plgpu.wgmma(acc_ref, p_op, vv)
         acc = pl.run_state(pv)(plgpu.ACC.init(acc))
       if not fp8:
-        plgpu.wgmma_wait(0)
-        @pl.when(i + 1 < steps)
-        def _():
-          issue(i + 1)
+        plgpu.wgmma_wait(0)  # PV has read this slot: step i+1 may refill it
       return acc, m_new, l_new
 
     acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_H, hd), jnp.float32), plgpu.Layout.WGMMA)
@@ -219,8 +235,8 @@ def gqa_decode_mgpu(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths,
     scratch = [
         plgpu.SMEM((BLOCK_H, hd), cdt, transforms=_transforms(hd, cdt)),
         plgpu.SMEM((BLOCK_H,), jnp.float32) if fp8 else None,
-        plgpu.SMEM((BLOCK_K, hd), st, transforms=_transforms(hd, st)),
-        plgpu.SMEM((BLOCK_K, hd), st, transforms=_transforms(hd, st)),
+        plgpu.SMEM((slots, BLOCK_K, hd), st, transforms=_transforms(hd, st)),
+        plgpu.SMEM((slots, BLOCK_K, hd), st, transforms=_transforms(hd, st)),
         plgpu.SMEM((BLOCK_K, nkv), jnp.float32) if fp8 else None,
         plgpu.SMEM((BLOCK_K, nkv), jnp.float32) if fp8 else None,
         plgpu.SMEM((BLOCK_K, hd), cdt, transforms=_transforms(hd, cdt)) if fp8 else None,
@@ -232,8 +248,8 @@ def gqa_decode_mgpu(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths,
     ]
     barriers = [
         plgpu.Barrier(num_arrivals=2 if fp8 else 1),  # q (and q_scale) loaded
-        # Every TMA issued with a barrier is one arrival on it.
-        plgpu.Barrier(num_arrivals=ppb * (4 if fp8 else 2)),
+        # Every TMA issued with a barrier is one arrival on it; one per slot.
+        plgpu.Barrier(num_arrivals=ppb * (4 if fp8 else 2), num_barriers=slots),
     ]
     pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, *barriers)
 
