@@ -9,11 +9,10 @@ idle MMA rows cost no time, and K/V are read once per group.
 
 Each step gathers `64 // page_size` pages (64 tokens) with one TMA per page
 and tensor (K, V, and for fp8 the [page, KV] scale rows), driven by scalar
-block-table reads from GMEM. A bf16 cache is read in place from two staging
-slots used in turn: block i+1's TMAs are issued before block i is computed (into
-the slot block i-1's PV has finished reading), so the gather overlaps QK,
-softmax and PV. An fp8 cache has one staging slot, free as soon as it is
-converted, when the next block's TMAs are issued.
+block-table reads from GMEM. The pages land in two staging slots used in
+turn: block i+1's TMAs are issued at the top of step i, into the slot block
+i-1 finished reading (its PV for a bf16 cache, read in place; its conversion
+for fp8), so the gather overlaps this block's conversion, QK, softmax and PV.
 
 fp8: e4m3 -> f16 (exact; works with any ptxas, while fp8 -> bf16 needs ISA
 >= 9.2, docs/paged_attention.md) in a conversion pass through SMEM, because wgmma reads
@@ -88,7 +87,7 @@ def gqa_decode_mgpu(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths,
     raise ValueError("an fp8 cache needs an f16 query, its [B, KV, 64] q_scale "
                      "(ops.f16_query) and KV % 8 == 0")
   p_in_smem = bool(interpret)
-  slots = 1 if fp8 else 2  # staging slots (module docstring)
+  slots = 2  # staging slots, used in turn (module docstring)
 
   def kernel(q_ref, qs_ref, k_ref, v_ref, ks_ref, vs_ref, bt_ref, len_ref, pc_ref,
              o_ref, lse_ref, scratch):
@@ -102,13 +101,10 @@ def gqa_decode_mgpu(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths,
     steps = pc_ref[2, piece]  # in blocks of ppb pages
     length = len_ref[bi]
     num_pages = lax.div(length + (ps - 1), ps)
-    # One barrier per staging slot (a single barrier's ref has no index).
-    tma_at = (lambda slot: tma_bar.at[slot]) if slots > 1 else (lambda slot: tma_bar)
-
     def issue(step):
       slot = lax.rem(step, slots)
       k_dst, v_dst = k_st.at[slot], v_st.at[slot]
-      bar = tma_at(slot)
+      bar = tma_bar.at[slot]
       for j in range(ppb):
         idx = start + step * ppb + j
         # Entries past the used pages may be PAD_PAGE (-1): read page 0
@@ -119,8 +115,8 @@ def gqa_decode_mgpu(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths,
         plgpu.copy_gmem_to_smem(k_ref.at[page, :, kvh], k_dst.at[rows], bar)
         plgpu.copy_gmem_to_smem(v_ref.at[page, :, kvh], v_dst.at[rows], bar)
         if fp8:
-          plgpu.copy_gmem_to_smem(ks_ref.at[page], ks_st.at[rows], bar)
-          plgpu.copy_gmem_to_smem(vs_ref.at[page], vs_st.at[rows], bar)
+          plgpu.copy_gmem_to_smem(ks_ref.at[page], ks_st.at[slot, rows], bar)
+          plgpu.copy_gmem_to_smem(vs_ref.at[page], vs_st.at[slot, rows], bar)
 
     plgpu.copy_gmem_to_smem(q_ref.at[bi, kvh], q_smem, q_bar)
     if fp8:
@@ -145,29 +141,24 @@ def gqa_decode_mgpu(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths,
       pos0 = (start + i * ppb) * ps
       slot = lax.rem(i, slots)
       k_in, v_in = k_st.at[slot], v_st.at[slot]
-      if not fp8:
-        # The other slot's last reader was block i-1's PV, retired at the end of
-        # its step (wgmma_wait(0)): refill it now, so this block's compute
-        # overlaps the next block's gather.
-        @pl.when(i + 1 < steps)
-        def _():
-          issue(i + 1)
-      plgpu.barrier_wait(tma_at(slot))
+      # The other slot's last reader was block i-1: its conversion (fp8, followed
+      # by a commit_smem fence) or its PV (bf16, retired by wgmma_wait(0) at the
+      # end of its step). Refill it now, so this block's work overlaps the gather.
+      @pl.when(i + 1 < steps)
+      def _():
+        issue(i + 1)
+      plgpu.barrier_wait(tma_bar.at[slot])
       rows = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K, hd), 0, layout=plgpu.Layout.WGMMA)
       row_ok = rows + pos0 < length
       if fp8:
         # One tensor at a time: K's f32 tile and scales are dead before V's
-        # are loaded (ptxas 13.0, sm_90a: 220 registers, against 255 when both
-        # tiles were converted together).
-        for src, scales, dst in ((k_in, ks_st, k16), (v_in, vs_st, v16)):
+        # are loaded (ptxas 13.0, sm_90a: 220 registers with one staging slot,
+        # 240 with two, against 255 when both tiles were converted together).
+        for src, scales, dst in ((k_in, ks_st.at[slot], k16), (v_in, vs_st.at[slot], v16)):
           s = lax.broadcast_in_dim(head_scale(scales), (BLOCK_K, hd), [0])
           x = src[...].astype(jnp.float32) * s
           dst[...] = jnp.where(row_ok, x, 0.0).astype(cdt)
         plgpu.commit_smem()
-        # Staging is free once converted: prefetch the next block now.
-        @pl.when(i + 1 < steps)
-        def _():
-          issue(i + 1)
         kk, vv = k16, v16
       else:
         @pl.when(pos0 + BLOCK_K > length)
@@ -237,8 +228,8 @@ def gqa_decode_mgpu(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths,
         plgpu.SMEM((BLOCK_H,), jnp.float32) if fp8 else None,
         plgpu.SMEM((slots, BLOCK_K, hd), st, transforms=_transforms(hd, st)),
         plgpu.SMEM((slots, BLOCK_K, hd), st, transforms=_transforms(hd, st)),
-        plgpu.SMEM((BLOCK_K, nkv), jnp.float32) if fp8 else None,
-        plgpu.SMEM((BLOCK_K, nkv), jnp.float32) if fp8 else None,
+        plgpu.SMEM((slots, BLOCK_K, nkv), jnp.float32) if fp8 else None,
+        plgpu.SMEM((slots, BLOCK_K, nkv), jnp.float32) if fp8 else None,
         plgpu.SMEM((BLOCK_K, hd), cdt, transforms=_transforms(hd, cdt)) if fp8 else None,
         plgpu.SMEM((BLOCK_K, hd), cdt, transforms=_transforms(hd, cdt)) if fp8 else None,
         (plgpu.SMEM((BLOCK_H, BLOCK_K), cdt, transforms=_transforms(BLOCK_K, cdt))

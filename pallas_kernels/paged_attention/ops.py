@@ -398,7 +398,7 @@ def mla_mgpu_pieces(batch: int, heads: int, max_pages: int, kind: str | None = N
 
 def gqa_mgpu_pieces(batch: int, kv_heads: int, blocks: int, kind: str | None = None) -> int:
   """Pieces (CTAs) per KV head of the Mosaic GPU GQA kernel over ``blocks`` 64-token
-  blocks: 81-93 KB of shared memory, so two CTAs per SM, shared by the KV heads."""
+  blocks: 93-103 KB of shared memory, so two CTAs per SM, shared by the KV heads."""
   return schedule.num_pieces(batch, blocks, max(1, 2 * device.num_sms(kind) // kv_heads))
 
 
