@@ -239,15 +239,7 @@ def select(readings: dict, op: str, cls: str,
   cases = list(cases) if cases is not None else class_cases(op, cls)
   times = {}
   for cand in candidates(op, cls):
-    row = []
-    for case in cases:
-      bs = resolve(cand, case)
-      g = case.d["group_size"]
-      readings[tile_key(op, bs, g)]  # noqa: B018 (a missing reading raises KeyError)
-      smem = bs.smem_bytes(group_size=g, scale_bytes=2, grouped=op == "grouped",
-                           layout="nk")
-      row.append(case_seconds(readings, op, cand, case) if smem <= H200_SMEM_BYTES
-                 else math.nan)
+    row = [case_seconds(readings, op, cand, case) for case in cases]
     if not np.isnan(row).any():
       times[cand] = np.asarray(row)
   if not times:
@@ -265,10 +257,16 @@ def select(readings: dict, op: str, cls: str,
 
 def case_seconds(readings: dict, op: str, bs: BlockSizes, case: kt.KernelCase) -> float:
   """Modelled time of one case under the table row ``bs``; nan where the tile it
-  resolves to has no clean reading."""
+  resolves to is not clean or overflows the H200's shared memory.
+
+  Raises:
+    KeyError: that tile has no reading.
+  """
   res = resolve(bs, case)
-  r = readings.get(tile_key(op, res, case.d["group_size"]))
-  if r is None or not clean(r):
+  g = case.d["group_size"]
+  r = readings[tile_key(op, res, g)]
+  smem = res.smem_bytes(group_size=g, scale_bytes=2, grouped=op == "grouped", layout="nk")
+  if not clean(r) or smem > H200_SMEM_BYTES:
     return math.nan
   return modelled_seconds(case, res, r["registers"])
 

@@ -413,4 +413,3 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
                                            f"match the checksum recorded at save (CRC-32 {got:#010x}, "
                                            f"expected {want:#010x}): the data files are corrupt")
   return relaid_int4(params, int4_layout, free_source=True), out_cfg
-

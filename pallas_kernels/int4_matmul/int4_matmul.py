@@ -201,8 +201,9 @@ def dense_out(bs: BlockSizes, n: int, m_pad: int, out_dtype):
   """(out_type, output tile scratch) of dense_kernel. One K split writes the
   result itself, [Mp, N] in ``out_dtype``, through a tile transposed in shared
   memory; several write f32 partials of out^T [k_splits, N, Mp] that
-  :func:`dense_result` sums (at prefill sizes the f32 round trip and the
-  transpose would cost a fifth of the matmul's time)."""
+  :func:`dense_result` sums. (The f32 round trip would be 117 MB each way for
+  Kimi K2.6's ffn_down at 4,096 tokens: about 55 us at 4.3 TB/s beside 171 us of
+  MMA at 790 TFLOP/s; arithmetic, not timed.)"""
   if bs.k_splits == 1:
     return (jax.ShapeDtypeStruct((m_pad, n), out_dtype),
             plgpu.SMEM((bs.tile_m, bs.tile_n), out_dtype))
