@@ -281,6 +281,25 @@ class PagedMlaDecodeMgpuInterpretTest(PagedMlaDecodeMgpuTest):
   # one (an empty piece), on a grid of 12 pieces of which 9 are unused.
   SHAPE = dict(heads=20, c=256, r=64, page_size=64, max_pages=3, batch=3)
 
+  @parameterized.parameters("bf16", "fp8")
+  def test_long_pieces_cycle_the_staging_slots(self, kv_dtype):
+    """One piece per request, so a piece walks up to 5 pages: a bf16 cache's two
+    latent slots are each refilled while the other is computed on, and its rope
+    buffer after every QK; an fp8 piece refills its staging buffer and scale
+    slots each step. The last page is partial (its tail zeroed / masked)."""
+    lengths = [5 * 64 - 7, 2 * 64 + 1]
+    args = make_mla(_seed("ring", kv_dtype), batch=2, heads=20, c=256, r=64,
+                    page_size=64, max_pages=6, lengths=lengths, kv_dtype=kv_dtype)
+    scale = 1.0 / math.sqrt(256 + 64)
+    one_piece_each = lambda batch, heads, max_pages, kind=None: batch  # noqa: E731
+    with mock.patch.object(attn_ops, "mla_mgpu_pieces", one_piece_each):
+      out = paged_mla_decode(*args, scale=scale, backend="interpret",
+                             block_sizes=BlockSizes(impl="mgpu"))
+    ref = paged_mla_decode_reference(*args, scale=scale)
+    self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
+    self.assertLessEqual(_rel_err(out, ref), TOL[kv_dtype])
+    self.assertFalse(gpu_interpret.get_races().races_found, "data race")
+
 
 class F16QueryTest(absltest.TestCase):
   """ops.f16_query: the fp8 cache's f16 query, rows divided by a power of two."""

@@ -8,16 +8,26 @@ SMs, so a single long request fills the machine and a ragged batch spreads
 its work evenly instead of by a static per-request split.
 
 Each warpgroup computes the logits of half the page's tokens
-([64, page/2], QK over the full 576-wide key), so no MMA work is duplicated;
-the halves meet in an f32 shared-memory tile, both warpgroups read the whole
-[64, page] logits back and run the same online softmax, and each owns half of
-the 512 output columns for PV: a [64, 512] f32 accumulator would need 256
-registers per thread in one warpgroup, above Hopper's 255. The schedule and
-the register budget are described in docs/paged_attention.md.
+([64, page/2], QK over the full 576-wide key), so no MMA work is duplicated,
+and runs the online softmax on its half only: the two warpgroups swap their
+row maxima (and for fp8 the page's largest scale) through a few hundred bytes
+of shared memory, so both keep the same running max, then each stores its
+half of P ([64, page/2], one whole swizzled tile each) and loads both halves
+back as the [64, page] A operand of PV. Each owns half of the 512 output
+columns for PV: a [64, 512] f32 accumulator would need 256 registers per
+thread in one warpgroup, above Hopper's 255. The softmax sums stay per
+warpgroup (its tokens) and are added once at the end. The schedule and the
+register budget are described in docs/paged_attention.md.
 
-Page gather: each loop step reads the page id with a scalar GMEM load from
-the block table and issues one TMA per page (latent, rope, and per-token
-scales for fp8), so the gather costs no extra pass over memory.
+Page gather: warpgroup 0 reads each page id with a scalar GMEM load from
+the block table and issues one TMA per tensor (latent, rope, and per-token
+scales for fp8), so the gather costs no extra pass over memory. bf16 pages
+are read in place, so their latent has two slots used in turn: page i+1's
+latent is issued at the top of step i, into the slot that step i-1's PV (in
+both warpgroups) has finished reading, and lands during step i's compute;
+the rope, read by QK only, has one buffer, refilled as soon as both
+warpgroups' QK has read it. fp8 pages land in one staging buffer that the
+conversion frees early (below).
 
 fp8 pages are converted to f16 pages in shared memory (wgmma reads its B
 operand only from SMEM) with one instruction per pair of values
@@ -64,7 +74,6 @@ FP8 = jnp.float8_e4m3fn
 BLOCK_H = 64  # wgmma M per warpgroup
 NEG = -1e30  # finite "minus infinity" for empty splits and masked logits
 _LOG2E = math.log2(math.e)
-_OUT_CHUNK = 32  # columns per output TMA tile (keeps the smem scratch small)
 # The pieces' partial outputs are bf16, the attention output's dtype: a
 # request merged from several pieces takes at most one more bf16 rounding of
 # their normalised outputs (one piece: none), and the partials' HBM traffic,
@@ -144,12 +153,16 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
   # Register operands for P are fine on hardware; the interpreter needs SMEM.
   p_in_smem = bool(interpret)
   half_ps = ps // 2  # tokens per warpgroup in QK
+  # bf16 pages are read in place, so their latent gets two slots used in turn
+  # (the next page's gather overlaps this page's compute); fp8 pages land in
+  # one staging buffer that the conversion frees early (module docstring).
+  slots = 1 if fp8 else 2
 
   def kernel(ql_ref, qr_ref, qs_ref, lat_ref, rope_ref, ls_ref, rs_ref, bt_ref,
              len_ref, pc_ref, o_ref, lse_ref, scratch):
     (ql_smem, qr_smem, qs_smem, lat_st, rope_st, ls_st, rs_st, lat16, rope16,
-     p_smem, s_smem, o_smem, lse_smem, q_bar, tma_bar, conv_bar, free_bar,
-     done_bar, s_bar) = scratch
+     p_smem, px_smem, o_st, x_smem, lse_smem, q_bar, tma_bar, rope_bar, conv_bar,
+     free_bar, x_bar, p_bar) = scratch
     hb = lax.axis_index("h")
     piece = lax.axis_index("s")
     wg = lax.axis_index("wg")
@@ -162,18 +175,30 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
     cols = pl.ds(wg * half, half)
     tok = pl.ds(pl.multiple_of(wg * half_ps, half_ps), half_ps)
 
-    def issue(step):
+    def page_id(step):
       # Only used pages are read (steps stops at them); clamp so a corrupt
       # id never sends the TMA out of bounds.
-      page = jnp.clip(bt_ref[bi, start + step], 0, n - 1)
-      plgpu.copy_gmem_to_smem(lat_ref.at[page], lat_st.at[0], tma_bar)
-      plgpu.copy_gmem_to_smem(rope_ref.at[page], rope_st.at[0], tma_bar)
-      if fp8:
-        # Scales are read until PV, after the next page's TMA is issued:
-        # two slots, by step parity.
-        slot = lax.rem(step, 2)
-        plgpu.copy_gmem_to_smem(ls_ref.at[page], ls_st.at[slot], tma_bar)
-        plgpu.copy_gmem_to_smem(rs_ref.at[page], rs_st.at[slot], tma_bar)
+      return jnp.clip(bt_ref[bi, start + step], 0, n - 1)
+
+    def issue_latent(step):
+      """bf16: the page's latent, into slot step % 2."""
+      slot = lax.rem(step, 2)
+      plgpu.copy_gmem_to_smem(lat_ref.at[page_id(step)], lat_st.at[slot], tma_bar.at[slot])
+
+    def issue_rope(step):
+      """bf16: the page's rope, into its one buffer (read by QK only)."""
+      plgpu.copy_gmem_to_smem(rope_ref.at[page_id(step)], rope_st.at[0], rope_bar)
+
+    def issue_fp8(step):
+      page = page_id(step)
+      bar = tma_bar.at[0]
+      plgpu.copy_gmem_to_smem(lat_ref.at[page], lat_st.at[0], bar)
+      plgpu.copy_gmem_to_smem(rope_ref.at[page], rope_st.at[0], bar)
+      # Scales are read until PV, after the next page's TMA is issued:
+      # two slots, by step parity.
+      slot = lax.rem(step, 2)
+      plgpu.copy_gmem_to_smem(ls_ref.at[page], ls_st.at[slot], bar)
+      plgpu.copy_gmem_to_smem(rs_ref.at[page], rs_st.at[slot], bar)
 
     def stage(src, dst, valid_tokens):
       """dst = src (as dst's dtype) with rows >= valid_tokens zeroed; [ps, w] refs.
@@ -203,7 +228,14 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
         plgpu.copy_gmem_to_smem(qs_ref.at[bi, rows_h], qs_smem, q_bar)
       @pl.when(steps > 0)
       def _():
-        issue(0)
+        if fp8:
+          issue_fp8(0)
+        else:
+          issue_latent(0)
+          issue_rope(0)
+          @pl.when(steps > 1)
+          def _():
+            issue_latent(1)  # the second slot is free from the start
 
     plgpu.barrier_wait(q_bar)
     row = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector over the heads (rows)
@@ -211,6 +243,16 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
     # The softmax scale, times the f16 query's row factors for an fp8 cache.
     row_scale = (plgpu.load(qs_smem, layout=row) * scale if fp8
                  else plgpu.layout_cast(jnp.full((BLOCK_H,), scale, jnp.float32), row))
+    other = 1 - wg
+
+    def exchange(vals):
+      """Swaps [64] row vectors with the other warpgroup (one rendezvous)."""
+      for j, v in enumerate(vals):
+        x_smem.at[wg, j][...] = v
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(x_bar)
+      plgpu.barrier_wait(x_bar)
+      return [plgpu.load(x_smem.at[other, j], layout=row) for j in range(len(vals))]
 
     def body(i, carry):
       acc, m_i, l_i, g_i = carry
@@ -218,33 +260,39 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
       # addresses, so their wgmma descriptors are not hoisted (module doc).
       z = lax.optimization_barrier(jnp.int32(0))
       q_lat, q_rp = ql_smem.at[z], qr_smem.at[z]
-      lat_in, rope_in = lat_st.at[z], rope_st.at[z]
+      slot = z if fp8 else lax.rem(i, 2) + z
+      lat_in, rope_in = lat_st.at[slot], rope_st.at[z]
       pos0 = (start + i) * ps
       valid_tokens = length - pos0
-      plgpu.barrier_wait(tma_bar)
       if fp8:
+        plgpu.barrier_wait(tma_bar.at[0])
         k_lat, k_rope = lat16.at[z], rope16.at[z]
-        # Wait until both warpgroups finished reading lat16 (previous QK).
-        @pl.when(i > 0)
-        def _():
-          plgpu.barrier_wait(done_bar)
+        # lat16 / rope16 were last read by step i-1's QK (both warpgroups
+        # passed its exchange since) and by this warpgroup's own PV (retired).
         stage(lat_in.at[:, cols], k_lat.at[:, cols], valid_tokens)
         @pl.when(wg == 0)
         def _():
           stage(rope_in, k_rope, valid_tokens)
         plgpu.commit_smem()
         plgpu.barrier_arrive(conv_bar)
-        plgpu.barrier_arrive(free_bar)
         plgpu.barrier_wait(conv_bar)
-        # The staging buffers are free: prefetch the next page during compute.
+        # Both warpgroups converted the staging buffer: prefetch the next
+        # page during this one's compute.
         @pl.when((wg == 0) & (i + 1 < steps))
         def _():
-          plgpu.barrier_wait(free_bar)
-          issue(i + 1)
-        @pl.when((wg == 0) & (i + 1 >= steps))
+          issue_fp8(i + 1)
+      else:
+        # The other slot was last read by step i-1's PV in both warpgroups
+        # (each arrives on free_bar once its PV has retired): refill it with
+        # page i+1, so the gather overlaps this whole step.
+        @pl.when((wg == 0) & (i > 0))
         def _():
           plgpu.barrier_wait(free_bar)
-      else:
+          @pl.when(i + 1 < steps)
+          def _():
+            issue_latent(i + 1)
+        plgpu.barrier_wait(tma_bar.at[lax.rem(i, 2)])
+        plgpu.barrier_wait(rope_bar)
         k_lat, k_rope = lat_in, rope_in
         # No conversion pass on a bf16 cache, but the tail of a request's
         # last page may hold garbage (NaN included) and p == 0 does not
@@ -257,8 +305,7 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
           plgpu.barrier_wait(conv_bar)
 
       # QK for this warpgroup's half of the page's tokens only, so no MMA
-      # work is duplicated; the halves meet in shared memory (f32, untiled)
-      # and both warpgroups read the page's whole [64, ps] logits back.
+      # work is duplicated.
       half_acc = plgpu.ACC((BLOCK_H, half_ps), jnp.float32)
       if fp8:
         # Latent and rope have their own per-token scales: one tile each,
@@ -268,44 +315,58 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
           plgpu.wgmma(rope_acc, q_rp, k_rope.at[tok].transpose((1, 0)))
           return lat_acc[...], rope_acc[...]
         s_lat, s_rope = pl.run_scoped(qk, half_acc, half_acc)
-        plgpu.barrier_arrive(done_bar)
         sc = lax.rem(i, 2)
         ls_half = plgpu.load(ls_st.at[sc, tok], layout=col)
         rs_half = plgpu.load(rs_st.at[sc, tok], layout=col)
-        half_logits = (s_lat * lax.broadcast_in_dim(ls_half, s_lat.shape, [1])
-                       + s_rope * lax.broadcast_in_dim(rs_half, s_rope.shape, [1]))
+        logits = (s_lat * lax.broadcast_in_dim(ls_half, s_lat.shape, [1])
+                  + s_rope * lax.broadcast_in_dim(rs_half, s_rope.shape, [1]))
       else:
         def qk(acc_ref):
           plgpu.wgmma(acc_ref, q_lat, k_lat.at[tok].transpose((1, 0)))
           plgpu.wgmma(acc_ref, q_rp, k_rope.at[tok].transpose((1, 0)))
           return acc_ref[...]
-        half_logits = pl.run_scoped(qk, half_acc)
-      s_smem[:, tok] = half_logits
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(s_bar)
-      plgpu.barrier_wait(s_bar)
-      logits = plgpu.load(s_smem, layout=plgpu.Layout.WGMMA, optimized=False)
+        logits = pl.run_scoped(qk, half_acc)
+      # The online softmax over this half: the row maxima (and for fp8 the
+      # page's largest scale) are swapped with the other warpgroup, so both
+      # keep the same running max; each exponentiates only its own tokens.
       logits = logits * lax.broadcast_in_dim(row_scale, logits.shape, [0])
-      kpos = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, ps), 1, layout=plgpu.Layout.WGMMA)
+      kpos = wg * half_ps + plgpu.broadcasted_iota(
+          jnp.int32, (BLOCK_H, half_ps), 1, layout=plgpu.Layout.WGMMA)
       valid = kpos < valid_tokens
       logits = jnp.where(valid, logits, NEG)
-      m_new = jnp.maximum(m_i, logits.max(axis=1))
-      alpha = jnp.exp2((m_i - m_new) * _LOG2E)
-      p = jnp.exp2((logits - lax.broadcast_in_dim(m_new, logits.shape, [0])) * _LOG2E)
-      l_new = l_i * alpha + p.sum(axis=1)
-      g_new = g_i
+      mine = [logits.max(axis=1)]
       if fp8:
         # V = latent_scale[t] * f16 page: P takes the scale, divided by the
         # page's largest (g) so it stays in [0, 1]; acc holds acc / g.
-        ls_page = lax.broadcast_in_dim(plgpu.load(ls_st.at[lax.rem(i, 2)], layout=col),
-                                       logits.shape, [1])
-        ls_page = jnp.where(valid, ls_page, 0.0)  # unused slots' scales may be NaN
-        g_new = jnp.maximum(ls_page.max(axis=1), _MIN_SCALE)
+        ls_tile = lax.broadcast_in_dim(ls_half, logits.shape, [1])
+        ls_tile = jnp.where(valid, ls_tile, 0.0)  # unused slots' scales may be NaN
+        mine.append(ls_tile.max(axis=1))
+      theirs = exchange(mine)
+      if not fp8:
+        # Both warpgroups' QK has read the rope buffer: refill it.
+        @pl.when((wg == 0) & (i + 1 < steps))
+        def _():
+          issue_rope(i + 1)
+      m_new = jnp.maximum(m_i, jnp.maximum(mine[0], theirs[0]))
+      alpha = jnp.exp2((m_i - m_new) * _LOG2E)
+      p = jnp.exp2((logits - lax.broadcast_in_dim(m_new, logits.shape, [0])) * _LOG2E)
+      l_new = l_i * alpha + p.sum(axis=1)  # this warpgroup's tokens only
+      g_new = g_i
+      if fp8:
+        g_new = jnp.maximum(jnp.maximum(mine[1], theirs[1]), _MIN_SCALE)
         inv_g = 1.0 / g_new
-        p = p * ls_page * lax.broadcast_in_dim(inv_g, p.shape, [0])
+        p = p * ls_tile * lax.broadcast_in_dim(inv_g, p.shape, [0])
         alpha = alpha * g_i * inv_g
       acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      p16 = p.astype(cdt)
+      # P's halves meet in shared memory: each warpgroup stores its own and
+      # loads the other's, and PV runs over the whole page.
+      p_half = p.astype(cdt)
+      px_smem.at[wg][...] = p_half
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(p_bar)
+      plgpu.barrier_wait(p_bar)
+      # Both halves are loaded (the own one too), so their order is static.
+      p16 = jnp.concatenate([px_smem.at[0][...], px_smem.at[1][...]], axis=1)
       if p_in_smem:
         p_smem.at[wg][...] = p16
         plgpu.commit_smem()
@@ -325,15 +386,9 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
       else:
         def pv(acc_ref):
           plgpu.wgmma(acc_ref, p_op, k_lat.at[:, cols])
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # waits for the wgmma
       if not fp8:
-        plgpu.barrier_arrive(free_bar)
-        @pl.when(wg == 0)
-        def _():
-          plgpu.barrier_wait(free_bar)
-          @pl.when(i + 1 < steps)
-          def _():
-            issue(i + 1)
+        plgpu.barrier_arrive(free_bar)  # this warpgroup's PV has read the slot
       return acc, m_new, l_new, g_new
 
     acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_H, half), jnp.float32), plgpu.Layout.WGMMA)
@@ -341,24 +396,30 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
     l0 = plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row)
     g0 = plgpu.layout_cast(jnp.ones((BLOCK_H,), jnp.float32), row)
     acc, m_i, l_i, g_i = lax.fori_loop(0, steps, body, (acc0, m0, l0, g0))
-    if fp8:
-      # Consume the last step's phase: every waiter waits on every phase.
-      @pl.when(steps > 0)
+    if not fp8:
+      # Consume the last step's phase (its waiter waits on every phase).
+      @pl.when((wg == 0) & (steps > 0))
       def _():
-        plgpu.barrier_wait(done_bar)
+        plgpu.barrier_wait(free_bar)
+    # The softmax sums of the two halves of the tokens.
+    l_i = l_i + exchange([l_i])[0]
     nonempty = l_i > 0
     inv = g_i / jnp.where(nonempty, l_i, 1.0)  # g_i: acc / g (fp8), else 1
     acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
 
     def write_out(rows):
-      """This warpgroup's columns of the block's first `rows` rows (a static count)."""
-      for j in range(half // _OUT_CHUNK):
-        o_smem.at[wg][...] = acc[:, j * _OUT_CHUNK:(j + 1) * _OUT_CHUNK].astype(PARTIAL_DTYPE)
+      """This warpgroup's columns of the block's first `rows` rows (a static count).
+
+      Staged through this warpgroup's P tile when P has the partials' dtype
+      (bf16 cache; it is free after the last step), else through its own tile."""
+      o_smem = (o_st if o_st is not None else px_smem).at[wg]
+      for j in range(half // half_ps):
+        o_smem[...] = acc[:, j * half_ps:(j + 1) * half_ps].astype(PARTIAL_DTYPE)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(
-            o_smem.at[wg, pl.ds(0, rows)],
+            o_smem.at[pl.ds(0, rows)],
             o_ref.at[piece, pl.ds(hb * BLOCK_H, rows),
-                     pl.ds(wg * half + j * _OUT_CHUNK, _OUT_CHUNK)])
+                     pl.ds(wg * half + j * half_ps, half_ps)])
         plgpu.wait_smem_to_gmem(0)
     if full_blocks:
       pl.when(hb < full_blocks)(lambda: write_out(BLOCK_H))
@@ -377,7 +438,7 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
         _smem((BLOCK_H, c), cdt),
         _smem((BLOCK_H, r), cdt),
         plgpu.SMEM((BLOCK_H,), jnp.float32) if fp8 else None,
-        _smem((ps, c), st_dtype),
+        plgpu.SMEM((slots, ps, c), st_dtype, transforms=_transforms(c, st_dtype)),
         _smem((ps, r), st_dtype),
         plgpu.SMEM((2, ps), jnp.float32) if fp8 else None,
         plgpu.SMEM((2, ps), jnp.float32) if fp8 else None,
@@ -385,19 +446,25 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
         _smem((ps, r), cdt) if fp8 else None,
         (plgpu.SMEM((2, BLOCK_H, ps), cdt, transforms=_transforms(ps, cdt))
          if p_in_smem else None),
-        plgpu.SMEM((BLOCK_H, ps), jnp.float32),  # the page's logits, half per WG
-        plgpu.SMEM((2, BLOCK_H, _OUT_CHUNK), PARTIAL_DTYPE,
-                   transforms=_transforms(_OUT_CHUNK, PARTIAL_DTYPE)),
+        # Each warpgroup's half of P, then its output staging: [64, 32] tiles.
+        plgpu.SMEM((2, BLOCK_H, half_ps), cdt, transforms=_transforms(half_ps, cdt)),
+        (None if cdt == PARTIAL_DTYPE else
+         plgpu.SMEM((2, BLOCK_H, half_ps), PARTIAL_DTYPE,
+                    transforms=_transforms(half_ps, PARTIAL_DTYPE))),
+        plgpu.SMEM((2, 2, BLOCK_H), jnp.float32),  # row vectors swapped by exchange()
         plgpu.SMEM((BLOCK_H,), jnp.float32),
     ]
     barriers = [
         # Every TMA issued with a barrier is one arrival on it.
         plgpu.Barrier(num_arrivals=3 if fp8 else 2),  # q_latent, q_rope (, q_scale) loaded
-        plgpu.Barrier(num_arrivals=4 if fp8 else 2),  # one page's copies landed
+        # A page's copies landed: fp8 one buffer (latent, rope, two scale
+        # rows); bf16 per latent slot.
+        plgpu.Barrier(num_arrivals=4 if fp8 else 1, num_barriers=slots),
+        None if fp8 else plgpu.Barrier(num_arrivals=1),  # bf16: the rope landed
         plgpu.Barrier(num_arrivals=2),  # page converted/masked by both WGs
-        plgpu.Barrier(num_arrivals=2),  # staging buffer free
-        plgpu.Barrier(num_arrivals=2),  # both WGs done reading lat16
-        plgpu.Barrier(num_arrivals=2),  # both halves of the logits written
+        plgpu.Barrier(num_arrivals=2),  # bf16: both WGs' PV retired (slot free)
+        plgpu.Barrier(num_arrivals=2),  # row vectors swapped
+        plgpu.Barrier(num_arrivals=2),  # both halves of P written
     ]
     pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, *barriers,
                   collective_axes="wg")
