@@ -122,6 +122,15 @@ class Build:
     return op, specs, kwargs
 
   @property
+  def variant(self) -> str:
+    """impl, and for the Mosaic GPU MLA kernels which one ("mgpu-tokens",
+    "mgpu-heads": what fills wgmma's M)."""
+    m = getattr(self.block_sizes, "mla_m", None)
+    if self.case.kernel == "paged_mla_decode" and self.impl == "mgpu" and m != "auto":
+      return f"mgpu-{m}"
+    return self.impl
+
+  @property
   def arg_bytes(self) -> int:
     """Bytes of all arguments; the largest build of a key group is compiled."""
     return sum(math.prod(s) * _itemsize(dt) for s, dt in filter(None, self.case.arg_shapes()))
@@ -162,22 +171,40 @@ def _dtype_name(dtype) -> str:
 
 def _attention_builds(case, other_impl: bool) -> list[Build]:
   args = _abstract(case)
-  if case.kernel == "paged_mla_decode":
+  mla = case.kernel == "paged_mla_decode"
+  if mla:
     q, _, pages, k_rope, *_, tables, _ = args
     choose = functools.partial(attention_ops.mla_kernel_choice, q, pages, k_rope, tables)
   else:
     q, pages, _, _, _, tables, _ = args
     choose = functools.partial(attention_ops.gqa_kernel_choice, q, pages, tables)
+
+  def resolved(bs):
+    """bs with the Mosaic GPU MLA kernel named ("tokens" / "heads" in wgmma's M),
+    so the key and the record say which one compiled; raises ValueError where the
+    shape has no such kernel."""
+    choose(bs)
+    if mla and bs.impl == "mgpu":
+      tokens = attention_ops.mla_tokens_in_m(bs, q, pages, k_rope)
+      bs = dataclasses.replace(bs, mla_m="tokens" if tokens else "heads")
+    return bs
+
   bs, impl = choose(device_kind=H200)  # the engine's choice: impl "auto"
-  impls = [impl] + ([i for i in ("mgpu", "triton") if i != impl] if other_impl else [])
+  engine = resolved(dataclasses.replace(bs, impl=impl))
+  variants = [engine]
+  if other_impl:
+    variants += [dataclasses.replace(bs, impl=i) for i in ("mgpu", "triton") if i != impl]
+    if mla and impl == "mgpu":  # the other Mosaic GPU MLA kernel
+      variants.append(dataclasses.replace(
+          engine, mla_m="heads" if engine.mla_m == "tokens" else "tokens"))
   out = []
-  for i in impls:
-    pinned = dataclasses.replace(bs, impl=i)
+  for v in variants:
     try:
-      choose(pinned)
-    except ValueError:  # this shape has no Mosaic GPU kernel
+      pinned = resolved(v)
+    except ValueError:  # this shape has no such kernel
       continue
-    out.append(Build(case, i, i == impl, pinned, kernel_key(case, i, pinned)))
+    out.append(Build(case, pinned.impl, pinned == engine, pinned,
+                     kernel_key(case, pinned.impl, pinned)))
   return out
 
 
@@ -282,8 +309,13 @@ def kernel_key(case, impl: str, block_sizes) -> tuple:
     key.update(kv=d["kv"], page_size=d["page_size"], **case.static_kwargs())
     if case.kernel == "paged_mla_decode":
       key.update(c=d["c"], r=d["r"])
-      heads_per_program = 64 if impl == "mgpu" else block_sizes.block_h  # mla_mgpu.BLOCK_H
-      head_programs = -(-d["heads"] // heads_per_program)
+      if impl == "mgpu" and block_sizes.mla_m == "tokens":
+        # mla_tokens_mgpu: the heads, padded to 8, are wgmma's N; one program.
+        key["heads_n"] = -(-d["heads"] // 8) * 8
+        head_programs = 1
+      else:
+        heads_per_program = 64 if impl == "mgpu" else block_sizes.block_h  # mla_mgpu.BLOCK_H
+        head_programs = -(-d["heads"] // heads_per_program)
     else:
       key.update(head_dim=d["head_dim"], kv_heads=d["kv_heads"])
       head_programs = d["kv_heads"]
@@ -361,7 +393,7 @@ class Group:
   @property
   def name(self) -> str:
     b = self.compiled
-    return f"{b.case.name}@{b.impl}"
+    return f"{b.case.name}@{b.variant}"
 
 
 def plan(all_builds: Iterable[Build]) -> list[Group]:
@@ -479,7 +511,7 @@ def records_for(group: Group, readings: dict) -> list[dict]:
         "case": b.case.name, "kernel": b.case.kernel, "model": b.case.model,
         "dims": b.case.d, "impl": b.impl, "engine": b.engine,
         "block_sizes": dataclasses.asdict(b.block_sizes), "key": b.key_str,
-        "compiled_as": f"{b.case.name}@{b.impl}" if own else group.name, "compiled": own,
+        "compiled_as": f"{b.case.name}@{b.variant}" if own else group.name, "compiled": own,
         **{k: r.get(k) for k in ("kernel_name",) + READINGS},
         "compile_seconds": r.get("seconds") if own else 0.0,
         "smem_limit": SMEM_LIMIT_BYTES, "ok": not bad, "problems": bad,
@@ -596,7 +628,7 @@ def load_records(path: str = DEFAULT_DIR) -> list[dict]:
 def _fmt_bs(bs: dict, kernel: str, impl: str) -> str:
   if kernel in ("paged_mla_decode", "paged_gqa_decode"):
     if impl == "mgpu":  # the Mosaic GPU kernels fix their own tiles; splits vary by case
-      return "own tiles"
+      return {"tokens": "tokens in M", "heads": "heads in M"}.get(bs.get("mla_m"), "own tiles")
     return (f"h{bs['block_h']} ppb{bs['pages_per_block']} w{bs['num_warps']} "
             f"st{bs['num_stages']}")
   if kernel in ("int4_matmul", "int4_grouped_matmul"):

@@ -25,6 +25,9 @@ short of its own roofline).
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+
 from experiments import kernel_targets as kt
 from pallas_kernels import benchmark as bm
 from pallas_kernels.indexer import bench as indexer_bench
@@ -63,13 +66,25 @@ def _grouped_expert_tiles(m: int, e: int, tile_m: int) -> int:
   return int(np.sum(segment_tiles(ends - rows, ends, tile_m)))
 
 
+def _mla_tokens_in_m(d: dict) -> bool:
+  """Whether the engine runs the tokens-in-M MLA kernel (``mla_tokens_mgpu``) for
+  these dims on an H200, rather than the heads-in-M one."""
+  from pallas_kernels.paged_attention import BlockSizes as AttnBlockSizes
+  from pallas_kernels.paged_attention import ops as attn_ops
+  spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+  return attn_ops.mla_tokens_in_m(AttnBlockSizes(), spec(d["batch"], d["heads"], d["c"]),
+                                  spec(1, d["page_size"], d["c"]),
+                                  spec(1, d["page_size"], d["r"]))
+
+
 def design_flops(case: kt.KernelCase) -> int:
   """MMA FLOPs the engine's kernel executes for ``case`` on an H200, padding included.
 
   The job's FLOPs (``job_cost``) count only the real rows; the kernels pad them to
   their MMA tiles, which at decode can make a kernel MMA-bound where the job is not:
-  - MLA decode (Mosaic GPU): query heads padded to 64 per CTA (wgmma's M), QK over
-    latent + rope and PV over the latent for every cached token;
+  - MLA decode (Mosaic GPU): query heads padded to 8 (wgmma's N, the tokens-in-M
+    kernel at most 32 heads) or to 64 per CTA (wgmma's M, the heads-in-M kernel),
+    QK over latent + rope and PV over the latent for every cached token;
   - GQA decode (Mosaic GPU): each KV head's group padded to 64 rows;
   - sparse MLA decode (Triton): heads padded to the program's block_h, over the
     selected positions;
@@ -80,7 +95,8 @@ def design_flops(case: kt.KernelCase) -> int:
   """
   d = case.d
   if case.kernel == "paged_mla_decode":
-    rows = -(-d["heads"] // 64) * 64
+    pad = 8 if _mla_tokens_in_m(d) else 64
+    rows = -(-d["heads"] // pad) * pad
     return d["batch"] * d["context"] * rows * 2 * (2 * d["c"] + d["r"])
   if case.kernel == "paged_gqa_decode":
     return d["batch"] * d["context"] * d["kv_heads"] * 64 * 2 * 2 * d["head_dim"]
@@ -108,7 +124,8 @@ def design_bytes(case: kt.KernelCase) -> int:
   partials of the Mosaic GPU decode kernels' pieces, which each piece (CTA) writes
   and the merge (``reference.combine_pieces``) reads back:
   - MLA decode: [H, C] bf16 outputs (the real heads' rows, rounded up to 8) and
-    64 f32 log-sum-exps per 64-head block, for each of ``ops.mla_mgpu_pieces``
+    f32 log-sum-exps (the heads rounded up to 8 in the tokens-in-M kernel, 64 per
+    64-head block in the heads-in-M one), for each of ``ops.mla_mgpu_pieces``
     pieces;
   - GQA decode: [64, hd] f32 outputs and 64 log-sum-exps per KV head (the group padded
     to 64 rows), for each of ``ops.gqa_mgpu_pieces`` pieces;
@@ -125,10 +142,10 @@ def design_bytes(case: kt.KernelCase) -> int:
   d = case.d
   if case.kernel == "paged_mla_decode":
     g = attn_ops.mla_mgpu_pieces(d["batch"], d["heads"], d["max_pages"], kind=H200)
-    blocks = -(-d["heads"] // mla_mgpu.BLOCK_H)
     rows = mla_mgpu.partial_rows(d["heads"])
+    lse_rows = rows if _mla_tokens_in_m(d) else -(-d["heads"] // mla_mgpu.BLOCK_H) * mla_mgpu.BLOCK_H
     out_item = np.dtype(mla_mgpu.PARTIAL_DTYPE).itemsize
-    return nbytes + 2 * g * (rows * d["c"] * out_item + blocks * mla_mgpu.BLOCK_H * 4)
+    return nbytes + 2 * g * (rows * d["c"] * out_item + lse_rows * 4)
   if case.kernel == "paged_gqa_decode":
     blocks = -(-d["max_pages"] * d["page_size"] // gqa_mgpu.BLOCK_K)
     g = attn_ops.gqa_mgpu_pieces(d["batch"], d["kv_heads"], blocks, kind=H200)

@@ -29,10 +29,22 @@ class PlanTest(absltest.TestCase):
     engine = collections.Counter(b.case.name for b in self.builds if b.engine)
     self.assertEqual(set(engine), {c.name for c in kt.target_cases()})
     self.assertEqual(set(engine.values()), {1})
-    self.assertEqual(len(self.builds), len({(b.case.name, b.impl) for b in self.builds}))
+    self.assertEqual(len(self.builds), len({(b.case.name, b.variant) for b in self.builds}))
+
+  def test_mla_m_follows_the_heads(self):
+    """8 heads per device (TP 8) run the tokens-in-M MLA kernel, 64 the heads-in-M one;
+    --other-impl adds the other one where it takes the shape, with its own key."""
+    by = {(b.case.name, b.variant): b for b in self.builds}
+    tp8, dp = "mla/tp8/fp8/b8/ctx32768", "mla/dp/fp8/b8/ctx32768"
+    self.assertTrue(by[(tp8, "mgpu-tokens")].engine)
+    self.assertFalse(by[(tp8, "mgpu-heads")].engine)
+    self.assertTrue(by[(dp, "mgpu-heads")].engine)
+    self.assertNotIn((dp, "mgpu-tokens"), by)  # 64 heads: over the tokens kernel's 32
+    self.assertEqual(dict(by[(tp8, "mgpu-tokens")].key)["heads_n"], 8)
+    self.assertNotEqual(by[(tp8, "mgpu-tokens")].key, by[(tp8, "mgpu-heads")].key)
 
   def test_engine_runs_mosaic_gpu_attention_and_h200_rows(self):
-    by = {(b.case.name, b.impl): b for b in self.builds}
+    by = {(b.case.name, b.impl): b for b in self.builds if b.variant != "mgpu-tokens"}
     mla = by[("mla/dp/bf16/b8/ctx32768", "mgpu")]
     self.assertTrue(mla.engine)
     self.assertFalse(by[("mla/dp/bf16/b8/ctx32768", "triton")].engine)

@@ -214,9 +214,11 @@ class PagedMlaDecodeInterpretTest(PagedMlaDecodeTest):
 
 
 class PagedMlaDecodeMgpuTest(parameterized.TestCase):
-  """The Mosaic GPU MLA kernel (C % 128, page % 64, R % 64); GPU only."""
+  """The Mosaic GPU MLA kernel with heads in wgmma's M (mla_mgpu: C % 128, page %
+  64, R % 64); GPU only."""
 
   INTERPRET = False
+  MLA_M = "heads"
   SHAPE = dict(heads=128, c=512, r=64, page_size=64, max_pages=40, batch=4)
 
   def setUp(self):
@@ -236,7 +238,7 @@ class PagedMlaDecodeMgpuTest(parameterized.TestCase):
                     page_size=s["page_size"], max_pages=s["max_pages"],
                     lengths=lengths, kv_dtype=kv_dtype)
     scale = 1.0 / math.sqrt(s["c"] + s["r"])
-    bs = BlockSizes(impl="mgpu")
+    bs = BlockSizes(impl="mgpu", mla_m=self.MLA_M)
     out = paged_mla_decode(*args, scale=scale,
                            backend="interpret" if self.INTERPRET else "pallas",
                            block_sizes=bs)
@@ -258,7 +260,7 @@ class PagedMlaDecodeMgpuTest(parameterized.TestCase):
     scale = 1.0 / math.sqrt(s["c"] + s["r"])
     out = paged_mla_decode(*args, scale=scale,
                            backend="interpret" if self.INTERPRET else "pallas",
-                           block_sizes=BlockSizes(impl="mgpu"))
+                           block_sizes=BlockSizes(impl="mgpu", mla_m="heads"))
     ref = paged_mla_decode_reference(*args, scale=scale)
     self.assertEqual(out.shape, ref.shape)
     self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
@@ -294,11 +296,63 @@ class PagedMlaDecodeMgpuInterpretTest(PagedMlaDecodeMgpuTest):
     one_piece_each = lambda batch, heads, max_pages, kind=None: batch  # noqa: E731
     with mock.patch.object(attn_ops, "mla_mgpu_pieces", one_piece_each):
       out = paged_mla_decode(*args, scale=scale, backend="interpret",
-                             block_sizes=BlockSizes(impl="mgpu"))
+                             block_sizes=BlockSizes(impl="mgpu", mla_m=self.MLA_M))
     ref = paged_mla_decode_reference(*args, scale=scale)
     self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
     self.assertLessEqual(_rel_err(out, ref), TOL[kv_dtype])
     self.assertFalse(gpu_interpret.get_races().races_found, "data race")
+
+
+class PagedMlaDecodeTokensMgpuTest(PagedMlaDecodeMgpuTest):
+  """The Mosaic GPU MLA kernel with tokens in wgmma's M (mla_tokens_mgpu: at most
+  32 heads, 64-token pages); GPU only. 8 heads: Kimi K2.6 under 8-way tensor
+  parallelism."""
+
+  MLA_M = "tokens"
+  SHAPE = dict(heads=8, c=512, r=64, page_size=64, max_pages=40, batch=4)
+  test_full_and_partial_head_blocks = None  # a heads-in-M case (64-row blocks)
+
+  @parameterized.parameters((8, "fp8"), (32, "bf16"), (3, "fp8"))
+  def test_head_counts(self, heads, kv_dtype):
+    """N = 8 and the cap 32, and 3 heads padded to 8 (padding heads sliced off)."""
+    s = dict(self.SHAPE, heads=heads, batch=2)
+    lengths = _lengths("ragged", s["batch"], s["page_size"], s["max_pages"])
+    args = make_mla(_seed("tokens", kv_dtype, heads), batch=s["batch"], heads=heads,
+                    c=s["c"], r=s["r"], page_size=s["page_size"],
+                    max_pages=s["max_pages"], lengths=lengths, kv_dtype=kv_dtype)
+    scale = 1.0 / math.sqrt(s["c"] + s["r"])
+    out = paged_mla_decode(*args, scale=scale,
+                           backend="interpret" if self.INTERPRET else "pallas",
+                           block_sizes=BlockSizes(impl="mgpu", mla_m="tokens"))
+    ref = paged_mla_decode_reference(*args, scale=scale)
+    self.assertEqual(out.shape, ref.shape)
+    self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
+    self.assertLessEqual(_rel_err(out, ref), TOL[kv_dtype])
+
+  def test_too_many_heads_raises(self):
+    args = make_mla(10, batch=1, heads=40, c=256, r=64, page_size=64, max_pages=2,
+                    lengths=[70], kv_dtype="bf16")
+    with self.assertRaisesRegex(ValueError, "mla_tokens_mgpu needs at most 32 heads"):
+      paged_mla_decode(*args, scale=1.0, backend="interpret",
+                       block_sizes=BlockSizes(impl="mgpu", mla_m="tokens"))
+
+  def test_auto_picks_by_heads(self):
+    pages = jax.ShapeDtypeStruct((4, 64, 512), jnp.bfloat16)
+    rope = jax.ShapeDtypeStruct((4, 64, 64), jnp.bfloat16)
+    auto = BlockSizes(impl="mgpu")
+    for heads, tokens in ((8, True), (32, True), (33, False), (64, False)):
+      q = jax.ShapeDtypeStruct((2, heads, 512), jnp.bfloat16)
+      self.assertEqual(attn_ops.mla_tokens_in_m(auto, q, pages, rope), tokens, heads)
+    q = jax.ShapeDtypeStruct((2, 8, 512), jnp.bfloat16)
+    self.assertFalse(attn_ops.mla_tokens_in_m(BlockSizes(mla_m="heads"), q, pages, rope))
+    with self.assertRaisesRegex(ValueError, "mla_m must be"):
+      BlockSizes(mla_m="rows")
+
+
+class PagedMlaDecodeTokensMgpuInterpretTest(PagedMlaDecodeTokensMgpuTest):
+  INTERPRET = True
+  # 20 heads pad to N = 24; the rest as the heads-in-M interpret class.
+  SHAPE = dict(heads=20, c=256, r=64, page_size=64, max_pages=3, batch=3)
 
 
 class F16QueryTest(absltest.TestCase):

@@ -1,5 +1,6 @@
 """The roofline sheet: per target case bytes, FLOPs, the H200 bound, targets, measured join."""
 
+import dataclasses
 import os
 import tempfile
 
@@ -130,13 +131,18 @@ class SheetTest(absltest.TestCase):
     c, r = by["mla/dp/fp8/b1/ctx4096"]
     self.assertEqual(r["design_bytes"] - r["bytes"], 2 * 33 * (64 * 512 * 2 + 64 * 4))
     self.assertEqual(r["design_bound"], "memory")
-    # MLA: 8 heads per device run as wgmma's 64 rows; 64 heads need no padding.
+    # MLA: 8 heads per device are wgmma's N in the tokens-in-M kernel (no padding,
+    # memory-bound like the job); 64 heads fill the heads-in-M kernel's 64 rows.
     c, r = by["mla/tp8/fp8/b64/ctx131072"]
-    self.assertEqual(r["design_flops"], 8 * r["flops"])
-    self.assertEqual(r["design_bound"], "MMA")
-    self.assertEqual(r["bound"], "memory")
+    self.assertEqual(r["design_flops"], r["flops"])
+    self.assertEqual(r["design_bound"], "memory")
+    self.assertLessEqual(r["design_s"], r["target_s"])
     c, r = by["mla/dp/fp8/b64/ctx131072"]
     self.assertEqual(r["design_flops"], r["flops"])
+    # 3 heads: padded to 8 (the tokens kernel's N), not to 64.
+    base = by["mla/tp8/fp8/b8/ctx32768"][0]
+    case = dataclasses.replace(base, dims=tuple(dict(base.d, heads=3).items()))
+    self.assertEqual(rf.design_flops(case) * 3, rf.job_cost(case)[1] * 8)
     # INT4 dense at one token computes a whole tile_m of token columns.
     c, r = by["int4/kimi-k2.6/wq_a/m1/g32"]
     self.assertEqual(r["design_flops"], 8 * r["flops"])  # tile_m: 1 row rounds up to 8

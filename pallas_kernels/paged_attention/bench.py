@@ -15,7 +15,10 @@ Impls, in order:
     Mosaic GPU or Triton, is in ``info``);
   * ``xla``: the pure-jnp reference compiled by XLA (gathers the pages, f32);
   * with ``peers``: the other of our two kernels (``pallas_mgpu`` /
-    ``pallas_triton``) where the shape takes both; JAX's Triton paged attention
+    ``pallas_triton``) where the shape takes both; for MLA on Mosaic GPU also
+    the other of its two kernels (``pallas_mgpu_heads`` beside the tokens-in-M
+    kernel the op picks for at most 32 heads, ``pallas_mgpu_tokens`` beside
+    the heads-in-M one where the heads allow it); JAX's Triton paged attention
     (``jax_paged_attention``, jax.experimental.pallas.ops.gpu.paged_attention,
     fp8 through its per-token scales) and JAX's decode attention over a
     contiguous cache (``jax_decode_attention``, bf16 only).
@@ -150,6 +153,19 @@ def _mla(dims, backend, peers, seed):
   s0 = sets()[0]
   impls, info = _ours(call, sets, ref, peers, set_bytes,
                       lambda blk: ops.mla_kernel_choice(s0[0], s0[2], s0[3], s0[6], blk))
+  if info["kernel_impl"] == "mgpu":
+    bs = ops.mla_kernel_choice(s0[0], s0[2], s0[3], s0[6])[0]
+    tokens = ops.mla_tokens_in_m(bs, s0[0], s0[2], s0[3])
+    info["mla_m"] = "tokens" if tokens else "heads"
+    if peers:  # the other Mosaic GPU MLA kernel, where it takes the shape
+      other = "heads" if tokens else "tokens"
+      alt = dataclasses.replace(bs, impl="mgpu", mla_m=other)
+      try:
+        ops.mla_tokens_in_m(alt, s0[0], s0[2], s0[3])
+        impls.append(bm.Impl(f"pallas_mgpu_{other}", call(alt), sets, ref,
+                             note=f"our Mosaic GPU kernel with {other} in wgmma's M"))
+      except ValueError:
+        pass  # more heads than the tokens-in-M kernel takes
   if not peers:
     return bm.Bench(nbytes, flops, bm.TOL[kv], impls, info)
   # JAX's kernels: latent only (K = V = latent, one KV head), same as ours with q_rope = 0.

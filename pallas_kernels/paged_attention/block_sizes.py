@@ -22,6 +22,10 @@ class BlockSizes:
     num_stages: Triton software-pipelining stages.
     impl: "auto" (Mosaic GPU where the op supports the shape, else Triton),
       "mgpu" (Mosaic GPU, error if unsupported) or "triton".
+    mla_m: what fills wgmma's M in the Mosaic GPU MLA kernel: "tokens"
+      (``mla_tokens_mgpu``, at most 32 heads, 64-token pages), "heads"
+      (``mla_mgpu``, heads padded to 64) or "auto" (tokens where that kernel
+      takes the shape, else heads).
   """
 
   block_h: int = 16
@@ -30,8 +34,11 @@ class BlockSizes:
   num_warps: int = 4
   num_stages: int = 2
   impl: str = "auto"
+  mla_m: str = "auto"
 
   def __post_init__(self):
+    if self.mla_m not in ("auto", "tokens", "heads"):
+      raise ValueError(f"mla_m must be auto, tokens or heads, got {self.mla_m!r}")
     if self.block_h < 16 or self.block_h & (self.block_h - 1):
       raise ValueError(f"block_h must be a power of two >= 16, got {self.block_h}")
     if self.pages_per_block < 1 or self.pages_per_block & (self.pages_per_block - 1):

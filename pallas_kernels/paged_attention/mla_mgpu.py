@@ -73,15 +73,18 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 FP8 = jnp.float8_e4m3fn
 BLOCK_H = 64  # wgmma M per warpgroup
 NEG = -1e30  # finite "minus infinity" for empty splits and masked logits
-_LOG2E = math.log2(math.e)
+LOG2E = math.log2(math.e)
 # The pieces' partial outputs are bf16, the attention output's dtype: a
 # request merged from several pieces takes at most one more bf16 rounding of
 # their normalised outputs (one piece: none), and the partials' HBM traffic,
 # written here and read back by the merge, halves.
 PARTIAL_DTYPE = jnp.bfloat16
 _STAGE_CHUNK = 64  # columns per register pass when masking/dequantising a page
-_MIN_SCALE = 1e-30  # floor of a page's largest scale (an all-zero page has 0)
-def _transforms(cols, dtype):
+MIN_SCALE = 1e-30  # floor of a page's largest scale (an all-zero page has 0)
+
+
+def transforms(cols, dtype):
+  """Tiling and swizzle of a [rows, cols] shared-memory tile that wgmma and TMA read."""
   bits = jnp.dtype(dtype).itemsize * 8
   swizzle = plgpu.find_swizzle(cols * bits, "rhs")
   return (plgpu.TilingTransform((8, swizzle * 8 // bits)),
@@ -90,7 +93,28 @@ def _transforms(cols, dtype):
 
 def _smem(shape, dtype):
   """One SMEM buffer with a leading dim of 1, indexed in the loop by the opaque 0."""
-  return plgpu.SMEM((1, *shape), dtype, transforms=_transforms(shape[-1], dtype))
+  return plgpu.SMEM((1, *shape), dtype, transforms=transforms(shape[-1], dtype))
+
+
+def stage_rows(src, dst, valid_tokens):
+  """dst = src (as dst's dtype) with rows >= valid_tokens zeroed; [ps, w] refs.
+
+  In column chunks, so only [ps, 64] values are in registers at a time
+  beside the accumulator; src is read a whole swizzle tile at a time.
+  """
+  w = src.shape[1]
+  load_w = math.gcd(w, 128 // jnp.dtype(src.dtype).itemsize)
+  for j in range(w // load_w):
+    xs = src[:, pl.ds(j * load_w, load_w)]
+    for h in range(load_w // _STAGE_CHUNK):
+      x = xs[:, h * _STAGE_CHUNK:(h + 1) * _STAGE_CHUNK]
+      rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
+      # e4m3 -> f16 is one exact cvt per pair (8-bit registers allow no
+      # arithmetic, so the select comes after it).
+      x = x.astype(dst.dtype)
+      # A select, not a multiply: unused slots may be NaN.
+      x = jnp.where(rows < valid_tokens, x, jnp.zeros_like(x))
+      dst[:, pl.ds(j * load_w + h * _STAGE_CHUNK, _STAGE_CHUNK)] = x.astype(dst.dtype)
 
 
 def partial_rows(heads: int) -> int:
@@ -200,26 +224,6 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
       plgpu.copy_gmem_to_smem(ls_ref.at[page], ls_st.at[slot], bar)
       plgpu.copy_gmem_to_smem(rs_ref.at[page], rs_st.at[slot], bar)
 
-    def stage(src, dst, valid_tokens):
-      """dst = src (as dst's dtype) with rows >= valid_tokens zeroed; [ps, w] refs.
-
-      In column chunks, so only [ps, 64] values are in registers at a time
-      beside the accumulator; src is read a whole swizzle tile at a time.
-      """
-      w = src.shape[1]
-      load_w = math.gcd(w, 128 // jnp.dtype(src.dtype).itemsize)
-      for j in range(w // load_w):
-        xs = src[:, pl.ds(j * load_w, load_w)]
-        for h in range(load_w // _STAGE_CHUNK):
-          x = xs[:, h * _STAGE_CHUNK:(h + 1) * _STAGE_CHUNK]
-          rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
-          # e4m3 -> f16 is one exact cvt per pair (8-bit registers allow no
-          # arithmetic, so the select comes after it).
-          x = x.astype(dst.dtype)
-          # A select, not a multiply: unused slots may be NaN.
-          x = jnp.where(rows < valid_tokens, x, jnp.zeros_like(x))
-          dst[:, pl.ds(j * load_w + h * _STAGE_CHUNK, _STAGE_CHUNK)] = x.astype(dst.dtype)
-
     @pl.when(wg == 0)
     def _():
       plgpu.copy_gmem_to_smem(ql_ref.at[bi, rows_h], ql_smem.at[0], q_bar)
@@ -269,10 +273,10 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
         k_lat, k_rope = lat16.at[z], rope16.at[z]
         # lat16 / rope16 were last read by step i-1's QK (both warpgroups
         # passed its exchange since) and by this warpgroup's own PV (retired).
-        stage(lat_in.at[:, cols], k_lat.at[:, cols], valid_tokens)
+        stage_rows(lat_in.at[:, cols], k_lat.at[:, cols], valid_tokens)
         @pl.when(wg == 0)
         def _():
-          stage(rope_in, k_rope, valid_tokens)
+          stage_rows(rope_in, k_rope, valid_tokens)
         plgpu.commit_smem()
         plgpu.barrier_arrive(conv_bar)
         plgpu.barrier_wait(conv_bar)
@@ -299,7 +303,7 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
         # cancel NaN in PV: zero those rows, only on that partial page.
         @pl.when(valid_tokens < ps)
         def _():
-          stage(lat_in.at[:, cols], lat_in.at[:, cols], valid_tokens)
+          stage_rows(lat_in.at[:, cols], lat_in.at[:, cols], valid_tokens)
           plgpu.commit_smem()
           plgpu.barrier_arrive(conv_bar)
           plgpu.barrier_wait(conv_bar)
@@ -309,7 +313,7 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
       half_acc = plgpu.ACC((BLOCK_H, half_ps), jnp.float32)
       if fp8:
         # Latent and rope have their own per-token scales: one tile each,
-        # scaled per column (token) here rather than per element in stage().
+        # scaled per column (token) here rather than per element in stage_rows().
         def qk(lat_acc, rope_acc):
           plgpu.wgmma(lat_acc, q_lat, k_lat.at[tok].transpose((1, 0)))
           plgpu.wgmma(rope_acc, q_rp, k_rope.at[tok].transpose((1, 0)))
@@ -348,12 +352,12 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
         def _():
           issue_rope(i + 1)
       m_new = jnp.maximum(m_i, jnp.maximum(mine[0], theirs[0]))
-      alpha = jnp.exp2((m_i - m_new) * _LOG2E)
-      p = jnp.exp2((logits - lax.broadcast_in_dim(m_new, logits.shape, [0])) * _LOG2E)
+      alpha = jnp.exp2((m_i - m_new) * LOG2E)
+      p = jnp.exp2((logits - lax.broadcast_in_dim(m_new, logits.shape, [0])) * LOG2E)
       l_new = l_i * alpha + p.sum(axis=1)  # this warpgroup's tokens only
       g_new = g_i
       if fp8:
-        g_new = jnp.maximum(jnp.maximum(mine[1], theirs[1]), _MIN_SCALE)
+        g_new = jnp.maximum(jnp.maximum(mine[1], theirs[1]), MIN_SCALE)
         inv_g = 1.0 / g_new
         p = p * ls_tile * lax.broadcast_in_dim(inv_g, p.shape, [0])
         alpha = alpha * g_i * inv_g
@@ -438,19 +442,19 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
         _smem((BLOCK_H, c), cdt),
         _smem((BLOCK_H, r), cdt),
         plgpu.SMEM((BLOCK_H,), jnp.float32) if fp8 else None,
-        plgpu.SMEM((slots, ps, c), st_dtype, transforms=_transforms(c, st_dtype)),
+        plgpu.SMEM((slots, ps, c), st_dtype, transforms=transforms(c, st_dtype)),
         _smem((ps, r), st_dtype),
         plgpu.SMEM((2, ps), jnp.float32) if fp8 else None,
         plgpu.SMEM((2, ps), jnp.float32) if fp8 else None,
         _smem((ps, c), cdt) if fp8 else None,
         _smem((ps, r), cdt) if fp8 else None,
-        (plgpu.SMEM((2, BLOCK_H, ps), cdt, transforms=_transforms(ps, cdt))
+        (plgpu.SMEM((2, BLOCK_H, ps), cdt, transforms=transforms(ps, cdt))
          if p_in_smem else None),
         # Each warpgroup's half of P, then its output staging: [64, 32] tiles.
-        plgpu.SMEM((2, BLOCK_H, half_ps), cdt, transforms=_transforms(half_ps, cdt)),
+        plgpu.SMEM((2, BLOCK_H, half_ps), cdt, transforms=transforms(half_ps, cdt)),
         (None if cdt == PARTIAL_DTYPE else
          plgpu.SMEM((2, BLOCK_H, half_ps), PARTIAL_DTYPE,
-                    transforms=_transforms(half_ps, PARTIAL_DTYPE))),
+                    transforms=transforms(half_ps, PARTIAL_DTYPE))),
         plgpu.SMEM((2, 2, BLOCK_H), jnp.float32),  # row vectors swapped by exchange()
         plgpu.SMEM((BLOCK_H,), jnp.float32),
     ]

@@ -13,6 +13,7 @@ from pallas_kernels import dispatch
 from pallas_kernels import schedule
 from pallas_kernels.paged_attention import gqa_mgpu
 from pallas_kernels.paged_attention import mla_mgpu
+from pallas_kernels.paged_attention import mla_tokens_mgpu
 from pallas_kernels.paged_attention import reference
 from pallas_kernels.paged_attention import triton_kernels
 from pallas_kernels.paged_attention.block_sizes import BlockSizes
@@ -205,6 +206,7 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
   if impl == "mgpu":
     return _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
                      k_rope_scale, block_tables, lengths, scale=scale,
+                     tokens_in_m=mla_tokens_in_m(bs, q_latent, latent, k_rope),
                      interpret=backend == "interpret")
   ppb = bs.pages_per_block
   splits = bs.num_splits
@@ -402,11 +404,29 @@ def gqa_mgpu_pieces(batch: int, kv_heads: int, blocks: int, kind: str | None = N
   return schedule.num_pieces(batch, blocks, max(1, 2 * device.num_sms(kind) // kv_heads))
 
 
+def mla_tokens_in_m(bs, q_latent, latent, k_rope) -> bool:
+  """Whether the Mosaic GPU MLA path runs ``mla_tokens_mgpu`` (tokens in wgmma's
+  M, heads in N) rather than ``mla_mgpu`` (heads padded to 64 in M).
+
+  Raises:
+    ValueError: ``bs.mla_m == "tokens"`` and that kernel cannot take the shape.
+  """
+  h, c = q_latent.shape[1], q_latent.shape[2]
+  _, ps, r = k_rope.shape
+  fits = h <= mla_tokens_mgpu.MAX_HEADS and ps == 64 and c % 64 == 0 and r % 64 == 0
+  if bs.mla_m == "tokens" and not fits:
+    raise ValueError(f"mla_tokens_mgpu needs at most {mla_tokens_mgpu.MAX_HEADS} heads, "
+                     f"64-token pages, C % 64 == 0 and R % 64 == 0; got {h} heads, "
+                     f"page_size={ps}, C={c}, R={r}")
+  return bs.mla_m == "tokens" or (bs.mla_m == "auto" and fits)
+
+
 def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
-              block_tables, lengths, *, scale, interpret):
-  """Runs mla_mgpu: pads heads to 64, casts q, schedules the pieces, merges them."""
+              block_tables, lengths, *, scale, tokens_in_m, interpret):
+  """Runs mla_mgpu (heads padded to 64) or mla_tokens_mgpu (heads padded to 8):
+  pads the heads, casts q, schedules the pieces, merges them."""
   b, h, _ = q_latent.shape
-  h_pad = -h % mla_mgpu.BLOCK_H
+  h_pad = -h % (8 if tokens_in_m else mla_mgpu.BLOCK_H)
   ql = jnp.pad(q_latent, ((0, 0), (0, h_pad), (0, 0)))
   qr = jnp.pad(q_rope, ((0, 0), (0, h_pad), (0, 0)))
   if latent.dtype == FP8:
@@ -420,10 +440,15 @@ def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
   pieces = schedule.schedule_pieces(
       lengths, page_size=latent.shape[1], max_pages=bt.shape[1],
       pieces=mla_mgpu_pieces(b, h, bt.shape[1]))
-  o, lse = mla_mgpu.mla_decode_mgpu(
-      ql, qr, q_scale, latent, k_rope, latent_scale, k_rope_scale, bt, lengths, pieces,
-      scale=float(scale), heads=h,
-      interpret=mgpu_interpret_params() if interpret else False)
+  interpret = mgpu_interpret_params() if interpret else False
+  if tokens_in_m:
+    o, lse = mla_tokens_mgpu.mla_decode_tokens_mgpu(
+        ql, qr, q_scale, latent, k_rope, latent_scale, k_rope_scale, bt, lengths,
+        pieces, scale=float(scale), interpret=interpret)
+  else:
+    o, lse = mla_mgpu.mla_decode_mgpu(
+        ql, qr, q_scale, latent, k_rope, latent_scale, k_rope_scale, bt, lengths,
+        pieces, scale=float(scale), heads=h, interpret=interpret)
   out = reference.combine_pieces(o[:, :h], lse[:, :h], pieces[0], b)
   return out.astype(q_latent.dtype)
 
