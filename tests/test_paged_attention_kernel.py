@@ -266,6 +266,28 @@ class PagedMlaDecodeMgpuTest(parameterized.TestCase):
     self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
     self.assertLessEqual(_rel_err(out, ref), TOL["fp8"])
 
+  @parameterized.parameters("bf16", "fp8")
+  def test_long_pieces_cycle_the_staging_slots(self, kv_dtype):
+    """One piece per request, so a piece walks up to 5 pages, each staging slot
+    refilled while another is computed on: heads in M, a bf16 cache's two latent
+    slots and its rope buffer (refilled after every QK), an fp8 cache's staging
+    buffer and two scale slots; tokens in M, two slots (bf16) or three (fp8). The
+    last page is partial (its tail zeroed / masked)."""
+    lengths = [5 * 64 - 7, 2 * 64 + 1]
+    args = make_mla(_seed("ring", kv_dtype), batch=2, heads=20, c=256, r=64,
+                    page_size=64, max_pages=6, lengths=lengths, kv_dtype=kv_dtype)
+    scale = 1.0 / math.sqrt(256 + 64)
+    one_piece_each = lambda batch, heads, max_pages, kind=None: batch  # noqa: E731
+    with mock.patch.object(attn_ops, "mla_mgpu_pieces", one_piece_each):
+      out = paged_mla_decode(*args, scale=scale,
+                             backend="interpret" if self.INTERPRET else "pallas",
+                             block_sizes=BlockSizes(impl="mgpu", mla_m=self.MLA_M))
+    ref = paged_mla_decode_reference(*args, scale=scale)
+    self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
+    self.assertLessEqual(_rel_err(out, ref), TOL[kv_dtype])
+    if self.INTERPRET:
+      self.assertFalse(gpu_interpret.get_races().races_found, "data race")
+
   def test_unsupported_shape_raises(self):
     args = make_mla(9, batch=1, heads=4, c=32, r=16, page_size=8, max_pages=2,
                     lengths=[3], kv_dtype="bf16")
@@ -282,26 +304,6 @@ class PagedMlaDecodeMgpuInterpretTest(PagedMlaDecodeMgpuTest):
   # Three requests: "ragged" is 3 pages (two pieces), 42 tokens and an empty
   # one (an empty piece), on a grid of 12 pieces of which 9 are unused.
   SHAPE = dict(heads=20, c=256, r=64, page_size=64, max_pages=3, batch=3)
-
-  @parameterized.parameters("bf16", "fp8")
-  def test_long_pieces_cycle_the_staging_slots(self, kv_dtype):
-    """One piece per request, so a piece walks up to 5 pages: a bf16 cache's two
-    latent slots are each refilled while the other is computed on, and its rope
-    buffer after every QK; an fp8 piece refills its staging buffer and scale
-    slots each step. The last page is partial (its tail zeroed / masked)."""
-    lengths = [5 * 64 - 7, 2 * 64 + 1]
-    args = make_mla(_seed("ring", kv_dtype), batch=2, heads=20, c=256, r=64,
-                    page_size=64, max_pages=6, lengths=lengths, kv_dtype=kv_dtype)
-    scale = 1.0 / math.sqrt(256 + 64)
-    one_piece_each = lambda batch, heads, max_pages, kind=None: batch  # noqa: E731
-    with mock.patch.object(attn_ops, "mla_mgpu_pieces", one_piece_each):
-      out = paged_mla_decode(*args, scale=scale, backend="interpret",
-                             block_sizes=BlockSizes(impl="mgpu", mla_m=self.MLA_M))
-    ref = paged_mla_decode_reference(*args, scale=scale)
-    self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
-    self.assertLessEqual(_rel_err(out, ref), TOL[kv_dtype])
-    self.assertFalse(gpu_interpret.get_races().races_found, "data race")
-
 
 class PagedMlaDecodeTokensMgpuTest(PagedMlaDecodeMgpuTest):
   """The Mosaic GPU MLA kernel with tokens in wgmma's M (mla_tokens_mgpu: at most

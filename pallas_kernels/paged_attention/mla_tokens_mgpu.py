@@ -17,9 +17,11 @@ MAX_HEADS), so the MMA work follows the real heads:
 Per page that is N x 139 kFLOP of MMA (8.9 MFLOP for the 64 padded rows of
 ``mla_mgpu``): at 8 heads, 1.1 MFLOP, about 0.19 us of an H200 SM's tensor
 cores against 2.3 us (bf16) or 1.1 us (fp8) for the page's bytes at the SM's
-share of 4.3 TB/s. So the kernel is a gather: one warpgroup, pages in two
-staging slots used in turn, page i+1's TMA issued at the top of step i into
-the slot step i-1 finished (its PV retired; for fp8 its conversion).
+share of 4.3 TB/s. So the kernel is a gather: one warpgroup, pages in
+staging slots used in turn (two for bf16, three for fp8), the TMA of page
+i + slots - 1 issued at the top of step i into the slot step i-1 finished
+(its PV retired; for fp8 its conversion), so a step waiting for its page has
+slots - 1 pages in flight.
 
 fp8 pages are converted to f16 in shared memory as in ``mla_mgpu`` (one
 ``cvt.rn.f16x2.e4m3x2`` per pair, rows past the length zeroed), with the
@@ -51,7 +53,6 @@ from pallas_kernels.paged_attention.mla_mgpu import transforms
 
 MAX_HEADS = 32  # N of the wgmmas; the [512, N] accumulator takes 4N registers
 _OUT_COLS = 64  # output columns per TMA store
-_SLOTS = 2  # staging slots, used in turn
 
 
 def _smem(shape, dtype):
@@ -98,6 +99,11 @@ def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_sca
                      f"{None if q_scale is None else q_scale.shape}")
   if not fp8 and latent.dtype != cdt:
     raise ValueError(f"query {cdt} and cache {latent.dtype} dtypes differ")
+  # Staging slots, used in turn: while a step waits for its page, slots - 1
+  # pages are in flight. An SM's share of 4.3 TB/s over ~1-2 us of latency is
+  # 33-65 KB: one 72 KiB bf16 page covers it (and three do not fit); an fp8
+  # page is 36 KiB, so fp8 keeps two in flight (three slots beside the f16 page).
+  slots = 3 if fp8 else 2
 
   def kernel(ql_ref, qr_ref, qs_ref, lat_ref, rope_ref, ls_ref, rs_ref, bt_ref,
              len_ref, pc_ref, o_ref, lse_ref, scratch):
@@ -114,7 +120,7 @@ def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_sca
       # Only used pages are read (steps stops at them); clamp so a corrupt
       # id never sends the TMA out of bounds.
       page = jnp.clip(bt_ref[bi, start + step], 0, n_pages - 1)
-      slot = lax.rem(step, _SLOTS)
+      slot = lax.rem(step, slots)
       bar = tma_bar.at[slot]
       plgpu.copy_gmem_to_smem(lat_ref.at[page], lat_st.at[slot], bar)
       plgpu.copy_gmem_to_smem(rope_ref.at[page], rope_st.at[slot], bar)
@@ -126,9 +132,10 @@ def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_sca
     plgpu.copy_gmem_to_smem(qr_ref.at[bi], qr_smem.at[0], q_bar)
     if fp8:
       plgpu.copy_gmem_to_smem(qs_ref.at[bi], qs_smem, q_bar)
-    @pl.when(steps > 0)
-    def _():
-      issue(0)
+    for j in range(slots - 1):
+      @pl.when(j < steps)
+      def _():
+        issue(j)
     plgpu.barrier_wait(q_bar)
     tok_vec = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector over the tokens (rows)
     head_vec = plgpu.Layout.WGMMA.reduce(0)  # an [N] vector over the heads (columns)
@@ -146,14 +153,14 @@ def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_sca
       q_lat, q_rp = ql_smem.at[z], qr_smem.at[z]
       pos0 = (start + i) * ps
       valid_tokens = length - pos0
-      slot = lax.rem(i, _SLOTS)
+      slot = lax.rem(i, slots)
       lat_in, rope_in = lat_st.at[slot], rope_st.at[slot]
-      # The other slot's last reader was step i-1: its PV (retired when its
-      # run_state returned) or, for fp8, its conversion (fenced by
-      # commit_smem). Refill it now, so this page's work overlaps the gather.
-      @pl.when(i + 1 < steps)
+      # Page i + slots - 1 goes into step i-1's slot, whose last reader was
+      # that step's PV (retired when its run_state returned) or, for fp8, its
+      # conversion (fenced by commit_smem): the gather runs ahead of compute.
+      @pl.when(i + slots - 1 < steps)
       def _():
-        issue(i + 1)
+        issue(i + slots - 1)
       plgpu.barrier_wait(tma_bar.at[slot])
       if fp8:
         k_lat, k_rope = lat16.at[z], rope16.at[z]
@@ -244,10 +251,10 @@ def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_sca
         _smem((1, nh, c), cdt),
         _smem((1, nh, r), cdt),
         plgpu.SMEM((nh,), jnp.float32) if fp8 else None,
-        _smem((_SLOTS, ps, c), st),
-        _smem((_SLOTS, ps, r), st),
-        plgpu.SMEM((_SLOTS, ps), jnp.float32) if fp8 else None,
-        plgpu.SMEM((_SLOTS, ps), jnp.float32) if fp8 else None,
+        _smem((slots, ps, c), st),
+        _smem((slots, ps, r), st),
+        plgpu.SMEM((slots, ps), jnp.float32) if fp8 else None,
+        plgpu.SMEM((slots, ps), jnp.float32) if fp8 else None,
         _smem((1, ps, c), cdt) if fp8 else None,
         _smem((1, ps, r), cdt) if fp8 else None,
         _smem((nh, ps), cdt),  # P, [heads, tokens]
@@ -257,7 +264,7 @@ def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_sca
     barriers = [
         plgpu.Barrier(num_arrivals=3 if fp8 else 2),  # q_latent, q_rope (, q_scale)
         # Every TMA issued with a barrier is one arrival on it; one per slot.
-        plgpu.Barrier(num_arrivals=4 if fp8 else 2, num_barriers=_SLOTS),
+        plgpu.Barrier(num_arrivals=4 if fp8 else 2, num_barriers=slots),
     ]
     pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, *barriers)
 
