@@ -60,35 +60,22 @@ if __name__ == "__main__":  # the CLI compiles: ptxas logging must be on before 
 import numpy as np  # noqa: E402
 
 from experiments import kernel_targets as kt  # noqa: E402
-from pallas_kernels import benchmark as bm  # noqa: E402
 from pallas_kernels.int4_matmul.block_sizes import BlockSizes  # noqa: E402
 from pallas_kernels.int4_matmul.block_sizes import DECODE_MAX_M  # noqa: E402
 from pallas_kernels.int4_matmul.block_sizes import GROUPED_DECODE_MAX_ROWS  # noqa: E402
 from pallas_kernels.int4_matmul.block_sizes import H200_SMEM_BYTES  # noqa: E402
 from pallas_kernels.int4_matmul.block_sizes import TUNED  # noqa: E402
+from pallas_kernels.int4_matmul.block_sizes import TUNED_NK  # noqa: E402
+from pallas_kernels.int4_matmul import tile_model  # noqa: E402
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H200 = "NVIDIA H200"
 DATA_PATH = os.path.join(_REPO, "experiments", "data", "int4_nk_tiles_h200.json")
 
-# H200 (sm_90) facts the occupancy model uses.
-SMS = 132
-SM_SMEM_BYTES = 228 * 1024  # shared memory per SM
-CTA_RESERVED_SMEM = 1024  # the SM reserves this much per resident CTA
-SM_REGISTERS = 65536
-REGISTER_STEP = 8  # registers are allocated per thread in steps of 8
-MAX_CTAS_PER_SM = 32
-MAX_THREADS_PER_SM = 2048
-THREADS = 128  # the nk kernels run one warpgroup per CTA
-# Model constants. The copy bandwidth and MMA rate are the roofline's ceilings
-# (pallas_kernels.benchmark); the rest are assumptions, not measurements.
-HBM_LATENCY_S = 1.0e-6  # a loaded HBM round trip, what a pipeline's loads must cover
-CLOCK_HZ = 1.98e9  # H200 boost clock
-SM_ISSUE_PER_CLOCK = 4 * 32  # four schedulers, one warp instruction each per clock
-# Conversion instructions per weight in the nk kernel: prmt, lop3, sub.bf16x2 and
-# mul.bf16x2 per pair, the shared-memory load and shifts (static PTX, 922
-# instructions for 128 weights per thread per step: docs/int4_matmul.md).
-INSTRUCTIONS_PER_WEIGHT = 3.0
+# The occupancy and time model (and their H200 constants) live beside the kernels,
+# which pick their dense decode split count with it (tile_model).
+occupancy = tile_model.occupancy
+HBM_LATENCY_S = tile_model.HBM_LATENCY_S
 LONG_LOOP_STEPS = 8  # experiments.kernel_compile.INT4_LONG_LOOP_STEPS
 
 # Candidates per (op, shape class): tile shapes (tile_n, tile_m, tile_k), pipeline
@@ -109,14 +96,6 @@ GROUPS = kt.GROUPS
 # The depth tiles are compiled at: the shallowest, so a tile whose deeper pipelines
 # overflow shared memory still gets its registers (smem_bytes gives each depth's).
 COMPILE_DEPTH = 2
-
-
-def occupancy(registers: int, smem_bytes: int, threads: int = THREADS) -> int:
-  """CTAs one SM holds at once: the least of the register, shared-memory, thread and
-  CTA limits (0 when one CTA does not fit)."""
-  regs = -(-registers // REGISTER_STEP) * REGISTER_STEP * threads
-  return min(SM_REGISTERS // regs, SM_SMEM_BYTES // (smem_bytes + CTA_RESERVED_SMEM),
-             MAX_THREADS_PER_SM // threads, MAX_CTAS_PER_SM)
 
 
 def shape_class(case: kt.KernelCase) -> tuple[str, str]:
@@ -173,44 +152,14 @@ def _grouped_items(m: int, e: int, tile_m: int) -> int:
 
 
 def modelled_seconds(case: kt.KernelCase, bs: BlockSizes, registers: int) -> float:
-  """Modelled H200 time of ``case`` under the resolved block sizes ``bs`` (module
-  docstring, step 3); ``registers`` per thread from ptxas. inf when a CTA does not fit."""
+  """Modelled H200 time of ``case`` under the resolved block sizes ``bs``
+  (``tile_model.seconds``; the grouped kernel's tiles for rows routed at random);
+  ``registers`` per thread from ptxas. inf when a CTA does not fit."""
   d = case.d
-  m, n, k, g = d["m"], d["n"], d["k"], d["group_size"]
   grouped = case.kernel == "int4_grouped_matmul"
-  occ = occupancy(registers, bs.smem_bytes(group_size=g, scale_bytes=2, grouped=grouped,
-                                           layout="nk"))
-  if occ == 0:
-    return math.inf
-  n_tiles = n // bs.tile_n
-  if grouped:
-    items, k_item, splits = n_tiles * _grouped_items(m, d["experts"], bs.tile_m), k, 1
-  else:
-    splits = bs.k_splits
-    items, k_item = n_tiles * -(-m // bs.tile_m) * splits, k // splits
-  steps = k_item // bs.tile_k
-  depth = max(2, min(bs.max_concurrent_steps, steps)) if steps > 1 else 1
-  step_bytes = (bs.tile_n * bs.tile_k // 2 + bs.tile_k // g * bs.tile_n * 2
-                + bs.tile_m * bs.tile_k * 2)
-  in_flight = max(1, depth - 1) * step_bytes  # per CTA
-  weight_bytes = bs.tile_n * k_item // 2 + k_item // g * bs.tile_n * 2  # per item
-  flops = 2 * bs.tile_n * bs.tile_m * k_item
-  weights = bs.tile_n * k_item
-  slots = SMS * occ
-  total = 0.0
-  for start in range(0, items, slots):
-    c = min(slots, items - start)
-    bw = min(bm.H200_COPY_BW, c * in_flight / HBM_LATENCY_S)
-    per_sm = -(-c // SMS)
-    mem = c * weight_bytes / bw
-    mma = per_sm * flops / (bm.H200_BF16_FLOPS / SMS)
-    alu = per_sm * weights * INSTRUCTIONS_PER_WEIGHT / (SM_ISSUE_PER_CLOCK * CLOCK_HZ)
-    total += HBM_LATENCY_S + max(mem, mma, alu)
-  m_pad = -(-m // bs.tile_m) * bs.tile_m
-  io = m * k * 2 + m * n * 2
-  if not grouped and splits > 1:  # f32 split partials written, then summed by XLA
-    io += 2 * splits * n * m_pad * 4
-  return total + io / bm.H200_COPY_BW
+  tiles = _grouped_items(d["m"], d["experts"], bs.tile_m) if grouped else None
+  return tile_model.seconds(bs, m=d["m"], n=d["n"], k=d["k"], group_size=d["group_size"],
+                            registers=registers, grouped_tiles=tiles)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +218,25 @@ def case_seconds(readings: dict, op: str, bs: BlockSizes, case: kt.KernelCase) -
   if not clean(r) or smem > H200_SMEM_BYTES:
     return math.nan
   return modelled_seconds(case, res, r["registers"])
+
+
+def runtime_split_scores(readings: dict) -> tuple[float, float]:
+  """Dense decode with the table row's fixed K splits, and with the split count
+  ``BlockSizes.get_default(layout="nk")`` picks per call (``tile_model.best_splits``):
+  each as the geometric mean, over the class's cases, of modelled time / the best
+  candidate's time for that case (the score ``select`` ranks by)."""
+  op, cls = "dense", "decode"
+  cases = class_cases(op, cls)
+  times = [np.asarray([case_seconds(readings, op, c, case) for case in cases])
+           for c in candidates(op, cls)]
+  best = np.nanmin(np.stack(times), axis=0)
+  row = TUNED_NK[(H200, op, cls)]
+  fixed = [case_seconds(readings, op, row, case) for case in cases]
+  per_call = [case_seconds(readings, op, BlockSizes.get_default(
+      case.d["m"], case.d["n"], case.d["k"], device_kind=H200, layout="nk",
+      group_size=case.d["group_size"]), case) for case in cases]
+  score = lambda t: float(np.exp(np.mean(np.log(np.asarray(t) / best))))  # noqa: E731
+  return score(fixed), score(per_call)
 
 
 def versus(readings: dict, op: str, cls: str, pick: BlockSizes,
@@ -395,6 +363,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrote {args.readings}")
   choices = [select(readings, op, cls) for op, cls in CLASSES]
   print(markdown(choices))
+  fixed, per_call = runtime_split_scores(readings)
+  print(f"\ndense decode with the row's {TUNED_NK[(H200, 'dense', 'decode')].k_splits} K splits: "
+        f"score {fixed:.3f}; with the split count get_default picks per call "
+        f"(tile_model.best_splits): {per_call:.3f}")
   print("\nThe packed kernel's rows (TUNED) on the [N, K] kernel, modelled time / the pick's:")
   for c in choices:
     kn = TUNED[(H200, c.op, c.cls)]

@@ -215,8 +215,8 @@ def _int4_block_sizes(case, impl: str = "nk"):
   grouped = case.kernel == "int4_grouped_matmul"
   return Int4BlockSizes.get_default(d["m"], d["n"], d["k"], grouped=grouped,
                                     experts=d.get("experts", 1), device_kind=H200,
-                                    layout="nk" if impl == "nk" else "kn"
-                                    ).fit(d["m"], d["n"], d["k"])
+                                    layout="nk" if impl == "nk" else "kn",
+                                    group_size=d["group_size"]).fit(d["m"], d["n"], d["k"])
 
 
 def _tag_block_sizes(case):

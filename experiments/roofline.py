@@ -112,7 +112,7 @@ def design_flops(case: kt.KernelCase) -> int:
     grouped = case.kernel == "int4_grouped_matmul"
     e = d.get("experts", 1)
     bs = BlockSizes.get_default(m, n, k, grouped=grouped, experts=e, device_kind=H200,
-                                layout="nk").fit(m, n, k)
+                                layout="nk", group_size=d["group_size"]).fit(m, n, k)
     if not grouped:
       return 2 * (-(-m // bs.tile_m) * bs.tile_m) * k * n
     return 2 * _grouped_expert_tiles(m, e, bs.tile_m) * bs.tile_m * k * n
@@ -153,7 +153,8 @@ def design_bytes(case: kt.KernelCase) -> int:
   if case.kernel == "int4_matmul":
     from pallas_kernels.int4_matmul import BlockSizes
     m, n, k = d["m"], d["n"], d["k"]
-    bs = BlockSizes.get_default(m, n, k, device_kind=H200, layout="nk").fit(m, n, k)
+    bs = BlockSizes.get_default(m, n, k, device_kind=H200, layout="nk",
+                                group_size=d["group_size"]).fit(m, n, k)
     if bs.k_splits > 1:  # one split writes the result itself
       return nbytes + 2 * bs.k_splits * n * (-(-m // bs.tile_m) * bs.tile_m) * 4
   return nbytes

@@ -5,6 +5,7 @@ No compiles here: the readings are the committed file; tests/test_h200_compile_i
 compiles the chosen rows at every target shape.
 """
 
+import collections
 import dataclasses
 import math
 
@@ -12,8 +13,10 @@ from absl.testing import absltest
 
 from experiments import int4_tune as tune
 from experiments import kernel_targets as kt
+from pallas_kernels import benchmark as bm
 from pallas_kernels.int4_matmul.block_sizes import BlockSizes
 from pallas_kernels.int4_matmul.block_sizes import TUNED
+from pallas_kernels.int4_matmul.block_sizes import NK_MODEL_REGISTERS
 from pallas_kernels.int4_matmul.block_sizes import TUNED_NK
 
 H200 = "NVIDIA H200"
@@ -52,7 +55,7 @@ class ModelTest(absltest.TestCase):
     bs = tune.resolve(BlockSizes(64, 64, 256, 4, 4), self.dense)
     t = tune.modelled_seconds(self.dense, bs, 64)
     weights = 7168 // 2 * 2048 + 7168 // 128 * 2048 * 2
-    floor = weights / tune.bm.H200_COPY_BW
+    floor = weights / bm.H200_COPY_BW
     self.assertGreater(t, floor)
     self.assertLess(t, floor + 4 * tune.HBM_LATENCY_S)
 
@@ -84,7 +87,7 @@ class ModelTest(absltest.TestCase):
     bs = tune.resolve(BlockSizes(128, 64, 128, 1, 2), case)
     flops = 2 * 4096 * 7168 * 2048
     self.assertGreaterEqual(tune.modelled_seconds(case, bs, 128),
-                            flops / tune.bm.H200_BF16_FLOPS)
+                            flops / bm.H200_BF16_FLOPS)
 
   def test_routed_rows_are_ragged_and_sum_to_m(self):
     rows = tune.routed_group_sizes(8 * 48, 48)
@@ -136,13 +139,44 @@ class SelectTest(absltest.TestCase):
     m, n, k = 8, 2048, 7168
     nk = BlockSizes.get_default(m, n, k, device_kind=H200, layout="nk")
     kn = BlockSizes.get_default(m, n, k, device_kind=H200)
-    self.assertEqual(nk, TUNED_NK[(H200, "dense", "decode")].fit(m, n, k))
+    # The nk row's tiles and depth; its split count is chosen per call (below).
+    row = TUNED_NK[(H200, "dense", "decode")].fit(m, n, k)
+    self.assertEqual(dataclasses.replace(nk, k_splits=row.k_splits), row)
     self.assertEqual(kn, TUNED[(H200, "dense", "decode")].fit(m, n, k))
     # A device kind without nk rows falls back to the packed table.
     self.assertEqual(BlockSizes.get_default(m, n, k, device_kind="cpu", layout="nk"),
                      BlockSizes.get_default(m, n, k, device_kind="cpu"))
     with self.assertRaisesRegex(ValueError, "layout"):
       BlockSizes.get_default(m, n, k, layout="t")
+
+  def test_dense_decode_splits_per_call(self):
+    """get_default's split count is the model's best for the call, at the real
+    registers of the tile (not just the NK_MODEL_REGISTERS it assumes), and beats
+    the row's fixed count over the class."""
+    op, cls = "dense", "decode"
+    row = TUNED_NK[(H200, op, cls)]
+    chosen = collections.Counter()
+    for case in tune.class_cases(op, cls):
+      d = case.d
+      bs = BlockSizes.get_default(d["m"], d["n"], d["k"], device_kind=H200, layout="nk",
+                                  group_size=d["group_size"])
+      self.assertEqual(dataclasses.replace(bs, k_splits=1),
+                       dataclasses.replace(row, k_splits=1).fit(d["m"], d["n"], d["k"]))
+      steps = d["k"] // bs.tile_k
+      options = {s: tune.case_seconds(self.readings, op, dataclasses.replace(bs, k_splits=s),
+                                      case)
+                 for s in range(1, 17) if steps % s == 0}
+      self.assertEqual(bs.k_splits, min(options, key=lambda s: (options[s], s)), case.name)
+      # The assumed registers give each tile the CTAs per SM its reading gives.
+      reading = self.readings[tune.tile_key(op, bs, d["group_size"])]
+      smem = bs.smem_bytes(d["group_size"], scale_bytes=2, layout="nk")
+      self.assertEqual(tune.occupancy(NK_MODEL_REGISTERS, smem),
+                       tune.occupancy(reading["registers"], smem), case.name)
+      chosen[bs.k_splits] += 1
+    self.assertGreater(len(chosen), 2)  # the count really varies with the shape
+    fixed, per_call = tune.runtime_split_scores(self.readings)
+    self.assertLess(per_call, fixed)
+    self.assertLess(per_call, 1.05)
 
   def test_table_rows_fit_shared_memory(self):
     for (_, op, _), bs in TUNED_NK.items():
@@ -167,7 +201,8 @@ if __name__ == "__main__":
 
 
 class BenchImplsTest(absltest.TestCase):
-  """gpu_check times the nk kernel with its derived rows and with the packed table's."""
+  """gpu_check times the nk kernel with its derived rows, with the packed table's and
+  with the dense decode row's fixed split count."""
 
   def test_both_tilings_are_timed_and_correct(self):
     import jax.numpy as jnp
@@ -182,12 +217,16 @@ class BenchImplsTest(absltest.TestCase):
         sets()[0][0].astype(jnp.float32), *sets()[0][1:], group_size=g))
     derived = BlockSizes(64, 8, 256, 2, 2)
     packed = BlockSizes(128, 8, 128, 1, 2)
-    impls = bench._nk_impls(nk.int4_matmul_nk, g, "interpret", derived, packed, sets, ref)
-    self.assertEqual([i.name for i in impls], ["pallas_nk", "pallas_nk_kn_tiles"])
+    row = BlockSizes(64, 8, 256, 1, 2)  # the table row's split count, not the per-call one
+    impls = bench._nk_impls(nk.int4_matmul_nk, g, "interpret", derived, packed, sets, ref,
+                            row)
+    self.assertEqual([i.name for i in impls],
+                     ["pallas_nk", "pallas_nk_kn_tiles", "pallas_nk_row_splits"])
     self.assertIn("64x8x256, depth 2, 2 splits", impls[0].note)
     for impl in impls:
       out = np.asarray(impl.fn(*impl.args()[0]), np.float32)
       want = np.asarray(ref(), np.float32)
       self.assertLess(np.linalg.norm(out - want) / np.linalg.norm(want), 1e-2, impl.name)
-    same = bench._nk_impls(nk.int4_matmul_nk, g, "interpret", packed, packed, sets, ref)
+    same = bench._nk_impls(nk.int4_matmul_nk, g, "interpret", packed, packed, sets, ref,
+                           packed)
     self.assertEqual([i.name for i in same], ["pallas_nk"])

@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import benchmark as bm
+from pallas_kernels import device
+from pallas_kernels.int4_matmul import block_sizes
 from pallas_kernels.int4_matmul import nk
 from pallas_kernels.int4_matmul import reference
 from pallas_kernels.int4_matmul.block_sizes import H200_SMEM_BYTES
@@ -129,14 +131,17 @@ def _dense(dims, backend, peers, seed):
                                      group_size=g, backend="xla"))
   call = lambda be: functools.partial(int4_matmul, group_size=g, backend=be)  # noqa: E731
   bs = BlockSizes.get_default(m, n, k).fit(m, n, k)
-  nk_bs = BlockSizes.get_default(m, n, k, layout="nk").fit(m, n, k)
+  nk_bs = BlockSizes.get_default(m, n, k, layout="nk", group_size=g).fit(m, n, k)
+  # The dense decode row's own split count, which get_default replaces per call.
+  row = block_sizes.TUNED_NK.get((device.device_kind(), "dense", "decode"))
+  row_bs = row.fit(m, n, k) if row and m <= block_sizes.DECODE_MAX_M else None
 
   def bf16_sets():
     return [(x, reference.dequantize_int4(p, s, g, jnp.bfloat16)) for x, p, s in sets()]
 
   impls = [bm.Impl("pallas", call(backend), sets, ref, note="Mosaic GPU kernel"),
            _overlap_impl(int4_matmul, g, backend, bs, sets, ref),
-           *_nk_impls(nk.int4_matmul_nk, g, backend, nk_bs, bs, sets, ref),
+           *_nk_impls(nk.int4_matmul_nk, g, backend, nk_bs, bs, sets, ref, row_bs),
            bm.Impl("xla", call("xla"), sets, ref, note="jnp reference: dequantise, f32 dot"),
            bm.Impl("xla_bf16_dot", _bf16_dot, bf16_sets, ref,
                    nbytes=job_cost("int4_matmul", dims, weights="bf16")[0],
@@ -160,9 +165,12 @@ def _overlap_impl(op, group_size, backend, bs, sets, ref) -> bm.Impl:
                  f"(two scratch slots: {smem} B of shared memory per CTA)")
 
 
-def _nk_impls(op, group_size, backend, nk_bs, kn_bs, sets, ref) -> list[bm.Impl]:
+def _nk_impls(op, group_size, backend, nk_bs, kn_bs, sets, ref,
+              row_bs=None) -> list[bm.Impl]:
   """The kernel on [N, K] int4 weights (the same bytes, relaid once, outside the
-  timing) with its own block sizes, and with the packed kernel's where they differ."""
+  timing) with its own block sizes, with the packed kernel's, and (dense decode)
+  with its table row's fixed K splits instead of the per-call count, each where it
+  differs from the first."""
   grouped = op is nk.int4_grouped_matmul_nk
 
   def nk_sets():  # built when timed, like the bf16 twins' sets
@@ -170,8 +178,9 @@ def _nk_impls(op, group_size, backend, nk_bs, kn_bs, sets, ref) -> list[bm.Impl]
 
   out = []
   for name, bs, which in (("pallas_nk", nk_bs, "TUNED_NK"),
-                          ("pallas_nk_kn_tiles", kn_bs, "the packed kernel's")):
-    if out and bs == nk_bs:
+                          ("pallas_nk_kn_tiles", kn_bs, "the packed kernel's"),
+                          ("pallas_nk_row_splits", row_bs, "TUNED_NK's row, fixed splits:")):
+    if out and (bs is None or bs == nk_bs):
       continue
     fn = functools.partial(op, group_size=group_size, backend=backend, block_sizes=bs)
     smem = bs.smem_bytes(group_size, grouped=grouped, layout="nk")
@@ -231,7 +240,8 @@ def _grouped(dims, backend, peers, seed):
                                              group_size=g, backend="xla"))
   call = lambda be: functools.partial(int4_grouped_matmul, group_size=g, backend=be)  # noqa: E731
   bs = BlockSizes.get_default(m, n, k, grouped=True, experts=e).fit(m, n, k)
-  nk_bs = BlockSizes.get_default(m, n, k, grouped=True, experts=e, layout="nk").fit(m, n, k)
+  nk_bs = BlockSizes.get_default(m, n, k, grouped=True, experts=e, layout="nk",
+                                 group_size=g).fit(m, n, k)
 
   def bf16_sets():
     return [(x, reference.dequantize_int4(p, s, g, jnp.bfloat16), c) for x, p, s, c in sets()]

@@ -3,6 +3,7 @@
 import dataclasses
 
 from pallas_kernels import device
+from pallas_kernels.int4_matmul import tile_model
 
 # Token counts at or below this are "decode" (weight streaming, memory-bound);
 # above it "prefill" (compute-bound). The kernels swap operands, so tokens sit
@@ -87,7 +88,7 @@ class BlockSizes:
   @classmethod
   def get_default(cls, m: int, n: int, k: int, *, grouped: bool = False,
                   experts: int = 1, device_kind: str | None = None,
-                  layout: str = "kn") -> "BlockSizes":
+                  layout: str = "kn", group_size: int | None = None) -> "BlockSizes":
     """Tuned block sizes for an [m, k] x [k, n] problem on `device_kind`.
 
     Looks the device kind and shape class up in `TUNED` (layout "kn", the packed
@@ -98,6 +99,11 @@ class BlockSizes:
     m; the grouped one by the mean rows per expert, m / experts, which also sets
     tile_m (GROUPED_DECODE_MAX_ROWS). ``device_kind`` None reads it from the
     active abstract mesh (an AOT compile for a GPU topology) or jax.devices().
+
+    Dense decode on the [N, K] kernel with a TUNED_NK row takes the row's tiles
+    and depth but its own K split count: the divisor of its K steps (at most
+    ``tile_model.MAX_SPLITS``) with the least modelled time for this m, n, k (``tile_model.best_splits``, at
+    NK_MODEL_REGISTERS registers and ``group_size``'s scale bytes, 32 when None).
 
     Raises:
       ValueError: if n is not a multiple of 64, k not a multiple of 128, or the
@@ -118,6 +124,12 @@ class BlockSizes:
             or TUNED[("default", op, shape_class)])
     if grouped:
       base = dataclasses.replace(base, tile_m=min(base.tile_m, -(-2 * rows // 8) * 8))
+    if (layout == "nk" and not grouped and shape_class == "decode"
+        and (device_kind, op, shape_class) in TUNED_NK):
+      fitted = dataclasses.replace(base, k_splits=1).fit(m, n, k)
+      splits = tile_model.best_splits(fitted, m=m, n=n, k=k, group_size=group_size or 32,
+                                      registers=NK_MODEL_REGISTERS)
+      return dataclasses.replace(fitted, k_splits=splits)
     return base.fit(m, n, k)
 
   def fit(self, m: int, n: int, k: int) -> "BlockSizes":
@@ -190,14 +202,21 @@ TUNED: dict[tuple[str, str, str], BlockSizes] = {
 # tests/test_int4_tune.py checks that they still select these rows. Modelled, not
 # timed: scripts/gpu_check.py times them beside the packed table's tiles
 # ("pallas_nk" and "pallas_nk_kn_tiles"). docs/int4_matmul.md explains the model.
-#   dense decode: 64 x 64 x 256, 4 splits, depth 4. tile_m 64 reads each weight
-#     once at 64 tokens (the packed table's 16 reads it four times); 64-wide N
-#     tiles and 4 splits give the small projections enough CTAs.
+#   dense decode: 64 x 64 x 256, depth 4 (4 splits as the class's single pick;
+#     get_default replaces the split count per call, tile_model.best_splits).
+#     tile_m 64 reads each weight once at 64 tokens (the packed table's 16 reads
+#     it four times); 64-wide N tiles and K splits give the small projections
+#     enough CTAs.
 #   grouped decode: 128 x 16 x 128, depth 4: the packed table's row (128
 #     registers, three CTAs per SM by shared memory); tile_m 16 keeps the experts
 #     a random router sends more than 8 rows to in one tile.
 #   dense prefill: 128 x 64 x 128, depth 2 (128 registers, [128, 64] f32
 #     accumulator); grouped prefill: 64 x 64 x 128, depth 2.
+# The registers the split model assumes for the dense decode row: ptxas reads 95-128
+# at every tile it resolves to (tile_m 8-64, groups 32 and 128; the committed
+# readings), and at 128 each tile's CTAs per SM are what its real count gives
+# (shared memory is the tighter limit); tests/test_int4_tune.py checks both.
+NK_MODEL_REGISTERS = 128
 TUNED_NK: dict[tuple[str, str, str], BlockSizes] = {
     ("NVIDIA H200", "dense", "decode"): BlockSizes(64, 64, 256, 4, 4),
     ("NVIDIA H200", "dense", "prefill"): BlockSizes(128, 64, 128, 1, 2),

@@ -194,7 +194,8 @@ def int4_matmul_nk(x: jax.Array, w_nk: jax.Array, scales: jax.Array, *,
   out_dtype, n_out = x.dtype, n
   x, w_nk, scales = _kernel_operands(x, w_nk, scales, group_size)
   k, n = x.shape[1], w_nk.shape[-2]
-  bs = (block_sizes or BlockSizes.get_default(m, n, k, layout="nk")).fit(m, n, k)
+  bs = (block_sizes or BlockSizes.get_default(m, n, k, layout="nk",
+                                              group_size=group_size)).fit(m, n, k)
   m_pad = -(-m // bs.tile_m) * bs.tile_m
   x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
   k_steps = k // bs.tile_k // bs.k_splits
