@@ -337,6 +337,12 @@ class PagedMlaDecodeTokensMgpuTest(PagedMlaDecodeMgpuTest):
     with self.assertRaisesRegex(ValueError, "mla_tokens_mgpu needs at most 32 heads"):
       paged_mla_decode(*args, scale=1.0, backend="interpret",
                        block_sizes=BlockSizes(impl="mgpu", mla_m="tokens"))
+    # 128-token pages: the kernel's M is one 64-token page.
+    args = make_mla(11, batch=1, heads=8, c=256, r=64, page_size=128, max_pages=2,
+                    lengths=[70], kv_dtype="bf16")
+    with self.assertRaisesRegex(ValueError, "page_size=128"):
+      paged_mla_decode(*args, scale=1.0, backend="interpret",
+                       block_sizes=BlockSizes(impl="mgpu", mla_m="tokens"))
 
   def test_auto_picks_by_heads(self):
     pages = jax.ShapeDtypeStruct((4, 64, 512), jnp.bfloat16)
