@@ -509,7 +509,7 @@ def records_for(group: Group, readings: dict) -> list[dict]:
     bad = problems(r)
     recs.append({
         "case": b.case.name, "kernel": b.case.kernel, "model": b.case.model,
-        "dims": b.case.d, "impl": b.impl, "engine": b.engine,
+        "dims": b.case.d, "impl": b.impl, "variant": b.variant, "engine": b.engine,
         "block_sizes": dataclasses.asdict(b.block_sizes), "key": b.key_str,
         "compiled_as": f"{b.case.name}@{b.variant}" if own else group.name, "compiled": own,
         **{k: r.get(k) for k in ("kernel_name",) + READINGS},
@@ -605,12 +605,18 @@ def write_records(records: Sequence[dict], path: str) -> str:
   return path
 
 
+def record_id(r: dict) -> tuple[str, str]:
+  """What one record stands for: its case and kernel (``Build.variant``; records
+  written before variants existed name the kernel by ``impl``)."""
+  return r["case"], r.get("variant", r["impl"])
+
+
 def load_records(path: str = DEFAULT_DIR) -> list[dict]:
   """The compile records under ``path`` (a folder of *.json files, or one file).
 
   Returns:
     Records as written by the tests or the CLI (see :func:`records_for`), the
-    newest per (case, impl) where several files hold one, sorted by kernel, case
+    newest per ``record_id`` where several files hold one, sorted by kernel, case
     and kernel implementation; [] when there are none.
   """
   files = [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, "*.json")))
@@ -618,7 +624,7 @@ def load_records(path: str = DEFAULT_DIR) -> list[dict]:
   for f in files:
     with open(f) as fh:
       for r in json.load(fh):
-        k = (r["case"], r["impl"])
+        k = record_id(r)
         if k not in latest or r.get("time_utc", "") >= latest[k].get("time_utc", ""):
           latest[k] = r
   return sorted(latest.values(),
@@ -669,7 +675,7 @@ def markdown(records: Sequence[dict]) -> str:
                  "—" if r["stack"] is None else r["stack"],
                  "—" if r["smem"] is None else r["smem"],
                  "ok" if r["ok"] else "FAIL: " + "; ".join(r["problems"])[:160], covered])
-  cases = {(r["case"], r["impl"]) for r in records}
+  cases = {record_id(r) for r in records}
   failing = sorted({r["compiled_as"] for r in records if not r["ok"]})
   ptxas = sorted({str(r.get("ptxas")) for r in records})
   head = (f"{len(cases)} kernel builds of {len({r['case'] for r in records})} target cases, "

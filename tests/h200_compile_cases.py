@@ -37,7 +37,7 @@ def _readings(build: kc.Build) -> dict:
 
 
 def _merge_into(path: str, records: list[dict]) -> None:
-  """Replaces this module's earlier records of the same (case, impl) in ``path``."""
+  """Replaces this module's earlier records of the same case and kernel in ``path``."""
   old = []
   if os.path.exists(path):
     try:
@@ -45,8 +45,8 @@ def _merge_into(path: str, records: list[dict]) -> None:
         old = json.load(f)
     except (OSError, ValueError):
       old = []
-  new_ids = {(r["case"], r["impl"]) for r in records}
-  kc.write_records([r for r in old if (r["case"], r["impl"]) not in new_ids] + records, path)
+  new_ids = {kc.record_id(r) for r in records}
+  kc.write_records([r for r in old if kc.record_id(r) not in new_ids] + records, path)
 
 
 def witnesses(groups: list[kc.Group]) -> list[tuple[str, kc.Group]]:

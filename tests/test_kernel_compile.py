@@ -194,6 +194,21 @@ class RecordsTest(absltest.TestCase):
     self.assertIn("8 B stored", md)
     self.assertEqual(md.count("\n| paged_gqa_decode"), 1)
 
+  def test_both_mla_kernels_of_a_case_keep_their_records(self):
+    """The tokens-in-M and heads-in-M MLA kernels share case and impl ("mgpu"):
+    records are told apart by variant, so neither replaces the other."""
+    tp8 = "mla/tp8/bf16/b8/ctx32768"
+    builds = [b for g in kc.target_groups(("paged_mla_decode",), other_impl=True, only=[tp8])
+              for b in g.builds if b.impl == "mgpu"]
+    self.assertEqual({b.variant for b in builds}, {"mgpu-tokens", "mgpu-heads"})
+    recs = [r for b in builds
+            for r in kc.records_for(kc.Group(b.key, (b,)), {b: _clean(100)})]
+    with tempfile.TemporaryDirectory() as d:
+      kc.write_records(recs, os.path.join(d, "a.json"))
+      loaded = kc.load_records(d)
+    self.assertEqual(sorted(r["variant"] for r in loaded), ["mgpu-heads", "mgpu-tokens"])
+    self.assertIn("2 kernel builds of 1 target cases", kc.markdown(loaded))
+
 
 if __name__ == "__main__":
   absltest.main()
