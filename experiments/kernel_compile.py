@@ -275,7 +275,8 @@ def kernel_key(case, impl: str, block_sizes) -> tuple:
   """What the compiled kernel of ``case`` depends on, as sorted (name, value) pairs.
 
   Every static value the kernel body is built from is in the key: dtypes, the
-  per-token entry widths, page size, softmax scale, every block size, and for
+  per-token entry widths, page size, softmax scale, every block size the kernel
+  reads (the Mosaic GPU attention kernels read none of the Triton tiles), and for
   INT4 and sparse MLA decode the loop's static step count (a short constant-trip
   loop is compiled differently: INT4 140 registers at 1 step, 184 at 5; sparse
   MLA fp8 176 at 2 steps, 182 at 4 or more). Left out are the dims that only set
@@ -306,6 +307,9 @@ def kernel_key(case, impl: str, block_sizes) -> tuple:
   fields = dataclasses.asdict(block_sizes)
   if case.kernel in ("paged_mla_decode", "paged_gqa_decode"):
     fields.pop("num_splits")
+    if impl == "mgpu":  # the Triton tiles: the Mosaic GPU kernels fix their own
+      for name in ("block_h", "pages_per_block", "num_warps", "num_stages"):
+        fields.pop(name)
     key.update(kv=d["kv"], page_size=d["page_size"], **case.static_kwargs())
     if case.kernel == "paged_mla_decode":
       key.update(c=d["c"], r=d["r"])
@@ -316,6 +320,10 @@ def kernel_key(case, impl: str, block_sizes) -> tuple:
       else:
         heads_per_program = 64 if impl == "mgpu" else block_sizes.block_h  # mla_mgpu.BLOCK_H
         head_programs = -(-d["heads"] // heads_per_program)
+        if impl == "mgpu":
+          # mla_mgpu writes the real heads' partial rows (rounded up to 8): a
+          # block of 8 rows and a full 64-row block are different stores.
+          key["partial_rows"] = -(-d["heads"] // 8) * 8
     else:
       key.update(head_dim=d["head_dim"], kv_heads=d["kv_heads"])
       head_programs = d["kv_heads"]

@@ -42,6 +42,11 @@ class PlanTest(absltest.TestCase):
     self.assertNotIn((dp, "mgpu-tokens"), by)  # 64 heads: over the tokens kernel's 32
     self.assertEqual(dict(by[(tp8, "mgpu-tokens")].key)["heads_n"], 8)
     self.assertNotEqual(by[(tp8, "mgpu-tokens")].key, by[(tp8, "mgpu-heads")].key)
+    # The heads-in-M kernel stores 8 partial rows at TP 8 and 64 at DP: two kernels,
+    # told apart by their rows, not by the Triton tiles (which no Mosaic kernel reads).
+    heads_tp8, heads_dp = dict(by[(tp8, "mgpu-heads")].key), dict(by[(dp, "mgpu-heads")].key)
+    self.assertEqual((heads_tp8["partial_rows"], heads_dp["partial_rows"]), (8, 64))
+    self.assertNotIn("bs.block_h", heads_tp8)
 
   def test_engine_runs_mosaic_gpu_attention_and_h200_rows(self):
     by = {(b.case.name, b.impl): b for b in self.builds if b.variant != "mgpu-tokens"}
