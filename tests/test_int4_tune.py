@@ -178,6 +178,18 @@ class SelectTest(absltest.TestCase):
     self.assertLess(per_call, fixed)
     self.assertLess(per_call, 1.05)
 
+  def test_grouped_grid_counts_registers(self):
+    """The [N, K] grouped kernel's persistent grid: 45 KB would allow five CTAs per
+    SM by shared memory, 128 registers four."""
+    from pallas_kernels import device
+    from pallas_kernels.int4_matmul.int4_matmul import grouped_ctas
+    sms = device.num_sms()
+    bs = BlockSizes(128, 8, 128, 1, 4)
+    self.assertEqual(bs.smem_bytes(128, grouped=True, layout="nk") // 1024, 44)
+    self.assertEqual(grouped_ctas(bs, 128, layout="nk"), 4 * sms)
+    self.assertEqual(grouped_ctas(BlockSizes(128, 16, 128, 1, 4), 32, layout="nk"), 3 * sms)
+    self.assertEqual(grouped_ctas(BlockSizes(128, 16, 128, 1, 4), 32), 2 * sms)  # packed
+
   def test_table_rows_fit_shared_memory(self):
     for (_, op, _), bs in TUNED_NK.items():
       for g in (32, 128):

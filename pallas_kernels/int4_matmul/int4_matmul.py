@@ -72,8 +72,10 @@ from pallas_kernels import device
 from pallas_kernels import dispatch
 from pallas_kernels import schedule
 from pallas_kernels.int4_matmul import reference
+from pallas_kernels.int4_matmul import tile_model
 from pallas_kernels.int4_matmul.block_sizes import BlockSizes
 from pallas_kernels.int4_matmul.block_sizes import H200_SMEM_BYTES
+from pallas_kernels.int4_matmul.block_sizes import NK_MODEL_REGISTERS
 
 # One register chunk of packed rows: the WGMMA register layout is 64 rows tall.
 _CHUNK = 64
@@ -574,11 +576,21 @@ def int4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
 
 
 def grouped_ctas(bs: BlockSizes, group_size: int, layout: str = "kn") -> int:
-  """The persistent grid that fills the device: SMs x CTAs per SM by shared memory
-  (layout "kn": the [K/2, N] uint8 kernel, "nk": the [N, K] int4 one)."""
-  per_sm = max(1, H200_SMEM_BYTES // bs.smem_bytes(group_size=group_size, grouped=True,
-                                                   layout=layout))
-  return device.num_sms() * per_sm
+  """The persistent grid that fills the device: SMs x the CTAs one SM holds at once.
+
+  Layout "nk" (the [N, K] int4 kernel): ``tile_model.occupancy`` at
+  NK_MODEL_REGISTERS, since registers can bind before shared memory (a
+  128 x 8 x 128 tile at group 128 takes 45 KB, five by shared memory, but 128
+  registers allow four; a grid of five per SM would run a fifth of its CTAs in
+  a second wave). Layout "kn" (the [K/2, N] uint8 kernel): by shared memory,
+  which at its 77-108 KB gives the count its 159-197 registers give.
+  """
+  smem = bs.smem_bytes(group_size=group_size, grouped=True, layout=layout)
+  if layout == "nk":
+    per_sm = tile_model.occupancy(NK_MODEL_REGISTERS, smem)
+  else:
+    per_sm = H200_SMEM_BYTES // smem
+  return device.num_sms() * max(1, per_sm)
 
 
 int4_matmul_reference = reference.int4_matmul_reference
