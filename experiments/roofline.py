@@ -143,7 +143,8 @@ def design_bytes(case: kt.KernelCase) -> int:
   if case.kernel == "paged_mla_decode":
     g = attn_ops.mla_mgpu_pieces(d["batch"], d["heads"], d["max_pages"], kind=H200)
     rows = mla_mgpu.partial_rows(d["heads"])
-    lse_rows = rows if _mla_tokens_in_m(d) else -(-d["heads"] // mla_mgpu.BLOCK_H) * mla_mgpu.BLOCK_H
+    blocks = -(-d["heads"] // mla_mgpu.BLOCK_H)
+    lse_rows = rows if _mla_tokens_in_m(d) else blocks * mla_mgpu.BLOCK_H
     out_item = np.dtype(mla_mgpu.PARTIAL_DTYPE).itemsize
     return nbytes + 2 * g * (rows * d["c"] * out_item + lse_rows * 4)
   if case.kernel == "paged_gqa_decode":

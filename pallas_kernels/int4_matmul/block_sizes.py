@@ -102,8 +102,9 @@ class BlockSizes:
 
     Dense decode on the [N, K] kernel with a TUNED_NK row takes the row's tiles
     and depth but its own K split count: the divisor of its K steps (at most
-    ``tile_model.MAX_SPLITS``) with the least modelled time for this m, n, k (``tile_model.best_splits``, at
-    NK_MODEL_REGISTERS registers and ``group_size``'s scale bytes, 32 when None).
+    ``tile_model.MAX_SPLITS``) with the least modelled time for this m, n, k
+    (``tile_model.best_splits``, at NK_MODEL_REGISTERS registers and
+    ``group_size``'s scale bytes, 32 when None).
 
     Raises:
       ValueError: if n is not a multiple of 64, k not a multiple of 128, or the
