@@ -214,8 +214,8 @@ class PagedMlaDecodeInterpretTest(PagedMlaDecodeTest):
 
 
 class PagedMlaDecodeMgpuTest(parameterized.TestCase):
-  """The Mosaic GPU MLA kernel with heads in wgmma's M (mla_mgpu: C % 128, page %
-  64, R % 64); GPU only."""
+  """The Mosaic GPU MLA kernel with heads in wgmma's M (mla_mgpu: C % 128, 64-token
+  pages, R % 64); GPU only."""
 
   INTERPRET = False
   MLA_M = "heads"
@@ -343,6 +343,18 @@ class PagedMlaDecodeTokensMgpuTest(PagedMlaDecodeMgpuTest):
     with self.assertRaisesRegex(ValueError, "page_size=128"):
       paged_mla_decode(*args, scale=1.0, backend="interpret",
                        block_sizes=BlockSizes(impl="mgpu", mla_m="tokens"))
+
+  def test_128_token_pages_take_triton(self):
+    """No Mosaic GPU MLA kernel fits a 128-token page's staging in shared memory,
+    so "auto" runs the Triton kernel there and "mgpu" refuses."""
+    q = jax.ShapeDtypeStruct((2, 8, 512), jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct((4, 128, 512), jnp.bfloat16)
+    rope = jax.ShapeDtypeStruct((4, 128, 64), jnp.bfloat16)
+    tables = jax.ShapeDtypeStruct((2, 2), jnp.int32)
+    _, impl = attn_ops.mla_kernel_choice(q, pages, rope, tables, BlockSizes())
+    self.assertEqual(impl, "triton")
+    with self.assertRaisesRegex(ValueError, "page_size == 64"):
+      attn_ops.mla_kernel_choice(q, pages, rope, tables, BlockSizes(impl="mgpu"))
 
   def test_auto_picks_by_heads(self):
     pages = jax.ShapeDtypeStruct((4, 64, 512), jnp.bfloat16)

@@ -162,9 +162,9 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
   full_blocks = heads // BLOCK_H
   out_rows = partial_rows(heads)
   tail_rows = out_rows - full_blocks * BLOCK_H
-  if hp % BLOCK_H or c % 128 or ps % 64 or r % 64:
+  if hp % BLOCK_H or c % 128 or ps != 64 or r % 64:
     raise ValueError(f"unsupported shape: heads {hp} (x64), C {c} (x128), "
-                     f"page {ps} (x64), R {r} (x64)")
+                     f"page {ps} (64), R {r} (x64)")
   if fp8 and c % 256:
     raise ValueError(f"an fp8 cache needs C % 256 == 0 (whole 128-column fp8 tiles "
                      f"per warpgroup), got C {c}")

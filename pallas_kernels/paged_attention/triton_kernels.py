@@ -2,7 +2,7 @@
 
 These are the fallback for shapes the Mosaic GPU kernels (mla_mgpu.py,
 gqa_mgpu.py; the preferred Hopper backend, docs/architecture.md) do not take:
-MLA with C % 128 != 0, page_size % 64 != 0 or R % 64 != 0; GQA with
+MLA with C % 128 != 0, page_size != 64 or R % 64 != 0; GQA with
 head_dim % 64 != 0, 64 % page_size != 0 or an fp8 cache with KV % 8 != 0
 (gqa_mgpu reads the [64 tokens, KV] scale tile in the wgmma layout, which
 needs KV % 8 == 0); f32 caches; and queries whose dtype differs from a bf16
