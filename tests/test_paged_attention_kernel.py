@@ -226,45 +226,40 @@ class PagedMlaDecodeMgpuTest(parameterized.TestCase):
     if not self.INTERPRET and not ON_GPU:
       self.skipTest("compiled Pallas kernels need a GPU")
 
-  # The kernel runs a balanced schedule of pieces (schedule.schedule_pieces)
-  # and ignores num_splits; "ragged" gives the long request several pieces.
-  @parameterized.parameters(
-      ("bf16", "ragged"), ("fp8", "boundary"), ("fp8", "one"))
-  def test_matches_reference(self, kv_dtype, length_kind):
-    s = self.SHAPE
-    lengths = _lengths(length_kind, s["batch"], s["page_size"], s["max_pages"])
-    args = make_mla(_seed("mgpu", kv_dtype, length_kind),
-                    batch=s["batch"], heads=s["heads"], c=s["c"], r=s["r"],
+  def _check(self, seed, kv_dtype, *, mla_m=None, lengths=None, length_kind="ragged",
+             **shape):
+    """Runs the kernel (mla_m, default the class's) on make_mla inputs of
+    SHAPE updated by ``shape``, and checks it against the reference: shape,
+    every element written and finite, the tolerance, and (interpreted) no race."""
+    s = dict(self.SHAPE, **shape)
+    if lengths is None:
+      lengths = _lengths(length_kind, s["batch"], s["page_size"], s["max_pages"])
+    args = make_mla(seed, batch=s["batch"], heads=s["heads"], c=s["c"], r=s["r"],
                     page_size=s["page_size"], max_pages=s["max_pages"],
                     lengths=lengths, kv_dtype=kv_dtype)
     scale = 1.0 / math.sqrt(s["c"] + s["r"])
-    bs = BlockSizes(impl="mgpu", mla_m=self.MLA_M)
     out = paged_mla_decode(*args, scale=scale,
                            backend="interpret" if self.INTERPRET else "pallas",
-                           block_sizes=bs)
+                           block_sizes=BlockSizes(impl="mgpu", mla_m=mla_m or self.MLA_M))
     ref = paged_mla_decode_reference(*args, scale=scale)
+    self.assertEqual(out.shape, ref.shape)
     self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
     self.assertLessEqual(_rel_err(out, ref), TOL[kv_dtype])
     if self.INTERPRET:
       # The interpreter ran with detect_races=True (ops.mgpu_interpret_params).
       self.assertFalse(gpu_interpret.get_races().races_found, "data race")
 
+  # The kernel runs a balanced schedule of pieces (schedule.schedule_pieces)
+  # and ignores num_splits; "ragged" gives the long request several pieces.
+  @parameterized.parameters(
+      ("bf16", "ragged"), ("fp8", "boundary"), ("fp8", "one"))
+  def test_matches_reference(self, kv_dtype, length_kind):
+    self._check(_seed("mgpu", kv_dtype, length_kind), kv_dtype, length_kind=length_kind)
+
   def test_full_and_partial_head_blocks(self):
     # 72 heads: a full 64-row block and an 8-row one, each writing only its
     # real rows of the partials.
-    s = dict(self.SHAPE, heads=72, batch=2)
-    lengths = _lengths("ragged", s["batch"], s["page_size"], s["max_pages"])
-    args = make_mla(_seed("mgpu-72", "fp8"), batch=s["batch"], heads=s["heads"],
-                    c=s["c"], r=s["r"], page_size=s["page_size"],
-                    max_pages=s["max_pages"], lengths=lengths, kv_dtype="fp8")
-    scale = 1.0 / math.sqrt(s["c"] + s["r"])
-    out = paged_mla_decode(*args, scale=scale,
-                           backend="interpret" if self.INTERPRET else "pallas",
-                           block_sizes=BlockSizes(impl="mgpu", mla_m="heads"))
-    ref = paged_mla_decode_reference(*args, scale=scale)
-    self.assertEqual(out.shape, ref.shape)
-    self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
-    self.assertLessEqual(_rel_err(out, ref), TOL["fp8"])
+    self._check(_seed("mgpu-72", "fp8"), "fp8", mla_m="heads", heads=72, batch=2)
 
   @parameterized.parameters("bf16", "fp8")
   def test_long_pieces_cycle_the_staging_slots(self, kv_dtype):
@@ -273,20 +268,10 @@ class PagedMlaDecodeMgpuTest(parameterized.TestCase):
     slots and its rope buffer (refilled after every QK), an fp8 cache's staging
     buffer and two scale slots; tokens in M, two slots (bf16) or three (fp8). The
     last page is partial (its tail zeroed / masked)."""
-    lengths = [5 * 64 - 7, 2 * 64 + 1]
-    args = make_mla(_seed("ring", kv_dtype), batch=2, heads=20, c=256, r=64,
-                    page_size=64, max_pages=6, lengths=lengths, kv_dtype=kv_dtype)
-    scale = 1.0 / math.sqrt(256 + 64)
     one_piece_each = lambda batch, heads, max_pages, kind=None: batch  # noqa: E731
     with mock.patch.object(attn_ops, "mla_mgpu_pieces", one_piece_each):
-      out = paged_mla_decode(*args, scale=scale,
-                             backend="interpret" if self.INTERPRET else "pallas",
-                             block_sizes=BlockSizes(impl="mgpu", mla_m=self.MLA_M))
-    ref = paged_mla_decode_reference(*args, scale=scale)
-    self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
-    self.assertLessEqual(_rel_err(out, ref), TOL[kv_dtype])
-    if self.INTERPRET:
-      self.assertFalse(gpu_interpret.get_races().races_found, "data race")
+      self._check(_seed("ring", kv_dtype), kv_dtype, lengths=[5 * 64 - 7, 2 * 64 + 1],
+                  batch=2, heads=20, c=256, r=64, page_size=64, max_pages=6)
 
   def test_unsupported_shape_raises(self):
     args = make_mla(9, batch=1, heads=4, c=32, r=16, page_size=8, max_pages=2,
@@ -317,19 +302,7 @@ class PagedMlaDecodeTokensMgpuTest(PagedMlaDecodeMgpuTest):
   @parameterized.parameters((8, "fp8"), (32, "bf16"), (3, "fp8"))
   def test_head_counts(self, heads, kv_dtype):
     """N = 8 and the cap 32, and 3 heads padded to 8 (padding heads sliced off)."""
-    s = dict(self.SHAPE, heads=heads, batch=2)
-    lengths = _lengths("ragged", s["batch"], s["page_size"], s["max_pages"])
-    args = make_mla(_seed("tokens", kv_dtype, heads), batch=s["batch"], heads=heads,
-                    c=s["c"], r=s["r"], page_size=s["page_size"],
-                    max_pages=s["max_pages"], lengths=lengths, kv_dtype=kv_dtype)
-    scale = 1.0 / math.sqrt(s["c"] + s["r"])
-    out = paged_mla_decode(*args, scale=scale,
-                           backend="interpret" if self.INTERPRET else "pallas",
-                           block_sizes=BlockSizes(impl="mgpu", mla_m="tokens"))
-    ref = paged_mla_decode_reference(*args, scale=scale)
-    self.assertEqual(out.shape, ref.shape)
-    self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
-    self.assertLessEqual(_rel_err(out, ref), TOL[kv_dtype])
+    self._check(_seed("tokens", kv_dtype, heads), kv_dtype, heads=heads, batch=2)
 
   def test_too_many_heads_raises(self):
     args = make_mla(10, batch=1, heads=40, c=256, r=64, page_size=64, max_pages=2,
