@@ -74,8 +74,6 @@ DATA_PATH = os.path.join(_REPO, "experiments", "data", "int4_nk_tiles_h200.json"
 
 # The occupancy and time model (and their H200 constants) live beside the kernels,
 # which pick their dense decode split count with it (tile_model).
-occupancy = tile_model.occupancy
-HBM_LATENCY_S = tile_model.HBM_LATENCY_S
 LONG_LOOP_STEPS = 8  # experiments.kernel_compile.INT4_LONG_LOOP_STEPS
 
 # Candidates per (op, shape class): tile shapes (tile_n, tile_m, tile_k), pipeline
@@ -173,6 +171,13 @@ class Choice:
   runner_up_score: float
   cases: int
   candidates: int
+  best: tuple[float, ...] = ()  # per case, the least modelled time of any candidate
+
+
+def score(times: Sequence[float], best: Sequence[float]) -> float:
+  """The geometric mean over cases of time / the best candidate's time (1: best
+  everywhere); what ``select`` ranks candidates by."""
+  return float(np.exp(np.mean(np.log(np.asarray(times) / np.asarray(best)))))
 
 
 def select(readings: dict, op: str, cls: str,
@@ -194,14 +199,15 @@ def select(readings: dict, op: str, cls: str,
   if not times:
     raise ValueError(f"no candidate of {op} {cls} compiles cleanly")
   best = np.min(np.stack(list(times.values())), axis=0)
-  scores = {c: float(np.exp(np.mean(np.log(t / best)))) for c, t in times.items()}
+  scores = {c: score(t, best) for c, t in times.items()}
   # Ties (within 0.1%) go to the smaller footprint: shallower pipeline, fewer splits.
   order = sorted(scores, key=lambda c: (round(scores[c], 3), c.max_concurrent_steps,
                                         c.k_splits, c.tile_n * c.tile_m * c.tile_k))
   first = order[0]
   second = order[1] if len(order) > 1 else None
   return Choice(op, cls, first, scores[first], second,
-                scores[second] if second else math.nan, len(cases), len(times))
+                scores[second] if second else math.nan, len(cases), len(times),
+                tuple(best.tolist()))
 
 
 def case_seconds(readings: dict, op: str, bs: BlockSizes, case: kt.KernelCase) -> float:
@@ -220,23 +226,21 @@ def case_seconds(readings: dict, op: str, bs: BlockSizes, case: kt.KernelCase) -
   return modelled_seconds(case, res, r["registers"])
 
 
-def runtime_split_scores(readings: dict) -> tuple[float, float]:
+def runtime_split_scores(readings: dict, choice: Choice | None = None
+                         ) -> tuple[float, float]:
   """Dense decode with the table row's fixed K splits, and with the split count
-  ``BlockSizes.get_default(layout="nk")`` picks per call (``tile_model.best_splits``):
-  each as the geometric mean, over the class's cases, of modelled time / the best
-  candidate's time for that case (the score ``select`` ranks by)."""
+  ``BlockSizes.get_default(layout="nk")`` picks per call (``tile_model.best_splits``),
+  each as ``score`` against the class's best candidates (``choice``: the dense
+  decode ``select``, computed when None)."""
   op, cls = "dense", "decode"
+  choice = choice or select(readings, op, cls)
   cases = class_cases(op, cls)
-  times = [np.asarray([case_seconds(readings, op, c, case) for case in cases])
-           for c in candidates(op, cls)]
-  best = np.nanmin(np.stack(times), axis=0)
   row = TUNED_NK[(H200, op, cls)]
   fixed = [case_seconds(readings, op, row, case) for case in cases]
   per_call = [case_seconds(readings, op, BlockSizes.get_default(
       case.d["m"], case.d["n"], case.d["k"], device_kind=H200, layout="nk",
       group_size=case.d["group_size"]), case) for case in cases]
-  score = lambda t: float(np.exp(np.mean(np.log(np.asarray(t) / best))))  # noqa: E731
-  return score(fixed), score(per_call)
+  return score(fixed, choice.best), score(per_call, choice.best)
 
 
 def versus(readings: dict, op: str, cls: str, pick: BlockSizes,
@@ -363,7 +367,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrote {args.readings}")
   choices = [select(readings, op, cls) for op, cls in CLASSES]
   print(markdown(choices))
-  fixed, per_call = runtime_split_scores(readings)
+  fixed, per_call = runtime_split_scores(
+      readings, next(c for c in choices if (c.op, c.cls) == ("dense", "decode")))
   print(f"\ndense decode with the row's {TUNED_NK[(H200, 'dense', 'decode')].k_splits} K splits: "
         f"score {fixed:.3f}; with the split count get_default picks per call "
         f"(tile_model.best_splits): {per_call:.3f}")

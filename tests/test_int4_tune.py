@@ -14,6 +14,7 @@ from absl.testing import absltest
 from experiments import int4_tune as tune
 from experiments import kernel_targets as kt
 from pallas_kernels import benchmark as bm
+from pallas_kernels.int4_matmul import tile_model
 from pallas_kernels.int4_matmul.block_sizes import BlockSizes
 from pallas_kernels.int4_matmul.block_sizes import TUNED
 from pallas_kernels.int4_matmul.block_sizes import NK_MODEL_REGISTERS
@@ -31,16 +32,16 @@ class OccupancyTest(absltest.TestCase):
 
   def test_limits(self):
     # 128 registers x 128 threads = a quarter of the register file.
-    self.assertEqual(tune.occupancy(128, 1024), 4)
+    self.assertEqual(tile_model.occupancy(128, 1024), 4)
     # Registers are allocated in steps of 8: 129 counts as 136 -> 3 CTAs.
-    self.assertEqual(tune.occupancy(129, 1024), 3)
-    self.assertEqual(tune.occupancy(255, 1024), 2)
+    self.assertEqual(tile_model.occupancy(129, 1024), 3)
+    self.assertEqual(tile_model.occupancy(255, 1024), 2)
     # Shared memory: 228 KiB per SM, 1 KiB reserved per CTA.
-    self.assertEqual(tune.occupancy(64, 57 * 1024), 3)
-    self.assertEqual(tune.occupancy(64, 113 * 1024), 2)
-    self.assertEqual(tune.occupancy(64, 228 * 1024), 0)
+    self.assertEqual(tile_model.occupancy(64, 57 * 1024), 3)
+    self.assertEqual(tile_model.occupancy(64, 113 * 1024), 2)
+    self.assertEqual(tile_model.occupancy(64, 228 * 1024), 0)
     # Threads: 2048 per SM at most.
-    self.assertEqual(tune.occupancy(8, 0), 16)
+    self.assertEqual(tile_model.occupancy(8, 0), 16)
 
 
 class ModelTest(absltest.TestCase):
@@ -57,7 +58,7 @@ class ModelTest(absltest.TestCase):
     weights = 7168 // 2 * 2048 + 7168 // 128 * 2048 * 2
     floor = weights / bm.H200_COPY_BW
     self.assertGreater(t, floor)
-    self.assertLess(t, floor + 4 * tune.HBM_LATENCY_S)
+    self.assertLess(t, floor + 4 * tile_model.HBM_LATENCY_S)
 
   def test_loads_in_flight_set_the_bandwidth(self):
     # One CTA per SM, one step in flight: Little's law caps the bandwidth, so a
@@ -70,7 +71,7 @@ class ModelTest(absltest.TestCase):
   def test_registers_matter_through_occupancy_only(self):
     bs = tune.resolve(BlockSizes(128, 16, 128, 1, 4), self.grouped)
     smem = bs.smem_bytes(128, scale_bytes=2, grouped=True, layout="nk")
-    self.assertEqual(tune.occupancy(64, smem), tune.occupancy(96, smem))
+    self.assertEqual(tile_model.occupancy(64, smem), tile_model.occupancy(96, smem))
     self.assertEqual(tune.modelled_seconds(self.grouped, bs, 64),
                      tune.modelled_seconds(self.grouped, bs, 96))
     # 592 tiles: one round at 5 CTAs per SM, three at 2.
@@ -170,8 +171,8 @@ class SelectTest(absltest.TestCase):
       # The assumed registers give each tile the CTAs per SM its reading gives.
       reading = self.readings[tune.tile_key(op, bs, d["group_size"])]
       smem = bs.smem_bytes(d["group_size"], scale_bytes=2, layout="nk")
-      self.assertEqual(tune.occupancy(NK_MODEL_REGISTERS, smem),
-                       tune.occupancy(reading["registers"], smem), case.name)
+      self.assertEqual(tile_model.occupancy(NK_MODEL_REGISTERS, smem),
+                       tile_model.occupancy(reading["registers"], smem), case.name)
       chosen[bs.k_splits] += 1
     self.assertGreater(len(chosen), 2)  # the count really varies with the shape
     fixed, per_call = tune.runtime_split_scores(self.readings)
@@ -219,7 +220,6 @@ class BenchImplsTest(absltest.TestCase):
   def test_both_tilings_are_timed_and_correct(self):
     import jax.numpy as jnp
     import numpy as np
-    from pallas_kernels import benchmark as bm
     from pallas_kernels.int4_matmul import bench
     from pallas_kernels.int4_matmul import nk
     from pallas_kernels.int4_matmul import reference
