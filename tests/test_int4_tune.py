@@ -166,7 +166,7 @@ class SelectTest(absltest.TestCase):
       steps = d["k"] // bs.tile_k
       options = {s: tune.case_seconds(self.readings, op, dataclasses.replace(bs, k_splits=s),
                                       case)
-                 for s in range(1, 17) if steps % s == 0}
+                 for s in range(1, tile_model.MAX_SPLITS + 1) if steps % s == 0}
       self.assertEqual(bs.k_splits, min(options, key=lambda s: (options[s], s)), case.name)
       # The assumed registers give each tile the CTAs per SM its reading gives.
       reading = self.readings[tune.tile_key(op, bs, d["group_size"])]
