@@ -226,11 +226,14 @@ class PagedMlaDecodeMgpuTest(parameterized.TestCase):
     if not self.INTERPRET and not ON_GPU:
       self.skipTest("compiled Pallas kernels need a GPU")
 
-  def _check(self, seed, kv_dtype, *, mla_m=None, lengths=None, length_kind="ragged",
-             **shape):
-    """Runs the kernel (mla_m, default the class's) on make_mla inputs of
+  def _check(self, seed, kv_dtype, *, mla_m=None, mla_qk="auto", lengths=None,
+             length_kind="ragged", **shape):
+    """Runs the kernel (mla_m, default the class's; mla_qk) on make_mla inputs of
     SHAPE updated by ``shape``, and checks it against the reference: shape,
-    every element written and finite, the tolerance, and (interpreted) no race."""
+    every element written and finite, the tolerance, and (interpreted) no race.
+    Where QK runs in fp8, also against the reference given the kernel's e4m3
+    query: then only the f32 accumulation and bf16 roundings differ, so the
+    bf16 tolerance, which the query's rounding alone would exceed."""
     s = dict(self.SHAPE, **shape)
     if lengths is None:
       lengths = _lengths(length_kind, s["batch"], s["page_size"], s["max_pages"])
@@ -238,13 +241,20 @@ class PagedMlaDecodeMgpuTest(parameterized.TestCase):
                     page_size=s["page_size"], max_pages=s["max_pages"],
                     lengths=lengths, kv_dtype=kv_dtype)
     scale = 1.0 / math.sqrt(s["c"] + s["r"])
+    bs = BlockSizes(impl="mgpu", mla_m=mla_m or self.MLA_M, mla_qk=mla_qk)
     out = paged_mla_decode(*args, scale=scale,
                            backend="interpret" if self.INTERPRET else "pallas",
-                           block_sizes=BlockSizes(impl="mgpu", mla_m=mla_m or self.MLA_M))
+                           block_sizes=bs)
     ref = paged_mla_decode_reference(*args, scale=scale)
     self.assertEqual(out.shape, ref.shape)
     self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
     self.assertLessEqual(_rel_err(out, ref), TOL[kv_dtype])
+    tokens = attn_ops.mla_tokens_in_m(bs, args[0], args[2], args[3])
+    if attn_ops.mla_qk_fp8(bs, tokens, args[2]):
+      ql8, qr8, q_scale = attn_ops.fp8_query(args[0], args[1])
+      deq = lambda x: x.astype(jnp.float32) * q_scale[..., None]  # noqa: E731
+      ref8 = paged_mla_decode_reference(deq(ql8), deq(qr8), *args[2:], scale=scale)
+      self.assertLessEqual(_rel_err(out, ref8), TOL["bf16"])
     if self.INTERPRET:
       # The interpreter ran with detect_races=True (ops.mgpu_interpret_params).
       self.assertFalse(gpu_interpret.get_races().races_found, "data race")
@@ -252,25 +262,28 @@ class PagedMlaDecodeMgpuTest(parameterized.TestCase):
   # The kernel runs a balanced schedule of pieces (schedule.schedule_pieces)
   # and ignores num_splits; "ragged" gives the long request several pieces.
   @parameterized.parameters(
-      ("bf16", "ragged"), ("fp8", "boundary"), ("fp8", "one"))
-  def test_matches_reference(self, kv_dtype, length_kind):
-    self._check(_seed("mgpu", kv_dtype, length_kind), kv_dtype, length_kind=length_kind)
+      ("bf16", "ragged", "auto"), ("fp8", "boundary", "auto"), ("fp8", "one", "f16"))
+  def test_matches_reference(self, kv_dtype, length_kind, mla_qk):
+    self._check(_seed("mgpu", kv_dtype, length_kind), kv_dtype, length_kind=length_kind,
+                mla_qk=mla_qk)
 
   def test_full_and_partial_head_blocks(self):
     # 72 heads: a full 64-row block and an 8-row one, each writing only its
     # real rows of the partials.
     self._check(_seed("mgpu-72", "fp8"), "fp8", mla_m="heads", heads=72, batch=2)
 
-  @parameterized.parameters("bf16", "fp8")
-  def test_long_pieces_cycle_the_staging_slots(self, kv_dtype):
+  @parameterized.parameters(("bf16", "auto"), ("fp8", "auto"), ("fp8", "f16"))
+  def test_long_pieces_cycle_the_staging_slots(self, kv_dtype, mla_qk):
     """One piece per request, so a piece walks up to 5 pages, each staging slot
     refilled while another is computed on: heads in M, a bf16 cache's two latent
-    slots and its rope buffer (refilled after every QK), an fp8 cache's staging
-    buffer and two scale slots; tokens in M, two slots (bf16) or three (fp8). The
-    last page is partial (its tail zeroed / masked)."""
+    slots and its rope buffer (refilled after every QK), an fp8 cache's two page
+    slots and three scale slots (fp8 QK) or one staging buffer and two scale
+    slots (f16 QK); tokens in M, two slots (bf16) or three (fp8). The last page
+    is partial (its tail zeroed / masked)."""
     one_piece_each = lambda batch, heads, max_pages, kind=None: batch  # noqa: E731
     with mock.patch.object(attn_ops, "mla_mgpu_pieces", one_piece_each):
-      self._check(_seed("ring", kv_dtype), kv_dtype, lengths=[5 * 64 - 7, 2 * 64 + 1],
+      self._check(_seed("ring", kv_dtype, mla_qk), kv_dtype, mla_qk=mla_qk,
+                  lengths=[5 * 64 - 7, 2 * 64 + 1],
                   batch=2, heads=20, c=256, r=64, page_size=64, max_pages=6)
 
   def test_unsupported_shape_raises(self):
@@ -341,6 +354,21 @@ class PagedMlaDecodeTokensMgpuTest(PagedMlaDecodeMgpuTest):
     with self.assertRaisesRegex(ValueError, "mla_m must be"):
       BlockSizes(mla_m="rows")
 
+  def test_qk_dtype_choice(self):
+    """fp8 QK: "auto" on an fp8 cache with heads in M only; "fp8" refused elsewhere."""
+    fp8 = jax.ShapeDtypeStruct((4, 64, 512), FP8)
+    bf16 = jax.ShapeDtypeStruct((4, 64, 512), jnp.bfloat16)
+    for qk, tokens, pages, want in (("auto", False, fp8, True), ("auto", True, fp8, False),
+                                    ("auto", False, bf16, False), ("f16", False, fp8, False),
+                                    ("fp8", False, fp8, True)):
+      self.assertEqual(attn_ops.mla_qk_fp8(BlockSizes(mla_qk=qk), tokens, pages), want,
+                       (qk, tokens, pages.dtype))
+    for tokens, pages in ((True, fp8), (False, bf16)):
+      with self.assertRaisesRegex(ValueError, "mla_qk='fp8' needs an fp8 cache"):
+        attn_ops.mla_qk_fp8(BlockSizes(mla_qk="fp8"), tokens, pages)
+    with self.assertRaisesRegex(ValueError, "mla_qk must be"):
+      BlockSizes(mla_qk="bf16")
+
 
 class PagedMlaDecodeTokensMgpuInterpretTest(PagedMlaDecodeTokensMgpuTest):
   INTERPRET = True
@@ -371,6 +399,32 @@ class F16QueryTest(absltest.TestCase):
     # f16 keeps 11 significant bits of each element, relative to the row's largest.
     err = np.abs(q16 * qs[..., None] - q).max(-1)
     np.testing.assert_array_less(err, np.abs(q).max(-1) * 2.0**-11 + 1e-30)
+
+
+class Fp8QueryTest(absltest.TestCase):
+  """ops.fp8_query: the e4m3 query of the heads-in-M kernel's fp8 QK."""
+
+  def test_rows_of_any_magnitude_round_trip(self):
+    rng = np.random.default_rng(8)
+    mags = np.array([1e-7, 1e-2, 1.0, 3e3, 1e6, 0.0], np.float32)
+    ql = rng.standard_normal((2, 6, 64)).astype(np.float32) * mags[:, None]
+    qr = rng.standard_normal((2, 6, 16)).astype(np.float32) * mags[:, None]
+    qr[1, 2, 5] = 7e4  # the row's largest value sits in the rope part
+    q8l, q8r, qs = attn_ops.fp8_query(jnp.asarray(ql), jnp.asarray(qr))
+    self.assertEqual((q8l.dtype, q8r.dtype, qs.shape), (FP8, FP8, (2, 6)))
+    q8 = np.concatenate([np.asarray(q8l, np.float32), np.asarray(q8r, np.float32)], -1)
+    q = np.concatenate([ql, qr], -1)
+    qs = np.asarray(qs)
+    self.assertTrue(np.all(np.isfinite(q8)), "e4m3 overflowed to NaN")
+    nonzero = np.abs(q).max(-1) > 0
+    # Each row's largest |value| maps to e4m3's largest, 448.
+    np.testing.assert_array_equal(np.abs(q8).max(-1)[nonzero], 448.0)
+    np.testing.assert_array_equal(qs[~nonzero], 1.0)
+    # 4 significant bits (half an ulp: 2^-4 relative) down to e4m3's smallest
+    # normal, 2^-6 in the scaled row; below it, half a subnormal step, 2^-10.
+    err = np.abs(q8 * qs[..., None] - q)
+    bound = np.abs(q) * 2.0**-4 + qs[..., None] * 2.0**-10
+    np.testing.assert_array_less(err, bound * (1 + 1e-6) + 1e-30)
 
 
 class PieceScheduleTest(parameterized.TestCase):

@@ -26,6 +26,12 @@ class BlockSizes:
       (``mla_tokens_mgpu``, at most 32 heads, 64-token pages), "heads"
       (``mla_mgpu``, heads padded to 64) or "auto" (tokens where that kernel
       takes the shape, else heads).
+    mla_qk: the QK product of the heads-in-M Mosaic GPU MLA kernel on an fp8
+      cache: "f16" (pages converted to f16, query f16: exact products), "fp8"
+      (fp8 wgmmas on the staged pages with an e4m3 query, per-row scale:
+      twice the MMA rate, the query rounded to 4 significant bits) or "auto"
+      (fp8 there, where the bf16-rate MMA binds; docs/paged_attention.md).
+      Other kernels and caches compute as "f16".
   """
 
   block_h: int = 16
@@ -35,8 +41,11 @@ class BlockSizes:
   num_stages: int = 2
   impl: str = "auto"
   mla_m: str = "auto"
+  mla_qk: str = "auto"
 
   def __post_init__(self):
+    if self.mla_qk not in ("auto", "f16", "fp8"):
+      raise ValueError(f"mla_qk must be auto, f16 or fp8, got {self.mla_qk!r}")
     if self.mla_m not in ("auto", "tokens", "heads"):
       raise ValueError(f"mla_m must be auto, tokens or heads, got {self.mla_m!r}")
     if self.block_h < 16 or self.block_h & (self.block_h - 1):

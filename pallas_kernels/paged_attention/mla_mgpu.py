@@ -26,24 +26,39 @@ are read in place, so their latent has two slots used in turn: page i+1's
 latent is issued at the top of step i, into the slot that step i-1's PV (in
 both warpgroups) has finished reading, and lands during step i's compute;
 the rope, read by QK only, has one buffer, refilled as soon as both
-warpgroups' QK has read it. fp8 pages land in one staging buffer that the
-conversion frees early (below).
+warpgroups' QK has read it. fp8 pages have two staging slots with an fp8
+QK, or land in one staging buffer that the conversion frees early with an
+f16 QK (below).
 
-fp8 pages are converted to f16 pages in shared memory (wgmma reads its B
-operand only from SMEM) with one instruction per pair of values
-(cvt.rn.f16x2.e4m3x2, exact), and nothing else: the per-token scales stay
-out of the conversion, which is the kernel's ALU bottleneck (docs/paged_attention.md).
-They are folded in where they cost a [64, page] tile instead of a
-[page, 576] one:
-  * QK runs two f16 wgmmas into two f32 tiles, latent and rope, and the
+fp8 pages, QK in fp8 (an e4m3 query from ``ops.fp8_query``; the default,
+BlockSizes.mla_qk): at 64 heads per CTA the bf16-rate MMAs take longer than
+the page's bytes take to arrive, so QK runs as fp8 wgmmas (twice the rate)
+straight on the staged fp8 page: both operands K-major, as fp8 wgmma needs
+(PV's V is N-major, so PV stays f16). While they run, each warpgroup converts
+its half of the latent's columns to the f16 V of PV, so the conversion
+overlaps the MMA. Whole pages (latent, rope, scales) have two staging slots:
+page i+2 is issued as soon as both warpgroups' QK and conversion have read
+page i's slot, so two pages are in flight while one is computed. The f16
+query of the other mode would not leave room for the second slot; the e4m3
+one (32 KiB + 4 KiB) and the dropped f16 rope copy do.
+
+fp8 pages, QK in f16 (an f16 query): pages are converted to f16 pages in
+shared memory (wgmma reads its B operand only from SMEM) with one instruction
+per pair of values (cvt.rn.f16x2.e4m3x2, exact), and nothing else: the
+per-token scales stay out of the conversion, which is the kernel's ALU
+bottleneck (docs/paged_attention.md).
+Either way the scales are folded in where they cost a [64, page] tile instead
+of a [page, 576] one:
+  * QK runs two wgmmas into two f32 tiles, latent and rope, and the
     logits are s_lat[:, t] * latent_scale[t] + s_rope[:, t] * k_rope_scale[t];
   * PV multiplies P by latent_scale[t] / g before its f16 cast, g being the
     page's largest scale over its valid tokens (so P stays in [0, 1], where
     f16 is precise), and folds g into the accumulator's rescale: the loop
     keeps acc / g of the latest page, and the output multiplies it back.
-The query enters as f16 divided by a per-row power of two (the wrapper picks
-it so the row's largest value is below 2^14: no f16 overflow, full
-precision), which the kernel multiplies back into the logits (q_scale).
+The query enters as e4m3 divided by its row's largest |value| / 448, or as
+f16 divided by a per-row power of two (the wrapper picks it so the row's
+largest value is below 2^14: no f16 overflow, full precision); the kernel
+multiplies the factor back into the logits (q_scale).
 Slots past a request's length are zeroed in the same pass (on a bf16 cache,
 in place on the partial last page only), and their probabilities and scales
 are selected to 0, so garbage (even NaN) never leaks into the output.
@@ -129,11 +144,12 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
   """Paged MLA decode partials over a balanced schedule of pieces, on Mosaic GPU.
 
   Args:
-    q_latent: [B, Hp, C] query in the compute dtype (f16 for an fp8 cache,
-      divided by q_scale; else the cache dtype); Hp a multiple of 64.
+    q_latent: [B, Hp, C] query: for an fp8 cache float8_e4m3fn (QK in fp8) or
+      f16 (QK in f16), divided by q_scale; else the cache dtype. Hp a
+      multiple of 64.
     q_rope: [B, Hp, R] same dtype and row scale.
-    q_scale: [B, Hp] f32 per-row factors of an fp8 cache's f16 query (see
-      ``ops.f16_query``), or None for a bf16/f16 cache.
+    q_scale: [B, Hp] f32 per-row factors of an fp8 cache's query (see
+      ``ops.fp8_query``, ``ops.f16_query``), or None for a bf16/f16 cache.
     latent, k_rope: [N, ps, C], [N, ps, R] pages (bf16/f16 or fp8 e4m3).
     latent_scale, k_rope_scale: [N, ps] f32 or None.
     block_tables: [B, P] int32.
@@ -154,7 +170,11 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
   n, ps, r = k_rope.shape
   num_g = pieces.shape[1]
   fp8 = latent.dtype == FP8
-  cdt = q_latent.dtype
+  qdt = q_latent.dtype
+  # An fp8 query runs QK as fp8 wgmmas straight on the staged fp8 page.
+  qk8 = qdt == FP8
+  # P and PV's V: f16 for an fp8 cache (its pages converted), else the cache's.
+  cdt = jnp.float16 if fp8 else latent.dtype
   half = c // 2
   heads = hp if heads is None else heads
   if not 0 < heads <= hp or hp - heads >= BLOCK_H:
@@ -168,19 +188,27 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
   if fp8 and c % 256:
     raise ValueError(f"an fp8 cache needs C % 256 == 0 (whole 128-column fp8 tiles "
                      f"per warpgroup), got C {c}")
-  if fp8 and (cdt != jnp.float16 or q_scale is None or q_scale.shape != (b, hp)):
-    raise ValueError(f"an fp8 cache needs an f16 query and its [B, Hp] q_scale "
-                     f"(ops.f16_query), got {cdt} and "
+  if q_rope.dtype != qdt:
+    raise ValueError(f"q_latent {qdt} and q_rope {q_rope.dtype} dtypes differ")
+  if fp8 and (qdt not in (jnp.float16, FP8) or q_scale is None
+              or q_scale.shape != (b, hp)):
+    raise ValueError(f"an fp8 cache needs an f16 or fp8 e4m3 query and its [B, Hp] "
+                     f"q_scale (ops.f16_query / ops.fp8_query), got {qdt} and "
                      f"{None if q_scale is None else q_scale.shape}")
-  if not fp8 and latent.dtype != cdt:
-    raise ValueError(f"query {cdt} and cache {latent.dtype} dtypes differ")
+  if not fp8 and qdt != latent.dtype:
+    raise ValueError(f"query {qdt} and cache {latent.dtype} dtypes differ")
   # Register operands for P are fine on hardware; the interpreter needs SMEM.
   p_in_smem = bool(interpret)
   half_ps = ps // 2  # tokens per warpgroup in QK
   # bf16 pages are read in place, so their latent gets two slots used in turn
-  # (the next page's gather overlaps this page's compute); fp8 pages land in
-  # one staging buffer that the conversion frees early (module docstring).
-  slots = 1 if fp8 else 2
+  # (the next page's gather overlaps this page's compute); fp8 pages with an
+  # f16 query land in one staging buffer that the conversion frees early; with
+  # an fp8 query, whole pages (latent and rope) in two slots, so two pages are
+  # in flight while one is computed (module docstring).
+  slots = 1 if fp8 and not qk8 else 2
+  # fp8 per-token scale rows are read until PV, after the next TMA (two
+  # slots) or the one after it (fp8 query: three).
+  scale_slots = 3 if qk8 else 2
 
   def kernel(ql_ref, qr_ref, qs_ref, lat_ref, rope_ref, ls_ref, rs_ref, bt_ref,
              len_ref, pc_ref, o_ref, lse_ref, scratch):
@@ -214,15 +242,15 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
       plgpu.copy_gmem_to_smem(rope_ref.at[page_id(step)], rope_st.at[0], rope_bar)
 
     def issue_fp8(step):
+      """fp8: the page (latent, rope, scales) into staging slot step % slots."""
       page = page_id(step)
-      bar = tma_bar.at[0]
-      plgpu.copy_gmem_to_smem(lat_ref.at[page], lat_st.at[0], bar)
-      plgpu.copy_gmem_to_smem(rope_ref.at[page], rope_st.at[0], bar)
-      # Scales are read until PV, after the next page's TMA is issued:
-      # two slots, by step parity.
-      slot = lax.rem(step, 2)
-      plgpu.copy_gmem_to_smem(ls_ref.at[page], ls_st.at[slot], bar)
-      plgpu.copy_gmem_to_smem(rs_ref.at[page], rs_st.at[slot], bar)
+      slot = lax.rem(step, slots)
+      bar = tma_bar.at[slot]
+      plgpu.copy_gmem_to_smem(lat_ref.at[page], lat_st.at[slot], bar)
+      plgpu.copy_gmem_to_smem(rope_ref.at[page], rope_st.at[slot], bar)
+      sc = lax.rem(step, scale_slots)
+      plgpu.copy_gmem_to_smem(ls_ref.at[page], ls_st.at[sc], bar)
+      plgpu.copy_gmem_to_smem(rs_ref.at[page], rs_st.at[sc], bar)
 
     @pl.when(wg == 0)
     def _():
@@ -234,6 +262,10 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
       def _():
         if fp8:
           issue_fp8(0)
+          if qk8:
+            @pl.when(steps > 1)
+            def _():
+              issue_fp8(1)  # the second slot is free from the start
         else:
           issue_latent(0)
           issue_rope(0)
@@ -264,11 +296,15 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
       # addresses, so their wgmma descriptors are not hoisted (module doc).
       z = lax.optimization_barrier(jnp.int32(0))
       q_lat, q_rp = ql_smem.at[z], qr_smem.at[z]
-      slot = z if fp8 else lax.rem(i, 2) + z
-      lat_in, rope_in = lat_st.at[slot], rope_st.at[z]
+      slot = z if slots == 1 else lax.rem(i, 2) + z
+      lat_in, rope_in = lat_st.at[slot], rope_st.at[slot if qk8 else z]
       pos0 = (start + i) * ps
       valid_tokens = length - pos0
-      if fp8:
+      if qk8:
+        plgpu.barrier_wait(tma_bar.at[lax.rem(i, 2)])
+        # lat16 is read by PV only, each warpgroup its own columns.
+        k_lat = lat16.at[z]
+      elif fp8:
         plgpu.barrier_wait(tma_bar.at[0])
         k_lat, k_rope = lat16.at[z], rope16.at[z]
         # lat16 / rope16 were last read by step i-1's QK (both warpgroups
@@ -315,11 +351,33 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
         # Latent and rope have their own per-token scales: one tile each,
         # scaled per column (token) here rather than per element in stage_rows().
         def qk(lat_acc, rope_acc):
-          plgpu.wgmma(lat_acc, q_lat, k_lat.at[tok].transpose((1, 0)))
-          plgpu.wgmma(rope_acc, q_rp, k_rope.at[tok].transpose((1, 0)))
+          if qk8:
+            # fp8 x fp8 straight from the staged page (both operands K-major,
+            # as fp8 wgmma needs); the tail's garbage only reaches its own
+            # logits' columns, which are masked below.
+            plgpu.wgmma(lat_acc, q_lat, lat_in.at[tok].transpose((1, 0)))
+            plgpu.wgmma(rope_acc, q_rp, rope_in.at[tok].transpose((1, 0)))
+            # While they run: this warpgroup's half of the latent's columns
+            # to f16, PV's V (the tail's rows zeroed: p = 0 does not cancel
+            # NaN).
+            stage_rows(lat_in.at[:, cols], k_lat.at[:, cols], valid_tokens)
+            plgpu.commit_smem()
+          else:
+            plgpu.wgmma(lat_acc, q_lat, k_lat.at[tok].transpose((1, 0)))
+            plgpu.wgmma(rope_acc, q_rp, k_rope.at[tok].transpose((1, 0)))
           return lat_acc[...], rope_acc[...]
         s_lat, s_rope = pl.run_scoped(qk, half_acc, half_acc)
-        sc = lax.rem(i, 2)
+        if qk8:
+          # Both warpgroups' QK and conversion have read the slot: refill it
+          # with page i+2 (page i+1 is landing in the other one).
+          plgpu.barrier_arrive(free_bar)
+          @pl.when(wg == 0)
+          def _():
+            plgpu.barrier_wait(free_bar)
+            @pl.when(i + 2 < steps)
+            def _():
+              issue_fp8(i + 2)
+        sc = lax.rem(i, scale_slots)
         ls_half = plgpu.load(ls_st.at[sc, tok], layout=col)
         rs_half = plgpu.load(rs_st.at[sc, tok], layout=col)
         logits = (s_lat * lax.broadcast_in_dim(ls_half, s_lat.shape, [1])
@@ -439,15 +497,16 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
   def entry(*refs):
     st_dtype = latent.dtype
     scratch = [
-        _smem((BLOCK_H, c), cdt),
-        _smem((BLOCK_H, r), cdt),
+        _smem((BLOCK_H, c), qdt),
+        _smem((BLOCK_H, r), qdt),
         plgpu.SMEM((BLOCK_H,), jnp.float32) if fp8 else None,
         plgpu.SMEM((slots, ps, c), st_dtype, transforms=transforms(c, st_dtype)),
-        _smem((ps, r), st_dtype),
-        plgpu.SMEM((2, ps), jnp.float32) if fp8 else None,
-        plgpu.SMEM((2, ps), jnp.float32) if fp8 else None,
+        (plgpu.SMEM((slots, ps, r), st_dtype, transforms=transforms(r, st_dtype))
+         if qk8 else _smem((ps, r), st_dtype)),
+        plgpu.SMEM((scale_slots, ps), jnp.float32) if fp8 else None,
+        plgpu.SMEM((scale_slots, ps), jnp.float32) if fp8 else None,
         _smem((ps, c), cdt) if fp8 else None,
-        _smem((ps, r), cdt) if fp8 else None,
+        _smem((ps, r), cdt) if fp8 and not qk8 else None,
         (plgpu.SMEM((2, BLOCK_H, ps), cdt, transforms=transforms(ps, cdt))
          if p_in_smem else None),
         # Each warpgroup's half of P, then its output staging: [64, 32] tiles.
@@ -461,12 +520,14 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
     barriers = [
         # Every TMA issued with a barrier is one arrival on it.
         plgpu.Barrier(num_arrivals=3 if fp8 else 2),  # q_latent, q_rope (, q_scale) loaded
-        # A page's copies landed: fp8 one buffer (latent, rope, two scale
-        # rows); bf16 per latent slot.
+        # A page's copies landed, per slot: fp8 latent, rope and two scale
+        # rows; bf16 the latent.
         plgpu.Barrier(num_arrivals=4 if fp8 else 1, num_barriers=slots),
         None if fp8 else plgpu.Barrier(num_arrivals=1),  # bf16: the rope landed
-        plgpu.Barrier(num_arrivals=2),  # page converted/masked by both WGs
-        plgpu.Barrier(num_arrivals=2),  # bf16: both WGs' PV retired (slot free)
+        None if qk8 else plgpu.Barrier(num_arrivals=2),  # page converted/masked by both WGs
+        # The slot is free: bf16 both WGs' PV retired; fp8 query both WGs'
+        # QK and conversion done.
+        None if fp8 and not qk8 else plgpu.Barrier(num_arrivals=2),
         plgpu.Barrier(num_arrivals=2),  # row vectors swapped
         plgpu.Barrier(num_arrivals=2),  # both halves of P written
     ]

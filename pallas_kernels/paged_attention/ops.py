@@ -206,9 +206,11 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
 
   bs, impl = mla_kernel_choice(q_latent, latent, k_rope, block_tables, block_sizes)
   if impl == "mgpu":
+    tokens_in_m = mla_tokens_in_m(bs, q_latent, latent, k_rope)
     return _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
                      k_rope_scale, block_tables, lengths, scale=scale,
-                     tokens_in_m=mla_tokens_in_m(bs, q_latent, latent, k_rope),
+                     tokens_in_m=tokens_in_m,
+                     qk_fp8=mla_qk_fp8(bs, tokens_in_m, latent),
                      interpret=backend == "interpret")
   ppb = bs.pages_per_block
   splits = bs.num_splits
@@ -393,6 +395,35 @@ def f16_query(*parts):
   return (*[(x * inv).astype(jnp.float16) for x in parts], q_scale.astype(jnp.float32))
 
 
+# e4m3's largest finite value: fp8_query maps each row's largest |value| to it.
+_E4M3_MAX = 448.0
+
+
+def fp8_query(*parts):
+  """The e4m3 query of the heads-in-M MLA kernel's fp8 QK: rows scaled to e4m3's range.
+
+  Each row (over all parts, whose logits add: MLA's latent and rope) is divided
+  by its largest |value| / 448, so that value maps to e4m3's largest and the
+  others keep 4 significant bits down to 2^-6 of it (subnormals below). An
+  all-zero row keeps factor 1. The kernel multiplies the factor back into the
+  logits.
+
+  Args:
+    *parts: [..., D_i] float arrays with the same leading shape.
+
+  Returns:
+    (each part as float8_e4m3fn, ..., q_scale [...] f32), part ~= part8 * q_scale[..., None].
+  """
+  parts = [x.astype(jnp.float32) for x in parts]
+  amax = functools.reduce(jnp.maximum, [jnp.abs(x).max(-1) for x in parts])
+  q_scale = jnp.where(amax > 0, amax / _E4M3_MAX, 1.0)
+  inv = (1.0 / q_scale)[..., None]
+  # Clipped: amax * (448 / amax) may round a hair above 448, and e4m3fn has
+  # no infinity (an overflow is NaN).
+  return (*[jnp.clip(x * inv, -_E4M3_MAX, _E4M3_MAX).astype(FP8) for x in parts],
+          q_scale.astype(jnp.float32))
+
+
 def mla_mgpu_pieces(batch: int, heads: int, max_pages: int, kind: str | None = None) -> int:
   """Pieces (CTAs) per 64-head block of the Mosaic GPU MLA kernel: one CTA per SM
   (its shared memory), the SMs shared by the head blocks."""
@@ -423,15 +454,35 @@ def mla_tokens_in_m(bs, q_latent, latent, k_rope) -> bool:
   return bs.mla_m == "tokens" or (bs.mla_m == "auto" and fits)
 
 
+def mla_qk_fp8(bs, tokens_in_m: bool, latent) -> bool:
+  """Whether the Mosaic GPU MLA path runs QK as fp8 wgmmas with an e4m3 query
+  (``bs.mla_qk``): the heads-in-M kernel on an fp8 cache, "fp8" or "auto".
+
+  Raises:
+    ValueError: ``bs.mla_qk == "fp8"`` where that cannot run: a bf16/f16 cache,
+      or the tokens-in-M kernel.
+  """
+  fp8 = jnp.dtype(latent.dtype) == jnp.dtype(FP8)
+  if bs.mla_qk == "fp8" and (not fp8 or tokens_in_m):
+    raise ValueError(f"mla_qk='fp8' needs an fp8 cache and the heads-in-M kernel "
+                     f"(mla_m='heads', or more than {mla_tokens_mgpu.MAX_HEADS} heads); "
+                     f"got a {latent.dtype} cache, "
+                     f"{'tokens' if tokens_in_m else 'heads'} in M")
+  return fp8 and not tokens_in_m and bs.mla_qk in ("auto", "fp8")
+
+
 def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
-              block_tables, lengths, *, scale, tokens_in_m, interpret):
+              block_tables, lengths, *, scale, tokens_in_m, qk_fp8, interpret):
   """Runs mla_mgpu (heads padded to 64) or mla_tokens_mgpu (heads padded to 8):
   pads the heads, casts q, schedules the pieces, merges them."""
   b, h, _ = q_latent.shape
   h_pad = -h % (8 if tokens_in_m else mla_mgpu.BLOCK_H)
   ql = jnp.pad(q_latent, ((0, 0), (0, h_pad), (0, 0)))
   qr = jnp.pad(q_rope, ((0, 0), (0, h_pad), (0, 0)))
-  if latent.dtype == FP8:
+  if qk_fp8:
+    # QK as fp8 wgmmas on the staged fp8 pages (mla_mgpu): an e4m3 query.
+    ql, qr, q_scale = fp8_query(ql, qr)
+  elif latent.dtype == FP8:
     # fp8 pages become f16 in the kernel (see mla_mgpu), and wgmma wants equal
     # operand types: an f16 query, rows divided by a power of two.
     ql, qr, q_scale = f16_query(ql, qr)
