@@ -124,10 +124,10 @@ class Build:
   @property
   def variant(self) -> str:
     """impl, and for the Mosaic GPU MLA kernels which one ("mgpu-tokens",
-    "mgpu-heads": what fills wgmma's M)."""
+    "mgpu-heads": what fills wgmma's M; "-qk8" where QK runs as fp8 wgmmas)."""
     m = getattr(self.block_sizes, "mla_m", None)
     if self.case.kernel == "paged_mla_decode" and self.impl == "mgpu" and m != "auto":
-      return f"mgpu-{m}"
+      return f"mgpu-{m}" + ("-qk8" if self.block_sizes.mla_qk == "fp8" else "")
     return self.impl
 
   @property
@@ -180,13 +180,15 @@ def _attention_builds(case, other_impl: bool) -> list[Build]:
     choose = functools.partial(attention_ops.gqa_kernel_choice, q, pages, tables)
 
   def resolved(bs):
-    """bs with the Mosaic GPU MLA kernel named ("tokens" / "heads" in wgmma's M),
-    so the key and the record say which one compiled; raises ValueError where the
-    shape has no such kernel."""
+    """bs with the Mosaic GPU MLA kernel named ("tokens" / "heads" in wgmma's M,
+    QK "fp8" / "f16"), so the key and the record say which one compiled; raises
+    ValueError where the shape has no such kernel."""
     choose(bs)
     if mla and bs.impl == "mgpu":
       tokens = attention_ops.mla_tokens_in_m(bs, q, pages, k_rope)
-      bs = dataclasses.replace(bs, mla_m="tokens" if tokens else "heads")
+      qk8 = attention_ops.mla_qk_fp8(bs, tokens, pages)
+      bs = dataclasses.replace(bs, mla_m="tokens" if tokens else "heads",
+                               mla_qk="fp8" if qk8 else "f16")
     return bs
 
   bs, impl = choose(device_kind=H200)  # the engine's choice: impl "auto"
@@ -196,7 +198,9 @@ def _attention_builds(case, other_impl: bool) -> list[Build]:
     variants += [dataclasses.replace(bs, impl=i) for i in ("mgpu", "triton") if i != impl]
     if mla and impl == "mgpu":  # the other Mosaic GPU MLA kernel
       variants.append(dataclasses.replace(
-          engine, mla_m="heads" if engine.mla_m == "tokens" else "tokens"))
+          engine, mla_m="heads" if engine.mla_m == "tokens" else "tokens", mla_qk="auto"))
+      if engine.mla_qk == "fp8":  # the same kernel with f16 QK
+        variants.append(dataclasses.replace(engine, mla_qk="f16"))
   out = []
   for v in variants:
     try:
@@ -310,6 +314,9 @@ def kernel_key(case, impl: str, block_sizes) -> tuple:
     if impl == "mgpu":  # the Triton tiles: the Mosaic GPU kernels fix their own
       for name in ("block_h", "pages_per_block", "num_warps", "num_stages"):
         fields.pop(name)
+    else:  # the Mosaic GPU MLA kernels' choices
+      fields.pop("mla_m", None)
+      fields.pop("mla_qk", None)
     key.update(kv=d["kv"], page_size=d["page_size"], **case.static_kwargs())
     if case.kernel == "paged_mla_decode":
       key.update(c=d["c"], r=d["r"])
@@ -642,7 +649,8 @@ def load_records(path: str = DEFAULT_DIR) -> list[dict]:
 def _fmt_bs(bs: dict, kernel: str, impl: str) -> str:
   if kernel in ("paged_mla_decode", "paged_gqa_decode"):
     if impl == "mgpu":  # the Mosaic GPU kernels fix their own tiles; splits vary by case
-      return {"tokens": "tokens in M", "heads": "heads in M"}.get(bs.get("mla_m"), "own tiles")
+      m = {"tokens": "tokens in M", "heads": "heads in M"}.get(bs.get("mla_m"), "own tiles")
+      return m + (", fp8 QK" if bs.get("mla_qk") == "fp8" else "")
     return (f"h{bs['block_h']} ppb{bs['pages_per_block']} w{bs['num_warps']} "
             f"st{bs['num_stages']}")
   if kernel in ("int4_matmul", "int4_grouped_matmul"):

@@ -37,14 +37,22 @@ class PlanTest(absltest.TestCase):
     by = {(b.case.name, b.variant): b for b in self.builds}
     tp8, dp = "mla/tp8/fp8/b8/ctx32768", "mla/dp/fp8/b8/ctx32768"
     self.assertTrue(by[(tp8, "mgpu-tokens")].engine)
-    self.assertFalse(by[(tp8, "mgpu-heads")].engine)
-    self.assertTrue(by[(dp, "mgpu-heads")].engine)
+    # The heads-in-M alternative at TP 8 computes QK as it would run there: fp8.
+    self.assertFalse(by[(tp8, "mgpu-heads-qk8")].engine)
+    # 64 heads on an fp8 cache: the heads-in-M kernel with fp8 QK; its f16 QK twin
+    # is the alternative, with its own key.
+    self.assertTrue(by[(dp, "mgpu-heads-qk8")].engine)
+    self.assertFalse(by[(dp, "mgpu-heads")].engine)
+    self.assertNotEqual(by[(dp, "mgpu-heads-qk8")].key, by[(dp, "mgpu-heads")].key)
+    self.assertTrue(by[("mla/dp/bf16/b8/ctx32768", "mgpu-heads")].engine)
+    self.assertNotIn(("mla/dp/bf16/b8/ctx32768", "mgpu-heads-qk8"), by)
     self.assertNotIn((dp, "mgpu-tokens"), by)  # 64 heads: over the tokens kernel's 32
     self.assertEqual(dict(by[(tp8, "mgpu-tokens")].key)["heads_n"], 8)
-    self.assertNotEqual(by[(tp8, "mgpu-tokens")].key, by[(tp8, "mgpu-heads")].key)
+    self.assertNotEqual(by[(tp8, "mgpu-tokens")].key, by[(tp8, "mgpu-heads-qk8")].key)
     # The heads-in-M kernel stores 8 partial rows at TP 8 and 64 at DP: two kernels,
     # told apart by their rows, not by the Triton tiles (which no Mosaic kernel reads).
-    heads_tp8, heads_dp = dict(by[(tp8, "mgpu-heads")].key), dict(by[(dp, "mgpu-heads")].key)
+    heads_tp8 = dict(by[(tp8, "mgpu-heads-qk8")].key)
+    heads_dp = dict(by[(dp, "mgpu-heads-qk8")].key)
     self.assertEqual((heads_tp8["partial_rows"], heads_dp["partial_rows"]), (8, 64))
     self.assertNotIn("bs.block_h", heads_tp8)
 
