@@ -36,6 +36,9 @@ import jax.numpy as jnp
 
 H200_COPY_BW = 4.3e12  # bytes/s, device-to-device copy, read + write counted
 H200_BF16_FLOPS = 790e12  # FLOP/s, 8192^3 bf16 matmul on random data
+# Modelled, not measured: Hopper's dense fp8 (e4m3) tensor-core rate is twice its
+# bf16 rate, so twice the measured bf16 ceiling.
+H200_FP8_FLOPS = 2 * H200_BF16_FLOPS
 L2_BYTES = 60e6  # H200 L2
 MAX_ROTATION = 256  # input copies at most; tiny cases stay L2-resident (flagged)
 TOL = {"bf16": 1e-2, "f32": 1e-6, "fp8": 5e-2}  # relative-norm error vs reference
@@ -325,11 +328,12 @@ def run_bench(bench: Bench, emit: Callable[[dict], None], *, smoke: bool) -> Non
 
 
 def ceiling_bench(name: str, dims: dict) -> Bench:
-  """The device's own ceilings: an elementwise copy and a bf16 matmul.
+  """The device's own ceilings: an elementwise copy, a bf16 and an fp8 matmul.
 
   Args:
-    name: "copy" (dims: elements, f32; read + written bytes counted) or
-      "matmul_bf16" (dims: m, k, n).
+    name: "copy" (dims: elements, f32; read + written bytes counted),
+      "matmul_bf16" or "matmul_fp8" (e4m3 operands, f32 accumulation, bf16
+      result; the rate H200_FP8_FLOPS models) (dims: m, k, n).
     dims: as above.
 
   Returns:
@@ -342,13 +346,15 @@ def ceiling_bench(name: str, dims: dict) -> Bench:
     fn = jax.jit(lambda x: -x)  # one read, one write; XLA keeps it (it is not a no-op)
     return Bench(nbytes=8 * n, flops=0, tol=0.0,
                  impls=[Impl("xla", fn, make, note="negate: read + write")])
-  if name == "matmul_bf16":
+  if name in ("matmul_bf16", "matmul_fp8"):
     m, k, n = dims["m"], dims["k"], dims["n"]
+    dt = jnp.bfloat16 if name == "matmul_bf16" else jnp.float8_e4m3fn
     ka, kb = jax.random.split(key)
-    make = once(lambda: [(jax.random.normal(ka, (m, k), jnp.bfloat16),
-                          jax.random.normal(kb, (k, n), jnp.bfloat16))])
+    make = once(lambda: [(jax.random.normal(ka, (m, k), jnp.float32).astype(dt),
+                          jax.random.normal(kb, (k, n), jnp.float32).astype(dt))])
     fn = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32
                                       ).astype(jnp.bfloat16))
-    return Bench(nbytes=2 * (m * k + k * n + m * n), flops=2 * m * k * n, tol=0.0,
+    item = jnp.dtype(dt).itemsize
+    return Bench(nbytes=item * (m * k + k * n) + 2 * m * n, flops=2 * m * k * n, tol=0.0,
                  impls=[Impl("xla", fn, make, note="random normal inputs (never zeros)")])
-  raise ValueError(f"unknown ceiling {name!r}; known: copy, matmul_bf16")
+  raise ValueError(f"unknown ceiling {name!r}; known: copy, matmul_bf16, matmul_fp8")
