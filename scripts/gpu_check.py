@@ -106,8 +106,11 @@ PRIORITY = {
 NAME_FACETS = {"paged_mla_decode": {"par": 1}, "paged_mla_sparse_decode": {"par": 1},
                "int4_matmul": {"proj": 2}, "int4_grouped_matmul": {"proj": 2, "rows": 3}}
 
-CEILINGS = {"copy": {"elements": 1 << 30}, "matmul_bf16": {"m": 8192, "k": 8192, "n": 8192}}
-SMOKE_CEILINGS = {"copy": {"elements": 1 << 16}, "matmul_bf16": {"m": 128, "k": 128, "n": 128}}
+# matmul_fp8 checks the roofline's modelled fp8 rate (benchmark.H200_FP8_FLOPS).
+CEILINGS = {"copy": {"elements": 1 << 30}, "matmul_bf16": {"m": 8192, "k": 8192, "n": 8192},
+            "matmul_fp8": {"m": 8192, "k": 8192, "n": 8192}}
+SMOKE_CEILINGS = {"copy": {"elements": 1 << 16}, "matmul_bf16": {"m": 128, "k": 128, "n": 128},
+                  "matmul_fp8": {"m": 128, "k": 128, "n": 128}}
 # Seconds a case is expected to take before one has been seen (then: the median seen).
 PRIOR_S = {"ceiling": 15.0, "paged_mla_decode": 20.0, "paged_gqa_decode": 15.0,
            "int4_matmul": 12.0, "int4_grouped_matmul": 25.0, "tag_check": 6.0,
@@ -547,8 +550,10 @@ def run_case(worker: Worker, item: PlanItem, timeout_s: float) -> dict:
   if rec["status"] != "ok":
     rec["stderr_tail"] = log_tail(worker.log_path, offset)
   if item.kernel == "ceiling" and "time_s" in rec:
-    rec["measured"] = ({"copy_bytes_per_s": rec["bytes"] / rec["time_s"]} if "copy" in item.name
-                       else {"matmul_flops_per_s": rec["flops"] / rec["time_s"]})
+    rec["measured"] = (
+        {"copy_bytes_per_s": rec["bytes"] / rec["time_s"]} if "copy" in item.name else
+        {"matmul_fp8_flops_per_s": rec["flops"] / rec["time_s"]} if "fp8" in item.name else
+        {"matmul_flops_per_s": rec["flops"] / rec["time_s"]})
   return rec
 
 
@@ -624,7 +629,9 @@ def orchestrate(args) -> int:
              "host": platform.node(), "platform": platform.platform(),
              "python": platform.python_version(), "jax": metadata.version("jax"),
              "ceilings_nominal": {"copy_bytes_per_s": bm.H200_COPY_BW,
-                                  "bf16_flops_per_s": bm.H200_BF16_FLOPS, "l2_bytes": bm.L2_BYTES},
+                                  "bf16_flops_per_s": bm.H200_BF16_FLOPS,
+                                  "fp8_flops_per_s_modelled": bm.H200_FP8_FLOPS,
+                                  "l2_bytes": bm.L2_BYTES},
              "targets_total": len(kt.target_cases()), "plan_size": len(plan),
              "plan": [p.name for p in plan]})
   print(f"gpu_check: {len(plan)} cases planned, budget {args.budget_s:.0f} s, "

@@ -64,7 +64,8 @@ class PlanTest(absltest.TestCase):
     cls.plan = cls.gc.build_plan(smoke=False)
 
   def test_ceilings_then_every_target_case_once(self):
-    self.assertEqual([p.name for p in self.plan[:2]], ["ceiling/copy", "ceiling/matmul_bf16"])
+    self.assertEqual([p.name for p in self.plan[:3]],
+                     ["ceiling/copy", "ceiling/matmul_bf16", "ceiling/matmul_fp8"])
     targets = [p.name for p in self.plan if p.group == "target"]
     self.assertLen(targets, 244)
     self.assertCountEqual(targets, [c.name for c in kt.target_cases()])
@@ -199,10 +200,10 @@ class ScriptRunsTest(absltest.TestCase):
     header = self.records[0]
     self.assertEqual(header["type"], "header")
     self.assertEqual(header["plan"], ["ceiling/copy", "fault/crash", "fault/hang",
-                                      "ceiling/matmul_bf16", "tag/b64/pool21437",
-                                      "tag/b1/pool21437"])
+                                      "ceiling/matmul_bf16", "ceiling/matmul_fp8",
+                                      "tag/b64/pool21437", "tag/b1/pool21437"])
     self.assertEqual([r["name"] for r in _cases(self.records)], header["plan"])
-    self.assertEqual([r["tier"] for r in _cases(self.records)], [0, -1, -1, 0, 1, 2])
+    self.assertEqual([r["tier"] for r in _cases(self.records)], [0, -1, -1, 0, 0, 1, 2])
 
   def test_crash_is_recorded_with_stderr_and_the_run_continues(self):
     crash = self.by_name["fault/crash"]
@@ -275,11 +276,18 @@ class ScriptRunsTest(absltest.TestCase):
                            copy["bytes"] / copy["time_s"])
     mm = self.by_name["ceiling/matmul_bf16"]
     self.assertEqual(mm["flops"], 2 * 128**3)
+    self.assertAlmostEqual(mm["measured"]["matmul_flops_per_s"], mm["flops"] / mm["time_s"])
+    f8 = self.by_name["ceiling/matmul_fp8"]
+    self.assertEqual((f8["status"], f8["flops"], f8["bytes"]),
+                     ("ok", 2 * 128**3, 2 * 128 * 128 + 2 * 128 * 128))
+    self.assertAlmostEqual(f8["measured"]["matmul_fp8_flops_per_s"], f8["flops"] / f8["time_s"])
+    self.assertEqual(self.records[0]["ceilings_nominal"]["fp8_flops_per_s_modelled"],
+                     2 * self.records[0]["ceilings_nominal"]["bf16_flops_per_s"])
 
   def test_summary_last_faults_not_failures(self):
     summary = self.records[-1]
     self.assertEqual(summary["type"], "summary")
-    self.assertEqual(summary["counts"], {"ok": 4, "crashed": 1, "timeout": 1})
+    self.assertEqual(summary["counts"], {"ok": 5, "crashed": 1, "timeout": 1})
     self.assertEqual(summary["failed"], [])
     self.assertIsNone(summary["stopped"])
     self.assertEqual(self.rc["faults"], 0, self.stdout["faults"])
@@ -290,7 +298,7 @@ class ScriptRunsTest(absltest.TestCase):
     records = _read(self.budget_out)
     stop = [r for r in records if r["type"] == "budget"]
     self.assertLen(stop, 1)
-    self.assertEqual(stop[0]["unstarted"][-1], "ceiling/matmul_bf16")
+    self.assertEqual(stop[0]["unstarted"][-2:], ["ceiling/matmul_bf16", "ceiling/matmul_fp8"])
     ran = [r["name"] for r in _cases(records)]
     self.assertEqual(ran, ["ceiling/copy", "fault/hang"])
     self.assertEqual(ran + stop[0]["unstarted"], records[0]["plan"])
@@ -306,10 +314,11 @@ class ScriptRunsTest(absltest.TestCase):
     from experiments import kernels
     out = os.path.join(self.dir, "report")
     rec = kernels.report(self.out, out)
-    self.assertEqual(len(rec["cases"]), 6)
+    self.assertEqual(len(rec["cases"]), 7)
     self.assertTrue(rec["all_ok"])  # the faults are not kernel failures
     with open(os.path.join(out, "kernels.md")) as f:
       md = f.read()
+    self.assertRegex(md, r"ceiling/matmul_bf16 \d+ TFLOP/s, ceiling/matmul_fp8 \d+ TFLOP/s")
     self.assertIn("| tag_check | tag/b64/pool21437 | ok | 1 |", md)
     self.assertIn("- `fault/hang`: timeout", md)
     self.assertIn("## H200 compile readings", md)
