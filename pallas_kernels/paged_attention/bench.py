@@ -18,7 +18,9 @@ Impls, in order:
     ``pallas_triton``) where the shape takes both; for MLA on Mosaic GPU also
     the other of its two kernels (``pallas_mgpu_heads`` beside the tokens-in-M
     kernel the op picks for at most 32 heads, ``pallas_mgpu_tokens`` beside
-    the heads-in-M one where the heads allow it); JAX's Triton paged attention
+    the heads-in-M one where the heads allow it; ``pallas_mgpu_f16qk``, the
+    heads-in-M kernel with f16 QK, beside its fp8 QK on an fp8 cache); JAX's
+    Triton paged attention
     (``jax_paged_attention``, jax.experimental.pallas.ops.gpu.paged_attention,
     fp8 through its per-token scales) and JAX's decode attention over a
     contiguous cache (``jax_decode_attention``, bf16 only).
@@ -157,9 +159,15 @@ def _mla(dims, backend, peers, seed):
     bs = ops.mla_kernel_choice(s0[0], s0[2], s0[3], s0[6])[0]
     tokens = ops.mla_tokens_in_m(bs, s0[0], s0[2], s0[3])
     info["mla_m"] = "tokens" if tokens else "heads"
+    qk8 = ops.mla_qk_fp8(bs, tokens, s0[2])
+    info["mla_qk"] = "fp8" if qk8 else "f16"
+    if peers and qk8:  # the same kernel converting the page for an f16 QK
+      impls.append(bm.Impl("pallas_mgpu_f16qk", call(dataclasses.replace(bs, mla_qk="f16")),
+                           sets, ref, note="our heads-in-M Mosaic GPU kernel with QK in "
+                           "f16 (pages converted, f16 query)"))
     if peers:  # the other Mosaic GPU MLA kernel, where it takes the shape
       other = "heads" if tokens else "tokens"
-      alt = dataclasses.replace(bs, impl="mgpu", mla_m=other)
+      alt = dataclasses.replace(bs, impl="mgpu", mla_m=other, mla_qk="auto")
       try:
         ops.mla_tokens_in_m(alt, s0[0], s0[2], s0[3])
         impls.append(bm.Impl(f"pallas_mgpu_{other}", call(alt), sets, ref,
