@@ -427,6 +427,34 @@ class Fp8QueryTest(absltest.TestCase):
     np.testing.assert_array_less(err, bound * (1 + 1e-6) + 1e-30)
 
 
+class QkErrorScriptTest(absltest.TestCase):
+  """scripts/mla_qk_error.py: the e4m3 query's cost, measured with the references."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "mla_qk_error.py")
+    spec = importlib.util.spec_from_file_location("mla_qk_error", path)
+    cls.script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cls.script)
+
+  def test_rows_order_the_roundings(self):
+    rows = self.script.measure(batch=2, heads=8, context=128)
+    self.assertLen(rows, 2 * len(self.script.QUERY_SCALES))
+    for r in rows:
+      # bf16 rounding is far below e4m3's; the e4m3 query changes the output.
+      self.assertLess(r["bf16_cache"], r["fp8_cache"] / 2, r)
+      self.assertGreater(r["e4m3_query_vs_fp8_cache"], r["bf16_cache"], r)
+    normal = [r for r in rows if r["data"] == "normal"]
+    self.assertTrue(all(r["fp8_cache_e4m3_query"] > r["fp8_cache"] for r in normal), normal)
+
+  def test_bad_context_is_refused(self):
+    with self.assertRaises(SystemExit):
+      self.script.main(["--context", "100"])
+
+
 class PieceScheduleTest(parameterized.TestCase):
   """The attention kernels' balanced schedule and the merge of its pieces (plain jnp)."""
 
