@@ -11,7 +11,7 @@ time is spent; its timings mean nothing):
 
 What it does (docs/gpu_check.md has the whole story and the record format):
 
-* **Plan.** The device's own ceilings first (a copy and a bf16 matmul), then the
+* **Plan.** The device's own ceilings first (a copy, a bf16 and an fp8 matmul), then the
   target cases of ``experiments.kernel_targets`` in tiers: tier 1 holds the most
   important point of every kernel x variant (MLA, dense and sparse: TP-8 or
   data-parallel heads x bf16/fp8 pages; INT4: group size, ...), tier 2 the next
