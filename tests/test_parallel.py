@@ -46,17 +46,20 @@ def _spec_of(x):
   return x.sharding.spec
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg", "decode_sharding"),
+                   donate_argnames=("state",))
 def _prefill_decode(params, state, tokens, positions, meta1, dec_tokens, dec_positions, meta2, *,
-                    cfg):
+                    cfg, decode_sharding=None):
   """A prefill chunk and one decode step through the paged cache."""
   l1, state = model.apply(params, tokens, positions, state, cfg=cfg, batch_meta=meta1)
-  l2, state = model.apply(params, dec_tokens, dec_positions, state, cfg=cfg, batch_meta=meta2)
+  l2, state = model.apply(params, dec_tokens, dec_positions, state, cfg=cfg, batch_meta=meta2,
+                          decode_sharding=decode_sharding)
   return l1, l2, state
 
 
 def _run_paged(params, cfg, kv_dtype, mesh=None, data_parallel=False):
-  """Prefills two ragged requests and decodes one token each; returns (prefill, decode) logits."""
+  """Prefills two ragged requests and decodes one token each; returns (prefill, decode)
+  logits, the state and the decode step's DecodeSharding (None off a mesh)."""
   alloc = kvc.PageAllocator(NUM_PAGES, PAGE)
   alloc.admit("a", T)
   alloc.admit("b", T - 2)
@@ -78,9 +81,10 @@ def _run_paged(params, cfg, kv_dtype, mesh=None, data_parallel=False):
                                     data_parallel=data_parallel)
     tokens, positions, dec_tokens, dec_positions, meta1, meta2 = parallel.replicate(
         (tokens, positions, dec_tokens, dec_positions, meta1, meta2), mesh)
+  ds = parallel.decode_sharding(params, state)
   l1, l2, state = _prefill_decode(params, state, tokens, positions, meta1, dec_tokens,
-                                  dec_positions, meta2, cfg=cfg)
-  return np.asarray(l1), np.asarray(l2), state
+                                  dec_positions, meta2, cfg=cfg, decode_sharding=ds)
+  return np.asarray(l1), np.asarray(l2), state, ds
 
 
 class MeshTest(parameterized.TestCase):
@@ -284,8 +288,17 @@ class ShardedEqualsUnshardedTest(parameterized.TestCase):
     if recipe is not None:
       params = quantize_params(params, recipe)
     mesh = parallel.make_mesh(parallel.MeshConfig(*shape))
-    ref1, ref2, _ = _run_paged(params, cfg, kv_dtype)
-    got1, got2, state = _run_paged(params, cfg, kv_dtype, mesh, data_parallel)
+    ref1, ref2, _, none = _run_paged(params, cfg, kv_dtype)
+    got1, got2, state, ds = _run_paged(params, cfg, kv_dtype, mesh, data_parallel)
+    self.assertIsNone(none)
+    # The decode step's attention ran per device on its heads (shard_map over the
+    # tensor axis), except under data-parallel attention, whose pages are split.
+    if data_parallel:
+      self.assertIsNone(ds)
+    else:
+      self.assertEqual(ds.heads, "tensor")
+      self.assertEqual(dict(ds.pages)[state.names[0]],
+                       P(None, None, "tensor", None) if cfg.attention == "gqa" else P(None, None, None))
     # The state stayed on the mesh with the layout asked for.
     self.assertEqual(set(state.layers[0][state.names[0]].sharding.device_set),
                      set(mesh.devices.flat))
@@ -295,6 +308,31 @@ class ShardedEqualsUnshardedTest(parameterized.TestCase):
       self.assertTrue(np.isfinite(got[0]).all() and np.isfinite(got[1, :live_b]).all())
       np.testing.assert_allclose(got[0], ref[0], atol=tol, rtol=tol)
       np.testing.assert_allclose(got[1, :live_b], ref[1, :live_b], atol=tol, rtol=tol)
+
+
+class DecodeShardingTest(absltest.TestCase):
+  """parallel.decode_sharding: when the step runs paged decode attention per device."""
+
+  def _placed(self, cfg, tensor):
+    mesh = parallel.make_mesh(parallel.MeshConfig(tensor=tensor), jax.devices()[:tensor])
+    params = parallel.abstract_params(cfg, None, mesh)
+    state = parallel.abstract_kv_state(cfg, kvc.KVCacheConfig(NUM_PAGES, PAGE), mesh)
+    return params, state
+
+  def test_per_device_heads_only_where_the_pages_allow(self):
+    params, state = self._placed(TINY_MLA, 4)
+    ds = parallel.decode_sharding(params, state)
+    self.assertEqual((ds.heads, dict(ds.pages)["latent"]), ("tensor", P(None, None, None)))
+    # GQA: 4 query heads over 4 devices, but 2 KV heads cannot split 4 ways, so a
+    # device's query head would not find its KV head: one call on whole arrays.
+    params, state = self._placed(TINY_GQA, 4)
+    self.assertIsNone(parallel.decode_sharding(params, state))
+    params, state = self._placed(TINY_GQA, 2)
+    self.assertEqual(dict(parallel.decode_sharding(params, state).pages)["k"],
+                     P(None, None, "tensor", None))
+    # Unplaced (host) params, or no state: nothing to split.
+    self.assertIsNone(parallel.decode_sharding(init_params_np(TINY_MLA), state))
+    self.assertIsNone(parallel.decode_sharding(params, None))
 
 
 class MultiProcessTest(absltest.TestCase):

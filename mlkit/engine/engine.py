@@ -121,7 +121,7 @@ class Engine(ServingLoop):
                                data_parallel=data_parallel_attention)
     else:
       state = init_paged_state(config.model, config.kv)
-    self.runner = Runner(params, config)
+    self.runner = Runner(params, config, state)
     # Every device operation goes through this (lockstep.Leader when the pool spans
     # processes and this one decides: each operation is then repeated by the others).
     self.device = lockstep.DeviceSide(self.runner, state, mesh)

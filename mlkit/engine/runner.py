@@ -14,7 +14,9 @@ so the number of compilations is bounded by the bucket combinations used.
 Routed experts whose params are split over mesh axes run expert-parallel
 (``mlkit.model.moe.dispatch_experts``): the runner reads their placement from
 the params once (``mlkit.parallel.expert_sharding``) and passes it to the step
-as a static argument. :func:`lower_step` lowers the same step from sharded
+as a static argument; likewise paged decode attention runs per device on its own
+heads where the params and the KV pool are placed for it
+(``mlkit.parallel.decode_sharding``). :func:`lower_step` lowers the same step from sharded
 ShapeDtypeStructs, so a deployment's step can be compiled for a topology that
 is not attached (see ``experiments/h200_compile.py``).
 """
@@ -30,7 +32,7 @@ import numpy as np
 
 from mlkit.kvcache import BatchMeta, PagedKVState
 from mlkit.model import apply
-from mlkit.parallel import expert_sharding
+from mlkit.parallel import decode_sharding, expert_sharding
 from mlkit.sampling import row_keys, sample_tokens
 from pallas_kernels.tag_check import tag_check
 
@@ -73,7 +75,8 @@ class StepBatch:
 
 def _step(params, state: PagedKVState, tokens, positions, block_tables, expected_tags, lengths,
           last_index, seeds, sample_steps, temperature, top_k, top_p, *, cfg, page_size,
-          integrity_check, backend, record_logits, kind, expert_sharding=None):
+          integrity_check, backend, record_logits, kind, expert_sharding=None,
+          decode_sharding=None):
   TRACE_COUNTS[kind] += 1  # Python side effect: runs once per trace, never per call.
   B = tokens.shape[0]
   with jax.named_scope("tag_check"):
@@ -90,6 +93,7 @@ def _step(params, state: PagedKVState, tokens, positions, block_tables, expected
   # Only the sampled position's logits: lm_head over a whole prefill chunk is wasted work.
   logits, state = apply(params, tokens, positions, state, cfg=cfg, batch_meta=meta,
                         backend=backend, expert_sharding=expert_sharding,
+                        decode_sharding=decode_sharding,
                         logits_index=last_index)  # [B, 1, V]
   last = logits[:, 0]  # [B, V]
   # Same key derivation as mlkit.generate: fold_in(key(seed), index of the generated token).
@@ -101,15 +105,17 @@ def _step(params, state: PagedKVState, tokens, positions, block_tables, expected
 
 
 _STATIC = ("cfg", "page_size", "integrity_check", "backend", "record_logits", "kind",
-           "expert_sharding")
+           "expert_sharding", "decode_sharding")
 _step_jit = jax.jit(_step, static_argnames=_STATIC, donate_argnames=("state",))
 
 
-def _static_args(params, config) -> dict:
-  """The step's static arguments for an engine configuration and its (placed) params."""
+def _static_args(params, config, state=None) -> dict:
+  """The step's static arguments for an engine configuration, its (placed) params and
+  KV state (None: paged decode attention runs as one call on whole arrays)."""
   return dict(cfg=config.model, page_size=config.page_size,
               integrity_check=config.integrity_check, backend=config.backend,
-              record_logits=config.record_logits, expert_sharding=expert_sharding(params))
+              record_logits=config.record_logits, expert_sharding=expert_sharding(params),
+              decode_sharding=decode_sharding(params, state))
 
 
 def _step_args(params, state, b: StepBatch) -> tuple:
@@ -157,7 +163,7 @@ def lower_step(params, state: PagedKVState, batch: StepBatch, config, *, kind: s
     The ``jax.stages.Lowered`` step.
   """
   return _step_jit.trace(*_step_args(params, state, batch), kind=kind,
-                         **_static_args(params, config)).lower()
+                         **_static_args(params, config, state)).lower()
 
 
 class Runner:
@@ -166,12 +172,15 @@ class Runner:
   Args:
     params: model params (any weight formats the model supports).
     config: an ``EngineConfig``.
+    state: the KV state as placed (its placement, with the params', decides how
+      paged decode attention runs on a mesh: ``mlkit.parallel.decode_sharding``);
+      None runs it as one call on whole arrays.
   """
 
-  def __init__(self, params, config):
+  def __init__(self, params, config, state=None):
     self.params = params
     self.config = config
-    self._static = _static_args(params, config)
+    self._static = _static_args(params, config, state)
 
   def run(self, kind: str, state: PagedKVState, batch: StepBatch):
     """Dispatches one step without waiting for it.

@@ -182,8 +182,16 @@ class PagedKVState:
       _check_static(self, batch_meta, positions)
     return write_layer(self, layer, new, positions, batch_meta)
 
+  def _pages_of(self, layer: int) -> tuple:
+    """(name, array or None) of the page and scale arrays a decode kernel reads, in order."""
+    lp = self.layers[layer]
+    a, b = self.names
+    sa, sb = (scale_name(a), scale_name(b))
+    return ((a, lp[a]), (b, lp[b]), (sa, lp[sa] if self.is_fp8 else None),
+            (sb, lp[sb] if self.is_fp8 else None))
+
   def decode_attention(self, layer: int, queries: tuple, batch_meta: BatchMeta, *,
-                       scale: float, backend: str | None = None) -> jax.Array:
+                       scale: float, backend: str | None = None, sharding=None) -> jax.Array:
     """One decode query per request attending to its pages, via the paged-attention kernels.
 
     Args:
@@ -192,21 +200,25 @@ class PagedKVState:
       batch_meta: block tables and lengths (tokens in the cache, the current one included).
       scale: softmax scale.
       backend: "pallas" | "interpret" | "xla" | None (platform default).
+      sharding: None, or an ``mlkit.parallel.DecodeSharding``: the kernel then runs
+        per device on its own heads (a kernel called on whole arrays would have
+        XLA gather the query and run every head on every device).
 
     Returns:
       MLA out_latent [B, H, C]; GQA [B, H, hd]; rows of length 0 give zeros.
     """
     from pallas_kernels import paged_attention as kernels
-    lp = self.layers[layer]
-    a, b = self.names
-    sa, sb = (lp[scale_name(a)], lp[scale_name(b)]) if self.is_fp8 else (None, None)
-    fn = kernels.paged_mla_decode if self.attention == "mla" else kernels.paged_gqa_decode
-    return fn(*queries, lp[a], lp[b], sa, sb, batch_meta.block_tables, batch_meta.lengths,
-              scale=float(scale), backend=backend)
+    op = kernels.paged_mla_decode if self.attention == "mla" else kernels.paged_gqa_decode
+    fn = functools.partial(op, scale=float(scale), backend=backend)
+    pages = self._pages_of(layer)
+    others = (batch_meta.block_tables, batch_meta.lengths)
+    if sharding is not None:
+      return sharding.run(fn, tuple(queries), pages, others)
+    return fn(*queries, *(x for _, x in pages), *others)
 
   def sparse_decode_attention(self, layer: int, queries: tuple, indices: jax.Array,
                               batch_meta: BatchMeta, *, scale: float,
-                              backend: str | None = None) -> jax.Array:
+                              backend: str | None = None, sharding=None) -> jax.Array:
     """One MLA decode query per request attending to the positions it selected.
 
     The sparse form of :meth:`decode_attention` (DeepSeek Sparse Attention,
@@ -219,6 +231,8 @@ class PagedKVState:
       batch_meta: block tables and lengths (the current token included).
       scale: softmax scale.
       backend: "pallas" | "interpret" | "xla" | None (platform default).
+      sharding: None, or an ``mlkit.parallel.DecodeSharding`` (see
+        :meth:`decode_attention`).
 
     Returns:
       out_latent [B, H, C]; a row with no selected position gives zeros.
@@ -226,12 +240,12 @@ class PagedKVState:
     from pallas_kernels import paged_attention as kernels
     if self.attention != "mla":
       raise ValueError("sparse decode attention needs an MLA pool")
-    lp = self.layers[layer]
-    a, b = self.names
-    sa, sb = (lp[scale_name(a)], lp[scale_name(b)]) if self.is_fp8 else (None, None)
-    return kernels.paged_mla_sparse_decode(
-        *queries, lp[a], lp[b], sa, sb, batch_meta.block_tables, batch_meta.lengths,
-        indices, scale=float(scale), backend=backend)
+    fn = functools.partial(kernels.paged_mla_sparse_decode, scale=float(scale), backend=backend)
+    pages = self._pages_of(layer)
+    others = (batch_meta.block_tables, batch_meta.lengths, indices)
+    if sharding is not None:
+      return sharding.run(fn, tuple(queries), pages, others)
+    return fn(*queries, *(x for _, x in pages), *others)
 
 
   def sparse_decode_select(self, layer: int, q: jax.Array, weights: jax.Array,

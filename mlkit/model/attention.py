@@ -235,7 +235,7 @@ def gqa_attention(q, k, v, mask, scale) -> jax.Array:
 def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: int,
                     cfg: ModelConfig, *, batch_meta=None, mla_mode: str = "auto",
                     backend: str | None = None, segment_ids: jax.Array | None = None,
-                    selection: jax.Array | None = None):
+                    selection: jax.Array | None = None, decode_sharding=None):
   """One attention sub-layer: project, write the cache, attend, project out.
 
   Decode steps (T == 1) on a cache that offers ``decode_attention`` (the paged
@@ -256,6 +256,8 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: i
     selection: with sparse attention (``cfg.indexer_types``), the keys the previous
       full layer selected, which a "shared" layer attends to: [B, T, S] bool, or on a
       paged decode step the selected positions [B, K] int32.
+    decode_sharding: None, or an ``mlkit.parallel.DecodeSharding``: paged decode
+      attention then runs per device on its own heads.
 
   Returns:
     (out [B, T, D], cache), plus this layer's selection (as above) third when
@@ -267,7 +269,7 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: i
   if cfg.sparse_attention:
     return _sparse_mla_block(p, x, positions, cache, layer, cfg, batch_meta=batch_meta,
                              mla_mode=mla_mode, backend=backend, segment_ids=segment_ids,
-                             selection=selection)
+                             selection=selection, decode_sharding=decode_sharding)
   if mla:
     q_nope, q_rope, new = mla_project(p, x, positions, cfg, backend=backend)
   else:
@@ -278,11 +280,13 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: i
       if mla:
         q_latent = mla_absorb_query(p, q_nope, cfg)  # [B, 1, H, C]
         out_latent = cache.decode_attention(layer, (q_latent[:, 0], q_rope[:, 0]), batch_meta,
-                                            scale=cfg.softmax_scale, backend=backend)
+                                            scale=cfg.softmax_scale, backend=backend,
+                                            sharding=decode_sharding)
         heads = mla_absorb_output(p, out_latent[:, None], cfg)  # [B, 1, H, v]
       else:
         heads = cache.decode_attention(layer, (q[:, 0],), batch_meta, scale=cfg.softmax_scale,
-                                       backend=backend)[:, None]  # [B, 1, H, hd]
+                                       backend=backend,
+                                       sharding=decode_sharding)[:, None]  # [B, 1, H, hd]
   else:
     if cache is None:
       view, mask = no_cache_view(new, positions, segment_ids)
@@ -300,7 +304,8 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: i
 
 def _sparse_mla_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: int,
                       cfg: ModelConfig, *, batch_meta, mla_mode: str, backend: str | None,
-                      segment_ids: jax.Array | None, selection: jax.Array | None):
+                      segment_ids: jax.Array | None, selection: jax.Array | None,
+                      decode_sharding=None):
   """MLA over the keys the sparse-attention indexer selects (``attention_block``'s sparse form).
 
   A full layer computes its indexer keys, stores them in the cache beside the
@@ -340,7 +345,7 @@ def _sparse_mla_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer:
       q_latent = mla_absorb_query(p, q_nope, cfg)  # [B, 1, H, C]
       out_latent = cache.sparse_decode_attention(
           layer, (q_latent[:, 0], q_rope[:, 0]), selection, batch_meta,
-          scale=cfg.softmax_scale, backend=backend)
+          scale=cfg.softmax_scale, backend=backend, sharding=decode_sharding)
       heads = mla_absorb_output(p, out_latent[:, None], cfg)  # [B, 1, H, v]
   else:
     if cache is None:

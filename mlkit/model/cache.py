@@ -11,7 +11,8 @@ method returning ``(cache, view, mask)``:
 * ``mask`` [B, T, S] bool says which of them each query may see.
 
 A cache may also offer ``write(layer, new, positions, batch_meta) -> cache`` and
-``decode_attention(layer, queries, batch_meta, *, scale, backend)``; the model then
+``decode_attention(layer, queries, batch_meta, *, scale, backend, sharding)`` (sharding:
+None or an ``mlkit.parallel.DecodeSharding``, how to run it per device); the model then
 runs decode steps (T == 1) through them, which is how the paged cache routes
 decode attention to the Pallas kernels (MLA queries: (q_latent [B, H, C],
 q_rope [B, H, R]) -> [B, H, C]; GQA: (q [B, H, hd],) -> [B, H, hd]).

@@ -29,7 +29,7 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
           cfg: ModelConfig, batch_meta=None, mla_mode: str = "auto",
           backend: str | None = None, return_aux: bool = False, return_hidden: bool = False,
           segment_ids: jax.Array | None = None, expert_sharding=None,
-          logits_index: jax.Array | None = None):
+          decode_sharding=None, logits_index: jax.Array | None = None):
   """Runs the model over a chunk of tokens, reading and writing the cache.
 
   Args:
@@ -51,6 +51,9 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
     expert_sharding: None, or the NamedSharding of the routed experts' leading axis
       (``mlkit.parallel.expert_sharding(params)``): routed experts then run
       expert-parallel, each device on its own experts (see ``moe.dispatch_experts``).
+    decode_sharding: None, or an ``mlkit.parallel.DecodeSharding``
+      (``mlkit.parallel.decode_sharding(params, cache)``): paged decode attention
+      then runs per device on its own heads.
     logits_index: [B] int, or None: compute logits (or return hidden states) only
       at this index of each row's T tokens, [B, 1, V]. Serving samples one token
       per row, and a prefill chunk's ``lm_head`` over all T tokens would be most of
@@ -81,11 +84,13 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
       if cfg.sparse_attention:
         attn_out, cache, selection = attention_block(
             lp["attn"], h, positions, cache, i, cfg, batch_meta=batch_meta, mla_mode=mla_mode,
-            backend=backend, segment_ids=segment_ids, selection=selection)
+            backend=backend, segment_ids=segment_ids, selection=selection,
+            decode_sharding=decode_sharding)
       else:
         attn_out, cache = attention_block(lp["attn"], h, positions, cache, i, cfg,
                                           batch_meta=batch_meta, mla_mode=mla_mode,
-                                          backend=backend, segment_ids=segment_ids)
+                                          backend=backend, segment_ids=segment_ids,
+                                          decode_sharding=decode_sharding)
       x = x + attn_out
       h = rms_norm(x, lp["ffn_norm"], cfg.rms_norm_eps)
       if cfg.is_moe_layer(i):

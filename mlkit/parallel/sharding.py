@@ -361,3 +361,118 @@ def expert_sharding(params) -> NamedSharding | None:
       return None
     return NamedSharding(sharding.mesh, PartitionSpec(lead))
   return None
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSharding:
+  """How a sharded serving step runs the paged decode-attention kernels: inside a
+  ``shard_map`` over the attention heads, each device on its own heads.
+
+  A Pallas kernel is one custom call that XLA cannot split; called on a query whose
+  heads are split over devices, XLA all-gathers the query and every device runs the
+  kernel for all heads. Under a ``shard_map`` each device hands the kernel its own
+  heads (MLA under tensor parallelism: 8 of Kimi K2.6's 64) and its own part of
+  the pages (MLA pages are replicated; GQA pages are split over the same axes as
+  the query heads), and the output stays split over the heads, as the output
+  projection wants it.
+
+  Attributes:
+    mesh: the mesh the params and the KV state live on.
+    heads: the mesh axes the query heads are split over.
+    pages: (entry name, PartitionSpec) of every page and scale array a decode
+      step's attention reads, as the KV state is placed.
+  """
+
+  mesh: Mesh
+  heads: MeshAxes
+  pages: tuple
+
+  def run(self, fn, queries: tuple, pages: tuple, others: tuple):
+    """fn(*queries, *page arrays, *others) -> [B, H, ...], per device on its heads.
+
+    Args:
+      fn: the op (the paged decode kernel with its static arguments bound).
+      queries: [B, H, ...] arrays, split over ``heads`` on axis 1.
+      pages: (name, array or None) pairs, in fn's order; None passes through.
+      others: arrays every device reads whole (block tables, lengths, selections).
+
+    Returns:
+      fn's [B, H, ...] output, split over ``heads`` on axis 1.
+    """
+    specs = dict(self.pages)
+    present = [(n, x) for n, x in pages if x is not None]
+
+    def head_spec(x):
+      return PartitionSpec(None, self.heads, *(None,) * (x.ndim - 2))
+
+    def local(qs, ps, os_):
+      it = iter(ps)
+      full = [None if x is None else next(it) for _, x in pages]
+      return fn(*qs, *full, *os_)
+
+    in_specs = (tuple(head_spec(q) for q in queries), tuple(specs[n] for n, _ in present),
+                tuple(PartitionSpec() for _ in others))
+    run = jax.shard_map(local, mesh=self.mesh, in_specs=in_specs,
+                        out_specs=head_spec(queries[0]), check_vma=False)
+    return run(tuple(queries), tuple(x for _, x in present), tuple(others))
+
+
+def _dense_spec_of(leaf) -> PartitionSpec | None:
+  """The PartitionSpec of a (possibly quantised) weight in its dense axis order."""
+  if isinstance(leaf, Fp8Weight):
+    leaf = leaf.values
+  elif isinstance(leaf, Int4Weight):
+    leaf = leaf.scales  # [..., K // g, N]: the dense order, K split like the codes
+  sharding = getattr(leaf, "sharding", None)
+  return sharding.spec if isinstance(sharding, NamedSharding) else None
+
+
+def decode_sharding(params, state) -> DecodeSharding | None:
+  """How the serving step should run paged decode attention on the params' and the KV
+  state's mesh (see :class:`DecodeSharding`), read from their placement.
+
+  Args:
+    params: placed params (arrays or sharded ShapeDtypeStructs).
+    state: the placed PagedKVState (the same), or None.
+
+  Returns:
+    A DecodeSharding when the query heads are split over mesh axes (from the
+    columns of the first layer's ``wq_b`` / ``wq``) and the pages allow it: the
+    page axis whole on every device (not data-parallel attention) and, for GQA,
+    the KV-head axis split over the same axes as the query heads (so each
+    device's query heads find their KV heads locally). None otherwise (single
+    device, unplaced arrays, or a placement the kernels cannot take per device):
+    the op then runs as one call on whole arrays.
+  """
+  if state is None:
+    return None
+  layers = params.get("layers", ())
+  if not layers:
+    return None
+  attn = layers[0].get("attn", {})
+  w = attn.get("wq_b", attn.get("wq"))
+  spec = None if w is None else _dense_spec_of(w)
+  if spec is None or len(spec) < 2 or spec[-1] is None:
+    return None
+  heads = spec[-1]
+  mesh = jax.tree_util.tree_leaves(w)[0].sharding.mesh
+  if axis_size(mesh, heads) == 1:
+    return None
+  layer0 = state.layers[0]
+  pages = []
+  for name in state.names:
+    for key in (name, name + "_scale"):
+      if key not in layer0:
+        continue
+      s = getattr(layer0[key], "sharding", None)
+      if not isinstance(s, NamedSharding) or s.mesh != mesh:
+        return None
+      ps = tuple(s.spec) + (None,) * (layer0[key].ndim - len(s.spec))
+      if ps[0] is not None:  # pages split (data-parallel attention): not per device
+        return None
+      want_kv = heads if state.attention == "gqa" else None
+      if len(ps) > 2 and ps[2] != want_kv or any(a is not None for i, a in enumerate(ps)
+                                                  if i not in (0, 2)):
+        return None
+      pages.append((key, PartitionSpec(*ps)))
+  return DecodeSharding(mesh=mesh, heads=heads, pages=tuple(pages))
