@@ -322,6 +322,17 @@ def summary_lines(sheet: list[dict]) -> list[str]:
                   "; reaching it takes the kernel to at least "
                   f"{need / min(gains):.0%} of its roofline at the hardest shape if XLA's bf16 "
                   "path reaches its own."))
+    # The design's time (split partials, tile padding) against the twin's roofline.
+    design = {r["case"]: r["twin_gain"] * r["roofline_s"] / r["design_s"] for r in part}
+    below = sorted((g, c) for c, g in design.items() if g < need)
+    if below:
+      slowest = max(r["design_s"] for r in part if r["case"] in {c for _, c in below})
+      out.append(f"  By the design's time (its split partials and tile padding) the kernel "
+                 f"gains {min(design.values()):.2f}-{max(design.values()):.2f}x over the twin's "
+                 f"roofline, below the target at {len(below)} of {len(part)} "
+                 f"({', '.join(sorted({c.split('/')[2] for _, c in below}))}); the slowest of "
+                 f"those takes {slowest * 1e6:.2f} us at the design, under the few "
+                 "microseconds a launch costs, so only a measurement can say how they compare.")
   mla = [r for r in sheet if r["kernel"] == "paged_mla_decode" and r["target_s"]]
   if mla:
     out.append(f"- paged_mla_decode, fp8: {len(mla)} cases with a bandwidth target, allowing "

@@ -166,6 +166,9 @@ class SheetTest(absltest.TestCase):
     text = "\n".join(rf.summary_lines(self.sheet))
     self.assertIn("design meets it at all 8", text)
     self.assertIn("at 4 of them only through QK as fp8 MMA", text)
+    # INT4 dense: the small projections at 1 and 8 tokens stay below 3x by the
+    # design's time (their f32 split partials, 8 token rows each).
+    self.assertIn("below the target at 16 of 56 (wkv_b, wq_b)", text)
     # A design that takes longer than its targets allow (as with f16 QK, bf16 rate).
     slow = [dict(r, design_s=2 * r["target_s"], design_bound="MMA")
             if r["kernel"] == "paged_mla_decode" and r["target_s"] else r for r in self.sheet]
