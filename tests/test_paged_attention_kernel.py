@@ -427,6 +427,29 @@ class Fp8QueryTest(absltest.TestCase):
     np.testing.assert_array_less(err, bound * (1 + 1e-6) + 1e-30)
 
 
+class MlaBenchPeersTest(absltest.TestCase):
+  """gpu_check's MLA case at 64 heads on an fp8 cache (interpreted, small): the engine's
+  kernel with fp8 QK, and its f16-QK twin as a peer, both checked (smoke mode's
+  shrunken shapes run neither)."""
+
+  def test_fp8_qk_and_its_f16_twin(self):
+    from experiments import kernel_targets as kt
+    from pallas_kernels.paged_attention import bench as attn_bench
+    case = [c for c in kt.target_cases(("paged_mla_decode",))
+            if c.name == "mla/dp/fp8/b8/ctx32768"][0]
+    dims = dict(case.d, batch=1, c=256, context=128, max_pages=2, num_pages=4)
+    b = attn_bench.bench_case("paged_mla_decode", dims, backend="interpret", peers=True)
+    self.assertEqual((b.info["mla_m"], b.info["mla_qk"]), ("heads", "fp8"))
+    impls = {i.name: i for i in b.impls}
+    err = {}
+    for name in ("pallas", "pallas_mgpu_f16qk"):
+      out = np.asarray(impls[name].fn(*impls[name].args()[0]), np.float32)
+      err[name] = _rel_err(out, impls[name].expected())
+    self.assertLessEqual(err["pallas"], TOL["fp8"])
+    # The e4m3 query's rounding shows beside the f16 query's.
+    self.assertLess(err["pallas_mgpu_f16qk"], err["pallas"] / 4)
+
+
 class QkErrorScriptTest(absltest.TestCase):
   """scripts/mla_qk_error.py: the e4m3 query's cost, measured with the references."""
 
