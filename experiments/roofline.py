@@ -133,8 +133,8 @@ def design_fp8_flops(case: kt.KernelCase) -> int:
   pages = jax.ShapeDtypeStruct((1, d["page_size"], d["c"]), jnp.float8_e4m3fn)
   if not attn_ops.mla_qk_fp8(AttnBlockSizes(), False, pages):
     return 0
-  rows = -(-d["heads"] // 64) * 64
-  return d["batch"] * d["context"] * rows * 2 * (d["c"] + d["r"])
+  # QK's share of design_flops (its padding included): C + R of the 2C + R columns.
+  return design_flops(case) * (d["c"] + d["r"]) // (2 * d["c"] + d["r"])
 
 
 def design_mma_s(case: kt.KernelCase) -> float:
