@@ -15,7 +15,9 @@ come from this module, in three steps (docs/int4_matmul.md, "Block sizes of the
    (``BlockSizes.smem_bytes`` at the candidate's pipeline depth, plus the 1 KiB the
    SM reserves per CTA, out of 228 KiB) and the thread and CTA caps.
 3. **A time model** of every target case (``experiments.kernel_targets``) under
-   each candidate (tile shape x pipeline depth x K splits), :func:`modelled_seconds`.
+   each candidate (tile shape x pipeline depth, with the K split count the dense
+   decode kernel takes per call, ``BlockSizes.fit_splits_per_call``),
+   :func:`modelled_seconds`.
    The work items (output tiles, times K splits; for the grouped kernel the tiles
    its schedule gives rows routed at random, ``routed_group_sizes``) run in rounds
    of SMs x occupancy CTAs. A round costs one HBM latency (the pipeline's fill)
@@ -76,10 +78,11 @@ DATA_PATH = os.path.join(_REPO, "experiments", "data", "int4_nk_tiles_h200.json"
 # which pick their dense decode split count with it (tile_model).
 LONG_LOOP_STEPS = 8  # experiments.kernel_compile.INT4_LONG_LOOP_STEPS
 
-# Candidates per (op, shape class): tile shapes (tile_n, tile_m, tile_k), pipeline
-# depths and K splits (dense decode only; the grouped kernel has none). tile_m is
-# a cap: BlockSizes.fit shrinks it to the tokens (and the grouped table's cap to
-# twice the rows per expert).
+# Candidates per (op, shape class): tile shapes (tile_n, tile_m, tile_k) and pipeline
+# depths. tile_m is a cap: BlockSizes.fit shrinks it to the tokens (and the grouped
+# table's cap to twice the rows per expert). The K split count is no candidate's
+# choice: the dense decode class takes it per call (PER_CALL_SPLITS), the others
+# run one split (prefill tiles fill the SMs; the grouped kernel has no splits).
 CLASSES = (("dense", "decode"), ("dense", "prefill"), ("grouped", "decode"),
            ("grouped", "prefill"))
 TILES = {
@@ -89,7 +92,7 @@ TILES = {
     ("grouped", "prefill"): list(itertools.product((64, 128), (64, 128, 256), (128,))),
 }
 DEPTHS = (2, 3, 4, 6)
-SPLITS = {("dense", "decode"): (1, 2, 4, 8, 16)}
+PER_CALL_SPLITS = frozenset({("dense", "decode")})
 GROUPS = kt.GROUPS
 # The depth tiles are compiled at: the shallowest, so a tile whose deeper pipelines
 # overflow shared memory still gets its registers (smem_bytes gives each depth's).
@@ -112,20 +115,23 @@ def class_cases(op: str, cls: str) -> list[kt.KernelCase]:
 
 
 def candidates(op: str, cls: str) -> list[BlockSizes]:
-  """Every (tile shape, depth, splits) candidate of one shape class."""
-  return [BlockSizes(tn, tm, tk, ks, depth)
-          for (tn, tm, tk), depth, ks in itertools.product(
-              TILES[(op, cls)], DEPTHS, SPLITS.get((op, cls), (1,)))]
+  """Every (tile shape, depth) candidate of one shape class (one K split: see
+  PER_CALL_SPLITS)."""
+  return [BlockSizes(tn, tm, tk, 1, depth)
+          for (tn, tm, tk), depth in itertools.product(TILES[(op, cls)], DEPTHS)]
 
 
-def resolve(bs: BlockSizes, case: kt.KernelCase) -> BlockSizes:
+def resolve(bs: BlockSizes, case: kt.KernelCase, *, per_call: bool = False) -> BlockSizes:
   """``bs`` as a table row applied to ``case``: BlockSizes.get_default's tile_m rule
-  for the grouped kernel, then ``fit``."""
+  for the grouped kernel, then ``fit``; with ``per_call`` (dense only) the K split
+  count get_default picks for the call instead of ``bs.k_splits``."""
   d = case.d
   m, n, k = d["m"], d["n"], d["k"]
   if case.kernel == "int4_grouped_matmul":
     rows = -(-m // d["experts"])
     bs = dataclasses.replace(bs, tile_m=min(bs.tile_m, -(-2 * rows // 8) * 8))
+  elif per_call:
+    return bs.fit_splits_per_call(m, n, k, group_size=d["group_size"])
   return bs.fit(m, n, k)
 
 
@@ -191,18 +197,19 @@ def select(readings: dict, op: str, cls: str,
     KeyError: a tile shape the candidates need has no reading.
   """
   cases = list(cases) if cases is not None else class_cases(op, cls)
+  per_call = (op, cls) in PER_CALL_SPLITS
   times = {}
   for cand in candidates(op, cls):
-    row = [case_seconds(readings, op, cand, case) for case in cases]
+    row = [case_seconds(readings, op, cand, case, per_call=per_call) for case in cases]
     if not np.isnan(row).any():
       times[cand] = np.asarray(row)
   if not times:
     raise ValueError(f"no candidate of {op} {cls} compiles cleanly")
   best = np.min(np.stack(list(times.values())), axis=0)
   scores = {c: score(t, best) for c, t in times.items()}
-  # Ties (within 0.1%) go to the smaller footprint: shallower pipeline, fewer splits.
+  # Ties (within 0.1%) go to the smaller footprint: shallower pipeline, smaller tile.
   order = sorted(scores, key=lambda c: (round(scores[c], 3), c.max_concurrent_steps,
-                                        c.k_splits, c.tile_n * c.tile_m * c.tile_k))
+                                        c.tile_n * c.tile_m * c.tile_k))
   first = order[0]
   second = order[1] if len(order) > 1 else None
   return Choice(op, cls, first, scores[first], second,
@@ -210,14 +217,16 @@ def select(readings: dict, op: str, cls: str,
                 tuple(best.tolist()))
 
 
-def case_seconds(readings: dict, op: str, bs: BlockSizes, case: kt.KernelCase) -> float:
-  """Modelled time of one case under the table row ``bs``; nan where the tile it
+def case_seconds(readings: dict, op: str, bs: BlockSizes, case: kt.KernelCase, *,
+                 per_call: bool = False) -> float:
+  """Modelled time of one case under the table row ``bs`` (``per_call``: with the
+  K split count chosen for the call, see ``resolve``); nan where the tile it
   resolves to is not clean or overflows the H200's shared memory.
 
   Raises:
     KeyError: that tile has no reading.
   """
-  res = resolve(bs, case)
+  res = resolve(bs, case, per_call=per_call)
   g = case.d["group_size"]
   r = readings[tile_key(op, res, g)]
   smem = res.smem_bytes(group_size=g, scale_bytes=2, grouped=op == "grouped", layout="nk")
@@ -226,27 +235,40 @@ def case_seconds(readings: dict, op: str, bs: BlockSizes, case: kt.KernelCase) -
   return modelled_seconds(case, res, r["registers"])
 
 
-def runtime_split_scores(readings: dict, choice: Choice | None = None
-                         ) -> tuple[float, float]:
-  """Dense decode with the table row's fixed K splits, and with the split count
-  ``BlockSizes.get_default(layout="nk")`` picks per call (``tile_model.best_splits``),
-  each as ``score`` against the class's best candidates (``choice``: the dense
-  decode ``select``, computed when None)."""
+# The fixed K split counts the per-call choice is compared with (split_scores).
+FIXED_SPLITS = (1, 2, 4, 8, 16)
+
+
+def split_scores(readings: dict, choice: Choice | None = None) -> dict[int | str, float]:
+  """The dense decode row's tiles with each fixed K split count (keys 1, 2, 4, 8,
+  16: the count, or the largest divisor of a case's K steps below it) and with the
+  count ``BlockSizes.get_default(layout="nk")`` picks per call ("per call"), each
+  as ``score`` against the class's best candidates (``choice``: the dense decode
+  ``select``, computed when None). A fixed count whose tile overflows or spills at
+  some case is left out."""
   op, cls = "dense", "decode"
   choice = choice or select(readings, op, cls)
   cases = class_cases(op, cls)
   row = TUNED_NK[(H200, op, cls)]
-  fixed = [case_seconds(readings, op, row, case) for case in cases]
-  per_call = [case_seconds(readings, op, BlockSizes.get_default(
+  out: dict[int | str, float] = {}
+  for ks in FIXED_SPLITS:
+    times = [case_seconds(readings, op, dataclasses.replace(row, k_splits=ks), case)
+             for case in cases]
+    if not np.isnan(times).any():
+      out[ks] = score(times, choice.best)
+  out["per call"] = score([case_seconds(readings, op, BlockSizes.get_default(
       case.d["m"], case.d["n"], case.d["k"], device_kind=H200, layout="nk",
-      group_size=case.d["group_size"]), case) for case in cases]
-  return score(fixed, choice.best), score(per_call, choice.best)
+      group_size=case.d["group_size"]), case) for case in cases], choice.best)
+  return out
 
 
 def versus(readings: dict, op: str, cls: str, pick: BlockSizes,
            other: BlockSizes) -> tuple[float, float]:
-  """(median, max) over the class's cases of other's modelled time / pick's."""
-  ratios = [case_seconds(readings, op, other, c) / case_seconds(readings, op, pick, c)
+  """(median, max) over the class's cases of other's modelled time (its own split
+  count) / pick's (as the table runs it: per call in PER_CALL_SPLITS classes)."""
+  per_call = (op, cls) in PER_CALL_SPLITS
+  ratios = [case_seconds(readings, op, other, c)
+            / case_seconds(readings, op, pick, c, per_call=per_call)
             for c in class_cases(op, cls)]
   return float(np.nanmedian(ratios)), float(np.nanmax(ratios))
 
@@ -367,11 +389,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrote {args.readings}")
   choices = [select(readings, op, cls) for op, cls in CLASSES]
   print(markdown(choices))
-  fixed, per_call = runtime_split_scores(
+  splits = split_scores(
       readings, next(c for c in choices if (c.op, c.cls) == ("dense", "decode")))
-  print(f"\ndense decode with the row's {TUNED_NK[(H200, 'dense', 'decode')].k_splits} K splits: "
-        f"score {fixed:.3f}; with the split count get_default picks per call "
-        f"(tile_model.best_splits): {per_call:.3f}")
+  per_call = splits.pop("per call")
+  print("\ndense decode, the row's tiles: score with the K split count get_default picks "
+        f"per call (tile_model.best_splits) {per_call:.3f}; with a fixed count "
+        + ", ".join(f"{ks}: {sc:.3f}" for ks, sc in splits.items()))
   print("\nThe packed kernel's rows (TUNED) on the [N, K] kernel, modelled time / the pick's:")
   for c in choices:
     kn = TUNED[(H200, c.op, c.cls)]

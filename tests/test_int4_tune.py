@@ -175,9 +175,19 @@ class SelectTest(absltest.TestCase):
                        tile_model.occupancy(reading["registers"], smem), case.name)
       chosen[bs.k_splits] += 1
     self.assertGreater(len(chosen), 2)  # the count really varies with the shape
-    fixed, per_call = tune.runtime_split_scores(self.readings)
-    self.assertLess(per_call, fixed)
+    scores = tune.split_scores(self.readings)
+    per_call = scores.pop("per call")
+    self.assertEqual(set(scores), set(tune.FIXED_SPLITS))
+    self.assertLess(per_call, min(scores.values()))
     self.assertLess(per_call, 1.05)
+
+  def test_dense_decode_is_ranked_as_it_runs(self):
+    """select scores the dense decode candidates with the split count get_default
+    gives each call, so the pick's score is what the table row scores at run time."""
+    choice = tune.select(self.readings, "dense", "decode")
+    self.assertEqual(choice.block_sizes.k_splits, 1)  # the row's count is not used
+    self.assertAlmostEqual(choice.score, tune.split_scores(self.readings, choice)["per call"],
+                           places=9)
 
   def test_grouped_grid_counts_registers(self):
     """The [N, K] grouped kernel's persistent grid: 45 KB would allow five CTAs per
@@ -201,8 +211,10 @@ class SelectTest(absltest.TestCase):
     text = tune.markdown([tune.select(self.readings, "dense", "prefill")])
     self.assertIn("| dense | prefill |", text)
     self.assertIn("128 x 64 x 128", text)
+    prefill = TUNED_NK[(H200, "dense", "prefill")]
+    self.assertEqual(tune.versus(self.readings, "dense", "prefill", prefill, prefill),
+                     (1.0, 1.0))
     pick = TUNED_NK[(H200, "dense", "decode")]
-    self.assertEqual(tune.versus(self.readings, "dense", "decode", pick, pick), (1.0, 1.0))
     med, worst = tune.versus(self.readings, "dense", "decode", pick,
                              TUNED[(H200, "dense", "decode")])
     self.assertGreaterEqual(worst, med)
@@ -215,7 +227,7 @@ if __name__ == "__main__":
 
 class BenchImplsTest(absltest.TestCase):
   """gpu_check times the nk kernel with its derived rows, with the packed table's and
-  with the dense decode row's fixed split count."""
+  with the dense decode row's tiles and no K splits."""
 
   def test_both_tilings_are_timed_and_correct(self):
     import jax.numpy as jnp
@@ -229,11 +241,11 @@ class BenchImplsTest(absltest.TestCase):
         sets()[0][0].astype(jnp.float32), *sets()[0][1:], group_size=g))
     derived = BlockSizes(64, 8, 256, 2, 2)
     packed = BlockSizes(128, 8, 128, 1, 2)
-    row = BlockSizes(64, 8, 256, 1, 2)  # the table row's split count, not the per-call one
+    one_split = BlockSizes(64, 8, 256, 1, 2)  # the same tiles, not the per-call split count
     impls = bench._nk_impls(nk.int4_matmul_nk, g, "interpret", derived, packed, sets, ref,
-                            row)
+                            one_split)
     self.assertEqual([i.name for i in impls],
-                     ["pallas_nk", "pallas_nk_kn_tiles", "pallas_nk_row_splits"])
+                     ["pallas_nk", "pallas_nk_kn_tiles", "pallas_nk_one_split"])
     self.assertIn("64x8x256, depth 2, 2 splits", impls[0].note)
     for impl in impls:
       out = np.asarray(impl.fn(*impl.args()[0]), np.float32)

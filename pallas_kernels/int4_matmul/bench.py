@@ -132,16 +132,18 @@ def _dense(dims, backend, peers, seed):
   call = lambda be: functools.partial(int4_matmul, group_size=g, backend=be)  # noqa: E731
   bs = BlockSizes.get_default(m, n, k).fit(m, n, k)
   nk_bs = BlockSizes.get_default(m, n, k, layout="nk", group_size=g).fit(m, n, k)
-  # The dense decode row's own split count, which get_default replaces per call.
+  # Dense decode: the same tiles without K splits, against the count get_default
+  # picks for the call (whether splitting pays at all).
   row = block_sizes.TUNED_NK.get((device.device_kind(), "dense", "decode"))
-  row_bs = row.fit(m, n, k) if row and m <= block_sizes.DECODE_MAX_M else None
+  one_split = (dataclasses.replace(row, k_splits=1).fit(m, n, k)
+               if row and m <= block_sizes.DECODE_MAX_M else None)
 
   def bf16_sets():
     return [(x, reference.dequantize_int4(p, s, g, jnp.bfloat16)) for x, p, s in sets()]
 
   impls = [bm.Impl("pallas", call(backend), sets, ref, note="Mosaic GPU kernel"),
            _overlap_impl(int4_matmul, g, backend, bs, sets, ref),
-           *_nk_impls(nk.int4_matmul_nk, g, backend, nk_bs, bs, sets, ref, row_bs),
+           *_nk_impls(nk.int4_matmul_nk, g, backend, nk_bs, bs, sets, ref, one_split),
            bm.Impl("xla", call("xla"), sets, ref, note="jnp reference: dequantise, f32 dot"),
            bm.Impl("xla_bf16_dot", _bf16_dot, bf16_sets, ref,
                    nbytes=job_cost("int4_matmul", dims, weights="bf16")[0],
@@ -166,10 +168,10 @@ def _overlap_impl(op, group_size, backend, bs, sets, ref) -> bm.Impl:
 
 
 def _nk_impls(op, group_size, backend, nk_bs, kn_bs, sets, ref,
-              row_bs=None) -> list[bm.Impl]:
+              one_split=None) -> list[bm.Impl]:
   """The kernel on [N, K] int4 weights (the same bytes, relaid once, outside the
   timing) with its own block sizes, with the packed kernel's, and (dense decode)
-  with its table row's fixed K splits instead of the per-call count, each where it
+  with its own tiles and no K splits instead of the per-call count, each where it
   differs from the first."""
   grouped = op is nk.int4_grouped_matmul_nk
 
@@ -179,7 +181,7 @@ def _nk_impls(op, group_size, backend, nk_bs, kn_bs, sets, ref,
   out = []
   for name, bs, which in (("pallas_nk", nk_bs, "TUNED_NK"),
                           ("pallas_nk_kn_tiles", kn_bs, "the packed kernel's"),
-                          ("pallas_nk_row_splits", row_bs, "TUNED_NK's row, fixed splits:")):
+                          ("pallas_nk_one_split", one_split, "TUNED_NK's, one split:")):
     if out and (bs is None or bs == nk_bs):
       continue
     fn = functools.partial(op, group_size=group_size, backend=backend, block_sizes=bs)

@@ -127,11 +127,19 @@ class BlockSizes:
       base = dataclasses.replace(base, tile_m=min(base.tile_m, -(-2 * rows // 8) * 8))
     if (layout == "nk" and not grouped and shape_class == "decode"
         and (device_kind, op, shape_class) in TUNED_NK):
-      fitted = dataclasses.replace(base, k_splits=1).fit(m, n, k)
-      splits = tile_model.best_splits(fitted, m=m, n=n, k=k, group_size=group_size or 32,
-                                      registers=NK_MODEL_REGISTERS)
-      return dataclasses.replace(fitted, k_splits=splits)
+      return base.fit_splits_per_call(m, n, k, group_size=group_size or 32)
     return base.fit(m, n, k)
+
+  def fit_splits_per_call(self, m: int, n: int, k: int, *, group_size: int) -> "BlockSizes":
+    """These tiles and depth fitted to an [m, k] x [k, n] dense problem, with the K
+    split count the time model gives least time for it (``tile_model.best_splits``
+    at NK_MODEL_REGISTERS; this row's own k_splits is not used). What
+    ``get_default`` returns for dense decode on the [N, K] kernel, and how
+    ``experiments.int4_tune`` ranks that class's candidates."""
+    fitted = dataclasses.replace(self, k_splits=1).fit(m, n, k)
+    splits = tile_model.best_splits(fitted, m=m, n=n, k=k, group_size=group_size,
+                                    registers=NK_MODEL_REGISTERS)
+    return dataclasses.replace(fitted, k_splits=splits)
 
   def fit(self, m: int, n: int, k: int) -> "BlockSizes":
     """Returns these block sizes shrunk to divide an [m, k] x [k, n] problem."""
@@ -203,11 +211,11 @@ TUNED: dict[tuple[str, str, str], BlockSizes] = {
 # tests/test_int4_tune.py checks that they still select these rows. Modelled, not
 # timed: scripts/gpu_check.py times them beside the packed table's tiles
 # ("pallas_nk" and "pallas_nk_kn_tiles"). docs/int4_matmul.md explains the model.
-#   dense decode: 64 x 64 x 256, depth 4 (4 splits as the class's single pick;
-#     get_default replaces the split count per call, tile_model.best_splits).
-#     tile_m 64 reads each weight once at 64 tokens (the packed table's 16 reads
-#     it four times); 64-wide N tiles and K splits give the small projections
-#     enough CTAs.
+#   dense decode: 64 x 64 x 256, depth 4, its K split count chosen per call
+#     (fit_splits_per_call, which is also how the candidates were ranked; the
+#     row's own count, 1, is not used). tile_m 64 reads each weight once at 64
+#     tokens (the packed table's 16 reads it four times); 64-wide N tiles and K
+#     splits give the small projections enough CTAs.
 #   grouped decode: 128 x 16 x 128, depth 4: the packed table's row (128
 #     registers, three CTAs per SM by shared memory); tile_m 16 keeps the experts
 #     a random router sends more than 8 rows to in one tile.
@@ -219,7 +227,7 @@ TUNED: dict[tuple[str, str, str], BlockSizes] = {
 # (shared memory is the tighter limit); tests/test_int4_tune.py checks both.
 NK_MODEL_REGISTERS = 128
 TUNED_NK: dict[tuple[str, str, str], BlockSizes] = {
-    ("NVIDIA H200", "dense", "decode"): BlockSizes(64, 64, 256, 4, 4),
+    ("NVIDIA H200", "dense", "decode"): BlockSizes(64, 64, 256, 1, 4),
     ("NVIDIA H200", "dense", "prefill"): BlockSizes(128, 64, 128, 1, 2),
     ("NVIDIA H200", "grouped", "decode"): BlockSizes(128, 16, 128, 1, 4),
     ("NVIDIA H200", "grouped", "prefill"): BlockSizes(64, 64, 128, 1, 2),
