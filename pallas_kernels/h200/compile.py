@@ -201,7 +201,9 @@ def _compile(fn, args, kwargs, m, dump: str) -> CompileReport:
   try:
     with jax.sharding.use_abstract_mesh(m.abstract_mesh):
       lowered = jax.jit(lambda *a: fn(*a, **kwargs)).trace(*args).lower()
-    compiled = lowered.compile({"xla_dump_to": dump})
+    # Level 3, XLA's default, whatever XLA_FLAGS says (the test suite lowers it for its
+    # CPU programs): the readings are of the kernels as a real build compiles them.
+    compiled = lowered.compile({"xla_dump_to": dump, "xla_backend_optimization_level": 3})
   finally:
     sys.stderr.flush()
     os.dup2(saved, 2)
