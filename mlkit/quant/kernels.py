@@ -20,6 +20,7 @@ from mlkit.quant.reference import (fp8_grouped_matmul_reference, fp8_matmul_refe
                                    int4_grouped_matmul_reference, int4_matmul_reference)
 from pallas_kernels import dispatch as kernel_dispatch
 from pallas_kernels import int4_matmul as int4_kernels
+from pallas_kernels.int4_matmul import partitioned as int4_partitioned
 
 
 def kernel_int4_layout(backend: str | None = None) -> str:
@@ -49,9 +50,15 @@ def _matmul_int4(x, w: Int4Weight, *, out_dtype=None, backend=None):
   if w.packed.ndim != 2:
     raise ValueError(f"matmul: Int4Weight must be 2-D [K, N], got packed {w.packed.shape}")
   lead = x.shape[:-1]
-  op = int4_kernels.int4_matmul_nk if w.layout == "nk" else int4_kernels.int4_matmul
-  y = op(x.reshape(-1, x.shape[-1]), w.packed, w.scales, group_size=w.group_size,
-         backend=backend)  # [M, N]
+  x2 = x.reshape(-1, x.shape[-1])
+  if kernel_dispatch.resolve_backend(backend) == "pallas":
+    # Partitioned like the weight: under tensor parallelism each device runs the kernel
+    # on its own columns (or rows, summed), instead of XLA gathering the weight.
+    y = int4_partitioned.int4_matmul_partitioned(x2, w.packed, w.scales,
+                                                 group_size=w.group_size, layout=w.layout)
+  else:
+    op = int4_kernels.int4_matmul_nk if w.layout == "nk" else int4_kernels.int4_matmul
+    y = op(x2, w.packed, w.scales, group_size=w.group_size, backend=backend)  # [M, N]
   return y.reshape(*lead, y.shape[-1]).astype(out_dtype or x.dtype)
 
 

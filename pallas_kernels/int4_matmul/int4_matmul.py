@@ -304,10 +304,11 @@ def _kernel_operands(x, packed, scales, group_size):
 
 
 @functools.partial(jax.jit,
-                   static_argnames=("group_size", "backend", "block_sizes"))
+                   static_argnames=("group_size", "backend", "block_sizes", "device_kind"))
 def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *,
                 group_size: int, backend: str | None = None,
-                block_sizes: BlockSizes | None = None) -> jax.Array:
+                block_sizes: BlockSizes | None = None,
+                device_kind: str | None = None) -> jax.Array:
   """W4A16 matmul: x @ dequantize(packed, scales), f32 accumulation.
 
   The kernel backends round x to bf16 (W4A16) and zero-pad K to a multiple of
@@ -321,6 +322,8 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *,
     backend: "pallas" (Mosaic GPU), "interpret" (Mosaic GPU interpreter with
       race detection, CPU) or "xla" (the reference); None picks by platform.
     block_sizes: tiles; None uses BlockSizes.get_default for this shape.
+    device_kind: whose tuned table get_default reads; None: the device the trace
+      targets (``pallas_kernels.device.device_kind``).
 
   Returns:
     [M, N] in x's dtype.
@@ -337,7 +340,7 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *,
   out_dtype, n_out = x.dtype, n
   x, packed, scales = _kernel_operands(x, packed, scales, group_size)
   k, n = x.shape[1], packed.shape[-1]
-  bs = (block_sizes or BlockSizes.get_default(m, n, k)).fit(m, n, k)
+  bs = (block_sizes or BlockSizes.get_default(m, n, k, device_kind=device_kind)).fit(m, n, k)
   tile_n, tile_m, tile_k = bs.tile_n, bs.tile_m, bs.tile_k
   m_pad = -(-m // tile_m) * tile_m
   x_even, x_odd = _split_even_odd(x, m_pad)

@@ -166,10 +166,12 @@ def _kernel_operands(x, w_nk, scales, group_size):
   return x, w_nk, scales
 
 
-@functools.partial(jax.jit, static_argnames=("group_size", "backend", "block_sizes"))
+@functools.partial(jax.jit, static_argnames=("group_size", "backend", "block_sizes",
+                                             "device_kind"))
 def int4_matmul_nk(x: jax.Array, w_nk: jax.Array, scales: jax.Array, *,
                    group_size: int, backend: str | None = None,
-                   block_sizes: BlockSizes | None = None) -> jax.Array:
+                   block_sizes: BlockSizes | None = None,
+                   device_kind: str | None = None) -> jax.Array:
   """W4A16 matmul on [N, K] int4 weights: x @ (w_nk.T * scales), f32 accumulation.
 
   Args:
@@ -180,6 +182,8 @@ def int4_matmul_nk(x: jax.Array, w_nk: jax.Array, scales: jax.Array, *,
     backend: "pallas", "interpret" or "xla" (the reference); None picks by platform.
     block_sizes: tiles (overlap_dequant is ignored: this kernel always overlaps);
       None uses BlockSizes.get_default(layout="nk") for this shape.
+    device_kind: whose tuned table get_default reads; None: the device the trace
+      targets (``pallas_kernels.device.device_kind``).
 
   Returns:
     [M, N] in x's dtype.
@@ -194,8 +198,8 @@ def int4_matmul_nk(x: jax.Array, w_nk: jax.Array, scales: jax.Array, *,
   out_dtype, n_out = x.dtype, n
   x, w_nk, scales = _kernel_operands(x, w_nk, scales, group_size)
   k, n = x.shape[1], w_nk.shape[-2]
-  bs = (block_sizes or BlockSizes.get_default(m, n, k, layout="nk",
-                                              group_size=group_size)).fit(m, n, k)
+  bs = (block_sizes or BlockSizes.get_default(m, n, k, layout="nk", group_size=group_size,
+                                              device_kind=device_kind)).fit(m, n, k)
   m_pad = -(-m // bs.tile_m) * bs.tile_m
   x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
   k_steps = k // bs.tile_k // bs.k_splits
