@@ -335,6 +335,29 @@ class DecodeShardingTest(absltest.TestCase):
     self.assertIsNone(parallel.decode_sharding(params, None))
 
 
+class DataParallelAttentionWarningTest(absltest.TestCase):
+  """An engine with data-parallel attention on a kernel backend says that the decode
+  kernel gathers the pool; on the XLA path (which XLA partitions) it says nothing."""
+
+  def test_warns_only_for_the_kernels(self):
+    from absl import logging as absl_logging
+    from mlkit.engine import Engine, EngineConfig
+    mesh = parallel.make_mesh(parallel.MeshConfig(data=2), jax.devices()[:2])
+    params = init_params_np(TINY_MLA)
+
+    def build(backend):
+      cfg = EngineConfig(model=TINY_MLA, kv=kvc.KVCacheConfig(8, PAGE), max_running=2,
+                         batch_buckets=(2,), prefill_buckets=(8,), prefill_token_budget=16,
+                         max_pages_per_seq=4, backend=backend)
+      Engine(params, cfg, mesh=mesh, data_parallel_attention=True)
+
+    with self.assertLogs(absl_logging.get_absl_logger(), "WARNING") as logs:
+      build("interpret")
+    self.assertTrue(any("gathers the whole page pool" in m for m in logs.output), logs.output)
+    with self.assertNoLogs(absl_logging.get_absl_logger(), "WARNING"):
+      build("xla")
+
+
 class MultiProcessTest(absltest.TestCase):
   """Two processes on this machine serve as one pool (gloo collectives): process 0 leads,
   process 1 repeats its device operations (mlkit.engine.lockstep)."""
