@@ -357,6 +357,32 @@ class DataParallelAttentionWarningTest(absltest.TestCase):
     with self.assertNoLogs(absl_logging.get_absl_logger(), "WARNING"):
       build("xla")
 
+  def test_xla_path_does_not_gather_the_pool(self):
+    """The XLA reference's page gather is partitioned by XLA: a decode step with the pool
+    split over 8 devices compiles with no all-gather."""
+    cfg = _one_moe_layer(TINY_MLA)
+    mesh = parallel.make_mesh(parallel.MeshConfig(data=8))
+    pages, batch = 64, 8
+    params = parallel.shard_params(init_params_np(cfg), mesh)
+    state = parallel.shard_kv_state(
+        jax.tree_util.tree_map(np.asarray, kvc.init_paged_state(
+            cfg, kvc.KVCacheConfig(pages, PAGE, "float32"))), mesh, data_parallel=True)
+    alloc = kvc.PageAllocator(pages, PAGE)
+    for i in range(batch):
+      alloc.admit(i, 3 * PAGE)
+    meta = alloc.batch_meta(list(range(batch)), max_pages=4)
+    tokens = jnp.zeros((batch, 1), jnp.int32)
+    positions = jnp.full((batch, 1), 3 * PAGE, jnp.int32)
+    tokens, positions, meta = parallel.replicate((tokens, positions, meta), mesh)
+    step = jax.jit(functools.partial(model.apply, cfg=cfg, backend="xla"))
+    hlo = step.lower(params, tokens, positions, state, batch_meta=meta).compile().as_text()
+    self.assertEqual(state.layers[0]["latent"].sharding.spec[0], "data")
+    # (Membership checked as booleans: a failure would otherwise print the whole HLO.)
+    self.assertFalse("all-gather" in hlo, "the step gathers")
+    # No array of the whole pool's page count exists on a device: each holds 8 of 64.
+    self.assertTrue(f"[{pages // 8},{PAGE}," in hlo, "no per-device pages in the step")
+    self.assertFalse(f"[{pages},{PAGE}," in hlo, "a device holds the whole pool")
+
 
 class MultiProcessTest(absltest.TestCase):
   """Two processes on this machine serve as one pool (gloo collectives): process 0 leads,
