@@ -7,6 +7,7 @@ weight.
 """
 
 import re
+from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
@@ -54,7 +55,7 @@ class PartitionedReferenceTest(parameterized.TestCase):
       shapes.append((x.shape, w.shape, s.shape))
       return op(x, w, s, *args)
 
-    with mock_attr(partitioned, "_op", recording):
+    with mock.patch.object(partitioned, "_op", recording):
       y = jax.jit(lambda a, b, c: partitioned.int4_matmul_partitioned(
           a, b, c, group_size=G, layout=layout, backend="xla"))(
               put(x, P(m_axes, k_axes)), put(w, w_spec), put(scales, P(k_axes, n_axes)))
@@ -89,20 +90,6 @@ class PartitionedReferenceTest(parameterized.TestCase):
       partitioned.int4_matmul_partitioned(x, w, scales, group_size=G, backend="interpret")
     with self.assertRaisesRegex(ValueError, "layout"):
       partitioned.int4_matmul_partitioned(x, w, scales, group_size=G, layout="t")
-
-
-class mock_attr:  # noqa: N801 - a context manager, used like mock.patch.object
-  """Replaces ``obj.name`` for the duration of a with block."""
-
-  def __init__(self, obj, name, value):
-    self.obj, self.name, self.value = obj, name, value
-
-  def __enter__(self):
-    self.saved = getattr(self.obj, self.name)
-    setattr(self.obj, self.name, self.value)
-
-  def __exit__(self, *exc):
-    setattr(self.obj, self.name, self.saved)
 
 
 class H200PartitionTest(absltest.TestCase):

@@ -120,15 +120,15 @@ class Engine(ServingLoop):
       params = shard_params(params, mesh, rules, config.model)
       state = sharded_kv_state(config.model, config.kv, mesh, rules,
                                data_parallel=data_parallel_attention)
-      if (data_parallel_attention and mesh.devices.size > 1
-          and kernel_dispatch.resolve_backend(config.backend) != "xla"):
+      backend = kernel_dispatch.resolve_backend(config.backend)
+      if data_parallel_attention and mesh.devices.size > 1 and backend != "xla":
         # The decode kernel is one custom call over the whole pool: XLA gathers the
         # data-split pages onto every device for it (docs/serving_step_memory.md).
         logging.warning("engine: data-parallel attention with the %r kernels gathers the "
                         "whole page pool onto every device for paged decode attention "
                         "(each request's pages are not yet placed on its own device; "
                         "docs/serving_step_memory.md); tensor parallelism does not",
-                        kernel_dispatch.resolve_backend(config.backend))
+                        backend)
     else:
       state = init_paged_state(config.model, config.kv)
     self.runner = Runner(params, config, state)

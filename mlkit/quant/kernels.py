@@ -45,13 +45,14 @@ def kernel_layout(tree, backend: str | None = None):
 
 @matmul.register(Int4Weight)
 def _matmul_int4(x, w: Int4Weight, *, out_dtype=None, backend=None):
-  if kernel_dispatch.resolve_backend(backend) == "xla":
+  backend = kernel_dispatch.resolve_backend(backend)
+  if backend == "xla":
     return int4_matmul_reference(x, w, out_dtype=out_dtype)
   if w.packed.ndim != 2:
     raise ValueError(f"matmul: Int4Weight must be 2-D [K, N], got packed {w.packed.shape}")
   lead = x.shape[:-1]
   x2 = x.reshape(-1, x.shape[-1])
-  if kernel_dispatch.resolve_backend(backend) == "pallas":
+  if backend == "pallas":
     # Partitioned like the weight: under tensor parallelism each device runs the kernel
     # on its own columns (or rows, summed), instead of XLA gathering the weight.
     y = int4_partitioned.int4_matmul_partitioned(x2, w.packed, w.scales,
