@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import tempfile
 import time
 
 import jax
@@ -72,7 +71,9 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   if len(jax.devices()) < 2:
     raise ValueError("serve_processes needs 2 devices for the in-process reference; on CPU set "
                      "XLA_FLAGS=--xla_force_host_platform_device_count=2 (python -m experiments does)")
-  logs = tempfile.mkdtemp(prefix="serve_processes_")
+  # The servers' logs sit beside the results, so a run's output is one folder.
+  logs = os.path.join(out_dir, "serve_processes_logs")
+  os.makedirs(logs, exist_ok=True)
   pre_addr, dec_addr = f"127.0.0.1:{launch.free_port()}", f"127.0.0.1:{launch.free_port()}"
   common.progress(f"serve_processes: starting a prefill and a decode server (logs in {logs})")
   pre = launch.start("prefill", pre_addr, _serve_args(shape["n_layers"], "bfloat16"),

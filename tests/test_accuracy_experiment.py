@@ -5,7 +5,6 @@ well-formed JSON, markdown and PNGs; the trained model is cached by fingerprint.
 import dataclasses
 import json
 import os
-import tempfile
 from unittest import mock
 
 import jax
@@ -13,6 +12,8 @@ import numpy as np
 from absl.testing import absltest
 
 from experiments import accuracy
+
+from tempdirs import temp_dir
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -22,8 +23,8 @@ class AccuracySmokeTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.cache = tempfile.mkdtemp(prefix="accuracy_cache_")
-    cls.out = tempfile.mkdtemp(prefix="accuracy_smoke_")
+    cls.cache = temp_dir(cls, "accuracy_cache_")
+    cls.out = temp_dir(cls, "accuracy_smoke_")
     cls.env = mock.patch.dict(os.environ, {"MLKIT_CACHE": cls.cache})
     cls.env.start()
     cls.record = accuracy.run(cls.out, quick=True, smoke=True)

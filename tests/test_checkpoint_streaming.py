@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import jax
 import numpy as np
@@ -20,6 +19,7 @@ from mlkit.parallel import MeshConfig, make_mesh, shard_params
 from mlkit.quant import FP8_ALL, INT4_EXPERTS, INT4_EXPERTS_GPTQ, quantize_params
 from numpy_params import init_params_np
 from two_processes import two_processes
+from tempdirs import temp_dir
 
 _F32 = dict(dtype="float32", param_dtype="float32")
 
@@ -86,7 +86,7 @@ class StreamingLoadTest(absltest.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     cls.cfg = dataclasses.replace(TINY_MLA, **_F32)
-    cls.dir = tempfile.mkdtemp(prefix="hf_stream_")
+    cls.dir = temp_dir(cls, "hf_stream_")
     save_hf_checkpoint(cls.dir, init_params_np(cls.cfg), cls.cfg, shards=2)
     cls.dense, _ = load_hf_checkpoint(cls.dir)
 
@@ -144,7 +144,7 @@ class StreamingLoadTest(absltest.TestCase):
     paths = {}
     for n_layers in (3, 10):  # A warms up; B is measured
       cfg = dataclasses.replace(big, n_layers=n_layers)
-      paths[n_layers] = tempfile.mkdtemp(prefix=f"hf_stream_{n_layers}_")
+      paths[n_layers] = temp_dir(self, f"hf_stream_{n_layers}_")
       save_hf_checkpoint(paths[n_layers], init_params_np(cfg), cfg, shards=2)
     size = sum(os.path.getsize(os.path.join(paths[10], f)) for f in os.listdir(paths[10]))
     self.assertGreaterEqual(size, 4 * bound)
@@ -171,7 +171,7 @@ class MultiProcessReadTest(absltest.TestCase):
     from mlkit.quant import RECIPES
     # Expert FFN width 256: w_down's K splits into 4 tensor shards of 2 int4 groups each.
     cfg = dataclasses.replace(TINY_MLA, n_layers=2, moe_ffn_dim=256, **_F32)
-    src = tempfile.mkdtemp(prefix="hf_multi_")
+    src = temp_dir(self, "hf_multi_")
     save_hf_checkpoint(src, init_params_np(cfg, seed=3), cfg, shards=2)
     with two_processes(self, worker_mod.__file__, ["--src", src], self.TIMEOUT_S) as out:
       reports = []

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 from absl.testing import absltest, parameterized
 
@@ -18,6 +17,8 @@ from experiments import common
 from mlkit import kvcache as kvc
 from mlkit import perfmodel as pm
 from mlkit.quant import FP8_ALL, INT4_EXPERTS
+
+from tempdirs import temp_dir
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -30,7 +31,7 @@ class SmokeRunsTest(parameterized.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     from experiments import disagg, integrity, kernels, kv_dtype, paper, prefix_cache, weight_quant
-    cls.out = tempfile.mkdtemp(prefix="experiments_smoke_")
+    cls.out = temp_dir(cls, "experiments_smoke_")
     cls.records = {}
     for name, mod in (("kv_dtype", kv_dtype), ("integrity", integrity), ("paper", paper),
                       ("weight_quant", weight_quant), ("disagg", disagg), ("kernels", kernels),
@@ -263,13 +264,13 @@ class CliTest(absltest.TestCase):
             self.assertIn(f"experiments.{f[:-3]}", registered)
 
   def test_unknown_name_is_an_error(self):
-    r = self._run("no_such_experiment", "--out", tempfile.mkdtemp())
+    r = self._run("no_such_experiment", "--out", temp_dir(self, "experiments_unknown_"))
     self.assertEqual(r.returncode, 2)
     self.assertIn("unknown experiment(s): no_such_experiment", r.stderr)
     self.assertIn("kv_dtype", r.stderr)  # the usage follows
 
   def test_report_links_tables_and_plots(self):
-    out = tempfile.mkdtemp()
+    out = temp_dir(self, "experiments_report_")
     r = self._run("paper", "--out", out)
     self.assertEqual(r.returncode, 0, r.stderr[-2000:])
     with open(os.path.join(out, "REPORT.md")) as f:

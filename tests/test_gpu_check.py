@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 import jax
@@ -24,6 +23,8 @@ from pallas_kernels import benchmark as bm
 from pallas_kernels.indexer import bench as indexer_bench
 from pallas_kernels.indexer import topk_bench
 from pallas_kernels.paged_attention import bench as attn_bench
+
+from tempdirs import temp_dir
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(_REPO, "scripts", "gpu_check.py")
@@ -153,7 +154,7 @@ class ScriptRunsTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.dir = tempfile.mkdtemp(prefix="gpu_check_")
+    cls.dir = temp_dir(cls, "gpu_check_")
     cls.out = os.path.join(cls.dir, "run.jsonl")
     cls.budget_out = os.path.join(cls.dir, "budget.jsonl")
     cls.sparse_out = os.path.join(cls.dir, "sparse.jsonl")
@@ -380,7 +381,7 @@ class KernelsExperimentTest(absltest.TestCase):
       readings = kernel_compile.markdown(kernel_compile.load_records())
     except ImportError:
       readings = "Compile readings unavailable"
-    out = tempfile.mkdtemp(prefix="kernels_")
+    out = temp_dir(self, "kernels_")
     rec = kernels.run(out, quick=True, smoke=True)
     self.assertTrue(rec["skipped"])
     self.assertEqual(rec["records"], [])

@@ -4,7 +4,6 @@ its per-device bytes against the analytic ones, the out-of-memory marking, and t
 import dataclasses
 import json
 import os
-import tempfile
 
 import jax
 from absl.testing import absltest
@@ -14,6 +13,8 @@ from mlkit import kvcache as kvc
 from mlkit.quant import INT4_EXPERTS, weight_bytes
 from mlkit.quant.tree import flatten_params
 
+from tempdirs import temp_dir
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -22,7 +23,7 @@ class SmokeRunTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.out = tempfile.mkdtemp(prefix="h200_compile_smoke_")
+    cls.out = temp_dir(cls, "h200_compile_smoke_")
     cls.rec = hc_exp.run(cls.out, quick=True, smoke=True)
     cls.plan = hc_exp.plan_for(quick=True, smoke=True)
 

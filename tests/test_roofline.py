@@ -2,7 +2,6 @@
 
 import dataclasses
 import os
-import tempfile
 
 from absl.testing import absltest, parameterized
 
@@ -14,6 +13,8 @@ from pallas_kernels.indexer import topk_bench
 from pallas_kernels.int4_matmul import bench as int4_bench
 from pallas_kernels.paged_attention import bench as attn_bench
 from pallas_kernels.tag_check import bench as tag_bench
+
+from tempdirs import temp_dir
 
 # Small dims of every kernel (the reference backend builds their Benches quickly).
 _SMALL = {
@@ -222,7 +223,7 @@ class SheetTest(absltest.TestCase):
     self.assertIn("### What the model says about the targets", md)
     # 32K / 2048 and 128K / 2048 selected rows: the dense job reads 16x and 64x the bytes.
     self.assertIn("the dense kernel's roofline at the same shape is 15-64x this one's", md)
-    path = os.path.join(tempfile.mkdtemp(), "roofline.png")
+    path = os.path.join(temp_dir(self, "roofline_"), "roofline.png")
     rf.plot(self.sheet, path)
     with open(path, "rb") as f:
       self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")

@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -22,6 +21,8 @@ from absl.testing import absltest
 
 from mlkit.serve import launch
 from mlkit.serve.client import Client
+
+from tempdirs import temp_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the CLI tests' cwd
 MODEL = ["--model", "tiny-mla", "--n-layers", "1", "--recipe", "bf16", "--kv-dtype", "float32",
@@ -54,7 +55,7 @@ class ServeProcessesTest(absltest.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.tmp = tempfile.mkdtemp(prefix="mlkit-serve-test-")
+    cls.tmp = temp_dir(cls, "mlkit-serve-test-")
     cls.pre_addr = f"127.0.0.1:{launch.free_port()}"
     cls.dec_addr = f"127.0.0.1:{launch.free_port()}"
     cls.pre_log = os.path.join(cls.tmp, "prefill.log")
@@ -117,7 +118,7 @@ class ServeProcessesTest(absltest.TestCase):
     # device work to its follower; the decode leader lands each payload on both processes,
     # the prefill pool extracts on both. Same tokens as the in-process reference; then a
     # follower's death ends its pool cleanly.
-    tmp = tempfile.mkdtemp(prefix="mlkit-serve-mh-")
+    tmp = temp_dir(self, "mlkit-serve-mh-")
     pre_addr, dec_addr = (f"127.0.0.1:{launch.free_port()}" for _ in range(2))
     procs, logs = [], []
     for role, addr, extra in (
@@ -283,7 +284,7 @@ class HuggingFaceCheckpointPairTest(absltest.TestCase):
     import numpy as np
     ref = np.load(os.path.join(self.FIXTURE, "reference.npz"))
     n, greedy = int(ref["prompt_len"]), ref["greedy"]
-    tmp = tempfile.mkdtemp(prefix="mlkit-serve-hf-")
+    tmp = temp_dir(self, "mlkit-serve-hf-")
     pre_addr, dec_addr = (f"127.0.0.1:{launch.free_port()}" for _ in range(2))
     common = ["--checkpoint", self.FIXTURE, "--kv-dtype", "float32", "--num-pages", "32",
               "--max-running", "4", "--prefill-chunk", "8", "--max-pages-per-seq", "8"]
