@@ -124,4 +124,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+  # Before jax loads its backends: the CPU on a machine without a GPU, so the CUDA plugin
+  # (installed for deviceless H200 compiles) does not probe for a driver and print a
+  # cuDNN traceback (docs/h200_compile.md).
+  from pallas_kernels.h200 import env as h200_env
+  h200_env.prepare(ptxas_report=False)
   sys.exit(main())

@@ -31,6 +31,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pallas_kernels.h200 import env as h200_env  # noqa: E402
+
+h200_env.prepare(ptxas_report=False)  # the CPU where there is no GPU: no CUDA-plugin probe
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

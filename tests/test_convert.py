@@ -10,6 +10,8 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import jax
@@ -233,6 +235,24 @@ class ConvertTest(absltest.TestCase):
     for want in ("--recipe", "--dtype", "--mesh", "--overwrite", "Resumable", "int4-experts-g32",
                  "fp8-all", "GPTQ (int4-experts-g32-gptq) is not offered", "calibration"):
       self.assertIn(want, text)
+
+  def test_the_command_on_a_machine_without_a_gpu(self):
+    # `python -m mlkit.convert` as a user runs it: no JAX_PLATFORMS from the test set-up.
+    # The CUDA plugin is installed (deviceless H200 compiles), and without the command's
+    # own set-up jax would probe for a driver and print a cuDNN traceback.
+    from pallas_kernels.h200 import env as h200_env
+    if h200_env.gpu_present():
+      self.skipTest("a GPU is present: the CUDA plugin is meant to load")
+    dst = self.dst()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_PLATFORMS", "TF_CPP_MIN_LOG_LEVEL", "TF_CPP_VMODULE")}
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "mlkit.convert", self.src, dst, "--recipe", "bf16"],
+                       cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    self.assertEqual(r.returncode, 0, r.stderr[-2000:])
+    self.assertTrue(os.listdir(dst))  # the checkpoint was written
+    for noise in ("plugin configuration error", "cuDNN", "Traceback"):
+      self.assertNotIn(noise, r.stderr)
 
 
 if __name__ == "__main__":
