@@ -1,8 +1,7 @@
 """Temporary folders that tests remove when they finish.
 
-``tempfile.mkdtemp`` leaves its folder behind. The suite's checkpoints, experiment
-outputs and server logs add up to gigabytes per run, and repeated runs once filled a
-development machine's /tmp. :func:`temp_dir` registers the removal with the test
+``tempfile.mkdtemp`` leaves its folder behind. Over repeated runs, the suite's
+checkpoints, experiment outputs and server logs filled a development machine's /tmp. :func:`temp_dir` registers the removal with the test
 (or its class) that asked, so it runs whether the test passed or failed.
 """
 
