@@ -25,11 +25,11 @@ from pallas_kernels.int4_matmul import to_nk
 M, K, N, G = 16, 1024, 512, 32
 
 
-def _operands(layout, seed=0):
+def _operands(layout, seed=0, k=K):
   rng = np.random.default_rng(seed)
-  x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
-  packed = reference.pack_int4(jnp.asarray(rng.integers(-8, 8, (K, N)), jnp.int8))
-  scales = jnp.asarray(rng.uniform(0.5, 1.5, (K // G, N)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((M, k)), jnp.float32)
+  packed = reference.pack_int4(jnp.asarray(rng.integers(-8, 8, (k, N)), jnp.int8))
+  scales = jnp.asarray(rng.uniform(0.5, 1.5, (k // G, N)), jnp.float32)
   return x, (to_nk(packed) if layout == "nk" else packed), scales
 
 
@@ -41,8 +41,8 @@ class PartitionedReferenceTest(parameterized.TestCase):
     super().setUpClass()
     cls.mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "tensor"))
 
-  def _run(self, layout, n_axes, k_axes, m_axes=None):
-    x, w, scales = _operands(layout)
+  def _run(self, layout, n_axes, k_axes, m_axes=None, k=K):
+    x, w, scales = _operands(layout, k=k)
     ref = (reference.int4_matmul_nk_reference if layout == "nk"
            else reference.int4_matmul_reference)
     want = np.asarray(ref(x, w, scales, group_size=G))
@@ -79,6 +79,16 @@ class PartitionedReferenceTest(parameterized.TestCase):
     y, shapes = self._run("nk", "tensor", None, m_axes="data")
     self.assertIn(((M // 2, K), (N // 4, K), (K // G, N // 4)), shapes)
     self.assertEqual(y.sharding.spec, P("data", "tensor"))
+
+  @parameterized.parameters("nk", "kn")
+  def test_one_scale_group(self, layout):
+    # K == group_size: one scale group, which cannot be split; Shardy rejects a
+    # compound (groups x group size) factor with a group count of 1, so the rule
+    # names K whole. The columns still split.
+    y, shapes = self._run(layout, "tensor", None, k=G)
+    w_local = (N // 4, G) if layout == "nk" else (G // 2, N // 4)
+    self.assertIn(((M, G), w_local, (1, N // 4)), shapes)
+    self.assertEqual(y.sharding.spec, P(None, "tensor"))
 
   def test_replicated_runs_whole(self):
     y, _ = self._run("nk", None, None)

@@ -95,9 +95,16 @@ def _rule(group_size, layout, backend, block_sizes, device_kind, mesh, operand_t
 
   kg (the scale groups) is the reduction factor; g (rows within a group) is never
   split, so a K split falls on whole groups. The "kn" layout's packed rows hold
-  two K rows per byte: (kg, g/2).
+  two K rows per byte: (kg, g/2). With one scale group (K == group_size) K is
+  one factor that is never split: Shardy rejects a compound factor of size 1.
   """
-  del backend, block_sizes, device_kind, mesh, operand_types, result_types
+  del backend, block_sizes, device_kind, mesh, result_types
+  if operand_types[2].shape[0] == 1:  # scales [1, N]: K is a single group
+    w_map = ("n", "k") if layout == "nk" else ("h", "n")
+    return SdyShardingRule(operand_mappings=(("m", "k"), w_map, ("kg", "n")),
+                           result_mappings=(("m", "n"),),
+                           need_replication_factors=("k", "kg") if layout == "nk"
+                           else ("k", "h", "kg"))
   k_x = CompoundFactor("kg", "g")
   if layout == "nk":
     w_map = ("n", CompoundFactor("kg", "g"))
