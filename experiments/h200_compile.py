@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from configs import GLM_5_2, H200, KIMI_K2_6, TINY_MLA
 from experiments import common, paper
+from experiments.step_placement import kernel_rows, step_placement
 from mlkit import kvcache as kvc
 from mlkit import perfmodel as pm
 from mlkit.config import ModelConfig
@@ -241,8 +242,11 @@ def _lower(v: Variant, kv_dtype: str, kind: str, n_moe: int, num_pages: int, pla
 
 def _compile(lowered, rec: dict) -> dict:
   t0 = time.perf_counter()
-  ma = lowered.compile(COMPILE_OPTIONS).memory_analysis()
+  compiled = lowered.compile(COMPILE_OPTIONS)
+  ma = compiled.memory_analysis()
   out = dict(rec, compile_s=time.perf_counter() - t0)
+  # What each GPU runs: every kernel at its per-GPU shape, and what XLA had to gather.
+  out.update(step_placement(compiled.as_text()))
   for f in FIELDS:
     out[f] = int(getattr(ma, f"{f}_size_in_bytes"))
   out["peak"] = out["argument"] + out["temp"] + out["output"] - out["alias"]
@@ -587,12 +591,15 @@ def markdown(rec: dict) -> str:
   md.append("\n## Compiled steps\n\n")
   md.append(common.markdown_table(
       ["variant", "KV", "step", "layers", "B x T, pages/row", "pool pages", "arguments",
-       "= weights + KV + inputs", "temp", "output", "aliased", "compile s"],
+       "= weights + KV + inputs", "temp", "output", "aliased", "all-gathered (KB)",
+       "compile s"],
       [[c["variant"], c["kv_dtype"], c["kind"], c["n_layers"],
         f"{c['rows']} x {c['tokens']}, {c['max_pages']}", f"{c['num_pages']:,}",
         b(c["argument"]), "exact" if c["argument_matches_analytic"] else
         f"NO ({b(c['weights'] + c['kv'] + c['inputs'])})", b(c["temp"]), b(c["output"]),
-        b(c["alias"]), f"{c['compile_s']:.0f}"] for c in rec["compiles"]]))
+        b(c["alias"]), f"{c['all_gather_bytes'] / 1e3:,.1f}", f"{c['compile_s']:.0f}"]
+       for c in rec["compiles"]]))
+  md.append(_kernels_markdown(rec["compiles"]))
   md.append(f"\n## Depth fits ({unit} = intercept + slope x MoE layers; the full-depth "
             "figure extends the deepest two points)\n\n")
   frows = []
@@ -607,6 +614,27 @@ def markdown(rec: dict) -> str:
   md.append("\n## Notes\n\n")
   md += [f"- {n}\n" for n in rec["notes"]]
   md.append("\n![h200_compile](h200_compile.png)\n")
+  return "".join(md)
+
+
+def _kernels_markdown(compiles: list[dict]) -> str:
+  """Each series' kernels per GPU at its shallowest depth, and its all-gathers."""
+  md = ["\n## Kernels each GPU runs\n\n",
+        "Every Pallas kernel call in the compiled step, at its per-GPU result shape, and every "
+        "all-gather XLA inserted (the shallowest compiled depth of each step; deeper ones "
+        "repeat the MoE layer's calls). A kernel whose operands XLA had to gather runs at its "
+        "unsplit shape beside an all-gather of that operand (`experiments/step_placement.py`).\n"]
+  shallowest = {}
+  for c in compiles:
+    key = (c["variant"], c["kv_dtype"], c["kind"])
+    if key not in shallowest or c["n_moe"] < shallowest[key]["n_moe"]:
+      shallowest[key] = c
+  for (variant, kv, kind), c in shallowest.items():
+    gathers = ", ".join(f"`{g['result']}`" for g in c["all_gathers"]) or "none"
+    md.append(f"\n**{variant}, {kv} KV, {kind}** ({c['n_layers']} layers): all-gathers "
+              f"{gathers}, {c['all_gather_bytes'] / 1e3:,.1f} KB.\n\n")
+    md.append(common.markdown_table(["kernel", "custom call", "per-GPU result", "layers",
+                                     "calls"], kernel_rows(c["kernels"])))
   return "".join(md)
 
 

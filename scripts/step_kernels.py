@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,32 +30,27 @@ from pallas_kernels.h200 import env  # noqa: E402
 env.prepare(ptxas_report=False)
 
 from experiments import h200_compile as hcx  # noqa: E402
+from experiments.step_placement import kernel_rows, step_placement  # noqa: E402
 from mlkit.quant import RECIPES, int4_all  # noqa: E402
 from pallas_kernels.h200 import compile as hc  # noqa: E402
 
 # Recipes by name: the registry's, plus the all-INT4 ablation.
 _RECIPES = dict(RECIPES, **{"int4-all": int4_all(32)})
 _MODELS = {"kimi": hcx.KIMI, "glm": hcx.GLM_FP8}
-_KERNEL_RE = re.compile(r"= (.*?) custom-call\(.*custom_call_target=\"(\S+?)\"")
-_GATHER_RE = re.compile(r"= (.*?) all-gather\(")
 
 
 def step_kernels(model: str, recipe: str, kv: str, kind: str, depth: int) -> dict:
-  """Compiles the step and returns {"kernels": [(target, result type)], "all_gathers":
-  [result type], "argument_bytes", "temp_bytes"} per GPU."""
+  """Compiles the step and returns per GPU :func:`step_placement`'s fields and XLA's
+  "argument_bytes" and "temp_bytes"."""
   plan = hcx.plan_for(quick=False, smoke=False)
   mesh = hc.mesh(hcx.MESH_SHAPE, hcx.AXES)
   v = dataclasses.replace(_MODELS[model], recipe=_RECIPES[recipe])
   pages = plan.concurrency * hcx.pages_per_request(v.work)
   lowered, _ = hcx._lower(v, kv, kind, depth, pages, plan, mesh)  # pylint: disable=protected-access
   compiled = lowered.compile(hcx.COMPILE_OPTIONS)
-  hlo = compiled.as_text()
-  kernels = [(m.group(2), m.group(1)) for m in map(_KERNEL_RE.search, hlo.splitlines())
-             if m and m.group(2) in ("mosaic_gpu_v2", "mosaic_gpu", "__gpu$xla.gpu.triton")]
-  gathers = [m.group(1) for m in map(_GATHER_RE.search, hlo.splitlines()) if m]
   ma = compiled.memory_analysis()
-  return {"kernels": kernels, "all_gathers": gathers,
-          "argument_bytes": ma.argument_size_in_bytes, "temp_bytes": ma.temp_size_in_bytes}
+  return dict(step_placement(compiled.as_text()), argument_bytes=ma.argument_size_in_bytes,
+              temp_bytes=ma.temp_size_in_bytes)
 
 
 def main(argv=None) -> int:
@@ -69,10 +63,10 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   out = step_kernels(args.model, args.recipe, args.kv, args.kind, args.depth)
   print(f"{args.model} {args.recipe} {args.kv} {args.kind}, {args.depth} MoE layer(s), per GPU:")
-  for target, result in out["kernels"]:
-    print(f"  kernel {target}: {result}")
-  for result in out["all_gathers"]:
-    print(f"  all-gather: {result}")
+  for name, target, result, layers, calls in kernel_rows(out["kernels"]):
+    print(f"  kernel {name} ({target}): {result.strip('`')}, {calls} call(s) in {layers}")
+  for g in out["all_gathers"]:
+    print(f"  all-gather: {g['result']} ({g['bytes']:,} B)")
   print(f"  arguments {out['argument_bytes'] / 1e9:.2f} GB, temporaries "
         f"{out['temp_bytes'] / 1e9:.2f} GB")
   return 0

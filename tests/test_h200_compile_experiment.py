@@ -9,6 +9,7 @@ import jax
 from absl.testing import absltest
 
 from experiments import h200_compile as hc_exp
+from experiments import step_placement
 from mlkit import kvcache as kvc
 from mlkit.quant import INT4_EXPERTS, weight_bytes
 from mlkit.quant.tree import flatten_params
@@ -76,6 +77,22 @@ class SmokeRunTest(absltest.TestCase):
     self.assertEqual(row["tokens"], kvc.capacity(hc_exp.TINY, "bfloat16",
                                                  int(row["largest_pool"]), page_size=64)["tokens"])
 
+  def test_kernels_each_gpu_runs(self):
+    (c,) = self.rec["compiles"]
+    where = {}
+    for k in c["kernels"]:
+      where.setdefault(k["name"], []).append(k["layer"])
+    # The tag check before the layers, attention in both layers, the MoE layer's gate, up
+    # and down projections as grouped INT4 calls (run per GPU inside the experts' shard_map).
+    self.assertEqual(where, {"tag_check": ["-"], "paged_mla_decode": ["layer_0", "layer_1"],
+                             "int4_grouped_matmul_nk": ["layer_1"] * 3})
+    # What XLA gathers is the MoE dispatch's per-token routing values ([rows, 8]), no weight.
+    self.assertNotEmpty(c["all_gathers"])
+    for g in c["all_gathers"]:
+      for _, shape in step_placement.arrays(g["result"]):
+        self.assertEqual(shape, (c["rows"], 8), g)
+    self.assertEqual(c["all_gather_bytes"], sum(g["bytes"] for g in c["all_gathers"]))
+
   def test_files_well_formed(self):
     with open(os.path.join(self.out, "h200_compile.json")) as f:
       rec = json.load(f)
@@ -85,6 +102,8 @@ class SmokeRunTest(absltest.TestCase):
       md = f.read()
     self.assertIn("**NO (out of memory)**", md)
     self.assertIn("not instantiated", md)
+    self.assertIn("## Kernels each GPU runs", md)
+    self.assertIn("| int4_grouped_matmul_nk | mosaic_gpu_v2 | `bf16[128,64]` | layer_1 | 3 |", md)
     with open(os.path.join(self.out, "h200_compile.png"), "rb") as f:
       self.assertEqual(f.read(8), PNG_MAGIC)
 
