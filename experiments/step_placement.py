@@ -26,10 +26,12 @@ import re
 # Custom-call targets of Pallas kernels in a GPU program: Mosaic GPU and Triton.
 KERNEL_TARGETS = ("mosaic_gpu_v2", "mosaic_gpu", "__gpu$xla.gpu.triton")
 
-# Bytes per element of the HLO element types a serving step uses.
-_ELEMENT_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1,
-                  "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-                  "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+# Bytes per element of XLA's element types (sub-byte types packed).
+_ELEMENT_BYTES = {"pred": 1, "s1": 0.125, "u1": 0.125, "s2": 0.25, "u2": 0.25, "s4": 0.5,
+                  "u4": 0.5, "f4e2m1fn": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+                  "f8e4m3": 1, "f8e3m4": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1,
+                  "f8e8m0fnu": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                  "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 
 # "%name = TYPE custom-call(...)": TYPE is an array type or a (nested) tuple of them; its
 # characters exclude the '%', '=' and '"' of operands and attributes, so a match cannot run past it.
