@@ -90,6 +90,26 @@ def _run_experts(p: dict, x: jax.Array, token_of: jax.Array, group_sizes: jax.Ar
   return out
 
 
+# Expert-parallel row passes (docs/serving_step_memory.md, "Expert-parallel prefill in
+# passes"). A device's experts can receive every one of the R = tokens x top-k rows, so a
+# single pass sizes every per-row buffer (the gathered tokens, the three projections'
+# outputs) at R, though a balanced router sends each of S devices about R / S. From
+# EP_PASS_MIN_ROWS rows on, a device runs its rows in passes of EP_PASS_CAPACITY x R / S
+# (at most R): one pass when routing is balanced to within that factor, more only when
+# its experts drew more rows. Below it (decode: 64 requests x 8 = 512 rows) one pass of R
+# rows is cheap, and a data-dependent loop would cost a device-to-host sync per pass.
+EP_PASS_MIN_ROWS = 4096
+EP_PASS_CAPACITY = 1.25
+
+
+def ep_pass_rows(rows: int, shards: int) -> int:
+  """Rows per expert-parallel pass for ``rows`` routed rows over ``shards`` devices."""
+  if rows < EP_PASS_MIN_ROWS or shards <= 1:
+    return rows
+  per = -(-int(rows * EP_PASS_CAPACITY) // shards)
+  return min(rows, -(-per // 64) * 64)  # whole 64-row tiles
+
+
 def _expert_axes(expert_sharding) -> tuple[str, ...] | None:
   """Mesh axes the experts' leading axis is split over (None: not split, or no sharding)."""
   if expert_sharding is None:
@@ -113,7 +133,10 @@ def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
   the kernels see per-device shapes and no device gathers another's experts),
   combines them into a partial [N, D] and one all-reduce sums the partials.
   Every row belongs to exactly one device, so the result equals the unsharded one
-  up to f32 summation order.
+  up to f32 summation order. With many rows (prefill) a device runs its rows in
+  passes of :func:`ep_pass_rows`, so its buffers are sized for a balanced share
+  rather than for every row; a device whose experts drew more loops over more
+  passes, so no row is dropped.
 
   Args:
     p: expert weights ``w_gate``/``w_up`` [E, D, F] and ``w_down`` [E, F, D] (any format).
@@ -152,18 +175,34 @@ def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
                      f"over mesh axes {axes} of size {shards}")
   local_experts = n_experts // shards
 
+  R = token_of.shape[0]
+  pass_rows = ep_pass_rows(R, shards)
+
   def local(experts, x, token_of, group_sizes, row_weights, slot):
     first = jax.lax.axis_index(axes) * local_experts
     sizes = jax.lax.dynamic_slice_in_dim(group_sizes, first, local_experts)  # [E_local]
     start = jnp.sum(jnp.where(jnp.arange(n_experts) < first, group_sizes, 0))
-    R = token_of.shape[0]
+    count = jnp.sum(sizes)  # this device's rows: [start, start + count) of the sorted rows
+    ends = jnp.cumsum(sizes)  # [E_local] local row offsets
 
-    def rows(a):  # entries [start, start + R) of a per-row array [R], zero past the end
-      return jax.lax.dynamic_slice_in_dim(jnp.concatenate([a, jnp.zeros_like(a)]), start, R)
+    def run_pass(lo):
+      """Local rows [lo, lo + pass_rows): their experts' FFNs, combined into [N, D] f32."""
+      def rows(a):  # entries [start + lo, ...) of a per-row array [R], zero past the end
+        return jax.lax.dynamic_slice_in_dim(jnp.concatenate([a, jnp.zeros_like(a)]),
+                                            start + lo, pass_rows)
+      pass_sizes = (jnp.clip(ends - lo, 0, pass_rows)
+                    - jnp.clip(ends - sizes - lo, 0, pass_rows))  # [E_local]
+      # Rows of other devices' experts, or of other passes, fall outside [0, rows here).
+      here = jnp.clip(count - lo, 0, pass_rows)
+      local_slot = slot - start - lo
+      local_slot = jnp.where((local_slot >= 0) & (local_slot < here), local_slot, -1)
+      return _run_experts(experts, x, rows(token_of), pass_sizes, rows(row_weights),
+                          local_slot, backend)
 
-    local_slot = slot - start  # rows of other devices' experts fall outside [0, count)
-    local_slot = jnp.where((local_slot >= 0) & (local_slot < jnp.sum(sizes)), local_slot, -1)
-    out = _run_experts(experts, x, rows(token_of), sizes, rows(row_weights), local_slot, backend)
+    out = run_pass(0)
+    if pass_rows < R:  # the rows past the first pass, if this device's experts drew them
+      passes = (count + pass_rows - 1) // pass_rows
+      out = jax.lax.fori_loop(1, passes, lambda i, acc: acc + run_pass(i * pass_rows), out)
     return jax.lax.psum(out, axes)  # [N, D] f32
 
   def expert_spec(a):
