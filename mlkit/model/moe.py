@@ -97,7 +97,8 @@ def _run_experts(p: dict, x: jax.Array, token_of: jax.Array, group_sizes: jax.Ar
 # EP_PASS_MIN_ROWS rows on, a device runs its rows in passes of EP_PASS_CAPACITY x R / S
 # (at most R): one pass when routing is balanced to within that factor, more only when
 # its experts drew more rows. Below it (decode: 64 requests x 8 = 512 rows) one pass of R
-# rows is cheap, and a data-dependent loop would cost a device-to-host sync per pass.
+# rows is cheap, and a data-dependent loop can cost a device-to-host read of its
+# predicate per pass (XLA's GPU while loop, outside a CUDA-graph conditional).
 EP_PASS_MIN_ROWS = 4096
 EP_PASS_CAPACITY = 1.25
 
