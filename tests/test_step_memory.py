@@ -146,6 +146,31 @@ class QueryBlockTest(absltest.TestCase):
       np.testing.assert_array_equal(np.asarray(blocked[:, 3]), 0)
 
 
+  def test_block_follows_the_score_budget(self):
+    # Kimi K2.6's 8192-token prefill over 16K keys, 8 heads a device: 512 queries a
+    # block keep a score buffer at 256 MiB; GLM 5.2's four 2048-token prompts fit 1024.
+    self.assertEqual(attention.query_block(1, 8192, 8, 16384), 512)
+    self.assertEqual(min(attention.QUERY_BLOCK, attention.query_block(4, 2048, 8, 2048)), 1024)
+    seen = []
+
+    def attend(q, mask):
+      seen.append(q.shape[1])
+      return q
+
+    q = jnp.ones((1, 100, 2, 4))
+    mask = jnp.ones((1, 100, 64), bool)
+    saved = attention.SCORE_BLOCK_BYTES
+    attention.SCORE_BLOCK_BYTES = 2 * 64 * 4 * 16  # the scores of 16 queries
+    try:
+      out = attention.attend_in_query_blocks(attend, (q,), mask)
+    finally:
+      attention.SCORE_BLOCK_BYTES = saved
+    self.assertEqual(seen, [16])  # traced once, inside lax.map over 7 blocks
+    self.assertEqual(out.shape, q.shape)
+    attention.attend_in_query_blocks(attend, (q,), mask)
+    self.assertEqual(seen[-1], 100)  # fits the default budget: one block
+
+
 class BlockedRaggedDotTest(parameterized.TestCase):
 
   @parameterized.parameters(False, True)

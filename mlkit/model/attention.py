@@ -17,11 +17,26 @@ from mlkit.model.layers import rms_norm
 from mlkit.quant import dequantize, matmul
 
 _NEG_INF = -1e30
-# Queries attended at once. A long prefill chunk attends in query blocks of this size
-# (``attend_in_query_blocks``), so its f32 scores are [B, H, QUERY_BLOCK, S] at a time,
-# never [B, H, T, S]: for an 8192-token chunk over a 16K-token context with 8 heads a
-# device, 0.5 GiB per score buffer instead of 4 GiB.
+# Queries attended at once, at most. A long prefill chunk attends in query blocks
+# (``attend_in_query_blocks``), so its f32 scores are [B, H, block, S] at a time, never
+# [B, H, T, S]; the block is also halved until one score buffer fits SCORE_BLOCK_BYTES.
+# For an 8192-token chunk over a 16K-token context with 8 heads a device: blocks of 512,
+# 256 MiB per score buffer instead of 4 GiB (docs/serving_step_memory.md).
 QUERY_BLOCK = 1024
+# Bytes one query block's f32 scores may take (the sparse indexer's per-head scores too).
+SCORE_BLOCK_BYTES = 256 * 2**20
+
+
+def query_block(B: int, T: int, H: int, S: int, budget: int = SCORE_BLOCK_BYTES) -> int:
+  """Queries per block: all T when their [B, T, H, S] f32 scores fit ``budget`` bytes,
+  else the largest power of two that fits (at least 1)."""
+  per_query = B * H * S * 4
+  if T * per_query <= budget:
+    return T
+  block = 1
+  while block * 2 * per_query <= budget:
+    block *= 2
+  return block
 
 
 def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
@@ -44,13 +59,16 @@ def attend_in_query_blocks(attend, queries: tuple, mask: jax.Array,
     attend: (*queries [B, t, ...], mask [B, t, S]) -> [B, t, ...].
     queries: arrays [B, T, ...] split along T.
     mask: [B, T, S].
-    block: queries per block (None: ``QUERY_BLOCK``).
+    block: queries per block (None: at most ``QUERY_BLOCK``, fewer where the scores of
+      that many exceed ``SCORE_BLOCK_BYTES``; the heads are the queries' axis 2).
 
   Returns:
     ``attend``'s result for all T queries, [B, T, ...].
   """
-  block = QUERY_BLOCK if block is None else block
-  T = mask.shape[1]
+  B, T, S = mask.shape
+  if block is None:
+    heads = queries[0].shape[2] if queries[0].ndim > 2 else 1
+    block = min(QUERY_BLOCK, query_block(B, T, heads, S, budget=SCORE_BLOCK_BYTES))
   if T <= block:
     return attend(*queries, mask)
   n = -(-T // block)

@@ -29,13 +29,12 @@ import jax.numpy as jnp
 
 from mlkit.config import ModelConfig
 from mlkit.model import rope
+# The indexer's per-head scores [B, Tq, Hi, S] f32 are bounded like attention's: a 2K-token
+# prefill of GLM 5 over 2K keys would otherwise hold 2 GB per layer at batch 4.
+from mlkit.model.attention import query_block
 from mlkit.quant import matmul
 
 _LAYER_NORM_EPS = 1e-6  # the indexer key norm's epsilon in GLM 5 and DeepSeek-V3.2
-# Bytes of one query block's per-head scores [B, Tq, Hi, S] f32 that :func:`select`
-# allows before it splits the queries into blocks (a 2K-token prefill of GLM 5 over
-# 2K keys would otherwise hold 2 GB per layer at batch 4).
-SCORE_BLOCK_BYTES = 256 * 2**20
 
 
 def _layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
@@ -108,18 +107,6 @@ def select_topk(scores: jax.Array, mask: jax.Array, k: int) -> jax.Array:
   chosen = chosen.at[b, t, idx].set(True)
   return chosen & mask  # a hidden key picked to fill k (fewer visible than k) stays hidden
 
-
-
-def query_block(B: int, T: int, Hi: int, S: int, budget: int = SCORE_BLOCK_BYTES) -> int:
-  """Queries per block of :func:`select`: all T when their [B, T, Hi, S] f32 per-head
-  scores fit ``budget`` bytes, else the largest power of two that fits (at least 1)."""
-  per_query = B * Hi * S * 4
-  if T * per_query <= budget:
-    return T
-  block = 1
-  while block * 2 * per_query <= budget:
-    block *= 2
-  return block
 
 
 def select(q: jax.Array, weights: jax.Array, keys: jax.Array, mask: jax.Array, k: int, *,
