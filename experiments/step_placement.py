@@ -7,8 +7,7 @@ device, after partitioning) shows both, so reading it tells whether every kernel
 runs on its own GPU's shard:
 
 * each kernel call (Mosaic GPU or Triton custom call) with the layer it belongs
-  to, its name (the jitted op around its ``pallas_call``) and its per-GPU result
-  type;
+  to, the kernel's own name and its per-GPU result type;
 * each all-gather with its result type and bytes.
 
 A kernel fed a gathered weight shows its unsplit result shape beside an
@@ -124,9 +123,9 @@ def step_placement(hlo: str) -> dict:
     if gather:
       result = _strip_layouts(gather.group(1))
       if gather.group(2):  # async: the start's tuple holds the operands, then the results
-        found = _ARRAY_RE.findall(result)
+        found = arrays(result)
         found = found[len(found) // 2:]
-        result = ", ".join(f"{t}[{d}]" for t, d in found)
+        result = ", ".join(f"{t}[{','.join(map(str, shape))}]" for t, shape in found)
         result = f"({result})" if len(found) > 1 else result
       gathers.append({"result": result, "bytes": array_bytes(result)})
   return {"kernels": kernels, "all_gathers": gathers,
