@@ -297,25 +297,6 @@ class PagedAttentionTest(parameterized.TestCase):
                        meta.block_tables, meta.lengths, scale=1.0, backend="xla")
 
 
-class PagedMaskTest(absltest.TestCase):
-
-  def test_blocked_rows_equal_the_whole_mask(self):
-    # 600 query rows: two whole blocks of 256 and a padded one; ragged lengths, one empty
-    # request, positions past the length (padding) and repeated positions.
-    rng = np.random.default_rng(5)
-    B, T, S = 3, 600, 700
-    lengths = jnp.asarray([700, 421, 0], jnp.int32)
-    positions = jnp.asarray(rng.integers(-1, S + 5, (B, T)), jnp.int32)
-    s = np.arange(S)[None, None, :]
-    want = (s <= np.asarray(positions)[:, :, None]) & (s < np.asarray(lengths)[:, None, None])
-    got = jax.jit(kvc.paged_mask, static_argnums=2)(positions, lengths, S)
-    self.assertGreater(T, kvc.state.MASK_ROW_BLOCK)
-    np.testing.assert_array_equal(np.asarray(got), want)
-    self.assertTrue(want.any() and not want.all())
-    short = positions[:, :5]  # one block: built whole
-    np.testing.assert_array_equal(np.asarray(kvc.paged_mask(short, lengths, S)), want[:, :5])
-
-
 class TagCheckTest(absltest.TestCase):
 
   def test_flags_exactly_reallocated_requests(self):

@@ -487,31 +487,10 @@ def gather_layer(state: PagedKVState, layer: int, block_tables: jax.Array, lengt
             for name in state.layer_names(layer)}
 
 
-# Query rows of the prefill mask built at a time (paged_mask). Built whole, XLA's GPU
-# compiler materialises both int32 operands of its compare, key slots and positions
-# broadcast to [B, T, S]: 1 GB beside the 134 MB mask for an 8192-token chunk over 16K
-# slots (docs/serving_step_memory.md).
-MASK_ROW_BLOCK = 256
-
-
 def paged_mask(positions: jax.Array, lengths: jax.Array, S: int) -> jax.Array:
-  """[B, T, S] bool: key slot s visible to the query at positions[b, t] iff s <= it and s < length.
-
-  Built MASK_ROW_BLOCK query rows at a time (a ``lax.map``) when T is longer, so no
-  [B, T, S] int32 temporary exists.
-  """
-  B, T = positions.shape
-  visible = jnp.arange(S)[None, :] < lengths[:, None]  # [B, S]
-
-  def rows(pos):  # [B, t] -> [B, t, S]
-    return (jnp.arange(S)[None, None, :] <= pos[:, :, None]) & visible[:, None, :]
-
-  if T <= MASK_ROW_BLOCK:
-    return rows(positions)
-  n = -(-T // MASK_ROW_BLOCK)
-  pos = jnp.pad(positions, ((0, 0), (0, n * MASK_ROW_BLOCK - T)), constant_values=-1)
-  blocks = jax.lax.map(rows, jnp.moveaxis(pos.reshape(B, n, MASK_ROW_BLOCK), 1, 0))
-  return jnp.moveaxis(blocks, 0, 1).reshape(B, n * MASK_ROW_BLOCK, S)[:, :T]
+  """[B, T, S] bool: key slot s visible to the query at positions[b, t] iff s <= it and s < length."""
+  s = jnp.arange(S)[None, None, :]
+  return (s <= positions[:, :, None]) & (s < lengths[:, None, None])
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
