@@ -144,7 +144,10 @@ def plan_for(quick: bool, smoke: bool) -> Plan:
                 hbm_bytes=1_800_000, static_fraction=0.6, concurrency=64, prefill_tokens=96,
                 workers=1)
   if quick:
-    return Plan(variants=(KIMI,), kv_dtypes=KV_DTYPES, kinds=KINDS, moe_depths=(1, 2),
+    # 2 and 3 MoE layers, not 1 and 2: XLA schedules a step's only MoE layer differently
+    # from one that others follow (Kimi's fp8 prefill: 1.21 / 1.50 / 1.53 GB of
+    # temporaries at 1 / 2 / 3 MoE layers), so a line through 1 and 2 overstates the slope.
+    return Plan(variants=(KIMI,), kv_dtypes=KV_DTYPES, kinds=KINDS, moe_depths=(2, 3),
                 **common_kw)
   return Plan(variants=(KIMI, GLM_FP8, GLM_INT4), kv_dtypes=KV_DTYPES, kinds=KINDS,
               moe_depths=(1, 2, 3), **common_kw)

@@ -11,6 +11,8 @@ See docs/serving_step_memory.md.
 """
 
 import dataclasses
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +20,8 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from configs import TINY_MLA
-from mlkit.model import attention, init_params, moe
+from mlkit.model import apply, attention, init_cache, init_params, masks, moe
+from mlkit.model import sparse_attention as dsa
 from mlkit.parallel import MeshConfig, ShardingRules, expert_sharding, make_mesh, shard_params
 from mlkit.quant import INT4_EXPERTS, quantize_params
 from mlkit.quant.dispatch import ragged_dot_f32
@@ -147,9 +150,11 @@ class QueryBlockTest(absltest.TestCase):
 
 
   def test_block_follows_the_score_budget(self):
-    # Kimi K2.6's 8192-token prefill over 16K keys, 8 heads a device: 512 queries a
-    # block keep a score buffer at 256 MiB; GLM 5.2's four 2048-token prompts fit 1024.
+    # An 8192-token prefill over 16K keys: with 8 heads 512 queries a block keep a
+    # score buffer at 256 MiB, with Kimi K2.6's 64 (the global count the step is
+    # traced with) 64 do; GLM 5.2's four 2048-token prompts over 8 heads fit 1024.
     self.assertEqual(attention.query_block(1, 8192, 8, 16384), 512)
+    self.assertEqual(attention.query_block(1, 8192, 64, 16384), 64)
     self.assertEqual(min(attention.QUERY_BLOCK, attention.query_block(4, 2048, 8, 2048)), 1024)
     seen = []
 
@@ -169,6 +174,77 @@ class QueryBlockTest(absltest.TestCase):
     self.assertEqual(out.shape, q.shape)
     attention.attend_in_query_blocks(attend, (q,), mask)
     self.assertEqual(seen[-1], 100)  # fits the default budget: one block
+
+
+class KeyMaskTest(absltest.TestCase):
+  """The factored mask equals the dense one, blocked or not, and no step builds it whole."""
+
+  def _mask(self, key, B=2, T=37, S=50):
+    keys = jax.random.split(key, 4)
+    query_pos = jax.random.randint(keys[0], (B, T), 0, S)
+    lengths = jnp.array([S - 7, 23])[:B]
+    segs = jax.random.randint(keys[1], (B, S), 0, 3)
+    also = jax.random.bernoulli(keys[2], 0.8, (B, T, S))
+    mask = masks.causal_mask(query_pos, S, lengths=lengths, query_seg=segs[:, :T], key_seg=segs)
+    slot = jnp.arange(S)[None, None, :]
+    want = ((slot <= query_pos[:, :, None]) & (slot < lengths[:, None, None])
+            & (segs[:, None, :] == segs[:, :T, None]))
+    return mask & also, want & also
+
+  def test_dense_is_the_formula(self):
+    mask, want = self._mask(jax.random.key(0))
+    self.assertEqual(mask.shape, want.shape)
+    np.testing.assert_array_equal(np.asarray(mask.dense()), np.asarray(want))
+    self.assertGreater(int(want.sum()), 0)
+    self.assertLess(int(want.sum()), want.size)
+    with self.assertRaisesRegex(ValueError, "cannot narrow"):
+      mask & want[:, :3]
+
+  def test_blocked_attention_and_selection_equal_the_dense_mask(self):
+    mask, want = self._mask(jax.random.key(1))
+    B, T, S = want.shape
+    keys = jax.random.split(jax.random.key(2), 5)
+    q_lat = jax.random.normal(keys[0], (B, T, 4, 16))
+    q_rope = jax.random.normal(keys[1], (B, T, 4, 8))
+    latent = jax.random.normal(keys[2], (B, S, 16))
+    k_rope = jax.random.normal(keys[3], (B, S, 8))
+    iq, iw = q_lat[..., :2, :], q_rope[..., 0, :2]  # indexer query [B, T, 2, 16], weights [B, T, 2]
+
+    def run(mask, block):
+      saved = attention.QUERY_BLOCK
+      attention.QUERY_BLOCK = block  # read when traced
+      try:
+        return jax.jit(lambda m: (attention.mla_latent_attention(q_lat, q_rope, latent, k_rope, m, 0.3),
+                                  dsa.select(iq, iw, latent, m, 5, block=block)))(mask)
+      finally:
+        attention.QUERY_BLOCK = saved
+
+    whole_out, whole_sel = run(want, T)
+    for block in (T, 8):  # one block, and four whole blocks and a padded one
+      out, sel = run(mask, block)
+      self.assertLess(_rel(out, whole_out), 1e-6)
+      np.testing.assert_array_equal(np.asarray(sel), np.asarray(whole_sel))
+
+  def test_a_blocked_prefill_builds_no_whole_mask(self):
+    # A 128-token prefill over 192 cache slots, attended 16 queries at a time: no
+    # bool or int32 array of the whole mask's size (the mask, or its compare's
+    # broadcast int32 operands) may appear in the compiled step; each block's
+    # [1, 16, 192] mask is built inside its loop.
+    cfg = dataclasses.replace(TINY_MLA, max_seq_len=192)
+    params = init_params(cfg, jax.random.key(3))
+    T, S = 128, 192
+    tokens = jax.random.randint(jax.random.key(4), (1, T), 0, cfg.vocab_size)
+    positions = jnp.arange(T, dtype=jnp.int32)[None]
+    saved = attention.QUERY_BLOCK
+    attention.QUERY_BLOCK = 16
+    try:
+      step = jax.jit(lambda p, t, pos, c: apply(p, t, pos, c, cfg=cfg, mla_mode="naive"))
+      hlo = step.lower(params, tokens, positions, init_cache(cfg, 1, S)).compile().as_text()
+    finally:
+      attention.QUERY_BLOCK = saved
+    whole = [shape for dtype, shape in re.findall(r"\b(pred|s32)\[([\d,]+)\]", hlo)
+             if shape.endswith(f",{S}") and math.prod(int(d) for d in shape.split(",")) >= T * S]
+    self.assertEqual(whole, [])  # e.g. pred[1,128,192], or pred[8,1,16,192] blocked up front
 
 
 class BlockedRaggedDotTest(parameterized.TestCase):

@@ -39,6 +39,7 @@ from flax import struct
 from mlkit.config import ModelConfig
 from mlkit.kvcache.config import KVCacheConfig
 from mlkit.kvcache.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
+from mlkit.model.masks import causal_mask
 
 # Block-table entry for "no page here" (past the request's pages, or a padded batch row).
 PAD_PAGE = -1
@@ -153,7 +154,8 @@ class PagedKVState:
     Returns:
       (state, view, mask): the updated state; the request's pages gathered and
       dequantised to ``new``'s dtype, each [B, max_pages * page_size, ...], zero
-      past each length; mask [B, T, S] (key position <= query position and < length).
+      past each length; mask, a :class:`~mlkit.model.masks.KeyMask` [B, T, S] (key
+      position <= query position and < length).
 
     Raises:
       ValueError: on a page-size / shape mismatch, or (when run eagerly) a bad block table or length.
@@ -162,8 +164,7 @@ class PagedKVState:
     dtype = new[self.names[0]].dtype  # index_k too: the indexer scores in the model's dtype
     view = gather_layer(state, layer, batch_meta.block_tables, batch_meta.lengths, dtype=dtype)
     S = view[self.names[0]].shape[1]
-    mask = paged_mask(positions, batch_meta.lengths, S)
-    return state, view, mask
+    return state, view, causal_mask(positions, S, lengths=batch_meta.lengths)
 
   def write(self, layer: int, new: dict, positions: jax.Array, batch_meta: BatchMeta):
     """Writes this step's entries [B, T, ...] through the block tables; returns the new state.
@@ -489,8 +490,7 @@ def gather_layer(state: PagedKVState, layer: int, block_tables: jax.Array, lengt
 
 def paged_mask(positions: jax.Array, lengths: jax.Array, S: int) -> jax.Array:
   """[B, T, S] bool: key slot s visible to the query at positions[b, t] iff s <= it and s < length."""
-  s = jnp.arange(S)[None, None, :]
-  return (s <= positions[:, :, None]) & (s < lengths[:, None, None])
+  return causal_mask(positions, S, lengths=lengths).dense()
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

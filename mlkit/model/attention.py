@@ -14,14 +14,17 @@ import jax.numpy as jnp
 from mlkit.config import ModelConfig
 from mlkit.model import rope
 from mlkit.model.layers import rms_norm
+from mlkit.model.masks import KeyMask, map_query_blocks
 from mlkit.quant import dequantize, matmul
 
 _NEG_INF = -1e30
 # Queries attended at once, at most. A long prefill chunk attends in query blocks
 # (``attend_in_query_blocks``), so its f32 scores are [B, H, block, S] at a time, never
 # [B, H, T, S]; the block is also halved until one score buffer fits SCORE_BLOCK_BYTES.
-# For an 8192-token chunk over a 16K-token context with 8 heads a device: blocks of 512,
-# 256 MiB per score buffer instead of 4 GiB (docs/serving_step_memory.md).
+# The block is picked at trace time from the global shapes: for Kimi K2.6's 8192-token
+# chunk over a 16K-token context, all 64 heads give blocks of 64 queries, so under 8-way
+# tensor parallelism each GPU's score buffer is [8, 64, 16K] f32, 32 MiB, where the
+# whole chunk's would be 4 GiB (docs/serving_step_memory.md).
 QUERY_BLOCK = 1024
 # Bytes one query block's f32 scores may take (the sparse indexer's per-head scores too).
 SCORE_BLOCK_BYTES = 256 * 2**20
@@ -47,18 +50,19 @@ def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
   return e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
 
 
-def attend_in_query_blocks(attend, queries: tuple, mask: jax.Array,
+def attend_in_query_blocks(attend, queries: tuple, mask: KeyMask | jax.Array,
                            block: int | None = None) -> jax.Array:
   """Runs ``attend(*queries, mask)`` over blocks of at most ``block`` queries.
 
   Every query's softmax is independent of the others', so the result is exactly
   the unblocked one; only the peak size of the [.., T, S] score buffers drops to
-  [.., block, S] (the blocks run one after another in a ``lax.map``).
+  [.., block, S] (the blocks run one after another in a ``lax.map``). A
+  :class:`KeyMask` is made dense one block at a time, inside the loop.
 
   Args:
-    attend: (*queries [B, t, ...], mask [B, t, S]) -> [B, t, ...].
+    attend: (*queries [B, t, ...], mask [B, t, S] bool) -> [B, t, ...].
     queries: arrays [B, T, ...] split along T.
-    mask: [B, T, S].
+    mask: [B, T, S]: a :class:`~mlkit.model.masks.KeyMask` or a bool array.
     block: queries per block (None: at most ``QUERY_BLOCK``, fewer where the scores of
       that many exceed ``SCORE_BLOCK_BYTES``; the heads are the queries' axis 2).
 
@@ -69,18 +73,7 @@ def attend_in_query_blocks(attend, queries: tuple, mask: jax.Array,
   if block is None:
     heads = queries[0].shape[2] if queries[0].ndim > 2 else 1
     block = min(QUERY_BLOCK, query_block(B, T, heads, S, budget=SCORE_BLOCK_BYTES))
-  if T <= block:
-    return attend(*queries, mask)
-  n = -(-T // block)
-
-  def blocks(x):  # [B, T, ...] -> [n, B, block, ...], padded with masked-out queries
-    x = jnp.pad(x, [(0, 0), (0, n * block - T)] + [(0, 0)] * (x.ndim - 2))
-    return jnp.moveaxis(x.reshape(x.shape[0], n, block, *x.shape[2:]), 1, 0)
-
-  out = jax.lax.map(lambda args: attend(*args[:-1], args[-1]),
-                    tuple(blocks(q) for q in queries) + (blocks(mask),))  # [n, B, block, ...]
-  out = jnp.moveaxis(out, 0, 1)
-  return out.reshape(out.shape[0], n * block, *out.shape[3:])[:, :T]
+  return map_query_blocks(attend, queries, mask, block)
 
 
 # ----------------------------------------------------------------------------- MLA

@@ -8,7 +8,9 @@ method returning ``(cache, view, mask)``:
   that runs the sparse-attention indexer; GQA: ``k`` and ``v`` [B, T, KV, hd]).
 * ``view`` holds every key/value the step's queries may attend to, with the same
   keys and a length axis S in place of T.
-* ``mask`` [B, T, S] bool says which of them each query may see.
+* ``mask`` [B, T, S] says which of them each query may see: a
+  :class:`~mlkit.model.masks.KeyMask` (query and key positions, never built whole
+  for a long prefill) or a bool array.
 
 A cache may also offer ``write(layer, new, positions, batch_meta) -> cache`` and
 ``decode_attention(layer, queries, batch_meta, *, scale, backend, sharding)`` (sharding:
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from mlkit.config import ModelConfig
+from mlkit.model.masks import causal_mask
 
 
 def cache_entry_shapes(cfg: ModelConfig, layer: int = 0) -> dict[str, tuple[int, ...]]:
@@ -73,7 +76,7 @@ class ContiguousKVCache:
 
     Returns:
       (cache, view, mask): the updated cache, the layer's full buffers
-      [B, S_max, ...] and a causal mask [B, T, S_max] (slot <= query position).
+      [B, S_max, ...] and a causal :class:`KeyMask` [B, T, S_max] (slot <= query position).
     """
     del batch_meta
     b_idx = jnp.arange(positions.shape[0])[:, None]  # [B, 1]
@@ -82,9 +85,7 @@ class ContiguousKVCache:
            for name in cur}
     layers = list(self.layers)
     layers[layer] = upd
-    slots = jnp.arange(self.max_len)
-    mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
-    return ContiguousKVCache(layers=layers), upd, mask
+    return ContiguousKVCache(layers=layers), upd, causal_mask(positions, self.max_len)
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, max_len: int | None = None,
@@ -104,7 +105,6 @@ def no_cache_view(new: dict, positions: jax.Array, segment_ids: jax.Array | None
   With ``segment_ids`` [B, T] (packed rows of independent sequences), a token also sees
   only keys of its own segment, so each sequence attends exactly as it would alone.
   """
-  mask = positions[:, None, :] <= positions[:, :, None]  # [B, T, T] key pos <= query pos
-  if segment_ids is not None:
-    mask &= segment_ids[:, None, :] == segment_ids[:, :, None]
-  return new, mask
+  # [B, T, T]: key position <= query position (and the same segment)
+  return new, causal_mask(positions, positions.shape[1], key_pos=positions,
+                          query_seg=segment_ids, key_seg=segment_ids)

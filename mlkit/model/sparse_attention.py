@@ -32,6 +32,7 @@ from mlkit.model import rope
 # The indexer's per-head scores [B, Tq, Hi, S] f32 are bounded like attention's: a 2K-token
 # prefill of GLM 5 over 2K keys would otherwise hold 2 GB per layer at batch 4.
 from mlkit.model.attention import query_block
+from mlkit.model.masks import KeyMask, map_query_blocks
 from mlkit.quant import matmul
 
 _LAYER_NORM_EPS = 1e-6  # the indexer key norm's epsilon in GLM 5 and DeepSeek-V3.2
@@ -108,8 +109,7 @@ def select_topk(scores: jax.Array, mask: jax.Array, k: int) -> jax.Array:
   return chosen & mask  # a hidden key picked to fill k (fewer visible than k) stays hidden
 
 
-
-def select(q: jax.Array, weights: jax.Array, keys: jax.Array, mask: jax.Array, k: int, *,
+def select(q: jax.Array, weights: jax.Array, keys: jax.Array, mask: KeyMask | jax.Array, k: int, *,
            block: int | None = None) -> jax.Array:
   """:func:`index_scores` then :func:`select_topk`, a block of queries at a time.
 
@@ -118,7 +118,8 @@ def select(q: jax.Array, weights: jax.Array, keys: jax.Array, mask: jax.Array, k
   is identical to the unblocked form.
 
   Args:
-    q: [B, T, Hi, Di]; weights: [B, T, Hi]; keys: [B, S, Di]; mask: [B, T, S] bool.
+    q: [B, T, Hi, Di]; weights: [B, T, Hi]; keys: [B, S, Di].
+    mask: [B, T, S], a :class:`KeyMask` (made dense a block at a time) or a bool array.
     k: index_topk.
     block: queries per block (None: :func:`query_block`).
 
@@ -128,18 +129,8 @@ def select(q: jax.Array, weights: jax.Array, keys: jax.Array, mask: jax.Array, k
   B, T, Hi, _ = q.shape
   S = keys.shape[1]
   block = query_block(B, T, Hi, S) if block is None else max(1, min(block, T))
-  if block >= T:
-    return select_topk(index_scores(q, weights, keys, mask), mask, k)
-  n = -(-T // block)
-  pad = n * block - T
 
-  def blocks(x):  # [B, T, ...] -> [n, B, block, ...], padded queries see nothing
-    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    return jnp.moveaxis(x.reshape(B, n, block, *x.shape[2:]), 1, 0)
-
-  def one(args):
-    qb, wb, mb = args
+  def one(qb, wb, mb):
     return select_topk(index_scores(qb, wb, keys, mb), mb, k)
 
-  sel = jax.lax.map(one, (blocks(q), blocks(weights), blocks(mask)))  # [n, B, block, S]
-  return jnp.moveaxis(sel, 0, 1).reshape(B, n * block, S)[:, :T]
+  return map_query_blocks(one, (q, weights), mask, block)
