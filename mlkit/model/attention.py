@@ -56,7 +56,7 @@ def attend_in_query_blocks(attend, queries: tuple, mask: KeyMask | jax.Array,
 
   Every query's softmax is independent of the others', so the result is exactly
   the unblocked one; only the peak size of the [.., T, S] score buffers drops to
-  [.., block, S] (the blocks run one after another in a ``lax.map``). A
+  [.., block, S] (the blocks run one after another in a ``fori_loop``). A
   :class:`KeyMask` is made dense one block at a time, inside the loop.
 
   Args:

@@ -130,7 +130,24 @@ def map_query_blocks(fn: Callable, queries: tuple, mask: KeyMask | jax.Array,
   else:
     side = blocks(mask, fill=False)
     block_mask = lambda s: s
-  out = jax.lax.map(lambda args: fn(*args[0], block_mask(args[1])),
-                    (tuple(blocks(q) for q in queries), side))  # [n, B, block, ...]
-  out = jnp.moveaxis(out, 0, 1)
+  q_blocks = tuple(blocks(q) for q in queries)  # each [n, B, block, ...]
+
+  def one(i):
+    take = lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
+    return fn(*map(take, q_blocks), block_mask(jax.tree.map(take, side)))
+
+  out_aval = jax.eval_shape(one, 0)  # [B, block, ...]
+  # The loop's output buffer starts as zeros times one of the queries' values, not as
+  # plain zeros: a constant buffer has no inputs, and XLA fuses every layer's into one
+  # computation at the start of the step, so all of them would stay live through the
+  # whole step (16 MiB a layer in Kimi K2.6's prefill; docs/serving_step_memory.md).
+  # Tied to this layer's queries, it exists only while the layer runs. (An
+  # optimization_barrier over the zeros and the queries, as the grouped matmul's output
+  # buffer has, also works, with 20 MB more at the step's peak.) Every block is written,
+  # so the buffer's values never matter.
+  tie = q_blocks[0].reshape(-1)[0].astype(out_aval.dtype)
+  out = jnp.zeros((n,) + out_aval.shape, out_aval.dtype) * tie
+  out = jax.lax.fori_loop(
+      0, n, lambda i, out: jax.lax.dynamic_update_index_in_dim(out, one(i), i, 0), out)
+  out = jnp.moveaxis(out, 0, 1)  # [B, n, block, ...]
   return out.reshape(B, n * block, *out.shape[3:])[:, :T]

@@ -114,7 +114,7 @@ def select(q: jax.Array, weights: jax.Array, keys: jax.Array, mask: KeyMask | ja
   """:func:`index_scores` then :func:`select_topk`, a block of queries at a time.
 
   The per-head scores [B, T, Hi, S] of a long prefill do not fit memory, so the
-  queries are scored and selected ``block`` at a time (``lax.map``); the result
+  queries are scored and selected ``block`` at a time (in a loop); the result
   is identical to the unblocked form.
 
   Args:
