@@ -38,7 +38,11 @@ def route(p: dict, x: jax.Array, cfg: ModelConfig):
   N, E = logits.shape
   if cfg.router == "sigmoid":
     scores = jax.nn.sigmoid(logits)
-    choice = scores + p["router_bias"].astype(jnp.float32)
+    # The bias is tied to this layer's scores: broadcast to [N, E] from the params alone,
+    # XLA would build every layer's at the start of the step and hold them all (12 MiB a
+    # layer in Kimi K2.6's 8192-token prefill; docs/serving_step_memory.md).
+    scores, bias = jax.lax.optimization_barrier((scores, p["router_bias"].astype(jnp.float32)))
+    choice = scores + bias
   else:
     scores = jax.nn.softmax(logits, axis=-1)
     choice = scores
