@@ -150,9 +150,9 @@ class QueryBlockTest(absltest.TestCase):
 
 
   def test_block_follows_the_score_budget(self):
-    # An 8192-token prefill over 16K keys: with 8 heads 512 queries a block keep a
-    # score buffer at 256 MiB, with Kimi K2.6's 64 (the global count the step is
-    # traced with) 64 do; GLM 5.2's four 2048-token prompts over 8 heads fit 1024.
+    # An 8192-token prefill over 16K keys: with 8 heads (Kimi K2.6's 64 over 8 GPUs,
+    # the step's head_shards) 512 queries a block keep a score buffer at 256 MiB, with
+    # all 64 on one device 64 do; GLM 5.2's four 2048-token prompts over 8 heads fit 1024.
     self.assertEqual(attention.query_block(1, 8192, 8, 16384), 512)
     self.assertEqual(attention.query_block(1, 8192, 64, 16384), 64)
     self.assertEqual(min(attention.QUERY_BLOCK, attention.query_block(4, 2048, 8, 2048)), 1024)
@@ -174,6 +174,43 @@ class QueryBlockTest(absltest.TestCase):
     np.testing.assert_array_equal(np.asarray(out), np.asarray(q))
     attention.attend_in_query_blocks(attend, (q,), mask)
     self.assertEqual(seen[-1], 100)  # fits the default budget: one block
+
+  def test_sharded_step_blocks_by_one_devices_heads(self):
+    # The serving step's prefill, its query heads split 4 ways: the blocks are sized by
+    # the 1 head each device holds (16 queries), not by all 4 (4 queries).
+    from mlkit import kvcache as kvc
+    from mlkit import parallel
+    from mlkit.engine import EngineConfig
+    from mlkit.engine.runner import abstract_batch, lower_step
+    from jax.sharding import NamedSharding, PartitionSpec
+    B, T, M, page = 1, 64, 4, 16
+    S = M * page
+    blocks = []
+    real = attention.map_query_blocks
+
+    def spy(fn, queries, mask, block):
+      blocks.append(block)
+      return real(fn, queries, mask, block)
+
+    saved = attention.SCORE_BLOCK_BYTES, attention.map_query_blocks
+    attention.SCORE_BLOCK_BYTES = B * 1 * S * 4 * 16  # one head's scores of 16 queries
+    attention.map_query_blocks = spy
+    try:
+      for tensor, want in ((4, 16), (1, 4)):
+        mesh = parallel.make_mesh(parallel.MeshConfig(tensor=tensor), jax.devices()[:tensor])
+        kv_cfg = kvc.KVCacheConfig(num_pages=8, page_size=page)
+        params = parallel.abstract_params(TINY_MLA, None, mesh)
+        state = parallel.abstract_kv_state(TINY_MLA, kv_cfg, mesh)
+        config = EngineConfig(model=TINY_MLA, kv=kv_cfg, max_running=B, batch_buckets=(B,),
+                              prefill_buckets=(T,), prefill_token_budget=B * T,
+                              max_pages_per_seq=M, backend="xla")
+        del blocks[:]
+        lower_step(params, state, abstract_batch(B, T, M, NamedSharding(mesh, PartitionSpec())),
+                   config, kind="prefill")
+        self.assertLen(blocks, TINY_MLA.n_layers)
+        self.assertEqual(set(blocks), {want}, f"tensor={tensor}")
+    finally:
+      attention.SCORE_BLOCK_BYTES, attention.map_query_blocks = saved
 
 
 class KeyMaskTest(absltest.TestCase):

@@ -20,11 +20,13 @@ from mlkit.quant import dequantize, matmul
 _NEG_INF = -1e30
 # Queries attended at once, at most. A long prefill chunk attends in query blocks
 # (``attend_in_query_blocks``), so its f32 scores are [B, H, block, S] at a time, never
-# [B, H, T, S]; the block is also halved until one score buffer fits SCORE_BLOCK_BYTES.
-# The block is picked at trace time from the global shapes: for Kimi K2.6's 8192-token
-# chunk over a 16K-token context, all 64 heads give blocks of 64 queries, so under 8-way
-# tensor parallelism each GPU's score buffer is [8, 64, 16K] f32, 32 MiB, where the
-# whole chunk's would be 4 GiB (docs/serving_step_memory.md).
+# [B, H, T, S]; the block is also halved until one device's score buffer fits
+# SCORE_BLOCK_BYTES. The budget counts the heads each device holds: the serving step
+# passes how many devices the query heads are split over (``head_shards``, from
+# ``mlkit.parallel.DecodeSharding``). For Kimi K2.6's 8192-token chunk over a 16K-token
+# context under 8-way tensor parallelism, each GPU's 8 heads give blocks of 512 queries
+# and a [8, 512, 16K] f32 score buffer, 256 MiB, where the whole chunk's would be 4 GiB
+# (docs/serving_step_memory.md).
 QUERY_BLOCK = 1024
 # Bytes one query block's f32 scores may take (the sparse indexer's per-head scores too).
 SCORE_BLOCK_BYTES = 256 * 2**20
@@ -51,7 +53,7 @@ def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def attend_in_query_blocks(attend, queries: tuple, mask: KeyMask | jax.Array,
-                           block: int | None = None) -> jax.Array:
+                           block: int | None = None, head_shards: int = 1) -> jax.Array:
   """Runs ``attend(*queries, mask)`` over blocks of at most ``block`` queries.
 
   Every query's softmax is independent of the others', so the result is exactly
@@ -63,8 +65,10 @@ def attend_in_query_blocks(attend, queries: tuple, mask: KeyMask | jax.Array,
     attend: (*queries [B, t, ...], mask [B, t, S] bool) -> [B, t, ...].
     queries: arrays [B, T, ...] split along T.
     mask: [B, T, S]: a :class:`~mlkit.model.masks.KeyMask` or a bool array.
-    block: queries per block (None: at most ``QUERY_BLOCK``, fewer where the scores of
-      that many exceed ``SCORE_BLOCK_BYTES``; the heads are the queries' axis 2).
+    block: queries per block (None: at most ``QUERY_BLOCK``, fewer where one device's
+      scores of that many exceed ``SCORE_BLOCK_BYTES``; the heads are the queries' axis 2).
+    head_shards: devices the heads are split over (each holds heads / head_shards of
+      them); only the block size depends on it.
 
   Returns:
     ``attend``'s result for all T queries, [B, T, ...].
@@ -72,6 +76,7 @@ def attend_in_query_blocks(attend, queries: tuple, mask: KeyMask | jax.Array,
   B, T, S = mask.shape
   if block is None:
     heads = queries[0].shape[2] if queries[0].ndim > 2 else 1
+    heads = max(1, heads // max(1, head_shards))  # one device's share
     block = min(QUERY_BLOCK, query_block(B, T, heads, S, budget=SCORE_BLOCK_BYTES))
   return map_query_blocks(attend, queries, mask, block)
 
@@ -123,12 +128,14 @@ def _wkv_b(p: dict, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
   return w[..., :cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim:]
 
 
-def mla_attention_naive(p, q_nope, q_rope, view, mask, cfg: ModelConfig) -> jax.Array:
+def mla_attention_naive(p, q_nope, q_rope, view, mask, cfg: ModelConfig, *,
+                        head_shards: int = 1) -> jax.Array:
   """MLA with keys/values expanded from the latent per head (the textbook form).
 
   Args:
     q_nope: [B, T, H, nope]; q_rope: [B, T, H, R].
     view: {latent [B, S, C], k_rope [B, S, R]}; mask: [B, T, S].
+    head_shards: devices the heads are split over (``attend_in_query_blocks``).
 
   Returns:
     Per-head outputs [B, T, H, v].
@@ -147,7 +154,7 @@ def mla_attention_naive(p, q_nope, q_rope, view, mask, cfg: ModelConfig) -> jax.
     probs = masked_softmax(logits, mask[:, None])  # [B, H, t, S]
     return jnp.einsum("bhts,bshd->bthd", probs, v).astype(dtype)
 
-  return attend_in_query_blocks(attend, (q_nope, q_rope), mask)
+  return attend_in_query_blocks(attend, (q_nope, q_rope), mask, head_shards=head_shards)
 
 
 def mla_absorb_query(p, q_nope: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -164,13 +171,15 @@ def mla_absorb_output(p, out_latent: jax.Array, cfg: ModelConfig) -> jax.Array:
                     preferred_element_type=jnp.float32).astype(out_latent.dtype)
 
 
-def mla_latent_attention(q_latent, q_rope, latent, k_rope, mask, scale) -> jax.Array:
+def mla_latent_attention(q_latent, q_rope, latent, k_rope, mask, scale, *,
+                         head_shards: int = 1) -> jax.Array:
   """Attention in latent space, the core the paged kernels implement.
 
   Args:
     q_latent: [B, T, H, C]; q_rope: [B, T, H, R].
     latent: [B, S, C]; k_rope: [B, S, R]; mask: [B, T, S].
     scale: softmax scale.
+    head_shards: devices the heads are split over (``attend_in_query_blocks``).
 
   Returns:
     out_latent [B, T, H, C] (f32 accumulation, returned in q_latent's dtype).
@@ -184,10 +193,11 @@ def mla_latent_attention(q_latent, q_rope, latent, k_rope, mask, scale) -> jax.A
     probs = masked_softmax(logits, mask[:, None])
     return jnp.einsum("bhts,bsc->bthc", probs, latent).astype(q_latent.dtype)
 
-  return attend_in_query_blocks(attend, (q_latent, q_rope), mask)
+  return attend_in_query_blocks(attend, (q_latent, q_rope), mask, head_shards=head_shards)
 
 
-def mla_attention_absorbed(p, q_nope, q_rope, view, mask, cfg: ModelConfig) -> jax.Array:
+def mla_attention_absorbed(p, q_nope, q_rope, view, mask, cfg: ModelConfig, *,
+                           head_shards: int = 1) -> jax.Array:
   """MLA in the absorbed form: attention runs over the latent cache directly.
 
   Same arguments and result as :func:`mla_attention_naive`; cheaper when the
@@ -195,7 +205,7 @@ def mla_attention_absorbed(p, q_nope, q_rope, view, mask, cfg: ModelConfig) -> j
   """
   q_latent = mla_absorb_query(p, q_nope, cfg)
   out_latent = mla_latent_attention(q_latent, q_rope, view["latent"], view["k_rope"], mask,
-                                    cfg.softmax_scale)
+                                    cfg.softmax_scale, head_shards=head_shards)
   return mla_absorb_output(p, out_latent, cfg)
 
 
@@ -216,11 +226,13 @@ def gqa_project(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, *
   return q, {"k": k, "v": v}
 
 
-def gqa_attention(q, k, v, mask, scale) -> jax.Array:
+def gqa_attention(q, k, v, mask, scale, *, head_shards: int = 1) -> jax.Array:
   """Grouped-query attention.
 
   Args:
     q: [B, T, H, hd]; k, v: [B, S, KV, hd] with KV dividing H; mask: [B, T, S].
+    scale: softmax scale.
+    head_shards: devices the heads are split over (``attend_in_query_blocks``).
 
   Returns:
     [B, T, H, hd] in q's dtype.
@@ -238,10 +250,16 @@ def gqa_attention(q, k, v, mask, scale) -> jax.Array:
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(B, T, H, hd).astype(q.dtype)
 
-  return attend_in_query_blocks(attend, (q,), mask)
+  return attend_in_query_blocks(attend, (q,), mask, head_shards=head_shards)
 
 
 # ----------------------------------------------------------------------------- layer
+
+def _head_shards(decode_sharding) -> int:
+  """Devices the serving step splits the query heads over (1 without a DecodeSharding):
+  a prefill's query blocks are sized by one device's heads."""
+  return 1 if decode_sharding is None else decode_sharding.head_shards
+
 
 def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: int,
                     cfg: ModelConfig, *, batch_meta=None, mla_mode: str = "auto",
@@ -306,9 +324,11 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: i
     if mla:
       absorbed = mla_mode == "absorbed" or (mla_mode == "auto" and T == 1)
       fn = mla_attention_absorbed if absorbed else mla_attention_naive
-      heads = fn(p, q_nope, q_rope, view, mask, cfg)  # [B, T, H, v]
+      heads = fn(p, q_nope, q_rope, view, mask, cfg,
+                 head_shards=_head_shards(decode_sharding))  # [B, T, H, v]
     else:
-      heads = gqa_attention(q, view["k"], view["v"], mask, cfg.softmax_scale)
+      heads = gqa_attention(q, view["k"], view["v"], mask, cfg.softmax_scale,
+                            head_shards=_head_shards(decode_sharding))
   out = matmul(heads.reshape(B, T, -1), p["wo"], backend=backend)
   return out, cache
 
@@ -370,6 +390,7 @@ def _sparse_mla_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer:
                        f"{mask.shape}")
     absorbed = mla_mode == "absorbed" or (mla_mode == "auto" and T == 1)
     fn = mla_attention_absorbed if absorbed else mla_attention_naive
-    heads = fn(p, q_nope, q_rope, view, mask & selection, cfg)  # [B, T, H, v]
+    heads = fn(p, q_nope, q_rope, view, mask & selection, cfg,
+               head_shards=_head_shards(decode_sharding))  # [B, T, H, v]
   out = matmul(heads.reshape(B, T, -1), p["wo"], backend=backend)
   return out, cache, selection

@@ -387,6 +387,12 @@ class DecodeSharding:
   heads: MeshAxes
   pages: tuple
 
+  @property
+  def head_shards(self) -> int:
+    """Devices the query heads are split over: each holds 1/head_shards of them (the
+    model sizes a prefill's attention query blocks by one device's heads)."""
+    return axis_size(self.mesh, self.heads)
+
   def run(self, fn, queries: tuple, pages: tuple, others: tuple):
     """fn(*queries, *page arrays, *others) -> [B, H, ...], per device on its heads.
 
