@@ -121,11 +121,21 @@ def mla_project(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, *
   return q_nope, q_rope, new
 
 
-def _wkv_b(p: dict, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
-  """wkv_b split into its key [C, H, nope] and value [C, H, v] halves."""
-  w = dequantize(p["wkv_b"], dtype).reshape(cfg.kv_lora_rank, cfg.n_heads,
-                                            cfg.qk_nope_head_dim + cfg.v_head_dim)
-  return w[..., :cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim:]
+def _wkv_b(p: dict, cfg: ModelConfig, dtype, tie: jax.Array
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """wkv_b split into its key [C, H, nope] and value [C, H, v] halves, and ``tie``.
+
+  ``tie`` is an activation of the layer (a query) that the caller goes on with: the
+  weight passes through one optimization barrier with it, so the halves, which depend
+  on the params alone, cannot be computed before the layer runs. Without it XLA built
+  every layer's at the start of the step and kept them all live. The caller must use
+  the returned ``tie``: XLA drops a barrier operand whose result is unused, and the
+  barrier with it (docs/serving_step_memory.md, item 11).
+  """
+  wkv_b, tie = jax.lax.optimization_barrier((p["wkv_b"], tie))
+  w = dequantize(wkv_b, dtype).reshape(cfg.kv_lora_rank, cfg.n_heads,
+                                       cfg.qk_nope_head_dim + cfg.v_head_dim)
+  return w[..., :cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim:], tie
 
 
 def mla_attention_naive(p, q_nope, q_rope, view, mask, cfg: ModelConfig, *,
@@ -141,7 +151,7 @@ def mla_attention_naive(p, q_nope, q_rope, view, mask, cfg: ModelConfig, *,
     Per-head outputs [B, T, H, v].
   """
   dtype = q_nope.dtype
-  w_k, w_v = _wkv_b(p, cfg, dtype)
+  w_k, w_v, q_nope = _wkv_b(p, cfg, dtype, q_nope)
   latent = view["latent"].astype(dtype)
   k_nope = jnp.einsum("bsc,chd->bshd", latent, w_k, preferred_element_type=jnp.float32)
   v = jnp.einsum("bsc,chd->bshd", latent, w_v, preferred_element_type=jnp.float32)
@@ -159,14 +169,14 @@ def mla_attention_naive(p, q_nope, q_rope, view, mask, cfg: ModelConfig, *,
 
 def mla_absorb_query(p, q_nope: jax.Array, cfg: ModelConfig) -> jax.Array:
   """Projects q_nope [B, T, H, nope] into latent space [B, T, H, C] (absorbing wkv_b's key half)."""
-  w_k, _ = _wkv_b(p, cfg, q_nope.dtype)
+  w_k, _, q_nope = _wkv_b(p, cfg, q_nope.dtype, q_nope)
   return jnp.einsum("bthd,chd->bthc", q_nope, w_k,
                     preferred_element_type=jnp.float32).astype(q_nope.dtype)
 
 
 def mla_absorb_output(p, out_latent: jax.Array, cfg: ModelConfig) -> jax.Array:
   """Projects latent-space outputs [B, T, H, C] back to per-head values [B, T, H, v]."""
-  _, w_v = _wkv_b(p, cfg, out_latent.dtype)
+  _, w_v, out_latent = _wkv_b(p, cfg, out_latent.dtype, out_latent)
   return jnp.einsum("bthc,chd->bthd", out_latent, w_v,
                     preferred_element_type=jnp.float32).astype(out_latent.dtype)
 
