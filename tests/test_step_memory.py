@@ -177,7 +177,11 @@ class QueryBlockTest(absltest.TestCase):
 
   def test_sharded_step_blocks_by_one_devices_heads(self):
     # The serving step's prefill, its query heads split 4 ways: the blocks are sized by
-    # the 1 head each device holds (16 queries), not by all 4 (4 queries).
+    # the 1 head each device holds (16 queries), not by all 4 (4 queries). Compiled, it
+    # gathers no query across the devices: the block loop's output buffer once took its
+    # tie value from a flattened query, and XLA all-gathered every head of it to read one
+    # element (134 MB per layer in Kimi K2.6's prefill; docs/serving_step_memory.md).
+    from experiments.step_placement import step_placement
     from mlkit import kvcache as kvc
     from mlkit import parallel
     from mlkit.engine import EngineConfig
@@ -205,10 +209,15 @@ class QueryBlockTest(absltest.TestCase):
                               prefill_buckets=(T,), prefill_token_budget=B * T,
                               max_pages_per_seq=M, backend="xla")
         del blocks[:]
-        lower_step(params, state, abstract_batch(B, T, M, NamedSharding(mesh, PartitionSpec())),
-                   config, kind="prefill")
+        lowered = lower_step(params, state,
+                             abstract_batch(B, T, M, NamedSharding(mesh, PartitionSpec())),
+                             config, kind="prefill")
         self.assertLen(blocks, TINY_MLA.n_layers)
         self.assertEqual(set(blocks), {want}, f"tensor={tensor}")
+        if tensor > 1:
+          for g in step_placement(lowered.compile().as_text())["all_gathers"]:
+            dims = [int(d) for d in re.findall(r"\d+", g["result"].split("[", 1)[1])]
+            self.assertFalse(T in dims and TINY_MLA.n_heads in dims, g)  # [B, T, heads, ..]
     finally:
       attention.SCORE_BLOCK_BYTES, attention.map_query_blocks = saved
 

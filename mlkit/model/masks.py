@@ -144,8 +144,10 @@ def map_query_blocks(fn: Callable, queries: tuple, mask: KeyMask | jax.Array,
   # Tied to this layer's queries, it exists only while the layer runs. (An
   # optimization_barrier over the zeros and the queries, as the grouped matmul's output
   # buffer has, also works, with 20 MB more at the step's peak.) Every block is written,
-  # so the buffer's values never matter.
-  tie = q_blocks[0].reshape(-1)[0].astype(out_aval.dtype)
+  # so the buffer's values never matter. The value is indexed, not read from a flattened
+  # query: under tensor parallelism flattening a head-split query made XLA all-gather
+  # every head of it to read one element (134 MB a layer in Kimi K2.6's prefill).
+  tie = q_blocks[0][(0,) * q_blocks[0].ndim].astype(out_aval.dtype)
   out = jnp.zeros((n,) + out_aval.shape, out_aval.dtype) * tie
   out = jax.lax.fori_loop(
       0, n, lambda i, out: jax.lax.dynamic_update_index_in_dim(out, one(i), i, 0), out)
