@@ -59,8 +59,11 @@ PAGE_SIZE = 64
 KINDS = ("decode", "prefill")
 # XLA's codegen stages only (LLVM, ptxas) run without optimisation: buffer assignment, and so
 # every memory figure, is decided before them, and they are most of the compile time.
+# Autotuning off: with no device there is nothing to time, yet the GEMM config assigner
+# still spent about 9 of the smoke compile's 23 s; the memory figures are the same with it
+# off (docs/serving_step_memory.md).
 COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-                   "xla_gpu_disable_gpuasm_optimizations": True}
+                   "xla_gpu_disable_gpuasm_optimizations": True, "xla_gpu_autotune_level": 0}
 FIELDS = ("argument", "output", "temp", "alias")
 
 
