@@ -103,15 +103,10 @@ def main(argv=None) -> int:
   from pallas_kernels.h200 import env as h200_env
   h200_env.prepare(ptxas_report=False)
   from mlkit.serve import protocol as proto
-  from mlkit.serve.model import ServeConfig
   listen = args.listen or ("127.0.0.1:7100" if args.role == "prefill" else "127.0.0.1:7200")
+  # The checks that need neither jax nor the model come first, so that a mistyped command
+  # fails in a fraction of a second instead of after jax's import.
   try:
-    cfg = ServeConfig(role=args.role, checkpoint=args.checkpoint, model=args.model, seed=args.seed,
-                      n_layers=args.n_layers, recipe=args.recipe, kv_dtype=args.kv_dtype,
-                      page_size=args.page_size, num_pages=args.num_pages,
-                      max_running=args.max_running, max_pages_per_seq=args.max_pages_per_seq,
-                      prefill_chunk=args.prefill_chunk, devices=args.devices,
-                      enable_fault_injection=args.enable_fault_injection)
     proto.parse_address(listen)
     if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
       raise ValueError(f"--process-id {args.process_id} must be in [0, --num-processes "
@@ -126,14 +121,24 @@ def main(argv=None) -> int:
       if not args.prefill:
         raise ValueError("--role decode needs --prefill HOST:PORT (the prefill server)")
       proto.parse_address(args.prefill)
+  except ValueError as e:
+    _fail(str(e))
+  if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
+    _fail(f"checkpoint directory {os.path.abspath(args.checkpoint)} does not exist")
+  from mlkit.serve.model import ServeConfig
+  try:
+    cfg = ServeConfig(role=args.role, checkpoint=args.checkpoint, model=args.model, seed=args.seed,
+                      n_layers=args.n_layers, recipe=args.recipe, kv_dtype=args.kv_dtype,
+                      page_size=args.page_size, num_pages=args.num_pages,
+                      max_running=args.max_running, max_pages_per_seq=args.max_pages_per_seq,
+                      prefill_chunk=args.prefill_chunk, devices=args.devices,
+                      enable_fault_injection=args.enable_fault_injection)
     from mlkit.serve.decode import DecodeOptions
     options = DecodeOptions(prefill_timeout_s=args.prefill_timeout, pull_timeout_s=args.pull_timeout,
                             transfer_attempts=args.transfer_attempts,
                             enable_fault_injection=args.enable_fault_injection)
   except ValueError as e:
     _fail(str(e))
-  if cfg.checkpoint is not None and not os.path.isdir(cfg.checkpoint):
-    _fail(f"checkpoint directory {os.path.abspath(cfg.checkpoint)} does not exist")
   authkey = args.authkey.encode()
   if args.process_id > 0:  # a follower: no channels of its own, it repeats its leader's work
     return _follow(args, cfg, authkey)
