@@ -349,6 +349,41 @@ def _read(state, pages, length):
 class TransferTest(parameterized.TestCase):
   LENGTH = 11  # crosses page boundaries in both pools, ends mid-page
 
+  def test_page_bucket(self):
+    self.assertEqual([tr.page_bucket(m) for m in range(1, 9)], list(range(1, 9)))
+    self.assertEqual([tr.page_bucket(m) for m in (9, 10, 11, 13, 16, 17, 33, 129, 256)],
+                     [10, 10, 12, 14, 16, 20, 40, 160, 256])
+    buckets = [tr.page_bucket(m) for m in range(1, 257)]
+    self.assertEqual(len(set(buckets)), 28)
+    self.assertEqual(buckets, sorted(buckets))
+    for m, b in zip(range(1, 257), buckets):
+      self.assertGreaterEqual(b, m)
+      self.assertLess(b - m, max(1, m / 4), m)
+
+  def test_page_counts_share_compiled_transfers(self):
+    # Requests of 9 to 16 source pages: four padded shapes, so the extract program compiles
+    # four times, not eight (the checksum eight, not sixteen: once on each side), and
+    # every transfer still lands exactly.
+    src = kvc.init_paged_state(TINY_MLA, kvc.KVCacheConfig(40, 2, "float32"))
+    rng = np.random.default_rng(5)
+    src = src.replace(layers=[{k: jnp.asarray(rng.standard_normal(v.shape), v.dtype)
+                               for k, v in layer.items()} for layer in src.layers])
+    before = tr.extract_kv._cache_size(), tr.payload_checksum._cache_size()
+    for m in range(9, 17):
+      length = 2 * m - 1  # ends mid-page
+      src_pages = list(rng.permutation(40)[:m])
+      dst_pages = list(range(-(-length // 4)))
+      dst = kvc.init_paged_state(TINY_MLA, kvc.KVCacheConfig(12, 4, "float32"))
+      dst, res = tr.transfer_kv(src, src_pages, dst, dst_pages, length)
+      self.assertTrue(res.ok, res.reason)
+      got = _read(dst, dst_pages, length)
+      for i, layer in enumerate(src.layers):
+        for k, x in layer.items():
+          want = np.asarray(x)[np.asarray(src_pages)].reshape((-1,) + x.shape[2:])[:length]
+          np.testing.assert_array_equal(got[i][k], want, err_msg=f"{m} pages, layer {i} {k}")
+    self.assertEqual((tr.extract_kv._cache_size() - before[0],
+                      tr.payload_checksum._cache_size() - before[1]), (4, 8))
+
   @parameterized.named_parameters(("mla", TINY_MLA), ("gqa", TINY_GQA))
   def test_bf16_to_fp8_with_per_token_scales(self, cfg):
     src, entries = _filled_state(cfg, "bfloat16", 4, [5, 2, 9], self.LENGTH)

@@ -32,6 +32,13 @@ the first ``start`` tokens (its prefix cache shares them): only the source
 pages from the one holding ``start`` on are gathered and moved, and the write
 and the landing check cover positions [start, length) only, so the shared
 pages are never written.
+
+Both page lists are padded with ``PAD_PAGE`` to :func:`page_bucket` of their
+length before the jitted pieces see them. The pieces compile once per shape, so
+without buckets every new page count (every new prompt length class) would
+compile four programs on each side in the middle of serving; with them a pool
+of 256 pages per request compiles at most 28 shapes, and a payload carries at
+most a quarter more (zero) rows than the request fills (docs/engine.md).
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mlkit.engine.lockstep import spans_processes, to_host
-from mlkit.kvcache import BatchMeta, PagedKVState
+from mlkit.kvcache import PAD_PAGE, BatchMeta, PagedKVState
 from mlkit.kvcache.fp8 import dequantize_fp8, quantize_fp8
 from mlkit.kvcache.state import scale_name, write_layer
 
@@ -67,6 +74,23 @@ class TransferResult:
   ok: bool
   reason: str | None
   nbytes: int
+
+
+def page_bucket(m: int) -> int:
+  """The page count a transfer's page list is padded to: m itself up to 8, then m rounded
+  up to a quarter of its power-of-two octave (10, 12, 14, 16, 20, 24, ..., 256), so that
+  at most 4 shapes per octave compile and padding adds at most a quarter of m."""
+  if m <= 8:
+    return m
+  step = 1 << ((m - 1).bit_length() - 3)
+  return -(-m // step) * step
+
+
+def _bucketed(pages) -> np.ndarray:
+  """int32 pages padded with PAD_PAGE to page_bucket(len(pages))."""
+  pages = np.asarray(pages, np.int32)
+  pad = page_bucket(len(pages)) - len(pages)
+  return np.concatenate([pages, np.full((pad,), PAD_PAGE, np.int32)]) if pad else pages
 
 
 def _entry_keys(state: PagedKVState, layer: int) -> list[str]:
@@ -344,7 +368,7 @@ def extract_payload(src: PagedKVState, src_pages, length: int, *, start: int = 0
     raise ValueError(f"{len(src_pages)} source pages of {src.page_size} hold fewer than {length} tokens")
   first = start // src.page_size  # the source page holding token `start`
   base = first * src.page_size
-  pages, n = np.asarray(src_pages, np.int32)[first:], np.int32(length - base)
+  pages, n = _bucketed(np.asarray(src_pages, np.int32)[first:]), np.int32(length - base)
   place = pool_placer(src)
   if place is not None:
     pages, n = place(pages), place(n)
@@ -403,7 +427,7 @@ def land_payload(dst: PagedKVState, dst_pages, payload: Payload, sent: np.ndarra
   _check_landing(dst, dst_pages, length, start)
   _check_payload_layout(payload, dst)
   nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(payload))
-  dst_pages = np.asarray(dst_pages, np.int32)
+  dst_pages = _bucketed(dst_pages)
   n, base, start = np.int32(length), np.int32(base), np.int32(start)
   place = pool_placer(dst)
   if place is not None:  # a pool spread over processes: every input on its mesh
