@@ -82,6 +82,30 @@ class DisaggEngineTest(parameterized.TestCase):
     self.assertEqual(m["transfer_failures"], 0)
     self.assertGreater(m["transfer_bytes"], 0)
 
+  def test_new_lengths_in_known_buckets_serve_without_compiling(self):
+    # Prompts one token longer than setUpClass's (6, 10, 14, 8 against 5, 9, 13, 7) fill
+    # the same prefill chunks and the same page counts in both pools, so serving them
+    # compiles nothing: the steps are bucketed, and the transfers depend on page
+    # counts, not lengths. A per-length or per-request program would trace here.
+    rng = np.random.default_rng(11)
+    early, late = ([list(map(int, rng.integers(0, 256, len(p) + 1))) for p in ps]
+                   for ps in (EARLY, LATE))
+    events = []
+
+    def listen(event, duration, **kw):
+      if event in ("/jax/core/compile/backend_compile_duration",
+                   "/jax/core/compile/jaxpr_trace_duration"):
+        events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+      out, _, reqs = _drive(self.disagg, early, late)
+    finally:
+      jax.monitoring.unregister_event_duration_listener(listen)
+    self.assertEqual([len(o) for o in out], [SAMPLING.max_new_tokens] * 4)
+    self.assertTrue(all(r.status is RequestStatus.FINISHED for r in reqs))
+    self.assertEqual(events, [])
+
   def test_pools_are_disjoint_submeshes_with_their_formats(self):
     d = self.disagg
     p_dev = set(d.prefill_mesh.devices.flat)
