@@ -368,7 +368,7 @@ def extract_payload(src: PagedKVState, src_pages, length: int, *, start: int = 0
     raise ValueError(f"{len(src_pages)} source pages of {src.page_size} hold fewer than {length} tokens")
   first = start // src.page_size  # the source page holding token `start`
   base = first * src.page_size
-  pages, n = _bucketed(np.asarray(src_pages, np.int32)[first:]), np.int32(length - base)
+  pages, n = _bucketed(src_pages[first:]), np.int32(length - base)
   place = pool_placer(src)
   if place is not None:
     pages, n = place(pages), place(n)
