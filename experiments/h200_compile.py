@@ -144,7 +144,7 @@ def plan_for(quick: bool, smoke: bool) -> Plan:
     # A toy device: weights + a pool for 64 bf16 requests overflow it; the static pool fits.
     return Plan(variants=(Variant("tiny int4 experts", TINY, INT4_EXPERTS, TINY_WORK),),
                 kv_dtypes=("bfloat16",), kinds=("decode",), moe_depths=(1,),
-                hbm_bytes=1_800_000, static_fraction=0.6, concurrency=64, prefill_tokens=96,
+                hbm_bytes=1_500_000, static_fraction=0.6, concurrency=64, prefill_tokens=96,
                 workers=1)
   if quick:
     # 2 and 3 MoE layers, not 1 and 2: XLA schedules a step's only MoE layer differently

@@ -2,11 +2,13 @@
 
 ``compile_for_h200(fn, *args)`` lowers and compiles ``fn`` with XLA's real GPU
 compiler against an H200 topology built from ``target_config.txtpb`` (the H200's
-device limits, from openxla/xla's ``xla/backends/gpu/target_config/specs/h200.txtpb``).
+limits, and the rates XLA's performance model fuses by, in the form of openxla/xla's
+``xla/backends/gpu/target_config/specs/h200.txtpb``).
 No GPU is needed and nothing is allocated: the arguments are
 ``jax.ShapeDtypeStruct``s, with shardings on a topology mesh for multi-device
 programs. It returns what ptxas reported for every Pallas kernel (registers,
-spill stores/loads, stack, shared memory) and XLA's ``memory_analysis()``.
+spill stores/loads, stack, shared memory), XLA's ``memory_analysis()`` and the
+kernels the program launches.
 
 Needs the environment of :mod:`pallas_kernels.h200.env` (``env.prepare()``
 before jax is imported) and the CUDA compiler packages of the test extra
@@ -88,11 +90,15 @@ class CompileReport:
     kernels: Pallas kernel name -> KernelStats.
     memory: per-device bytes from ``memory_analysis()`` (argument, output,
       temp, generated code, alias), or {} if XLA reported none.
+    launches: what the compiled program launches, in order: the name of every
+      kernel (XLA's fusions, Triton and Mosaic GPU kernels) and library call
+      (custom calls, GEMMs) of XLA's thunk sequence.
   """
 
   seconds: float
   kernels: dict[str, KernelStats]
   memory: dict[str, int]
+  launches: tuple[str, ...] = ()
 
 
 @functools.cache
@@ -217,11 +223,13 @@ def _compile(fn, args, kwargs, m, dump: str) -> CompileReport:
   log.seek(0)
   stats = parse_ptxas_log(log.read().decode(errors="replace"))
   # Triton kernels: shared memory from the launch lines of XLA's thunk dump.
-  for path in glob.glob(os.path.join(dump, "*thunk_sequence.txt")):
-    for mt in re.finditer(r"kCustomKernel.*?\] (\S+) grid: .*?shared_memory: (\d+) bytes",
-                          open(path).read()):
+  launches = []
+  for path in sorted(glob.glob(os.path.join(dump, "*thunk_sequence.txt"))):
+    text = open(path).read()
+    for mt in re.finditer(r"kCustomKernel.*?\] (\S+) grid: .*?shared_memory: (\d+) bytes", text):
       if mt.group(1) in stats:
         stats[mt.group(1)]["smem"] = int(mt.group(2))
+    launches += _launches(text)
   # Mosaic GPU kernels: dynamic shared memory from the serialised kernel.
   new = {k: v for k, v in _known_mosaic_kernels().items() if k not in known}
   smems = [s for s in (_mosaic_smem(asm) for asm in new.values()) if s is not None]
@@ -237,4 +245,16 @@ def _compile(fn, args, kwargs, m, dump: str) -> CompileReport:
         memory[field.removesuffix("_size_in_bytes")] = int(getattr(ma, field))
   except Exception:
     memory = {}
-  return CompileReport(secs, {k: KernelStats(**v) for k, v in stats.items()}, memory)
+  return CompileReport(secs, {k: KernelStats(**v) for k, v in stats.items()}, memory,
+                       tuple(launches))
+
+
+# One line of XLA's thunk sequence dump: "012: kKernel [prev=...] name grid: ...".
+_THUNK_RE = re.compile(r"^\d+: (k\w+)\s+\[[^\]]*\]\s+(\S+)", re.M)
+# Thunks that launch work on the device (the rest copy, wait or synchronise).
+_LAUNCH_KINDS = ("kKernel", "kCustomKernel", "kCustomCall", "kGemm", "kCublasLtMatmul")
+
+
+def _launches(thunk_sequence: str) -> list[str]:
+  """Names of the kernels and library calls in one thunk sequence dump, in order."""
+  return [name for kind, name in _THUNK_RE.findall(thunk_sequence) if kind in _LAUNCH_KINDS]
