@@ -5,6 +5,8 @@ kernels' pieces; ``schedule_pieces`` balances paged decode attention over the
 SMs (mla_mgpu, gqa_mgpu; docs/paged_attention.md).
 """
 
+import functools
+
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -49,6 +51,9 @@ def num_pieces(batch: int, max_pages: int, slots: int) -> int:
   return max(batch + 1, min(slots, usable))
 
 
+# Jitted so that an eager call (tests, tools) compiles one program per shape instead of
+# one per operation; inside a caller's jit it is inlined as before.
+@functools.partial(jax.jit, static_argnames=("page_size", "max_pages", "pieces"))
 def schedule_pieces(lengths, *, page_size, max_pages, pieces):
   """Cuts every request's pages into pieces of one size that fill ``pieces`` CTAs.
 
