@@ -366,6 +366,9 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *,
 _ROW_ALIGN = 8
 
 
+# Jitted so that an eager call (tests, tools) compiles one program per shape instead of
+# one per operation; inside a caller's jit it is inlined as before.
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def grouped_schedule(group_sizes, m, tile_m, num_tiles):
   """Cuts each expert's rows into tiles of its own, then the rows past them.
 
