@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 import time
 from concurrent import futures
 
@@ -247,10 +248,15 @@ def _lower(v: Variant, kv_dtype: str, kind: str, n_moe: int, num_pages: int, pla
 
 
 def _compile(lowered, rec: dict) -> dict:
+  from pallas_kernels.h200 import compile as hc
   t0 = time.perf_counter()
-  compiled = lowered.compile(COMPILE_OPTIONS)
+  # XLA's thunk dump names every kernel the step launches (XLA's fusions and the Pallas
+  # kernels): how many a step runs, one launch overhead each.
+  with tempfile.TemporaryDirectory(prefix="h200_step_") as dump:
+    compiled = lowered.compile(dict(COMPILE_OPTIONS, xla_dump_to=dump))
+    launches = hc.launches_in_dump(dump)
   ma = compiled.memory_analysis()
-  out = dict(rec, compile_s=time.perf_counter() - t0)
+  out = dict(rec, compile_s=time.perf_counter() - t0, launches=len(launches))
   # What each GPU runs: every kernel at its per-GPU shape, and what XLA had to gather.
   out.update(step_placement(compiled.as_text()))
   for f in FIELDS:
@@ -272,7 +278,8 @@ def compile_all(jobs: list, plan: Plan, mesh) -> list[dict]:
     for r in pool.map(lambda lr: _compile(*lr), lowered):  # in order, each as it is ready
       common.progress(f"h200_compile: compiled {r['variant']} {r['kv_dtype']} {r['kind']} "
                       f"{r['n_layers']} layers in {r['compile_s']:.0f} s: args "
-                      f"{r['argument'] / 1e9:.2f} GB, temp {r['temp'] / 1e9:.2f} GB")
+                      f"{r['argument'] / 1e9:.2f} GB, temp {r['temp'] / 1e9:.2f} GB, "
+                      f"{r['launches']:,} kernels")
       done.append(r)
   return done
 
@@ -321,7 +328,7 @@ def fit_depth(points: list[tuple[int, float]], at: int) -> dict:
 def fit_series(records: list[dict], n_moe_full: int) -> dict:
   """Fits every memory field of one (variant, KV dtype, kind) series over its depths."""
   fits = {}
-  for f in FIELDS + ("peak", "weights", "kv"):
+  for f in FIELDS + ("peak", "weights", "kv", "launches"):
     fits[f] = fit_depth([(r["n_moe"], r[f]) for r in records], n_moe_full)
   return fits
 
@@ -363,6 +370,7 @@ def deployment_row(v: Variant, kv_dtype: str, plan: Plan, fits: dict, served: in
   weights_xla = first["argument"]["at_full"] - first["kv"]["at_full"] - inputs
   bpt = kvc.bytes_per_token(cfg, kv_dtype, tp=MESH_SHAPE[1])
   temps = {k: fits[k]["temp"]["at_full"] for k in fits}
+  launches = {k: round(fits[k]["launches"]["at_full"]) for k in fits}
   # Output buffers the step does not alias onto its inputs (sampled tokens, ok flags).
   extra_out = {k: fits[k]["output"]["at_full"] - fits[k]["alias"]["at_full"] for k in fits}
   reserve = max(temps[k] + extra_out[k] for k in fits)
@@ -374,7 +382,7 @@ def deployment_row(v: Variant, kv_dtype: str, plan: Plan, fits: dict, served: in
   row = {"variant": v.key, "model": cfg.name, "recipe": v.recipe.name, "kv_dtype": kv_dtype,
          "weights_xla": weights_xla, "weights_served": served, "weights_unserved": unserved,
          "weights_resident": resident,
-         "bytes_per_token": bpt, "temp": temps, "reserve": reserve,
+         "bytes_per_token": bpt, "temp": temps, "launches": launches, "reserve": reserve,
          "reserve_allowed": (1 - plan.static_fraction) * plan.hbm_bytes,
          "static_pool": static_pool, "largest_pool": largest_pool,
          "temps_fit_reserve": reserve <= (1 - plan.static_fraction) * plan.hbm_bytes,
@@ -486,7 +494,9 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
     common.progress(
         f"h200_compile: {r['variant']} {r['kv_dtype']}: weights "
         f"{_fmt(r['weights_resident'], unit)} {unit}/GPU, temps {'/'.join(r['temp'])} {temps} "
-        f"{unit}, pool {_fmt(r['largest_pool'], unit)} {unit} = {r['tokens']:,} tokens, "
+        f"{unit}, kernels {'/'.join(r['launches'])} "
+        f"{'/'.join(f'{n:,}' for n in r['launches'].values())}, "
+        f"pool {_fmt(r['largest_pool'], unit)} {unit} = {r['tokens']:,} tokens, "
         f"{r['concurrency']} requests" + (
             f"; {c['requests']} requests need {_fmt(c['peak'], unit)} {unit}: "
             f"{'fits' if c['fits_hbm'] else 'DOES NOT FIT'}" if c else ""))
@@ -565,6 +575,7 @@ def markdown(rec: dict) -> str:
   conc = plan["concurrency"]
   if any("at_concurrency" in r for r in rec["rows"]):
     headers += [f"{conc} requests: peak", f"{conc} requests fit"]
+  headers += ["kernels per step, decode / prefill"]
   report = paper.REPORT_KIMI_TOKENS
   rows = []
   for r in rec["rows"]:
@@ -585,6 +596,8 @@ def markdown(rec: dict) -> str:
            b(r["largest_pool"]), tok, f"{a['tokens']:,}", r["concurrency"], a["concurrency"]]
     if c:
       row += [b(c["peak"]), "yes" if c["fits_hbm"] else "**NO (out of memory)**"]
+    n = r.get("launches", {})
+    row += [" / ".join(f"{n[k]:,}" if k in n else "-" for k in ("decode", "prefill"))]
     rows.append(row)
   md.append(common.markdown_table(headers, rows))
   md.append(
@@ -593,17 +606,20 @@ def markdown(rec: dict) -> str:
       f"the larger step's temporaries); requests = pool pages // pages of one request of the "
       f"sweep's shape. '{conc} requests': the decode step compiled with a pool for {conc} "
       "requests of the sweep's shape; peak = arguments + temporaries + unaliased outputs (+ "
-      "weights and indexer keys not instantiated).\n")
+      "weights and indexer keys not instantiated). Kernels per step: the kernels and library "
+      "calls of XLA's thunk sequence (its fusions and the Pallas kernels, each one launch), "
+      "read at full depth like the memory.\n")
   md.append("\n## Compiled steps\n\n")
   md.append(common.markdown_table(
       ["variant", "KV", "step", "layers", "B x T, pages/row", "pool pages", "arguments",
        "= weights + KV + inputs", "temp", "output", "aliased", "all-gathered (KB)",
-       "compile s"],
+       "kernels", "compile s"],
       [[c["variant"], c["kv_dtype"], c["kind"], c["n_layers"],
         f"{c['rows']} x {c['tokens']}, {c['max_pages']}", f"{c['num_pages']:,}",
         b(c["argument"]), "exact" if c["argument_matches_analytic"] else
         f"NO ({b(c['weights'] + c['kv'] + c['inputs'])})", b(c["temp"]), b(c["output"]),
-        b(c["alias"]), f"{c['all_gather_bytes'] / 1e3:,.1f}", f"{c['compile_s']:.0f}"]
+        b(c["alias"]), f"{c['all_gather_bytes'] / 1e3:,.1f}", f"{c['launches']:,}",
+        f"{c['compile_s']:.0f}"]
        for c in rec["compiles"]]))
   md.append(_kernels_markdown(rec["compiles"]))
   md.append(f"\n## Depth fits ({unit} = intercept + slope x MoE layers; the full-depth "
@@ -614,8 +630,12 @@ def markdown(rec: dict) -> str:
       s = series[f]
       frows.append([key, f, b(s["intercept"]), b(s["slope"]), f"{s['max_residual']:,.0f}",
                     b(s["marginal_slope"]), b(s["at_full"])])
+    s = series["launches"]  # a count, not bytes
+    frows.append([key, "kernels", f"{s['intercept']:,.1f}", f"{s['slope']:,.1f}",
+                  f"{s['max_residual']:,.1f}", f"{s['marginal_slope']:,.1f}",
+                  f"{s['at_full']:,.0f}"])
   md.append(common.markdown_table(
-      ["series", "field", "intercept", "slope / MoE layer", "max residual (B)",
+      ["series", "field", "intercept", "slope / MoE layer", "max residual (B, or kernels)",
        "slope between the deepest two", "at full depth"], frows))
   md.append("\n## Notes\n\n")
   md += [f"- {n}\n" for n in rec["notes"]]

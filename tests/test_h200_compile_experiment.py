@@ -93,6 +93,19 @@ class SmokeRunTest(absltest.TestCase):
         self.assertEqual(shape, (c["rows"], 8), g)
     self.assertEqual(c["all_gather_bytes"], sum(g["bytes"] for g in c["all_gathers"]))
 
+  def test_kernels_per_step_are_counted(self):
+    (c,) = self.rec["compiles"]
+    (row,) = self.rec["rows"]
+    # Every Pallas kernel call is one launch of XLA's thunk sequence, beside XLA's own
+    # fusions (the embedding, norms, routing, sampling), so the step launches more.
+    self.assertGreater(c["launches"], len(c["kernels"]))
+    # One depth: the full-depth reading is that count.
+    self.assertEqual(row["launches"], {"decode": c["launches"]})
+    with open(os.path.join(self.out, "h200_compile.md")) as f:
+      md = f.read()
+    self.assertIn("kernels per step, decode / prefill", md)
+    self.assertIn(f"| {c['launches']:,} / - |", md)
+
   def test_files_well_formed(self):
     with open(os.path.join(self.out, "h200_compile.json")) as f:
       rec = json.load(f)

@@ -223,13 +223,11 @@ def _compile(fn, args, kwargs, m, dump: str) -> CompileReport:
   log.seek(0)
   stats = parse_ptxas_log(log.read().decode(errors="replace"))
   # Triton kernels: shared memory from the launch lines of XLA's thunk dump.
-  launches = []
   for path in sorted(glob.glob(os.path.join(dump, "*thunk_sequence.txt"))):
-    text = open(path).read()
-    for mt in re.finditer(r"kCustomKernel.*?\] (\S+) grid: .*?shared_memory: (\d+) bytes", text):
+    for mt in re.finditer(r"kCustomKernel.*?\] (\S+) grid: .*?shared_memory: (\d+) bytes",
+                          open(path).read()):
       if mt.group(1) in stats:
         stats[mt.group(1)]["smem"] = int(mt.group(2))
-    launches += _launches(text)
   # Mosaic GPU kernels: dynamic shared memory from the serialised kernel.
   new = {k: v for k, v in _known_mosaic_kernels().items() if k not in known}
   smems = [s for s in (_mosaic_smem(asm) for asm in new.values()) if s is not None]
@@ -246,7 +244,17 @@ def _compile(fn, args, kwargs, m, dump: str) -> CompileReport:
   except Exception:
     memory = {}
   return CompileReport(secs, {k: KernelStats(**v) for k, v in stats.items()}, memory,
-                       tuple(launches))
+                       launches_in_dump(dump))
+
+
+def launches_in_dump(dump: str) -> tuple[str, ...]:
+  """What the programs compiled with ``xla_dump_to=dump`` launch, in order: every
+  kernel and library call of XLA's thunk sequences (one per compiled module)."""
+  names = []
+  for path in sorted(glob.glob(os.path.join(dump, "*thunk_sequence.txt"))):
+    with open(path) as f:
+      names += _launches(f.read())
+  return tuple(names)
 
 
 # One line of XLA's thunk sequence dump: "012: kKernel [prev=...] name grid: ...".
