@@ -326,7 +326,8 @@ def fit_depth(points: list[tuple[int, float]], at: int) -> dict:
 
 
 def fit_series(records: list[dict], n_moe_full: int) -> dict:
-  """Fits every memory field of one (variant, KV dtype, kind) series over its depths."""
+  """Fits every memory field and the kernel count of one (variant, KV dtype, kind) series
+  over its depths."""
   fits = {}
   for f in FIELDS + ("peak", "weights", "kv", "launches"):
     fits[f] = fit_depth([(r["n_moe"], r[f]) for r in records], n_moe_full)
