@@ -3,7 +3,7 @@
 XLA's fusion decisions come from its performance model, which prices each kernel's
 memory traffic and arithmetic with the device's rates. A target config without them
 (as pallas_kernels/h200/target_config.txtpb was until it carried them) leaves the
-model pricing memory traffic at zero bandwidth, so fusing never pays: broadcasts and
+model a memory bandwidth of zero, and fusing never pays: broadcasts and
 elementwise producers become kernels of their own whose outputs go through memory,
 and every temporary and kernel count read from such a compile describes a program a
 real H200 would not run (docs/h200_compile.md).
