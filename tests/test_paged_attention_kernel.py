@@ -441,6 +441,8 @@ class MlaBenchPeersTest(absltest.TestCase):
     b = attn_bench.bench_case("paged_mla_decode", dims, backend="interpret", peers=True)
     self.assertEqual((b.info["mla_m"], b.info["mla_qk"]), ("heads", "fp8"))
     impls = {i.name: i for i in b.impls}
+    # The same kernel merged by XLA (tests/test_merge_pieces_kernel.py runs that merge).
+    self.assertEqual(impls["pallas_mgpu_xla_merge"].fn.keywords["block_sizes"].merge, "xla")
     err = {}
     for name in ("pallas", "pallas_mgpu_f16qk"):
       out = np.asarray(impls[name].fn(*impls[name].args()[0]), np.float32)

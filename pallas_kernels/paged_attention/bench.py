@@ -232,6 +232,10 @@ def _ours(call, sets, ref, peers, set_bytes, choice):
                            note=f"our {other} kernel, same block sizes"))
     except ValueError:
       pass  # our Mosaic GPU kernel does not take this shape
+    if chosen == "mgpu":  # the same kernel, its pieces merged by XLA's one-hot product
+      impls.append(bm.Impl("pallas_mgpu_xla_merge", call(dataclasses.replace(bs, merge="xla")),
+                           sets, ref, note="our Mosaic GPU kernel, pieces merged by "
+                           "reference.combine_pieces instead of merge_pieces"))
   return impls, {"kernel_impl": chosen, "block_sizes": dataclasses.asdict(bs),
                  "input_sets": bm.rotation_sets(set_bytes)}
 

@@ -32,6 +32,10 @@ class BlockSizes:
       twice the MMA rate, the query rounded to 4 significant bits) or "auto"
       (fp8 there, where the bf16-rate MMA binds; docs/paged_attention.md).
       Other kernels and caches compute as "f16".
+    merge: how the Mosaic GPU kernels' pieces are merged into each request's
+      output: "kernel" (``merge_pieces``, one Pallas kernel reading every
+      partial once) or "xla" (``reference.combine_pieces``, XLA's one-hot
+      product; kept to compare against and to ablate).
   """
 
   block_h: int = 16
@@ -42,8 +46,11 @@ class BlockSizes:
   impl: str = "auto"
   mla_m: str = "auto"
   mla_qk: str = "auto"
+  merge: str = "kernel"
 
   def __post_init__(self):
+    if self.merge not in ("kernel", "xla"):
+      raise ValueError(f"merge must be kernel or xla, got {self.merge!r}")
     if self.mla_qk not in ("auto", "f16", "fp8"):
       raise ValueError(f"mla_qk must be auto, f16 or fp8, got {self.mla_qk!r}")
     if self.mla_m not in ("auto", "tokens", "heads"):

@@ -26,7 +26,7 @@ factors (ops.f16_query), multiplied into the logits with the softmax scale,
 so no query value overflows f16.
 
 Outputs per piece: o [G, KV, 64, hd] f32 normalised by the piece's softmax
-sum, lse [G, KV, 64] f32; reference.combine_pieces merges each request's.
+sum, lse [G, KV, 64] f32; merge_pieces.py merges each request's.
 """
 
 import math

@@ -74,7 +74,7 @@ Outputs per piece: o [G, H8, C] bf16 (PARTIAL_DTYPE) already divided by the
 piece's softmax sum, only the rows of the H real heads rounded up to 8 (the
 padding rows would be most of the partials' HBM traffic at 8 heads per
 device), and lse [G, Hp] f32 (a very negative number for an empty piece);
-reference.combine_pieces merges each request's pieces.
+merge_pieces.py merges each request's pieces.
 """
 
 import math

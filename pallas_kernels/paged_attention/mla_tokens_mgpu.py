@@ -33,7 +33,7 @@ back into the logits. bf16 pages are read in place; only a request's partial
 last page has its tail rows zeroed (a zero probability does not cancel NaN).
 
 Outputs per piece, like ``mla_mgpu``: o [G, N, C] bf16 normalised, lse [G, N]
-f32 (a very negative number for an empty piece); ``reference.combine_pieces``
+f32 (a very negative number for an empty piece); ``merge_pieces``
 merges each request's pieces. docs/paged_attention.md has the numbers.
 """
 

@@ -12,6 +12,7 @@ from pallas_kernels import device
 from pallas_kernels import dispatch
 from pallas_kernels import schedule
 from pallas_kernels.paged_attention import gqa_mgpu
+from pallas_kernels.paged_attention import merge_pieces
 from pallas_kernels.paged_attention import mla_mgpu
 from pallas_kernels.paged_attention import mla_tokens_mgpu
 from pallas_kernels.paged_attention import reference
@@ -210,7 +211,7 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
     return _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale,
                      k_rope_scale, block_tables, lengths, scale=scale,
                      tokens_in_m=tokens_in_m,
-                     qk_fp8=mla_qk_fp8(bs, tokens_in_m, latent),
+                     qk_fp8=mla_qk_fp8(bs, tokens_in_m, latent), merge=bs.merge,
                      interpret=backend == "interpret")
   ppb = bs.pages_per_block
   splits = bs.num_splits
@@ -472,7 +473,7 @@ def mla_qk_fp8(bs, tokens_in_m: bool, latent) -> bool:
 
 
 def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
-              block_tables, lengths, *, scale, tokens_in_m, qk_fp8, interpret):
+              block_tables, lengths, *, scale, tokens_in_m, qk_fp8, merge, interpret):
   """Runs mla_mgpu (heads padded to 64) or mla_tokens_mgpu (heads padded to 8):
   pads the heads, casts q, schedules the pieces, merges them."""
   b, h, _ = q_latent.shape
@@ -493,17 +494,30 @@ def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
   pieces = schedule.schedule_pieces(
       lengths, page_size=latent.shape[1], max_pages=bt.shape[1],
       pieces=mla_mgpu_pieces(b, h, bt.shape[1]))
-  interpret = mgpu_interpret_params() if interpret else False
+  mgpu_interpret = mgpu_interpret_params() if interpret else False
   if tokens_in_m:
     o, lse = mla_tokens_mgpu.mla_decode_tokens_mgpu(
         ql, qr, q_scale, latent, k_rope, latent_scale, k_rope_scale, bt, lengths,
-        pieces, scale=float(scale), interpret=interpret)
+        pieces, scale=float(scale), interpret=mgpu_interpret)
   else:
     o, lse = mla_mgpu.mla_decode_mgpu(
         ql, qr, q_scale, latent, k_rope, latent_scale, k_rope_scale, bt, lengths,
-        pieces, scale=float(scale), heads=h, interpret=interpret)
-  out = reference.combine_pieces(o[:, :h], lse[:, :h], pieces[0], b)
-  return out.astype(q_latent.dtype)
+        pieces, scale=float(scale), heads=h, interpret=mgpu_interpret)
+  # o [G, H8, C], lse [G, Hp]: one row group of the H real heads.
+  return _merge(o[:, None], lse[:, None], pieces[0], b, rows=h, out_dtype=q_latent.dtype,
+                merge=merge, interpret=interpret)[:, 0]
+
+
+def _merge(o, lse, request, batch, *, rows, out_dtype, merge, interpret):
+  """[B, X, rows, D] from the pieces' partials o [G, X, R, D], lse [G, X, RL]:
+  the merge kernel, or XLA's one-hot product (BlockSizes.merge)."""
+  if merge == "kernel":
+    return merge_pieces.merge_pieces(o, lse, request, batch, rows=rows, out_dtype=out_dtype,
+                                     interpret=interpret)
+  g, x, _, d = o.shape
+  out = reference.combine_pieces(o[:, :, :rows].reshape(g, x * rows, d),
+                                 lse[:, :, :rows].reshape(g, x * rows), request, batch)
+  return out.reshape(batch, x, rows, d).astype(out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "backend", "block_sizes"))
@@ -556,7 +570,7 @@ def paged_gqa_decode(q, k, v, k_scale, v_scale, block_tables, lengths, *,
   bs, impl = gqa_kernel_choice(q, k, block_tables, block_sizes)
   if impl == "mgpu":
     return _gqa_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths,
-                     scale=scale, interpret=backend == "interpret")
+                     scale=scale, merge=bs.merge, interpret=backend == "interpret")
   # One program covers a whole group: pad the group up to block_h (>= 16,
   # the minimum dot M); the padded rows are computed and dropped.
   bh = max(bs.block_h, 1 << (g - 1).bit_length())
@@ -603,7 +617,7 @@ def paged_gqa_decode(q, k, v, k_scale, v_scale, block_tables, lengths, *,
   return out.astype(q.dtype)
 
 
-def _gqa_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, *, scale,
+def _gqa_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, *, scale, merge,
               interpret):
   """Runs gqa_mgpu: pads each group to 64 rows, casts q, schedules the pieces
   (in blocks of 64 tokens, the kernel's step), merges them."""
@@ -626,9 +640,7 @@ def _gqa_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, *, scale,
   o, lse = gqa_mgpu.gqa_decode_mgpu(
       qg, q_scale, k, v, k_scale, v_scale, bt, lengths, pieces, scale=float(scale),
       interpret=mgpu_interpret_params() if interpret else False)
-  bh = gqa_mgpu.BLOCK_H
-  g_pieces = pieces.shape[1]
-  out = reference.combine_pieces(o.reshape(g_pieces, kv * bh, hd),
-                                 lse.reshape(g_pieces, kv * bh), pieces[0], b)
-  out = out.reshape(b, kv, bh, hd)[:, :, :g].reshape(b, h, hd)
-  return out.astype(q.dtype)
+  # o [G, KV, 64, hd], lse [G, KV, 64]: the first g rows of each KV head are real.
+  out = _merge(o, lse, pieces[0], b, rows=g, out_dtype=q.dtype, merge=merge,
+               interpret=interpret)
+  return out.reshape(b, h, hd)

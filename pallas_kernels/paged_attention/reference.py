@@ -176,8 +176,9 @@ def combine_splits(acc, m, l):
 def combine_pieces(o, lse, request, batch):
   """Merges per-piece partials into each request's output (mla_mgpu's schedule).
 
-  A masked product over a one-hot [B, G] map rather than a scatter, so no
-  zero-filled [B, H, D] buffer is built per layer.
+  The reference of ``merge_pieces`` (the kernel the ops run), and the op's
+  ``BlockSizes(merge="xla")``: a masked product over a one-hot [B, G] map,
+  B x G x H x D multiply-adds, where the kernel reads each partial once.
 
   Args:
     o: [G, H, D] f32 or bf16 per-piece outputs, each already divided by its own softmax
