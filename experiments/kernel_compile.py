@@ -86,6 +86,11 @@ INT4_LONG_LOOP_STEPS = 8
 # (indices per split / block_k): ptxas reads 1, 2 and 3 steps differently and 4 to
 # 32 alike (docs/h200_compile.md).
 SPARSE_LONG_LOOP_STEPS = 4
+# Kernels an op launches beside its own, read and checked with it (their spills and
+# shared memory are the record's problems too) but not what the record is of: the
+# merge of the Mosaic GPU decode kernels' pieces (paged_attention/merge_pieces.py),
+# whose own target configurations tests/test_merge_pieces_kernel.py compiles.
+COMPANION_KERNELS = ("merge_pieces",)
 # A shared compile covers its other cases only with this much headroom below the
 # register limit; closer to 255 every case of the group is compiled on its own,
 # so "zero spills" never rests on a neighbour's reading.
@@ -311,6 +316,7 @@ def kernel_key(case, impl: str, block_sizes) -> tuple:
   fields = dataclasses.asdict(block_sizes)
   if case.kernel in ("paged_mla_decode", "paged_gqa_decode"):
     fields.pop("num_splits")
+    fields.pop("merge")  # a companion kernel's choice (COMPANION_KERNELS), not this kernel's
     if impl == "mgpu":  # the Triton tiles: the Mosaic GPU kernels fix their own
       for name in ("block_h", "pages_per_block", "num_warps", "num_stages"):
         fields.pop(name)
@@ -457,15 +463,17 @@ def compile_build(build: Build) -> dict:
     msg = f"{type(e).__name__}: {e}".strip()
     return dict.fromkeys(READINGS) | {"kernel_name": None, "seconds": time.perf_counter() - t0,
                                       "error": msg[:2000]}
-  if len(report.kernels) != 1:
+  own = {n: st for n, st in report.kernels.items() if n not in COMPANION_KERNELS}
+  if len(own) != 1:
     return dict.fromkeys(READINGS) | {
         "kernel_name": ",".join(sorted(report.kernels)) or None, "seconds": report.seconds,
-        "error": f"expected one Pallas kernel in ptxas' report, got {sorted(report.kernels)}"}
-  (name, st), = report.kernels.items()
-  return {"kernel_name": name, "registers": st.registers, "spill_stores": st.spill_stores,
-          "spill_loads": st.spill_loads, "stack": st.stack, "smem": st.smem,
-          "wgmma_serialized": st.wgmma_serialized,
-          "seconds": report.seconds, "error": None}
+        "error": f"expected one Pallas kernel besides {COMPANION_KERNELS} in ptxas' report, "
+                 f"got {sorted(report.kernels)}"}
+  (name, st), = own.items()
+  companions = {n: {k: getattr(c, k) for k in READINGS}
+                for n, c in sorted(report.kernels.items()) if n in COMPANION_KERNELS}
+  return {"kernel_name": name, **{k: getattr(st, k) for k in READINGS},
+          "companions": companions, "seconds": report.seconds, "error": None}
 
 
 def problems(readings: dict) -> list[str]:
@@ -475,6 +483,8 @@ def problems(readings: dict) -> list[str]:
   if readings.get("error"):
     return [readings["error"]]
   out = []
+  for name, c in (readings.get("companions") or {}).items():
+    out += [f"{name}: {p}" for p in problems(c | {"error": None})]
   if readings["spill_stores"] or readings["spill_loads"]:
     out.append(f"register spills: {readings['spill_stores']} B stored, "
                f"{readings['spill_loads']} B loaded ({readings['registers']} registers)")
@@ -528,6 +538,7 @@ def records_for(group: Group, readings: dict) -> list[dict]:
         "block_sizes": dataclasses.asdict(b.block_sizes), "key": b.key_str,
         "compiled_as": f"{b.case.name}@{b.variant}" if own else group.name, "compiled": own,
         **{k: r.get(k) for k in ("kernel_name",) + READINGS},
+        "companions": r.get("companions") or {},
         "compile_seconds": r.get("seconds") if own else 0.0,
         "smem_limit": SMEM_LIMIT_BYTES, "ok": not bad, "problems": bad,
         "ptxas": ptxas_version(), "time_utc": now,

@@ -159,6 +159,13 @@ class RecordsTest(absltest.TestCase):
     serial = dict(_clean(56), wgmma_serialized="insufficient register resources")
     self.assertRegex(kc.problems(serial)[0], "serialised the wgmmas: insufficient")
     self.assertFalse(kc.agree(_clean(56), serial))
+    # A companion kernel (the pieces' merge) that spills is the record's problem too.
+    merge = {k: v for k, v in _clean(80).items() if k in kc.READINGS}
+    ok = dict(_clean(200), companions={"merge_pieces": merge})
+    self.assertEqual(kc.problems(ok), [])
+    bad = dict(_clean(200), companions={"merge_pieces": dict(merge, spill_loads=8)})
+    self.assertEqual(len(kc.problems(bad)), 1)
+    self.assertRegex(kc.problems(bad)[0], "^merge_pieces: register spills: 0 B stored, 8 B")
 
   def test_ptxas_log(self):
     # The shape of XLA's ptxas -v log for one Mosaic GPU kernel and one XLA fusion.
