@@ -44,15 +44,21 @@ def _pow2_at_least(n: int) -> int:
   return 1 << max(0, int(n) - 1).bit_length()
 
 
-def tiles(batch: int, x: int, rows: int, d: int, kind: str | None = None
-          ) -> tuple[int, int, int]:
-  """(row tile, column tile, pieces per load) of the merge for this shape.
+def tiles(batch: int, x: int, rows: int, d: int, pieces: int | None = None,
+          kind: str | None = None) -> tuple[int, int, int]:
+  """(row tile, column tile, pieces per step) of the merge for this shape.
+
+  Pieces per step fill a tile of TILE_ELEMENTS, but no more than the pieces an
+  average request has (``pieces`` over the batch, rounded up to a power of two):
+  at 64 requests over 132 pieces a step takes 4, not 8 lanes of which most would
+  be past the request's pieces.
 
   Args:
     batch: requests B.
     x: independent row groups (1 for MLA, the KV heads for GQA).
     rows: real rows per group (heads, or a KV head's query group).
     d: columns (MLA's latent width C, GQA's head_dim), a multiple of 16.
+    pieces: the schedule's pieces G (None: no cap).
     kind: the device kind (None: the traced one), for its SM count.
   """
   bh = min(_MAX_ROW_TILE, _pow2_at_least(rows))
@@ -62,7 +68,10 @@ def tiles(batch: int, x: int, rows: int, d: int, kind: str | None = None
   if not fits:
     raise ValueError(f"merge_pieces needs columns divisible by {_COL_TILES[-1]}; got {d}")
   bd = next((c for c in fits if batch * x * row_blocks * (d // c) >= want), fits[-1])
-  return bh, bd, max(1, TILE_ELEMENTS // (bh * bd))
+  kp = max(1, TILE_ELEMENTS // (bh * bd))
+  if pieces is not None:
+    kp = min(kp, _pow2_at_least(-(-pieces // batch)))
+  return bh, bd, kp
 
 
 def request_ranges(request: jax.Array, batch: int) -> tuple[jax.Array, jax.Array]:
@@ -89,8 +98,9 @@ def _merge_kernel(first_ref, count_ref, o_ref, lse_ref, out_ref, *, kp):
     acc, m, s = carry  # [bh, bd], [bh], [bh] f32
     k = first + i * kp + lanes  # [kp]
     live = k < first + count
-    # Lanes past the request's pieces read piece 0 (in bounds) and weigh 0.
-    ids = jnp.where(live, k, 0)
+    # Lanes past the request's pieces re-read its first piece (in bounds, and the
+    # lines lane 0 loads anyway) and weigh 0.
+    ids = jnp.where(live, k, first)
     lse = jnp.where(live[:, None], lse_ref[ids].astype(jnp.float32), -jnp.inf)  # [kp, bh]
     o = o_ref[ids].astype(jnp.float32)  # [kp, bh, bd]
     m_new = jnp.maximum(m, jnp.max(lse, axis=0))  # finite: lane 0 of step 0 is live
@@ -141,13 +151,12 @@ def merge_pieces(o, lse, request, batch: int, *, rows: int | None = None,
           and jnp.issubdtype(request.dtype, jnp.integer)):
     raise ValueError(f"o must be floating, lse f32 and request integer; got "
                      f"{o.dtype}, {lse.dtype}, {request.dtype}")
-  bh, bd, kp = tiles(batch, x, rows, d)
+  bh, bd, kp = tiles(batch, x, rows, d, g)
   row_blocks = -(-rows // bh)
   if row_blocks * bh > min(r, lse.shape[2]):
     raise ValueError(f"the rows rounded up to {bh} ({row_blocks * bh}) must fit o's {r} "
                      f"and lse's {lse.shape[2]} rows")
   first, count = request_ranges(request, batch)
-  kp = min(kp, _pow2_at_least(g))
   kernel = functools.partial(_merge_kernel, kp=kp)
   full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
   out = pl.pallas_call(
