@@ -293,6 +293,41 @@ class KeyMaskTest(absltest.TestCase):
     self.assertEqual(whole, [])  # e.g. pred[1,128,192], or pred[8,1,16,192] blocked up front
 
 
+class QueryBlockBufferTest(parameterized.TestCase):
+  """The query-block loop's output buffer depends on its layer's queries, so XLA cannot
+  build every layer's at the start of the step and keep them all live (docs/
+  serving_step_memory.md): a buffer computed from no inputs is what that looks like."""
+
+  @parameterized.parameters(jnp.bfloat16, jnp.bool_)
+  def test_no_layer_output_buffer_is_a_constant(self, dtype):
+    B, T, S, block = 2, 64, 48, 16
+    n = T // block
+
+    def fn(q, mask):  # [B, block, 8], [B, block, S] -> [B, block, S] of dtype
+      return (jnp.einsum("btd,bsd->bts", q, q[:, :1].repeat(S, 1)) > 0) & mask if dtype == jnp.bool_ \
+          else (mask * q[..., :1]).astype(dtype)
+
+    def step(q):  # three layers, each blocked over the queries
+      mask = jnp.broadcast_to(q[..., :1] > -1.0, (B, T, S))  # from the data, not a constant
+      out = []
+      for _ in range(3):
+        o = masks.map_query_blocks(fn, (q,), mask, block)
+        q = q + o[..., :8].astype(q.dtype)
+        out.append(o)
+      return out
+
+    q = jax.random.normal(jax.random.key(0), (B, T, 8), jnp.float32)
+    hlo = jax.jit(step).lower(q).compile().as_text()
+    name = {"bool": "pred", "bfloat16": "bf16"}[jnp.dtype(dtype).name]
+    buffer = f"{name}[{n},{B},{block},{S}]"
+    # The [n, B, block, S] buffer computed from constants only: a fusion of no operands
+    # (an H200 compile fuses every layer's into one, of no parameters) or of constant
+    # operands (a CPU compile); every layer's loop would start from it.
+    consts = re.findall(r"\(\) -> \(?[^\n]*" + re.escape(buffer), hlo) + re.findall(
+        re.escape(buffer) + r"\{[^}]*\} fusion\((?:%constant[\w.]*(?:, )?)*\)", hlo)
+    self.assertEqual(consts, [], f"{buffer} built from constants: {consts[:2]}")
+
+
 class BlockedRaggedDotTest(parameterized.TestCase):
 
   @parameterized.parameters(False, True)

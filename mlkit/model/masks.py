@@ -137,18 +137,21 @@ def map_query_blocks(fn: Callable, queries: tuple, mask: KeyMask | jax.Array,
     return fn(*map(take, q_blocks), block_mask(jax.tree.map(take, side)))
 
   out_aval = jax.eval_shape(one, 0)  # [B, block, ...]
-  # The loop's output buffer starts as zeros times one of the queries' values, not as
-  # plain zeros: a constant buffer has no inputs, and XLA fuses every layer's into one
+  # The loop's output buffer starts as one of the queries' values broadcast, not as
+  # zeros: a constant buffer has no inputs, and XLA fuses every layer's into one
   # computation at the start of the step, so all of them would stay live through the
   # whole step (16 MiB a layer in Kimi K2.6's prefill; docs/serving_step_memory.md).
   # Tied to this layer's queries, it exists only while the layer runs. (An
   # optimization_barrier over the zeros and the queries, as the grouped matmul's output
-  # buffer has, also works, with 20 MB more at the step's peak.) Every block is written,
-  # so the buffer's values never matter. The value is indexed, not read from a flattened
-  # query: under tensor parallelism flattening a head-split query made XLA all-gather
-  # every head of it to read one element (134 MB a layer in Kimi K2.6's prefill).
+  # buffer has, also works, with 20 MB more at the step's peak.) Not zeros times the
+  # value: for a bool output (the sparse-attention indexer's selection) XLA folds
+  # false AND x to the constant false, and that tie was lost (24 MiB a layer in GLM
+  # 5.2's prefill). Every block is written, so the buffer's values never matter. The
+  # value is indexed, not read from a flattened query: under tensor parallelism
+  # flattening a head-split query made XLA all-gather every head of it to read one
+  # element (134 MB a layer in Kimi K2.6's prefill).
   tie = q_blocks[0][(0,) * q_blocks[0].ndim].astype(out_aval.dtype)
-  out = jnp.zeros((n,) + out_aval.shape, out_aval.dtype) * tie
+  out = jnp.broadcast_to(tie, (n,) + out_aval.shape)
   out = jax.lax.fori_loop(
       0, n, lambda i, out: jax.lax.dynamic_update_index_in_dim(out, one(i), i, 0), out)
   out = jnp.moveaxis(out, 0, 1)  # [B, n, block, ...]
