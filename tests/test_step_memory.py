@@ -342,6 +342,28 @@ class BlockedRaggedDotTest(parameterized.TestCase):
     self.assertLess(_rel(out, ref), 1e-6)
     np.testing.assert_array_equal(np.asarray(out[270:]), 0)
 
+  def test_no_layer_output_buffer_is_a_constant(self):
+    # Three chained block loops (three layers' expert matmuls): no [blocks, block, N] f32
+    # output buffer may be computed from constants, shared by every layer and live
+    # through the step (the zeros behind an optimization_barrier were).
+    kx, kw = jax.random.split(jax.random.key(4))
+    w = jax.random.normal(kw, (7, 48, 48))
+    sizes = jnp.array([50, 0, 77, 3, 100, 0, 40], jnp.int32)
+
+    def layers(x):
+      for _ in range(3):
+        x = ragged_dot_f32(x, w, sizes, blocked=True, per_block=True)
+      return x
+
+    hlo = jax.jit(layers).lower(jax.random.normal(kx, (300, 48))).compile().as_text()
+    buffers = set(re.findall(r"f32\[(\d+),(\d+),48\]", hlo))
+    self.assertTrue(buffers)  # the blocked buffer is in the program
+    for n, block in buffers:
+      buffer = f"f32[{n},{block},48]"
+      consts = re.findall(r"\(\) -> \(?[^\n]*" + re.escape(buffer), hlo) + re.findall(
+          re.escape(buffer) + r"\{[^}]*\} fusion\((?:%constant[\w.]*(?:, )?)*\)", hlo)
+      self.assertEqual(consts, [], f"{buffer} built from constants: {consts[:2]}")
+
 
 if __name__ == "__main__":
   absltest.main()

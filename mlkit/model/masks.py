@@ -141,9 +141,10 @@ def map_query_blocks(fn: Callable, queries: tuple, mask: KeyMask | jax.Array,
   # zeros: a constant buffer has no inputs, and XLA fuses every layer's into one
   # computation at the start of the step, so all of them would stay live through the
   # whole step (16 MiB a layer in Kimi K2.6's prefill; docs/serving_step_memory.md).
-  # Tied to this layer's queries, it exists only while the layer runs. (An
-  # optimization_barrier over the zeros and the queries, as the grouped matmul's output
-  # buffer has, also works, with 20 MB more at the step's peak.) Not zeros times the
+  # Tied to this layer's queries, it exists only while the layer runs. (Not an
+  # optimization_barrier over zeros and the queries: XLA shares one zero broadcast among
+  # every layer's barrier, which then lives through the step; quant.dispatch's block loop
+  # had that.) Not zeros times the
   # value: for a bool output (the sparse-attention indexer's selection) XLA folds
   # false AND x to the constant false, and that tie was lost (24 MiB a layer in GLM
   # 5.2's prefill). Every block is written, so the buffer's values never matter. The

@@ -199,9 +199,14 @@ def _block_loop(x: jax.Array, w: jax.Array, group_sizes: jax.Array, block: int, 
   # Padding slots read row 0: their outputs are never gathered back.
   src = jnp.zeros((Mp,), jnp.int32).at[lay.dest].set(jnp.arange(M, dtype=jnp.int32), mode="drop")
   xb = x[src].reshape(lay.n_blocks, block, K)
-  # The output buffer is tied to this call's rows: a constant zero buffer would be
-  # hoisted by XLA to the start of the step, once per layer, all live at once.
-  yp, xb = jax.lax.optimization_barrier((jnp.zeros((lay.n_blocks, block, N), jnp.float32), xb))
+  # The output buffer starts as one of this call's values broadcast, so it exists only
+  # while this call runs. A constant zero buffer would be built by XLA at the start of the
+  # step and kept live through it; behind an optimization_barrier with the rows it still
+  # was: XLA shared one zero broadcast among every layer's barrier (the same shape), so it
+  # lived from the first layer to the last, with a copy per layer (624 + 208 MiB in GLM
+  # 5.2's FP8 prefill; docs/serving_step_memory.md). Its values never matter: every block
+  # whose rows are gathered back is written, and _unblock selects zeros for the others.
+  yp = jnp.broadcast_to(xb[0, 0, 0].astype(jnp.float32), (lay.n_blocks, block, N))
 
   def one_block(i, yp):
     y = jnp.dot(xb[i], w[lay.block_group[i]], preferred_element_type=jnp.float32)  # [block, N]
