@@ -293,6 +293,16 @@ class KeyMaskTest(absltest.TestCase):
     self.assertEqual(whole, [])  # e.g. pred[1,128,192], or pred[8,1,16,192] blocked up front
 
 
+def _built_from_constants(hlo: str, buffer: str) -> list[str]:
+  """Where the compiled program computes an array of type ``buffer`` (e.g.
+  "pred[4,2,16,48]") from constants only: a fusion of no operands (an H200 compile
+  fuses every layer's into one, of no parameters) or of constant operands (a CPU
+  compile). A layer's loop buffer made that way is shared by every layer, built at
+  the start of the step and live through it."""
+  return re.findall(r"\(\) -> \(?[^\n]*" + re.escape(buffer), hlo) + re.findall(
+      re.escape(buffer) + r"\{[^}]*\} fusion\((?:%constant[\w.]*(?:, )?)*\)", hlo)
+
+
 class QueryBlockBufferTest(parameterized.TestCase):
   """The query-block loop's output buffer depends on its layer's queries, so XLA cannot
   build every layer's at the start of the step and keep them all live (docs/
@@ -304,8 +314,9 @@ class QueryBlockBufferTest(parameterized.TestCase):
     n = T // block
 
     def fn(q, mask):  # [B, block, 8], [B, block, S] -> [B, block, S] of dtype
-      return (jnp.einsum("btd,bsd->bts", q, q[:, :1].repeat(S, 1)) > 0) & mask if dtype == jnp.bool_ \
-          else (mask * q[..., :1]).astype(dtype)
+      if dtype == jnp.bool_:  # a selection, as the sparse-attention indexer's
+        return (q[..., :1] > 0) & mask
+      return (mask * q[..., :1]).astype(dtype)
 
     def step(q):  # three layers, each blocked over the queries
       mask = jnp.broadcast_to(q[..., :1] > -1.0, (B, T, S))  # from the data, not a constant
@@ -319,13 +330,8 @@ class QueryBlockBufferTest(parameterized.TestCase):
     q = jax.random.normal(jax.random.key(0), (B, T, 8), jnp.float32)
     hlo = jax.jit(step).lower(q).compile().as_text()
     name = {"bool": "pred", "bfloat16": "bf16"}[jnp.dtype(dtype).name]
-    buffer = f"{name}[{n},{B},{block},{S}]"
-    # The [n, B, block, S] buffer computed from constants only: a fusion of no operands
-    # (an H200 compile fuses every layer's into one, of no parameters) or of constant
-    # operands (a CPU compile); every layer's loop would start from it.
-    consts = re.findall(r"\(\) -> \(?[^\n]*" + re.escape(buffer), hlo) + re.findall(
-        re.escape(buffer) + r"\{[^}]*\} fusion\((?:%constant[\w.]*(?:, )?)*\)", hlo)
-    self.assertEqual(consts, [], f"{buffer} built from constants: {consts[:2]}")
+    buffer = f"{name}[{n},{B},{block},{S}]"  # the loop's [n, B, block, S] output buffer
+    self.assertEqual(_built_from_constants(hlo, buffer), [])
 
 
 class BlockedRaggedDotTest(parameterized.TestCase):
@@ -359,10 +365,7 @@ class BlockedRaggedDotTest(parameterized.TestCase):
     buffers = set(re.findall(r"f32\[(\d+),(\d+),48\]", hlo))
     self.assertTrue(buffers)  # the blocked buffer is in the program
     for n, block in buffers:
-      buffer = f"f32[{n},{block},48]"
-      consts = re.findall(r"\(\) -> \(?[^\n]*" + re.escape(buffer), hlo) + re.findall(
-          re.escape(buffer) + r"\{[^}]*\} fusion\((?:%constant[\w.]*(?:, )?)*\)", hlo)
-      self.assertEqual(consts, [], f"{buffer} built from constants: {consts[:2]}")
+      self.assertEqual(_built_from_constants(hlo, f"f32[{n},{block},48]"), [])
 
 
 if __name__ == "__main__":

@@ -141,16 +141,15 @@ def map_query_blocks(fn: Callable, queries: tuple, mask: KeyMask | jax.Array,
   # zeros: a constant buffer has no inputs, and XLA fuses every layer's into one
   # computation at the start of the step, so all of them would stay live through the
   # whole step (16 MiB a layer in Kimi K2.6's prefill; docs/serving_step_memory.md).
-  # Tied to this layer's queries, it exists only while the layer runs. (Not an
-  # optimization_barrier over zeros and the queries: XLA shares one zero broadcast among
-  # every layer's barrier, which then lives through the step; quant.dispatch's block loop
-  # had that.) Not zeros times the
-  # value: for a bool output (the sparse-attention indexer's selection) XLA folds
-  # false AND x to the constant false, and that tie was lost (24 MiB a layer in GLM
-  # 5.2's prefill). Every block is written, so the buffer's values never matter. The
-  # value is indexed, not read from a flattened query: under tensor parallelism
-  # flattening a head-split query made XLA all-gather every head of it to read one
-  # element (134 MB a layer in Kimi K2.6's prefill).
+  # Tied to this layer's queries, it exists only while the layer runs. Not zeros behind
+  # an optimization_barrier with the queries: XLA shares one zero broadcast among every
+  # layer's barrier, which then lives through the step (quant.dispatch's block loop had
+  # that). Not zeros times the value: for a bool output (the sparse-attention indexer's
+  # selection) XLA folds false AND x to the constant false, and the tie is lost (24 MiB
+  # a layer in GLM 5.2's prefill). Every block is written, so the buffer's values never
+  # matter. The value is indexed, not read from a flattened query: under tensor
+  # parallelism flattening a head-split query made XLA all-gather every head of it to
+  # read one element (134 MB a layer in Kimi K2.6's prefill).
   tie = q_blocks[0][(0,) * q_blocks[0].ndim].astype(out_aval.dtype)
   out = jnp.broadcast_to(tie, (n,) + out_aval.shape)
   out = jax.lax.fori_loop(
