@@ -56,8 +56,29 @@ class PlanTest(absltest.TestCase):
     self.assertEqual((heads_tp8["partial_rows"], heads_dp["partial_rows"]), (8, 64))
     self.assertNotIn("bs.block_h", heads_tp8)
 
+  def test_heads_kernel_compiles_with_and_without_its_producer(self):
+    """The engine's heads-in-M MLA kernel has a producer warpgroup; --other-impl adds
+    the same kernel with compute warpgroup 0 issuing the gathers, under its own key.
+    No other attention kernel reads BlockSizes.loads, so it is not in their keys."""
+    by = {(b.case.name, b.variant): b for b in self.builds}
+    for case, v in (("mla/dp/fp8/b8/ctx32768", "mgpu-heads-qk8"),
+                    ("mla/dp/bf16/b8/ctx32768", "mgpu-heads")):
+      engine, alt = by[(case, v)], by[(case, v + "-compute-loads")]
+      self.assertTrue(engine.engine)
+      self.assertEqual(engine.block_sizes.loads, "producer")
+      self.assertFalse(alt.engine)
+      self.assertEqual(dict(alt.key)["bs.loads"], "compute")
+      self.assertNotEqual(engine.key, alt.key)
+    self.assertNotIn(("mla/tp8/fp8/b8/ctx32768", "mgpu-heads-qk8-compute-loads"), by)
+    others = [b for b in self.builds if b.case.kernel in ("paged_mla_decode", "paged_gqa_decode")
+              and not b.variant.startswith("mgpu-heads")]
+    self.assertTrue(others)
+    for b in others:
+      self.assertNotIn("bs.loads", dict(b.key), b.variant)
+
   def test_engine_runs_mosaic_gpu_attention_and_h200_rows(self):
-    by = {(b.case.name, b.impl): b for b in self.builds if b.variant != "mgpu-tokens"}
+    by = {(b.case.name, b.impl): b for b in self.builds
+          if b.variant != "mgpu-tokens" and not b.variant.endswith("-compute-loads")}
     mla = by[("mla/dp/bf16/b8/ctx32768", "mgpu")]
     self.assertTrue(mla.engine)
     self.assertFalse(by[("mla/dp/bf16/b8/ctx32768", "triton")].engine)

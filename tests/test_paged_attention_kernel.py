@@ -9,6 +9,7 @@ outputs with NaN), fails.
 
 import itertools
 import math
+import time
 from unittest import mock
 import zlib
 
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gpu_interpret
+from jax._src.pallas.mosaic_gpu.interpret import shared_memory
 from pallas_kernels.paged_attention import BlockSizes
 from pallas_kernels.paged_attention import paged_gqa_decode
 from pallas_kernels.paged_attention import paged_gqa_decode_reference
@@ -226,9 +228,9 @@ class PagedMlaDecodeMgpuTest(parameterized.TestCase):
     if not self.INTERPRET and not ON_GPU:
       self.skipTest("compiled Pallas kernels need a GPU")
 
-  def _check(self, seed, kv_dtype, *, mla_m=None, mla_qk="auto", lengths=None,
-             length_kind="ragged", **shape):
-    """Runs the kernel (mla_m, default the class's; mla_qk) on make_mla inputs of
+  def _check(self, seed, kv_dtype, *, mla_m=None, mla_qk="auto", loads="producer",
+             lengths=None, length_kind="ragged", **shape):
+    """Runs the kernel (mla_m, default the class's; mla_qk; loads) on make_mla inputs of
     SHAPE updated by ``shape``, and checks it against the reference: shape,
     every element written and finite, the tolerance, and (interpreted) no race.
     Where QK runs in fp8, also against the reference given the kernel's e4m3
@@ -241,7 +243,7 @@ class PagedMlaDecodeMgpuTest(parameterized.TestCase):
                     page_size=s["page_size"], max_pages=s["max_pages"],
                     lengths=lengths, kv_dtype=kv_dtype)
     scale = 1.0 / math.sqrt(s["c"] + s["r"])
-    bs = BlockSizes(impl="mgpu", mla_m=mla_m or self.MLA_M, mla_qk=mla_qk)
+    bs = BlockSizes(impl="mgpu", mla_m=mla_m or self.MLA_M, mla_qk=mla_qk, loads=loads)
     out = paged_mla_decode(*args, scale=scale,
                            backend="interpret" if self.INTERPRET else "pallas",
                            block_sizes=bs)
@@ -272,19 +274,49 @@ class PagedMlaDecodeMgpuTest(parameterized.TestCase):
     # real rows of the partials.
     self._check(_seed("mgpu-72", "fp8"), "fp8", mla_m="heads", heads=72, batch=2)
 
-  @parameterized.parameters(("bf16", "auto"), ("fp8", "auto"), ("fp8", "f16"))
-  def test_long_pieces_cycle_the_staging_slots(self, kv_dtype, mla_qk):
+  @parameterized.parameters(
+      ("bf16", "auto", "producer"), ("fp8", "auto", "producer"), ("fp8", "f16", "producer"),
+      ("bf16", "auto", "compute"), ("fp8", "auto", "compute"), ("fp8", "f16", "compute"))
+  def test_long_pieces_cycle_the_staging_slots(self, kv_dtype, mla_qk, loads):
     """One piece per request, so a piece walks up to 5 pages, each staging slot
     refilled while another is computed on: heads in M, a bf16 cache's two latent
     slots and its rope buffer (refilled after every QK), an fp8 cache's two page
     slots and three scale slots (fp8 QK) or one staging buffer and two scale
-    slots (f16 QK); tokens in M, two slots (bf16) or three (fp8). The last page
-    is partial (its tail zeroed / masked)."""
+    slots (f16 QK), the gathers issued by the producer warpgroup or by compute
+    warpgroup 0 (loads; the tokens-in-M kernel ignores it); tokens in M, two
+    slots (bf16) or three (fp8). The last page is partial (its tail zeroed /
+    masked)."""
+    if self.MLA_M == "tokens" and loads == "compute":
+      self.skipTest("the tokens-in-M kernel has no producer warpgroup to drop")
     one_piece_each = lambda batch, heads, max_pages, kind=None: batch  # noqa: E731
     with mock.patch.object(attn_ops, "mla_mgpu_pieces", one_piece_each):
-      self._check(_seed("ring", kv_dtype, mla_qk), kv_dtype, mla_qk=mla_qk,
+      self._check(_seed("ring", kv_dtype, mla_qk), kv_dtype, mla_qk=mla_qk, loads=loads,
                   lengths=[5 * 64 - 7, 2 * 64 + 1],
                   batch=2, heads=20, c=256, r=64, page_size=64, max_pages=6)
+
+  @parameterized.parameters("bf16", "fp8")
+  def test_a_late_producer_misses_no_phase(self, kv_dtype):
+    """The compute warpgroups may run two steps ahead of the producer (pages i and
+    i+1 are in flight before it waits for step i-2's slot): a barrier that
+    completes twice before its waiter looks is never seen to complete on an
+    H200 (mbarrier waits test the phase's parity), so each slot has its own.
+    Here the producer sleeps before each wait, so the compute warpgroups run as
+    far ahead as the slots let them; one free barrier for both slots fails
+    (the interpreter raises on a missed phase)."""
+    if self.MLA_M == "tokens":
+      self.skipTest("the tokens-in-M kernel has no producer warpgroup")
+    wait = shared_memory.Barrier.wait
+
+    def late_producer(barrier, thread, *args, **kwargs):
+      if getattr(thread, "warpgroup_id", None) == 2:
+        time.sleep(0.3)
+      return wait(barrier, thread, *args, **kwargs)
+
+    one_piece_each = lambda batch, heads, max_pages, kind=None: batch  # noqa: E731
+    with mock.patch.object(attn_ops, "mla_mgpu_pieces", one_piece_each), \
+         mock.patch.object(shared_memory.Barrier, "wait", late_producer):
+      self._check(_seed("late", kv_dtype), kv_dtype, lengths=[4 * 64 - 7], batch=1,
+                  heads=20, c=256, r=64, page_size=64, max_pages=4)
 
   def test_unsupported_shape_raises(self):
     args = make_mla(9, batch=1, heads=4, c=32, r=16, page_size=8, max_pages=2,
@@ -351,6 +383,8 @@ class PagedMlaDecodeTokensMgpuTest(PagedMlaDecodeMgpuTest):
       self.assertEqual(attn_ops.mla_tokens_in_m(auto, q, pages, rope), tokens, heads)
     q = jax.ShapeDtypeStruct((2, 8, 512), jnp.bfloat16)
     self.assertFalse(attn_ops.mla_tokens_in_m(BlockSizes(mla_m="heads"), q, pages, rope))
+    with self.assertRaisesRegex(ValueError, "loads must be"):
+      BlockSizes(loads="wg0")
     with self.assertRaisesRegex(ValueError, "mla_m must be"):
       BlockSizes(mla_m="rows")
 
@@ -443,6 +477,10 @@ class MlaBenchPeersTest(absltest.TestCase):
     impls = {i.name: i for i in b.impls}
     # The same kernel merged by XLA (tests/test_merge_pieces_kernel.py runs that merge).
     self.assertEqual(impls["pallas_mgpu_xla_merge"].fn.keywords["block_sizes"].merge, "xla")
+    # The same kernel without its producer warpgroup (the interpret tests run both).
+    self.assertEqual(impls["pallas_mgpu_compute_loads"].fn.keywords["block_sizes"].loads,
+                     "compute")
+    self.assertEqual(impls["pallas"].fn.keywords["block_sizes"], None)  # the default: producer
     err = {}
     for name in ("pallas", "pallas_mgpu_f16qk"):
       out = np.asarray(impls[name].fn(*impls[name].args()[0]), np.float32)

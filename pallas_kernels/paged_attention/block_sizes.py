@@ -32,6 +32,12 @@ class BlockSizes:
       twice the MMA rate, the query rounded to 4 significant bits) or "auto"
       (fp8 there, where the bf16-rate MMA binds; docs/paged_attention.md).
       Other kernels and caches compute as "f16".
+    loads: who issues the query and page gathers of the heads-in-M Mosaic
+      GPU MLA kernel: "producer" (a third, memory warpgroup that does nothing
+      else, setmaxnreg moving its registers to the two compute warpgroups) or
+      "compute" (compute warpgroup 0, between its MMAs; the earlier schedule,
+      kept to compare against and to ablate). Other kernels issue their own
+      and ignore it.
     merge: how the Mosaic GPU kernels' pieces are merged into each request's
       output: "kernel" (``merge_pieces``, one Pallas kernel reading every
       partial once) or "xla" (``reference.combine_pieces``, XLA's one-hot
@@ -47,8 +53,11 @@ class BlockSizes:
   mla_m: str = "auto"
   mla_qk: str = "auto"
   merge: str = "kernel"
+  loads: str = "producer"
 
   def __post_init__(self):
+    if self.loads not in ("compute", "producer"):
+      raise ValueError(f"loads must be compute or producer, got {self.loads!r}")
     if self.merge not in ("kernel", "xla"):
       raise ValueError(f"merge must be kernel or xla, got {self.merge!r}")
     if self.mla_qk not in ("auto", "f16", "fp8"):

@@ -1,6 +1,7 @@
 """Paged MLA decode on Pallas Mosaic GPU (Hopper): TMA page gathers + wgmma.
 
-One CTA per (64-head block, piece) with two compute warpgroups. A piece is a
+One CTA per (64-head block, piece) with two compute warpgroups and, by default
+(BlockSizes.loads), a third, memory warpgroup that only issues the gathers. A piece is a
 run of one request's pages from a balanced schedule (``schedule.schedule_pieces``,
 computed on the device from the lengths): every request's pages are cut into
 pieces of the same size, sized so that all of them fit one grid of about the
@@ -19,9 +20,14 @@ thread in one warpgroup, above Hopper's 255. The softmax sums stay per
 warpgroup (its tokens) and are added once at the end. The schedule and the
 register budget are described in docs/paged_attention.md.
 
-Page gather: warpgroup 0 reads each page id with a scalar GMEM load from
+Page gather: one warpgroup reads each page id with a scalar GMEM load from
 the block table and issues one TMA per tensor (latent, rope, and per-token
-scales for fp8), so the gather costs no extra pass over memory. bf16 pages
+scales for fp8), so the gather costs no extra pass over memory. With a
+producer (producer=True) that is warpgroup 2, which does nothing else: it
+issues each page as soon as the barrier of its slot says the compute
+warpgroups let go of it, and setmaxnreg hands its registers to them
+(COMPUTE_REGS each, PRODUCER_REGS for it). Otherwise compute warpgroup 0
+issues them between its MMAs, waiting on the same barriers. bf16 pages
 are read in place, so their latent has two slots used in turn: page i+1's
 latent is issued at the top of step i, into the slot that step i-1's PV (in
 both warpgroups) has finished reading, and lands during step i's compute;
@@ -63,7 +69,8 @@ Slots past a request's length are zeroed in the same pass (on a bf16 cache,
 in place on the partial last page only), and their probabilities and scales
 are selected to 0, so garbage (even NaN) never leaks into the output.
 
-Registers: the [64, 256] f32 PV accumulator takes 128 of a thread's 255.
+Registers: the [64, 256] f32 PV accumulator takes 128 of a thread's 255 (of its
+240 beside a producer warpgroup).
 Every wgmma takes a 64-bit shared-memory descriptor (36 for QK alone), and
 LLVM hoists loop-invariant descriptors out of the loop, where they would
 stay live beside the accumulator and spill. The loop body therefore
@@ -96,6 +103,11 @@ LOG2E = math.log2(math.e)
 PARTIAL_DTYPE = jnp.bfloat16
 _STAGE_CHUNK = 64  # columns per register pass when masking/dequantising a page
 MIN_SCALE = 1e-30  # floor of a page's largest scale (an all-zero page has 0)
+# Registers per thread after setmaxnreg when a producer warpgroup issues the
+# page gathers (producer=True): the two compute warpgroups take the most that
+# leaves the producer 32 of the SM's 64K (2 x 240 + 32 = 512 per lane).
+COMPUTE_REGS = 240
+PRODUCER_REGS = 32
 
 
 def transforms(cols, dtype):
@@ -140,7 +152,7 @@ def partial_rows(heads: int) -> int:
 
 def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
                     k_rope_scale, block_tables, lengths, pieces, *, scale,
-                    heads=None, interpret=False):
+                    heads=None, producer=False, interpret=False):
   """Paged MLA decode partials over a balanced schedule of pieces, on Mosaic GPU.
 
   Args:
@@ -157,6 +169,10 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
     pieces: [3, G] int32 from ``schedule.schedule_pieces`` (G CTAs per head block).
     scale: softmax scale.
     heads: H, the real heads (rows of q past them are padding); None: Hp.
+    producer: issue the query and page gathers from a third, memory
+      warpgroup (setmaxnreg: COMPUTE_REGS for the two compute warpgroups,
+      PRODUCER_REGS for it) instead of from compute warpgroup 0 between its
+      MMAs. The slots and what frees them are the same either way.
     interpret: False, or a plgpu.InterpretGPUParams.
 
   Returns:
@@ -214,7 +230,7 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
              len_ref, pc_ref, o_ref, lse_ref, scratch):
     (ql_smem, qr_smem, qs_smem, lat_st, rope_st, ls_st, rs_st, lat16, rope16,
      p_smem, px_smem, o_st, x_smem, lse_smem, q_bar, tma_bar, rope_bar, conv_bar,
-     free_bar, x_bar, p_bar) = scratch
+     free_bar, x_bar, p_bar, rope_free) = scratch
     hb = lax.axis_index("h")
     piece = lax.axis_index("s")
     wg = lax.axis_index("wg")
@@ -252,247 +268,316 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
       plgpu.copy_gmem_to_smem(ls_ref.at[page], ls_st.at[sc], bar)
       plgpu.copy_gmem_to_smem(rs_ref.at[page], rs_st.at[sc], bar)
 
-    @pl.when(wg == 0)
-    def _():
+    def load_query():
       plgpu.copy_gmem_to_smem(ql_ref.at[bi, rows_h], ql_smem.at[0], q_bar)
       plgpu.copy_gmem_to_smem(qr_ref.at[bi, rows_h], qr_smem.at[0], q_bar)
       if fp8:
         plgpu.copy_gmem_to_smem(qs_ref.at[bi, rows_h], qs_smem, q_bar)
-      @pl.when(steps > 0)
+
+    def freed(step):
+      """The barrier the compute warpgroups arrive on once step's slot is read.
+
+      With a producer, one per slot: the compute warpgroups can finish two
+      steps before the producer waits for the first of them (it issues page i
+      once step i-2 let go of the slot, and pages i-2 and i-1 were issued
+      before), and a barrier that completes two phases before its waiter
+      looks is never seen to complete (mbarrier waits test the phase's
+      parity)."""
+      return free_bar.at[lax.rem(step, 2)] if producer else free_bar
+
+    def produce():
+      """The memory warpgroup: the query, then every page of the piece in
+      order, each as soon as what last read its slot has let go of it (the
+      barriers the compute warpgroups arrive on). It then waits out the phases
+      nobody else waits on, so every barrier ends the kernel consumed."""
+      plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
+      load_query()
+      if fp8 and qk8:
+        # Page i goes to slot i % 2, read by step i-2's QK and conversion
+        # (and its scale rows, slot i % 3, by step i-3's PV: done before).
+        @pl.loop(0, steps)
+        def _(i):
+          pl.when(i >= 2)(lambda: plgpu.barrier_wait(freed(i)))
+          issue_fp8(i)
+        pl.when(steps > 1)(lambda: plgpu.barrier_wait(freed(steps - 2)))
+        pl.when(steps > 0)(lambda: plgpu.barrier_wait(freed(steps - 1)))
+      elif fp8:
+        # One staging buffer, free once both warpgroups converted step i-1.
+        @pl.loop(0, steps)
+        def _(i):
+          pl.when(i >= 1)(lambda: plgpu.barrier_wait(conv_bar))
+          issue_fp8(i)
+        pl.when(steps > 0)(lambda: plgpu.barrier_wait(conv_bar))
+      else:
+        # Latent slot i % 2 was read by step i-2's PV; the rope buffer by
+        # step i-1's QK.
+        @pl.loop(0, steps)
+        def _(i):
+          pl.when(i >= 2)(lambda: plgpu.barrier_wait(freed(i)))
+          issue_latent(i)
+          pl.when(i >= 1)(lambda: plgpu.barrier_wait(rope_free))
+          issue_rope(i)
+        pl.when(steps > 1)(lambda: plgpu.barrier_wait(freed(steps - 2)))
+        pl.when(steps > 0)(lambda: plgpu.barrier_wait(freed(steps - 1)))
+        pl.when(steps > 0)(lambda: plgpu.barrier_wait(rope_free))
+
+    if producer:
+      pl.when(wg == 2)(produce)
+    else:
+      @pl.when(wg == 0)
       def _():
-        if fp8:
-          issue_fp8(0)
-          if qk8:
+        load_query()
+        @pl.when(steps > 0)
+        def _():
+          if fp8:
+            issue_fp8(0)
+            if qk8:
+              @pl.when(steps > 1)
+              def _():
+                issue_fp8(1)  # the second slot is free from the start
+          else:
+            issue_latent(0)
+            issue_rope(0)
             @pl.when(steps > 1)
             def _():
-              issue_fp8(1)  # the second slot is free from the start
-        else:
-          issue_latent(0)
-          issue_rope(0)
-          @pl.when(steps > 1)
-          def _():
-            issue_latent(1)  # the second slot is free from the start
+              issue_latent(1)  # the second slot is free from the start
 
-    plgpu.barrier_wait(q_bar)
-    row = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector over the heads (rows)
-    col = plgpu.Layout.WGMMA.reduce(0)  # a vector over the tokens (columns)
-    # The softmax scale, times the f16 query's row factors for an fp8 cache.
-    row_scale = (plgpu.load(qs_smem, layout=row) * scale if fp8
-                 else plgpu.layout_cast(jnp.full((BLOCK_H,), scale, jnp.float32), row))
-    other = 1 - wg
+    def compute():
+      """The two compute warpgroups (wg 0 and 1)."""
+      if producer:
+        plgpu.set_max_registers(COMPUTE_REGS, action="increase")
+      plgpu.barrier_wait(q_bar)
+      row = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector over the heads (rows)
+      col = plgpu.Layout.WGMMA.reduce(0)  # a vector over the tokens (columns)
+      # The softmax scale, times the f16 query's row factors for an fp8 cache.
+      row_scale = (plgpu.load(qs_smem, layout=row) * scale if fp8
+                   else plgpu.layout_cast(jnp.full((BLOCK_H,), scale, jnp.float32), row))
+      other = 1 - wg
 
-    def exchange(vals):
-      """Swaps [64] row vectors with the other warpgroup (one rendezvous)."""
-      for j, v in enumerate(vals):
-        x_smem.at[wg, j][...] = v
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(x_bar)
-      plgpu.barrier_wait(x_bar)
-      return [plgpu.load(x_smem.at[other, j], layout=row) for j in range(len(vals))]
-
-    def body(i, carry):
-      acc, m_i, l_i, g_i = carry
-      # 0, but LLVM cannot prove it: buffers indexed by it have loop-variant
-      # addresses, so their wgmma descriptors are not hoisted (module doc).
-      z = lax.optimization_barrier(jnp.int32(0))
-      q_lat, q_rp = ql_smem.at[z], qr_smem.at[z]
-      slot = z if slots == 1 else lax.rem(i, 2) + z
-      lat_in, rope_in = lat_st.at[slot], rope_st.at[slot if qk8 else z]
-      pos0 = (start + i) * ps
-      valid_tokens = length - pos0
-      if qk8:
-        plgpu.barrier_wait(tma_bar.at[lax.rem(i, 2)])
-        # lat16 is read by PV only, each warpgroup its own columns.
-        k_lat = lat16.at[z]
-      elif fp8:
-        plgpu.barrier_wait(tma_bar.at[0])
-        k_lat, k_rope = lat16.at[z], rope16.at[z]
-        # lat16 / rope16 were last read by step i-1's QK (both warpgroups
-        # passed its exchange since) and by this warpgroup's own PV (retired).
-        stage_rows(lat_in.at[:, cols], k_lat.at[:, cols], valid_tokens)
-        @pl.when(wg == 0)
-        def _():
-          stage_rows(rope_in, k_rope, valid_tokens)
+      def exchange(vals):
+        """Swaps [64] row vectors with the other warpgroup (one rendezvous)."""
+        for j, v in enumerate(vals):
+          x_smem.at[wg, j][...] = v
         plgpu.commit_smem()
-        plgpu.barrier_arrive(conv_bar)
-        plgpu.barrier_wait(conv_bar)
-        # Both warpgroups converted the staging buffer: prefetch the next
-        # page during this one's compute.
-        @pl.when((wg == 0) & (i + 1 < steps))
-        def _():
-          issue_fp8(i + 1)
-      else:
-        # The other slot was last read by step i-1's PV in both warpgroups
-        # (each arrives on free_bar once its PV has retired): refill it with
-        # page i+1, so the gather overlaps this whole step.
-        @pl.when((wg == 0) & (i > 0))
-        def _():
-          plgpu.barrier_wait(free_bar)
-          @pl.when(i + 1 < steps)
+        plgpu.barrier_arrive(x_bar)
+        plgpu.barrier_wait(x_bar)
+        return [plgpu.load(x_smem.at[other, j], layout=row) for j in range(len(vals))]
+
+      def body(i, carry):
+        acc, m_i, l_i, g_i = carry
+        # 0, but LLVM cannot prove it: buffers indexed by it have loop-variant
+        # addresses, so their wgmma descriptors are not hoisted (module doc).
+        z = lax.optimization_barrier(jnp.int32(0))
+        q_lat, q_rp = ql_smem.at[z], qr_smem.at[z]
+        slot = z if slots == 1 else lax.rem(i, 2) + z
+        lat_in, rope_in = lat_st.at[slot], rope_st.at[slot if qk8 else z]
+        pos0 = (start + i) * ps
+        valid_tokens = length - pos0
+        if qk8:
+          plgpu.barrier_wait(tma_bar.at[lax.rem(i, 2)])
+          # lat16 is read by PV only, each warpgroup its own columns.
+          k_lat = lat16.at[z]
+        elif fp8:
+          plgpu.barrier_wait(tma_bar.at[0])
+          k_lat, k_rope = lat16.at[z], rope16.at[z]
+          # lat16 / rope16 were last read by step i-1's QK (both warpgroups
+          # passed its exchange since) and by this warpgroup's own PV (retired).
+          stage_rows(lat_in.at[:, cols], k_lat.at[:, cols], valid_tokens)
+          @pl.when(wg == 0)
           def _():
-            issue_latent(i + 1)
-        plgpu.barrier_wait(tma_bar.at[lax.rem(i, 2)])
-        plgpu.barrier_wait(rope_bar)
-        k_lat, k_rope = lat_in, rope_in
-        # No conversion pass on a bf16 cache, but the tail of a request's
-        # last page may hold garbage (NaN included) and p == 0 does not
-        # cancel NaN in PV: zero those rows, only on that partial page.
-        @pl.when(valid_tokens < ps)
-        def _():
-          stage_rows(lat_in.at[:, cols], lat_in.at[:, cols], valid_tokens)
+            stage_rows(rope_in, k_rope, valid_tokens)
           plgpu.commit_smem()
           plgpu.barrier_arrive(conv_bar)
           plgpu.barrier_wait(conv_bar)
-
-      # QK for this warpgroup's half of the page's tokens only, so no MMA
-      # work is duplicated.
-      half_acc = plgpu.ACC((BLOCK_H, half_ps), jnp.float32)
-      if fp8:
-        # Latent and rope have their own per-token scales: one tile each,
-        # scaled per column (token) here rather than per element in stage_rows().
-        def qk(lat_acc, rope_acc):
-          if qk8:
-            # fp8 x fp8 straight from the staged page (both operands K-major,
-            # as fp8 wgmma needs); the tail's garbage only reaches its own
-            # logits' columns, which are masked below.
-            plgpu.wgmma(lat_acc, q_lat, lat_in.at[tok].transpose((1, 0)))
-            plgpu.wgmma(rope_acc, q_rp, rope_in.at[tok].transpose((1, 0)))
-            # While they run: this warpgroup's half of the latent's columns
-            # to f16, PV's V (the tail's rows zeroed: p = 0 does not cancel
-            # NaN).
-            stage_rows(lat_in.at[:, cols], k_lat.at[:, cols], valid_tokens)
-            plgpu.commit_smem()
-          else:
-            plgpu.wgmma(lat_acc, q_lat, k_lat.at[tok].transpose((1, 0)))
-            plgpu.wgmma(rope_acc, q_rp, k_rope.at[tok].transpose((1, 0)))
-          return lat_acc[...], rope_acc[...]
-        s_lat, s_rope = pl.run_scoped(qk, half_acc, half_acc)
-        if qk8:
-          # Both warpgroups' QK and conversion have read the slot: refill it
-          # with page i+2 (page i+1 is landing in the other one).
-          plgpu.barrier_arrive(free_bar)
-          @pl.when(wg == 0)
-          def _():
-            plgpu.barrier_wait(free_bar)
-            @pl.when(i + 2 < steps)
+          # Both warpgroups converted the staging buffer: prefetch the next
+          # page during this one's compute (the producer waits on conv_bar).
+          if not producer:
+            @pl.when((wg == 0) & (i + 1 < steps))
             def _():
-              issue_fp8(i + 2)
-        sc = lax.rem(i, scale_slots)
-        ls_half = plgpu.load(ls_st.at[sc, tok], layout=col)
-        rs_half = plgpu.load(rs_st.at[sc, tok], layout=col)
-        logits = (s_lat * lax.broadcast_in_dim(ls_half, s_lat.shape, [1])
-                  + s_rope * lax.broadcast_in_dim(rs_half, s_rope.shape, [1]))
-      else:
-        def qk(acc_ref):
-          plgpu.wgmma(acc_ref, q_lat, k_lat.at[tok].transpose((1, 0)))
-          plgpu.wgmma(acc_ref, q_rp, k_rope.at[tok].transpose((1, 0)))
-          return acc_ref[...]
-        logits = pl.run_scoped(qk, half_acc)
-      # The online softmax over this half: the row maxima (and for fp8 the
-      # page's largest scale) are swapped with the other warpgroup, so both
-      # keep the same running max; each exponentiates only its own tokens.
-      logits = logits * lax.broadcast_in_dim(row_scale, logits.shape, [0])
-      kpos = wg * half_ps + plgpu.broadcasted_iota(
-          jnp.int32, (BLOCK_H, half_ps), 1, layout=plgpu.Layout.WGMMA)
-      valid = kpos < valid_tokens
-      logits = jnp.where(valid, logits, NEG)
-      mine = [logits.max(axis=1)]
-      if fp8:
-        # V = latent_scale[t] * f16 page: P takes the scale, divided by the
-        # page's largest (g) so it stays in [0, 1]; acc holds acc / g.
-        ls_tile = lax.broadcast_in_dim(ls_half, logits.shape, [1])
-        ls_tile = jnp.where(valid, ls_tile, 0.0)  # unused slots' scales may be NaN
-        mine.append(ls_tile.max(axis=1))
-      theirs = exchange(mine)
-      if not fp8:
-        # Both warpgroups' QK has read the rope buffer: refill it.
-        @pl.when((wg == 0) & (i + 1 < steps))
+              issue_fp8(i + 1)
+        else:
+          # The other slot was last read by step i-1's PV in both warpgroups
+          # (each arrives on free_bar once its PV has retired): refill it with
+          # page i+1, so the gather overlaps this whole step (the producer
+          # waits on free_bar).
+          if not producer:
+            @pl.when((wg == 0) & (i > 0))
+            def _():
+              plgpu.barrier_wait(free_bar)
+              @pl.when(i + 1 < steps)
+              def _():
+                issue_latent(i + 1)
+          plgpu.barrier_wait(tma_bar.at[lax.rem(i, 2)])
+          plgpu.barrier_wait(rope_bar)
+          k_lat, k_rope = lat_in, rope_in
+          # No conversion pass on a bf16 cache, but the tail of a request's
+          # last page may hold garbage (NaN included) and p == 0 does not
+          # cancel NaN in PV: zero those rows, only on that partial page.
+          @pl.when(valid_tokens < ps)
+          def _():
+            stage_rows(lat_in.at[:, cols], lat_in.at[:, cols], valid_tokens)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(conv_bar)
+            plgpu.barrier_wait(conv_bar)
+
+        # QK for this warpgroup's half of the page's tokens only, so no MMA
+        # work is duplicated.
+        half_acc = plgpu.ACC((BLOCK_H, half_ps), jnp.float32)
+        if fp8:
+          # Latent and rope have their own per-token scales: one tile each,
+          # scaled per column (token) here rather than per element in stage_rows().
+          def qk(lat_acc, rope_acc):
+            if qk8:
+              # fp8 x fp8 straight from the staged page (both operands K-major,
+              # as fp8 wgmma needs); the tail's garbage only reaches its own
+              # logits' columns, which are masked below.
+              plgpu.wgmma(lat_acc, q_lat, lat_in.at[tok].transpose((1, 0)))
+              plgpu.wgmma(rope_acc, q_rp, rope_in.at[tok].transpose((1, 0)))
+              # While they run: this warpgroup's half of the latent's columns
+              # to f16, PV's V (the tail's rows zeroed: p = 0 does not cancel
+              # NaN).
+              stage_rows(lat_in.at[:, cols], k_lat.at[:, cols], valid_tokens)
+              plgpu.commit_smem()
+            else:
+              plgpu.wgmma(lat_acc, q_lat, k_lat.at[tok].transpose((1, 0)))
+              plgpu.wgmma(rope_acc, q_rp, k_rope.at[tok].transpose((1, 0)))
+            return lat_acc[...], rope_acc[...]
+          s_lat, s_rope = pl.run_scoped(qk, half_acc, half_acc)
+          if qk8:
+            # Both warpgroups' QK and conversion have read the slot: refill it
+            # with page i+2 (page i+1 is landing in the other one).
+            plgpu.barrier_arrive(freed(i))
+            if not producer:
+              @pl.when(wg == 0)
+              def _():
+                plgpu.barrier_wait(free_bar)
+                @pl.when(i + 2 < steps)
+                def _():
+                  issue_fp8(i + 2)
+          sc = lax.rem(i, scale_slots)
+          ls_half = plgpu.load(ls_st.at[sc, tok], layout=col)
+          rs_half = plgpu.load(rs_st.at[sc, tok], layout=col)
+          logits = (s_lat * lax.broadcast_in_dim(ls_half, s_lat.shape, [1])
+                    + s_rope * lax.broadcast_in_dim(rs_half, s_rope.shape, [1]))
+        else:
+          def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_lat, k_lat.at[tok].transpose((1, 0)))
+            plgpu.wgmma(acc_ref, q_rp, k_rope.at[tok].transpose((1, 0)))
+            return acc_ref[...]
+          logits = pl.run_scoped(qk, half_acc)
+          if producer:
+            # This warpgroup's QK has read the rope buffer (its wgmmas retired).
+            plgpu.barrier_arrive(rope_free)
+        # The online softmax over this half: the row maxima (and for fp8 the
+        # page's largest scale) are swapped with the other warpgroup, so both
+        # keep the same running max; each exponentiates only its own tokens.
+        logits = logits * lax.broadcast_in_dim(row_scale, logits.shape, [0])
+        kpos = wg * half_ps + plgpu.broadcasted_iota(
+            jnp.int32, (BLOCK_H, half_ps), 1, layout=plgpu.Layout.WGMMA)
+        valid = kpos < valid_tokens
+        logits = jnp.where(valid, logits, NEG)
+        mine = [logits.max(axis=1)]
+        if fp8:
+          # V = latent_scale[t] * f16 page: P takes the scale, divided by the
+          # page's largest (g) so it stays in [0, 1]; acc holds acc / g.
+          ls_tile = lax.broadcast_in_dim(ls_half, logits.shape, [1])
+          ls_tile = jnp.where(valid, ls_tile, 0.0)  # unused slots' scales may be NaN
+          mine.append(ls_tile.max(axis=1))
+        theirs = exchange(mine)
+        if not fp8 and not producer:
+          # Both warpgroups' QK has read the rope buffer: refill it.
+          @pl.when((wg == 0) & (i + 1 < steps))
+          def _():
+            issue_rope(i + 1)
+        m_new = jnp.maximum(m_i, jnp.maximum(mine[0], theirs[0]))
+        alpha = jnp.exp2((m_i - m_new) * LOG2E)
+        p = jnp.exp2((logits - lax.broadcast_in_dim(m_new, logits.shape, [0])) * LOG2E)
+        l_new = l_i * alpha + p.sum(axis=1)  # this warpgroup's tokens only
+        g_new = g_i
+        if fp8:
+          g_new = jnp.maximum(jnp.maximum(mine[1], theirs[1]), MIN_SCALE)
+          inv_g = 1.0 / g_new
+          p = p * ls_tile * lax.broadcast_in_dim(inv_g, p.shape, [0])
+          alpha = alpha * g_i * inv_g
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        # P's halves meet in shared memory: each warpgroup stores its own and
+        # loads the other's, and PV runs over the whole page.
+        p_half = p.astype(cdt)
+        px_smem.at[wg][...] = p_half
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(p_bar)
+        plgpu.barrier_wait(p_bar)
+        # Both halves are loaded (the own one too), so their order is static.
+        p16 = jnp.concatenate([px_smem.at[0][...], px_smem.at[1][...]], axis=1)
+        if p_in_smem:
+          p_smem.at[wg][...] = p16
+          plgpu.commit_smem()
+          p_op = p_smem.at[wg]
+        else:
+          p_op = p16
+
+        if interpret:
+          # The GPU interpreter supports neither run_state over an
+          # accumulator ("Cannot lower jaxpr with effects: _WGMMAPipelineEffect")
+          # nor storing into one; accumulate a fresh product instead (same
+          # math, but two live accumulators: hardware uses run_state below).
+          def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p_op, k_lat.at[:, cols])
+            return acc_ref[...]
+          acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_H, half), jnp.float32))
+        else:
+          def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p_op, k_lat.at[:, cols])
+          acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # waits for the wgmma
+        if not fp8:
+          plgpu.barrier_arrive(freed(i))  # this warpgroup's PV has read the slot
+        return acc, m_new, l_new, g_new
+
+      acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_H, half), jnp.float32), plgpu.Layout.WGMMA)
+      m0 = plgpu.layout_cast(jnp.full((BLOCK_H,), NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+      l0 = plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row)
+      g0 = plgpu.layout_cast(jnp.ones((BLOCK_H,), jnp.float32), row)
+      acc, m_i, l_i, g_i = lax.fori_loop(0, steps, body, (acc0, m0, l0, g0))
+      if not fp8 and not producer:
+        # Consume the last step's phase (its waiter waits on every phase).
+        @pl.when((wg == 0) & (steps > 0))
         def _():
-          issue_rope(i + 1)
-      m_new = jnp.maximum(m_i, jnp.maximum(mine[0], theirs[0]))
-      alpha = jnp.exp2((m_i - m_new) * LOG2E)
-      p = jnp.exp2((logits - lax.broadcast_in_dim(m_new, logits.shape, [0])) * LOG2E)
-      l_new = l_i * alpha + p.sum(axis=1)  # this warpgroup's tokens only
-      g_new = g_i
-      if fp8:
-        g_new = jnp.maximum(jnp.maximum(mine[1], theirs[1]), MIN_SCALE)
-        inv_g = 1.0 / g_new
-        p = p * ls_tile * lax.broadcast_in_dim(inv_g, p.shape, [0])
-        alpha = alpha * g_i * inv_g
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-      # P's halves meet in shared memory: each warpgroup stores its own and
-      # loads the other's, and PV runs over the whole page.
-      p_half = p.astype(cdt)
-      px_smem.at[wg][...] = p_half
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(p_bar)
-      plgpu.barrier_wait(p_bar)
-      # Both halves are loaded (the own one too), so their order is static.
-      p16 = jnp.concatenate([px_smem.at[0][...], px_smem.at[1][...]], axis=1)
-      if p_in_smem:
-        p_smem.at[wg][...] = p16
-        plgpu.commit_smem()
-        p_op = p_smem.at[wg]
-      else:
-        p_op = p16
+          plgpu.barrier_wait(free_bar)
+      # The softmax sums of the two halves of the tokens.
+      l_i = l_i + exchange([l_i])[0]
+      nonempty = l_i > 0
+      inv = g_i / jnp.where(nonempty, l_i, 1.0)  # g_i: acc / g (fp8), else 1
+      acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
 
-      if interpret:
-        # The GPU interpreter supports neither run_state over an
-        # accumulator ("Cannot lower jaxpr with effects: _WGMMAPipelineEffect")
-        # nor storing into one; accumulate a fresh product instead (same
-        # math, but two live accumulators: hardware uses run_state below).
-        def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p_op, k_lat.at[:, cols])
-          return acc_ref[...]
-        acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_H, half), jnp.float32))
-      else:
-        def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p_op, k_lat.at[:, cols])
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # waits for the wgmma
-      if not fp8:
-        plgpu.barrier_arrive(free_bar)  # this warpgroup's PV has read the slot
-      return acc, m_new, l_new, g_new
+      def write_out(rows):
+        """This warpgroup's columns of the block's first `rows` rows (a static count).
 
-    acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_H, half), jnp.float32), plgpu.Layout.WGMMA)
-    m0 = plgpu.layout_cast(jnp.full((BLOCK_H,), NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    l0 = plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row)
-    g0 = plgpu.layout_cast(jnp.ones((BLOCK_H,), jnp.float32), row)
-    acc, m_i, l_i, g_i = lax.fori_loop(0, steps, body, (acc0, m0, l0, g0))
-    if not fp8:
-      # Consume the last step's phase (its waiter waits on every phase).
-      @pl.when((wg == 0) & (steps > 0))
+        Staged through this warpgroup's P tile when P has the partials' dtype
+        (bf16 cache; it is free after the last step), else through its own tile."""
+        o_smem = (o_st if o_st is not None else px_smem).at[wg]
+        for j in range(half // half_ps):
+          o_smem[...] = acc[:, j * half_ps:(j + 1) * half_ps].astype(PARTIAL_DTYPE)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(
+              o_smem.at[pl.ds(0, rows)],
+              o_ref.at[piece, pl.ds(hb * BLOCK_H, rows),
+                       pl.ds(wg * half + j * half_ps, half_ps)])
+          plgpu.wait_smem_to_gmem(0)
+      if full_blocks:
+        pl.when(hb < full_blocks)(lambda: write_out(BLOCK_H))
+      if tail_rows:
+        pl.when(hb == full_blocks)(lambda: write_out(tail_rows))
+      @pl.when(wg == 0)
       def _():
-        plgpu.barrier_wait(free_bar)
-    # The softmax sums of the two halves of the tokens.
-    l_i = l_i + exchange([l_i])[0]
-    nonempty = l_i > 0
-    inv = g_i / jnp.where(nonempty, l_i, 1.0)  # g_i: acc / g (fp8), else 1
-    acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-
-    def write_out(rows):
-      """This warpgroup's columns of the block's first `rows` rows (a static count).
-
-      Staged through this warpgroup's P tile when P has the partials' dtype
-      (bf16 cache; it is free after the last step), else through its own tile."""
-      o_smem = (o_st if o_st is not None else px_smem).at[wg]
-      for j in range(half // half_ps):
-        o_smem[...] = acc[:, j * half_ps:(j + 1) * half_ps].astype(PARTIAL_DTYPE)
+        lse_smem[...] = jnp.where(nonempty, m_i + jnp.log(jnp.where(nonempty, l_i, 1.0)), NEG)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(
-            o_smem.at[pl.ds(0, rows)],
-            o_ref.at[piece, pl.ds(hb * BLOCK_H, rows),
-                     pl.ds(wg * half + j * half_ps, half_ps)])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[piece, rows_h])
         plgpu.wait_smem_to_gmem(0)
-    if full_blocks:
-      pl.when(hb < full_blocks)(lambda: write_out(BLOCK_H))
-    if tail_rows:
-      pl.when(hb == full_blocks)(lambda: write_out(tail_rows))
-    @pl.when(wg == 0)
-    def _():
-      lse_smem[...] = jnp.where(nonempty, m_i + jnp.log(jnp.where(nonempty, l_i, 1.0)), NEG)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[piece, rows_h])
-      plgpu.wait_smem_to_gmem(0)
+
+    if producer:
+      pl.when(wg < 2)(compute)
+    else:
+      compute()
 
   def entry(*refs):
     st_dtype = latent.dtype
@@ -527,9 +612,12 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
         None if qk8 else plgpu.Barrier(num_arrivals=2),  # page converted/masked by both WGs
         # The slot is free: bf16 both WGs' PV retired; fp8 query both WGs'
         # QK and conversion done.
-        None if fp8 and not qk8 else plgpu.Barrier(num_arrivals=2),
+        (None if fp8 and not qk8 else
+         plgpu.Barrier(num_arrivals=2, num_barriers=2 if producer else 1)),
         plgpu.Barrier(num_arrivals=2),  # row vectors swapped
         plgpu.Barrier(num_arrivals=2),  # both halves of P written
+        # bf16 with a producer: both WGs' QK has read the rope buffer.
+        plgpu.Barrier(num_arrivals=2) if producer and not fp8 else None,
     ]
     pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, *barriers,
                   collective_axes="wg")
@@ -542,7 +630,7 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
       out_type=out_type,
       grid=(hp // BLOCK_H, num_g),
       grid_names=("h", "s"),
-      num_threads=2,
+      num_threads=3 if producer else 2,
       thread_name="wg",
       kernel_name="paged_mla_decode_mgpu",
       compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -212,6 +212,7 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
                      k_rope_scale, block_tables, lengths, scale=scale,
                      tokens_in_m=tokens_in_m,
                      qk_fp8=mla_qk_fp8(bs, tokens_in_m, latent), merge=bs.merge,
+                     producer=bs.loads == "producer",
                      interpret=backend == "interpret")
   ppb = bs.pages_per_block
   splits = bs.num_splits
@@ -473,7 +474,8 @@ def mla_qk_fp8(bs, tokens_in_m: bool, latent) -> bool:
 
 
 def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
-              block_tables, lengths, *, scale, tokens_in_m, qk_fp8, merge, interpret):
+              block_tables, lengths, *, scale, tokens_in_m, qk_fp8, merge, interpret,
+              producer=False):
   """Runs mla_mgpu (heads padded to 64) or mla_tokens_mgpu (heads padded to 8):
   pads the heads, casts q, schedules the pieces, merges them."""
   b, h, _ = q_latent.shape
@@ -502,7 +504,8 @@ def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
   else:
     o, lse = mla_mgpu.mla_decode_mgpu(
         ql, qr, q_scale, latent, k_rope, latent_scale, k_rope_scale, bt, lengths,
-        pieces, scale=float(scale), heads=h, interpret=mgpu_interpret)
+        pieces, scale=float(scale), heads=h, producer=producer,
+        interpret=mgpu_interpret)
   # o [G, H8, C], lse [G, Hp]: one row group of the H real heads.
   return _merge(o[:, None], lse[:, None], pieces[0], b, rows=h, out_dtype=q_latent.dtype,
                 merge=merge, interpret=interpret)[:, 0]
