@@ -318,6 +318,23 @@ class PagedMlaDecodeMgpuTest(parameterized.TestCase):
       self._check(_seed("late", kv_dtype), kv_dtype, lengths=[4 * 64 - 7], batch=1,
                   heads=20, c=256, r=64, page_size=64, max_pages=4)
 
+  def test_too_few_interpreter_threads_raise_instead_of_hanging(self):
+    """Three warpgroups hang the interpreter on a client with too few threads
+    (1-3 CPU devices on 2 cores): the op refuses, and names the fixes."""
+    if self.MLA_M == "tokens":
+      self.skipTest("the tokens-in-M kernel has no producer warpgroup")
+    args = make_mla(4, batch=1, heads=20, c=256, r=64, page_size=64, max_pages=2,
+                    lengths=[70], kv_dtype="bf16")
+    one_cpu = [jax.devices("cpu")[0]]
+    with mock.patch.object(attn_ops.os, "cpu_count", return_value=2), \
+         mock.patch.object(attn_ops.jax, "devices", return_value=one_cpu):
+      with self.assertRaisesRegex(RuntimeError, "xla_force_host_platform_device_count"):
+        paged_mla_decode(*args, scale=0.1, backend="interpret",
+                         block_sizes=BlockSizes(impl="mgpu", mla_m="heads"))
+      # Two warpgroups need no more threads than that.
+      attn_ops.check_interpret_threads(2)
+    attn_ops.check_interpret_threads(3)  # this test process: 8 CPU devices
+
   def test_unsupported_shape_raises(self):
     args = make_mla(9, batch=1, heads=4, c=32, r=16, page_size=8, max_pages=2,
                     lengths=[3], kv_dtype="bf16")

@@ -1,6 +1,7 @@
 """Public paged decode-attention ops: dispatch between kernel and reference."""
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,34 @@ def _pad_tables(block_tables, multiple):
 def mgpu_interpret_params():
   """Interpret-mode parameters for the Mosaic GPU kernels (races detected)."""
   return plgpu.InterpretGPUParams(detect_races=True)
+
+
+# The interpreter runs each warpgroup as a thread that blocks in its barrier
+# waits, on XLA's CPU client. With three (a producer warpgroup), on the 2-core
+# development machine it hangs at the first barrier with 1-3 CPU devices and
+# runs with 4 or more (two warpgroups run with 1): the client's threads are
+# about max(cores, CPU devices), and a blocked warpgroup holds one.
+INTERPRET_PRODUCER_THREADS = 4
+
+
+def check_interpret_threads(warpgroups: int) -> None:
+  """Raises, instead of hanging, where the interpreter lacks threads for a
+  kernel of three warpgroups (see INTERPRET_PRODUCER_THREADS).
+
+  Raises:
+    RuntimeError: fewer than INTERPRET_PRODUCER_THREADS cores and CPU devices.
+  """
+  if warpgroups < 3:
+    return
+  cores = os.cpu_count() or 1
+  cpus = len(jax.devices("cpu"))
+  if max(cores, cpus) < INTERPRET_PRODUCER_THREADS:
+    raise RuntimeError(
+        f"interpreting a kernel of {warpgroups} warpgroups needs XLA's CPU client to have "
+        f"at least {INTERPRET_PRODUCER_THREADS} threads, and here it has {cores} cores and "
+        f"{cpus} CPU devices, so the kernel would hang at its first barrier: set "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax starts (make "
+        f"does), or run BlockSizes(loads='compute') (two warpgroups)")
 
 
 def _mla_mgpu_supported(q_latent, latent, k_rope):
@@ -497,6 +526,8 @@ def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
       lengths, page_size=latent.shape[1], max_pages=bt.shape[1],
       pieces=mla_mgpu_pieces(b, h, bt.shape[1]))
   mgpu_interpret = mgpu_interpret_params() if interpret else False
+  if interpret and producer and not tokens_in_m:
+    check_interpret_threads(3)
   if tokens_in_m:
     o, lse = mla_tokens_mgpu.mla_decode_tokens_mgpu(
         ql, qr, q_scale, latent, k_rope, latent_scale, k_rope_scale, bt, lengths,
