@@ -133,8 +133,7 @@ class Build:
     m = getattr(self.block_sizes, "mla_m", None)
     if self.case.kernel == "paged_mla_decode" and self.impl == "mgpu" and m != "auto":
       return (f"mgpu-{m}" + ("-qk8" if self.block_sizes.mla_qk == "fp8" else "")
-              + ("-compute-loads" if m == "heads" and self.block_sizes.loads == "compute"
-                 else ""))
+              + ("-compute-loads" if self.block_sizes.loads == "compute" else ""))
     return self.impl
 
   @property
@@ -208,8 +207,8 @@ def _attention_builds(case, other_impl: bool) -> list[Build]:
           engine, mla_m="heads" if engine.mla_m == "tokens" else "tokens", mla_qk="auto"))
       if engine.mla_qk == "fp8":  # the same kernel with f16 QK
         variants.append(dataclasses.replace(engine, mla_qk="f16"))
-      if engine.mla_m == "heads":  # the same kernel without its producer warpgroup
-        variants.append(dataclasses.replace(engine, loads="compute"))
+      # the same kernel without its producer warpgroup
+      variants.append(dataclasses.replace(engine, loads="compute"))
   out = []
   for v in variants:
     try:
@@ -321,8 +320,8 @@ def kernel_key(case, impl: str, block_sizes) -> tuple:
   if case.kernel in ("paged_mla_decode", "paged_gqa_decode"):
     fields.pop("num_splits")
     fields.pop("merge")  # a companion kernel's choice (COMPANION_KERNELS), not this kernel's
-    if not (impl == "mgpu" and block_sizes.mla_m == "heads"):
-      fields.pop("loads")  # read by the heads-in-M MLA kernel only
+    if not (impl == "mgpu" and case.kernel == "paged_mla_decode"):
+      fields.pop("loads")  # read by the Mosaic GPU MLA kernels only
     if impl == "mgpu":  # the Triton tiles: the Mosaic GPU kernels fix their own
       for name in ("block_h", "pages_per_block", "num_warps", "num_stages"):
         fields.pop(name)
@@ -668,8 +667,9 @@ def _fmt_bs(bs: dict, kernel: str, impl: str) -> str:
     if impl == "mgpu":  # the Mosaic GPU kernels fix their own tiles; splits vary by case
       m = {"tokens": "tokens in M", "heads": "heads in M"}.get(bs.get("mla_m"), "own tiles")
       m += ", fp8 QK" if bs.get("mla_qk") == "fp8" else ""
-      if bs.get("mla_m") == "heads":  # ptxas reads a producer's kernel at its launch
-        # allocation (168 for 384 threads); the compute warpgroups run at COMPUTE_REGS
+      if bs.get("mla_m") in ("heads", "tokens"):  # ptxas reads the heads-in-M kernel
+        # with a producer at its launch allocation (168 for 384 threads); its compute
+        # warpgroups run at mla_mgpu.COMPUTE_REGS
         m += ", producer" if bs.get("loads") == "producer" else ", compute loads"
       return m
     return (f"h{bs['block_h']} ppb{bs['pages_per_block']} w{bs['num_warps']} "

@@ -56,29 +56,32 @@ class PlanTest(absltest.TestCase):
     self.assertEqual((heads_tp8["partial_rows"], heads_dp["partial_rows"]), (8, 64))
     self.assertNotIn("bs.block_h", heads_tp8)
 
-  def test_heads_kernel_compiles_with_and_without_its_producer(self):
-    """The engine's heads-in-M MLA kernel has a producer warpgroup; --other-impl adds
-    the same kernel with compute warpgroup 0 issuing the gathers, under its own key.
+  def test_mla_kernels_compile_with_and_without_their_producer(self):
+    """The engine's Mosaic GPU MLA kernels have a producer warpgroup; --other-impl adds
+    the same kernel with a compute warpgroup issuing the gathers, under its own key.
     No other attention kernel reads BlockSizes.loads, so it is not in their keys."""
     by = {(b.case.name, b.variant): b for b in self.builds}
     for case, v in (("mla/dp/fp8/b8/ctx32768", "mgpu-heads-qk8"),
-                    ("mla/dp/bf16/b8/ctx32768", "mgpu-heads")):
+                    ("mla/dp/bf16/b8/ctx32768", "mgpu-heads"),
+                    ("mla/tp8/fp8/b8/ctx32768", "mgpu-tokens"),
+                    ("mla/tp8/bf16/b8/ctx32768", "mgpu-tokens")):
       engine, alt = by[(case, v)], by[(case, v + "-compute-loads")]
       self.assertTrue(engine.engine)
       self.assertEqual(engine.block_sizes.loads, "producer")
       self.assertFalse(alt.engine)
       self.assertEqual(dict(alt.key)["bs.loads"], "compute")
       self.assertNotEqual(engine.key, alt.key)
+    # The alternative kernel at TP 8 is compiled as the engine would run it: no twin.
     self.assertNotIn(("mla/tp8/fp8/b8/ctx32768", "mgpu-heads-qk8-compute-loads"), by)
     others = [b for b in self.builds if b.case.kernel in ("paged_mla_decode", "paged_gqa_decode")
-              and not b.variant.startswith("mgpu-heads")]
+              and b.impl != "mgpu" or b.case.kernel == "paged_gqa_decode"]
     self.assertTrue(others)
     for b in others:
       self.assertNotIn("bs.loads", dict(b.key), b.variant)
 
   def test_engine_runs_mosaic_gpu_attention_and_h200_rows(self):
     by = {(b.case.name, b.impl): b for b in self.builds
-          if b.variant != "mgpu-tokens" and not b.variant.endswith("-compute-loads")}
+          if not b.variant.startswith("mgpu-tokens") and not b.variant.endswith("-compute-loads")}
     mla = by[("mla/dp/bf16/b8/ctx32768", "mgpu")]
     self.assertTrue(mla.engine)
     self.assertFalse(by[("mla/dp/bf16/b8/ctx32768", "triton")].engine)
@@ -236,19 +239,21 @@ class RecordsTest(absltest.TestCase):
     self.assertEqual(md.count("\n| paged_gqa_decode"), 1)
 
   def test_both_mla_kernels_of_a_case_keep_their_records(self):
-    """The tokens-in-M and heads-in-M MLA kernels share case and impl ("mgpu"):
-    records are told apart by variant, so neither replaces the other."""
+    """The tokens-in-M and heads-in-M MLA kernels (and the tokens kernel without its
+    producer) share case and impl ("mgpu"): records are told apart by variant, so
+    none replaces another."""
     tp8 = "mla/tp8/bf16/b8/ctx32768"
     builds = [b for g in kc.target_groups(("paged_mla_decode",), other_impl=True, only=[tp8])
               for b in g.builds if b.impl == "mgpu"]
-    self.assertEqual({b.variant for b in builds}, {"mgpu-tokens", "mgpu-heads"})
+    variants = ["mgpu-heads", "mgpu-tokens", "mgpu-tokens-compute-loads"]
+    self.assertEqual({b.variant for b in builds}, set(variants))
     recs = [r for b in builds
             for r in kc.records_for(kc.Group(b.key, (b,)), {b: _clean(100)})]
     with tempfile.TemporaryDirectory() as d:
       kc.write_records(recs, os.path.join(d, "a.json"))
       loaded = kc.load_records(d)
-    self.assertEqual(sorted(r["variant"] for r in loaded), ["mgpu-heads", "mgpu-tokens"])
-    self.assertIn("2 kernel builds of 1 target cases", kc.markdown(loaded))
+    self.assertEqual(sorted(r["variant"] for r in loaded), variants)
+    self.assertIn("3 kernel builds of 1 target cases", kc.markdown(loaded))
 
 
 if __name__ == "__main__":

@@ -282,12 +282,11 @@ class PagedMlaDecodeMgpuTest(parameterized.TestCase):
     refilled while another is computed on: heads in M, a bf16 cache's two latent
     slots and its rope buffer (refilled after every QK), an fp8 cache's two page
     slots and three scale slots (fp8 QK) or one staging buffer and two scale
-    slots (f16 QK), the gathers issued by the producer warpgroup or by compute
-    warpgroup 0 (loads; the tokens-in-M kernel ignores it); tokens in M, two
-    slots (bf16) or three (fp8). The last page is partial (its tail zeroed /
-    masked)."""
-    if self.MLA_M == "tokens" and loads == "compute":
-      self.skipTest("the tokens-in-M kernel has no producer warpgroup to drop")
+    slots (f16 QK); tokens in M, two slots (bf16) or three (fp8). The gathers
+    are issued by a producer warpgroup or by a compute warpgroup (loads). The
+    last page is partial (its tail zeroed / masked)."""
+    if self.MLA_M == "tokens" and mla_qk == "f16":
+      self.skipTest("the tokens-in-M kernel's QK is f16 either way: the 'auto' case runs it")
     one_piece_each = lambda batch, heads, max_pages, kind=None: batch  # noqa: E731
     with mock.patch.object(attn_ops, "mla_mgpu_pieces", one_piece_each):
       self._check(_seed("ring", kv_dtype, mla_qk), kv_dtype, mla_qk=mla_qk, loads=loads,
@@ -302,13 +301,13 @@ class PagedMlaDecodeMgpuTest(parameterized.TestCase):
     H200 (mbarrier waits test the phase's parity), so each slot has its own.
     Here the producer sleeps before each wait, so the compute warpgroups run as
     far ahead as the slots let them; one free barrier for both slots fails
-    (the interpreter raises on a missed phase)."""
-    if self.MLA_M == "tokens":
-      self.skipTest("the tokens-in-M kernel has no producer warpgroup")
+    (the interpreter raises on a missed phase). The tokens-in-M kernel's
+    producer (warpgroup 1 of 2) is held to the same."""
+    late = 2 if self.MLA_M == "heads" else 1  # the producer's warpgroup
     wait = shared_memory.Barrier.wait
 
     def late_producer(barrier, thread, *args, **kwargs):
-      if getattr(thread, "warpgroup_id", None) == 2:
+      if getattr(thread, "warpgroup_id", None) == late:
         time.sleep(0.3)
       return wait(barrier, thread, *args, **kwargs)
 
@@ -322,7 +321,7 @@ class PagedMlaDecodeMgpuTest(parameterized.TestCase):
     """Three warpgroups hang the interpreter on a client with too few threads
     (1-3 CPU devices on 2 cores): the op refuses, and names the fixes."""
     if self.MLA_M == "tokens":
-      self.skipTest("the tokens-in-M kernel has no producer warpgroup")
+      self.skipTest("the tokens-in-M kernel's two warpgroups need no more threads")
     args = make_mla(4, batch=1, heads=20, c=256, r=64, page_size=64, max_pages=2,
                     lengths=[70], kv_dtype="bf16")
     one_cpu = [jax.devices("cpu")[0]]

@@ -20,7 +20,7 @@ Impls, in order:
     kernel the op picks for at most 32 heads, ``pallas_mgpu_tokens`` beside
     the heads-in-M one where the heads allow it; ``pallas_mgpu_f16qk``, the
     heads-in-M kernel with f16 QK, beside its fp8 QK on an fp8 cache;
-    ``pallas_mgpu_compute_loads``, the heads-in-M kernel with its page
+    ``pallas_mgpu_compute_loads``, the kernel the op picks with its page
     gathers issued by a compute warpgroup instead of a producer); JAX's
     Triton paged attention
     (``jax_paged_attention``, jax.experimental.pallas.ops.gpu.paged_attention,
@@ -167,11 +167,11 @@ def _mla(dims, backend, peers, seed):
       impls.append(bm.Impl("pallas_mgpu_f16qk", call(dataclasses.replace(bs, mla_qk="f16")),
                            sets, ref, note="our heads-in-M Mosaic GPU kernel with QK in "
                            "f16 (pages converted, f16 query)"))
-    if peers and not tokens:  # the same kernel without its memory warpgroup
+    if peers:  # the same kernel without its memory warpgroup
       impls.append(bm.Impl("pallas_mgpu_compute_loads",
                            call(dataclasses.replace(bs, loads="compute")), sets, ref,
-                           note="our heads-in-M Mosaic GPU kernel with compute warpgroup 0 "
-                           "issuing the page gathers (no producer warpgroup)"))
+                           note=f"our {info['mla_m']}-in-M Mosaic GPU kernel with a compute "
+                           "warpgroup issuing the page gathers (no producer warpgroup)"))
     if peers:  # the other Mosaic GPU MLA kernel, where it takes the shape
       other = "heads" if tokens else "tokens"
       alt = dataclasses.replace(bs, impl="mgpu", mla_m=other, mla_qk="auto")

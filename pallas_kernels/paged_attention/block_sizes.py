@@ -32,12 +32,14 @@ class BlockSizes:
       twice the MMA rate, the query rounded to 4 significant bits) or "auto"
       (fp8 there, where the bf16-rate MMA binds; docs/paged_attention.md).
       Other kernels and caches compute as "f16".
-    loads: who issues the query and page gathers of the heads-in-M Mosaic
-      GPU MLA kernel: "producer" (a third, memory warpgroup that does nothing
-      else, setmaxnreg moving its registers to the two compute warpgroups) or
-      "compute" (compute warpgroup 0, between its MMAs; the earlier schedule,
-      kept to compare against and to ablate). Other kernels issue their own
-      and ignore it.
+    loads: who issues the query and page gathers of the Mosaic GPU MLA
+      kernels: "producer" (a memory warpgroup that does nothing else: a third
+      beside the heads-in-M kernel's two compute warpgroups, setmaxnreg moving
+      its registers to them; a second beside the tokens-in-M kernel's one) or
+      "compute" (a compute warpgroup, between its MMAs; the earlier schedule,
+      kept to compare against and to ablate). The GQA and Triton kernels
+      issue their own and ignore it (docs/paged_attention.md says why GQA
+      has no producer).
     merge: how the Mosaic GPU kernels' pieces are merged into each request's
       output: "kernel" (``merge_pieces``, one Pallas kernel reading every
       partial once) or "xla" (``reference.combine_pieces``, XLA's one-hot

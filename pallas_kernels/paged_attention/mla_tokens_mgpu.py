@@ -17,11 +17,15 @@ MAX_HEADS), so the MMA work follows the real heads:
 Per page that is N x 139 kFLOP of MMA (8.9 MFLOP for the 64 padded rows of
 ``mla_mgpu``): at 8 heads, 1.1 MFLOP, about 0.19 us of an H200 SM's tensor
 cores against 2.3 us (bf16) or 1.1 us (fp8) for the page's bytes at the SM's
-share of 4.3 TB/s. So the kernel is a gather: one warpgroup, pages in
-staging slots used in turn (two for bf16, three for fp8), the TMA of page
-i + slots - 1 issued at the top of step i into the slot step i-1 finished
-(its PV retired; for fp8 its conversion), so a step waiting for its page has
-slots - 1 pages in flight.
+share of 4.3 TB/s. So the kernel is a gather: one compute warpgroup,
+pages in staging slots used in turn (two for bf16, three for fp8), page
+i + slots - 1 issued into the slot step i-1 finished (its PV retired; for fp8
+its conversion), so a step waiting for its page has slots - 1 pages in
+flight. By default (BlockSizes.loads) a second, memory warpgroup issues the
+gathers as soon as the compute warpgroup arrives on the slot's barrier;
+otherwise the compute warpgroup issues them at the top of step i. Shared
+memory allows one CTA per SM either way, so the two warpgroups share the
+register file without setmaxnreg.
 
 fp8 pages are converted to f16 in shared memory as in ``mla_mgpu`` (one
 ``cvt.rn.f16x2.e4m3x2`` per pair, rows past the length zeroed), with the
@@ -61,7 +65,7 @@ def _smem(shape, dtype):
 
 def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
                            k_rope_scale, block_tables, lengths, pieces, *, scale,
-                           interpret=False):
+                           producer=False, interpret=False):
   """Paged MLA decode partials for at most MAX_HEADS heads, tokens in wgmma's M.
 
   Args:
@@ -77,6 +81,9 @@ def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_sca
     lengths: [B] int32.
     pieces: [3, G] int32 from ``schedule.schedule_pieces``.
     scale: softmax scale.
+    producer: issue the query and page gathers from a second, memory
+      warpgroup instead of from the compute warpgroup at the top of each
+      step; the slots and when they are refilled are the same.
     interpret: False, or a plgpu.InterpretGPUParams.
 
   Returns:
@@ -108,7 +115,7 @@ def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_sca
   def kernel(ql_ref, qr_ref, qs_ref, lat_ref, rope_ref, ls_ref, rs_ref, bt_ref,
              len_ref, pc_ref, o_ref, lse_ref, scratch):
     (ql_smem, qr_smem, qs_smem, lat_st, rope_st, ls_st, rs_st, lat16, rope16,
-     p_smem, o_smem, lse_smem, q_bar, tma_bar) = scratch
+     p_smem, o_smem, lse_smem, q_bar, tma_bar, free_bar) = scratch
     piece = lax.axis_index("s")
     # An unused piece (request -1) runs no step and writes an empty partial.
     bi = jnp.maximum(pc_ref[0, piece], 0)
@@ -128,122 +135,156 @@ def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_sca
         plgpu.copy_gmem_to_smem(ls_ref.at[page], ls_st.at[slot], bar)
         plgpu.copy_gmem_to_smem(rs_ref.at[page], rs_st.at[slot], bar)
 
-    plgpu.copy_gmem_to_smem(ql_ref.at[bi], ql_smem.at[0], q_bar)
-    plgpu.copy_gmem_to_smem(qr_ref.at[bi], qr_smem.at[0], q_bar)
-    if fp8:
-      plgpu.copy_gmem_to_smem(qs_ref.at[bi], qs_smem, q_bar)
-    for j in range(slots - 1):
-      @pl.when(j < steps)
-      def _():
-        issue(j)
-    plgpu.barrier_wait(q_bar)
-    tok_vec = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector over the tokens (rows)
-    head_vec = plgpu.Layout.WGMMA.reduce(0)  # an [N] vector over the heads (columns)
-    # The softmax scale, times the f16 query's per-head factors for an fp8 cache.
-    head_scale = (plgpu.load(qs_smem, layout=head_vec) * scale if fp8
-                  else plgpu.layout_cast(jnp.full((nh,), scale, jnp.float32), head_vec))
-
-    def body(i, carry):
-      acc, m_i, l_i, g_i = carry
-      # 0, but LLVM cannot prove it: buffers indexed by it have loop-variant
-      # addresses, so their descriptors and swizzled offsets are computed
-      # where they are used instead of being hoisted out of the loop and kept
-      # live across it (mla_mgpu's module docstring).
-      z = lax.optimization_barrier(jnp.int32(0))
-      q_lat, q_rp = ql_smem.at[z], qr_smem.at[z]
-      pos0 = (start + i) * ps
-      valid_tokens = length - pos0
-      slot = lax.rem(i, slots)
-      lat_in, rope_in = lat_st.at[slot], rope_st.at[slot]
-      # Page i + slots - 1 goes into step i-1's slot, whose last reader was
-      # that step's PV (retired when its run_state returned) or, for fp8, its
-      # conversion (fenced by commit_smem): the gather runs ahead of compute.
-      @pl.when(i + slots - 1 < steps)
-      def _():
-        issue(i + slots - 1)
-      plgpu.barrier_wait(tma_bar.at[slot])
+    def load_query():
+      plgpu.copy_gmem_to_smem(ql_ref.at[bi], ql_smem.at[0], q_bar)
+      plgpu.copy_gmem_to_smem(qr_ref.at[bi], qr_smem.at[0], q_bar)
       if fp8:
-        k_lat, k_rope = lat16.at[z], rope16.at[z]
-        stage_rows(lat_in, k_lat, valid_tokens)
-        stage_rows(rope_in, k_rope, valid_tokens)
-        plgpu.commit_smem()
-      else:
-        k_lat, k_rope = lat_in, rope_in
-        @pl.when(valid_tokens < ps)
+        plgpu.copy_gmem_to_smem(qs_ref.at[bi], qs_smem, q_bar)
+
+    def produce():
+      """The memory warpgroup: the query, then page i into slot i % slots as
+      soon as step i - slots has let go of it (free_bar, one per slot, so no
+      barrier completes twice before the producer looks: mbarrier waits test
+      the phase's parity), then the phases nobody else waits on."""
+      load_query()
+      @pl.loop(0, steps)
+      def _(i):
+        pl.when(i >= slots)(lambda: plgpu.barrier_wait(free_bar.at[lax.rem(i, slots)]))
+        issue(i)
+      for j in range(slots):
+        pl.when(steps > j)(
+            lambda j=j: plgpu.barrier_wait(free_bar.at[lax.rem(steps - 1 - j, slots)]))
+
+    if producer:
+      # One CTA per SM whatever the producer (shared memory): the two
+      # warpgroups share the register file without setmaxnreg.
+      pl.when(lax.axis_index("wg") == 1)(produce)
+    else:
+      load_query()
+      for j in range(slots - 1):
+        @pl.when(j < steps)
         def _():
-          stage_rows(lat_in, lat_in, valid_tokens)
+          issue(j)
+
+    def compute():
+      plgpu.barrier_wait(q_bar)
+      tok_vec = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector over the tokens (rows)
+      head_vec = plgpu.Layout.WGMMA.reduce(0)  # an [N] vector over the heads (columns)
+      # The softmax scale, times the f16 query's per-head factors for an fp8 cache.
+      head_scale = (plgpu.load(qs_smem, layout=head_vec) * scale if fp8
+                    else plgpu.layout_cast(jnp.full((nh,), scale, jnp.float32), head_vec))
+
+      def body(i, carry):
+        acc, m_i, l_i, g_i = carry
+        # 0, but LLVM cannot prove it: buffers indexed by it have loop-variant
+        # addresses, so their descriptors and swizzled offsets are computed
+        # where they are used instead of being hoisted out of the loop and kept
+        # live across it (mla_mgpu's module docstring).
+        z = lax.optimization_barrier(jnp.int32(0))
+        q_lat, q_rp = ql_smem.at[z], qr_smem.at[z]
+        pos0 = (start + i) * ps
+        valid_tokens = length - pos0
+        slot = lax.rem(i, slots)
+        lat_in, rope_in = lat_st.at[slot], rope_st.at[slot]
+        # Page i + slots - 1 goes into step i-1's slot, whose last reader was
+        # that step's PV (retired when its run_state returned) or, for fp8, its
+        # conversion (fenced by commit_smem): the gather runs ahead of compute.
+        # With a producer, it issues that page once this warpgroup's step i-1
+        # arrived on free_bar.
+        if not producer:
+          @pl.when(i + slots - 1 < steps)
+          def _():
+            issue(i + slots - 1)
+        plgpu.barrier_wait(tma_bar.at[slot])
+        if fp8:
+          k_lat, k_rope = lat16.at[z], rope16.at[z]
+          stage_rows(lat_in, k_lat, valid_tokens)
+          stage_rows(rope_in, k_rope, valid_tokens)
           plgpu.commit_smem()
+        else:
+          k_lat, k_rope = lat_in, rope_in
+          @pl.when(valid_tokens < ps)
+          def _():
+            stage_rows(lat_in, lat_in, valid_tokens)
+            plgpu.commit_smem()
 
-      s_acc = plgpu.ACC((ps, nh), jnp.float32)
-      if fp8:
-        def qk(lat_acc, rope_acc):
-          plgpu.wgmma(lat_acc, k_lat, q_lat.transpose((1, 0)))
-          plgpu.wgmma(rope_acc, k_rope, q_rp.transpose((1, 0)))
-          return lat_acc[...], rope_acc[...]
-        s_lat, s_rope = pl.run_scoped(qk, s_acc, s_acc)
-        ls = plgpu.load(ls_st.at[slot], layout=tok_vec)
-        rs = plgpu.load(rs_st.at[slot], layout=tok_vec)
-        s = (s_lat * lax.broadcast_in_dim(ls, s_lat.shape, [0])
-             + s_rope * lax.broadcast_in_dim(rs, s_rope.shape, [0]))
-      else:
-        def qk(acc_ref):
-          plgpu.wgmma(acc_ref, k_lat, q_lat.transpose((1, 0)))
-          plgpu.wgmma(acc_ref, k_rope, q_rp.transpose((1, 0)))
-          return acc_ref[...]
-        s = pl.run_scoped(qk, s_acc)
-      # s is S^T: [tokens, heads]; the softmax runs down its columns.
-      s = s * lax.broadcast_in_dim(head_scale, s.shape, [1])
-      tpos = plgpu.broadcasted_iota(jnp.int32, (ps, nh), 0, layout=plgpu.Layout.WGMMA)
-      valid = tpos < valid_tokens
-      s = jnp.where(valid, s, NEG)
-      m_new = jnp.maximum(m_i, s.max(axis=0))
-      alpha = jnp.exp2((m_i - m_new) * LOG2E)
-      p = jnp.exp2((s - lax.broadcast_in_dim(m_new, s.shape, [1])) * LOG2E)
-      l_new = l_i * alpha + p.sum(axis=0)
-      g_new = g_i
-      if fp8:
-        # V = latent_scale[t] * f16 page: P takes the scale, divided by the
-        # page's largest (g) so it stays in [0, 1]; acc holds acc / g.
-        ls_tile = jnp.where(valid, lax.broadcast_in_dim(ls, s.shape, [0]), 0.0)
-        g_new = jnp.maximum(ls_tile.max(axis=0), MIN_SCALE)
-        inv_g = 1.0 / g_new
-        p = p * ls_tile * lax.broadcast_in_dim(inv_g, p.shape, [1])
-        alpha = alpha * g_i * inv_g
-      acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
-      # P^T's transpose, [N, tokens]: PV's B operand, K-major.
-      p_smem.transpose((1, 0))[...] = p.astype(cdt)
-      plgpu.commit_smem()
-      v_t = k_lat.transpose((1, 0))  # [C, tokens]: V^T, M-major
-      if interpret:
-        # The GPU interpreter cannot run_state an accumulator (see mla_mgpu).
-        def pv(acc_ref):
-          plgpu.wgmma(acc_ref, v_t, p_smem.transpose((1, 0)))
-          return acc_ref[...]
-        acc = acc + pl.run_scoped(pv, plgpu.ACC((c, nh), jnp.float32))
-      else:
-        def pv(acc_ref):
-          plgpu.wgmma(acc_ref, v_t, p_smem.transpose((1, 0)))
-        acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # waits for the wgmma
-      return acc, m_new, l_new, g_new
+        s_acc = plgpu.ACC((ps, nh), jnp.float32)
+        if fp8:
+          def qk(lat_acc, rope_acc):
+            plgpu.wgmma(lat_acc, k_lat, q_lat.transpose((1, 0)))
+            plgpu.wgmma(rope_acc, k_rope, q_rp.transpose((1, 0)))
+            return lat_acc[...], rope_acc[...]
+          s_lat, s_rope = pl.run_scoped(qk, s_acc, s_acc)
+          ls = plgpu.load(ls_st.at[slot], layout=tok_vec)
+          rs = plgpu.load(rs_st.at[slot], layout=tok_vec)
+          s = (s_lat * lax.broadcast_in_dim(ls, s_lat.shape, [0])
+               + s_rope * lax.broadcast_in_dim(rs, s_rope.shape, [0]))
+        else:
+          def qk(acc_ref):
+            plgpu.wgmma(acc_ref, k_lat, q_lat.transpose((1, 0)))
+            plgpu.wgmma(acc_ref, k_rope, q_rp.transpose((1, 0)))
+            return acc_ref[...]
+          s = pl.run_scoped(qk, s_acc)
+        # s is S^T: [tokens, heads]; the softmax runs down its columns.
+        s = s * lax.broadcast_in_dim(head_scale, s.shape, [1])
+        tpos = plgpu.broadcasted_iota(jnp.int32, (ps, nh), 0, layout=plgpu.Layout.WGMMA)
+        valid = tpos < valid_tokens
+        s = jnp.where(valid, s, NEG)
+        m_new = jnp.maximum(m_i, s.max(axis=0))
+        alpha = jnp.exp2((m_i - m_new) * LOG2E)
+        p = jnp.exp2((s - lax.broadcast_in_dim(m_new, s.shape, [1])) * LOG2E)
+        l_new = l_i * alpha + p.sum(axis=0)
+        g_new = g_i
+        if fp8:
+          # V = latent_scale[t] * f16 page: P takes the scale, divided by the
+          # page's largest (g) so it stays in [0, 1]; acc holds acc / g.
+          ls_tile = jnp.where(valid, lax.broadcast_in_dim(ls, s.shape, [0]), 0.0)
+          g_new = jnp.maximum(ls_tile.max(axis=0), MIN_SCALE)
+          inv_g = 1.0 / g_new
+          p = p * ls_tile * lax.broadcast_in_dim(inv_g, p.shape, [1])
+          alpha = alpha * g_i * inv_g
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+        # P^T's transpose, [N, tokens]: PV's B operand, K-major.
+        p_smem.transpose((1, 0))[...] = p.astype(cdt)
+        plgpu.commit_smem()
+        v_t = k_lat.transpose((1, 0))  # [C, tokens]: V^T, M-major
+        if interpret:
+          # The GPU interpreter cannot run_state an accumulator (see mla_mgpu).
+          def pv(acc_ref):
+            plgpu.wgmma(acc_ref, v_t, p_smem.transpose((1, 0)))
+            return acc_ref[...]
+          acc = acc + pl.run_scoped(pv, plgpu.ACC((c, nh), jnp.float32))
+        else:
+          def pv(acc_ref):
+            plgpu.wgmma(acc_ref, v_t, p_smem.transpose((1, 0)))
+          acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # waits for the wgmma
+        if producer:
+          plgpu.barrier_arrive(free_bar.at[slot])  # the step is done with its slot
+        return acc, m_new, l_new, g_new
 
-    acc0 = plgpu.layout_cast(jnp.zeros((c, nh), jnp.float32), plgpu.Layout.WGMMA)
-    m0 = plgpu.layout_cast(jnp.full((nh,), NEG, jnp.float32), head_vec)
-    l0 = plgpu.layout_cast(jnp.zeros((nh,), jnp.float32), head_vec)
-    g0 = plgpu.layout_cast(jnp.ones((nh,), jnp.float32), head_vec)
-    acc, m_i, l_i, g_i = lax.fori_loop(0, steps, body, (acc0, m0, l0, g0))
-    nonempty = l_i > 0
-    inv = g_i / jnp.where(nonempty, l_i, 1.0)  # g_i: acc / g (fp8), else 1
-    acc = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
-    for j in range(c // _OUT_COLS):
-      o_smem.transpose((1, 0))[...] = acc[j * _OUT_COLS:(j + 1) * _OUT_COLS].astype(
-          PARTIAL_DTYPE)
+      acc0 = plgpu.layout_cast(jnp.zeros((c, nh), jnp.float32), plgpu.Layout.WGMMA)
+      m0 = plgpu.layout_cast(jnp.full((nh,), NEG, jnp.float32), head_vec)
+      l0 = plgpu.layout_cast(jnp.zeros((nh,), jnp.float32), head_vec)
+      g0 = plgpu.layout_cast(jnp.ones((nh,), jnp.float32), head_vec)
+      acc, m_i, l_i, g_i = lax.fori_loop(0, steps, body, (acc0, m0, l0, g0))
+      nonempty = l_i > 0
+      inv = g_i / jnp.where(nonempty, l_i, 1.0)  # g_i: acc / g (fp8), else 1
+      acc = acc * lax.broadcast_in_dim(inv, acc.shape, [1])
+      for j in range(c // _OUT_COLS):
+        o_smem.transpose((1, 0))[...] = acc[j * _OUT_COLS:(j + 1) * _OUT_COLS].astype(
+            PARTIAL_DTYPE)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[piece, :, pl.ds(j * _OUT_COLS, _OUT_COLS)])
+        plgpu.wait_smem_to_gmem(0)
+      lse_smem[...] = jnp.where(nonempty, m_i + jnp.log(jnp.where(nonempty, l_i, 1.0)), NEG)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem, o_ref.at[piece, :, pl.ds(j * _OUT_COLS, _OUT_COLS)])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[piece])
       plgpu.wait_smem_to_gmem(0)
-    lse_smem[...] = jnp.where(nonempty, m_i + jnp.log(jnp.where(nonempty, l_i, 1.0)), NEG)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[piece])
-    plgpu.wait_smem_to_gmem(0)
+
+    if producer:
+      pl.when(lax.axis_index("wg") == 0)(compute)
+    else:
+      compute()
 
   def entry(*refs):
     st = latent.dtype
@@ -265,8 +306,11 @@ def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_sca
         plgpu.Barrier(num_arrivals=3 if fp8 else 2),  # q_latent, q_rope (, q_scale)
         # Every TMA issued with a barrier is one arrival on it; one per slot.
         plgpu.Barrier(num_arrivals=4 if fp8 else 2, num_barriers=slots),
+        # With a producer: the compute warpgroup is done with the slot.
+        plgpu.Barrier(num_arrivals=1, num_barriers=slots) if producer else None,
     ]
-    pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, *barriers)
+    pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, *barriers,
+                  **(dict(collective_axes="wg") if producer else {}))
 
   out_type = (jax.ShapeDtypeStruct((num_g, nh, c), PARTIAL_DTYPE),
               jax.ShapeDtypeStruct((num_g, nh), jnp.float32))
@@ -277,6 +321,7 @@ def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_sca
       grid=(num_g,),
       grid_names=("s",),
       kernel_name="paged_mla_decode_tokens_mgpu",
+      **(dict(num_threads=2, thread_name="wg") if producer else {}),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **kwargs,
   )(q_latent, q_rope, q_scale, latent, k_rope, latent_scale, k_rope_scale,

@@ -531,7 +531,7 @@ def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
   if tokens_in_m:
     o, lse = mla_tokens_mgpu.mla_decode_tokens_mgpu(
         ql, qr, q_scale, latent, k_rope, latent_scale, k_rope_scale, bt, lengths,
-        pieces, scale=float(scale), interpret=mgpu_interpret)
+        pieces, scale=float(scale), producer=producer, interpret=mgpu_interpret)
   else:
     o, lse = mla_mgpu.mla_decode_mgpu(
         ql, qr, q_scale, latent, k_rope, latent_scale, k_rope_scale, bt, lengths,
