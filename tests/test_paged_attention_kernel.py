@@ -498,10 +498,12 @@ class MlaBenchPeersTest(absltest.TestCase):
                      "compute")
     self.assertEqual(impls["pallas"].fn.keywords["block_sizes"], None)  # the default: producer
     err = {}
-    for name in ("pallas", "pallas_mgpu_f16qk"):
+    for name in ("pallas", "pallas_mgpu_f16qk", "pallas_mgpu_compute_loads"):
       out = np.asarray(impls[name].fn(*impls[name].args()[0]), np.float32)
       err[name] = _rel_err(out, impls[name].expected())
     self.assertLessEqual(err["pallas"], TOL["fp8"])
+    # Who issues the gathers changes no arithmetic.
+    self.assertEqual(err["pallas_mgpu_compute_loads"], err["pallas"])
     # The e4m3 query's rounding shows beside the f16 query's.
     self.assertLess(err["pallas_mgpu_f16qk"], err["pallas"] / 4)
 
