@@ -51,6 +51,7 @@ from experiments import kernel_targets as kt  # noqa: E402
 from pallas_kernels.h200 import compile as hc  # noqa: E402
 from pallas_kernels.h200 import env  # noqa: E402
 from pallas_kernels.indexer import IndexerBlockSizes  # noqa: E402
+from pallas_kernels.paged_attention import mla_mgpu  # noqa: E402
 from pallas_kernels.paged_attention.block_sizes import next_pow2  # noqa: E402
 from pallas_kernels.indexer import paged_index_scores  # noqa: E402
 from pallas_kernels.indexer import TopkBlockSizes  # noqa: E402
@@ -686,6 +687,13 @@ def _fmt_bs(bs: dict, kernel: str, impl: str) -> str:
   return " ".join(f"{k}{v}" for k, v in bs.items())
 
 
+def _sets_max_registers(record: dict) -> bool:
+  """Whether the record's kernel moves registers between warpgroups (setmaxnreg)."""
+  bs = record.get("block_sizes") or {}
+  return (record["kernel"] == "paged_mla_decode" and record["impl"] == "mgpu"
+          and bs.get("mla_m") == "heads" and bs.get("loads") == "producer")
+
+
 def markdown(records: Sequence[dict]) -> str:
   """A markdown summary of compile records: one row per distinct compile.
 
@@ -718,6 +726,11 @@ def markdown(records: Sequence[dict]) -> str:
   head = (f"{len(cases)} kernel builds of {len({r['case'] for r in records})} target cases, "
           f"{len(by_compile)} distinct compiles for an H200 (sm_90a, ptxas {', '.join(ptxas)}); "
           f"{len(failing)} failing. Shared-memory limit {SMEM_LIMIT_BYTES} B per block.\n\n")
+  if any(_sets_max_registers(r) for r in records):
+    head += ("The heads-in-M MLA kernel with a producer warpgroup reads its launch "
+             "allocation (65,536 / 384 threads: 168 registers); `setmaxnreg` then gives its "
+             f"compute warpgroups {mla_mgpu.COMPUTE_REGS}, so what they need shows only as "
+             "spills (`scripts/mla_producer_registers.py` lowers the limit to find it).\n\n")
   return head + common.markdown_table(
       ["kernel", "impl", "block sizes", "registers", "spills st/ld (B)", "stack (B)",
        "smem (B)", "status", "cases covered"], rows)

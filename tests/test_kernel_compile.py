@@ -253,7 +253,13 @@ class RecordsTest(absltest.TestCase):
       kc.write_records(recs, os.path.join(d, "a.json"))
       loaded = kc.load_records(d)
     self.assertEqual(sorted(r["variant"] for r in loaded), variants)
-    self.assertIn("3 kernel builds of 1 target cases", kc.markdown(loaded))
+    md = kc.markdown(loaded)
+    self.assertIn("3 kernel builds of 1 target cases", md)
+    # The heads-in-M kernel's producer reads its launch allocation: the table says so,
+    # and only where such a kernel is in it.
+    self.assertIn("reads its launch allocation", md)
+    self.assertNotIn("launch allocation",
+                     kc.markdown([r for r in loaded if r["variant"] != "mgpu-heads"]))
 
 
 if __name__ == "__main__":
