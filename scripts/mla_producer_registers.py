@@ -44,23 +44,29 @@ def variants():
   return sorted({b.variant + " " + b.case.d["kv"]: b for b in out}.items())
 
 
-def main():
-  builds = variants()
+def spills_at(build, regs: int) -> int | None:
+  """Spilled bytes per thread (stores + loads) of ``build`` compiled with its compute
+  warpgroups limited to ``regs`` (the producer given the rest, at most 256); None if
+  it does not compile. Restores the module's limits and clears jax's caches, whose
+  traces would otherwise keep the first limit they saw."""
   saved = mla_mgpu.COMPUTE_REGS, mla_mgpu.PRODUCER_REGS
+  mla_mgpu.COMPUTE_REGS, mla_mgpu.PRODUCER_REGS = regs, min(256, 512 - 2 * regs)
+  jax.clear_caches()
+  try:
+    r = kc.compile_build(build)
+  finally:
+    mla_mgpu.COMPUTE_REGS, mla_mgpu.PRODUCER_REGS = saved
+    jax.clear_caches()
+  return None if r["error"] else r["spill_stores"] + r["spill_loads"]
+
+
+def main():
   print("compute warpgroup limit -> spilled bytes per thread (stores + loads)")
   print("| variant | " + " | ".join(str(r) for r in LIMITS) + " |")
   print("|---|" + "---|" * len(LIMITS))
-  try:
-    for name, b in builds:
-      cells = []
-      for regs in LIMITS:
-        mla_mgpu.COMPUTE_REGS, mla_mgpu.PRODUCER_REGS = regs, min(256, 512 - 2 * regs)
-        jax.clear_caches()  # the op's trace would otherwise keep the first limit
-        r = kc.compile_build(b)
-        cells.append("error" if r["error"] else str(r["spill_stores"] + r["spill_loads"]))
-      print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
-  finally:
-    mla_mgpu.COMPUTE_REGS, mla_mgpu.PRODUCER_REGS = saved
+  for name, b in variants():
+    cells = ["error" if (x := spills_at(b, regs)) is None else str(x) for regs in LIMITS]
+    print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":
