@@ -1,0 +1,132 @@
+"""The MLA kernels' producer warpgroups, compiled for an H200: what the interpreter
+cannot check.
+
+* Registers (scripts/mla_producer_registers.py): ptxas reports the heads-in-M
+  kernel's launch allocation (168 registers) whatever its compute code needs, so the
+  zero-spill compile tests are the only guard on that code's registers. The
+  engine's fp8-QK kernel must compile clean at its limit and spill when the limit is
+  lowered to 216 (the script's table: 132 B). If Mosaic GPU stopped emitting
+  setmaxnreg, or ptxas stopped holding the compute code to it, the second reading
+  would be 0.
+* Barriers in the PTX: once the warpgroups branch, a CTA-wide barrier (bar.sync 0)
+  in the compute path would wait for the producer, which never reaches it: a hang
+  on a GPU that the interpreter, which runs the Pallas program and not the PTX,
+  would not show. Every CTA-wide barrier must come before the first TMA (the
+  prologue's, after the mbarriers are initialised), and every other one must be a
+  warpgroup's (128 threads).
+"""
+
+import glob
+import importlib.util
+import os
+import re
+import tempfile
+from unittest import mock
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+
+from experiments import kernel_compile as kc
+from pallas_kernels.h200 import env as h200_env
+from pallas_kernels.paged_attention import mla_mgpu
+
+
+def _script():
+  path = os.path.join(os.path.dirname(__file__), "..", "scripts", "mla_producer_registers.py")
+  spec = importlib.util.spec_from_file_location("mla_producer_registers", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+class H200Test(parameterized.TestCase):
+  """Compiles for an H200; never skipped (`make test` installs the compiler packages)."""
+
+  def setUp(self):
+    super().setUp()
+    problems = h200_env.check()
+    if problems:  # never skip: `make test` installs the compiler packages
+      raise RuntimeError("the H200 compile tests cannot run: " + "; ".join(problems))
+
+
+class ProducerRegisterLimitTest(H200Test):
+
+  def test_a_lowered_limit_shows_as_spills(self):
+    script = _script()
+    builds = dict(script.variants())
+    qk8 = builds["mgpu-heads-qk8 fp8"]
+    self.assertEqual(qk8.block_sizes.loads, "producer")
+    self.assertEqual(script.spills_at(qk8, mla_mgpu.COMPUTE_REGS), 0)
+    self.assertGreater(script.spills_at(qk8, 216), 0)
+    self.assertEqual(mla_mgpu.COMPUTE_REGS, 240)  # restored
+
+
+def _producer_build(case: str, variant: str) -> kc.Build:
+  for g in kc.target_groups(("paged_mla_decode",), other_impl=True, only=[case]):
+    for b in g.builds:
+      if b.case.name == case and b.variant == variant:
+        return b
+  raise LookupError(f"no {variant} build of {case}")
+
+
+_BARRIER = re.compile(r"^\s*(?:@%p\d+\s+)?(bar\.sync|barrier\.sync(?:\.aligned)?)\s+([^;]*);",
+                      re.MULTILINE)
+
+
+def barrier_problems(ptx: str) -> list[str]:
+  """What is wrong with a producer kernel's named barriers (module docstring); [] if
+  every CTA-wide one comes before the first TMA and every other is a warpgroup's."""
+  first_tma = ptx.find("cp.async.bulk.tensor")
+  if first_tma < 0:
+    return ["no TMA in the PTX"]
+  barriers = [(m.start(), [a.strip() for a in m.group(2).split(",")])
+              for m in _BARRIER.finditer(ptx)]
+  out = []
+  cta_wide = [pos for pos, args in barriers if len(args) == 1]
+  if not cta_wide:
+    out.append("no CTA-wide barrier found: the prologue has one, so the parser is blind")
+  late = [pos for pos in cta_wide if pos > first_tma]
+  if late:
+    line = ptx.count("\n", 0, late[0]) + 1
+    out.append(f"{len(late)} CTA-wide barrier(s) after the first TMA, first on line {line}")
+  counts = {args[1] for _, args in barriers if len(args) == 2}
+  if counts != {"128"}:
+    out.append(f"named barriers over {sorted(counts)} threads, not one warpgroup's 128")
+  return out
+
+
+class ProducerPtxTest(H200Test):
+
+  @parameterized.parameters(("mla/dp/fp8/b8/ctx32768", "mgpu-heads-qk8"),
+                            ("mla/tp8/fp8/b8/ctx32768", "mgpu-tokens"))
+  def test_no_cta_wide_barrier_after_the_warpgroups_branch(self, case, variant):
+    build = _producer_build(case, variant)
+    self.assertEqual(build.block_sizes.loads, "producer")
+    with tempfile.TemporaryDirectory() as d:
+      with mock.patch.dict(os.environ, {"MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_TO": d}):
+        jax.clear_caches()  # a cached trace would compile nothing, and dump nothing
+        readings = kc.compile_build(build)
+      self.assertIsNone(readings["error"])
+      ptx_files = glob.glob(os.path.join(d, "*.ptx"))
+      self.assertLen(ptx_files, 1)
+      with open(ptx_files[0]) as f:
+        ptx = f.read()
+    self.assertEqual(barrier_problems(ptx), [])
+
+  def test_the_barrier_check_sees_a_late_cta_wide_barrier(self):
+    """barrier_problems on PTX written for it: clean, then with a CTA-wide barrier in
+    the warpgroups' code, then with a barrier over two warpgroups."""
+    ok = ("\tmbarrier.init.shared::cta.b64 [%r1], %r2;\n\tbar.sync \t0;\n"
+          "\tcp.async.bulk.tensor.2d.shared::cluster.global [%r3], [%rd1, {%r4, %r5}], [%r6];\n"
+          "\tbar.sync %r7, 128;\n")
+    self.assertEqual(barrier_problems(ok), [])
+    self.assertRegex(" ".join(barrier_problems(ok + "\t@%p3 bar.sync \t0;\n")),
+                     "after the first TMA, first on line 5")
+    self.assertRegex(" ".join(barrier_problems(ok + "\tbar.sync %r7, 256;\n")), "256")
+    self.assertRegex(" ".join(barrier_problems(ok.replace("\tbar.sync \t0;\n", ""))),
+                     "blind")
+
+
+if __name__ == "__main__":
+  absltest.main()
