@@ -8,8 +8,9 @@ to mla_mgpu.COMPUTE_REGS and the producer lowers its own to PRODUCER_REGS. What
 the compute code needs therefore shows only as spills once that limit is too low.
 This script compiles each variant (bf16 cache; fp8 cache with fp8 QK and with f16
 QK) at 64 heads with the limit lowered step by step (the producer given the rest
-of the 512 registers per lane, at most 256) and prints the spills at each, so the
-smallest spill-free limit is each variant's need (docs/paged_attention.md).
+of the CTA's 3 x 168 registers per lane, at most 256) and prints the spills at
+each, so the smallest spill-free limit is each variant's need
+(docs/paged_attention.md).
 
 Usage: .venv/bin/python scripts/mla_producer_registers.py   (about a minute)
 """
@@ -46,11 +47,13 @@ def variants():
 
 def spills_at(build, regs: int) -> int | None:
   """Spilled bytes per thread (stores + loads) of ``build`` compiled with its compute
-  warpgroups limited to ``regs`` (the producer given the rest, at most 256); None if
+  warpgroups limited to ``regs`` (the producer given the rest of the CTA's pool, at
+  most 256); None if
   it does not compile. Restores the module's limits and clears jax's caches, whose
   traces would otherwise keep the first limit they saw."""
   saved = mla_mgpu.COMPUTE_REGS, mla_mgpu.PRODUCER_REGS
-  mla_mgpu.COMPUTE_REGS, mla_mgpu.PRODUCER_REGS = regs, min(256, 512 - 2 * regs)
+  mla_mgpu.COMPUTE_REGS = regs
+  mla_mgpu.PRODUCER_REGS = min(256, 3 * mla_mgpu.LAUNCH_REGS - 2 * regs)
   jax.clear_caches()
   try:
     r = kc.compile_build(build)

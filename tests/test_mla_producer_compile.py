@@ -40,6 +40,37 @@ def _script():
   return mod
 
 
+class RegisterSplitTest(absltest.TestCase):
+  """setmaxnreg moves registers within the CTA's launch allocation; asking for more
+  hangs a GPU (the interpreter ignores setmaxnreg), so the kernel refuses it."""
+
+  def test_the_split_fits_the_pool(self):
+    self.assertEqual(mla_mgpu.LAUNCH_REGS, 168)  # 65,536 registers over 384 threads
+    self.assertLessEqual(2 * mla_mgpu.COMPUTE_REGS + mla_mgpu.PRODUCER_REGS,
+                         3 * mla_mgpu.LAUNCH_REGS)
+    mla_mgpu.check_register_split(mla_mgpu.COMPUTE_REGS, mla_mgpu.PRODUCER_REGS)
+
+  def test_a_split_over_the_pool_or_off_the_grid_raises(self):
+    # 2 x 240 + 32 = 512 of a pool of 504: the second compute warpgroup would wait.
+    with self.assertRaisesRegex(ValueError, "wait forever"):
+      mla_mgpu.check_register_split(240, 32)
+    with self.assertRaisesRegex(ValueError, "multiple of 8"):
+      mla_mgpu.check_register_split(236, 24)
+    with self.assertRaisesRegex(ValueError, r"\[24, 256\]"):
+      mla_mgpu.check_register_split(240, 16)
+
+  def test_the_kernel_checks_its_split(self):
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    b, h, c, r, n, ps = 1, 64, 256, 64, 2, 64
+    args = (jnp.zeros((b, h, c), jnp.bfloat16), jnp.zeros((b, h, r), jnp.bfloat16), None,
+            jnp.zeros((n, ps, c), jnp.bfloat16), jnp.zeros((n, ps, r), jnp.bfloat16), None,
+            None, jnp.zeros((b, 2), jnp.int32), jnp.ones((b,), jnp.int32),
+            jnp.zeros((3, 4), jnp.int32))
+    with mock.patch.object(mla_mgpu, "COMPUTE_REGS", 248):
+      with self.assertRaisesRegex(ValueError, "wait forever"):
+        mla_mgpu.mla_decode_mgpu(*args, scale=1.0, producer=True)
+
+
 class H200Test(parameterized.TestCase):
   """Compiles for an H200; never skipped (`make test` installs the compiler packages)."""
 

@@ -70,7 +70,8 @@ in place on the partial last page only), and their probabilities and scales
 are selected to 0, so garbage (even NaN) never leaks into the output.
 
 Registers: the [64, 256] f32 PV accumulator takes 128 of a thread's 255 (of its
-240 beside a producer warpgroup).
+240 beside a producer warpgroup, which keeps 24: setmaxnreg moves registers
+within the CTA's launch allocation, 3 x 168 per lane).
 Every wgmma takes a 64-bit shared-memory descriptor (36 for QK alone), and
 LLVM hoists loop-invariant descriptors out of the loop, where they would
 stay live beside the accumulator and spill. The loop body therefore
@@ -104,10 +105,32 @@ PARTIAL_DTYPE = jnp.bfloat16
 _STAGE_CHUNK = 64  # columns per register pass when masking/dequantising a page
 MIN_SCALE = 1e-30  # floor of a page's largest scale (an all-zero page has 0)
 # Registers per thread after setmaxnreg when a producer warpgroup issues the
-# page gathers (producer=True): the two compute warpgroups take the most that
-# leaves the producer 32 of the SM's 64K (2 x 240 + 32 = 512 per lane).
+# page gathers (producer=True). setmaxnreg only moves registers within the
+# CTA's pool, which holds what the CTA was launched with: 384 threads at
+# 65,536 / 384 rounded down to 8, 168 each, so 3 x 168 = 504 per lane of a
+# warpgroup. A setmaxnreg.inc that the pool cannot cover waits forever, so
+# 2 x COMPUTE_REGS + PRODUCER_REGS must not exceed 504 (check_register_split);
+# the compute warpgroups take 240 and the producer the smallest allowed, 24.
+LAUNCH_REGS = 65536 // (3 * 128) // 8 * 8
 COMPUTE_REGS = 240
-PRODUCER_REGS = 32
+PRODUCER_REGS = 24
+
+
+def check_register_split(compute: int, producer: int) -> None:
+  """Raises unless setmaxnreg can give two compute warpgroups ``compute`` registers
+  and the producer ``producer`` out of the CTA's pool (3 x LAUNCH_REGS per lane).
+
+  Raises:
+    ValueError: a count not a multiple of 8 in [24, 256], or more than the pool.
+  """
+  for name, n in (("compute", compute), ("producer", producer)):
+    if n % 8 or not 24 <= n <= 256:
+      raise ValueError(f"{name} registers {n}: setmaxnreg takes a multiple of 8 in [24, 256]")
+  if 2 * compute + producer > 3 * LAUNCH_REGS:
+    raise ValueError(
+        f"2 x {compute} compute + {producer} producer registers exceed the CTA's pool of "
+        f"3 x {LAUNCH_REGS} per lane: the second compute warpgroup's setmaxnreg.inc would "
+        f"wait forever on a GPU")
 
 
 def transforms(cols, dtype):
@@ -213,6 +236,8 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
                      f"{None if q_scale is None else q_scale.shape}")
   if not fp8 and qdt != latent.dtype:
     raise ValueError(f"query {qdt} and cache {latent.dtype} dtypes differ")
+  if producer:
+    check_register_split(COMPUTE_REGS, PRODUCER_REGS)
   # Register operands for P are fine on hardware; the interpreter needs SMEM.
   p_in_smem = bool(interpret)
   half_ps = ps // 2  # tokens per warpgroup in QK
