@@ -130,11 +130,16 @@ class Build:
   @property
   def variant(self) -> str:
     """impl, and for the Mosaic GPU MLA kernels which one ("mgpu-tokens",
-    "mgpu-heads": what fills wgmma's M; "-qk8" where QK runs as fp8 wgmmas)."""
+    "mgpu-heads": what fills wgmma's M; "-qk8" where QK runs as fp8 wgmmas;
+    "-compute-loads" without the producer warpgroup); "mgpu-producer" for the
+    GQA kernel with one."""
     m = getattr(self.block_sizes, "mla_m", None)
     if self.case.kernel == "paged_mla_decode" and self.impl == "mgpu" and m != "auto":
       return (f"mgpu-{m}" + ("-qk8" if self.block_sizes.mla_qk == "fp8" else "")
               + ("-compute-loads" if self.block_sizes.loads == "compute" else ""))
+    if (self.case.kernel == "paged_gqa_decode" and self.impl == "mgpu"
+        and self.block_sizes.gqa_loads == "producer"):
+      return "mgpu-producer"
     return self.impl
 
   @property
@@ -210,6 +215,8 @@ def _attention_builds(case, other_impl: bool) -> list[Build]:
         variants.append(dataclasses.replace(engine, mla_qk="f16"))
       # the same kernel without its producer warpgroup
       variants.append(dataclasses.replace(engine, loads="compute"))
+    if not mla and impl == "mgpu":  # the GQA kernel with a producer warpgroup
+      variants.append(dataclasses.replace(engine, gqa_loads="producer"))
   out = []
   for v in variants:
     try:
@@ -323,6 +330,8 @@ def kernel_key(case, impl: str, block_sizes) -> tuple:
     fields.pop("merge")  # a companion kernel's choice (COMPANION_KERNELS), not this kernel's
     if not (impl == "mgpu" and case.kernel == "paged_mla_decode"):
       fields.pop("loads")  # read by the Mosaic GPU MLA kernels only
+    if not (impl == "mgpu" and case.kernel == "paged_gqa_decode"):
+      fields.pop("gqa_loads")  # read by the Mosaic GPU GQA kernel only
     if impl == "mgpu":  # the Triton tiles: the Mosaic GPU kernels fix their own
       for name in ("block_h", "pages_per_block", "num_warps", "num_stages"):
         fields.pop(name)
@@ -668,7 +677,9 @@ def _fmt_bs(bs: dict, kernel: str, impl: str) -> str:
     if impl == "mgpu":  # the Mosaic GPU kernels fix their own tiles; splits vary by case
       m = {"tokens": "tokens in M", "heads": "heads in M"}.get(bs.get("mla_m"), "own tiles")
       m += ", fp8 QK" if bs.get("mla_qk") == "fp8" else ""
-      if bs.get("mla_m") in ("heads", "tokens"):  # ptxas reads the heads-in-M kernel
+      if kernel == "paged_gqa_decode":
+        m += ", producer" if bs.get("gqa_loads") == "producer" else ""
+      elif bs.get("mla_m") in ("heads", "tokens"):  # ptxas reads the heads-in-M kernel
         # with a producer at its launch allocation (168 for 384 threads); its compute
         # warpgroups run at mla_mgpu.COMPUTE_REGS
         m += ", producer" if bs.get("loads") == "producer" else ", compute loads"

@@ -71,6 +71,13 @@ class PlanTest(absltest.TestCase):
       self.assertFalse(alt.engine)
       self.assertEqual(dict(alt.key)["bs.loads"], "compute")
       self.assertNotEqual(engine.key, alt.key)
+    # The GQA kernel (no producer by default) has its producer twin, keyed apart.
+    gqa = "gqa/g4/bf16/b64/ctx4096"
+    engine, alt = by[(gqa, "mgpu")], by[(gqa, "mgpu-producer")]
+    self.assertTrue(engine.engine)
+    self.assertFalse(alt.engine)
+    self.assertEqual((dict(engine.key)["bs.gqa_loads"], dict(alt.key)["bs.gqa_loads"]),
+                     ("compute", "producer"))
     # The alternative kernel at TP 8 is compiled as the engine would run it: no twin.
     self.assertNotIn(("mla/tp8/fp8/b8/ctx32768", "mgpu-heads-qk8-compute-loads"), by)
     others = [b for b in self.builds if b.case.kernel in ("paged_mla_decode", "paged_gqa_decode")
@@ -78,6 +85,9 @@ class PlanTest(absltest.TestCase):
     self.assertTrue(others)
     for b in others:
       self.assertNotIn("bs.loads", dict(b.key), b.variant)
+    for b in self.builds:
+      if b.case.kernel == "paged_mla_decode" or b.impl != "mgpu":
+        self.assertNotIn("bs.gqa_loads", dict(b.key), b.variant)
 
   def test_engine_runs_mosaic_gpu_attention_and_h200_rows(self):
     by = {(b.case.name, b.impl): b for b in self.builds

@@ -1,5 +1,5 @@
-"""The MLA kernels' producer warpgroups, compiled for an H200: what the interpreter
-cannot check.
+"""The attention kernels' producer warpgroups (MLA, both kernels; GQA's opt-in
+one), compiled for an H200: what the interpreter cannot check.
 
 * Registers (scripts/mla_producer_registers.py): ptxas reports the heads-in-M
   kernel's launch allocation (168 registers) whatever its compute code needs, so the
@@ -94,7 +94,8 @@ class ProducerRegisterLimitTest(H200Test):
 
 
 def _producer_build(case: str, variant: str) -> kc.Build:
-  for g in kc.target_groups(("paged_mla_decode",), other_impl=True, only=[case]):
+  for g in kc.target_groups(("paged_mla_decode", "paged_gqa_decode"), other_impl=True,
+                            only=[case]):
     for b in g.builds:
       if b.case.name == case and b.variant == variant:
         return b
@@ -130,10 +131,11 @@ def barrier_problems(ptx: str) -> list[str]:
 class ProducerPtxTest(H200Test):
 
   @parameterized.parameters(("mla/dp/fp8/b8/ctx32768", "mgpu-heads-qk8"),
-                            ("mla/tp8/fp8/b8/ctx32768", "mgpu-tokens"))
+                            ("mla/tp8/fp8/b8/ctx32768", "mgpu-tokens"),
+                            ("gqa/g4/fp8/b64/ctx4096", "mgpu-producer"))
   def test_no_cta_wide_barrier_after_the_warpgroups_branch(self, case, variant):
     build = _producer_build(case, variant)
-    self.assertEqual(build.block_sizes.loads, "producer")
+    self.assertIn("producer", (build.block_sizes.loads, build.block_sizes.gqa_loads))
     with tempfile.TemporaryDirectory() as d:
       with mock.patch.dict(os.environ, {"MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_TO": d}):
         jax.clear_caches()  # a cached trace would compile nothing, and dump nothing

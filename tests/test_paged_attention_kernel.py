@@ -401,6 +401,8 @@ class PagedMlaDecodeTokensMgpuTest(PagedMlaDecodeMgpuTest):
     self.assertFalse(attn_ops.mla_tokens_in_m(BlockSizes(mla_m="heads"), q, pages, rope))
     with self.assertRaisesRegex(ValueError, "loads must be"):
       BlockSizes(loads="wg0")
+    with self.assertRaisesRegex(ValueError, "gqa_loads must be"):
+      BlockSizes(gqa_loads="wg0")
     with self.assertRaisesRegex(ValueError, "mla_m must be"):
       BlockSizes(mla_m="rows")
 
@@ -506,6 +508,27 @@ class MlaBenchPeersTest(absltest.TestCase):
     self.assertEqual(err["pallas_mgpu_compute_loads"], err["pallas"])
     # The e4m3 query's rounding shows beside the f16 query's.
     self.assertLess(err["pallas_mgpu_f16qk"], err["pallas"] / 4)
+
+
+class GqaBenchPeersTest(absltest.TestCase):
+  """gpu_check's GQA case (interpreted, small): the two-CTA default kernel and its
+  producer twin (one CTA per SM, four slots), both checked against the reference."""
+
+  def test_producer_twin(self):
+    from experiments import kernel_targets as kt
+    from pallas_kernels.paged_attention import bench as attn_bench
+    case = [c for c in kt.target_cases(("paged_gqa_decode",))
+            if c.name == "gqa/g4/bf16/b64/ctx4096"][0]
+    dims = dict(case.d, batch=1, kv_heads=1, head_dim=64, context=300, max_pages=20,
+                num_pages=24)
+    b = attn_bench.bench_case("paged_gqa_decode", dims, backend="interpret", peers=True)
+    impls = {i.name: i for i in b.impls}
+    self.assertEqual(impls["pallas_mgpu_producer"].fn.keywords["block_sizes"].gqa_loads,
+                     "producer")
+    self.assertIsNone(impls["pallas"].fn.keywords["block_sizes"])  # the default: compute
+    for name in ("pallas", "pallas_mgpu_producer"):
+      out = np.asarray(impls[name].fn(*impls[name].args()[0]), np.float32)
+      self.assertLessEqual(_rel_err(out, impls[name].expected()), TOL["bf16"], name)
 
 
 class QkErrorScriptTest(absltest.TestCase):
@@ -680,23 +703,45 @@ class PagedGqaDecodeMgpuInterpretTest(PagedGqaDecodeMgpuTest):
   # the first request two pieces (2 blocks, then 1).
   SHAPE = dict(kv_heads=8, hd=64, page_size=16, max_pages=12, batch=2)
 
-  @parameterized.parameters("bf16", "fp8")
-  def test_long_pieces_cycle_the_staging_slots(self, kv_dtype):
-    """One piece per request, so a piece walks up to 5 blocks: a bf16 cache's two
-    staging slots are each refilled while the other is computed on, twice over,
-    and the last block is partial (its tail zeroed in place)."""
-    lengths = [5 * 64 - 7, 2 * 64 + 1]
-    args = make_gqa(_seed("ring", kv_dtype), batch=2, heads=16, kv_heads=8, hd=64,
-                    page_size=16, max_pages=20, lengths=lengths, kv_dtype=kv_dtype)
+  def _ring(self, kv_dtype, gqa_loads, blocks, kv_heads=8, lengths=None):
+    """One piece per request, the first walking ``blocks`` 64-token blocks (its last
+    partial, its tail zeroed), against the reference, with race detection."""
+    lengths = lengths or [blocks * 64 - 7, 2 * 64 + 1]
+    args = make_gqa(_seed("ring", kv_dtype, gqa_loads), batch=len(lengths),
+                    heads=2 * kv_heads, kv_heads=kv_heads, hd=64, page_size=16,
+                    max_pages=4 * blocks, lengths=lengths, kv_dtype=kv_dtype)
     scale = 1.0 / math.sqrt(64)
-    one_piece_each = lambda batch, kv_heads, blocks, kind=None: batch  # noqa: E731
+    one_piece_each = lambda batch, kv_heads, blocks, kind=None, ctas_per_sm=2: batch  # noqa: E731
     with mock.patch.object(attn_ops, "gqa_mgpu_pieces", one_piece_each):
       out = paged_gqa_decode(*args, scale=scale, backend="interpret",
-                             block_sizes=BlockSizes(impl="mgpu"))
+                             block_sizes=BlockSizes(impl="mgpu", gqa_loads=gqa_loads))
     ref = paged_gqa_decode_reference(*args, scale=scale)
     self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
     self.assertLessEqual(_rel_err(out, ref), TOL[kv_dtype])
     self.assertFalse(gpu_interpret.get_races().races_found, "data race")
+
+  @parameterized.parameters(("bf16", "compute"), ("fp8", "compute"),
+                            ("bf16", "producer"), ("fp8", "producer"))
+  def test_long_pieces_cycle_the_staging_slots(self, kv_dtype, gqa_loads):
+    """A piece of 5 blocks: the two slots of a compute warpgroup issuing are each
+    refilled while the other is computed on, twice over; a producer's four slots
+    have one refilled."""
+    self._ring(kv_dtype, gqa_loads, blocks=5)
+
+  def test_a_late_producer_misses_no_phase(self):
+    """The GQA producer (gqa_loads="producer") sleeps before each of its waits, so
+    the compute warpgroup runs as far ahead as the four slots let it: one free
+    barrier for all slots fails (see the MLA kernel's test of the same name)."""
+    wait = shared_memory.Barrier.wait
+
+    def late_producer(barrier, thread, *args, **kwargs):
+      if getattr(thread, "warpgroup_id", None) == 1:
+        time.sleep(0.3)
+      return wait(barrier, thread, *args, **kwargs)
+
+    with mock.patch.object(shared_memory.Barrier, "wait", late_producer):
+      # One CTA (one request, one KV head), so the producer's sleeps add up to ~2 s.
+      self._ring("bf16", "producer", blocks=7, kv_heads=1, lengths=[7 * 64 - 7])
 
 
 class ReferenceTest(parameterized.TestCase):

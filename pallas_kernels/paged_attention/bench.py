@@ -21,7 +21,9 @@ Impls, in order:
     the heads-in-M one where the heads allow it; ``pallas_mgpu_f16qk``, the
     heads-in-M kernel with f16 QK, beside its fp8 QK on an fp8 cache;
     ``pallas_mgpu_compute_loads``, the kernel the op picks with its page
-    gathers issued by a compute warpgroup instead of a producer); JAX's
+    gathers issued by a compute warpgroup instead of a producer); for GQA on
+    Mosaic GPU ``pallas_mgpu_producer``, the kernel with a producer warpgroup
+    (one CTA per SM) beside the two-CTA default; JAX's
     Triton paged attention
     (``jax_paged_attention``, jax.experimental.pallas.ops.gpu.paged_attention,
     fp8 through its per-token scales) and JAX's decode attention over a
@@ -273,6 +275,12 @@ def _gqa(dims, backend, peers, seed):
   s0 = sets()[0]
   impls, info = _ours(call, sets, ref, peers, set_bytes,
                       lambda blk: ops.gqa_kernel_choice(s0[0], s0[1], s0[5], blk))
+  if peers and info["kernel_impl"] == "mgpu":  # one CTA per SM, with a producer warpgroup
+    bs = ops.gqa_kernel_choice(s0[0], s0[1], s0[5])[0]
+    impls.append(bm.Impl("pallas_mgpu_producer",
+                         call(dataclasses.replace(bs, gqa_loads="producer")), sets, ref,
+                         note="our Mosaic GPU GQA kernel with a producer warpgroup: one CTA "
+                         "per SM, four staging slots"))
   if not peers:
     return bm.Bench(nbytes, flops, bm.TOL[kv], impls, info)
   interpret = backend == "interpret"

@@ -38,8 +38,12 @@ class BlockSizes:
       its registers to them; a second beside the tokens-in-M kernel's one) or
       "compute" (a compute warpgroup, between its MMAs; the earlier schedule,
       kept to compare against and to ablate). The GQA and Triton kernels
-      issue their own and ignore it (docs/paged_attention.md says why GQA
-      has no producer).
+      issue their own and ignore it.
+    gqa_loads: the same for the Mosaic GPU GQA kernel: "compute" (the default:
+      two CTAs of one warpgroup per SM, two staging slots each) or "producer"
+      (one CTA per SM of a compute and a producer warpgroup, four slots; a
+      producer costs the second CTA per SM, docs/paged_attention.md, so it
+      waits for a GPU to time the two).
     merge: how the Mosaic GPU kernels' pieces are merged into each request's
       output: "kernel" (``merge_pieces``, one Pallas kernel reading every
       partial once) or "xla" (``reference.combine_pieces``, XLA's one-hot
@@ -56,8 +60,11 @@ class BlockSizes:
   mla_qk: str = "auto"
   merge: str = "kernel"
   loads: str = "producer"
+  gqa_loads: str = "compute"
 
   def __post_init__(self):
+    if self.gqa_loads not in ("compute", "producer"):
+      raise ValueError(f"gqa_loads must be compute or producer, got {self.gqa_loads!r}")
     if self.loads not in ("compute", "producer"):
       raise ValueError(f"loads must be compute or producer, got {self.loads!r}")
     if self.merge not in ("kernel", "xla"):

@@ -93,6 +93,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.paged_attention import producer as producer_loop
+
 FP8 = jnp.float8_e4m3fn
 BLOCK_H = 64  # wgmma M per warpgroup
 NEG = -1e30  # finite "minus infinity" for empty splits and masked logits
@@ -320,12 +322,7 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
       if fp8 and qk8:
         # Page i goes to slot i % 2, read by step i-2's QK and conversion
         # (and its scale rows, slot i % 3, by step i-3's PV: done before).
-        @pl.loop(0, steps)
-        def _(i):
-          pl.when(i >= 2)(lambda: plgpu.barrier_wait(freed(i)))
-          issue_fp8(i)
-        pl.when(steps > 1)(lambda: plgpu.barrier_wait(freed(steps - 2)))
-        pl.when(steps > 0)(lambda: plgpu.barrier_wait(freed(steps - 1)))
+        producer_loop.issue_ring(steps, 2, free_bar, issue_fp8)
       elif fp8:
         # One staging buffer, free once both warpgroups converted step i-1.
         @pl.loop(0, steps)

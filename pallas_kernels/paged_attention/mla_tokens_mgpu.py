@@ -54,6 +54,7 @@ from pallas_kernels.paged_attention.mla_mgpu import NEG
 from pallas_kernels.paged_attention.mla_mgpu import PARTIAL_DTYPE
 from pallas_kernels.paged_attention.mla_mgpu import stage_rows
 from pallas_kernels.paged_attention.mla_mgpu import transforms
+from pallas_kernels.paged_attention import producer as producer_loop
 
 MAX_HEADS = 32  # N of the wgmmas; the [512, N] accumulator takes 4N registers
 _OUT_COLS = 64  # output columns per TMA store
@@ -141,30 +142,8 @@ def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_sca
       if fp8:
         plgpu.copy_gmem_to_smem(qs_ref.at[bi], qs_smem, q_bar)
 
-    def produce():
-      """The memory warpgroup: the query, then page i into slot i % slots as
-      soon as step i - slots has let go of it (free_bar, one per slot, so no
-      barrier completes twice before the producer looks: mbarrier waits test
-      the phase's parity), then the phases nobody else waits on."""
-      load_query()
-      @pl.loop(0, steps)
-      def _(i):
-        pl.when(i >= slots)(lambda: plgpu.barrier_wait(free_bar.at[lax.rem(i, slots)]))
-        issue(i)
-      for j in range(slots):
-        pl.when(steps > j)(
-            lambda j=j: plgpu.barrier_wait(free_bar.at[lax.rem(steps - 1 - j, slots)]))
-
-    if producer:
-      # One CTA per SM whatever the producer (shared memory): the two
-      # warpgroups share the register file without setmaxnreg.
-      pl.when(lax.axis_index("wg") == 1)(produce)
-    else:
-      load_query()
-      for j in range(slots - 1):
-        @pl.when(j < steps)
-        def _():
-          issue(j)
+    producer_loop.start_loads(producer, steps, slots, free_bar, load_query, issue,
+                              prologue=slots - 1)
 
     def compute():
       plgpu.barrier_wait(q_bar)
@@ -281,10 +260,7 @@ def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_sca
       plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[piece])
       plgpu.wait_smem_to_gmem(0)
 
-    if producer:
-      pl.when(lax.axis_index("wg") == 0)(compute)
-    else:
-      compute()
+    producer_loop.run_compute(producer, compute)
 
   def entry(*refs):
     st = latent.dtype

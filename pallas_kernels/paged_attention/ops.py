@@ -462,10 +462,13 @@ def mla_mgpu_pieces(batch: int, heads: int, max_pages: int, kind: str | None = N
   return schedule.num_pieces(batch, max_pages, max(1, device.num_sms(kind) // blocks))
 
 
-def gqa_mgpu_pieces(batch: int, kv_heads: int, blocks: int, kind: str | None = None) -> int:
+def gqa_mgpu_pieces(batch: int, kv_heads: int, blocks: int, kind: str | None = None,
+                    ctas_per_sm: int = 2) -> int:
   """Pieces (CTAs) per KV head of the Mosaic GPU GQA kernel over ``blocks`` 64-token
-  blocks: 93-103 KB of shared memory, so two CTAs per SM, shared by the KV heads."""
-  return schedule.num_pieces(batch, blocks, max(1, 2 * device.num_sms(kind) // kv_heads))
+  blocks: 93-103 KB of shared memory, so two CTAs per SM (one with a producer
+  warpgroup), shared by the KV heads."""
+  return schedule.num_pieces(batch, blocks,
+                             max(1, ctas_per_sm * device.num_sms(kind) // kv_heads))
 
 
 def mla_tokens_in_m(bs, q_latent, latent, k_rope) -> bool:
@@ -604,7 +607,8 @@ def paged_gqa_decode(q, k, v, k_scale, v_scale, block_tables, lengths, *,
   bs, impl = gqa_kernel_choice(q, k, block_tables, block_sizes)
   if impl == "mgpu":
     return _gqa_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths,
-                     scale=scale, merge=bs.merge, interpret=backend == "interpret")
+                     scale=scale, merge=bs.merge, producer=bs.gqa_loads == "producer",
+                     interpret=backend == "interpret")
   # One program covers a whole group: pad the group up to block_h (>= 16,
   # the minimum dot M); the padded rows are computed and dropped.
   bh = max(bs.block_h, 1 << (g - 1).bit_length())
@@ -652,7 +656,7 @@ def paged_gqa_decode(q, k, v, k_scale, v_scale, block_tables, lengths, *,
 
 
 def _gqa_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, *, scale, merge,
-              interpret):
+              interpret, producer=False):
   """Runs gqa_mgpu: pads each group to 64 rows, casts q, schedules the pieces
   (in blocks of 64 tokens, the kernel's step), merges them."""
   b, h, hd = q.shape
@@ -670,10 +674,11 @@ def _gqa_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, *, scale, merge,
   lengths = lengths.astype(jnp.int32)
   blocks = bt.shape[1] // ppb
   pieces = schedule.schedule_pieces(lengths, page_size=gqa_mgpu.BLOCK_K, max_pages=blocks,
-                                    pieces=gqa_mgpu_pieces(b, kv, blocks))
+                                    pieces=gqa_mgpu_pieces(b, kv, blocks,
+                                                           ctas_per_sm=1 if producer else 2))
   o, lse = gqa_mgpu.gqa_decode_mgpu(
       qg, q_scale, k, v, k_scale, v_scale, bt, lengths, pieces, scale=float(scale),
-      interpret=mgpu_interpret_params() if interpret else False)
+      producer=producer, interpret=mgpu_interpret_params() if interpret else False)
   # o [G, KV, 64, hd], lse [G, KV, 64]: the first g rows of each KV head are real.
   out = _merge(o, lse, pieces[0], b, rows=g, out_dtype=q.dtype, merge=merge,
                interpret=interpret)
