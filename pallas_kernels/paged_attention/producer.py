@@ -43,10 +43,10 @@ def start_loads(producer: bool, steps, slots: int, free_bar, load_query, issue,
   producer warpgroup (wg 1).
 
   With a producer, warpgroup 1 loads the query and runs :func:`issue_ring`. Both
-  warpgroups then get what the larger needs, without setmaxnreg: these kernels'
-  shared memory holds them to one CTA per SM either way, so the register file
-  has room. Without one, the compute warpgroup loads the query and issues the
-  first ``prologue`` steps here; its loop issues the rest.
+  warpgroups then get what the larger needs, without setmaxnreg: with a producer
+  these kernels' shared memory holds them to one CTA per SM, so the register
+  file has room. Without one, the compute warpgroup loads the query and issues
+  the first ``prologue`` steps here; its loop issues the rest.
   """
   if producer:
     @pl.when(lax.axis_index("wg") == 1)
