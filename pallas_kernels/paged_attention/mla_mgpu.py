@@ -331,16 +331,13 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
           issue_fp8(i)
         pl.when(steps > 0)(lambda: plgpu.barrier_wait(conv_bar))
       else:
-        # Latent slot i % 2 was read by step i-2's PV; the rope buffer by
-        # step i-1's QK.
-        @pl.loop(0, steps)
-        def _(i):
-          pl.when(i >= 2)(lambda: plgpu.barrier_wait(freed(i)))
+        # Latent slot i % 2 was read by step i-2's PV (the ring waits for
+        # that); the one rope buffer by step i-1's QK.
+        def issue_page(i):
           issue_latent(i)
           pl.when(i >= 1)(lambda: plgpu.barrier_wait(rope_free))
           issue_rope(i)
-        pl.when(steps > 1)(lambda: plgpu.barrier_wait(freed(steps - 2)))
-        pl.when(steps > 0)(lambda: plgpu.barrier_wait(freed(steps - 1)))
+        producer_loop.issue_ring(steps, 2, free_bar, issue_page)
         pl.when(steps > 0)(lambda: plgpu.barrier_wait(rope_free))
 
     if producer:
