@@ -19,6 +19,7 @@ lowering for Mosaic GPU, at compile for Triton.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -127,8 +128,9 @@ def spec(shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
 
 
-def _mosaic_smem(asm: str) -> int | None:
-  """Dynamic shared memory of a serialised Mosaic GPU kernel (private jax internals)."""
+def _mosaic_smem(asm: str) -> tuple[str | None, int] | None:
+  """(ptxas' name of the kernel, its dynamic shared memory) of a serialised Mosaic
+  GPU kernel (private jax internals); None where they cannot be read."""
   try:
     from jax._src.interpreters import mlir as jmlir
     from jax._src.lib import mosaic_gpu_dialect
@@ -140,17 +142,35 @@ def _mosaic_smem(asm: str) -> int | None:
     with ctx, ir.Location.unknown():
       txt = str(mgpu_core._run_serde_pass(ir.Module.parse(asm), serialize=False))  # noqa: SLF001
     var = re.search(r"gpu\.launch .*dynamic_shared_memory_size (%\S+)", txt).group(1)
-    return int(re.search(re.escape(var) + r" = \S+ (\d+)", txt).group(1))
+    smem = int(re.search(re.escape(var) + r" = \S+ (\d+)", txt).group(1))
+    # ptxas names the kernel after the module: "<kernel_name>_mosaic_gpu_kernel".
+    module = re.match(r"\s*module @([\w.$-]+)", txt)
+    return (module.group(1) + "_mosaic_gpu_kernel" if module else None), smem
   except Exception:  # a jax upgrade moved the internals: report no reading, not a failure
     return None
 
 
-def _known_mosaic_kernels() -> dict:
+@contextlib.contextmanager
+def _mosaic_kernels_lowered():
+  """Yields a dict that holds, once the block exits, every Mosaic GPU kernel lowered
+  inside it ({kernel id: serialised module}), including kernels an earlier compile in
+  this process lowered too: Mosaic GPU's registry of known kernels is swapped for an
+  empty one for the block, then the two are merged back (private jax internals; with
+  them moved, the dict stays empty and shared memory reads None)."""
+  got: dict = {}
   try:
     from jax.experimental.mosaic.gpu import core as mgpu_core
-    return dict(mgpu_core.KNOWN_KERNELS)
+    saved = mgpu_core.KNOWN_KERNELS
   except Exception:
-    return {}
+    yield got
+    return
+  mgpu_core.KNOWN_KERNELS = {}
+  try:
+    yield got
+  finally:
+    got.update(mgpu_core.KNOWN_KERNELS)
+    saved.update(got)
+    mgpu_core.KNOWN_KERNELS = saved
 
 
 def parse_ptxas_log(text: str) -> dict[str, dict]:
@@ -198,14 +218,14 @@ def compile_for_h200(fn: Callable[..., Any], *args, mesh_=None, ptxas_report: bo
 
 
 def _compile(fn, args, kwargs, m, dump: str) -> CompileReport:
-  known = set(_known_mosaic_kernels())
   log = tempfile.TemporaryFile()
   sys.stderr.flush()
   saved = os.dup(2)
   os.dup2(log.fileno(), 2)  # XLA logs ptxas -v on fd 2
   t0 = time.perf_counter()
   try:
-    with jax.sharding.use_abstract_mesh(m.abstract_mesh):
+    with jax.sharding.use_abstract_mesh(m.abstract_mesh), \
+         _mosaic_kernels_lowered() as lowered_kernels:
       lowered = jax.jit(lambda *a: fn(*a, **kwargs)).trace(*args).lower()
     # Level 3, XLA's default, whatever XLA_FLAGS says (the test suite lowers it for its
     # CPU programs): the readings are of the kernels as a real build compiles them.
@@ -229,11 +249,13 @@ def _compile(fn, args, kwargs, m, dump: str) -> CompileReport:
       if mt.group(1) in stats:
         stats[mt.group(1)]["smem"] = int(mt.group(2))
   # Mosaic GPU kernels: dynamic shared memory from the serialised kernel.
-  new = {k: v for k, v in _known_mosaic_kernels().items() if k not in known}
-  smems = [s for s in (_mosaic_smem(asm) for asm in new.values()) if s is not None]
+  # By name (an op may launch two, such as a decode kernel and its merge); the
+  # largest where no name can be read.
+  read = [r for r in (_mosaic_smem(asm) for asm in lowered_kernels.values()) if r is not None]
+  by_name = {name: smem for name, smem in read if name is not None}
   for name, s in stats.items():
-    if name.endswith("_mosaic_gpu_kernel") and s["smem"] is None and smems:
-      s["smem"] = max(smems)
+    if name.endswith("_mosaic_gpu_kernel") and s["smem"] is None and read:
+      s["smem"] = by_name.get(name) if by_name else max(smem for _, smem in read)
   memory = {}
   try:
     ma = compiled.memory_analysis()
