@@ -147,7 +147,7 @@ def design_mma_s(case: kt.KernelCase) -> float:
 def design_bytes(case: kt.KernelCase) -> int:
   """Bytes the engine's kernel moves for ``case`` on an H200: the job's, plus the
   partials of the Mosaic GPU decode kernels' pieces, which each piece (CTA) writes
-  and the merge (``merge_pieces``) reads back:
+  and the merge (``merge_pieces_mgpu``) reads back:
   - MLA decode: [H, C] bf16 outputs (the real heads' rows, rounded up to 8) and
     f32 log-sum-exps (the heads rounded up to 8 in the tokens-in-M kernel, 64 per
     64-head block in the heads-in-M one), for each of ``ops.mla_mgpu_pieces``

@@ -73,8 +73,11 @@ def schedule_pieces(lengths, *, page_size, max_pages, pieces):
     pieces: the grid's pieces (``num_pieces``), > B.
 
   Returns:
-    [3, pieces] int32 rows: request (-1: unused), first page (an index into the
-    request's block-table row), pages.
+    [5, pieces] int32 rows, per piece: request (-1: unused), first page (an index
+    into the request's block-table row), pages; then per request, in columns
+    0..B-1 (0 past them): its first piece and its piece count, which the merge of
+    the pieces reads (``merge_pieces_mgpu``; computed here, with the schedule, so
+    that they are ready before the decode kernel that reads the same array).
   """
   b = lengths.shape[0]
   pages = jnp.clip(-(-lengths.astype(jnp.int32) // page_size), 0, max_pages)  # [B]
@@ -93,5 +96,7 @@ def schedule_pieces(lengths, *, page_size, max_pages, pieces):
   first = (p - (ends[req] - n[req])) * q
   steps = jnp.clip(pages[req] - first, 0, q)
   used = p < ends[-1]
+  per_request = lambda v: jnp.pad(v, (0, pieces - b))  # noqa: E731  [pieces], B < pieces
   return jnp.stack([jnp.where(used, req, -1), jnp.where(used, first, 0),
-                    jnp.where(used, steps, 0)]).astype(jnp.int32)
+                    jnp.where(used, steps, 0), per_request(ends - n),
+                    per_request(n)]).astype(jnp.int32)

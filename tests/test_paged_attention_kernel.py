@@ -578,9 +578,14 @@ class PieceScheduleTest(parameterized.TestCase):
         pages[0] = max_pages  # one long request among empty ones
       lengths = np.maximum(pages * 64 - rng.integers(0, 64, batch), 0)
       pages = -(-lengths // 64)
-      req, first, steps = np.asarray(schedule.schedule_pieces(
+      req, first, steps, req_first, req_count = np.asarray(schedule.schedule_pieces(
           jnp.asarray(lengths, jnp.int32), page_size=64, max_pages=max_pages, pieces=g))
       used = req >= 0
+      # Per request: its run of pieces (the merge reads these), zeros past the batch.
+      for b in range(batch):
+        np.testing.assert_array_equal(np.flatnonzero(req == b),
+                                      req_first[b] + np.arange(req_count[b]))
+      self.assertTrue((req_first[batch:] == 0).all() and (req_count[batch:] == 0).all())
       self.assertTrue((np.diff(req[used]) >= 0).all())  # ordered by request
       self.assertTrue((req[~used] == -1).all() and (steps[~used] == 0).all())
       q = steps.max()

@@ -224,6 +224,16 @@ def _mla(dims, backend, peers, seed):
   return bm.Bench(nbytes, flops, bm.TOL[kv], impls, info)
 
 
+# The Mosaic GPU decode kernel's other merges (BlockSizes.merge), each timed beside
+# the default (merge_pieces_mgpu launched as a programmatic dependent).
+MERGE_PEERS = (
+    ("pallas_mgpu_serial_merge", "mgpu_serial",
+     "by merge_pieces_mgpu launched as an ordinary kernel (no overlap)"),
+    ("pallas_mgpu_triton_merge", "triton", "by merge_pieces on Pallas' Triton backend"),
+    ("pallas_mgpu_xla_merge", "xla", "by XLA's one-hot product (reference.combine_pieces)"),
+)
+
+
 def _ours(call, sets, ref, peers, set_bytes, choice):
   """Our kernel (default block sizes), XLA's path and, with peers, our other kernel.
 
@@ -241,10 +251,10 @@ def _ours(call, sets, ref, peers, set_bytes, choice):
                            note=f"our {other} kernel, same block sizes"))
     except ValueError:
       pass  # our Mosaic GPU kernel does not take this shape
-    if chosen == "mgpu":  # the same kernel, its pieces merged by XLA's one-hot product
-      impls.append(bm.Impl("pallas_mgpu_xla_merge", call(dataclasses.replace(bs, merge="xla")),
-                           sets, ref, note="our Mosaic GPU kernel, pieces merged by "
-                           "reference.combine_pieces instead of merge_pieces"))
+    if chosen == "mgpu":  # the same decode kernel, its pieces merged another way
+      for name, merge, how in MERGE_PEERS:
+        impls.append(bm.Impl(name, call(dataclasses.replace(bs, merge=merge)), sets, ref,
+                             note=f"our Mosaic GPU kernel, pieces merged {how}"))
   return impls, {"kernel_impl": chosen, "block_sizes": dataclasses.asdict(bs),
                  "input_sets": bm.rotation_sets(set_bytes)}
 

@@ -4,6 +4,9 @@ import dataclasses
 
 from pallas_kernels import device
 
+# BlockSizes.merge's values; the first is the default.
+MERGES = ("mgpu", "mgpu_serial", "triton", "xla")
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
@@ -45,9 +48,13 @@ class BlockSizes:
       producer costs the second CTA per SM, docs/paged_attention.md, so it
       waits for a GPU to time the two).
     merge: how the Mosaic GPU kernels' pieces are merged into each request's
-      output: "kernel" (``merge_pieces``, one Pallas kernel reading every
-      partial once) or "xla" (``reference.combine_pieces``, XLA's one-hot
-      product; kept to compare against and to ablate).
+      output: "mgpu" (the default: ``merge_pieces_mgpu``, a Mosaic GPU kernel
+      reading every partial once, launched as a programmatic dependent of the
+      decode kernel so that it overlaps its tail), "mgpu_serial" (the same
+      kernel launched as an ordinary one, to time the overlap), "triton"
+      (``merge_pieces``, the same merge on Pallas' Triton backend) or "xla"
+      (``reference.combine_pieces``, XLA's one-hot product); the last three are
+      kept to compare against and to ablate.
   """
 
   block_h: int = 16
@@ -58,7 +65,7 @@ class BlockSizes:
   impl: str = "auto"
   mla_m: str = "auto"
   mla_qk: str = "auto"
-  merge: str = "kernel"
+  merge: str = "mgpu"
   loads: str = "producer"
   gqa_loads: str = "compute"
 
@@ -67,8 +74,8 @@ class BlockSizes:
       raise ValueError(f"gqa_loads must be compute or producer, got {self.gqa_loads!r}")
     if self.loads not in ("compute", "producer"):
       raise ValueError(f"loads must be compute or producer, got {self.loads!r}")
-    if self.merge not in ("kernel", "xla"):
-      raise ValueError(f"merge must be kernel or xla, got {self.merge!r}")
+    if self.merge not in MERGES:
+      raise ValueError(f"merge must be one of {', '.join(MERGES)}; got {self.merge!r}")
     if self.mla_qk not in ("auto", "f16", "fp8"):
       raise ValueError(f"mla_qk must be auto, f16 or fp8, got {self.mla_qk!r}")
     if self.mla_m not in ("auto", "tokens", "heads"):

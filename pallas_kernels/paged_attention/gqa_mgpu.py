@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.paged_attention import merge_pieces_mgpu
 from pallas_kernels.paged_attention import producer as producer_loop
 
 FP8 = jnp.float8_e4m3fn
@@ -75,8 +76,8 @@ def gqa_decode_mgpu(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths,
     k_scale, v_scale: [N, ps, KV] f32 or None; KV % 8 == 0 when given.
     block_tables: [B, P] int32, P a multiple of 64 // ps.
     lengths: [B] int32.
-    pieces: [3, G] int32 from ``schedule.schedule_pieces`` in units of 64-token
-      blocks (request, first block, blocks).
+    pieces: [5, G] int32 from ``schedule.schedule_pieces`` in units of 64-token
+      blocks (rows 0-2 read: request, first block, blocks).
     scale: softmax scale.
     producer: issue the query and block gathers from a second, memory
       warpgroup into PRODUCER_SLOTS slots (one CTA per SM; size the pieces
@@ -108,6 +109,7 @@ def gqa_decode_mgpu(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths,
              o_ref, lse_ref, scratch):
     (q_smem, qs_smem, k_st, v_st, ks_st, vs_st, k16, v16, p_smem, o_smem,
      lse_smem, q_bar, tma_bar, free_bar) = scratch
+    merge_pieces_mgpu.let_merge_launch(interpret)
     kvh = lax.axis_index("kv")
     piece = lax.axis_index("s")
     # An unused piece (request -1) runs no step and writes an empty partial.

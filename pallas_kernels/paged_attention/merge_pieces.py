@@ -40,7 +40,8 @@ _COL_TILES = (128, 64, 32, 16)
 _MAX_ROW_TILE = 8
 
 
-def _pow2_at_least(n: int) -> int:
+def pow2_at_least(n: int) -> int:
+  """The least power of two >= n (1 for n <= 1)."""
   return 1 << max(0, int(n) - 1).bit_length()
 
 
@@ -61,7 +62,7 @@ def tiles(batch: int, x: int, rows: int, d: int, pieces: int | None = None,
     pieces: the schedule's pieces G (None: no cap).
     kind: the device kind (None: the traced one), for its SM count.
   """
-  bh = min(_MAX_ROW_TILE, _pow2_at_least(rows))
+  bh = min(_MAX_ROW_TILE, pow2_at_least(rows))
   row_blocks = -(-rows // bh)
   want = 2 * device.num_sms(kind)
   fits = [bd for bd in _COL_TILES if d % bd == 0]
@@ -70,27 +71,51 @@ def tiles(batch: int, x: int, rows: int, d: int, pieces: int | None = None,
   bd = next((c for c in fits if batch * x * row_blocks * (d // c) >= want), fits[-1])
   kp = max(1, TILE_ELEMENTS // (bh * bd))
   if pieces is not None:
-    kp = min(kp, _pow2_at_least(-(-pieces // batch)))
+    kp = min(kp, pow2_at_least(-(-pieces // batch)))
   return bh, bd, kp
 
 
-def request_ranges(request: jax.Array, batch: int) -> tuple[jax.Array, jax.Array]:
-  """(first piece [B] int32, pieces [B] int32) of every request, from the
-  schedule's request row ([G] int32, ordered by request, -1 for unused pieces)."""
+def request_ranges(request: jax.Array, batch: int, ranges: jax.Array | None = None
+                   ) -> jax.Array:
+  """[n >= 2, >= B] int32 whose last two rows are every request's first piece and
+  piece count.
+
+  Args:
+    request: the schedule's request row ([G] int32, ordered by request, -1 for
+      unused pieces).
+    batch: B.
+    ranges: None, or such an array already (``schedule.schedule_pieces``'s own,
+      rows 3-4), which is checked and returned: the ops pass the schedule the
+      decode kernel reads, so XLA computes the ranges before the decode kernel
+      and nothing runs between it and the merge.
+
+  Returns:
+    ``ranges``, or [2, B] computed from ``request`` in one reduction.
+
+  Raises:
+    ValueError: ``ranges`` is not int32 [n >= 2, >= B].
+  """
+  if ranges is not None:
+    if not (ranges.ndim == 2 and ranges.shape[0] >= 2 and ranges.shape[1] >= batch
+            and ranges.dtype == jnp.int32):
+      raise ValueError(f"ranges must be int32 [n >= 2, >= {batch}]; got {ranges.dtype} "
+                       f"{ranges.shape}")
+    return ranges
   b = jnp.arange(batch, dtype=jnp.int32)[:, None]
   req = request.astype(jnp.int32)[None, :]
-  count = jnp.sum(req == b, axis=1, dtype=jnp.int32)
-  first = jnp.sum((req >= 0) & (req < b), axis=1, dtype=jnp.int32)
-  return first, count
+  before_or_mine = jnp.stack([(req >= 0) & (req < b), req == b])  # [2, B, G]
+  return jnp.sum(before_or_mine, axis=2, dtype=jnp.int32)
 
 
-def _merge_kernel(first_ref, count_ref, o_ref, lse_ref, out_ref, *, kp):
+def _merge_kernel(ranges_ref, o_ref, lse_ref, out_ref, *, kp):
   """One (request, row block, column block): its pieces' tiles, kp per step.
 
-  o_ref: [G, bh, bd] partial tiles; lse_ref: [G, bh] f32; out_ref: [bh, bd].
+  ranges_ref: [n, >= B] int32 (``request_ranges``); o_ref: [G, bh, bd] partial
+  tiles; lse_ref: [G, bh] f32; out_ref: [bh, bd].
   """
   b = pl.program_id(0)
-  first, count = first_ref[b], count_ref[b]
+  n = ranges_ref.shape[0]
+  first, count = ranges_ref[n - 2, b], ranges_ref[n - 1, b]
   bh, bd = out_ref.shape
   lanes = lax.broadcasted_iota(jnp.int32, (kp,), 0)
 
@@ -115,28 +140,11 @@ def _merge_kernel(first_ref, count_ref, o_ref, lse_ref, out_ref, *, kp):
   out_ref[...] = (acc / s[:, None]).astype(out_ref.dtype)
 
 
-def merge_pieces(o, lse, request, batch: int, *, rows: int | None = None,
-                 out_dtype=jnp.float32, interpret: bool = False) -> jax.Array:
-  """Every request's output from its pieces' partials (``reference.combine_pieces``).
-
-  Args:
-    o: [G, X, R, D] per-piece outputs (bf16 or f32), each divided by its own
-      softmax sum (0 for an empty piece); X row groups of R rows.
-    lse: [G, X, RL] f32 per-piece log-sum-exps, RL >= the rows merged (a very
-      negative finite number for an empty piece).
-    request: [G] int32, the piece's request, ordered by request (as
-      ``schedule.schedule_pieces`` writes it), -1 for an unused piece; every
-      request 0..B-1 has at least one piece.
-    batch: B.
-    rows: the rows of each group to merge (the real heads), default R.
-    out_dtype: the output's dtype.
-    interpret: run in the Pallas interpreter.
-
-  Returns:
-    [B, X, rows, D] in out_dtype.
+def check_partials(o, lse, request, rows: int | None):
+  """(G, X, R, D, rows) of a merge's partials, checked as ``merge_pieces`` documents.
 
   Raises:
-    ValueError: inconsistent shapes or dtypes, or D not a multiple of 16.
+    ValueError: inconsistent shapes or dtypes.
   """
   if o.ndim != 4 or lse.ndim != 3:
     raise ValueError(f"o must be [G, X, R, D] and lse [G, X, RL]; got {o.shape}, {lse.shape}")
@@ -151,19 +159,60 @@ def merge_pieces(o, lse, request, batch: int, *, rows: int | None = None,
           and jnp.issubdtype(request.dtype, jnp.integer)):
     raise ValueError(f"o must be floating, lse f32 and request integer; got "
                      f"{o.dtype}, {lse.dtype}, {request.dtype}")
+  return g, x, r, d, rows
+
+
+def count_row_blocks(bh: int, rows: int, r: int, rl: int) -> int:
+  """Row blocks of bh covering the merged rows; the last may run past them, but
+  not past the partials' R rows (o) or RL (lse).
+
+  Raises:
+    ValueError: the rounded-up rows do not fit.
+  """
+  blocks = -(-rows // bh)
+  if blocks * bh > min(r, rl):
+    raise ValueError(f"the rows rounded up to {bh} ({blocks * bh}) must fit o's {r} "
+                     f"and lse's {rl} rows")
+  return blocks
+
+
+def merge_pieces(o, lse, request, batch: int, *, rows: int | None = None,
+                 out_dtype=jnp.float32, ranges=None, interpret: bool = False) -> jax.Array:
+  """Every request's output from its pieces' partials (``reference.combine_pieces``).
+
+  Args:
+    o: [G, X, R, D] per-piece outputs (bf16 or f32), each divided by its own
+      softmax sum (0 for an empty piece); X row groups of R rows.
+    lse: [G, X, RL] f32 per-piece log-sum-exps, RL >= the rows merged (a very
+      negative finite number for an empty piece).
+    request: [G] int32, the piece's request, ordered by request (as
+      ``schedule.schedule_pieces`` writes it), -1 for an unused piece; every
+      request 0..B-1 has at least one piece.
+    batch: B.
+    rows: the rows of each group to merge (the real heads), default R.
+    out_dtype: the output's dtype.
+    ranges: None, or the requests' first pieces and counts in the last two rows
+      of an int32 [n >= 2, >= B] array (``request_ranges``).
+    interpret: run in the Pallas interpreter.
+
+  Returns:
+    [B, X, rows, D] in out_dtype.
+
+  Raises:
+    ValueError: inconsistent shapes or dtypes, D not a multiple of 16, or ranges
+      not int32 [n >= 2, >= B].
+  """
+  g, x, r, d, rows = check_partials(o, lse, request, rows)
   bh, bd, kp = tiles(batch, x, rows, d, g)
-  row_blocks = -(-rows // bh)
-  if row_blocks * bh > min(r, lse.shape[2]):
-    raise ValueError(f"the rows rounded up to {bh} ({row_blocks * bh}) must fit o's {r} "
-                     f"and lse's {lse.shape[2]} rows")
-  first, count = request_ranges(request, batch)
+  row_blocks = count_row_blocks(bh, rows, r, lse.shape[2])
+  ranges = request_ranges(request, batch, ranges)
   kernel = functools.partial(_merge_kernel, kp=kp)
   full = lambda a: pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
   out = pl.pallas_call(
       kernel,
       grid=(batch, x * row_blocks, d // bd),
       in_specs=[
-          full(first), full(count),
+          full(ranges),
           pl.BlockSpec((g, None, bh, bd),
                        lambda i, j, c: (0, j // row_blocks, j % row_blocks, c)),
           pl.BlockSpec((g, None, bh), lambda i, j, c: (0, j // row_blocks, j % row_blocks)),
@@ -174,5 +223,5 @@ def merge_pieces(o, lse, request, batch: int, *, rows: int | None = None,
       compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
       interpret=interpret,
       name="merge_pieces",
-  )(first, count, o, lse)
+  )(ranges, o, lse)
   return out if row_blocks * bh == rows else out[:, :, :rows]

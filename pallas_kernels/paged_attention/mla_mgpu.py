@@ -93,6 +93,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.paged_attention import merge_pieces_mgpu
 from pallas_kernels.paged_attention import producer as producer_loop
 
 FP8 = jnp.float8_e4m3fn
@@ -191,7 +192,7 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
     latent_scale, k_rope_scale: [N, ps] f32 or None.
     block_tables: [B, P] int32.
     lengths: [B] int32.
-    pieces: [3, G] int32 from ``schedule.schedule_pieces`` (G CTAs per head block).
+    pieces: [5, G] int32 from ``schedule.schedule_pieces`` (rows 0-2 read) (G CTAs per head block).
     scale: softmax scale.
     heads: H, the real heads (rows of q past them are padding); None: Hp.
     producer: issue the query and page gathers from a third, memory
@@ -258,6 +259,7 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
     (ql_smem, qr_smem, qs_smem, lat_st, rope_st, ls_st, rs_st, lat16, rope16,
      p_smem, px_smem, o_st, x_smem, lse_smem, q_bar, tma_bar, rope_bar, conv_bar,
      free_bar, x_bar, p_bar, rope_free) = scratch
+    merge_pieces_mgpu.let_merge_launch(interpret)
     hb = lax.axis_index("h")
     piece = lax.axis_index("s")
     wg = lax.axis_index("wg")

@@ -54,6 +54,7 @@ from pallas_kernels.paged_attention.mla_mgpu import NEG
 from pallas_kernels.paged_attention.mla_mgpu import PARTIAL_DTYPE
 from pallas_kernels.paged_attention.mla_mgpu import stage_rows
 from pallas_kernels.paged_attention.mla_mgpu import transforms
+from pallas_kernels.paged_attention import merge_pieces_mgpu
 from pallas_kernels.paged_attention import producer as producer_loop
 
 MAX_HEADS = 32  # N of the wgmmas; the [512, N] accumulator takes 4N registers
@@ -80,7 +81,7 @@ def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_sca
     latent_scale, k_rope_scale: [P, ps] f32 or None.
     block_tables: [B, W] int32.
     lengths: [B] int32.
-    pieces: [3, G] int32 from ``schedule.schedule_pieces``.
+    pieces: [5, G] int32 from ``schedule.schedule_pieces`` (rows 0-2 read).
     scale: softmax scale.
     producer: issue the query and page gathers from a second, memory
       warpgroup instead of from the compute warpgroup at the top of each
@@ -117,6 +118,7 @@ def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_sca
              len_ref, pc_ref, o_ref, lse_ref, scratch):
     (ql_smem, qr_smem, qs_smem, lat_st, rope_st, ls_st, rs_st, lat16, rope16,
      p_smem, o_smem, lse_smem, q_bar, tma_bar, free_bar) = scratch
+    merge_pieces_mgpu.let_merge_launch(interpret)
     piece = lax.axis_index("s")
     # An unused piece (request -1) runs no step and writes an empty partial.
     bi = jnp.maximum(pc_ref[0, piece], 0)

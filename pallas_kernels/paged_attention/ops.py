@@ -14,6 +14,7 @@ from pallas_kernels import dispatch
 from pallas_kernels import schedule
 from pallas_kernels.paged_attention import gqa_mgpu
 from pallas_kernels.paged_attention import merge_pieces
+from pallas_kernels.paged_attention import merge_pieces_mgpu
 from pallas_kernels.paged_attention import mla_mgpu
 from pallas_kernels.paged_attention import mla_tokens_mgpu
 from pallas_kernels.paged_attention import reference
@@ -541,16 +542,22 @@ def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
         pieces, scale=float(scale), heads=h, producer=producer,
         interpret=mgpu_interpret)
   # o [G, H8, C], lse [G, Hp]: one row group of the H real heads.
-  return _merge(o[:, None], lse[:, None], pieces[0], b, rows=h, out_dtype=q_latent.dtype,
+  return _merge(o[:, None], lse[:, None], pieces, b, rows=h, out_dtype=q_latent.dtype,
                 merge=merge, interpret=interpret)[:, 0]
 
 
-def _merge(o, lse, request, batch, *, rows, out_dtype, merge, interpret):
-  """[B, X, rows, D] from the pieces' partials o [G, X, R, D], lse [G, X, RL]:
-  the merge kernel, or XLA's one-hot product (BlockSizes.merge)."""
-  if merge == "kernel":
+def _merge(o, lse, pieces, batch, *, rows, out_dtype, merge, interpret):
+  """[B, X, rows, D] from the pieces' partials o [G, X, R, D], lse [G, X, RL] on the
+  schedule ``pieces`` [5, G]: a merge kernel, or XLA's one-hot product
+  (BlockSizes.merge)."""
+  request = pieces[0]
+  if merge in ("mgpu", "mgpu_serial") and merge_pieces_mgpu.supports(o.shape[-1]):
+    return merge_pieces_mgpu.merge_pieces_mgpu(
+        o, lse, request, batch, rows=rows, out_dtype=out_dtype, ranges=pieces,
+        pdl=merge == "mgpu", interpret=mgpu_interpret_params() if interpret else False)
+  if merge != "xla":  # "triton", or columns the Mosaic GPU merge does not take (GQA's 64, 192)
     return merge_pieces.merge_pieces(o, lse, request, batch, rows=rows, out_dtype=out_dtype,
-                                     interpret=interpret)
+                                     ranges=pieces, interpret=interpret)
   g, x, _, d = o.shape
   out = reference.combine_pieces(o[:, :, :rows].reshape(g, x * rows, d),
                                  lse[:, :, :rows].reshape(g, x * rows), request, batch)
@@ -680,6 +687,6 @@ def _gqa_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, *, scale, merge,
       qg, q_scale, k, v, k_scale, v_scale, bt, lengths, pieces, scale=float(scale),
       producer=producer, interpret=mgpu_interpret_params() if interpret else False)
   # o [G, KV, 64, hd], lse [G, KV, 64]: the first g rows of each KV head are real.
-  out = _merge(o, lse, pieces[0], b, rows=g, out_dtype=q.dtype, merge=merge,
+  out = _merge(o, lse, pieces, b, rows=g, out_dtype=q.dtype, merge=merge,
                interpret=interpret)
   return out.reshape(b, h, hd)
