@@ -29,11 +29,15 @@ from pallas_kernels.paged_attention import reference
 H200 = "NVIDIA H200"
 
 # Both merge kernels, interpreted: the Triton one and the Mosaic GPU one (with race
-# detection; the interpreter ignores the programmatic launch).
+# detection; the interpreter ignores the programmatic launch), the latter at its
+# largest tiles (fewest CTAs, as the ops interpret it: the interpreter runs CTAs one
+# after another) and at an H200's (two CTAs per SM: many small tiles, slow here).
 MERGES = {
     "triton": lambda *a, **kw: mp.merge_pieces(*a, interpret=True, **kw),
     "mgpu": lambda *a, **kw: mm.merge_pieces_mgpu(*a, interpret=ops.mgpu_interpret_params(),
-                                                  **kw),
+                                                  ctas=1, **kw),
+    "mgpu_h200_tiles": lambda *a, **kw: mm.merge_pieces_mgpu(
+        *a, interpret=ops.mgpu_interpret_params(), **kw),
 }
 
 
@@ -68,9 +72,13 @@ class MergeMatchesReferenceTest(parameterized.TestCase):
       # merge only: interpreting the Mosaic GPU one's 256 CTAs takes a minute.
       ("one_long_request", [32768], dict(pieces=132, x=1, r=64, d=512, dtype=jnp.bfloat16,
                                          max_pages=512), 64, ("triton",)),
-      # The same for the Mosaic GPU merge: 40 pieces, 2 steps of 32 (MAX_LOADS).
+      # The same for the Mosaic GPU merge at an H200's tiles: 40 pieces, 8 CTAs of
+      # one [128] row, 2 steps of 32 (MAX_LOADS).
       ("two_steps", [5120], dict(pieces=132, x=1, r=8, d=128, dtype=jnp.bfloat16,
-                                 max_pages=128), 8, ("mgpu",)),
+                                 max_pages=128), 8, ("mgpu", "mgpu_h200_tiles")),
+      # An H200's tiles over ragged requests and row groups (48 CTAs).
+      ("gqa_h200_tiles", [100, 3000, 1], dict(pieces=12, x=4, r=64, d=128,
+                                             dtype=jnp.float32), 4, ("mgpu_h200_tiles",)),
       # GQA: f32 partials of 8 KV heads x 64 rows, 5 real rows each (row tile 8, sliced).
       ("gqa_group5", [100, 3000, 1, 900], dict(pieces=24, x=8, r=64, d=128,
                                                dtype=jnp.float32), 5),
@@ -205,6 +213,8 @@ class MgpuTilesTest(absltest.TestCase):
     self.assertEqual(mm.tiles(64, 1, 64, 512, 132, kind=H200), (8, 512, 2))
     self.assertEqual(mm.tiles(1, 1, 64, 512, 132, kind=H200), (1, 128, 32))
     self.assertEqual(mm.tiles(8, 1, 64, 512, 132, kind=H200), (1, 512, 16))
+    # Aiming for one CTA (the ops, interpreting): the largest tile.
+    self.assertEqual(mm.tiles(1, 1, 64, 512, 132, kind=H200, ctas=1), (8, 512, 2))
 
 
 class OpsMergeChoiceTest(absltest.TestCase):
@@ -280,17 +290,18 @@ def _compile_merge(merge, b, oshape, odt, lshape, rows, **kw):
                              hc.spec(oshape[:1], jnp.int32))
 
 
-def _ptx(compile_fn) -> dict[str, str]:
-  """{kernel name: PTX} of the Mosaic GPU kernels ``compile_fn()`` builds."""
+def _ptx(compile_fn) -> tuple[dict[str, str], object]:
+  """({kernel name: PTX} of the Mosaic GPU kernels ``compile_fn()`` builds, what
+  ``compile_fn()`` returns)."""
   with tempfile.TemporaryDirectory() as d:
     with mock.patch.dict(os.environ, {"MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_TO": d}):
       jax.clear_caches()  # a cached trace would compile nothing, and dump nothing
-      compile_fn()
+      result = compile_fn()
     out = {}
     for path in glob.glob(os.path.join(d, "*.ptx")):
       with open(path) as f:
         out[os.path.basename(path).rsplit("_", 1)[0]] = f.read()
-  return out
+  return out, result
 
 
 def pdl_problems(merge_ptx: str, decode_ptx: str | None = None) -> list[str]:
@@ -357,17 +368,16 @@ class MergeCompilesForH200Test(parameterized.TestCase):
           lambda *a: ops.paged_mla_decode(*a, backend="pallas", block_sizes=bs,
                                           **case.static_kwargs()), *specs)
 
-    ptx = _ptx(build("mgpu"))
+    ptx, report = _ptx(build("mgpu"))
     self.assertEqual(sorted(ptx), ["merge_pieces_mgpu", "paged_mla_decode_tokens_mgpu"])
-    # Each Mosaic GPU kernel's shared memory, by name, also when this process has
-    # lowered both before (the compile above).
-    smem = {k: st.smem for k, st in build("mgpu")().kernels.items()}
+    # Each Mosaic GPU kernel's shared memory, by name.
+    smem = {k: st.smem for k, st in report.kernels.items()}
     self.assertEqual(smem["merge_pieces_mgpu_mosaic_gpu_kernel"], 0)
     self.assertGreater(smem["paged_mla_decode_tokens_mgpu_mosaic_gpu_kernel"], 150_000)
     self.assertEqual(pdl_problems(ptx["merge_pieces_mgpu"], ptx["paged_mla_decode_tokens_mgpu"]),
                      [])
     # Launched as an ordinary kernel, the merge does not wait.
-    serial = _ptx(build("mgpu_serial"))["merge_pieces_mgpu"]
+    serial = _ptx(build("mgpu_serial"))[0]["merge_pieces_mgpu"]
     self.assertNotIn("griddepcontrol", serial)
     self.assertEqual(pdl_problems(serial), ["the merge never executes griddepcontrol.wait"])
 

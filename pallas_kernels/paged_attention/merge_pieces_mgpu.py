@@ -80,7 +80,7 @@ def supports(d: int) -> bool:
 
 
 def tiles(batch: int, x: int, rows: int, d: int, pieces: int | None = None,
-          kind: str | None = None) -> tuple[int, int, int]:
+          kind: str | None = None, ctas: int | None = None) -> tuple[int, int, int]:
   """(row tile bh, column tile bd, pieces per step kp) of the merge for this shape.
 
   Args:
@@ -91,11 +91,12 @@ def tiles(batch: int, x: int, rows: int, d: int, pieces: int | None = None,
     pieces: the schedule's pieces G (None: no cap on kp): a step takes no more
       pieces than an average request has, rounded up to a power of two.
     kind: the device kind (None: the traced one), for its SM count.
+    ctas: the CTAs to aim for (None: two per SM of ``kind``).
 
   Raises:
     ValueError: d is not a multiple of 128.
   """
-  want = 2 * device.num_sms(kind)
+  want = 2 * device.num_sms(kind) if ctas is None else ctas
   most_rows = min(ROW_TILES[0], merge_pieces.pow2_at_least(rows))
   cands = [(bh, bd) for bd in COL_TILES if d % bd == 0 for bh in ROW_TILES if bh <= most_rows]
   if not cands:
@@ -157,7 +158,7 @@ def _merge_kernel(ranges_ref, o_ref, lse_ref, out_ref, *, bh, bd, kp, row_blocks
 
 def merge_pieces_mgpu(o, lse, request, batch: int, *, rows: int | None = None,
                       out_dtype=jnp.float32, ranges=None, pdl: bool = True,
-                      interpret=False) -> jax.Array:
+                      ctas: int | None = None, interpret=False) -> jax.Array:
   """Every request's output from its pieces' partials (``reference.combine_pieces``).
 
   Args:
@@ -167,6 +168,9 @@ def merge_pieces_mgpu(o, lse, request, batch: int, *, rows: int | None = None,
       reads, so nothing runs between it and this kernel.
     pdl: launch as a programmatic dependent of the preceding kernel (module
       docstring); False launches it as an ordinary kernel, for ablation.
+    ctas: the CTAs the tiles aim for (``tiles``; None: two per SM). The ops
+      pass 1 when interpreting: the interpreter runs CTAs one after another, so
+      the fewest, largest tiles run fastest there.
     interpret: False, or Mosaic GPU interpret parameters
       (``ops.mgpu_interpret_params()``); the interpreter runs one kernel at a
       time, so it ignores ``pdl``.
@@ -179,7 +183,7 @@ def merge_pieces_mgpu(o, lse, request, batch: int, *, rows: int | None = None,
       not int32 [n >= 2, >= B].
   """
   g, x, r, d, rows = merge_pieces.check_partials(o, lse, request, rows)
-  bh, bd, kp = tiles(batch, x, rows, d, g)
+  bh, bd, kp = tiles(batch, x, rows, d, g, ctas=ctas)
   row_blocks = merge_pieces.count_row_blocks(bh, rows, r, lse.shape[2])
   ranges = merge_pieces.request_ranges(request, batch, ranges)
   kernel = functools.partial(_merge_kernel, bh=bh, bd=bd, kp=kp, row_blocks=row_blocks,

@@ -554,7 +554,8 @@ def _merge(o, lse, pieces, batch, *, rows, out_dtype, merge, interpret):
   if merge in ("mgpu", "mgpu_serial") and merge_pieces_mgpu.supports(o.shape[-1]):
     return merge_pieces_mgpu.merge_pieces_mgpu(
         o, lse, request, batch, rows=rows, out_dtype=out_dtype, ranges=pieces,
-        pdl=merge == "mgpu", interpret=mgpu_interpret_params() if interpret else False)
+        pdl=merge == "mgpu", ctas=1 if interpret else None,
+        interpret=mgpu_interpret_params() if interpret else False)
   if merge != "xla":  # "triton", or columns the Mosaic GPU merge does not take (GQA's 64, 192)
     return merge_pieces.merge_pieces(o, lse, request, batch, rows=rows, out_dtype=out_dtype,
                                      ranges=pieces, interpret=interpret)
