@@ -16,8 +16,9 @@ programmatic stream serialization:
   memory flush and a launch;
 - this kernel's first instruction is ``griddepcontrol.wait``, which returns once
   every prerequisite grid has completed and its writes are visible. Nothing is
-  read before it, so the partials, and the per-request ranges that an XLA fusion
-  writes, are complete whichever kernel precedes this one in the stream.
+  read before it, so the partials, and the per-request ranges (rows of the
+  schedule XLA computes before the decode kernel), are complete whichever kernel
+  precedes this one in the stream.
 
 Mosaic GPU marks a kernel that waits this way (``mosaic_gpu.uses_pdl``) and its
 runtime launches it with the attribute; a kernel launched without it, or one
