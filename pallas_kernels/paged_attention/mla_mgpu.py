@@ -192,7 +192,8 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
     latent_scale, k_rope_scale: [N, ps] f32 or None.
     block_tables: [B, P] int32.
     lengths: [B] int32.
-    pieces: [5, G] int32 from ``schedule.schedule_pieces`` (rows 0-2 read) (G CTAs per head block).
+    pieces: [5, G] int32 from ``schedule.schedule_pieces`` (rows 0-2 read; G CTAs
+      per head block).
     scale: softmax scale.
     heads: H, the real heads (rows of q past them are padding); None: Hp.
     producer: issue the query and page gathers from a third, memory
