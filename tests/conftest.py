@@ -41,6 +41,18 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
   atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 
+# The serving processes' key file (mlkit.wire.keys) for this run: a fresh directory, never the
+# user's own ~/.cache/mlkit/serve.key. Servers the tests start on loopback generate the key
+# there; clients, and the servers' peers, read it.
+if "MLKIT_SERVE_AUTHKEY_FILE" not in os.environ:
+  import atexit
+  import shutil
+  import tempfile
+  _key_dir = tempfile.mkdtemp(prefix="mlkit-test-key-")
+  os.environ["MLKIT_SERVE_AUTHKEY_FILE"] = os.path.join(_key_dir, "serve.key")
+  atexit.register(shutil.rmtree, _key_dir, ignore_errors=True)
+os.environ.pop("MLKIT_SERVE_AUTHKEY", None)
+
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 

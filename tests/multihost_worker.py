@@ -27,7 +27,6 @@ if __name__ == "__main__":
 
 import numpy as np  # noqa: E402
 
-AUTHKEY = b"multihost-test"
 # Two prompts sharing a 9-token prefix, the second arriving once the first is prefilled (the
 # prefix cache shares two pages and copies a third), with a third prompt; greedy and sampled
 # requests; the overlapped engine (decode inputs chained on the device).
@@ -88,8 +87,10 @@ def main() -> None:
   # The weights really are split across the processes.
   assert not engine.runner.params["layers"][0]["ffn"]["w_gate"].is_fully_addressable
   address = ("127.0.0.1", args.pool_port)
+  from mlkit import wire
+  key = wire.server_key(["127.0.0.1"]).value  # the run's key file (tests/conftest.py)
   if args.process_id == 0:
-    followers = lockstep.Followers(address, args.num_processes - 1, AUTHKEY, timeout_s=60)
+    followers = lockstep.Followers(address, args.num_processes - 1, key, timeout_s=60)
     engine.lead(followers)
     try:
       out = serve(engine)
@@ -97,7 +98,7 @@ def main() -> None:
       followers.close()
     np.savez(os.path.join(args.out, "leader.npz"), **out, num_devices=len(jax.devices()))
   else:
-    ops, stopped = engine.follow(address, AUTHKEY, connect_timeout_s=60)
+    ops, stopped = engine.follow(address, key, connect_timeout_s=60)
     np.savez(os.path.join(args.out, f"follower_{args.process_id}.npz"), ops=ops, stopped=stopped)
   jax.distributed.shutdown()
 

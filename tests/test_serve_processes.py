@@ -19,7 +19,9 @@ import time
 import jax
 from absl.testing import absltest
 
+from mlkit import wire
 from mlkit.serve import launch
+from mlkit.serve import protocol as proto
 from mlkit.serve.client import Client
 
 from tempdirs import temp_dir
@@ -274,6 +276,65 @@ class ServeProcessesTest(absltest.TestCase):
     self.assertEqual([o["tokens"] for o in outs], self.reference)
 
 
+  def test_6_bad_frames_on_every_socket(self):
+    # The decode server's client socket and the prefill server's socket each get a pickle
+    # payload (never run: its marker file never appears), frames that are malformed, too
+    # large or of an unknown kind, a token outside the vocabulary, and peers without the
+    # key. Each gets an error answer (or no connection at all) and is closed; the pair then
+    # serves a normal request.
+    from test_wire import pickle_bytes
+    marker = os.path.join(temp_dir(self, "mlkit-serve-frames-"), "ran")
+    key = wire.client_key()
+    sampling = dict(max_new_tokens=2, temperature=0.0, top_k=0, top_p=1.0, seed=0,
+                    stop_tokens=[])
+    bodies = {
+        "pickle": pickle_bytes(marker), "not msgpack": b"\xc1" * 8,
+        "not a map": wire.encode([1, 2, 3]), "unknown kind": wire.encode({"kind": "exec"}),
+        "token outside the vocabulary": wire.encode(
+            {"kind": "generate", "prompts": [[1, 10**6]], "sampling": [sampling]}),
+        "too large": b"\x00" * (65 << 20)}
+    for addr in (self.dec_addr, self.pre_addr):
+      for what, body in bodies.items():
+        conn = wire.connect(proto.parse_address(addr), key)
+        try:
+          conn.send_frame(body)
+        except ConnectionError:
+          pass  # the server may close before taking a too-large frame's last byte
+        if what != "too large":
+          reply = conn.recv(proto.reply_kinds())
+          self.assertEqual(reply["kind"], "error", (addr, what))
+          self.assertIn("refused a frame", reply["error"])
+        else:
+          self._recv_error_or_close(conn)
+        with self.assertRaises((EOFError, ConnectionError), msg=(addr, what)):
+          while True:  # closed by the server (after its answer)
+            conn.recv_frame()
+        conn.close()
+      with self.assertRaisesRegex(ConnectionError, "refused our key"):
+        wire.connect(proto.parse_address(addr), os.urandom(32))
+      with socket.create_connection(proto.parse_address(addr)) as raw:  # no handshake at all
+        raw.sendall(pickle_bytes(marker))
+        raw.settimeout(15)
+        try:
+          while raw.recv(4096):
+            pass  # the server answers its challenge, then closes
+        except ConnectionResetError:
+          pass  # or closes with our bytes unread
+    self.assertFalse(os.path.exists(marker))
+    (out,) = self.client.generate(PROMPTS[:1], max_new_tokens=MAX_NEW)
+    self.assertEqual(out["tokens"], self.reference[0])
+    self._assert_pages_free()
+    self.assertEqual(self.control.metrics()["pages_used"], 0)
+
+  def _recv_error_or_close(self, conn):
+    try:
+      reply = conn.recv(proto.reply_kinds())
+      self.assertEqual(reply["kind"], "error")
+      self.assertIn("exceeds this end's limit", reply["error"])
+    except (EOFError, ConnectionError):
+      pass
+
+
 class HuggingFaceCheckpointPairTest(absltest.TestCase):
   """A pair serving a Hugging Face checkpoint: GLM 5 with sparse attention (indexer keys paged,
   pulled and landed with the latent), against the greedy tokens transformers generated."""
@@ -310,10 +371,9 @@ class ProtocolTest(absltest.TestCase):
 
   def test_messages_and_addresses(self):
     from mlkit.sampling import SamplingParams
-    from mlkit.serve import protocol as proto
     self.assertEqual(proto.message("release", uuid=3), {"kind": "release", "uuid": 3})
-    with self.assertRaisesRegex(ValueError, "unknown message kind 'rpc'"):
-      proto.message("rpc")
+    self.assertEqual(len(proto.message("error", error="x" * 10_000)["error"]),
+                     proto.MAX_MESSAGE_TEXT)
     s = SamplingParams(max_new_tokens=3, temperature=0.5, stop_tokens=(1, 2))
     self.assertEqual(proto.sampling_from_dict(proto.sampling_to_dict(s)), s)
     with self.assertRaises(ValueError):  # SamplingParams' own check
@@ -324,20 +384,19 @@ class ProtocolTest(absltest.TestCase):
         proto.parse_address(bad)
 
   def test_round_trip_and_a_closed_peer(self):
-    from mlkit.serve import protocol as proto
-    key = b"k"
+    key = os.urandom(32)
     addr = f"127.0.0.1:{launch.free_port()}"
     listener = proto.listen(addr, key)
     inbox = proto.Inbox()
-    inbox.accept_from(listener)
-    with self.assertRaisesRegex(ConnectionError, "refused our authkey"):
-      proto.connect(addr, b"wrong", 5)
+    inbox.accept_from(listener, proto.prefill_kinds(100, 64))
+    with self.assertRaisesRegex(ConnectionError, "refused our key"):
+      proto.connect(addr, os.urandom(32), 5)
     conn = proto.connect(addr, key, 5)
-    conn.send(proto.message("hello", version=proto.PROTOCOL_VERSION))
+    conn.send(proto.message("hello", version=proto.PROTOCOL_VERSION, role="decode", model="m"))
     peer, msg = inbox.get(5)
     self.assertEqual(msg["kind"], "hello")
     self.assertTrue(inbox.send(peer, proto.message("ok")))
-    self.assertEqual(conn.recv(), {"kind": "ok"})
+    self.assertEqual(conn.recv(proto.reply_kinds()), {"kind": "ok"})
     conn.close()
     _, msg = inbox.get(5)
     self.assertEqual(msg["kind"], proto.CLOSED)
@@ -346,6 +405,7 @@ class ProtocolTest(absltest.TestCase):
     listener.close()
     with self.assertRaisesRegex(ConnectionError, "no server reachable"):
       proto.connect(f"127.0.0.1:{launch.free_port()}", key, 0.3)
+    self.assertIsInstance(wire.AuthenticationError("x"), ConnectionError)
 
   def test_options_checked(self):
     from mlkit.engine import ABORT_REASONS
@@ -409,6 +469,28 @@ class CliTest(absltest.TestCase):
                     "127.0.0.1:2")
     self.assertEqual(res.returncode, 2)
     self.assertIn("--process-id 2 must be in [0, --num-processes 2)", res.stderr)
+
+  def test_keys(self):
+    # Any address other than loopback needs a key given; none is ever a constant.
+    for listen in ("10.11.12.13:7100", "0.0.0.0:7100"):
+      res = self._run("--role", "prefill", "--model", "tiny-mla", "--listen", listen)
+      self.assertEqual(res.returncode, 2, res.stderr)
+      self.assertIn(f"{listen.split(':')[0]} is not a loopback address", res.stderr)
+      self.assertIn("set MLKIT_SERVE_AUTHKEY or pass --authkey-file PATH", res.stderr)
+    res = self._run("--role", "decode", "--model", "tiny-mla", "--prefill", "10.11.12.13:7100")
+    self.assertEqual(res.returncode, 2)
+    self.assertIn("10.11.12.13 is not a loopback address", res.stderr)
+    res = self._run("--role", "prefill", "--model", "tiny-mla", "--authkey", "secret")
+    self.assertEqual(res.returncode, 2)
+    self.assertIn("a key on the command line is visible to every user", res.stderr)
+    tmp = temp_dir(self, "mlkit-serve-key-")
+    loose = os.path.join(tmp, "loose.key")
+    with open(loose, "w") as f:
+      f.write("k" * 64)
+    os.chmod(loose, 0o644)
+    res = self._run("--role", "prefill", "--model", "tiny-mla", "--authkey-file", loose)
+    self.assertEqual(res.returncode, 2)
+    self.assertIn("open to other users", res.stderr)
 
 
 if __name__ == "__main__":

@@ -165,12 +165,12 @@ class Engine(ServingLoop):
       raise ValueError("lead(): this engine's mesh does not span processes")
     self.device = lockstep.Leader(self.device, followers)
 
-  def follow(self, address, authkey: bytes, **kw) -> tuple[int, bool]:
+  def follow(self, address, key: bytes, **kw) -> tuple[int, bool]:
     """Runs this process as a follower of the pool whose leader listens at ``address``:
     repeats its device operations until it stops (see :func:`lockstep.follow`)."""
     if not self.device.multiprocess:
       raise ValueError("follow(): this engine's mesh does not span processes")
-    return lockstep.follow(address, self.device, authkey, **kw)
+    return lockstep.follow(address, self.device, key, **kw)
 
   # --------------------------------------------------------------- requests
   def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams()) -> int:
@@ -272,6 +272,10 @@ class Engine(ServingLoop):
     """Whether a live request is queued, running or detached in this engine."""
     req = self.requests.get(request_id)
     return req is not None and not req.done and self.scheduler.holds(req)
+
+  def running_ids(self) -> list[int]:
+    """Ids of the requests that hold pages and run in this pool's steps, oldest first."""
+    return [r.request_id for r in self.scheduler.running]
 
   def has_unfinished(self) -> bool:
     s = self.scheduler

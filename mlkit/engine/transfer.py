@@ -52,10 +52,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from mlkit.engine.lockstep import spans_processes, to_host
+from mlkit.engine.lockstep import pool_call, spans_processes, to_host
 from mlkit.kvcache import PAD_PAGE, BatchMeta, PagedKVState
 from mlkit.kvcache.fp8 import dequantize_fp8, quantize_fp8
 from mlkit.kvcache.state import scale_name, write_layer
+from mlkit.wire.schema import Tuple
 
 # A payload: per layer, {entry name (and scale name for fp8): [T, ...] array}.
 Payload = list
@@ -446,6 +447,8 @@ def land_payload(dst: PagedKVState, dst_pages, payload: Payload, sent: np.ndarra
   return dst, TransferResult(True, None, nbytes)
 
 
+@pool_call(lambda lim: Tuple((lim.pages(), lim.tokens(), lim.payload(), lim.checksum(),
+                              lim.tokens(), lim.tokens())))
 def land_fill(state: PagedKVState, pages, start: int, payload: Payload, sent: np.ndarray,
               length: int, base: int):
   """:func:`land_payload` as an adopt fill (``lockstep.Fill(land_fill, (payload, sent,
@@ -455,6 +458,7 @@ def land_fill(state: PagedKVState, pages, start: int, payload: Payload, sent: np
   return state, (result.ok, result.reason or "")
 
 
+@pool_call(lambda lim: Tuple((lim.pages(), lim.tokens())))
 def extract_to_host(state: PagedKVState, pages, length: int):
   """:func:`extract_payload` for ``DeviceSide.call``: (state, (payload, checksum, base)),
   read to the host by the caller (every process of a pool spread over processes runs it)."""

@@ -61,8 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
                   help="HOST:PORT of jax.distributed's coordinator (process 0 binds it)")
   mh.add_argument("--pool-address", default=None,
                   help="HOST:PORT where the leader listens for its followers")
-  p.add_argument("--authkey", default=os.environ.get("MLKIT_SERVE_AUTHKEY", "mlkit-serve"),
-                 help="shared key of the control channel (env MLKIT_SERVE_AUTHKEY)")
+  p.add_argument("--authkey-file", default=None,
+                 help="file holding the key every serving channel shares (mode 0600; the key "
+                      "itself may come from env MLKIT_SERVE_AUTHKEY instead). On loopback "
+                      "addresses a missing file is generated; other addresses need a key "
+                      "(docs/wire.md). Default: MLKIT_SERVE_AUTHKEY_FILE, else "
+                      "$XDG_RUNTIME_DIR/mlkit/serve.key or ~/.cache/mlkit/serve.key")
+  # Refused with a message (a key on the command line is visible to every user in `ps`).
+  p.add_argument("--authkey", default=None, help=argparse.SUPPRESS)
   p.add_argument("--connect-timeout", type=float, default=30.0,
                  help="decode: seconds to wait for the prefill server at start-up")
   p.add_argument("--prefill-timeout", type=float, default=60.0,
@@ -106,6 +112,9 @@ def main(argv=None) -> int:
   listen = args.listen or ("127.0.0.1:7100" if args.role == "prefill" else "127.0.0.1:7200")
   # The checks that need neither jax nor the model come first, so that a mistyped command
   # fails in a fraction of a second instead of after jax's import.
+  if args.authkey is not None:
+    _fail("--authkey is not taken: a key on the command line is visible to every user in "
+          "`ps`; set MLKIT_SERVE_AUTHKEY or pass --authkey-file PATH")
   try:
     proto.parse_address(listen)
     if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
@@ -123,6 +132,13 @@ def main(argv=None) -> int:
       proto.parse_address(args.prefill)
   except ValueError as e:
     _fail(str(e))
+  from mlkit import wire
+  hosts = [proto.parse_address(a)[0] for a in (listen, args.prefill, args.pool_address,
+                                               args.coordinator) if a]
+  try:  # the key of every channel: never a constant (mlkit.wire.keys)
+    key = wire.server_key([*hosts, args.transfer_host], args.authkey_file)
+  except (wire.AuthKeyError, OSError) as e:
+    _fail(str(e))
   if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
     _fail(f"checkpoint directory {os.path.abspath(args.checkpoint)} does not exist")
   from mlkit.serve.model import ServeConfig
@@ -135,15 +151,14 @@ def main(argv=None) -> int:
                       enable_fault_injection=args.enable_fault_injection)
     from mlkit.serve.decode import DecodeOptions
     options = DecodeOptions(prefill_timeout_s=args.prefill_timeout, pull_timeout_s=args.pull_timeout,
-                            transfer_attempts=args.transfer_attempts,
-                            enable_fault_injection=args.enable_fault_injection)
+                            transfer_attempts=args.transfer_attempts)
   except ValueError as e:
     _fail(str(e))
-  authkey = args.authkey.encode()
+  _log(f"key of the serving channels: {key.source}")
   if args.process_id > 0:  # a follower: no channels of its own, it repeats its leader's work
-    return _follow(args, cfg, authkey)
+    return _follow(args, cfg, key.value)
   try:
-    listener = proto.listen(listen, authkey)  # before the model: a busy port fails at once
+    listener = proto.listen(listen, key.value)  # before the model: a busy port fails at once
   except OSError as e:
     _fail(str(e))
   _log(f"role {cfg.role}: control channel on {listen}")
@@ -162,7 +177,7 @@ def main(argv=None) -> int:
     from mlkit.engine import lockstep
     try:
       followers = lockstep.Followers(proto.parse_address(args.pool_address),
-                                     args.num_processes - 1, authkey,
+                                     args.num_processes - 1, key.value,
                                      timeout_s=args.connect_timeout)
     except (OSError, TimeoutError) as e:
       _fail(f"pool followers: {e}")
@@ -188,7 +203,7 @@ def main(argv=None) -> int:
                            enable_fault_injection=cfg.enable_fault_injection)
   elif cfg.role == "decode":
     from mlkit.serve.decode import DecodeServer
-    server = DecodeServer(engine, listener, tserver, args.prefill, authkey=authkey,
+    server = DecodeServer(engine, listener, tserver, args.prefill, key=key.value,
                           model_name=mcfg.name, options=options)
     try:
       server.connect_peer(args.connect_timeout)
@@ -249,18 +264,23 @@ def _build(args, cfg):
   return engine, mcfg
 
 
-def _follow(args, cfg, authkey: bytes) -> int:
+def _follow(args, cfg, key: bytes) -> int:
   """A follower process: builds the same engine and repeats its leader's device work."""
   import jax
+  from mlkit import wire
   from mlkit.serve import protocol as proto
   engine, _ = _build(args, cfg)
   _log(f"process {args.process_id} of {args.num_processes}: following the pool leader at "
        f"{args.pool_address}")
   try:
-    ops, stopped = engine.follow(proto.parse_address(args.pool_address), authkey,
+    ops, stopped = engine.follow(proto.parse_address(args.pool_address), key,
                                  connect_timeout_s=args.connect_timeout)
   except ConnectionError as e:
     _fail(f"pool leader unreachable: {e}")
+  except wire.FrameError as e:  # nothing of it ran; the pool cannot go on without its leader
+    _log(f"error: refused a frame from the pool leader: {e}")
+    sys.stderr.flush()
+    os._exit(1)
   if not stopped:  # the leader died: no coordinator to shut down with, so leave at once
     _log(f"the pool leader went away after {ops} pool operations")
     sys.stdout.flush()

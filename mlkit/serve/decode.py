@@ -68,8 +68,6 @@ class DecodeOptions:
   transfer_attempts: int = 2
   # Between reconnection tries after the prefill server went away.
   reconnect_interval_s: float = 0.5
-  # Accept test-only ``fault`` messages from clients (a delay before each pull).
-  enable_fault_injection: bool = False
 
   def __post_init__(self):
     for name in ("prefill_timeout_s", "pull_timeout_s", "reconnect_interval_s"):
@@ -82,10 +80,15 @@ class DecodeOptions:
 
 @dataclasses.dataclass
 class _Batch:
-  """One client's generate call: its requests, answered together."""
+  """One client's generate call: its requests, answered together.
+
+  ``key`` is the client's id for it (``generate``'s ``batch``), by which any
+  client may ``cancel`` it; None when the client gave none.
+  """
 
   conn: object
   ids: list
+  key: int | None = None
 
 
 @dataclasses.dataclass
@@ -149,12 +152,16 @@ class FrontDoor:
     self.listener = listener
     self.model_name = model_name
     self.inbox = proto.Inbox()
+    # The requests of batches not yet answered: a request leaves once its result is sent.
     self.requests: dict[int, Request] = {}
     self._batches: list[_Batch] = []
     self._stop = False
+    # What clients may send, bounded by this server's model (token ids, prompt lengths).
+    self.client_kinds = proto.front_door_kinds(engine.config.model.vocab_size,
+                                               engine.config.model.max_seq_len)
 
   def serve_forever(self) -> None:
-    self.inbox.accept_from(self.listener)
+    self.inbox.accept_from(self.listener, self.client_kinds)
     while not self._stop:
       self.poll(0.0 if self._busy() else 0.02)
 
@@ -181,8 +188,20 @@ class FrontDoor:
         self.inbox.send(conn, proto.message("error", error=f"generate: {e}"))
         return True
       ids = [self._new_request(p, s) for p, s in checked]
-      self._batches.append(_Batch(conn, ids))
+      self._batches.append(_Batch(conn, ids, msg.get("batch")))
       self._answer_batches()
+    elif kind == "cancel":  # from any connection: the batch's unfinished requests end now
+      n = 0
+      for b in self._batches:
+        if b.key is not None and b.key == msg["batch"]:
+          for rid in b.ids:
+            if not self.requests[rid].done:
+              self._cancel(rid, "cancelled by its client")
+              n += 1
+      self.inbox.send(conn, proto.message("ok", cancelled=n))
+      self._answer_batches()
+    elif kind == "fault":
+      self._fault(conn, msg)
     elif kind == "metrics":
       self.inbox.send(conn, proto.message("ok", metrics=self.metrics()))
     elif kind == "hello":
@@ -191,15 +210,40 @@ class FrontDoor:
     elif kind == "shutdown":
       self._stop = True
       self.inbox.send(conn, proto.message("ok"))
-    elif kind in (proto.CLOSED, "error"):  # the client went away: its requests are cancelled
+    elif kind == proto.CLOSED:  # the client went away (or was refused): its requests end
       for b in [b for b in self._batches if b.conn is conn]:
         for rid in b.ids:
           if not self.requests[rid].done:
             self._cancel(rid, "its client disconnected")
+          self.requests.pop(rid, None)
       self._batches = [b for b in self._batches if b.conn is not conn]
     else:
       return False
     return True
+
+  def _fault(self, conn, msg: dict) -> None:
+    """A test-only fault (``--enable-fault-injection``): a bookkeeping fault on a running
+    request's pages (``page_fault``), and the server's own kinds (:meth:`_more_faults`)."""
+    if not self.engine.config.enable_fault_injection:
+      self.inbox.send(conn, proto.message("error", error="fault injection is disabled (start "
+                                          "the server with --enable-fault-injection)"))
+      return
+    if "page_fault" in msg:
+      from mlkit.engine.faults import Fault, FaultKind
+      victims = self.engine.running_ids()
+      if not victims:
+        self.inbox.send(conn, proto.message("error", error="page_fault: no running request"))
+        return
+      try:
+        self.engine.inject_fault(Fault(FaultKind(msg["page_fault"]), victims[-1]))
+      except ValueError as e:
+        self.inbox.send(conn, proto.message("error", error=f"page_fault: {e}"))
+        return
+    self._more_faults(msg)
+    self.inbox.send(conn, proto.message("ok"))
+
+  def _more_faults(self, msg: dict) -> None:
+    pass
 
   def _answer_batches(self) -> None:
     keep = []
@@ -207,6 +251,8 @@ class FrontDoor:
       reqs = [self.requests[i] for i in b.ids]
       if all(r.done for r in reqs):
         self.inbox.send(b.conn, proto.message("result", outputs=[_describe(r) for r in reqs]))
+        for i in b.ids:  # handed out: nothing here holds it any more
+          del self.requests[i]
       else:
         keep.append(b)
     self._batches = keep
@@ -222,7 +268,8 @@ class FrontDoor:
 def _describe(r: Request) -> dict:
   ttft = r.first_token_time - r.arrival_time if r.first_token_time is not None else None
   return {"request_id": r.request_id, "tokens": list(r.output), "status": r.status.value,
-          "finish_reason": r.finish_reason, "abort_reason": r.abort_reason, "error": r.error,
+          "finish_reason": r.finish_reason, "abort_reason": r.abort_reason,
+          "error": r.error[:proto.MAX_MESSAGE_TEXT] if r.error else r.error,
           "ttft_s": ttft,
           "latency_s": r.finish_time - r.arrival_time if r.finish_time is not None else None}
 
@@ -258,22 +305,25 @@ class DecodeServer(FrontDoor):
     listener: the client-facing Listener.
     transfer_server: a started ``jax.experimental.transfer`` server.
     prefill_address: the prefill server's control address HOST:PORT.
-    authkey: the shared control-channel key.
+    key: the shared key of the serving channels (``mlkit.wire.keys``).
     model_name: must match the prefill server's.
     options: :class:`DecodeOptions`.
   """
 
   role = "decode"
 
-  def __init__(self, engine, listener, transfer_server, prefill_address: str, *, authkey: bytes,
+  def __init__(self, engine, listener, transfer_server, prefill_address: str, *, key: bytes,
                model_name: str, options: DecodeOptions = DecodeOptions()):
     super().__init__(engine, listener, model_name)
     if engine.role != "serve":
       raise ValueError(f"DecodeServer needs an Engine with role 'serve', got {engine.role!r}")
     self.transfer = transfer_server
     self.prefill_address = prefill_address
-    self.authkey = authkey
+    self.key = key
     self.options = options
+    # What the prefill server may send this one (bounded by this server's model).
+    self.peer_kinds = proto.peer_kinds(engine.config.model.vocab_size,
+                                       engine.config.model.max_seq_len)
     self.stats = DecodeStats()
     self._ids = itertools.count()
     # uuids: random high bits per process, so two decode servers never collide on one prefill server.
@@ -284,7 +334,7 @@ class DecodeServer(FrontDoor):
     self._peer_ready = False
     self._pull_conn = None  # transfer connection to the prefill server's transfer server
     self._next_connect = 0.0
-    self._pull_delay_s = 0.0  # test fault (options.enable_fault_injection)
+    self._pull_delay_s = 0.0  # test fault (EngineConfig.enable_fault_injection)
     self._pull_sharding = SingleDeviceSharding(lockstep.first_local_device(engine.state))
     # A pool on local devices gets the pulled payload replicated on its mesh; a pool spread
     # over processes lands it through a lockstep.Fill instead (every process places it).
@@ -298,9 +348,9 @@ class DecodeServer(FrontDoor):
     Raises:
       ConnectionError: no prefill server reachable within ``timeout_s``.
     """
-    conn = proto.connect(self.prefill_address, self.authkey, timeout_s)
+    conn = proto.connect(self.prefill_address, self.key, timeout_s)
     self._peer, self._peer_ready = conn, False
-    self.inbox.add(conn)
+    self.inbox.add(conn, self.peer_kinds)
     self.inbox.send(conn, proto.message("hello", version=proto.PROTOCOL_VERSION, role="decode",
                                         model=self.model_name))
 
@@ -465,16 +515,11 @@ class DecodeServer(FrontDoor):
       elif kind in ("offered", "finished", "failed"):
         self._from_prefill(msg)
       return
-    if kind == "fault":
-      if not self.options.enable_fault_injection:
-        self.inbox.send(conn, proto.message("error", error="fault injection is disabled (start "
-                                            "the server with --enable-fault-injection)"))
-        return
-      self._pull_delay_s = float(msg.get("pull_delay_s", self._pull_delay_s))
-      self.inbox.send(conn, proto.message("ok"))
-      return
     if not self._handle_client(conn, msg):
       self.inbox.send(conn, proto.message("error", error=f"a decode server does not take {kind!r}"))
+
+  def _more_faults(self, msg: dict) -> None:
+    self._pull_delay_s = float(msg.get("pull_delay_s", self._pull_delay_s))
 
   def _from_prefill(self, msg: dict) -> None:
     f = self._flights.get(msg["uuid"])

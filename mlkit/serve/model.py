@@ -12,6 +12,7 @@ import dataclasses
 import os
 
 from mlkit.config import ModelConfig
+from mlkit.engine import lockstep
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -117,7 +118,8 @@ def engine_config(cfg: ServeConfig, mcfg: ModelConfig):
                       max_running=cfg.max_running, batch_buckets=(cfg.max_running,),
                       prefill_buckets=(cfg.prefill_chunk,),
                       prefill_token_budget=cfg.prefill_chunk * cfg.max_running,
-                      max_pages_per_seq=cfg.max_pages_per_seq)
+                      max_pages_per_seq=cfg.max_pages_per_seq,
+                      enable_fault_injection=cfg.enable_fault_injection)
 
 
 def build_engine(cfg: ServeConfig, params, mcfg: ModelConfig):
@@ -148,8 +150,6 @@ def warm_up(engine) -> float:
   """
   import time
 
-
-  from mlkit.engine import lockstep
   from mlkit.engine.request import Request
   from mlkit.engine.transfer import extract_to_host
   from mlkit.sampling import SamplingParams
@@ -177,9 +177,15 @@ def warm_up(engine) -> float:
   return time.perf_counter() - t0
 
 
+def _warm_up_fill_args(lim):
+  from mlkit.wire.schema import Tuple
+  return Tuple((lim.pages(), lim.tokens(), lim.tokens()))
+
+
+@lockstep.pool_call(_warm_up_fill_args)
 def _warm_up_fill(state, pages, start, n):
-  """The warm-up's adopt fill: extracts the pool's own pages and lands them back (module
-  level, so that the processes of a pool spread over processes are sent it)."""
+  """The warm-up's adopt fill: extracts the pool's own pages and lands them back (a
+  registered pool call, so that the processes of a pool spread over processes run it)."""
   from mlkit.engine.transfer import extract_payload, land_payload
   ex = extract_payload(state, pages, n)
   state, res = land_payload(state, pages, ex.payload, ex.checksum, n, start=start)

@@ -83,7 +83,8 @@ class PrefillServer:
 
   # ------------------------------------------------------------------ loop
   def serve_forever(self) -> None:
-    self.inbox.accept_from(self.listener)
+    self.inbox.accept_from(self.listener, proto.prefill_kinds(
+        self.engine.config.model.vocab_size, self.engine.config.model.max_seq_len))
     while not self._stop:
       self.poll(0.0 if self.engine.has_unfinished() else 0.02)
 
@@ -121,7 +122,7 @@ class PrefillServer:
   # ------------------------------------------------------------------ messages
   def _handle(self, conn, msg: dict) -> None:
     kind = msg["kind"]
-    if kind == proto.CLOSED or kind == "error":
+    if kind == proto.CLOSED:  # the peer went away, or was refused
       mine = [j for j in self._jobs.values() if j.conn is conn]
       if mine:
         logging.warning("prefill: a decode server went away; freeing %d request(s)", len(mine))
@@ -155,7 +156,7 @@ class PrefillServer:
         self.inbox.send(conn, proto.message("error", error="fault injection is disabled "
                                             "(start the server with --enable-fault-injection)"))
         return
-      self._corrupt_next += int(msg.get("corrupt", 0))
+      self._corrupt_next += msg.get("corrupt", 0)
       self._delay_s = float(msg.get("delay_s", self._delay_s))
       self.inbox.send(conn, proto.message("ok"))
     elif kind == "metrics":
@@ -220,7 +221,8 @@ class PrefillServer:
     self.stats.offers += 1
     self.stats.offer_bytes += sum(x.nbytes for x in leaves)
     self.inbox.send(job.conn, proto.message(
-        "offered", uuid=job.uuid, first_token=int(req.output[-1]), checksum=checksum.tolist(),
+        "offered", uuid=job.uuid, first_token=int(req.output[-1]),
+        checksum=np.asarray(checksum, np.uint32),
         specs=job.specs, layer_keys=[sorted(layer) for layer in payload], base=base,
         length=length))
 
