@@ -254,14 +254,14 @@ class ConservationTest(parameterized.TestCase):
     violations = alloc.audit()
     self.assertEqual({p for v in violations for p in v.pages}, {pa1, pb})
     self.assertEqual(alloc.recover(violations), ["a", "b"])
-    self.assertEqual(alloc.quarantined, {pa1, pb})
-    self.assertEqual(alloc.num_free, 6)  # pa0 came back; the two suspects never will
+    self.assertEqual(set(alloc.quarantined), {pa1, pb})
+    self.assertEqual(alloc.num_free, 6)  # pa0 came back; the two suspects stay out
     alloc.admit("c", 24)
     self.assertTrue({pa1, pb}.isdisjoint(p for p, _ in alloc.block_table("c")))
     alloc.release("c")
     self.assertNotIn(pb, alloc._free)
 
-  def test_quarantined_page_never_returns(self):
+  def test_quarantined_page_stays_out_until_it_heals(self):
     alloc = self._pool()
     p = alloc.block_table("a")[0][0]
     alloc.quarantine([p])
@@ -271,8 +271,39 @@ class ConservationTest(parameterized.TestCase):
     self.assertNotIn(p, alloc._free)
     self.assertEqual(alloc.num_used + alloc.num_free + len(alloc.quarantined), 8)
     self.assertEmpty(alloc.audit())
+    self.assertEqual(alloc.heal(grace=0), [p])  # nobody holds it: it may heal at once
+    self.assertNotIn(p, alloc.quarantined)
+    self.assertEqual(list(alloc._free)[-1], p)  # at the end of the free list
+    self.assertEmpty(alloc.audit())
     with self.assertRaisesRegex(ValueError, "outside the pool"):
       alloc.quarantine([8])
+
+  def test_heal_waits_for_holders_and_grace_and_retags(self):
+    alloc = self._pool()
+    (pa0, ta0), _ = alloc.block_table("a")
+    alloc.quarantine([pa0])
+    self.assertEqual((alloc.quarantined_total, alloc.healed_total), (1, 0))
+    for _ in range(5):
+      alloc.tick()
+    self.assertEqual(alloc.heal(grace=3), [])  # "a" still holds it
+    alloc.release("a")
+    self.assertEqual(alloc.heal(grace=6), [])  # five ticks out of six
+    alloc.tick()
+    self.assertEqual(alloc.heal(grace=6), [pa0])
+    self.assertEqual((alloc.quarantined_total, alloc.healed_total), (1, 1))
+    # A fresh tag: a stale table entry that still names the page no longer matches it, and
+    # no earlier allocation ever carried this tag.
+    self.assertNotEqual(int(alloc.tags[pa0]), ta0)
+    self.assertEqual(int(alloc.tags[pa0]), alloc.generation)
+    self.assertEqual(alloc.num_free, 7)
+    self.assertEmpty(alloc.audit())
+    # A page some table still names does not heal, whatever its refcount says.
+    alloc2 = self._pool()
+    pb = alloc2.block_table("b")[0][0]
+    alloc2.quarantine([pb])
+    alloc2.refcounts[pb] = 0  # a bookkeeping bug: b's table still lists it
+    self.assertEqual(alloc2.heal(grace=0), [])
+    self.assertIn(pb, alloc2.quarantined)
 
   def test_drop_and_reconcile_keeps_pages_others_list(self):
     a = kvc.PageAllocator(6, 8)

@@ -49,6 +49,9 @@ class EngineConfig:
   backend: str | None = None
   # Free pages that must remain after admitting a request, so running requests can still grow.
   admission_reserve: int = 1
+  # Engine steps a quarantined page stays out after its last holder is gone before it heals
+  # back onto the free list with a fresh tag (None: never; docs/integrity.md).
+  quarantine_grace_steps: int | None = 64
   # Let tests corrupt the allocator through mlkit.engine.faults (off in serving).
   enable_fault_injection: bool = False
   # Also return each step's sampled-position logits (host copy per step; for accuracy tests only).
@@ -91,6 +94,10 @@ class EngineConfig:
     if not isinstance(self.admission_reserve, int) or self.admission_reserve < 0:
       raise ValueError(f"EngineConfig.admission_reserve must be a non-negative int, "
                        f"got {self.admission_reserve!r}")
+    g = self.quarantine_grace_steps
+    if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g < 0):
+      raise ValueError(f"EngineConfig.quarantine_grace_steps must be a non-negative int or None, "
+                       f"got {g!r}")
     if not isinstance(self.log_every, int) or self.log_every < 0:
       raise ValueError(f"EngineConfig.log_every must be a non-negative int, got {self.log_every!r}")
     # Resolve the page size now so every shape below is concrete.

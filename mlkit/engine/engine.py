@@ -244,8 +244,11 @@ class Engine(ServingLoop):
 
   @property
   def max_seq_tokens(self) -> int:
-    """The longest sequence one request may reach now (quarantined pages no longer count)."""
-    usable = self.allocator.num_pages - len(self.allocator.quarantined)
+    """The longest sequence one request may reach: quarantined pages count only when they
+    never heal (``quarantine_grace_steps=None``); healing ones are back within the grace."""
+    usable = self.allocator.num_pages
+    if self.config.quarantine_grace_steps is None:
+      usable -= len(self.allocator.quarantined)
     return min(self.config.max_seq_tokens, usable * self.config.page_size)
 
   def cancel(self, request_id: int) -> bool:
@@ -436,6 +439,7 @@ class Engine(ServingLoop):
     """
     t0 = time.perf_counter()
     self._touch(self.audit_pages())
+    self._heal_quarantine(idle=prev is None and not self.scheduler.running)
     plan = self.scheduler.schedule(in_flight=prev is not None)
     if plan is None:
       return _NEEDS_SYNC
@@ -590,6 +594,8 @@ class Engine(ServingLoop):
     m.update(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
              pages_used=self.allocator.num_used, pages_free=self.allocator.num_free,
              pages_quarantined=len(self.allocator.quarantined),
+             pages_quarantined_total=self.allocator.quarantined_total,
+             pages_healed_total=self.allocator.healed_total,
              pages_total=self.allocator.num_pages,
              pages_cached=self.prefix_cache.num_pages if self.prefix_cache is not None else 0)
     if self.prefix_cache is not None:
@@ -659,8 +665,9 @@ class Engine(ServingLoop):
     """Quarantines the pages of ``violations`` and aborts every request holding one.
 
     Their contents and their owners' tables are not trusted any more, so the
-    pages never return to the free list, and each holder ends with reason
-    ``integrity`` before it can read from or write to them again. The
+    pages leave the free list until they heal (``quarantine_grace_steps`` after
+    their last holder is gone, with a fresh tag), and each holder ends with
+    reason ``integrity`` before it can read from or write to them again. The
     allocator is then rebuilt from the remaining tables.
 
     Returns:
@@ -695,6 +702,24 @@ class Engine(ServingLoop):
                     f"sequence ({len(self.allocator.quarantined)} pages quarantined)")
         aborted.append(req)
     return aborted
+
+  def _heal_quarantine(self, idle: bool) -> None:
+    """Advances the allocator's clock and heals quarantined pages nobody holds any more.
+
+    The grace period keeps a page out while a step launched before its
+    quarantine may still touch it; when nothing runs and no step is in flight
+    (``idle``) there is none, and a page nobody holds heals at once, so a
+    request that needs it never waits on an idle engine.
+    """
+    grace = self.config.quarantine_grace_steps
+    if grace is not None and self.allocator.quarantined:
+      # The clock counts steps launched: a page quarantined in step k heals in step k + grace.
+      healed = self.allocator.heal(0 if idle else grace)
+      if healed:
+        self._tags_dirty = True  # fresh tags
+        logging.info("engine: %d quarantined page(s) healed back into the pool: %s",
+                     len(healed), healed[:8])
+    self.allocator.tick()
 
   def _cache_prefix(self, req: Request, tokens) -> None:
     """Offers the whole pages of ``tokens`` (KV written, checked this step) to the prefix cache."""

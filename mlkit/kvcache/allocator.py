@@ -19,7 +19,9 @@ Pages are conserved by construction (docs/integrity.md):
 * ``allocate`` never hands out a page that holds references: a live page found
   on the free list (a bookkeeping bug elsewhere) is quarantined and reported as
   a :class:`PageViolation` instead;
-* quarantined pages never return to the free list.
+* a quarantined page returns to the free list only by :meth:`PageAllocator.heal`:
+  once no block table names it and it has stayed out for a grace period, with a
+  fresh tag, so a stale table entry that still names it fails its tag check.
 
 :meth:`PageAllocator.audit` checks the whole pool (free + live + quarantined =
 all pages, refcounts equal block-table references) and reports what breaks it;
@@ -135,8 +137,13 @@ class PageAllocator:
     self.refcounts = np.zeros(self.num_pages, np.int32)
     # The last tag handed out (uint32); the next allocation gets next_tag(self.generation).
     self.generation = 0
-    # Pages taken out of circulation after a violation; they never return to the free list.
-    self.quarantined: set[int] = set()
+    # Pages taken out of circulation after a violation -> the clock when they were taken.
+    # They return to the free list only through heal().
+    self.quarantined: dict[int, int] = {}
+    # Advanced once per engine step (tick); a quarantine's grace period is counted in it.
+    self.clock = 0
+    self.quarantined_total = 0  # pages ever quarantined
+    self.healed_total = 0  # pages ever healed back into circulation
     self._requests: dict[object, _Request] = {}
     self._violations: list[PageViolation] = []  # found by allocate(), drained by the owner
 
@@ -210,7 +217,7 @@ class PageAllocator:
   def free(self, pages) -> None:
     """Drops one reference from each page; pages reaching refcount 0 return to the free list.
 
-    Quarantined pages never return to it.
+    A quarantined page stays off it until :meth:`heal`.
 
     Raises:
       ValueError: if a page is outside the pool or holds fewer references than it is
@@ -439,7 +446,7 @@ class PageAllocator:
     return [rid for rid, r in self._requests.items() if np.isin(r.pages, pages).any()]
 
   def quarantine(self, pages) -> None:
-    """Takes pages out of circulation for good: off the free list, never returned to it.
+    """Takes pages out of circulation: off the free list until :meth:`heal` returns them.
 
     Requests holding them keep their references until they are dropped; the
     caller aborts them (a quarantined page's contents are not trusted).
@@ -452,15 +459,54 @@ class PageAllocator:
       self._quarantine_one(p)
 
   def _quarantine_one(self, p: int) -> None:
-    self.quarantined.add(int(p))
+    if int(p) not in self.quarantined:
+      self.quarantined[int(p)] = self.clock
+      self.quarantined_total += 1
+
+  def tick(self) -> None:
+    """Advances the clock that quarantine grace periods are counted in (once per engine step)."""
+    self.clock += 1
+
+  def heal(self, grace: int) -> list[int]:
+    """Returns quarantined pages to the free list once nobody holds them and ``grace`` ticks passed.
+
+    A page heals when it has been quarantined for at least ``grace`` ticks, holds
+    no reference, and no block table names it (every holder was aborted and
+    dropped). It gets a fresh tag on the way, so an entry of a stale table that
+    still names it fails the tag check, and it joins the end of the free list.
+
+    Args:
+      grace: ticks a page stays out after its quarantine (>= 0).
+
+    Returns:
+      The pages healed (their tags changed: the caller syncs the device tags).
+    """
+    if not self.quarantined:
+      return []
+    due = [p for p, since in self.quarantined.items()
+           if self.clock - since >= grace and self.refcounts[p] == 0]
+    if not due:
+      return []
+    named = set(np.flatnonzero(self._reference_counts()[due]).tolist())  # rare: a full look
+    healed = []
+    for i, p in enumerate(due):
+      if i in named:
+        continue  # a table still lists it: its holder has not been dropped yet
+      del self.quarantined[p]
+      self.generation = next_tag(self.generation)
+      self.tags[p] = self.generation
+      self._free[p] = None
+      healed.append(p)
+    self.healed_total += len(healed)
+    return healed
 
   def recover(self, violations) -> list:
     """Quarantines the pages of ``violations`` and drops every request that names one.
 
     The pages' contents and their holders' tables are not trusted any more: the
-    pages leave circulation for good, their holders are forgotten (the caller
-    aborts them), and refcounts and the free list are rebuilt from the
-    remaining tables, after which :meth:`audit` finds nothing.
+    pages leave circulation (until :meth:`heal`), their holders are forgotten
+    (the caller aborts them), and refcounts and the free list are rebuilt from
+    the remaining tables, after which :meth:`audit` finds nothing.
 
     Returns:
       The ids of the requests dropped, in admission order.
@@ -514,7 +560,7 @@ class PageAllocator:
     on_free[free] = True
     quarantined = np.zeros(n, bool)
     if self.quarantined:
-      quarantined[np.fromiter(self.quarantined, np.int64)] = True
+      quarantined[np.fromiter(self.quarantined, np.int64, len(self.quarantined))] = True
     refs = self.refcounts
     live_free = np.flatnonzero(on_free & (refs > 0))
     if live_free.size:
