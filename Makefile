@@ -14,9 +14,12 @@ run: venv
 test: venv
 	$(PY) -m pytest -n 2 --dist loadscope tests
 
-# A long randomised search of the allocator and engine state machines (not part of `make test`).
+# Not part of `make test`: a long randomised search of the allocator and engine state
+# machines, then a served checkpoint under concurrent load, disconnects, cancels, page faults
+# and corrupted transfers for four minutes (scripts/serve_soak.py).
 soak: venv
 	HYPOTHESIS_PROFILE=soak $(PY) -m pytest -q tests/test_state_machine.py
+	$(PY) scripts/serve_soak.py --duration 240
 
 clean:
 	rm -rf .venv results .pytest_cache
