@@ -158,10 +158,29 @@ class AllocatorMachine(RuleBasedStateMachine):
     self._check_fresh(pages, live_before)
     self.alloc.free(pages)
 
+  @rule(grace=st.integers(0, 3))
+  def heal(self, grace):
+    # Quarantined pages come back once no table names them, each with a tag never issued.
+    self.alloc.tick()
+    quarantined = set(self.alloc.quarantined)
+    for p in self.alloc.heal(grace):
+      assert p in quarantined and self.alloc.refcounts[p] == 0, p
+      t = int(self.alloc.tags[p])
+      assert t not in self.issued_tags, "a healed page got an old tag"
+      self.issued_tags.add(t)
+
   @rule()
   def recover(self):
-    """What the engine does around every step: audit, quarantine, drop the holders."""
-    violations = self.alloc.audit() + self.alloc.drain_violations()
+    """What the engine does around every step: audit, quarantine, drop the holders.
+
+    The engine's audit looks only at the pages changed since the last one; it must find
+    exactly what a full audit of the pool finds.
+    """
+    changed = self.alloc.audit_changes()
+    full = self.alloc.audit()
+    assert ({(v.kind, v.pages) for v in changed} == {(v.kind, v.pages) for v in full}), (
+        changed, full)
+    violations = changed + self.alloc.drain_violations()
     if violations:
       for rid in self.alloc.recover(violations):
         self.model.pop(rid, None)
@@ -178,6 +197,7 @@ class AllocatorMachine(RuleBasedStateMachine):
   def conserved(self):
     if not hasattr(self, "alloc") or self.pending:
       return
+    assert self.alloc.audit_changes() == []
     assert self.alloc.audit() == []
     assert self.alloc.num_free + self.alloc.num_used + len(self.alloc.quarantined) == N_PAGES
     # Every untouched request still holds exactly the pages and tags it was given.

@@ -15,7 +15,9 @@ request, the way a real bug would; nothing on the device is touched:
 * ``STALE_TAG``: the victim's expected tag for one page is changed to an older
   generation, as if its table were never updated after a reallocation.
 
-Faults reach into the allocator's private state on purpose: they are the bugs.
+Faults edit the allocator's bookkeeping behind its API on purpose (they are the
+bugs), inside ``PageAllocator.tampering``: the test hook that keeps such edits
+visible to the engine's incremental page audit.
 """
 
 from __future__ import annotations
@@ -87,45 +89,45 @@ def inject(allocator: PageAllocator, fault: Fault) -> FaultRecord:
   """
   if not allocator.has_request(fault.victim):
     raise ValueError(f"fault victim {fault.victim!r} holds no pages (not admitted)")
-  rec = allocator._requests[fault.victim]  # noqa: SLF001 - a fault is a bookkeeping bug
-  if not len(rec.pages):
+  table = allocator.block_table(fault.victim)
+  if not table:
     raise ValueError(f"fault victim {fault.victim!r} holds no pages")
-  if not -len(rec.pages) <= fault.page_index < len(rec.pages):
+  if not -len(table) <= fault.page_index < len(table):
     raise ValueError(f"fault page_index {fault.page_index} out of range for "
-                     f"{len(rec.pages)} pages")
-  i = fault.page_index % len(rec.pages)
-  page = int(rec.pages[i])
+                     f"{len(table)} pages")
+  i = fault.page_index % len(table)
+  page = table[i][0]
   kind = fault.kind
   if kind is FaultKind.USE_AFTER_FREE:
     if int(allocator.refcounts[page]) != 1:
       raise ValueError(f"USE_AFTER_FREE needs an unshared page; page {page} has "
                        f"{int(allocator.refcounts[page])} references")
     allocator.free([page])  # refcount 0, back on the free list, still in the victim's table
-    _list_first(allocator, page)  # the next allocation reuses it
+    with allocator.tampering() as t:
+      t.list_first(page)  # the next allocation reuses it
     return FaultRecord(fault, page)
   if kind is FaultKind.DOUBLE_ALLOCATION:
-    _list_first(allocator, page)  # listed free while owned: would be handed out a second time
+    with allocator.tampering() as t:
+      t.list_first(page)  # listed free while owned: would be handed out a second time
     return FaultRecord(fault, page)
   if kind is FaultKind.WRONG_PAGE:
     if allocator.num_pages < 2:
       raise ValueError("WRONG_PAGE needs a pool of at least two pages")
     other, owner = None, None
-    for rid, r in allocator._requests.items():
-      if rid != fault.victim and len(r.pages):
-        other, owner = int(r.pages[0]), rid
+    for rid in allocator.request_ids:
+      if rid != fault.victim and allocator.block_table(rid):
+        other, owner = allocator.block_table(rid)[0][0], rid
         break
     if other is None:
-      other = next(p for p in range(allocator.num_pages) if p not in rec.pages.tolist())
-    rec.pages[i] = other
+      mine = {p for p, _ in table}
+      other = next(p for p in range(allocator.num_pages) if p not in mine)
+    with allocator.tampering(fault.victim) as t:
+      t.pages[i] = other
     return FaultRecord(fault, page, other_page=other, other_owner=owner)
   if kind is FaultKind.STALE_TAG:
-    t = int(rec.tags[i])
-    rec.tags[i] = t - 1 if t > 1 else 0xFFFFFFFF  # the previous generation
+    with allocator.tampering(fault.victim) as t:
+      tag = int(t.tags[i])
+      t.tags[i] = tag - 1 if tag > 1 else 0xFFFFFFFF  # the previous generation
     return FaultRecord(fault, page)
   raise ValueError(f"unknown fault kind {kind!r}")  # pragma: no cover - enum is closed
 
-
-def _list_first(allocator: PageAllocator, page: int) -> None:
-  """Puts ``page`` at the head of the free list, whatever its refcount (the bug)."""
-  rest = [p for p in allocator._free if p != page]  # noqa: SLF001
-  allocator._free = dict.fromkeys([page] + rest)  # noqa: SLF001

@@ -40,7 +40,7 @@ import numpy as np
 from absl import logging
 
 from mlkit import wire
-from mlkit.kvcache import copy_pages, sync_tags
+from mlkit.kvcache import copy_pages, sync_tags, update_tags
 from mlkit.parallel import replicate
 from mlkit.wire.schema import Array, Bool, Fields, Int, List, MapOf, Str, Tuple
 
@@ -119,6 +119,10 @@ class DeviceSide:
   def sync_tags(self, tags: np.ndarray) -> None:
     """Writes the allocator's [num_pages] int32 tags into the pool."""
     self.state = sync_tags(self.state, self.place(tags))
+
+  def update_tags(self, pages: np.ndarray, tags: np.ndarray) -> None:
+    """Writes the [k] int32 tags of ``pages`` into the pool (the pages that changed)."""
+    self.state = update_tags(self.state, pages, tags, place=self.place)
 
   def copy_pages(self, copies) -> None:
     """Copies page contents src -> dst (copy-on-write)."""
@@ -290,6 +294,9 @@ def op_kinds(lim: Limits) -> dict[str, Fields]:
   return {
       "sync_tags": Fields({"tags": Array(("int32",), shape=(lim.num_pages,),
                                          max_size=lim.num_pages)}),
+      "update_tags": Fields({"pages": Array(("int32",), ndim=1, max_size=lim.num_pages, lo=0,
+                                            hi=lim.num_pages),
+                             "tags": Array(("int32",), ndim=1, max_size=lim.num_pages)}),
       "copy_pages": Fields({"copies": List(pair, lim.num_pages, 1)}),
       "run": Fields({"step": Str(8, ("prefill", "decode")), "batch": _step_batch(lim),
                      "chain": Bool()}),
@@ -310,6 +317,8 @@ def _encode_op(op: str, args: tuple) -> dict:
   """A DeviceSide method call as a frame (host values only)."""
   if op == "sync_tags":
     return {"kind": op, "tags": np.asarray(args[0])}
+  if op == "update_tags":
+    return {"kind": op, "pages": np.asarray(args[0]), "tags": np.asarray(args[1])}
   if op == "copy_pages":
     return {"kind": op, "copies": [[int(s), int(d)] for s, d in args[0]]}
   if op == "run":
@@ -341,6 +350,10 @@ def _decode_op(msg: dict, lim: Limits) -> tuple[str, tuple]:
   op = msg["kind"]
   if op == "sync_tags":
     return op, (msg["tags"],)
+  if op == "update_tags":
+    if msg["pages"].shape != msg["tags"].shape:
+      raise wire.FrameError(f"update_tags: {msg['pages'].shape} pages, {msg['tags'].shape} tags")
+    return op, (msg["pages"], msg["tags"])
   if op == "copy_pages":
     return op, ([tuple(c) for c in msg["copies"]],)
   if op == "run":
@@ -447,7 +460,7 @@ class Leader:
 
 
 # The DeviceSide methods a follower repeats.
-MIRRORED = ("sync_tags", "copy_pages", "run", "read", "call")
+MIRRORED = ("sync_tags", "update_tags", "copy_pages", "run", "read", "call")
 
 
 def follow(address, side: DeviceSide, key: bytes, *,

@@ -31,6 +31,7 @@ from mlkit.kvcache.reference import (paged_gqa_decode_reference, paged_gqa_prefi
                                      tag_check_reference)
 from mlkit.kvcache.state import (PAD_PAGE, BatchMeta, PagedKVState, copy_pages, gather_layer,
                                  gather_pages, init_paged_state, paged_mask, read_layer, sync_tags,
+                                 update_tags,
                                  validate_batch, validate_state, write_decode, write_layer,
                                  write_prefill)
 
@@ -41,6 +42,7 @@ __all__ = [
     "gather_pages", "init_paged_state", "next_tag", "paged_gqa_decode_reference",
     "paged_gqa_prefill_reference", "paged_mla_decode_reference", "paged_mla_prefill_reference",
     "paged_mask", "quantize_fp8", "read_layer", "sync_tags", "tag_check_reference",
+    "update_tags",
     "tag_to_int32", "validate_batch", "validate_state", "write_decode", "write_layer",
     "write_prefill",
 ]

@@ -24,14 +24,25 @@ Pages are conserved by construction (docs/integrity.md):
   fresh tag, so a stale table entry that still names it fails its tag check.
 
 :meth:`PageAllocator.audit` checks the whole pool (free + live + quarantined =
-all pages, refcounts equal block-table references) and reports what breaks it;
-the engine runs it around every step and aborts the requests that hold a
-violating page.
+all pages, refcounts equal block-table references) and reports what breaks it.
+:meth:`PageAllocator.audit_changes` checks the same invariants on the pages
+whose bookkeeping changed since the last audit, which is what the engine runs
+around every step: its cost follows the pages a step touched, not the pool.
+That is complete because every change goes through this class, which marks the
+pages it touches (and the number of block-table entries naming each page is
+kept as tables change, not recounted); a test that edits the bookkeeping
+behind the API says so with :meth:`PageAllocator.tampering`. The engine aborts
+the requests that hold a violating page.
+
+Tags changed since the device last saw them are kept too
+(:meth:`PageAllocator.take_tag_changes`), so that a step's tag update moves
+only the pages it (re)allocated.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 
 import jax.numpy as jnp
@@ -113,6 +124,26 @@ def _new_request(pages, tags, length: int) -> _Request:
                   int(length))
 
 
+class Tampering:
+  """What :meth:`PageAllocator.tampering` lets a test change (see there).
+
+  Attributes:
+    pages: [n] int32 the request's block table (edit in place), or None.
+    tags: [n] uint32 its expected tags (edit in place), or None.
+  """
+
+  def __init__(self, allocator: "PageAllocator", rec: _Request | None):
+    self._allocator = allocator
+    self.pages = None if rec is None else rec.pages
+    self.tags = None if rec is None else rec.tags
+
+  def list_first(self, page: int) -> None:
+    """Lists ``page`` at the head of the free list, whatever its refcount (a bookkeeping bug)."""
+    a = self._allocator
+    a._free[int(page)] = None
+    a._free.move_to_end(int(page), last=False)
+
+
 class PageAllocator:
   """Free list + uint32 generation tags + refcounts + per-request block tables.
 
@@ -131,8 +162,11 @@ class PageAllocator:
                        f"got {num_pages!r}, {page_size!r}")
     self.num_pages = int(num_pages)
     self.page_size = int(page_size)
-    # Ordered set of free pages (dict keys keep insertion order): a page is listed at most once.
-    self._free: dict[int, None] = dict.fromkeys(range(self.num_pages))
+    # Ordered set of free pages: a page is listed at most once. An OrderedDict, not a dict:
+    # a dict whose first keys were deleted scans their empty slots to find its first live
+    # key, so taking a page off a large pool's free list would cost O(pages taken before).
+    self._free: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(
+        range(self.num_pages))
     self.tags = np.zeros(self.num_pages, np.uint32)  # host truth; 0 = never allocated
     self.refcounts = np.zeros(self.num_pages, np.int32)
     # The last tag handed out (uint32); the next allocation gets next_tag(self.generation).
@@ -146,6 +180,17 @@ class PageAllocator:
     self.healed_total = 0  # pages ever healed back into circulation
     self._requests: dict[object, _Request] = {}
     self._violations: list[PageViolation] = []  # found by allocate(), drained by the owner
+    # Block-table entries naming each page, kept as tables change (the audit compares it with
+    # the refcounts); requests whose tables name pages outside the pool (only a bug can).
+    self._table_refs = np.zeros(self.num_pages, np.int32)
+    self._out_of_pool: set = set()
+    # Pages whose bookkeeping changed since the last audit, and whose tags changed since the
+    # device last took them.
+    self._dirty: set[int] = set()
+    self._tags_changed: set[int] = set()
+    # Work counters (host_scale, the counting tests): pages the incremental audit visited,
+    # full audits.
+    self.work: collections.Counter = collections.Counter()
 
   # --------------------------------------------------------------- pages
   @property
@@ -186,6 +231,7 @@ class PageAllocator:
         pages.append(p)
     for p in bad:
       del self._free[p]
+      self._dirty.add(p)
       self._quarantine_one(p)
       self._violations.append(PageViolation(
           "live_on_free_list", (p,), tuple(self.holders([p])),
@@ -198,6 +244,8 @@ class PageAllocator:
       self.generation = next_tag(self.generation)
       self.tags[p] = self.generation
       self.refcounts[p] = 1
+    self._dirty.update(pages)
+    self._tags_changed.update(pages)
     return pages
 
   def share(self, pages) -> None:
@@ -213,6 +261,7 @@ class PageAllocator:
         raise ValueError(f"share: page {p} is quarantined")
     for p in pages:
       self.refcounts[p] += 1
+    self._dirty.update(int(p) for p in pages)
 
   def free(self, pages) -> None:
     """Drops one reference from each page; pages reaching refcount 0 return to the free list.
@@ -233,6 +282,7 @@ class PageAllocator:
       self.refcounts[p] -= 1
       if self.refcounts[p] == 0 and p not in self.quarantined:
         self._free[p] = None
+    self._dirty.update(pages)
 
   def _check_owned(self, p, what: str) -> None:
     if not isinstance(p, (int, np.integer)) or not 0 <= int(p) < self.num_pages:
@@ -293,7 +343,7 @@ class PageAllocator:
     tags = self.tags[prefix + pages]  # a copy (fancy indexing)
     if prefix_tags is not None:
       tags[:len(prefix)] = np.asarray([int(t) & 0xFFFFFFFF for t in prefix_tags], np.uint32)
-    self._requests[request_id] = _new_request(prefix + pages, tags, num_tokens)
+    self._set_table(request_id, _new_request(prefix + pages, tags, num_tokens))
     return None
 
   def extend(self, request_id, num_tokens: int) -> CannotAdmit | None:
@@ -318,6 +368,7 @@ class PageAllocator:
     if pages:
       req.pages = np.concatenate([req.pages, np.asarray(pages, np.int32)])
       req.tags = np.concatenate([req.tags, self.tags[pages]])
+      self._table_refs[pages] += 1
     req.length = int(num_tokens)
     return None
 
@@ -355,7 +406,7 @@ class PageAllocator:
       copies.append((int(parent.pages[full]), p))
       pages.append(p)
       tags.append(int(self.tags[p]))
-    self._requests[child_id] = _new_request(pages, tags, n_tok)
+    self._set_table(child_id, _new_request(pages, tags, n_tok))
     return copies
 
   def release(self, request_id) -> None:
@@ -367,7 +418,7 @@ class PageAllocator:
     """
     req = self._get(request_id)
     self.free(req.pages.tolist())
-    del self._requests[request_id]
+    self._pop_table(request_id)
 
   def release_checked(self, request_id) -> list[int]:
     """``release``, falling back to :meth:`drop_and_reconcile` if the bookkeeping is inconsistent.
@@ -410,14 +461,18 @@ class PageAllocator:
       The pages reclaimed (not free before, free now).
     """
     if request_id is not None:
-      self._requests.pop(request_id, None)
-    counts = self._reference_counts()
+      self._pop_table(request_id)
+    counts = self._reference_counts()  # rare (a failed request): recounted from every table
     free = [p for p in self._free if counts[p] == 0 and p not in self.quarantined]
     listed = set(free)
     reclaimed = [p for p in range(self.num_pages)
                  if counts[p] == 0 and p not in listed and p not in self.quarantined]
-    self._free = dict.fromkeys(free + reclaimed)
+    left = set(self._free) - listed
+    self._free = collections.OrderedDict.fromkeys(free + reclaimed)
+    changed = np.flatnonzero((self.refcounts != counts) | (self._table_refs != counts))
     self.refcounts[:] = counts
+    self._table_refs[:] = counts
+    self._dirty.update(changed.tolist(), reclaimed, left)
     return reclaimed
 
   def block_table(self, request_id) -> list[tuple[int, int]]:
@@ -456,6 +511,7 @@ class PageAllocator:
       if not 0 <= p < self.num_pages:
         raise ValueError(f"quarantine: page {p} is outside the pool of {self.num_pages} pages")
       self._free.pop(p, None)
+      self._dirty.add(p)
       self._quarantine_one(p)
 
   def _quarantine_one(self, p: int) -> None:
@@ -483,20 +539,18 @@ class PageAllocator:
     """
     if not self.quarantined:
       return []
-    due = [p for p, since in self.quarantined.items()
-           if self.clock - since >= grace and self.refcounts[p] == 0]
-    if not due:
-      return []
-    named = set(np.flatnonzero(self._reference_counts()[due]).tolist())  # rare: a full look
     healed = []
-    for i, p in enumerate(due):
-      if i in named:
-        continue  # a table still lists it: its holder has not been dropped yet
+    for p, since in list(self.quarantined.items()):
+      # No reference, and no table names it (its holders were dropped, not just unreferenced).
+      if self.clock - since < grace or self.refcounts[p] or self._table_refs[p]:
+        continue
       del self.quarantined[p]
       self.generation = next_tag(self.generation)
       self.tags[p] = self.generation
       self._free[p] = None
       healed.append(p)
+    self._dirty.update(healed)
+    self._tags_changed.update(healed)
     self.healed_total += len(healed)
     return healed
 
@@ -515,7 +569,7 @@ class PageAllocator:
     holders = list(dict.fromkeys([*self.holders(pages), *(r for v in violations for r in v.requests)]))
     self.quarantine(pages)
     for rid in holders:
-      self._requests.pop(rid, None)
+      self._pop_table(rid)
     self.drop_and_reconcile(None)
     return holders
 
@@ -543,44 +597,125 @@ class PageAllocator:
     quarantine; every page is free, held or quarantined; every page's refcount
     equals the number of block-table entries naming it (pages shared by
     ``fork``/``share`` count once per table); block tables name only pages in
-    the pool. Costs O(pages held + free pages), vectorised.
+    the pool. The entries are recounted from every table, so this also finds
+    tables edited behind the API's back. Costs O(pool + table entries),
+    vectorised: for tests and investigations; the engine runs
+    :meth:`audit_changes` every step.
     """
     n = self.num_pages
     out: list[PageViolation] = []
     ids = self._table_ids()
     counts = self._reference_counts(ids)
     if ids.size and (ids.min() < 0 or ids.max() >= n):  # rare: find who, in Python
-      for rid, r in self._requests.items():
-        bad = [p for p in r.pages.tolist() if not 0 <= p < n]
-        if bad:
-          out.append(PageViolation("out_of_pool", (), (rid,), f"request {rid!r} lists page(s) "
-                                   f"{bad[:4]} outside the pool of {n}"))
+      out += [self._out_of_pool_violation(rid) for rid, r in self._requests.items()
+              if ((r.pages < 0) | (r.pages >= n)).any()]
+    self._table_refs[:] = counts  # the recount is the truth from here on
     free = np.fromiter(self._free, np.int64, len(self._free))
     on_free = np.zeros(n, bool)
     on_free[free] = True
     quarantined = np.zeros(n, bool)
     if self.quarantined:
       quarantined[np.fromiter(self.quarantined, np.int64, len(self.quarantined))] = True
-    refs = self.refcounts
-    live_free = np.flatnonzero(on_free & (refs > 0))
+    out += self._check(np.arange(n), counts, on_free, quarantined)
+    self._dirty = {p for v in out for p in v.pages}
+    self.work["full_audits"] += 1
+    return out
+
+  def audit_changes(self) -> list[PageViolation]:
+    """:meth:`audit`'s invariants on the pages whose bookkeeping changed since the last audit.
+
+    Every change goes through this class, which marks the pages it touches, and
+    the block-table entries naming each page are counted as tables change, so
+    this finds what :meth:`audit` would, at a cost that follows the pages
+    touched (``work["audit_pages"]`` counts them), not the pool. Pages of the
+    violations found stay marked until a recovery changes them.
+    """
+    pages = np.sort(np.fromiter(self._dirty, np.int64, len(self._dirty)))
+    self.work["audit_pages"] += int(pages.size)
+    out = [self._out_of_pool_violation(rid) for rid in self._out_of_pool
+           if rid in self._requests]
+    if pages.size:
+      on_free = np.fromiter((p in self._free for p in pages.tolist()), bool, pages.size)
+      quarantined = np.fromiter((p in self.quarantined for p in pages.tolist()), bool, pages.size)
+      out += self._check(pages, self._table_refs[pages], on_free, quarantined)
+    self._dirty = {p for v in out for p in v.pages}
+    return out
+
+  def _out_of_pool_violation(self, rid) -> PageViolation:
+    bad = [p for p in self._requests[rid].pages.tolist() if not 0 <= p < self.num_pages]
+    return PageViolation("out_of_pool", (), (rid,), f"request {rid!r} lists page(s) "
+                         f"{bad[:4]} outside the pool of {self.num_pages}")
+
+  def _check(self, pages: np.ndarray, counts: np.ndarray, on_free: np.ndarray,
+             quarantined: np.ndarray) -> list[PageViolation]:
+    """The conservation invariants on ``pages`` given, per page, its table entries
+    (``counts``), free-list membership and quarantine."""
+    out = []
+    refs = self.refcounts[pages]
+    live_free = pages[on_free & (refs > 0)]
     if live_free.size:
       out.append(self._violation("live_on_free_list", live_free,
                                  "page(s) {} are on the free list with references"))
-    q_free = np.flatnonzero(on_free & quarantined)
+    q_free = pages[on_free & quarantined]
     if q_free.size:
       out.append(self._violation("quarantined_on_free_list", q_free,
                                  "quarantined page(s) {} are on the free list"))
-    mismatch = np.flatnonzero(counts != refs)
-    if mismatch.size:
+    bad = counts != refs
+    if bad.any():
       out.append(self._violation(
-          "refcount_mismatch", mismatch,
-          "page(s) {} have refcounts " + str(refs[mismatch[:4]].tolist()) + " but "
-          + str(counts[mismatch[:4]].tolist()) + " block-table entries"))
-    leaked = np.flatnonzero(~on_free & ~quarantined & (refs == 0) & (counts == 0))
+          "refcount_mismatch", pages[bad],
+          "page(s) {} have refcounts " + str(refs[bad][:4].tolist()) + " but "
+          + str(counts[bad][:4].tolist()) + " block-table entries"))
+    leaked = pages[~on_free & ~quarantined & (refs == 0) & (counts == 0)]
     if leaked.size:
       out.append(self._violation("leaked", leaked,
                                  "page(s) {} are neither free, held nor quarantined"))
     return out
+
+  # --------------------------------------------------------------- tables and the test hook
+  def _set_table(self, request_id, rec: _Request) -> None:
+    self._requests[request_id] = rec
+    self._count(request_id, rec.pages, +1)
+
+  def _pop_table(self, request_id) -> None:
+    rec = self._requests.pop(request_id, None)
+    if rec is not None:
+      self._count(request_id, rec.pages, -1)
+
+  def _count(self, request_id, pages: np.ndarray, sign: int) -> None:
+    """Adds (+1) or removes (-1) a table's entries in the kept counts; marks its pages."""
+    inside = pages[(pages >= 0) & (pages < self.num_pages)]
+    np.add.at(self._table_refs, inside, sign)
+    self._dirty.update(inside.tolist())
+    if inside.size != pages.size and sign > 0:
+      self._out_of_pool.add(request_id)
+    elif sign < 0:
+      self._out_of_pool.discard(request_id)
+
+  @contextlib.contextmanager
+  def tampering(self, request_id=None):
+    """Test hook (``mlkit.engine.faults``): bookkeeping edited behind the API inside this block.
+
+    Yields a :class:`Tampering` handle: the request's table (``pages`` and
+    ``tags``, numpy arrays to edit in place; None without ``request_id``) and
+    :meth:`Tampering.list_first`, which lists a page at the head of the free list
+    whatever it holds. On exit the table's entries are recounted and every page
+    whose table entries or free-list membership changed is marked for
+    :meth:`audit_changes`, which then finds the corruption as :meth:`audit`
+    would. Refcounts are not touched: they are what the bookkeeping believes, and
+    a mismatch is what the audit is for.
+    """
+    rec = self._requests.get(request_id)
+    before = rec.pages.copy() if rec is not None else np.zeros(0, np.int32)
+    free_before = set(self._free)
+    try:
+      yield Tampering(self, rec)
+    finally:
+      if rec is not None:
+        self._count(request_id, before, -1)
+        self._count(request_id, np.asarray(rec.pages, np.int64), +1)
+      self._dirty.update(p for p in free_before.symmetric_difference(self._free)
+                         if 0 <= p < self.num_pages)
 
   def _violation(self, kind: str, pages: np.ndarray, fmt: str) -> PageViolation:
     pages = tuple(int(p) for p in pages)
@@ -589,8 +724,21 @@ class PageAllocator:
 
   # --------------------------------------------------------------- device side
   def device_tags(self) -> np.ndarray:
-    """[num_pages] int32: the uint32 tags bit-cast for the device ``page_tags`` mirror."""
+    """[num_pages] int32: the uint32 tags bit-cast for the device ``page_tags`` mirror.
+
+    Taking every tag also takes the pending changes (:meth:`take_tag_changes`)."""
+    self._tags_changed.clear()
     return self.tags.view(np.int32).copy()
+
+  def take_tag_changes(self) -> tuple[np.ndarray, np.ndarray]:
+    """(pages [k] int32, tags [k] int32 bit-cast) whose tags changed since the last take.
+
+    What a step's tag update writes into the device ``page_tags``: the pages the
+    step allocated (or healed), not the pool.
+    """
+    pages = np.fromiter(sorted(self._tags_changed), np.int32, len(self._tags_changed))
+    self._tags_changed.clear()
+    return pages, self.tags[pages].view(np.int32)
 
   def batch_meta(self, request_ids, max_pages: int | None = None) -> BatchMeta:
     """Batch metadata for a step over ``request_ids`` (None entries are padding rows).

@@ -596,6 +596,51 @@ def sync_tags(state: PagedKVState, tags: np.ndarray) -> PagedKVState:
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
+def _update_tags_jit(page_tags: jax.Array, pages: jax.Array, tags: jax.Array) -> jax.Array:
+  return page_tags.at[pages].set(tags, mode="drop")  # padded entries name no page: dropped
+
+
+def update_tags(state: PagedKVState, pages: np.ndarray, tags: np.ndarray, *,
+                place=None) -> PagedKVState:
+  """Writes the tags of ``pages`` into the device ``page_tags`` (the pages a step (re)allocated).
+
+  Where :func:`sync_tags` copies the whole pool's tags, this moves only what
+  changed (``PageAllocator.take_tag_changes``), so a step's tag update follows
+  the pages it allocated, not the pool. The update is padded to a power of two
+  (at least 8) with a page id past the pool, which the scatter drops: one
+  compile per bucket. Donates the state's ``page_tags``.
+
+  Args:
+    state: the pool.
+    pages: [k] int32 page ids in [0, num_pages).
+    tags: [k] int32 their tags (uint32 bit-cast, as ``device_tags``).
+    place: places the padded [K] arrays (a pool spread over processes needs them on
+      its mesh); None: the default device.
+
+  Raises:
+    TypeError: ``pages`` or ``tags`` not int32.
+    ValueError: shapes that differ, or a page outside the pool.
+  """
+  pages, tags = np.asarray(pages), np.asarray(tags)
+  if pages.dtype != np.int32 or tags.dtype != np.int32:
+    raise TypeError(f"update_tags takes int32 pages and tags, got {pages.dtype} and {tags.dtype}")
+  if pages.ndim != 1 or pages.shape != tags.shape:
+    raise ValueError(f"update_tags: pages {pages.shape} and tags {tags.shape} must be equal [k]")
+  if pages.size == 0:
+    return state
+  if pages.min() < 0 or pages.max() >= state.num_pages:
+    raise ValueError(f"update_tags: page ids outside the pool of {state.num_pages}")
+  k = max(8, 1 << (int(pages.size) - 1).bit_length())
+  padded_pages = np.full(k, state.num_pages, np.int32)
+  padded_pages[:pages.size] = pages
+  padded_tags = np.zeros(k, np.int32)
+  padded_tags[:tags.size] = tags
+  place = place or jnp.asarray
+  return state.replace(page_tags=_update_tags_jit(state.page_tags, place(padded_pages),
+                                                  place(padded_tags)))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
 def _copy_pages_jit(state: PagedKVState, src: jax.Array, dst: jax.Array) -> PagedKVState:
   # Every array of a layer (pages, scales, index keys) is indexed by page id first.
   layers = [{k: v.at[dst].set(v[src]) for k, v in layer.items()} for layer in state.layers]
