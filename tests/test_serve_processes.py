@@ -105,6 +105,7 @@ class ServeProcessesTest(absltest.TestCase):
     m = self.client.metrics()
     self.assertEqual(m["pages_used"], 0, m)
     self.assertEqual(m["serve"]["in_flight"], 0)
+    self.assertEqual(m["serve"]["requests_held"], 0)  # answered requests leave the server
 
   def test_1_same_tokens_as_in_process_disagg(self):
     outs = self.client.generate(PROMPTS, max_new_tokens=MAX_NEW)

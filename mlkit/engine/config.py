@@ -49,6 +49,9 @@ class EngineConfig:
   backend: str | None = None
   # Free pages that must remain after admitting a request, so running requests can still grow.
   admission_reserve: int = 1
+  # Ended requests the engine keeps for get() after their results were handed out (the most
+  # recent ones); older ones leave, so memory follows what is live, not what was served.
+  retain_finished: int = 1024
   # Engine steps a quarantined page stays out after its last holder is gone before it heals
   # back onto the free list with a fresh tag (None: never; docs/integrity.md).
   quarantine_grace_steps: int | None = 64
@@ -94,6 +97,9 @@ class EngineConfig:
     if not isinstance(self.admission_reserve, int) or self.admission_reserve < 0:
       raise ValueError(f"EngineConfig.admission_reserve must be a non-negative int, "
                        f"got {self.admission_reserve!r}")
+    if not isinstance(self.retain_finished, int) or self.retain_finished < 0:
+      raise ValueError(f"EngineConfig.retain_finished must be a non-negative int, "
+                       f"got {self.retain_finished!r}")
     g = self.quarantine_grace_steps
     if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g < 0):
       raise ValueError(f"EngineConfig.quarantine_grace_steps must be a non-negative int or None, "

@@ -59,7 +59,7 @@ from mlkit.config import ModelConfig
 from mlkit.engine.config import EngineConfig
 from mlkit.engine.engine import Engine
 from mlkit.engine.request import ABORT_TRANSFER, Request, RequestOutput, RequestRejected  # noqa: F401
-from mlkit.engine.serving import ServingLoop
+from mlkit.engine.serving import EndedWindow, ServingLoop
 from mlkit.engine.transfer import Payload, TransferResult, flip_low_bit, transfer_kv
 from mlkit.kvcache import KVCacheConfig, PagedKVState
 from mlkit.model import check_params
@@ -211,8 +211,14 @@ class DisaggMetrics:
   transfer_tokens_skipped: int = 0
   # Requests the decode pool preempted and sent back to the prefill pool.
   requeued: int = 0
-  # Per iteration: (prefill chunks dispatched, tokens the decode pool emitted).
-  timeline: list = dataclasses.field(default_factory=list)
+  # Per iteration, the most recent TIMELINE_LENGTH: (prefill chunks dispatched, tokens the
+  # decode pool emitted).
+  timeline: collections.deque = dataclasses.field(
+      default_factory=lambda: collections.deque(maxlen=TIMELINE_LENGTH))
+
+
+# Iterations DisaggMetrics.timeline keeps (a server runs for weeks).
+TIMELINE_LENGTH = 4096
 
 
 def _quantize(checkpoint, pool: PoolConfig):
@@ -279,7 +285,8 @@ class DisaggEngine(ServingLoop):
     self.config = config
     self.stats = DisaggMetrics()
     self._faults: collections.deque = collections.deque()
-    # Why a request's transfer failed (request id -> reason), for requests aborted with ABORT_TRANSFER.
+    # Why a request's transfer failed (request id -> reason), for requests aborted with
+    # ABORT_TRANSFER; entries leave with their request (the window of ended requests).
     self.transfer_errors: dict[int, str] = {}
     p, d = config.prefill, config.decode
     devices = list(jax.devices() if devices is None else devices)
@@ -289,8 +296,10 @@ class DisaggEngine(ServingLoop):
                           role="prefill")
     self.decode = Engine(_quantize(checkpoint, d), d.engine, mesh=self.decode_mesh,
                          rules=rules, data_parallel_attention=d.data_parallel_attention)
-    # Every request is submitted to the prefill pool; it keeps the one registry.
-    self.requests = self.prefill.requests
+    # Every request, from submit until it ends (and then in the window of recent ones,
+    # decode.engine.retain_finished of them); each pool keeps only what it holds.
+    self.requests: dict[int, Request] = {}
+    self._ended = EndedWindow(self.requests, d.engine.retain_finished)
 
   # --------------------------------------------------------------- requests
   def submit(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams()) -> int:
@@ -301,7 +310,9 @@ class DisaggEngine(ServingLoop):
         could not fit the decode pool.
     """
     prompt, sampling = self.check_request(prompt_ids, sampling)
-    return self.prefill.submit(prompt, sampling)
+    rid = self.prefill.submit(prompt, sampling)
+    self.requests[rid] = self.prefill.get(rid)
+    return rid
 
   def check_request(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams()
                     ) -> tuple[tuple[int, ...], SamplingParams]:
@@ -394,6 +405,10 @@ class DisaggEngine(ServingLoop):
     m.timeline.append((prefilling, decoded))
     if prefilling and decoded:
       m.overlapped_iterations += 1
+    for o in outs.values():
+      if o.done and o.request_id in self.requests:
+        for rid in self._ended.add(self.requests[o.request_id]):
+          self.transfer_errors.pop(rid, None)
     return list(outs.values())
 
   def metrics(self, include_requests: bool = False) -> dict:

@@ -54,7 +54,8 @@ from mlkit.engine.request import (ABORT_CANCELLED, ABORT_ERROR, ABORT_INTEGRITY,
                                   RequestStatus)
 from mlkit.engine.runner import Runner, StepBatch
 from mlkit.engine.scheduler import PrefillItem, Scheduler
-from mlkit.engine.serving import EngineStalled, ServingLoop, check_batch  # noqa: F401 (re-export)
+from mlkit.engine.serving import (EndedWindow, EngineStalled, ServingLoop,  # noqa: F401
+                                  check_batch)
 from mlkit.kvcache import PageAllocator, PageViolation, PagedKVState, init_paged_state
 from mlkit.model import check_params
 from mlkit.parallel import DEFAULT_RULES, ShardingRules, shard_params, sharded_kv_state
@@ -139,7 +140,11 @@ class Engine(ServingLoop):
     # Shared prompt prefixes, kept under the integrity tags (docs/prefix_cache.md).
     self.prefix_cache = PrefixCache(self.allocator) if config.prefix_cache else None
     self.scheduler = Scheduler(config, self.allocator, self.prefix_cache)
+    # The requests this pool holds (queued, running, awaiting hand-over) and the most recent
+    # ended ones, at most config.retain_finished: an ended request leaves once newer ones
+    # push it out of that window (its result was handed out by the step that ended it).
     self.requests: dict[int, Request] = {}
+    self._ended = EndedWindow(self.requests, config.retain_finished)
     self.stats = EngineMetrics()
     self.logits: dict[int, list[np.ndarray]] = {}  # per request, when config.record_logits
     self._next_id = 0
@@ -296,10 +301,10 @@ class Engine(ServingLoop):
   def hand_over(self, request_id: int) -> None:
     """Frees the pages of a prefilled request whose KV now lives elsewhere (it stays live there)."""
     req = self.get(request_id)
-    if req not in self.scheduler.detached:
+    if not self.scheduler.is_detached(req):
       raise ValueError(f"hand_over: request {request_id} is not waiting for a hand-over")
     self.scheduler.remove(req)
-
+    del self.requests[request_id]  # it lives in another pool now
   def reserve(self, key, num_tokens: int) -> bool:
     """Holds a running slot and pages for ``num_tokens`` under ``key`` (see ``adopt``).
 
@@ -427,7 +432,16 @@ class Engine(ServingLoop):
       self._touched.setdefault(r.request_id, (r, len(r.output)))
 
   def _sync_tags(self) -> None:
-    self.device.sync_tags(self.allocator.device_tags())
+    """Brings the device ``page_tags`` up to date: the pages whose tags changed, or every
+    tag after something edited the bookkeeping behind the allocator's API (a recovery)."""
+    if self._tags_dirty:
+      self.device.sync_tags(self.allocator.device_tags())
+      self.stats.tag_pages_synced += self.allocator.num_pages
+    else:
+      pages, tags = self.allocator.take_tag_changes()
+      if pages.size:
+        self.device.update_tags(pages, tags)
+        self.stats.tag_pages_synced += int(pages.size)
     self._tags_dirty = False
 
   def _launch(self, prev: _InFlight | None):
@@ -447,8 +461,7 @@ class Engine(ServingLoop):
     dropped = self.enforce_conservation(self.allocator.drain_violations())
     self._touch(dropped)
     plan = plan.without(set(dropped))
-    if plan.allocation_changed or self._tags_dirty:
-      self._sync_tags()
+    self._sync_tags()  # the pages this plan (re)allocated, if any
     if plan.copies:  # copy-on-write of partly matching cached pages, before any step writes
       self.device.copy_pages(plan.copies)
     pre, pre_rows = self._build(build_prefill_batch, plan.prefill)
@@ -596,6 +609,8 @@ class Engine(ServingLoop):
              pages_quarantined=len(self.allocator.quarantined),
              pages_quarantined_total=self.allocator.quarantined_total,
              pages_healed_total=self.allocator.healed_total,
+             requests_held=len(self.requests),
+             host_work=self.host_work(),
              pages_total=self.allocator.num_pages,
              pages_cached=self.prefix_cache.num_pages if self.prefix_cache is not None else 0)
     if self.prefix_cache is not None:
@@ -604,6 +619,15 @@ class Engine(ServingLoop):
     if include_requests:
       m["requests"] = {rid: self.request_metrics(rid) for rid in self.requests}
     return m
+
+  def host_work(self) -> dict:
+    """Counts of the host's per-step work so far (what host_scale and the counting tests read):
+    steps, pages the page audit visited, tags written to the device, prefix-cache eviction
+    heap pops and nodes visited by matching."""
+    cache = self.prefix_cache.work if self.prefix_cache is not None else {}
+    return {"steps": self.stats.steps, "audit_pages": self.allocator.work["audit_pages"],
+            "tag_pages_synced": self.stats.tag_pages_synced,
+            "evict_pops": cache.get("evict_pops", 0), "match_nodes": cache.get("match_nodes", 0)}
 
   def log_metrics(self) -> None:
     m = self.metrics()
@@ -624,8 +648,8 @@ class Engine(ServingLoop):
 
   def _progress_marker(self):
     return (self.stats.generated_tokens, self.stats.prefill_tokens, self.stats.steps,
-            self._in_flight is not None,
-            sum(r.done for r in self.requests.values()), self.stats.preemptions)
+            self._in_flight is not None, self._ended.count, self.stats.preemptions,
+            self.allocator.healed_total)
 
   def _queue_summary(self) -> str:
     s = self.scheduler
@@ -645,11 +669,13 @@ class Engine(ServingLoop):
       req.finish_reason = reason
       req.finish_time = now
       self.stats.finished += 1
+      self._retire(req)
     return 1
 
   # --------------------------------------------------------------- page conservation
   def audit_pages(self) -> list[Request]:
-    """Audits page conservation and enforces it (see :meth:`enforce_conservation`).
+    """Audits page conservation on the pages changed since the last audit
+    (``PageAllocator.audit_changes``) and enforces it (see :meth:`enforce_conservation`).
 
     Returns:
       The requests aborted because they held a violating page.
@@ -657,7 +683,7 @@ class Engine(ServingLoop):
     if not self.config.page_audit:
       return []
     t0 = time.perf_counter()
-    violations = self.allocator.audit()
+    violations = self.allocator.audit_changes()
     self.stats.audit_seconds += time.perf_counter() - t0
     return self.enforce_conservation(violations)
 
@@ -714,9 +740,8 @@ class Engine(ServingLoop):
     grace = self.config.quarantine_grace_steps
     if grace is not None and self.allocator.quarantined:
       # The clock counts steps launched: a page quarantined in step k heals in step k + grace.
-      healed = self.allocator.heal(0 if idle else grace)
+      healed = self.allocator.heal(0 if idle else grace)  # fresh tags: synced with the plan's
       if healed:
-        self._tags_dirty = True  # fresh tags
         logging.info("engine: %d quarantined page(s) healed back into the pool: %s",
                      len(healed), healed[:8])
     self.allocator.tick()
@@ -749,6 +774,13 @@ class Engine(ServingLoop):
     req.error = error
     req.finish_time = time.perf_counter()
     self.stats.aborted[reason] += 1
+    self._retire(req)
+
+  def _retire(self, req: Request) -> None:
+    """A request ended here: it joins the window of recent results, and the oldest ended
+    requests beyond ``config.retain_finished`` leave the engine (memory follows what is live)."""
+    for rid in self._ended.add(req):
+      self.logits.pop(rid, None)
 
 
 

@@ -52,6 +52,8 @@ class EngineMetrics:
   exposed_host_seconds: float = 0.0
   # Host time spent in the page-conservation audit (part of host_seconds).
   audit_seconds: float = 0.0
+  # Page tags written to the device (a full sync counts the whole pool).
+  tag_pages_synced: int = 0
   aborted: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   rejected: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   first_step_time: float | None = None

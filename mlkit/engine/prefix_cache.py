@@ -33,10 +33,19 @@ that matches, a cached page that shares the next ``k`` tokens (at least
 ``min_copy_tokens``) can be reused by copy-on-write: the request gets a fresh page, the engine copies the cached one
 into it, and prefill continues at token ``k`` of that page, overwriting the
 rest. Eviction is LRU over leaves that only the cache holds.
+
+Costs follow the work, not the cache's size (docs/prefix_cache.md): matching
+walks the prompt's pages, and the copy-on-write candidates are found through an
+index of each node's children by their first ``min_copy_tokens`` tokens (at most
+``COPY_CANDIDATES`` of them compared); eviction keeps its LRU order in a heap of
+leaves updated as nodes are touched, so evicting a page costs O(log n), plus
+the leaves it passes over because a running request still shares them.
+``work`` counts the heap pops and the nodes matching visited.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import itertools
@@ -54,6 +63,11 @@ def is_holder_id(request_id) -> bool:
   return isinstance(request_id, tuple) and len(request_id) == 2 and request_id[0] == "prefix"
 
 
+# Children of one node compared for a copy-on-write match, at most (those sharing the first
+# min_copy_tokens tokens with the request's next block, most recently added first).
+COPY_CANDIDATES = 8
+
+
 @dataclasses.dataclass(eq=False)
 class _Node:
   block: tuple[int, ...]  # the page's tokens (page_size of them; empty for the root)
@@ -61,7 +75,11 @@ class _Node:
   tag: int  # the page's tag when its KV was written and checked (uint32)
   parent: "_Node | None"
   children: dict = dataclasses.field(default_factory=dict)  # block -> _Node
+  # Children by their block's first min_copy_tokens tokens (copy-on-write candidates), each
+  # group in insertion order.
+  heads: dict = dataclasses.field(default_factory=dict)  # head -> {block: _Node}
   last_used: int = 0
+  removed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +144,11 @@ class PrefixCache:
     self._by_page: dict[int, _Node] = {}
     self._clock = itertools.count(1)
     self.stats = PrefixCacheStats()
+    # Leaves in LRU order: (last_used, page, node), an entry per touch; entries whose node
+    # was touched again, removed or given children since are skipped when popped.
+    self._lru: list = []
+    # Work counters: eviction heap pops, nodes visited by match.
+    self.work: collections.Counter = collections.Counter()
 
   # --------------------------------------------------------------- queries
   @property
@@ -135,10 +158,6 @@ class PrefixCache:
 
   def pages(self) -> list[int]:
     return list(self._by_page)
-
-  def evictable(self) -> int:
-    """Pages eviction could free now (held by the cache alone, in any subtree)."""
-    return sum(1 for p in self._by_page if self.allocator.refcounts[p] == 1)
 
   def _trusted(self, node: _Node) -> bool:
     """Whether a node's page still holds what was cached: same tag, live, not quarantined.
@@ -165,6 +184,7 @@ class PrefixCache:
     while (len(pages) + 1) * P <= limit:
       i = len(pages) * P
       child = node.children.get(tuple(tokens[i:i + P]))
+      self.work["match_nodes"] += 1
       if child is None:
         break
       if not self._trusted(child):
@@ -174,12 +194,16 @@ class PrefixCache:
       pages.append(child.page)
       tags.append(child.tag)
       node = child
+    self._mark_used(node)
     start = len(pages) * P
     rest = tuple(tokens[start:min(start + P, limit)])
     best, best_k = None, self.min_copy_tokens - 1
-    if rest:
-      for block, child in list(node.children.items()):
-        k = next((j for j, (a, b) in enumerate(zip(block, rest)) if a != b), len(rest))
+    q = self.min_copy_tokens
+    if len(rest) >= q:  # a copy needs the first q tokens shared: only children with that head
+      group = node.heads.get(rest[:q], {})
+      for child in [group[b] for b in itertools.islice(reversed(group), COPY_CANDIDATES)]:
+        self.work["match_nodes"] += 1
+        k = next((j for j, (a, b) in enumerate(zip(child.block, rest)) if a != b), len(rest))
         if k > best_k:
           if not self._trusted(child):
             self.stats.invalidated_pages += self._drop_subtree(child)
@@ -188,7 +212,17 @@ class PrefixCache:
     if best is None:
       return Match(tuple(pages), tuple(tags))
     best.last_used = now
+    self._mark_used(best)
     return Match(tuple(pages), tuple(tags), best.page, best_k)
+
+  def _mark_used(self, node: _Node) -> None:
+    """Enters a just-used leaf in the LRU heap (inner nodes enter when they become leaves)."""
+    if node is not self.root and not node.children and not node.removed:
+      heapq.heappush(self._lru, (node.last_used, node.page, node))
+      if len(self._lru) > 2 * len(self._by_page) + 64:  # drop stale entries (amortised O(1))
+        self._lru = [(nd.last_used, nd.page, nd) for nd in self._by_page.values()
+                     if not nd.children]
+        heapq.heapify(self._lru)
 
   # --------------------------------------------------------------- updates
   def record_lookup(self, num_tokens: int, match: Match) -> None:
@@ -230,10 +264,12 @@ class PrefixCache:
           break
         child = _Node(block, page, tag, node)
         node.children[block] = child
+        node.heads.setdefault(block[:self.min_copy_tokens], {})[block] = child
         self._by_page[page] = child
         added += 1
       child.last_used = now
       node = child
+    self._mark_used(node)
     self.stats.inserted_pages += added
     return added
 
@@ -248,22 +284,20 @@ class PrefixCache:
       Pages freed.
     """
     keep = set(keep)
-
-    def evictable(nd: _Node) -> bool:
-      return (not nd.children and nd.page not in keep
-              and self.allocator.refcounts[nd.page] == 1)
-
-    # A heap of evictable leaves, oldest first; a parent that becomes such a leaf joins it.
-    heap = [(nd.last_used, nd.page, nd) for nd in self._by_page.values() if evictable(nd)]
-    heapq.heapify(heap)
-    freed = 0
-    while freed < n and heap:
-      _, _, nd = heapq.heappop(heap)
-      parent = nd.parent
-      self._remove(nd)
+    freed, passed = 0, []
+    while freed < n and self._lru:
+      entry = heapq.heappop(self._lru)
+      self.work["evict_pops"] += 1
+      last_used, _, nd = entry
+      if nd.removed or nd.children or nd.last_used != last_used:
+        continue  # stale: touched again (a newer entry exists), removed, or no leaf any more
+      if nd.page in keep or self.allocator.refcounts[nd.page] != 1:
+        passed.append(entry)  # a running request shares it (or it is about to): not now
+        continue
+      self._remove(nd)  # its parent enters the heap if it becomes a leaf
       freed += 1
-      if parent is not self.root and evictable(parent):
-        heapq.heappush(heap, (parent.last_used, parent.page, parent))
+    for entry in passed:
+      heapq.heappush(self._lru, entry)
     self.stats.evicted_pages += freed
     return freed
 
@@ -306,8 +340,15 @@ class PrefixCache:
     return n + 1
 
   def _remove(self, node: _Node) -> None:
-    del node.parent.children[node.block]
+    parent = node.parent
+    del parent.children[node.block]
+    siblings = parent.heads[node.block[:self.min_copy_tokens]]
+    del siblings[node.block]
+    if not siblings:
+      del parent.heads[node.block[:self.min_copy_tokens]]
     del self._by_page[node.page]
+    node.removed = True
+    self._mark_used(parent)
     hid = holder_id(node.page)
     if not self.allocator.has_request(hid):
       return

@@ -102,43 +102,65 @@ class Scheduler:
     # while the prefill runs elsewhere): key -> tokens. Each takes a running slot.
     self.reservations: dict = {}
     self._admit_counter = 0
-    self._preempted: list[Request] = []  # preempted here since the last drain_preempted
+    self._preempted: set[int] = set()  # ids preempted here since the last drain_preempted
     self._rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # block-table cache
+    # Where each request held here is: id -> (request, "waiting" | "running" | "detached"),
+    # so that membership tests cost O(1) instead of a scan of the queues.
+    self._where: dict[int, tuple[Request, str]] = {}
+
+  def _place(self, req: Request) -> str | None:
+    entry = self._where.get(req.request_id)
+    return entry[1] if entry is not None and entry[0] is req else None
+
+  def _put(self, req: Request, place: str | None) -> None:
+    if place is None:
+      self._where.pop(req.request_id, None)
+    else:
+      self._where[req.request_id] = (req, place)
 
   # --------------------------------------------------------------- queue ops
   def add(self, req: Request) -> None:
     req.prefill_tokens = tuple(req.prompt)
     self.waiting.append(req)
+    self._put(req, "waiting")
+
+  def _queue(self, place: str):
+    return {"waiting": self.waiting, "running": self.running, "detached": self.detached}[place]
 
   def remove(self, req: Request) -> bool:
     """Takes a live request out of the queues, returning its pages. Returns whether it was live."""
-    if req in self.waiting:
-      self.waiting.remove(req)
-      return True
-    if req in self.running or req in self.detached:
-      (self.running if req in self.running else self.detached).remove(req)
+    place = self._place(req)
+    if place is None:
+      return False
+    self._queue(place).remove(req)
+    self._put(req, None)
+    if place != "waiting":
       self.allocator.release_checked(req.request_id)
       self._rows.pop(req.request_id, None)
-      return True
-    return False
+    return True
 
   def holds(self, req: Request) -> bool:
     """Whether the request is queued here, runs here or holds pages here detached."""
-    return req in self.waiting or req in self.running or req in self.detached
+    return self._place(req) is not None
+
+  def is_detached(self, req: Request) -> bool:
+    """Whether the request holds pages here outside the steps (a prefill awaiting hand-over)."""
+    return self._place(req) == "detached"
 
   def forget(self, req: Request) -> None:
     """Takes a request out of the queues without touching the allocator (it already dropped it)."""
-    for queue in (self.running, self.waiting, self.detached):
-      if req in queue:
-        queue.remove(req)
-        break
+    place = self._place(req)
+    if place is not None:
+      self._queue(place).remove(req)
+      self._put(req, None)
     self._rows.pop(req.request_id, None)
 
   def drop_failed(self, req: Request) -> None:
     """Removes a request whose integrity check failed (its block table is not trusted)."""
-    for queue in (self.running, self.detached):
-      if req in queue:
-        queue.remove(req)
+    place = self._place(req)
+    if place in ("running", "detached"):
+      self._queue(place).remove(req)
+      self._put(req, None)
     self.allocator.drop_and_reconcile(req.request_id)
     self._rows.pop(req.request_id, None)
 
@@ -266,6 +288,7 @@ class Scheduler:
     req.admit_seq = self._admit_counter
     self._admit_counter += 1
     self.running.append(req)
+    self._put(req, "running")
     self._rows.pop(req.request_id, None)
     return shared * self.allocator.page_size
 
@@ -273,6 +296,7 @@ class Scheduler:
     """Takes a running request out of this pool's steps, keeping its pages (see ``detached``)."""
     self.running.remove(req)
     self.detached.append(req)
+    self._put(req, "detached")
     self._rows.pop(req.request_id, None)
 
   def drain_preempted(self) -> list[Request]:
@@ -281,9 +305,10 @@ class Scheduler:
     For a pool that does not recompute (the decode pool): the caller requeues
     them where their prompts are prefilled.
     """
-    out = [r for r in self.waiting if r in self._preempted]
+    out = [r for r in self.waiting if r.request_id in self._preempted]
     for r in out:
       self.waiting.remove(r)
+      self._put(r, None)
     self._preempted.clear()
     return out
 
@@ -294,6 +319,7 @@ class Scheduler:
       req.prefill_tokens = tuple(req.prompt) + tuple(req.output)
       req.num_computed = 0
       self.waiting.appendleft(req)
+      self._put(req, "waiting")
 
   # --------------------------------------------------------------- one step
   def schedule(self, *, in_flight: bool = False) -> Plan | None:
@@ -341,6 +367,7 @@ class Scheduler:
                      prefix_tags=match.tags) is not None:
         break
       self.waiting.popleft()
+      self._put(req, "running")
       if cache is not None:
         cache.record_lookup(n, match)
         keep |= held
@@ -356,7 +383,7 @@ class Scheduler:
     # 2. Decode growth, oldest first; preempt the youngest when the pool is dry.
     decode = []
     for req in decoding:
-      if req not in self.running:
+      if self._place(req) != "running":
         continue
       while True:
         pages_before = len(self.row(req)[0])
@@ -396,6 +423,7 @@ class Scheduler:
 
   def _preempt(self, req: Request) -> None:
     self.running.remove(req)
+    self._put(req, "waiting")
     self.allocator.release_checked(req.request_id)
     self._rows.pop(req.request_id, None)
     req.status = RequestStatus.WAITING
@@ -403,6 +431,6 @@ class Scheduler:
     req.num_computed = 0
     req.num_preemptions += 1
     self.waiting.appendleft(req)
-    self._preempted.append(req)
+    self._preempted.add(req.request_id)
     logging.info("scheduler: preempted request %d (%d tokens to recompute)", req.request_id,
                  len(req.prefill_tokens))

@@ -11,6 +11,7 @@ docs/engine.md describes the step and the pools.
 
 from __future__ import annotations
 
+import collections
 from typing import Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -130,9 +131,11 @@ class ServingLoop:
         list whose length differs from the prompts'.
     """
     checked = check_batch(self.check_request, prompts, sampling)
-    ids = [self.submit(p, s) for p, s in checked]
+    # The Request objects themselves: a long batch's first results may leave the engine's
+    # window of ended requests before the last one ends.
+    reqs = [self.get(self.submit(p, s)) for p, s in checked]
     self.run_until_done()
-    return [list(self.requests[i].output) for i in ids]
+    return [list(r.output) for r in reqs]
 
   def _mean_latencies(self, requests) -> dict:
     """{"mean_ttft_s", "mean_tpot_s"} over ``requests`` that emitted a token (None if none)."""
@@ -141,6 +144,38 @@ class ServingLoop:
     tpots = [m["tpot_s"] for m in done if m["tpot_s"] is not None]
     return {"mean_ttft_s": float(np.mean(ttfts)) if ttfts else None,
             "mean_tpot_s": float(np.mean(tpots)) if tpots else None}
+
+
+class EndedWindow:
+  """Keeps the most recent ``size`` ended requests in a registry and lets older ones go.
+
+  An engine's ``requests`` holds what is live plus this window, so that
+  ``get()`` still answers for a request whose result was just handed out, while
+  memory follows what is live rather than everything ever served.
+
+  Args:
+    registry: the id -> Request map the window trims.
+    size: ended requests kept (>= 0).
+  """
+
+  def __init__(self, registry: dict, size: int):
+    self.registry = registry
+    self.size = size
+    self.count = 0  # requests ever ended
+    self._ids: collections.deque = collections.deque()
+
+  def add(self, req: Request) -> list[int]:
+    """Records that ``req`` ended; returns the ids of older ended requests that left."""
+    self.count += 1
+    self._ids.append(req.request_id)
+    gone = []
+    while len(self._ids) > self.size:
+      rid = self._ids.popleft()
+      old = self.registry.get(rid)
+      if old is not None and old.done:
+        del self.registry[rid]
+        gone.append(rid)
+    return gone
 
 
 def check_batch(check, prompts, sampling) -> list[tuple[tuple[int, ...], SamplingParams]]:

@@ -36,11 +36,14 @@ def _greedy(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, who: 
   """Greedy outputs of ``engine.generate`` (stopping after EOS); any aborted request raises,
   because scoring a partial answer would make the accuracy meaningless."""
   sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_tokens=(EOS,))
+  before = dict(engine.metrics()["aborted"])
   outs = engine.generate([list(p) for p in prompts], sp)
-  failed = [r for r in engine.requests.values() if r.abort_reason is not None]
+  # Counted, not looked up: the engine keeps only a window of ended requests.
+  failed = {k: n - before.get(k, 0) for k, n in engine.metrics()["aborted"].items()
+            if n > before.get(k, 0)}
   if failed:
-    raise RuntimeError(f"{who}: {len(failed)} requests aborted "
-                       f"({failed[0].abort_reason}); accuracy would be meaningless")
+    raise RuntimeError(f"{who}: {sum(failed.values())} requests aborted "
+                       f"({', '.join(sorted(failed))}); accuracy would be meaningless")
   return outs
 
 

@@ -629,6 +629,7 @@ class DecodeServer(FrontDoor):
     s = dataclasses.asdict(self.stats)
     s["aborted"] = dict(self.stats.aborted)
     m["serve"] = {**s, "in_flight": len(self._flights), "queued": len(self._queue),
+                  "requests_held": len(self.requests),
                   "pulling": sum(f.pull is not None for f in self._flights.values()),
                   "peer_ready": self._peer_ready}
     return m
