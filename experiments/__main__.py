@@ -80,6 +80,10 @@ EXPERIMENTS = {
                  "32 requests x 128-token prompts x 64 greedy tokens: tok/s, ratio, identical "
                  "tokens (transformers from $MLKIT_PEER_PYTHON; skipped without it; not in the "
                  "default suite: quick ~1.5 min)"),
+    "host_scale": ("experiments.host_scale",
+                   "host ms per engine step vs pool pages (1K-200K), running requests (16-256), "
+                   "an empty or full prefix cache and requests served; RSS (not in the default "
+                   "suite: quick ~4 min with 20K requests served, --full ~10 min with 100K)"),
     "serve_processes": ("experiments.serve_processes",
                         "prefill and decode as two server processes (mlkit.serve, KV over "
                         "jax.experimental.transfer) vs the in-process DisaggEngine: transfer MB/s, "
