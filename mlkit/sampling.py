@@ -16,6 +16,10 @@ import numpy as np
 from pallas_kernels import device
 
 
+# The most alternatives a request may ask log-probabilities for (OpenAI's API allows 20).
+MAX_LOGPROBS = 20
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """How to pick tokens for one request."""
@@ -32,6 +36,10 @@ class SamplingParams:
   seed: int = 0
   # Token ids that end the request (the stop token is emitted).
   stop_tokens: tuple[int, ...] = ()
+  # Log-probabilities to return per generated token: None for none; 0 for the sampled
+  # token's; k for it and the k most likely tokens' (at most the engine's
+  # EngineConfig.logprobs).
+  logprobs: int | None = None
 
   def __post_init__(self):
     # Exact types: a float stop token or a string temperature is a caller's bug, never rounded
@@ -57,8 +65,12 @@ class SamplingParams:
     stops = tuple(_int_field("stop_tokens", x) for x in self.stop_tokens)
     if any(x < 0 for x in stops):
       raise ValueError(f"SamplingParams.stop_tokens must be non-negative token ids, got {stops}")
+    lps = None if self.logprobs is None else _int_field("logprobs", self.logprobs)
+    if lps is not None and not 0 <= lps <= MAX_LOGPROBS:
+      raise ValueError(f"SamplingParams.logprobs must be None or an int in [0, {MAX_LOGPROBS}], "
+                       f"got {lps!r}")
     for name, value in (("max_new_tokens", n), ("temperature", t), ("top_k", k), ("top_p", p),
-                        ("seed", seed), ("stop_tokens", stops)):
+                        ("seed", seed), ("stop_tokens", stops), ("logprobs", lps)):
       object.__setattr__(self, name, value)
 
 
@@ -120,6 +132,27 @@ def _sample_filtered(logits, keys, temperature, top_k, top_p, greedy):
   filtered = jnp.where(scaled >= threshold, scaled, -jnp.inf)
   sampled = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
   return jnp.where(temperature > 0, sampled, greedy)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, k: int):
+  """The sampled tokens' log-probabilities and the ``k`` most likely tokens', per row.
+
+  Log-probabilities are of the model's distribution (log-softmax of the raw
+  logits, before temperature and the top-k/top-p filters), as OpenAI's API and
+  vLLM report them by default.
+
+  Args:
+    logits: [B, V] (any float dtype; computed in f32).
+    tokens: [B] int32 the sampled tokens.
+    k: how many alternatives (static, >= 1).
+
+  Returns:
+    (token_logprob [B] f32, top_ids [B, k] int32, top_logprobs [B, k] f32), most likely first.
+  """
+  lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [B, V]
+  chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]  # [B]
+  top_lp, top_ids = jax.lax.top_k(lp, k)  # [B, k]
+  return chosen, top_ids.astype(jnp.int32), top_lp
 
 
 def row_keys(seeds: jax.Array, step: jax.Array | int) -> jax.Array:

@@ -481,11 +481,44 @@ class RunnerTest(absltest.TestCase):
                       expected_tags=et, lengths=np.array([9, 4, 0, 0], np.int32), last_index=z,
                       seeds=z.astype(np.uint32), sample_steps=z,
                       temperature=np.zeros(4, np.float32), top_k=z, top_p=np.ones(4, np.float32))
-    tok, ok, eng.state, _ = eng.runner.run("decode", eng.state, batch)
+    tok, ok, eng.state, _, _ = eng.runner.run("decode", eng.state, batch)
     self.assertEqual(np.asarray(ok).tolist(), [True, False, True, True])
     after = np.asarray(eng.state.layers[0]["latent"][page])
     np.testing.assert_array_equal(after, before)
 
+
+
+class LogprobsTest(absltest.TestCase):
+
+  def test_logprobs_are_the_log_softmax_of_the_sampled_position(self):
+    # record_logits gives each emitted token's logits: the log-probabilities must be their
+    # log-softmax (raw, before temperature), the top ids the most likely ones, for greedy
+    # and sampled rows, prefill (first token) and decode alike.
+    eng = Engine(params(), engine_config(logprobs=5))
+    samplings = [SamplingParams(max_new_tokens=4, logprobs=3),
+                 SamplingParams(max_new_tokens=4, temperature=0.9, seed=7, logprobs=0),
+                 SamplingParams(max_new_tokens=4)]
+    ids = [eng.submit(prompt(n, n), s) for n, s in zip((5, 20, 9), samplings)]
+    eng.run_until_done()
+    for rid, s in zip(ids, samplings):
+      req = eng.get(rid)
+      if s.logprobs is None:
+        self.assertIsNone(req.logprobs)
+        continue
+      self.assertLen(req.logprobs, len(req.output))
+      for tok, (chosen, top_ids, top_lps), logits in zip(req.output, req.logprobs,
+                                                          eng.logits[rid]):
+        ref = np.asarray(jax.nn.log_softmax(jnp.asarray(logits, jnp.float32)))
+        self.assertAlmostEqual(chosen, float(ref[tok]), places=5)
+        order = np.argsort(-ref, kind="stable")[:s.logprobs]
+        self.assertEqual(top_ids, order.tolist())
+        np.testing.assert_allclose(top_lps, ref[order], rtol=1e-6, atol=1e-6)
+    with self.assertRaisesRegex(ValueError, "at most 5 top log-probabilities"):
+      eng.submit([1, 2], SamplingParams(logprobs=6))
+    with self.assertRaisesRegex(ValueError, "computes no log-probabilities"):
+      Engine(params(), engine_config()).submit([1, 2], SamplingParams(logprobs=0))
+    with self.assertRaisesRegex(ValueError, "logprobs must be None or an int in"):
+      SamplingParams(logprobs=21)
 
 
 # Faults under overlap: the engine state machine draws the mode (tests/test_state_machine.py).

@@ -59,6 +59,9 @@ class EngineConfig:
   enable_fault_injection: bool = False
   # Also return each step's sampled-position logits (host copy per step; for accuracy tests only).
   record_logits: bool = False
+  # Top log-probabilities each step computes per row (0: none; a request may ask for up to
+  # this many through SamplingParams.logprobs). Computed from the raw logits on device.
+  logprobs: int = 0
   # Dispatch step N+1 before collecting step N, so host scheduling and bookkeeping overlap
   # the device (same tokens; a stop is seen one step late and its extra row dropped).
   overlap: bool = False
@@ -97,6 +100,11 @@ class EngineConfig:
     if not isinstance(self.admission_reserve, int) or self.admission_reserve < 0:
       raise ValueError(f"EngineConfig.admission_reserve must be a non-negative int, "
                        f"got {self.admission_reserve!r}")
+    from mlkit.sampling import MAX_LOGPROBS
+    if (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+        or not 0 <= self.logprobs <= MAX_LOGPROBS):
+      raise ValueError(f"EngineConfig.logprobs must be an int in [0, {MAX_LOGPROBS}], "
+                       f"got {self.logprobs!r}")
     if not isinstance(self.retain_finished, int) or self.retain_finished < 0:
       raise ValueError(f"EngineConfig.retain_finished must be a non-negative int, "
                        f"got {self.retain_finished!r}")

@@ -57,7 +57,7 @@ from absl import logging
 
 from mlkit.config import ModelConfig
 from mlkit.engine.config import EngineConfig
-from mlkit.engine.engine import Engine
+from mlkit.engine.engine import Engine, check_logprobs
 from mlkit.engine.request import ABORT_TRANSFER, Request, RequestOutput, RequestRejected  # noqa: F401
 from mlkit.engine.serving import EndedWindow, ServingLoop
 from mlkit.engine.transfer import Payload, TransferResult, flip_low_bit, transfer_kv
@@ -322,6 +322,7 @@ class DisaggEngine(ServingLoop):
       ValueError / RequestRejected: as :meth:`submit`.
     """
     prompt, sampling = self.prefill.check_request(prompt_ids, sampling)
+    check_logprobs(sampling, self.decode.config.logprobs)  # the decode pool emits the rest
     total = len(prompt) + sampling.max_new_tokens
     limit = self.decode.max_seq_tokens
     if total > limit:

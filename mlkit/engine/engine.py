@@ -218,6 +218,7 @@ class Engine(ServingLoop):
     """
     mcfg = self.config.model
     sampling = _validate_sampling(sampling, mcfg.vocab_size)
+    check_logprobs(sampling, self.config.logprobs)
     try:
       prompt = np.asarray(prompt_ids)
     except Exception as e:  # ragged or non-numeric input
@@ -498,20 +499,20 @@ class Engine(ServingLoop):
       self._touch(inf.dec_rows)
       k = 0
       if inf.pre_rows:
-        tok, ok, lg = host_out[k]
+        tok, ok, lg, lp = host_out[k]
         k += 1
         for i, item in enumerate(inf.pre_rows):
           end = item.start + item.n
           if ok[i] and not item.req.done and self.scheduler.holds(item.req):
             # Its KV up to here is written and checked: later requests may share it now.
             self._cache_prefix(item.req, item.req.prefill_tokens[:end])
-          generated += self._finish_row(item.req, bool(ok[i]), tok[i], lg, i, t2,
+          generated += self._finish_row(item.req, bool(ok[i]), tok[i], lg, lp, i, t2,
                                         prefill_final=end == len(item.req.prefill_tokens))
       if inf.dec_rows:
-        tok, ok, lg = host_out[k]
+        tok, ok, lg, lp = host_out[k]
         for i, req in enumerate(inf.dec_rows):
           req.pending -= 1
-          generated += self._finish_row(req, bool(ok[i]), tok[i], lg, i, t2)
+          generated += self._finish_row(req, bool(ok[i]), tok[i], lg, lp, i, t2)
     else:
       t2 = time.perf_counter()
     self._touch(self.audit_pages())
@@ -541,7 +542,7 @@ class Engine(ServingLoop):
       self._error_abort(req, err)
     return batch, rows
 
-  def _finish_row(self, req: Request, ok: bool, token, logits, i: int, now: float,
+  def _finish_row(self, req: Request, ok: bool, token, logits, logprobs, i: int, now: float,
                   prefill_final: bool | None = None) -> int:
     """Host bookkeeping of one row's result; returns the tokens it emitted (0 or 1).
 
@@ -558,13 +559,15 @@ class Engine(ServingLoop):
         if not prefill_final or req.status is not RequestStatus.PREFILLING:
           return 0
         req.status = RequestStatus.DECODING
-        emitted = self._emit(req, token, logits[i] if logits is not None else None, now)
+        emitted = self._emit(req, token, logits[i] if logits is not None else None, now,
+                             _row(logprobs, i))
         if not req.done and self.role == "prefill":
           self.scheduler.detach(req)
         return emitted
       if req.status is not RequestStatus.DECODING:
         return 0
-      return self._emit(req, token, logits[i] if logits is not None else None, now)
+      return self._emit(req, token, logits[i] if logits is not None else None, now,
+                        _row(logprobs, i))
     except Exception as e:  # one request's bad state must not stop the others
       self._error_abort(req, f"{type(e).__name__}: {e}")
       return 0
@@ -656,8 +659,8 @@ class Engine(ServingLoop):
     return (f"{len(s.waiting)} waiting, {len(s.running)} running, "
             f"{len(s.detached)} awaiting hand-over")
 
-  def _emit(self, req: Request, token, logits, now: float) -> int:
-    req.emit(int(token), now)
+  def _emit(self, req: Request, token, logits, now: float, logprob=None) -> int:
+    req.emit(int(token), now, logprob)
     if logits is not None:
       self.logits.setdefault(req.request_id, []).append(np.asarray(logits))
     reason = req.should_stop()
@@ -785,6 +788,11 @@ class Engine(ServingLoop):
 
 
 _NEEDS_SYNC = object()  # _launch: collect the step in flight, then schedule again
+
+
+def _row(logprobs, i: int):
+  """Row ``i`` of a step's (token logprob [B], top ids [B, K], top logprobs [B, K]), or None."""
+  return None if logprobs is None else tuple(x[i] for x in logprobs)
 
 
 def _sampling_row(r: Request) -> tuple:
@@ -922,3 +930,10 @@ def _validate_sampling(sampling, vocab_size: int) -> SamplingParams:
   if bad:
     raise ValueError(f"submit: stop tokens outside [0, {vocab_size}): {bad}")
   return sampling
+
+
+def check_logprobs(sampling: SamplingParams, served: int) -> None:
+  if sampling.logprobs is not None and (served == 0 or sampling.logprobs > served):
+    raise ValueError(f"submit: SamplingParams.logprobs={sampling.logprobs}, but this engine "
+                     + (f"returns at most {served} top log-probabilities"
+                        if served else "computes no log-probabilities (EngineConfig.logprobs=0)"))

@@ -138,7 +138,8 @@ class DeviceSide:
         the latest decode step's device output (the engine's overlapped mode).
 
     Returns:
-      (tokens [B], ok [B], logits [B, V] or None) on device.
+      (tokens [B], ok [B], logits [B, V] or None, logprobs or None) on device
+      (``Runner.run``).
     """
     if self.multiprocess:  # one pool's step inputs: identical host values on every process
       batch = dataclasses.replace(batch, **{
@@ -147,11 +148,11 @@ class DeviceSide:
     if chain:
       batch = dataclasses.replace(
           batch, tokens=chain_tokens(batch.tokens, self._last_decode, batch.prev_row))
-    tok, ok, self.state, lg = self.runner.run(kind, self.state, batch)
+    tok, ok, self.state, lg, lp = self.runner.run(kind, self.state, batch)
     if kind == "decode":
       self._last_decode = tok
-    self._pending.append((tok, ok, lg))
-    return tok, ok, lg
+    self._pending.append((tok, ok, lg, lp))
+    return tok, ok, lg, lp
 
   def read(self, n: int) -> list:
     """The host values of the ``n`` oldest unread steps' outputs (waits for them)."""

@@ -85,6 +85,9 @@ class Request:
   admit_seq: int = -1
   first_token_time: float | None = None
   finish_time: float | None = None
+  # Per emitted token, when sampling.logprobs is not None: (logprob, top ids, top logprobs),
+  # the top lists sampling.logprobs long.
+  logprobs: list | None = None
 
   @property
   def done(self) -> bool:
@@ -95,11 +98,23 @@ class Request:
     """Tokens the sequence holds: prompt plus generated (the last generated one is not yet cached)."""
     return len(self.prompt) + len(self.output)
 
-  def emit(self, token: int, now: float) -> None:
-    """Appends a generated token."""
+  def emit(self, token: int, now: float, logprob=None) -> None:
+    """Appends a generated token, and its log-probabilities when the request asked for them.
+
+    Args:
+      logprob: (token logprob, top ids [K], top logprobs [K]) of this token (K >= the
+        request's ``sampling.logprobs``), or None.
+    """
     if self.first_token_time is None:
       self.first_token_time = now
     self.output.append(int(token))
+    k = self.sampling.logprobs
+    if k is not None and logprob is not None:
+      chosen, ids, lps = logprob
+      if self.logprobs is None:
+        self.logprobs = []
+      self.logprobs.append((float(chosen), [int(i) for i in ids[:k]],
+                            [float(x) for x in lps[:k]]))
 
   def should_stop(self) -> str | None:
     """The finish reason if the last token ends the request, else None."""

@@ -33,7 +33,7 @@ import numpy as np
 from mlkit.kvcache import BatchMeta, PagedKVState
 from mlkit.model import apply
 from mlkit.parallel import decode_sharding, expert_sharding
-from mlkit.sampling import row_keys, sample_tokens
+from mlkit.sampling import row_keys, sample_tokens, token_logprobs
 from pallas_kernels.tag_check import tag_check
 
 # Traces of each jitted step, across all engines (incremented at trace time only).
@@ -76,7 +76,7 @@ class StepBatch:
 def _step(params, state: PagedKVState, tokens, positions, block_tables, expected_tags, lengths,
           last_index, seeds, sample_steps, temperature, top_k, top_p, *, cfg, page_size,
           integrity_check, backend, record_logits, kind, expert_sharding=None,
-          decode_sharding=None):
+          decode_sharding=None, logprobs=0):
   TRACE_COUNTS[kind] += 1  # Python side effect: runs once per trace, never per call.
   B = tokens.shape[0]
   with jax.named_scope("tag_check"):
@@ -99,13 +99,12 @@ def _step(params, state: PagedKVState, tokens, positions, block_tables, expected
   # Same key derivation as mlkit.generate: fold_in(key(seed), index of the generated token).
   keys = row_keys(seeds, sample_steps)
   tok = sample_tokens(last, keys, temperature, top_k, top_p)  # [B]
-  if record_logits:
-    return tok, ok, state, last
-  return tok, ok, state
+  lp = token_logprobs(last, tok, logprobs) if logprobs else None
+  return tok, ok, state, last if record_logits else None, lp
 
 
 _STATIC = ("cfg", "page_size", "integrity_check", "backend", "record_logits", "kind",
-           "expert_sharding", "decode_sharding")
+           "expert_sharding", "decode_sharding", "logprobs")
 _step_jit = jax.jit(_step, static_argnames=_STATIC, donate_argnames=("state",))
 
 
@@ -115,7 +114,7 @@ def _static_args(params, config, state=None) -> dict:
   return dict(cfg=config.model, page_size=config.page_size,
               integrity_check=config.integrity_check, backend=config.backend,
               record_logits=config.record_logits, expert_sharding=expert_sharding(params),
-              decode_sharding=decode_sharding(params, state))
+              decode_sharding=decode_sharding(params, state), logprobs=config.logprobs)
 
 
 def _step_args(params, state, b: StepBatch) -> tuple:
@@ -191,11 +190,11 @@ class Runner:
       batch: the step's inputs.
 
     Returns:
-      (tokens [B] int32, ok [B] bool, state, logits [B, V] f32 or None), all on device.
+      (tokens [B] int32, ok [B] bool, state, logits [B, V] f32 or None, logprobs or None),
+      all on device; logprobs (with ``config.logprobs`` = K > 0) is the sampled token's
+      log-probability [B] f32, and the K most likely tokens [B, K] int32 with theirs
+      [B, K] f32 (:func:`mlkit.sampling.token_logprobs`).
     """
     # numpy inputs go straight to the jitted call: its C++ path transfers them, cheaper
     # than one jnp.asarray dispatch per array.
-    out = _step_jit(*_step_args(self.params, state, batch), kind=kind, **self._static)
-    if self.config.record_logits:
-      return out
-    return out + (None,)
+    return _step_jit(*_step_args(self.params, state, batch), kind=kind, **self._static)
