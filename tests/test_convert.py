@@ -85,6 +85,23 @@ class ConvertTest(absltest.TestCase):
         self.assertEqual(cfg, self.cfg)
         self.assertIdentical(got, load_hf_checkpoint(self.src, recipe=recipe)[0])
 
+  def test_tokenizer_files_travel_with_the_weights(self):
+    import tokenizer_fixtures
+    from mlkit.text import load_tokenizer
+    src = tempfile.mkdtemp(prefix="src_tok_", dir=self.root)
+    for name in os.listdir(self.src):
+      os.symlink(os.path.join(self.src, name), os.path.join(src, name))
+    tokenizer_fixtures.write_byte_level_checkpoint(src)
+    dst = self.dst()
+    rc, err = _run([src, dst, "--recipe", BF16.name])
+    self.assertEqual(rc, 0, err)
+    self.assertIn("copied the tokenizer files tokenizer.json, tokenizer_config.json, "
+                  "generation_config.json", err)
+    got, want = load_tokenizer(dst), load_tokenizer(src)
+    self.assertEqual((got.vocab_size, got.eos_token_ids, got.chat_template),
+                     (want.vocab_size, want.eos_token_ids, want.chat_template))
+    self.assertEqual(load_checkpoint(dst)[1], self.cfg)
+
   def test_on_a_mesh_too(self):
     mesh = make_mesh(MeshConfig(tensor=2, expert=2), jax.devices()[:4])
     dst = self.dst()

@@ -283,6 +283,11 @@ def convert_hf_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, rec
   with _out_of_space(f"writing the orbax checkpoint {dst} (all {n} tensors are staged in "
                      f"{staging.path}; free space and run the same conversion again to finish)"):
     save_checkpoint(dst, params, ck.cfg, overwrite=overwrite, recipe=recipe)
+    # The tokenizer travels with the weights: a server reads it from the checkpoint.
+    from mlkit.text.files import copy_tokenizer_files
+    copied = copy_tokenizer_files(str(src), str(dst))
+  if copied:
+    say(f"copied the tokenizer files {', '.join(copied)}")
   del params, fields
   shutil.rmtree(staging.path, ignore_errors=True)
   secs = time.perf_counter() - t0

@@ -282,6 +282,36 @@ class Engine(ServingLoop):
     req = self.requests.get(request_id)
     return req is not None and not req.done and self.scheduler.holds(req)
 
+  def num_waiting(self) -> int:
+    """Requests queued here and not yet admitted."""
+    return len(self.scheduler.waiting)
+
+  def finish(self, request_id: int, reason: str = "stop") -> bool:
+    """Ends a live request held here as finished now, e.g. when a stop string matched its text.
+
+    Like a stop token: its pages are returned (their whole pages of KV offered to the
+    prefix cache), and a step in flight drops its row.
+
+    Returns:
+      True if the request was live here; False if it had already ended or lives elsewhere.
+
+    Raises:
+      KeyError: unknown request id.
+    """
+    req = self.get(request_id)
+    if req.done or not self.scheduler.holds(req):
+      return False
+    if self.scheduler.is_detached(req) or req.status is RequestStatus.DECODING:
+      self._cache_prefix(req, (req.prompt + tuple(req.output))[:req.context_len - 1])
+    self.scheduler.remove(req)
+    req.status = RequestStatus.FINISHED
+    req.finish_reason = reason
+    req.finish_time = time.perf_counter()
+    self.stats.finished += 1
+    self._retire(req)
+    self._touch([req])
+    return True
+
   def running_ids(self) -> list[int]:
     """Ids of the requests that hold pages and run in this pool's steps, oldest first."""
     return [r.request_id for r in self.scheduler.running]

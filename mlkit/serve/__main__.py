@@ -81,9 +81,27 @@ def build_parser() -> argparse.ArgumentParser:
                       "it within this many seconds")
   p.add_argument("--no-warmup", dest="warmup", action="store_false",
                  help="skip compiling the steps on a dummy request at start-up")
+  web = p.add_argument_group("the OpenAI-compatible HTTP API (decode and colocated roles; "
+                             "docs/http.md)")
+  web.add_argument("--http", default=None, metavar="[HOST:]PORT",
+                   help="serve HTTP here (a bare PORT binds 127.0.0.1)")
+  web.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        "(prefer env MLKIT_API_KEY or --api-key-file: a command line is "
+                        "visible to every user in `ps`)")
+  web.add_argument("--api-key-file", default=None, help="read the API key from this file")
+  web.add_argument("--served-model-name", default=None,
+                   help="the model id clients name (default: the preset, or the checkpoint "
+                        "directory's name)")
+  web.add_argument("--tokenizer", default=None,
+                   help="a directory with the tokenizer files (default: the checkpoint's)")
+  web.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests that may wait; beyond, HTTP answers 503 with Retry-After")
+  p.add_argument("--max-logprobs", type=int, default=20,
+                 help="top log-probabilities each step computes (0: none)")
   p.add_argument("--enable-fault-injection", action="store_true",
                  help="accept test-only fault messages (prefill: corruption, a delayed offer; "
-                      "decode: a delayed pull)")
+                      "decode: a delayed pull; decode and colocated: page faults)")
   return p
 
 
@@ -130,6 +148,12 @@ def main(argv=None) -> int:
       if not args.prefill:
         raise ValueError("--role decode needs --prefill HOST:PORT (the prefill server)")
       proto.parse_address(args.prefill)
+    if args.http is not None and args.role == "prefill":
+      raise ValueError("--http serves the decode and colocated roles (clients talk to the "
+                       "decode server)")
+    if args.max_waiting < 1:
+      raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    api_key = _api_key(args)
   except ValueError as e:
     _fail(str(e))
   from mlkit import wire
@@ -148,7 +172,8 @@ def main(argv=None) -> int:
                       page_size=args.page_size, num_pages=args.num_pages,
                       max_running=args.max_running, max_pages_per_seq=args.max_pages_per_seq,
                       prefill_chunk=args.prefill_chunk, devices=args.devices,
-                      enable_fault_injection=args.enable_fault_injection)
+                      enable_fault_injection=args.enable_fault_injection,
+                      max_logprobs=args.max_logprobs)
     from mlkit.serve.decode import DecodeOptions
     options = DecodeOptions(prefill_timeout_s=args.prefill_timeout, pull_timeout_s=args.pull_timeout,
                             transfer_attempts=args.transfer_attempts)
@@ -162,6 +187,13 @@ def main(argv=None) -> int:
   except OSError as e:
     _fail(str(e))
   _log(f"role {cfg.role}: control channel on {listen}")
+  http_sock = None
+  if args.http is not None and args.process_id == 0:
+    from mlkit.serve.http.server import bind
+    try:
+      http_sock = bind(args.http)  # before the model too
+    except (OSError, ValueError) as e:
+      _fail(str(e))
   if cfg.role == "decode":  # an unreachable peer fails before the model is loaded
     try:
       proto.probe(args.prefill, args.connect_timeout)
@@ -183,15 +215,6 @@ def main(argv=None) -> int:
       _fail(f"pool followers: {e}")
     engine.lead(followers)
     _log(f"leading a pool of {args.num_processes} processes ({len(jax.devices())} devices)")
-  if args.warmup:
-    from mlkit.serve.model import warm_up
-    if cfg.role == "colocated":
-      from mlkit.sampling import SamplingParams
-      t = time.perf_counter()
-      engine.generate([[0] * cfg.prefill_chunk], SamplingParams(max_new_tokens=2))
-      _log(f"warm-up (compiles) took {time.perf_counter() - t:.1f} s")
-    else:
-      _log(f"warm-up (compiles) took {warm_up(engine):.1f} s")
   if cfg.role != "colocated":
     tserver = transfer.start_transfer_server(jax.local_devices()[0].client, f"{args.transfer_host}:0",
                                              [f"{args.transfer_host}:0"])
@@ -204,16 +227,32 @@ def main(argv=None) -> int:
   elif cfg.role == "decode":
     from mlkit.serve.decode import DecodeServer
     server = DecodeServer(engine, listener, tserver, args.prefill, key=key.value,
-                          model_name=mcfg.name, options=options)
+                          model_name=mcfg.name, options=options, max_waiting=args.max_waiting)
+  else:
+    from mlkit.serve.decode import ColocatedServer
+    server = ColocatedServer(engine, listener, model_name=mcfg.name,
+                             max_waiting=args.max_waiting)
+  door = None
+  if http_sock is not None:  # up during warm-up: /health answers 503 until it is done
+    door = _start_http(args, cfg, server, engine, http_sock, api_key)
+  if args.warmup:
+    from mlkit.serve.model import warm_up
+    if cfg.role == "colocated":
+      from mlkit.sampling import SamplingParams
+      t = time.perf_counter()
+      engine.generate([[0] * cfg.prefill_chunk], SamplingParams(max_new_tokens=2))
+      _log(f"warm-up (compiles) took {time.perf_counter() - t:.1f} s")
+    else:
+      _log(f"warm-up (compiles) took {warm_up(engine):.1f} s")
+  if cfg.role == "decode":
     try:
       server.connect_peer(args.connect_timeout)
       server.wait_peer(args.connect_timeout)
     except ConnectionError as e:
       _fail(f"prefill server unreachable: {e}")
     _log(f"connected to the prefill server at {args.prefill}")
-  else:
-    from mlkit.serve.decode import ColocatedServer
-    server = ColocatedServer(engine, listener, model_name=mcfg.name)
+  if door is not None:
+    door.ready.set()
   _log(f"ready ({cfg.role} on {listen})")
   try:
     server.serve_forever()
@@ -237,6 +276,68 @@ def main(argv=None) -> int:
   return 0
 
 
+def _api_key(args) -> str | None:
+  """The HTTP API key: --api-key-file, --api-key, or env MLKIT_API_KEY (None: no key).
+
+  Raises:
+    ValueError: an unreadable or empty key file.
+  """
+  if args.api_key_file is not None:
+    try:
+      with open(args.api_key_file) as f:
+        key = f.read().strip()
+    except OSError as e:
+      raise ValueError(f"--api-key-file {args.api_key_file}: {e.strerror or e}") from None
+    if not key:
+      raise ValueError(f"--api-key-file {args.api_key_file} is empty")
+    return key
+  return args.api_key or os.environ.get("MLKIT_API_KEY") or None
+
+
+def _start_http(args, cfg, server, engine, sock, api_key):
+  """Starts the OpenAI-compatible API on ``sock`` (health 503 until ``door.ready``)."""
+  from absl import logging
+
+  from mlkit import wire
+  from mlkit.serve.http.app import Door, build_app
+  from mlkit.serve.http.metrics import ServeMetrics
+  from mlkit.serve.http.openai_api import Context
+  from mlkit.serve.http.server import HttpServer
+  from mlkit.text import TokenizerError, load_tokenizer
+  source = args.tokenizer or cfg.checkpoint
+  tokenizer = None
+  if source is not None:
+    try:
+      tokenizer = load_tokenizer(source)
+    except TokenizerError as e:
+      _fail(f"cannot load the tokenizer: {e}")
+  vocab = engine.config.model.vocab_size
+  if tokenizer is None:
+    _log("no tokenizer: the HTTP API takes token-id prompts only")
+  else:
+    _log(f"tokenizer from {source}: {tokenizer.vocab_size} tokens, eos {list(tokenizer.eos_token_ids)}"
+         f", chat template {'yes' if tokenizer.chat_template else 'none'}")
+    if tokenizer.vocab_size > vocab:
+      logging.warning("the tokenizer has %d tokens, the model %d: prompts with ids past the "
+                      "model's are refused", tokenizer.vocab_size, vocab)
+  name = args.served_model_name or cfg.model_name
+  metrics = ServeMetrics(name)
+  server.serve_metrics = metrics
+  door = Door(server.inbox.queue, Context(model=name, vocab_size=vocab,
+                                          max_tokens=engine.config.max_seq_tokens,
+                                          max_logprobs=engine.config.logprobs,
+                                          tokenizer=tokenizer), metrics, api_key)
+  http = HttpServer(build_app(door), sock)
+  http.start()
+  host = http.address.rsplit(":", 1)[0]
+  if api_key is None and not wire.is_loopback(host):
+    logging.warning("HTTP on %s without an API key: anyone who reaches it can use it "
+                    "(set MLKIT_API_KEY or --api-key-file)", http.address)
+  _log(f"HTTP (OpenAI-compatible) on http://{http.address} as model {name!r}"
+       + (", API key required" if api_key else ""))
+  return door
+
+
 def _build(args, cfg):
   """Joins the pool's processes (when several), loads the model and builds the engine."""
   import jax
@@ -258,9 +359,12 @@ def _build(args, cfg):
   _log(f"model {mcfg.name}: {mcfg.n_layers} layers, {what}, loaded in {time.perf_counter() - t0:.1f} s")
   engine = build_engine(cfg, params, mcfg)
   del params
-  _log(f"pool: {cfg.num_pages} pages of {engine.config.page_size} tokens, KV {cfg.kv_dtype}, "
-       f"weights {cfg.recipe}, {len(jax.devices())} {jax.default_backend()} device(s), "
+  from mlkit.quant.tree import describe_formats
+  _log(f"pool: {cfg.num_pages} pages of {engine.config.page_size} tokens, KV "
+       f"{engine.state.dtype}, {len(jax.devices())} {jax.default_backend()} device(s), "
        f"max {cfg.max_running} running")
+  # What was loaded, not what --recipe says: a quantised checkpoint keeps its formats.
+  _log("weights: " + "; ".join(f"{g} {f}" for g, f in describe_formats(engine.runner.params).items()))
   return engine, mcfg
 
 

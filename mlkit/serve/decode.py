@@ -46,6 +46,7 @@ from mlkit.engine.request import (ABORT_CANCELLED, ABORT_ERROR, ABORT_PEER_LOST,
 from mlkit.engine import lockstep
 from mlkit.engine.transfer import check_pools, land_fill, verify_payload
 from mlkit.serve import protocol as proto
+from mlkit.serve.http.calls import HTTP, Accepted, Refusal, Streams
 
 
 # An inbox event from a pull thread (not a wire message): a payload arrived or failed.
@@ -147,7 +148,7 @@ class DecodeStats:
 class FrontDoor:
   """What the decode and colocated servers share: clients, batches, request ends."""
 
-  def __init__(self, engine, listener, model_name: str):
+  def __init__(self, engine, listener, model_name: str, *, max_waiting: int = 1024):
     self.engine = engine
     self.listener = listener
     self.model_name = model_name
@@ -156,6 +157,14 @@ class FrontDoor:
     self.requests: dict[int, Request] = {}
     self._batches: list[_Batch] = []
     self._stop = False
+    # HTTP requests in flight (mlkit.serve.http), and how many may wait before new ones
+    # are refused (HTTP 503).
+    self.http_streams = Streams()
+    self.max_waiting = max_waiting
+    # Prometheus metrics (mlkit.serve.http.metrics.ServeMetrics) when serving HTTP, and when
+    # they last got a snapshot of the engine.
+    self.serve_metrics = None
+    self._snapshot_at = 0.0
     # What clients may send, bounded by this server's model (token ids, prompt lengths).
     self.client_kinds = proto.front_door_kinds(engine.config.model.vocab_size,
                                                engine.config.model.max_seq_len)
@@ -202,6 +211,16 @@ class FrontDoor:
       self._answer_batches()
     elif kind == "fault":
       self._fault(conn, msg)
+    elif conn == HTTP and kind == "http_submit":
+      self._http_submit(msg["call"])
+    elif conn == HTTP and kind == "http_cancel":
+      for rid in msg["call"].request_ids:
+        if rid in self.requests and not self.requests[rid].done:
+          self._cancel(rid, "its HTTP client disconnected")
+    elif conn == HTTP and kind == "http_stop":  # a stop string ended this choice
+      rid = msg["call"].request_ids[msg["index"]]
+      if rid in self.requests and not self.requests[rid].done:
+        self._stop_request(rid)
     elif kind == "metrics":
       self.inbox.send(conn, proto.message("ok", metrics=self.metrics()))
     elif kind == "hello":
@@ -251,11 +270,69 @@ class FrontDoor:
       reqs = [self.requests[i] for i in b.ids]
       if all(r.done for r in reqs):
         self.inbox.send(b.conn, proto.message("result", outputs=[_describe(r) for r in reqs]))
-        for i in b.ids:  # handed out: nothing here holds it any more
-          del self.requests[i]
+        for r in reqs:  # handed out: nothing here holds it any more
+          del self.requests[r.request_id]
+          self._ended(r)
       else:
         keep.append(b)
     self._batches = keep
+
+  # ------------------------------------------------------------------ HTTP (mlkit.serve.http)
+  def waiting(self) -> int:
+    """Requests queued and not yet running (the engine's queue; a decode server adds its own)."""
+    return self.engine.num_waiting()
+
+  def _http_submit(self, call) -> None:
+    """Queues an HTTP call's choices, or refuses it: 503 when the queue is full, 400 when a
+    request can never be served as asked (nothing is queued then)."""
+    if self.waiting() + len(call.prompts) > self.max_waiting:
+      call.deliver(Refusal(503, f"the server's waiting queue is full ({self.max_waiting} "
+                           "requests); retry later"))
+      return
+    try:
+      checked = [self.engine.check_request(p, s) for p, s in zip(call.prompts, call.samplings)]
+    except ValueError as e:  # RequestRejected among them
+      call.deliver(Refusal(400, str(e).removeprefix("submit: ")))
+      return
+    call.request_ids = [self._new_request(p, s) for p, s in checked]
+    call.deliver(Accepted())
+    for i, rid in enumerate(call.request_ids):
+      self.http_streams.add(rid, call, i)
+
+  def _stop_request(self, rid: int) -> None:
+    """Ends a live request as finished with reason stop (a stop string matched its text)."""
+    if self.engine.holds(rid):
+      self.engine.finish(rid, "stop")
+    else:  # not in the engine yet (a decode server's request in flight): cancel it
+      self._cancel(rid, "a stop string ended it")
+
+  def _after_turn(self) -> None:
+    """Hands HTTP requests their new tokens; refreshes the metrics snapshot now and then."""
+    if self.http_streams:
+      for req in self.http_streams.push(self.requests):
+        del self.requests[req.request_id]
+        self._ended(req)
+    if self.serve_metrics is not None:
+      now = time.monotonic()
+      if now - self._snapshot_at > 0.5:
+        self._snapshot_at = now
+        self.serve_metrics.update(self.snapshot())
+
+  def _ended(self, req: Request) -> None:
+    if self.serve_metrics is not None:
+      self.serve_metrics.observe_end(req)
+
+  def snapshot(self) -> dict:
+    """Gauges and counters of the server for /metrics (engine thread)."""
+    m = self.engine.metrics()
+    pc = m.get("prefix_cache", {})
+    return {"running": m["running"], "waiting": self.waiting(), "pages_used": m["pages_used"],
+            "pages_free": m["pages_free"], "pages_cached": m["pages_cached"],
+            "pages_quarantined": m["pages_quarantined"],
+            "prefix_cache_hit_rate": pc.get("token_hit_rate", 0.0),
+            "prefix_cache_queries": pc.get("tokens_looked_up", 0),
+            "prefix_cache_hits": pc.get("tokens_saved", 0),
+            "generated_tokens": m["generated_tokens"], "prompt_tokens": m["prefill_tokens"]}
 
   def metrics(self) -> dict:
     return self.engine.metrics()
@@ -295,6 +372,7 @@ class ColocatedServer(FrontDoor):
     if self.engine.has_unfinished():
       self.engine.step()
       self._answer_batches()
+    self._after_turn()
 
 
 class DecodeServer(FrontDoor):
@@ -313,8 +391,9 @@ class DecodeServer(FrontDoor):
   role = "decode"
 
   def __init__(self, engine, listener, transfer_server, prefill_address: str, *, key: bytes,
-               model_name: str, options: DecodeOptions = DecodeOptions()):
-    super().__init__(engine, listener, model_name)
+               model_name: str, options: DecodeOptions = DecodeOptions(),
+               max_waiting: int = 1024):
+    super().__init__(engine, listener, model_name, max_waiting=max_waiting)
     if engine.role != "serve":
       raise ValueError(f"DecodeServer needs an Engine with role 'serve', got {engine.role!r}")
     self.transfer = transfer_server
@@ -502,6 +581,16 @@ class DecodeServer(FrontDoor):
       self.stats.requeued += 1
       self._queue.appendleft(req)
     self._answer_batches()
+    self._after_turn()
+
+  def waiting(self) -> int:
+    return len(self._queue) + self.engine.num_waiting()
+
+  def snapshot(self) -> dict:
+    snap = super().snapshot()
+    snap.update(kv_transfers=self.stats.transfers, kv_transfer_retries=self.stats.transfer_retries,
+                kv_transfer_failures=self.stats.transfer_failures)
+    return snap
 
   def _handle(self, conn, msg: dict) -> None:
     kind = msg["kind"]
@@ -532,8 +621,9 @@ class DecodeServer(FrontDoor):
     if msg["kind"] == "finished":  # the first token ended it (a stop token, or one token wanted)
       self._flights.pop(f.uuid)
       self._unreserve(req)
-      for t in msg["tokens"]:
-        req.emit(t, now)
+      lps = msg.get("logprobs") or [None] * len(msg["tokens"])
+      for t, lp in zip(msg["tokens"], lps):
+        req.emit(t, now, lp)
       req.status = RequestStatus.FINISHED
       req.finish_reason = msg["finish_reason"] or FINISH_LENGTH
       req.finish_time = now
@@ -542,7 +632,7 @@ class DecodeServer(FrontDoor):
                  f"the prefill server failed it: {msg.get('error')}", release=False)
     else:
       if not f.emitted:  # the first token is known now (a resend repeats it)
-        req.emit(msg["first_token"], now)
+        req.emit(msg["first_token"], now, (msg.get("logprobs") or [None])[0])
         f.emitted = True
       f.offer, f.offered_at = msg, time.monotonic()
       specs = [jax.ShapeDtypeStruct(tuple(shape), np.dtype(dt), sharding=self._pull_sharding)

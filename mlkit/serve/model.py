@@ -46,6 +46,8 @@ class ServeConfig:
   # Host devices of this process, all on the tensor axis (a CPU process makes this many).
   devices: int = 1
   enable_fault_injection: bool = False
+  # Top log-probabilities each step computes (a request may ask for up to this many; 0: none).
+  max_logprobs: int = 20
 
   def __post_init__(self):
     from mlkit.quant import RECIPES
@@ -119,7 +121,8 @@ def engine_config(cfg: ServeConfig, mcfg: ModelConfig):
                       prefill_buckets=(cfg.prefill_chunk,),
                       prefill_token_budget=cfg.prefill_chunk * cfg.max_running,
                       max_pages_per_seq=cfg.max_pages_per_seq,
-                      enable_fault_injection=cfg.enable_fault_injection)
+                      enable_fault_injection=cfg.enable_fault_injection,
+                      logprobs=cfg.max_logprobs)
 
 
 def build_engine(cfg: ServeConfig, params, mcfg: ModelConfig):

@@ -188,8 +188,9 @@ class PrefillServer:
     self._by_uuid.pop(job.uuid, None)
     req = self.engine.get(rid)
     if req.finish_reason is not None:
+      extra = {"logprobs": req.logprobs} if req.logprobs else {}
       self.inbox.send(job.conn, proto.message("finished", uuid=job.uuid, tokens=list(req.output),
-                                              finish_reason=req.finish_reason))
+                                              finish_reason=req.finish_reason, **extra))
     else:
       self.inbox.send(job.conn, proto.message("failed", uuid=job.uuid, error=req.error,
                                               abort_reason=req.abort_reason))
@@ -220,8 +221,9 @@ class PrefillServer:
     job.offered_at = time.monotonic()
     self.stats.offers += 1
     self.stats.offer_bytes += sum(x.nbytes for x in leaves)
+    extra = {"logprobs": req.logprobs} if req.logprobs else {}
     self.inbox.send(job.conn, proto.message(
-        "offered", uuid=job.uuid, first_token=int(req.output[-1]),
+        "offered", uuid=job.uuid, first_token=int(req.output[-1]), **extra,
         checksum=np.asarray(checksum, np.uint32),
         specs=job.specs, layer_keys=[sorted(layer) for layer in payload], base=base,
         length=length))

@@ -46,6 +46,7 @@ MAX_PROMPTS = 256  # prompts in one generate
 MAX_STOP_TOKENS = 256
 MAX_MESSAGE_TEXT = 4096  # an error's text
 MAX_UUID = 1 << 63
+MAX_LOGPROBS = 20  # mlkit.sampling.MAX_LOGPROBS (kept here: a client imports no JAX)
 MAX_ARRAYS = 1 << 14  # arrays of one KV payload (entries x layers)
 ABORT_REASONS = ("integrity", "too_long", "cancelled", "transfer", "error", "peer_lost", "timeout")
 FAULT_KINDS = ("use_after_free", "double_allocation", "wrong_page", "stale_tag")
@@ -83,7 +84,14 @@ def sampling_schema(vocab: int) -> Fields:
   """The fields of a SamplingParams on the wire (types and ranges; SamplingParams checks the rest)."""
   return Fields({"max_new_tokens": Int(1, 1 << 31), "temperature": Float(0.0, 1e6),
                  "top_k": Int(0, vocab + 1), "top_p": Float(0.0, 1.0), "seed": Int(0, 1 << 32),
-                 "stop_tokens": _tokens(vocab, MAX_STOP_TOKENS, 0)})
+                 "stop_tokens": _tokens(vocab, MAX_STOP_TOKENS, 0)},
+                {"logprobs": Nullable(Int(0, MAX_LOGPROBS + 1))})
+
+
+def logprobs_schema(vocab: int) -> List:
+  """Per emitted token: [logprob, top ids, top logprobs] (Request.logprobs)."""
+  entry = Tuple((Float(), List(Int(0, vocab), MAX_LOGPROBS), List(Float(), MAX_LOGPROBS)))
+  return List(entry, MAX_LOGPROBS + 1)
 
 
 def _hello() -> Fields:
@@ -142,9 +150,10 @@ def peer_kinds(vocab: int, max_tokens: int) -> dict[str, Fields]:
                          "checksum": Array(("uint32",), max_size=MAX_ARRAYS * 8),
                          "specs": List(_spec(), MAX_ARRAYS, 1),
                          "layer_keys": List(List(Str(64), 64, 1), MAX_ARRAYS, 1),
-                         "base": Int(0, max_tokens + 1), "length": Int(1, max_tokens + 1)}),
+                         "base": Int(0, max_tokens + 1), "length": Int(1, max_tokens + 1)},
+                        {"logprobs": logprobs_schema(vocab)}),
       "finished": Fields({"uuid": uuid, "tokens": _tokens(vocab, max_tokens),
-                          "finish_reason": Str(16)}),
+                          "finish_reason": Str(16)}, {"logprobs": logprobs_schema(vocab)}),
       "failed": Fields({"uuid": uuid}, {"error": Nullable(Str(MAX_MESSAGE_TEXT)),
                                         "abort_reason": Nullable(Str(16, ABORT_REASONS))}),
       "ok": Fields({}, {"metrics": Plain(), "cancelled": Int(0, 1 << 31)}),
