@@ -450,6 +450,7 @@ class OpenAiApiTest(absltest.TestCase):
     ids = tok.encode("Hello world, again")
     c = api.ChoiceText(plan, tok)
     out = "".join(c.feed([t], None)[0] for t in ids)
+    self.assertEqual(c.feed([ids[0]], None), ("", [], []))  # past the stop: nothing
     self.assertEqual(out, "Hello ")
     self.assertTrue(c.stopped)
     self.assertEqual(c.finish(None), "")

@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a directory with the tokenizer files (default: the checkpoint's)")
   web.add_argument("--max-waiting", type=int, default=1024,
                    help="requests that may wait; beyond, HTTP answers 503 with Retry-After")
+  p.add_argument("--batch-buckets", default=None, metavar="B1,B2,...",
+                 help="batch sizes a step pads to, ascending, the last at least --max-running "
+                      "(default: --max-running only: the fewest compiles)")
+  p.add_argument("--overlap", action="store_true",
+                 help="colocated: dispatch each step before collecting the last (host work, "
+                      "HTTP included, runs while the device computes)")
   p.add_argument("--max-logprobs", type=int, default=20,
                  help="top log-probabilities each step computes (0: none)")
   p.add_argument("--enable-fault-injection", action="store_true",
@@ -173,7 +179,8 @@ def main(argv=None) -> int:
                       max_running=args.max_running, max_pages_per_seq=args.max_pages_per_seq,
                       prefill_chunk=args.prefill_chunk, devices=args.devices,
                       enable_fault_injection=args.enable_fault_injection,
-                      max_logprobs=args.max_logprobs)
+                      max_logprobs=args.max_logprobs, overlap=args.overlap,
+                      batch_buckets=_buckets(args.batch_buckets))
     from mlkit.serve.decode import DecodeOptions
     options = DecodeOptions(prefill_timeout_s=args.prefill_timeout, pull_timeout_s=args.pull_timeout,
                             transfer_attempts=args.transfer_attempts)
@@ -238,10 +245,8 @@ def main(argv=None) -> int:
   if args.warmup:
     from mlkit.serve.model import warm_up
     if cfg.role == "colocated":
-      from mlkit.sampling import SamplingParams
-      t = time.perf_counter()
-      engine.generate([[0] * cfg.prefill_chunk], SamplingParams(max_new_tokens=2))
-      _log(f"warm-up (compiles) took {time.perf_counter() - t:.1f} s")
+      from mlkit.serve.model import warm_up_colocated
+      _log(f"warm-up (compiles every batch bucket) took {warm_up_colocated(engine):.1f} s")
     else:
       _log(f"warm-up (compiles) took {warm_up(engine):.1f} s")
   if cfg.role == "decode":
@@ -274,6 +279,15 @@ def main(argv=None) -> int:
   _log("stopped")
   listener.close()
   return 0
+
+
+def _buckets(text: str | None) -> tuple[int, ...] | None:
+  if text is None:
+    return None
+  try:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+  except ValueError:
+    raise ValueError(f"--batch-buckets takes comma-separated ints, got {text!r}") from None
 
 
 def _api_key(args) -> str | None:

@@ -48,6 +48,12 @@ class ServeConfig:
   enable_fault_injection: bool = False
   # Top log-probabilities each step computes (a request may ask for up to this many; 0: none).
   max_logprobs: int = 20
+  # Dispatch step N+1 before collecting step N (EngineConfig.overlap): the host's work, the
+  # HTTP front door's included, runs while the device computes. Colocated role only.
+  overlap: bool = False
+  # Batch sizes a step may pad to, ascending (default: max_running only, the fewest
+  # compiles). More buckets make a lone request's step as small as it is.
+  batch_buckets: tuple[int, ...] | None = None
 
   def __post_init__(self):
     from mlkit.quant import RECIPES
@@ -70,6 +76,9 @@ class ServeConfig:
       v = getattr(self, name)
       if not isinstance(v, int) or v < 1:
         raise ValueError(f"ServeConfig.{name} must be a positive int, got {v!r}")
+    if self.overlap and self.role != "colocated":
+      raise ValueError("ServeConfig.overlap is for the colocated role (a decode server lands "
+                       "KV between steps; a prefill server hands requests over)")
     if self.n_layers is not None and (not isinstance(self.n_layers, int) or self.n_layers < 1):
       raise ValueError(f"ServeConfig.n_layers must be a positive int or None, got {self.n_layers!r}")
 
@@ -117,12 +126,13 @@ def engine_config(cfg: ServeConfig, mcfg: ModelConfig):
   from mlkit.engine import EngineConfig
   from mlkit.kvcache import KVCacheConfig
   return EngineConfig(model=mcfg, kv=KVCacheConfig(cfg.num_pages, cfg.page_size, cfg.kv_dtype),
-                      max_running=cfg.max_running, batch_buckets=(cfg.max_running,),
+                      max_running=cfg.max_running,
+                      batch_buckets=cfg.batch_buckets or (cfg.max_running,),
                       prefill_buckets=(cfg.prefill_chunk,),
                       prefill_token_budget=cfg.prefill_chunk * cfg.max_running,
                       max_pages_per_seq=cfg.max_pages_per_seq,
                       enable_fault_injection=cfg.enable_fault_injection,
-                      logprobs=cfg.max_logprobs)
+                      logprobs=cfg.max_logprobs, overlap=cfg.overlap)
 
 
 def build_engine(cfg: ServeConfig, params, mcfg: ModelConfig):
@@ -142,6 +152,23 @@ def build_engine(cfg: ServeConfig, params, mcfg: ModelConfig):
                             int4_layout=kernel_int4_layout(ecfg.backend))
   return Engine(qparams, ecfg, mesh=mesh,
                 role="prefill" if cfg.role == "prefill" else "serve")
+
+
+def warm_up_colocated(engine) -> float:
+  """Compiles a colocated engine's steps at every batch bucket; returns seconds.
+
+  One dummy batch per bucket: its prefill step and its decode steps run at that
+  bucket's size, so no request later waits for a compile, whatever the batch it
+  lands in. Nothing stays behind: the dummy requests end, their pages are free.
+  """
+  import time
+
+  from mlkit.sampling import SamplingParams
+  t0 = time.perf_counter()
+  n = min(engine.config.prefill_buckets[-1], engine.config.max_seq_tokens - 3)
+  for b in engine.config.batch_buckets:
+    engine.generate([[0] * n] * b, SamplingParams(max_new_tokens=3))
+  return time.perf_counter() - t0
 
 
 def warm_up(engine) -> float:

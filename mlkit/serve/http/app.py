@@ -60,6 +60,27 @@ class Door:
     self.inbox_queue.put((HTTP, {"kind": "http_stop", "call": call, "index": index}))
 
 
+class _RequireKey:
+  """ASGI middleware: every path but /health needs ``Authorization: Bearer <key>`` (compared in
+  constant time). Plain ASGI, not Starlette's BaseHTTPMiddleware, which would put every
+  streamed chunk through an extra task and memory stream."""
+
+  def __init__(self, app, key: bytes):
+    self.app, self.key = app, key
+
+  async def __call__(self, scope, receive, send):
+    if scope["type"] == "http" and scope["path"] != "/health":
+      given = dict(scope["headers"]).get(b"authorization", b"")
+      token = given[7:].strip() if given[:7].lower() == b"bearer " else b""
+      if not hmac.compare_digest(token, self.key):
+        response = _error(api.ApiError(401, "a valid API key is needed: Authorization: "
+                                       "Bearer <key>", type="authentication_error",
+                                       code="invalid_api_key"))
+        await response(scope, receive, send)
+        return
+    await self.app(scope, receive, send)
+
+
 def _error(e: api.ApiError) -> JSONResponse:
   headers = {"Retry-After": "1"} if e.status == 503 else None
   return JSONResponse(e.body(), status_code=e.status, headers=headers)
@@ -94,13 +115,13 @@ class _Answer:
   def finished(self) -> bool:
     return all(self.done)
 
-  def apply(self, u: Update, call: Call) -> tuple[str, list, str | None]:
-    """(text delta, log-probability entries, finish reason or None) of one update."""
+  def apply(self, u: Update, call: Call) -> tuple[str, list, list[int], str | None]:
+    """(text delta, log-probability entries, token ids, finish reason or None) of an update."""
     c = self.choices[u.index]
     if u.done and u.abort_reason not in (None, "cancelled"):
       self.failures.append(f"choice {u.index}: {u.abort_reason}: {u.error}")
     was_stopped = c.stopped
-    text, entries = c.feed(u.tokens, u.logprobs)
+    text, entries, ids = c.feed(u.tokens, u.logprobs)
     if c.stopped and not was_stopped and not u.done:
       self.door.stop(call, u.index)  # a stop string: the engine can let the request go
     finish = None
@@ -109,7 +130,7 @@ class _Answer:
       finish = c.finish_reason
       self.done[u.index] = True
     self.logprobs[u.index] += entries
-    return text, entries, finish
+    return text, entries, ids, finish
 
   def usage(self) -> dict:
     prompt = sum(len(p) for p in self.plan.prompts)
@@ -131,15 +152,8 @@ def build_app(door: Door) -> FastAPI:
   app = FastAPI(title="mlkit", docs_url=None, redoc_url=None, openapi_url=None)
   ctx = door.context
 
-  @app.middleware("http")
-  async def authorize(request: Request, call_next):
-    if door.api_key is not None and request.url.path != "/health":
-      given = request.headers.get("authorization", "")
-      token = given[7:].encode() if given.lower().startswith("bearer ") else b""
-      if not hmac.compare_digest(token, door.api_key):
-        return _error(api.ApiError(401, "a valid API key is needed: Authorization: Bearer <key>",
-                                   type="authentication_error", code="invalid_api_key"))
-    return await call_next(request)
+  if door.api_key is not None:
+    app.add_middleware(_RequireKey, key=door.api_key)
 
   @app.exception_handler(api.ApiError)
   async def on_api_error(_request, e: api.ApiError):
@@ -243,21 +257,35 @@ def build_app(door: Door) -> FastAPI:
                       "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                    "logprobs": None, "finish_reason": None}], **usage_null})
       while not answer.finished:
-        u = await call.queue.get()
-        text, entries, finish = answer.apply(u, call)
-        if not text and not entries and finish is None:
-          continue
-        choice = {"index": u.index, "finish_reason": finish}
-        if plan.kind == "chat":
-          choice["delta"] = {"content": text} if text else {}
-          choice["logprobs"] = {"content": entries} if plan.logprobs is not None else None
-        else:
-          choice["text"] = text
-          choice["logprobs"] = (api.completion_logprobs(entries, answer.offsets[u.index])
-                                if plan.logprobs is not None else None)
-          answer.offsets[u.index] += len(text)
-        yield _sse({"id": rid, "object": obj, "created": created, "model": ctx.model,
-                    "choices": [choice], **usage_null})
+        # Everything that arrived since the last write goes out in one write, a choice's
+        # updates merged into one event: a client slower than the engine gets fewer, longer
+        # chunks (as vLLM's stream interval does) instead of an ever longer backlog.
+        updates = [await call.queue.get()]
+        while not call.queue.empty():
+          updates.append(call.queue.get_nowait())
+        merged: dict[int, list] = {}
+        for u in updates:
+          text, entries, ids, finish = answer.apply(u, call)
+          m = merged.setdefault(u.index, ["", [], [], None])
+          m[0], m[1], m[2], m[3] = m[0] + text, m[1] + entries, m[2] + ids, finish or m[3]
+        events = []
+        for index, (text, entries, ids, finish) in merged.items():
+          if not text and not ids and finish is None:
+            continue
+          # token_ids: the new tokens (vLLM's return_token_ids), also when there is no text.
+          choice = {"index": index, "finish_reason": finish, "token_ids": ids}
+          if plan.kind == "chat":
+            choice["delta"] = {"content": text} if text else {}
+            choice["logprobs"] = {"content": entries} if plan.logprobs is not None else None
+          else:
+            choice["text"] = text
+            choice["logprobs"] = (api.completion_logprobs(entries, answer.offsets[index])
+                                  if plan.logprobs is not None else None)
+            answer.offsets[index] += len(text)
+          events.append(_sse({"id": rid, "object": obj, "created": created, "model": ctx.model,
+                              "choices": [choice], **usage_null}))
+        if events:
+          yield "".join(events)
       if answer.failures:
         yield _sse(api.ApiError(500, "the server aborted the request: "
                                 + "; ".join(answer.failures), type="server_error",

@@ -134,13 +134,17 @@ class Streams:
     return {rid: s.call for rid, s in self._streams.items()}
 
   def push(self, requests: dict) -> list[Any]:
-    """Delivers what changed; returns the Request objects of streams that ended."""
-    ended = []
+    """Delivers what changed; returns the Request objects of streams that ended.
+
+    One turn's updates go to the asyncio loop in one ``call_soon_threadsafe``: a wake-up
+    per turn, not one per request.
+    """
+    ended, batch = [], []
     for rid, s in list(self._streams.items()):
       req = requests.get(rid)
       if req is None:  # left without a result (cannot happen while registered)
-        s.call.deliver(Update(s.index, (), None, True, abort_reason="error",
-                              error="the request was lost"))
+        batch.append((s.call, Update(s.index, (), None, True, abort_reason="error",
+                                     error="the request was lost")))
         del self._streams[rid]
         continue
       n = len(req.output)
@@ -152,9 +156,22 @@ class Streams:
       ttft = (req.first_token_time - req.arrival_time
               if req.first_token_time is not None else None)
       latency = req.finish_time - req.arrival_time if req.finish_time is not None else None
-      s.call.deliver(Update(s.index, new, lps, req.done, req.finish_reason, req.abort_reason,
-                            req.error, len(req.prompt), ttft, latency))
+      batch.append((s.call, Update(s.index, new, lps, req.done, req.finish_reason,
+                                   req.abort_reason, req.error, len(req.prompt), ttft, latency)))
       if req.done:
         del self._streams[rid]
         ended.append(req)
+    by_loop: dict = {}
+    for call, item in batch:
+      by_loop.setdefault(call.loop, []).append((call.queue, item))
+    for loop, items in by_loop.items():
+      try:
+        loop.call_soon_threadsafe(_put_all, items)
+      except RuntimeError:
+        pass  # the loop is closed: the HTTP server is gone
     return ended
+
+
+def _put_all(items) -> None:
+  for queue, item in items:
+    queue.put_nowait(item)

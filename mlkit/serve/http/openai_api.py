@@ -356,11 +356,12 @@ class ChoiceText:
     self.finish_reason: str | None = None
     self.stopped = False  # a stop string matched: later tokens are dropped
 
-  def feed(self, tokens, logprobs) -> tuple[str, list]:
-    """The text and log-probability entries of newly arrived tokens (what may be sent now)."""
+  def feed(self, tokens, logprobs) -> tuple[str, list, list[int]]:
+    """The text, log-probability entries and token ids of newly arrived tokens (what may be
+    sent now; tokens past a stop string are dropped)."""
     if self.stopped:
-      return "", []
-    out, entries = [], []
+      return "", [], []
+    out, entries, first = [], [], len(self.tokens)
     for i, t in enumerate(tokens):
       self.tokens.append(int(t))
       # An id only the model has (a padded vocabulary) has no text.
@@ -376,7 +377,7 @@ class ChoiceText:
       out.append(delta)
     text = "".join(out)
     self.text += text
-    return text, entries
+    return text, entries, self.tokens[first:]
 
   def finish(self, reason: str | None) -> str:
     """The held-back text once the choice ended (empty after a stop string)."""

@@ -52,7 +52,7 @@ class HttpServer:
     import uvicorn
     self.sock = sock
     config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=30,
-                            access_log=False)
+                            access_log=False, loop="uvloop", http="httptools")
     self.server = uvicorn.Server(config)
     self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
                                    daemon=True, name="http")
