@@ -71,11 +71,6 @@ def rel_err(out: jax.Array, ref: jax.Array) -> float:
   return num / den if den else (0.0 if num == 0 else float("inf"))
 
 
-def nbytes_of(args: tuple) -> int:
-  """Total bytes of the arrays in one argument tuple (None entries count 0)."""
-  return sum(int(a.nbytes) for a in jax.tree.leaves(args))
-
-
 def once(fn: Callable[[], Any]) -> Callable[[], Any]:
   """fn, computed on first call and cached (reference outputs shared by impls)."""
   return functools.cache(fn)

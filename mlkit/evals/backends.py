@@ -11,7 +11,6 @@ from typing import Sequence
 
 from mlkit.config import ModelConfig
 from mlkit.evals.tokenizer import EOS
-from mlkit.generate import generate
 from mlkit.kvcache import KVCacheConfig
 from mlkit.sampling import SamplingParams
 
@@ -45,26 +44,6 @@ def _greedy(engine, prompts: Sequence[Sequence[int]], max_new_tokens: int, who: 
     raise RuntimeError(f"{who}: {sum(failed.values())} requests aborted "
                        f"({', '.join(sorted(failed))}); accuracy would be meaningless")
   return outs
-
-
-class GenerateBackend:
-  """Greedy generation with :func:`mlkit.generate.generate` (contiguous cache, cfg.dtype KV).
-
-  Args:
-    params: model params (any weight formats).
-    cfg: the model config.
-    batch_size: prompts per call (fixed, so one compilation per prompt-length bucket).
-  """
-
-  def __init__(self, params, cfg: ModelConfig, batch_size: int = 16):
-    self.params, self.cfg, self.batch_size = params, cfg, batch_size
-
-  def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-    sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_tokens=(EOS,))
-    out: list[list[int]] = []
-    for i in range(0, len(prompts), self.batch_size):
-      out += generate(self.params, self.cfg, list(prompts[i:i + self.batch_size]), sp).tokens
-    return out
 
 
 class EngineBackend:

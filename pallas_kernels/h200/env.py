@@ -99,15 +99,6 @@ def _fix_child_address_layout() -> None:
     pass
 
 
-def child_address_layout_fixed() -> bool:
-  """Whether processes started from here run without address-space randomisation."""
-  try:
-    current = _personality(0xFFFFFFFF)
-  except (OSError, AttributeError):
-    return False
-  return current != -1 and bool(current & _ADDR_NO_RANDOMIZE)
-
-
 def _prepared() -> bool:
   return (_VMODULE in os.environ.get("TF_CPP_VMODULE", "")
           and os.environ.get("TF_CPP_MIN_LOG_LEVEL") == "0")

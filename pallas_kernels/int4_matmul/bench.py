@@ -22,16 +22,12 @@ Impls, in order:
     bytes; weights as the wgmma M operand like ours, tokens padded to its
     tile) or JAX's ragged dot (``jax_ragged_dot_mgpu``, bf16 weights).
 
-``tuning_checks`` sweeps the dense kernel's block sizes on a GPU (the source of
-block_sizes.TUNED).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +38,6 @@ from pallas_kernels import device
 from pallas_kernels.int4_matmul import block_sizes
 from pallas_kernels.int4_matmul import nk
 from pallas_kernels.int4_matmul import reference
-from pallas_kernels.int4_matmul.block_sizes import H200_SMEM_BYTES
 from pallas_kernels.int4_matmul.block_sizes import BlockSizes
 from pallas_kernels.int4_matmul.int4_matmul import int4_grouped_matmul
 from pallas_kernels.int4_matmul.int4_matmul import int4_matmul
@@ -288,75 +283,3 @@ def bench_case(kernel: str, dims: dict, *, backend: str = "pallas", peers: bool 
   if kernel == "int4_grouped_matmul":
     return _grouped(dims, backend, peers, seed)
   raise ValueError(f"unknown kernel {kernel!r}; known: {KERNELS}")
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuCheck:
-  """A named check; calling it runs on the default (GPU) device, returns a dict."""
-
-  name: str
-  fn: Callable[[], dict[str, Any]]
-
-  def __call__(self) -> dict[str, Any]:
-    return {"name": self.name, **self.fn()}
-
-
-def _sweep_candidates(m, k, n, grouped):
-  """Block sizes worth timing for one shape: decode rows favour many small CTAs."""
-  # Kept to a few dozen per shape: each candidate compiles on the device.
-  tile_ms = sorted({min(t, -(-m // 8) * 8) for t in (16, 64, 128)})
-  splits = (1,) if grouped or m > 64 else (1, 4, 8, 14)
-  out = []
-  for tile_n in (64, 128):
-    for tile_m in tile_ms:
-      for tile_k in (128, 256):
-        for k_splits in splits:
-          for steps in (2, 4):
-            try:
-              bs = BlockSizes(tile_n, tile_m, tile_k, k_splits, steps)
-            except ValueError:
-              continue
-            if n % tile_n or k % tile_k or (k // tile_k) % k_splits:
-              continue
-            if bs.smem_bytes(group_size=32, grouped=grouped) > H200_SMEM_BYTES:
-              continue
-            out.append(bs)
-  return out
-
-
-# (name, K, N) of the shapes tuning_checks sweeps by default: Kimi K2.6's routed expert
-# up/gate (K=7168 -> N=2048) and down (2048 -> 7168).
-TUNING_SHAPES = (("expert_up", 7168, 2048), ("expert_down", 2048, 7168))
-
-
-def tuning_checks(group_size: int = 128, *, ms=(1, 16, 64, 256),
-                  dense_shapes=TUNING_SHAPES, backend: str = "pallas") -> list[GpuCheck]:
-  """One check per (shape, M) that times every candidate BlockSizes on the GPU.
-
-  Each check returns the candidates' median kernel times and the fastest, from
-  which the H200 rows of block_sizes.TUNED are filled in.
-  """
-  def sweep(k, n, m):
-    def run():
-      wbytes = k // 2 * n + k // group_size * n * 2 + m * k * 2
-      sets = [_make_dense(i, m, k, n, group_size) for i in range(bm.rotation_sets(wbytes))]
-      results = []
-      for bs in _sweep_candidates(m, k, n, grouped=False):
-        f = jax.jit(lambda x_, p_, s_, bs=bs: int4_matmul(
-            x_, p_, s_, group_size=group_size, backend=backend, block_sizes=bs))
-        try:
-          t = bm.time_on_device(f, sets)
-        except Exception as e:  # pylint: disable=broad-except
-          # A candidate may still overflow registers or SMEM at compile time.
-          results.append(dict(block_sizes=dataclasses.asdict(bs),
-                              error=str(e).splitlines()[0][:200]))
-          continue
-        results.append(dict(block_sizes=dataclasses.asdict(bs), time_us=t.median_s * 1e6,
-                            timing_source=t.source))
-      timed = [r for r in results if "time_us" in r]
-      best = min(timed, key=lambda r: r["time_us"]) if timed else None
-      return dict(m=m, k=k, n=n, group_size=group_size, candidates=results, best=best)
-    return run
-
-  return [GpuCheck(f"int4_matmul_tuning/{name}/m{m}/g{group_size}", sweep(k, n, m))
-          for name, k, n in dense_shapes for m in ms]
