@@ -467,7 +467,8 @@ class DisaggEngine(ServingLoop):
       if not adopted:
         self.stats.transfer_failures += 1
         self.transfer_errors[req.request_id] = req.error
-        logging.error("disagg: aborted request %d: %s", req.request_id, req.error)
+        (logging.info if self.config.enable_fault_injection else logging.error)(
+            "disagg: aborted request %d: %s", req.request_id, req.error)
         outs.append(RequestOutput(req.request_id, (), req.status, None, req.abort_reason))
     return outs
 
@@ -496,8 +497,9 @@ class DisaggEngine(ServingLoop):
       if result.ok:
         m.transfers += 1
         return dst_state, True, ""
-      logging.warning("disagg: request %d transfer attempt %d failed: %s", req.request_id,
-                      attempt + 1, result.reason)
+      (logging.info if self.config.enable_fault_injection else logging.warning)(
+          "disagg: request %d transfer attempt %d failed: %s", req.request_id, attempt + 1,
+          result.reason)
       if attempt + 1 < self.config.transfer_attempts:
         m.transfer_retries += 1
     return dst_state, False, f"{result.reason} (after {self.config.transfer_attempts} attempts)"

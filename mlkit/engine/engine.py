@@ -150,6 +150,9 @@ class Engine(ServingLoop):
     self._next_id = 0
     self._tags_dirty = False
     self._in_flight: _InFlight | None = None
+    # Integrity findings are errors in serving; with fault injection on they are what the
+    # test rig asked for, logged at INFO so that a run's output shows only real failures.
+    self._fault_log = logging.info if config.enable_fault_injection else logging.error
     # Requests aborted or ended outside a step's rows since the last collect (reported by it).
     self._touched: dict[int, tuple[Request, int]] = {}
 
@@ -626,7 +629,7 @@ class Engine(ServingLoop):
     record = faults_lib.inject(self.allocator, fault)
     self.scheduler.invalidate_rows()
     self._tags_dirty = True
-    logging.warning("engine: injected fault %s", record)
+    logging.info("engine: injected fault %s", record)
     return record
 
   # --------------------------------------------------------------- metrics
@@ -736,7 +739,7 @@ class Engine(ServingLoop):
       return []
     self.stats.page_violations += len(violations)
     for v in violations:
-      logging.error("engine: page conservation violated: %s", v)
+      self._fault_log("engine: page conservation violated: %s", v)
     aborted = []
     for rid in self.allocator.recover(violations):
       req = self.requests.get(rid)
@@ -745,7 +748,7 @@ class Engine(ServingLoop):
       self.scheduler.forget(req)
       self.stats.integrity_failures += 1
       why = "it holds page(s) that failed the page-conservation audit"
-      logging.error("engine: request %d aborted: %s", req.request_id, why)
+      self._fault_log("engine: request %d aborted: %s", req.request_id, why)
       self._abort(req, ABORT_INTEGRITY, why)
       aborted.append(req)
     if self.prefix_cache is not None:  # recover() dropped the cache's hold on bad pages
@@ -786,7 +789,7 @@ class Engine(ServingLoop):
       self.prefix_cache.insert(tokens, pages, tags)
 
   def _integrity_abort(self, req: Request, why: str) -> None:
-    logging.error("engine: request %d aborted: %s", req.request_id, why)
+    self._fault_log("engine: request %d aborted: %s", req.request_id, why)
     if self.prefix_cache is not None and self.allocator.has_request(req.request_id):
       # Which of its pages failed is unknown: none of them may be matched again. Other
       # holders of a shared one are checked by their own rows' tag checks.
