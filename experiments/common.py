@@ -156,7 +156,7 @@ def step_interleaved(engines: Mapping[str, object], *, max_steps: int = 100_000,
       log.seconds.append(dt)
       log.tokens.append(eng.stats.generated_tokens - before_tok)
       log.prefill.append(eng.stats.prefill_steps > before_prefill)
-      log.running.append(len(eng.scheduler.running))
+      log.running.append(len(eng.running_ids()))
     if on_step is not None:
       on_step(i)
   raise RuntimeError(f"step_interleaved: engines still busy after {max_steps} rounds")

@@ -169,7 +169,7 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
     # the first to chain its input tokens on device (one more compile).
     for _ in range(3 + warmup):
       eng.step()
-    assert len(eng.scheduler.running) == _RUNNING, len(eng.scheduler.running)
+    assert len(eng.running_ids()) == _RUNNING, len(eng.running_ids())
   on_eng, off_eng, overlap_eng = engines
   # Defences on vs off: alternate the two synchronous engines step by step so both see
   # the same machine load.

@@ -38,7 +38,7 @@ def registers(bh: int, bd: int, kp: int, dtype) -> tuple[int, int]:
   """(registers, spilled bytes) of the merge kernel at these tiles."""
   def fn(o, lse, req):
     ranges = mp.request_ranges(req, 1)
-    kernel = functools.partial(mm._merge_kernel, bh=bh, bd=bd, kp=kp,  # noqa: SLF001
+    kernel = functools.partial(mm.merge_kernel, bh=bh, bd=bd, kp=kp,
                                row_blocks=64 // bh, pdl=True)
     return plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((1, 1, 64, 512), jnp.bfloat16),
                         grid=(1, 64 // bh, 512 // bd), grid_names=("b", "j", "c"),

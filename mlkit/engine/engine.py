@@ -285,6 +285,63 @@ class Engine(ServingLoop):
     req = self.requests.get(request_id)
     return req is not None and not req.done and self.scheduler.holds(req)
 
+  # --------------------------------------------------------------- what serving processes read
+  @property
+  def spans_processes(self) -> bool:
+    """Whether this pool's mesh holds devices of other processes (a multi-host pool)."""
+    return self.device.multiprocess
+
+  def pool_layout(self) -> dict:
+    """What a peer pool must agree with to exchange KV: {"attention", "n_layers", "kv_dtype",
+    "page_size"}."""
+    st = self.state
+    return {"attention": st.attention, "n_layers": st.n_layers, "kv_dtype": str(st.dtype),
+            "page_size": st.page_size}
+
+  def check_peer_layout(self, attention: str, n_layers: int) -> None:
+    """Checks that a peer pool's KV can land here (``transfer.check_pools``).
+
+    Raises:
+      ValueError: another attention kind or layer count.
+    """
+    from mlkit.engine.transfer import check_pools
+    check_pools(attention, n_layers, self.state)
+
+  def home_device(self):
+    """The lowest-id device of this process holding the pool: where a transfer's payload is
+    offered from or pulled to."""
+    return lockstep.first_local_device(self.state)
+
+  def weight_formats(self) -> dict[str, str]:
+    """The weights' storage formats per group, as placed (``mlkit.quant.tree.describe_formats``)."""
+    from mlkit.quant.tree import describe_formats
+    return describe_formats(self.runner.params)
+
+  def extract(self, pages, length: int):
+    """A request's KV out of ``pages`` for a transfer: (payload, checksum, base).
+
+    On a pool spread over processes every process runs it and the host copy comes back
+    (``transfer.extract_to_host``); otherwise the payload stays on device
+    (``transfer.extract_payload``). Neither changes the pool.
+    """
+    from mlkit.engine.transfer import extract_payload, extract_to_host
+    if self.spans_processes:
+      return self.device.call(extract_to_host, list(pages), length)
+    ex = extract_payload(self.state, pages, length)
+    return ex.payload, ex.checksum, ex.base
+
+  def forget(self, request_id: int) -> None:
+    """Drops an ended request from :attr:`requests` before the window would (e.g. a
+    warm-up's dummy request that nobody sent).
+
+    Raises:
+      ValueError: the request is still live.
+    """
+    req = self.requests.get(request_id)
+    if req is not None and not req.done:
+      raise ValueError(f"forget: request {request_id} is still live")
+    self.requests.pop(request_id, None)
+
   def num_waiting(self) -> int:
     """Requests queued here and not yet admitted."""
     return len(self.scheduler.waiting)

@@ -373,12 +373,12 @@ def _build(args, cfg):
   _log(f"model {mcfg.name}: {mcfg.n_layers} layers, {what}, loaded in {time.perf_counter() - t0:.1f} s")
   engine = build_engine(cfg, params, mcfg)
   del params
-  from mlkit.quant.tree import describe_formats
   _log(f"pool: {cfg.num_pages} pages of {engine.config.page_size} tokens, KV "
-       f"{engine.state.dtype}, {len(jax.devices())} {jax.default_backend()} device(s), "
+       f"{engine.pool_layout()['kv_dtype']}, {len(jax.devices())} {jax.default_backend()} "
+       "device(s), "
        f"max {cfg.max_running} running")
   # What was loaded, not what --recipe says: a quantised checkpoint keeps its formats.
-  _log("weights: " + "; ".join(f"{g} {f}" for g, f in describe_formats(engine.runner.params).items()))
+  _log("weights: " + "; ".join(f"{g} {f}" for g, f in engine.weight_formats().items()))
   return engine, mcfg
 
 

@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from mlkit.engine.request import (ABORT_CANCELLED, ABORT_ERROR, ABORT_PEER_LOST, ABORT_TIMEOUT, ABORT_TRANSFER,
                                   FINISH_LENGTH, Request, RequestStatus)
 from mlkit.engine import lockstep
-from mlkit.engine.transfer import check_pools, land_fill, verify_payload
+from mlkit.engine.transfer import land_fill, verify_payload
 from mlkit.serve import protocol as proto
 from mlkit.serve.http.calls import HTTP, Accepted, Refusal, Streams
 
@@ -414,11 +414,11 @@ class DecodeServer(FrontDoor):
     self._pull_conn = None  # transfer connection to the prefill server's transfer server
     self._next_connect = 0.0
     self._pull_delay_s = 0.0  # test fault (EngineConfig.enable_fault_injection)
-    self._pull_sharding = SingleDeviceSharding(lockstep.first_local_device(engine.state))
+    self._pull_sharding = SingleDeviceSharding(engine.home_device())
     # A pool on local devices gets the pulled payload replicated on its mesh; a pool spread
     # over processes lands it through a lockstep.Fill instead (every process places it).
     self._replicated = (NamedSharding(engine.mesh, PartitionSpec())
-                        if engine.mesh is not None and not engine.device.multiprocess else None)
+                        if engine.mesh is not None and not engine.spans_processes else None)
 
   # ------------------------------------------------------------------ peer
   def connect_peer(self, timeout_s: float) -> None:
@@ -453,7 +453,7 @@ class DecodeServer(FrontDoor):
     if msg.get("model") != self.model_name:
       problems.append(f"it serves {msg.get('model')!r}, this decode server {self.model_name!r}")
     try:
-      check_pools(msg.get("attention"), msg.get("n_layers"), self.engine.state)
+      self.engine.check_peer_layout(msg.get("attention"), msg.get("n_layers"))
     except ValueError as e:
       problems.append(str(e))
     if problems:
@@ -697,7 +697,7 @@ class DecodeServer(FrontDoor):
       self._fail(f, ABORT_TRANSFER, f"{why} (after {f.attempts} attempts)")
       return
     length, base = int(offer["length"]), int(offer["base"])
-    if self.engine.device.multiprocess:
+    if self.engine.spans_processes:
       # Every process of this pool lands the payload: it is sent to them as host arrays
       # with the landing call (docs/serving_processes.md).
       payload = jax.device_get(payload)

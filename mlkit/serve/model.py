@@ -181,7 +181,6 @@ def warm_up(engine) -> float:
   import time
 
   from mlkit.engine.request import Request
-  from mlkit.engine.transfer import extract_to_host
   from mlkit.sampling import SamplingParams
   t0 = time.perf_counter()
   n = min(engine.config.prefill_buckets[-1], engine.config.max_seq_tokens - 2)
@@ -191,7 +190,7 @@ def warm_up(engine) -> float:
     rid = engine.submit(prompt, sampling)
     while not engine.prefilled() and engine.has_unfinished():
       engine.step()
-    engine.device.call(extract_to_host, engine.kv_pages(rid), n)
+    engine.extract(engine.kv_pages(rid), n)
     engine.hand_over(rid)
     return time.perf_counter() - t0
 
@@ -203,7 +202,7 @@ def warm_up(engine) -> float:
   if engine.adopt(req, n, fill):
     while engine.has_unfinished():
       engine.step()
-  engine.requests.pop(-1, None)  # not a request anyone sent
+  engine.forget(-1)  # not a request anyone sent
   return time.perf_counter() - t0
 
 

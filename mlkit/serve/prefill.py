@@ -22,7 +22,7 @@ import numpy as np
 from absl import logging
 
 from mlkit.engine import lockstep
-from mlkit.engine.transfer import extract_payload, extract_to_host, flip_low_bit
+from mlkit.engine.transfer import flip_low_bit
 from mlkit.serve import protocol as proto
 
 
@@ -131,10 +131,11 @@ class PrefillServer:
         self._drop(job)
       return
     if kind == "hello":
+      layout = self.engine.pool_layout()
       self.inbox.send(conn, proto.message(
           "welcome", version=proto.PROTOCOL_VERSION, role="prefill", model=self.model_name,
-          transfer_address=self.transfer.address(), kv_dtype=str(self.engine.state.dtype),
-          attention=self.engine.state.attention, n_layers=self.engine.state.n_layers))
+          transfer_address=self.transfer.address(), kv_dtype=layout["kv_dtype"],
+          attention=layout["attention"], n_layers=layout["n_layers"]))
     elif kind == "prefill":
       self._start(conn, msg)
     elif kind == "resend":
@@ -201,15 +202,12 @@ class PrefillServer:
       time.sleep(self._delay_s)  # test fault: a slow peer
     length = len(req.prefill_tokens)
     pages = self.engine.kv_pages(req.request_id)
-    if self.engine.device.multiprocess:
-      # Every process of this pool runs the extraction; the leader offers the host copy.
-      payload, checksum, base = self.engine.device.call(extract_to_host, pages, length)
-    else:
-      ex = extract_payload(self.engine.state, pages, length)
-      payload, checksum, base = ex.payload, ex.checksum, ex.base
+    # On a pool spread over processes every process runs the extraction; the leader offers
+    # the host copy.
+    payload, checksum, base = self.engine.extract(pages, length)
     leaves, treedef = jax.tree_util.tree_flatten(payload)
     # One device holds the offer: the puller asks for plain single-device arrays.
-    dev = lockstep.first_local_device(self.engine.state)
+    dev = self.engine.home_device()
     leaves = [jax.device_put(x, dev) for x in leaves]
     if self._corrupt_next:  # test fault: corrupt after the checksum was taken
       self._corrupt_next -= 1

@@ -50,7 +50,7 @@ class IncrementalDetokenizer:
 
   def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
     self._tokenizer = tokenizer
-    backend = tokenizer._backend  # pylint: disable=protected-access
+    backend = tokenizer.impl
     self._backend = backend
     self._skip = backend.special_ids if skip_special_tokens else frozenset()
     self._done = False

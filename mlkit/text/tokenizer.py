@@ -206,6 +206,11 @@ class Tokenizer:
                        f"(vocab_size {self.vocab_size})")
     return i
 
+  @property
+  def impl(self):
+    """The backend object (``tokenizers`` or ``tiktoken``), for streaming detokenisation."""
+    return self._backend
+
   def token_to_id(self, token: str) -> int | None:
     """The id of a single token's text (special tokens included), or None."""
     return self._backend.token_to_id(token)

@@ -110,7 +110,7 @@ def tiles(batch: int, x: int, rows: int, d: int, pieces: int | None = None,
   return bh, bd, kp
 
 
-def _merge_kernel(ranges_ref, o_ref, lse_ref, out_ref, *, bh, bd, kp, row_blocks, pdl):
+def merge_kernel(ranges_ref, o_ref, lse_ref, out_ref, *, bh, bd, kp, row_blocks, pdl):
   """One (request, row block, column block).
 
   ranges_ref: [n, >= B] int32, its last two rows each request's first piece and
@@ -187,7 +187,7 @@ def merge_pieces_mgpu(o, lse, request, batch: int, *, rows: int | None = None,
   bh, bd, kp = tiles(batch, x, rows, d, g, ctas=ctas)
   row_blocks = merge_pieces.count_row_blocks(bh, rows, r, lse.shape[2])
   ranges = merge_pieces.request_ranges(request, batch, ranges)
-  kernel = functools.partial(_merge_kernel, bh=bh, bd=bd, kp=kp, row_blocks=row_blocks,
+  kernel = functools.partial(merge_kernel, bh=bh, bd=bd, kp=kp, row_blocks=row_blocks,
                              pdl=bool(pdl) and not interpret)
   kwargs = dict(interpret=interpret) if interpret else {}
   out = plgpu.kernel(
