@@ -110,7 +110,8 @@ class HttpColocatedTest(_Server):
       f.write(cls.key)
     cls.port = launch.free_port()
     cls.log = os.path.join(cls.tmp, "server.log")
-    cls.proc = cls._launch("colocated", f"127.0.0.1:{launch.free_port()}",
+    cls.control = f"127.0.0.1:{launch.free_port()}"
+    cls.proc = cls._launch("colocated", cls.control,
                            ["--checkpoint", cls.ckpt, *SERVE, "--http", str(cls.port),
                             "--api-key-file", key_file, "--max-waiting", "40"], cls.log)
     cls.engine = reference_engine(cls.ckpt)  # compiles while the server starts
@@ -293,6 +294,26 @@ class HttpColocatedTest(_Server):
     with self.assertRaises(openai.BadRequestError):
       self.client.completions.create(model=self.model, prompt="x", top_p=0)
     # The server is unharmed: a normal request still works.
+    self.client.completions.create(model=self.model, prompt="Hello", max_tokens=2)
+
+  def test_the_control_socket_refuses_code_and_bad_frames(self):
+    # The colocated server's control channel (mlkit.wire) beside its HTTP API: a pickle
+    # payload never runs, bad frames get an error and a closed connection, strangers no
+    # connection; the server then serves on.
+    from mlkit import wire
+    from mlkit.serve import protocol as proto
+    from test_wire import pickle_bytes
+    marker = os.path.join(self.tmp, "ran")
+    for body in (pickle_bytes(marker), wire.encode({"kind": "exec"}), b"\xc1"):
+      conn = wire.connect(proto.parse_address(self.control), wire.client_key())
+      conn.send_frame(body)
+      self.assertEqual(conn.recv(proto.reply_kinds())["kind"], "error")
+      with self.assertRaises((EOFError, ConnectionError)):
+        conn.recv_frame()
+      conn.close()
+    with self.assertRaises(wire.AuthenticationError):
+      wire.connect(proto.parse_address(self.control), os.urandom(32))
+    self.assertFalse(os.path.exists(marker))
     self.client.completions.create(model=self.model, prompt="Hello", max_tokens=2)
 
   def test_a_client_that_disconnects_frees_its_pages(self):
