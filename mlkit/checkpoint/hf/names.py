@@ -1,0 +1,115 @@
+"""Our parameter paths <-> Hugging Face tensor names: the layout both loading and saving follow.
+
+Kept apart from the file format (safetensors.py) and from config.json
+(config.py) because it is neither: one table, :func:`hf_layout`, says which HF
+tensor(s) fill every leaf of ``param_specs(cfg)``, with what shape and
+transform, and the loader and the writer both walk it, so they cannot disagree.
+
+Name and layout mapping (HF ``nn.Linear`` weights are [out, in]; ours are [in, out])::
+
+  model.embed_tokens.weight [V, D]          -> embed [V, D]            (no transpose)
+  model.norm.weight [D]                     -> final_norm
+  lm_head.weight [V, D]                     -> lm_head [D, V]
+  model.layers.N.input_layernorm.weight     -> layers[N].attn_norm
+  model.layers.N.post_attention_layernorm.weight -> layers[N].ffn_norm
+  model.layers.N.self_attn.{q_a_proj, q_a_layernorm, q_b_proj | q_proj,
+      kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}.weight
+                                            -> attn.{wq_a, q_norm, wq_b | wq, wkv_a, kv_norm, wkv_b, wo}
+  model.layers.N.mlp.{gate,up,down}_proj.weight   -> ffn.w_{gate,up,down}     (dense layers)
+  model.layers.N.mlp.gate.weight [E, D]           -> ffn.router [D, E] (f32)
+  model.layers.N.mlp.gate.e_score_correction_bias -> ffn.router_bias (f32)
+  model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight -> ffn.w_{gate,up,down}[E] (stacked)
+  model.layers.N.mlp.shared_experts.{gate,up,down}_proj.weight -> ffn.shared.w_{gate,up,down}
+
+Our head-major layouts (wq_b [q_lora, H*(nope+rope)], wkv_b [kv_lora, H*(nope+v)],
+wo [H*v, D]) are exactly the HF weights transposed, and DeepSeek checkpoints use
+interleaved RoPE (``rope_interleave=True``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from mlkit.config import ModelConfig
+from mlkit.model.params import param_specs
+
+_ATTN = {"wq": "q_proj.weight", "wq_a": "q_a_proj.weight", "q_norm": "q_a_layernorm.weight",
+         "wq_b": "q_b_proj.weight", "wkv_a": "kv_a_proj_with_mqa.weight",
+         "kv_norm": "kv_a_layernorm.weight", "wkv_b": "kv_b_proj.weight", "wo": "o_proj.weight",
+         "indexer_wq_b": "indexer.wq_b.weight", "indexer_wk": "indexer.wk.weight",
+         "indexer_k_norm": "indexer.k_norm.weight", "indexer_k_bias": "indexer.k_norm.bias",
+         "indexer_weights_proj": "indexer.weights_proj.weight"}
+_FFN = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+  """One leaf of our params and the HF tensor(s) it comes from."""
+
+  path: tuple  # keys into our params tree, e.g. ("layers", 1, "ffn", "w_gate")
+  names: tuple[str, ...]  # one HF tensor, or one per expert (stacked along axis 0)
+  hf_shape: tuple[int, ...]  # shape of each HF tensor
+  kind: str  # "copy", "T" (transpose) or "stack" (transpose each expert, then stack)
+  dtype: str | None  # fixed storage dtype (router in f32), or None for the model's param dtype
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, tuple) and len(x) in (2, 3) and isinstance(x[0], tuple)
+
+
+def _key(k):
+  return k.key if isinstance(k, jax.tree_util.DictKey) else k.idx
+
+
+def _hf_names(path: tuple, cfg: ModelConfig, shape: tuple[int, ...]) -> tuple[str, ...]:
+  if path[0] == "embed":
+    return ("model.embed_tokens.weight",)
+  if path[0] == "final_norm":
+    return ("model.norm.weight",)
+  if path[0] == "lm_head":
+    return ("lm_head.weight",)
+  i, group = path[1], path[2]
+  pre = f"model.layers.{i}."
+  if group == "attn_norm":
+    return (pre + "input_layernorm.weight",)
+  if group == "ffn_norm":
+    return (pre + "post_attention_layernorm.weight",)
+  if group == "attn":
+    return (f"{pre}self_attn.{_ATTN[path[3]]}",)
+  name = path[3]
+  if not cfg.is_moe_layer(i):
+    return (f"{pre}mlp.{_FFN[name]}.weight",)
+  if name == "router":
+    return (pre + "mlp.gate.weight",)
+  if name == "router_bias":
+    return (pre + "mlp.gate.e_score_correction_bias",)
+  if name == "shared":
+    return (f"{pre}mlp.shared_experts.{_FFN[path[4]]}.weight",)
+  return tuple(f"{pre}mlp.experts.{e}.{_FFN[name]}.weight" for e in range(shape[0]))
+
+
+def hf_layout(cfg: ModelConfig) -> tuple[list[_Target], Any]:
+  """The HF tensors behind every leaf of ``param_specs(cfg)``, in flatten order, plus the treedef."""
+  if cfg.attention != "mla":
+    raise ValueError(f"hf_layout: attention={cfg.attention!r}; the DeepSeek-V3 layout needs 'mla'")
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=_is_spec)
+  targets = []
+  for kpath, spec in leaves:
+    path = tuple(_key(k) for k in kpath)
+    shape = spec[0]
+    if len(shape) == 1 or path[0] == "embed":
+      kind, hf_shape = "copy", shape
+    elif len(shape) == 2:
+      kind, hf_shape = "T", shape[::-1]
+    else:
+      kind, hf_shape = "stack", shape[1:][::-1]
+    targets.append(_Target(path, _hf_names(path, cfg, shape), tuple(hf_shape), kind,
+                           spec[2] if len(spec) == 3 else None))
+  return targets, treedef
+
+
+def _path_str(path: tuple) -> str:
+  return ".".join(str(p) for p in path)
