@@ -158,8 +158,18 @@ def _run_one(name: str, out: str) -> dict:
 
 
 def write_report(out: str, done: list[tuple[str, float, str | None]]) -> str:
-  """Writes <out>/REPORT.md: per experiment its time, status and links to its files."""
-  lines = ["# Experiment report", "",
+  """Writes <out>/REPORT.md: the report's figures beside ours, then per experiment its files.
+
+  The comparison table (``experiments.report``) comes first; a failure there is written
+  into the report instead of losing the per-experiment sections.
+  """
+  try:
+    from experiments import report
+    opening = report.section(out)
+  except Exception as e:  # the links below must be written whatever the table does
+    traceback.print_exc()
+    opening = f"**Comparison table failed:** `{type(e).__name__}: {e}`\n"
+  lines = ["# Experiment report", "", "## The report's figures beside ours", "", opening,
            f"Mode: {'smoke' if _SMOKE.value else ('full' if _FULL.value else 'quick')}. "
            "Each section links the experiment's JSON record (machine, backend, jax version and "
            "config beside the numbers), its markdown table and its plots.", ""]
