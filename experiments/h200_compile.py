@@ -42,7 +42,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from configs import GLM_5_2, H200, KIMI_K2_6, TINY_MLA
 from experiments import common, paper
-from experiments.step_placement import kernel_rows, step_placement
 from mlkit import kvcache as kvc
 from mlkit import perfmodel as pm
 from mlkit.config import ModelConfig
@@ -50,6 +49,7 @@ from mlkit.engine import EngineConfig
 from mlkit.engine.runner import abstract_batch, lower_step
 from mlkit.parallel import AXES, abstract_kv_state, abstract_params, per_device_bytes
 from mlkit.quant import FP8_ALL, INT4_EXPERTS, Recipe, kernel_int4_layout
+from pallas_kernels.h200.step_placement import kernel_rows, step_placement
 
 # data x tensor x expert: the 8 GPUs on the tensor axis; experts are split over it too (RULES,
 # the analytic model's placement).
@@ -650,7 +650,8 @@ def _kernels_markdown(compiles: list[dict]) -> str:
         "Every Pallas kernel call in the compiled step, at its per-GPU result shape, and every "
         "all-gather XLA inserted (the shallowest compiled depth of each step; deeper ones "
         "repeat the MoE layer's calls). A kernel whose operands XLA had to gather runs at its "
-        "unsplit shape beside an all-gather of that operand (`experiments/step_placement.py`).\n"]
+        "unsplit shape beside an all-gather of that operand "
+        "(`pallas_kernels/h200/step_placement.py`).\n"]
   shallowest = {}
   for c in compiles:
     key = (c["variant"], c["kv_dtype"], c["kind"])

@@ -9,10 +9,12 @@ peers (JAX's own Pallas kernels, bf16 twins), and fp8 pages against bf16.
 
 Without a GPU there is nothing to time: ``run`` writes a note that says so and
 returns ``{"skipped": True, ...}``. Either way the markdown carries the roofline
-sheet (``experiments.roofline``: per target case the bytes and FLOPs, the time at
+sheet (``pallas_kernels.roofline``: per target case the bytes and FLOPs, the time at
 the H200's ceilings and the target; measured times beside it once a device has run
-``gpu_check``) and the H200 compile readings (registers, spills, shared memory per
-kernel and shape) that ``experiments.kernel_compile`` wrote, when there are any.
+``gpu_check``; plotted by ``experiments.roofline``) and the H200 compile readings
+(registers, spills, shared memory per kernel and shape, read with
+``pallas_kernels.h200.kernel_readings``) that the compile tests or
+``experiments.kernel_compile`` wrote, when there are any.
 
 A JSONL fetched from a device renders the same way::
 
@@ -29,7 +31,10 @@ import sys
 
 import jax
 
-from experiments import common, roofline
+from experiments import common
+from experiments.roofline import plot as plot_roofline
+from experiments.roofline import plot_measured
+from pallas_kernels import roofline
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(_REPO, "scripts", "gpu_check.py")
@@ -41,7 +46,8 @@ FULL_BUDGET_S = 1800.0  # --full: every tier the half hour allows
 
 
 def compile_section(path: str | None = None) -> str:
-  """Markdown of the deviceless H200 compile readings (experiments.kernel_compile's records).
+  """Markdown of the deviceless H200 compile readings (the compile tests' and
+  experiments.kernel_compile's records).
 
   Args:
     path: folder or file of compile records; None for kernel_compile.DEFAULT_DIR.
@@ -53,11 +59,12 @@ def compile_section(path: str | None = None) -> str:
   head = "## H200 compile readings (deviceless, ptxas)\n\n"
   try:
     from experiments import kernel_compile
+    from pallas_kernels.h200 import kernel_readings
   except ImportError as e:
     return head + f"Compile readings unavailable: {e}.\n"
   try:
-    records = kernel_compile.load_records(path or kernel_compile.DEFAULT_DIR)
-    return head + kernel_compile.markdown(records)
+    records = kernel_readings.load_records(path or kernel_compile.DEFAULT_DIR)
+    return head + kernel_readings.markdown(records)
   except (OSError, ValueError, KeyError) as e:
     return head + f"Compile records could not be read: {type(e).__name__}: {e}.\n"
 
@@ -106,7 +113,7 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
     sheet = roofline.rows()
     record.update(skipped=True, reason=reason, records=[], roofline=sheet)
     common.write_json(out_dir, "kernels", record)
-    roofline.plot(sheet, os.path.join(out_dir, "kernels_roofline.png"))
+    plot_roofline(sheet, os.path.join(out_dir, "kernels_roofline.png"))
     common.write_markdown(out_dir, "kernels", f"# kernels\n\n{reason}\n\n"
                           f"{roofline.markdown(sheet)}\n![kernels_roofline](kernels_roofline.png)\n\n"
                           f"{compile_section()}")
@@ -226,8 +233,8 @@ def report(jsonl: str, out_dir: str, *, record: dict | None = None) -> dict:
   lines.append("\n![kernels_roofline](kernels_roofline.png)\n")
   lines.append(compile_section())
   common.write_markdown(out_dir, "kernels", "\n".join(lines))
-  _plot(os.path.join(out_dir, "kernels.png"), real)
-  roofline.plot(sheet, os.path.join(out_dir, "kernels_roofline.png"))
+  plot_measured(real, os.path.join(out_dir, "kernels.png"))
+  plot_roofline(sheet, os.path.join(out_dir, "kernels_roofline.png"))
   return record
 
 
@@ -239,31 +246,6 @@ def _ceiling(r: dict) -> str:
     if k in m:
       return f"{m[k] / 1e12:.0f} TFLOP/s"
   return r["status"]
-
-
-def _plot(path: str, cases: list[dict]) -> None:
-  """Fraction of the roofline per case: the kernel as bars, XLA and peers as markers."""
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  rs = [r for r in cases if r.get("group") == "target"]
-  fig, ax = plt.subplots(figsize=(9, max(3.0, 0.22 * len(rs) + 1)))
-  for i, r in enumerate(rs):
-    ok = r["status"] == "ok"
-    if r.get("roofline_fraction"):
-      ax.barh(i, r["roofline_fraction"], color="tab:green" if ok else "tab:red")
-    for p in r.get("impls", []):
-      if p.get("impl") != "pallas" and p.get("roofline_fraction"):
-        ax.plot(p["roofline_fraction"], i, "k|" if p["impl"] == "xla" else "b.", markersize=6)
-  ax.set_yticks(range(len(rs)), [f"{r['name']} ({r['status']})"[:58] for r in rs], fontsize=6)
-  ax.invert_yaxis()
-  ax.set_xscale("log")
-  ax.axvline(1.0, color="k", linestyle="--", linewidth=0.8)
-  ax.set_xlabel("roofline / time (bar: Pallas kernel; |: XLA; dot: peers)")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
 
 
 def main(argv=None) -> int:

@@ -12,7 +12,7 @@ time is spent; its timings mean nothing):
 What it does (docs/gpu_check.md has the whole story and the record format):
 
 * **Plan.** The device's own ceilings first (a copy, a bf16 and an fp8 matmul), then the
-  target cases of ``experiments.kernel_targets`` in tiers: tier 1 holds the most
+  target cases of ``pallas_kernels.targets`` in tiers: tier 1 holds the most
   important point of every kernel x variant (MLA, dense and sparse: TP-8 or
   data-parallel heads x bf16/fp8 pages; INT4: group size, ...), tier 2 the next
   point of each, and so on, so whatever the time allows covers every kernel.
@@ -173,7 +173,7 @@ def prioritise(cases) -> list[tuple[int, object]]:
   bf16/fp8 twins stay adjacent.
 
   Args:
-    cases: experiments.kernel_targets.KernelCase list.
+    cases: pallas_kernels.targets.KernelCase list.
 
   Returns:
     Every case once, with its tier.
@@ -260,7 +260,7 @@ def build_plan(*, smoke: bool, kernels: set[str] | None = None, peer_tiers: int 
   Returns:
     PlanItems with increasing ``order``.
   """
-  from experiments import kernel_targets as kt
+  from pallas_kernels import targets as kt
   items = []
   if kernels is None or "ceiling" in kernels:
     for name, dims in (SMOKE_CEILINGS if smoke else CEILINGS).items():
@@ -620,8 +620,8 @@ def orchestrate(args) -> int:
     os.remove(args.out)  # one run per file; earlier results are not mixed in
   out = JsonlWriter(args.out)
   from importlib import metadata
-  from experiments import kernel_targets as kt
   from pallas_kernels import benchmark as bm  # constants; no backend starts in this process
+  from pallas_kernels import targets as kt
   out.write({"type": "header", "schema": SCHEMA, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                            time.gmtime()),
              "argv": sys.argv[1:], "smoke": args.smoke, "budget_s": args.budget_s,

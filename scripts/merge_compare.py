@@ -21,7 +21,7 @@ from pallas_kernels.h200 import env  # noqa: E402
 
 env.prepare()  # before jax is imported: XLA's GPU compiler settings
 
-from experiments import kernel_targets as kt  # noqa: E402
+from pallas_kernels import targets as kt  # noqa: E402
 from pallas_kernels.h200 import compile as hc  # noqa: E402
 from pallas_kernels.paged_attention import BlockSizes  # noqa: E402
 from pallas_kernels.paged_attention import ops  # noqa: E402

@@ -26,7 +26,7 @@ env.prepare()  # before jax is imported: ptxas' report is read from XLA's log
 
 import jax  # noqa: E402
 
-from experiments import kernel_compile as kc  # noqa: E402
+from pallas_kernels.h200 import kernel_readings as kc  # noqa: E402
 from pallas_kernels.paged_attention import mla_mgpu  # noqa: E402
 
 LIMITS = (240, 232, 224, 216, 208, 200, 192, 184, 176)

@@ -30,9 +30,9 @@ from pallas_kernels.h200 import env  # noqa: E402
 env.prepare(ptxas_report=False)
 
 from experiments import h200_compile as hcx  # noqa: E402
-from experiments.step_placement import kernel_rows, step_placement  # noqa: E402
 from mlkit.quant import RECIPES, int4_all  # noqa: E402
 from pallas_kernels.h200 import compile as hc  # noqa: E402
+from pallas_kernels.h200.step_placement import kernel_rows, step_placement  # noqa: E402
 
 # Recipes by name: the registry's, plus the all-INT4 ablation.
 _RECIPES = dict(RECIPES, **{"int4-all": int4_all(32)})

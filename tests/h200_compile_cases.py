@@ -1,15 +1,15 @@
 """Shared body of the H200 compile tests (tests/test_h200_compile_*.py).
 
-Each test module picks kernels from experiments.kernel_targets and gets one test per
-distinct compile (experiments.kernel_compile.plan): it compiles that build for an
-H200 (sm_90a) with XLA's GPU compiler and ptxas, writes the readings of every target
-case it covers to results/h200_kernel_compile/<module>.json, and asserts: it
+Each test module picks kernels from pallas_kernels.targets and gets one test per
+distinct compile (pallas_kernels.h200.kernel_readings.plan): it compiles that build
+for an H200 (sm_90a) with XLA's GPU compiler and ptxas, writes the readings of every
+target case it covers to results/h200_kernel_compile/<module>.json, and asserts: it
 compiles, zero register spills, shared memory within the per-block limit. A witness
 test per kernel family compiles a second, most different member of a shared
 compile on its own and asserts the same readings (registers within
-kernel_compile.REGISTER_NOISE): the evidence, in every run, that the cases a compile
+kernel_readings.REGISTER_NOISE): the evidence, in every run, that the cases a compile
 covers really build the same kernel. A compile within 2 * REGISTER_NOISE registers of
-the limit covers nothing but itself (kernel_compile.compile_group). Several modules
+the limit covers nothing but itself (kernel_readings.compile_group). Several modules
 (attention, INT4, sparse attention), so that pytest-xdist's two workers compile at once.
 """
 
@@ -22,8 +22,13 @@ import re
 
 from absl.testing import parameterized
 
-from experiments import kernel_compile as kc
 from pallas_kernels.h200 import env as h200_env
+from pallas_kernels.h200 import kernel_readings as kc
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Where the kernels experiment reads compile records (experiments.kernel_compile.DEFAULT_DIR;
+# tests/test_gpu_check.py checks that its report shows what is here).
+RECORDS_DIR = os.path.join(_REPO, "results", "h200_kernel_compile")
 
 
 def _test_name(group: kc.Group) -> str:
@@ -51,7 +56,7 @@ def _merge_into(path: str, records: list[dict]) -> None:
 
 def witnesses(groups: list[kc.Group]) -> list[tuple[str, kc.Group]]:
   """Per (kernel, impl), the group covering the most cases: its smallest build is compiled
-  on its own and must agree (kernel_compile.agree) with the group's compile (its largest)."""
+  on its own and must agree (kernel_readings.agree) with the group's compile (its largest)."""
   best: dict[tuple[str, str], kc.Group] = {}
   for g in groups:
     fam = (g.compiled.case.kernel, g.compiled.impl)
@@ -67,7 +72,7 @@ def make_test_case(module_file: str, groups: list[kc.Group]) -> type:
     module_file: the test module's __file__ (names the JSON file of its records).
     groups: the compile plan of the module's kernels.
   """
-  out_path = os.path.join(kc.DEFAULT_DIR, os.path.basename(module_file).removesuffix(".py")
+  out_path = os.path.join(RECORDS_DIR, os.path.basename(module_file).removesuffix(".py")
                           + ".json")
 
   class H200CompileTest(parameterized.TestCase):

@@ -1,7 +1,9 @@
 """Experiments: smoke runs write well-formed JSON, markdown and PNG; paper-scale arithmetic; CLI.
 
 The engine experiments run their smoke modes (2-layer TINY_MLA, a few tokens) once per
-class; their smoke shapes are chosen so that several share compiled steps.
+class; their smoke shapes are chosen so that several share compiled steps. The kernels
+experiment's smoke run goes through the command line beside them (its logic is
+pallas_kernels', tested there; here, what it writes).
 """
 
 import json
@@ -12,11 +14,11 @@ import sys
 from absl.testing import absltest, parameterized
 
 from configs import GLM_5_2, H200, KIMI_K2_6
-from experiments import kernel_targets
 from experiments import common
 from mlkit import kvcache as kvc
 from mlkit import perfmodel as pm
 from mlkit.quant import FP8_ALL, INT4_EXPERTS
+from pallas_kernels import targets
 
 from tempdirs import temp_dir
 
@@ -30,13 +32,22 @@ class SmokeRunsTest(parameterized.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    from experiments import disagg, integrity, kernels, kv_dtype, paper, prefix_cache, weight_quant
+    from experiments import disagg, integrity, kv_dtype, paper, prefix_cache, weight_quant
     cls.out = temp_dir(cls, "experiments_smoke_")
     cls.records = {}
     for name, mod in (("kv_dtype", kv_dtype), ("integrity", integrity), ("paper", paper),
-                      ("weight_quant", weight_quant), ("disagg", disagg), ("kernels", kernels),
+                      ("weight_quant", weight_quant), ("disagg", disagg),
                       ("prefix_cache", prefix_cache)):
       cls.records[name] = mod.run(cls.out, quick=True, smoke=True)
+    # Its own folder: the command line writes a REPORT.md beside the experiment's files.
+    cls.kernels_out = os.path.join(cls.out, "kernels")
+    r = subprocess.run(
+        [sys.executable, "-m", "experiments", "kernels", "--smoke", "--out", cls.kernels_out],
+        cwd=_REPO, capture_output=True, text=True, timeout=600)
+    if r.returncode:
+      raise RuntimeError(f"python -m experiments kernels --smoke failed:\n{r.stderr[-3000:]}")
+    with open(os.path.join(cls.kernels_out, "kernels.json")) as f:
+      cls.records["kernels"] = json.load(f)
 
   @parameterized.parameters("kv_dtype", "integrity", "paper", "weight_quant", "disagg",
                             "prefix_cache")
@@ -129,14 +140,15 @@ class SmokeRunsTest(parameterized.TestCase):
     else:
       self.assertTrue(rec["skipped"])
       self.assertIn("needs an NVIDIA GPU", rec["reason"])
-      with open(os.path.join(self.out, "kernels.md")) as f:
+      with open(os.path.join(self.kernels_out, "kernels.md")) as f:
         md = f.read()
       self.assertIn("needs an NVIDIA GPU", md)
       # Without a device the sheet is all modelled: every target case, nothing measured.
       self.assertIn("## Roofline sheet (H200, per call)", md)
-      self.assertLen(rec["roofline"], len(kernel_targets.target_cases()))
+      self.assertLen(rec["roofline"], len(targets.target_cases()))
       self.assertTrue(all(r["time_s"] is None for r in rec["roofline"]))
-      self.assertTrue(os.path.exists(os.path.join(self.out, "kernels_roofline.png")))
+      with open(os.path.join(self.kernels_out, "kernels_roofline.png"), "rb") as f:
+        self.assertEqual(f.read(8), PNG_MAGIC)
 
   def test_paper_predictions(self):
     rec = self.records["paper"]

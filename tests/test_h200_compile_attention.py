@@ -9,7 +9,7 @@ Attention compiles both kernels where the shape allows: the one the engine runs
 from absl.testing import absltest
 
 import h200_compile_cases
-from experiments import kernel_compile as kc
+from pallas_kernels.h200 import kernel_readings as kc
 
 GROUPS = kc.target_groups(("paged_mla_decode", "paged_gqa_decode", "tag_check"),
                           other_impl=True)

@@ -12,7 +12,7 @@ it and then the INT4 module (about 80 s) while the other compiles attention.
 from absl.testing import absltest
 
 import h200_compile_cases
-from experiments import kernel_compile as kc
+from pallas_kernels.h200 import kernel_readings as kc
 
 GROUPS = kc.target_groups(("paged_mla_sparse_decode", "paged_index_scores", "topk_positions"))
 

@@ -9,10 +9,10 @@ import jax
 from absl.testing import absltest
 
 from experiments import h200_compile as hc_exp
-from experiments import step_placement
 from mlkit import kvcache as kvc
 from mlkit.quant import INT4_EXPERTS, weight_bytes
 from mlkit.quant.tree import flatten_params
+from pallas_kernels.h200 import step_placement
 
 from tempdirs import temp_dir
 

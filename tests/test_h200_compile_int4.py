@@ -7,7 +7,7 @@ and fit the shared memory of a block (see h200_compile_cases and docs/h200_compi
 from absl.testing import absltest
 
 import h200_compile_cases
-from experiments import kernel_compile as kc
+from pallas_kernels.h200 import kernel_readings as kc
 
 GROUPS = kc.target_groups(("int4_matmul", "int4_grouped_matmul"))
 

@@ -1,5 +1,5 @@
-"""The INT4 [N, K] block-size derivation (experiments.int4_tune): occupancy, the time
-model, the selection, and that the committed ptxas readings still select TUNED_NK.
+"""The INT4 [N, K] block-size derivation (pallas_kernels.int4_matmul.tune): occupancy, the
+time model, the selection, and that the committed ptxas readings still select TUNED_NK.
 
 No compiles here: the readings are the committed file; tests/test_h200_compile_int4.py
 compiles the chosen rows at every target shape.
@@ -11,10 +11,10 @@ import math
 
 from absl.testing import absltest
 
-from experiments import int4_tune as tune
-from experiments import kernel_targets as kt
 from pallas_kernels import benchmark as bm
+from pallas_kernels import targets as kt
 from pallas_kernels.int4_matmul import tile_model
+from pallas_kernels.int4_matmul import tune
 from pallas_kernels.int4_matmul.block_sizes import BlockSizes
 from pallas_kernels.int4_matmul.block_sizes import TUNED
 from pallas_kernels.int4_matmul.block_sizes import NK_MODEL_REGISTERS

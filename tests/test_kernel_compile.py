@@ -1,4 +1,5 @@
-"""The H200 compile sweep's plan and record API (no compiles here; see test_h200_compile_*)."""
+"""The H200 compile sweep's plan and record API, and the target shapes it compiles (no
+compiles here; see test_h200_compile_*)."""
 
 import collections
 import dataclasses
@@ -7,14 +8,27 @@ import tempfile
 
 from absl.testing import absltest
 
-from experiments import kernel_compile as kc
-from experiments import kernel_targets as kt
+import configs
+from pallas_kernels import targets as kt
 from pallas_kernels.h200 import compile as hc
+from pallas_kernels.h200 import kernel_readings as kc
 
 
 def _clean(regs):
   return {"kernel_name": "k", "registers": regs, "spill_stores": 0, "spill_loads": 0,
           "stack": 0, "smem": 1024, "seconds": 1.0, "error": None}
+
+
+class TargetsTest(absltest.TestCase):
+
+  def test_target_models_are_the_presets(self):
+    """pallas_kernels cannot import configs (it sits below mlkit), so the targets keep
+    the preset fields they read themselves: a preset change must fail here, not leave
+    the kernels' shapes behind."""
+    for target, preset in ((kt.KIMI_K2_6, configs.KIMI_K2_6), (kt.GLM_5_2, configs.GLM_5_2)):
+      for field in dataclasses.fields(kt.TargetModel):
+        self.assertEqual(getattr(target, field.name), getattr(preset, field.name),
+                         f"{target.name}.{field.name}")
 
 
 class PlanTest(absltest.TestCase):

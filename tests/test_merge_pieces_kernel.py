@@ -13,8 +13,8 @@ from absl.testing import parameterized
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import kernel_targets as kt
 from pallas_kernels import schedule
+from pallas_kernels import targets as kt
 from pallas_kernels.h200 import env as h200_env
 from pallas_kernels.paged_attention import BlockSizes
 from pallas_kernels.paged_attention.block_sizes import MERGES as MERGE_CHOICES

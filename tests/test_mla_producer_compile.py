@@ -26,8 +26,8 @@ from unittest import mock
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from experiments import kernel_compile as kc
 from pallas_kernels.h200 import env as h200_env
+from pallas_kernels.h200 import kernel_readings as kc
 from pallas_kernels.paged_attention import mla_mgpu
 
 

@@ -485,7 +485,7 @@ class MlaBenchPeersTest(absltest.TestCase):
   shrunken shapes run neither)."""
 
   def test_fp8_qk_and_its_f16_twin(self):
-    from experiments import kernel_targets as kt
+    from pallas_kernels import targets as kt
     from pallas_kernels.paged_attention import bench as attn_bench
     case = [c for c in kt.target_cases(("paged_mla_decode",))
             if c.name == "mla/dp/fp8/b8/ctx32768"][0]
@@ -515,7 +515,7 @@ class GqaBenchPeersTest(absltest.TestCase):
   producer twin (one CTA per SM, four slots), both checked against the reference."""
 
   def test_producer_twin(self):
-    from experiments import kernel_targets as kt
+    from pallas_kernels import targets as kt
     from pallas_kernels.paged_attention import bench as attn_bench
     case = [c for c in kt.target_cases(("paged_gqa_decode",))
             if c.name == "gqa/g4/bf16/b64/ctx4096"][0]

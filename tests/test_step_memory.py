@@ -181,9 +181,9 @@ class QueryBlockTest(absltest.TestCase):
     # gathers no query across the devices: the block loop's output buffer once took its
     # tie value from a flattened query, and XLA all-gathered every head of it to read one
     # element (134 MB per layer in Kimi K2.6's prefill; docs/serving_step_memory.md).
-    from experiments.step_placement import step_placement
     from mlkit import kvcache as kvc
     from mlkit import parallel
+    from pallas_kernels.h200.step_placement import step_placement
     from mlkit.engine import EngineConfig
     from mlkit.engine.runner import abstract_batch, lower_step
     from jax.sharding import NamedSharding, PartitionSpec

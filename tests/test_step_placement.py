@@ -1,4 +1,4 @@
-"""Reading a compiled step's kernels and all-gathers (experiments.step_placement).
+"""Reading a compiled step's kernels and all-gathers (pallas_kernels.h200.step_placement).
 
 The lines below are shortened copies of lines from a tiny model's decode step compiled for
 8 H200s (the h200_compile experiment's smoke run, which tests the whole path).
@@ -6,7 +6,7 @@ The lines below are shortened copies of lines from a tiny model's decode step co
 
 from absl.testing import absltest
 
-from experiments import step_placement as sp
+from pallas_kernels.h200 import step_placement as sp
 
 _MOSAIC = (
     '  %mpmd_map.12 = bf16[128,64]{1,0} custom-call(%loop_concatenate_fusion, %loop_pad_fusion.3),'

@@ -7,6 +7,9 @@ whole sharded program, are real readings. See docs/h200_compile.md.
 
 * ``env``: the process environment this needs (set before jax is imported).
 * ``compile``: topologies, meshes, and ``compile_for_h200`` with its ptxas report.
+* ``kernel_readings``: every kernel at its target shapes (``pallas_kernels.targets``)
+  compiled, deduplicated by kernel key, read and checked (spills, shared memory).
+* ``step_placement``: the Pallas kernel calls and all-gathers of a compiled step.
 
 This package's ``__init__`` imports nothing, so ``env`` can run before jax loads.
 """

@@ -49,7 +49,7 @@ def bench_case(dims: dict, *, backend: str = "pallas", seed: int = 0) -> bm.Benc
   """The Bench of one indexer-scoring case.
 
   Args:
-    dims: the case's dims (experiments.kernel_targets), or smaller ones of the same kind.
+    dims: the case's dims (pallas_kernels.targets), or smaller ones of the same kind.
     backend: "pallas" on a GPU, "interpret" on a CPU.
     seed: base seed of the random inputs.
 

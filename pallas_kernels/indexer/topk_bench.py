@@ -41,7 +41,7 @@ def bench_case(dims: dict, *, backend: str = "pallas", seed: int = 0) -> bm.Benc
   """The Bench of one top-k case.
 
   Args:
-    dims: batch, context, topk (experiments.kernel_targets).
+    dims: batch, context, topk (pallas_kernels.targets).
     backend: "pallas" on a GPU, "interpret" on a CPU.
     seed: base seed of the random inputs.
 

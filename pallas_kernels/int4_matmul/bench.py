@@ -10,7 +10,7 @@ Impls, in order:
   * ``pallas_overlap``: the same with dequantisation overlapped with the wgmmas;
   * ``pallas_nk``: the kernel on [N, K] int4 weights (``nk.py``: converted in
     registers, wgmma's A operand from registers), with its own table's block
-    sizes (``TUNED_NK``, derived by ``experiments.int4_tune``);
+    sizes (``TUNED_NK``, derived by ``tune.py``);
   * ``pallas_nk_kn_tiles``: the same kernel with the packed kernel's block sizes,
     where they differ: one device run says whether the derived table pays;
   * ``xla``: the pure-jnp INT4 reference compiled by XLA (dequantise, f32 dot);
@@ -97,7 +97,7 @@ def job_cost(kernel: str, dims: dict, *, weights: str = "int4") -> tuple[int, in
   Bytes: the weights read once (int4: packed values plus bf16 group scales; "bf16": the
   dequantised bf16 twin), for the grouped matmul only the experts that receive rows
   (rows spread as evenly as ``balanced_group_sizes``), activations in and outputs out
-  in bf16; FLOPs: 2 M K N. Pure arithmetic on ``dims`` (experiments.kernel_targets).
+  in bf16; FLOPs: 2 M K N. Pure arithmetic on ``dims`` (pallas_kernels.targets).
 
   Raises:
     ValueError: for an unknown kernel or weight format.
@@ -266,7 +266,7 @@ def bench_case(kernel: str, dims: dict, *, backend: str = "pallas", peers: bool 
 
   Args:
     kernel: "int4_matmul" or "int4_grouped_matmul".
-    dims: the case's dims (experiments.kernel_targets), or smaller ones of the same kind.
+    dims: the case's dims (pallas_kernels.targets), or smaller ones of the same kind.
     backend: "pallas" on a GPU, "interpret" on a CPU (JAX's Mosaic GPU kernels
       have no interpreter, so they join only on a GPU).
     peers: also time JAX's kernel for the same job.

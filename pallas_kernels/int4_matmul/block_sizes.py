@@ -135,7 +135,7 @@ class BlockSizes:
     split count the time model gives least time for it (``tile_model.best_splits``
     at NK_MODEL_REGISTERS; this row's own k_splits is not used). What
     ``get_default`` returns for dense decode on the [N, K] kernel, and how
-    ``experiments.int4_tune`` ranks that class's candidates."""
+    ``tune.py`` ranks that class's candidates."""
     fitted = dataclasses.replace(self, k_splits=1).fit(m, n, k)
     splits = tile_model.best_splits(fitted, m=m, n=n, k=k, group_size=group_size,
                                     registers=NK_MODEL_REGISTERS)
@@ -202,12 +202,12 @@ TUNED: dict[tuple[str, str, str], BlockSizes] = {
 
 
 # The [N, K] int4 kernels (layout "nk"), keyed like TUNED. Derived, not guessed:
-# `python -m experiments.int4_tune` compiles every candidate tile shape for sm_90a
+# tune.py (`python -m experiments.int4_tune`) compiles every candidate tile shape for sm_90a
 # (ptxas registers, spills, stack, serialised wgmmas), takes the CTAs per SM from
 # registers and shared memory, models every target case's time under every
 # candidate (tile shape x pipeline depth x K splits) and keeps, per class, the
 # candidate with the smallest geometric mean of time / the case's best. The
-# readings are committed (experiments/data/int4_nk_tiles_h200.json) and
+# readings are committed (int4_nk_tiles_h200.json, beside this file) and
 # tests/test_int4_tune.py checks that they still select these rows. Modelled, not
 # timed: scripts/gpu_check.py times them beside the packed table's tiles
 # ("pallas_nk" and "pallas_nk_kn_tiles"). docs/int4_matmul.md explains the model.

@@ -1,6 +1,6 @@
 """A time model of the [N, K] int4 kernels on an H200: occupancy, then rounds of CTAs.
 
-Used twice: ``experiments.int4_tune`` ranks every candidate tile shape, depth and
+Used twice: ``tune.py`` ranks every candidate tile shape, depth and
 split count with it to derive the ``TUNED_NK`` rows, and
 ``BlockSizes.get_default(layout="nk")`` picks each dense decode call's K split
 count with it (the class's row fixes the tile; the split count that fills the

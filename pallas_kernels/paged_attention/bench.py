@@ -107,7 +107,7 @@ def job_cost(kernel: str, dims: dict) -> tuple[int, int]:
   the sparse kernel the cached tokens are the min(topk, context) selected rows of each
   request, plus its int32 indices, and of its block table only the entries those rows
   can hit (at most one per row, at most the table). Pure arithmetic on ``dims``
-  (experiments.kernel_targets), so the roofline sheet needs no device and no arrays.
+  (pallas_kernels.targets), so the roofline sheet needs no device and no arrays.
 
   Raises:
     ValueError: for an unknown kernel.
@@ -392,7 +392,7 @@ def bench_case(kernel: str, dims: dict, *, backend: str = "pallas", peers: bool 
 
   Args:
     kernel: "paged_mla_decode", "paged_gqa_decode" or "paged_mla_sparse_decode".
-    dims: the case's dims (experiments.kernel_targets), or smaller ones of the same kind.
+    dims: the case's dims (pallas_kernels.targets), or smaller ones of the same kind.
     backend: "pallas" on a GPU, "interpret" on a CPU (JAX's kernels run in
       their interpreter too).
     peers: also time our other kernel and JAX's kernels (for the sparse kernel: the

@@ -55,7 +55,7 @@ def bench_case(dims: dict, *, backend: str = "pallas", seed: int = 0) -> bm.Benc
   """The Bench of one tag-check case.
 
   Args:
-    dims: batch, max_pages, num_pages, page_size (experiments.kernel_targets).
+    dims: batch, max_pages, num_pages, page_size (pallas_kernels.targets).
     backend: "pallas" on a GPU, "interpret" on a CPU.
     seed: base seed of the random inputs.
 

@@ -14,6 +14,11 @@ A kernel fed a gathered weight shows its unsplit result shape beside an
 all-gather of the weight's size (docs/int4_matmul.md, "Under tensor
 parallelism", has the case this found). ``python -m experiments h200_compile``
 records both per compiled step; ``scripts/step_kernels.py`` prints them for one.
+
+It reads the program ``compile.compile_for_h200`` (or any GPU compile) returns, and
+knows the Pallas kernels' custom-call targets, so it sits beside that compile; it
+reads text only (no jax), and the model is just the ``layer_N`` segments of the
+op names.
 """
 
 from __future__ import annotations

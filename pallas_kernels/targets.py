@@ -1,10 +1,16 @@
 """The kernel shapes the report's deployments run on one H200, as data.
 
 One list serves the deviceless compile tests (every case through ptxas with zero
-spills), the ``kernels`` experiment and ``scripts/gpu_check.py`` (target shapes
-first). Every dimension comes from the model presets (``configs.KIMI_K2_6``,
-``configs.GLM_5_2``) and the deployment's parallelism, so a preset change moves
-the targets with it:
+spills, ``pallas_kernels.h200.kernel_readings``), the roofline sheet
+(``pallas_kernels.roofline``), the INT4 block-size derivation
+(``pallas_kernels.int4_matmul.tune``), the ``kernels`` experiment and
+``scripts/gpu_check.py`` (target shapes first): the kernels' own list of the shapes
+they are for, as tokamax keeps its ``arg_specs`` beside each kernel. Every dimension
+comes from the model presets and the deployment's parallelism. pallas_kernels sits
+below ``configs`` and mlkit, so it cannot import the presets: :class:`TargetModel`
+holds the fields of ``configs.KIMI_K2_6`` and ``configs.GLM_5_2`` that the shapes
+read, and tests/test_kernel_compile.py checks them against the presets field for
+field, so a preset change fails there until the targets move with it:
 
 * **MLA decode** (absorbed form: latent ``kv_lora_rank`` + rope key
   ``qk_rope_head_dim``, page 64): heads per device under tensor parallelism 8
@@ -43,7 +49,43 @@ import math
 
 import jax.numpy as jnp
 
-from configs import GLM_5_2, KIMI_K2_6
+
+@dataclasses.dataclass(frozen=True)
+class TargetModel:
+  """The fields of a model preset (``configs.models``) that the target shapes read.
+
+  Attributes:
+    name: the preset's name (part of the INT4 case names, e.g. "int4/kimi-k2.6/...").
+    The others: as in ``mlkit.config.ModelConfig``.
+  """
+
+  name: str
+  d_model: int
+  n_heads: int
+  q_lora_rank: int
+  kv_lora_rank: int
+  qk_nope_head_dim: int
+  qk_rope_head_dim: int
+  v_head_dim: int
+  dense_ffn_dim: int
+  moe_ffn_dim: int
+  n_routed_experts: int
+  top_k: int
+  index_n_heads: int = 0
+  index_head_dim: int = 0
+  index_topk: int = 0
+  indexer_types: tuple[str, ...] = ()
+
+
+# configs.KIMI_K2_6 and configs.GLM_5_2, as far as the shapes read them.
+KIMI_K2_6 = TargetModel(
+    name="kimi-k2.6", d_model=7168, n_heads=64, q_lora_rank=1536, kv_lora_rank=512,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, dense_ffn_dim=18432,
+    moe_ffn_dim=2048, n_routed_experts=384, top_k=8)
+GLM_5_2 = dataclasses.replace(
+    KIMI_K2_6, name="glm-5.2", d_model=6144, q_lora_rank=2048, qk_nope_head_dim=192,
+    v_head_dim=256, dense_ffn_dim=12288, n_routed_experts=256, index_n_heads=32,
+    index_head_dim=128, index_topk=2048, indexer_types=("full",) * 78)
 
 FP8 = jnp.float8_e4m3fn
 PAGE_SIZE = 64  # MLA page: 64 tokens (one wgmma N tile per page)
