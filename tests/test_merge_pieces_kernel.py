@@ -13,6 +13,7 @@ from absl.testing import parameterized
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import mgpu_shim
 from pallas_kernels import schedule
 from pallas_kernels import targets as kt
 from pallas_kernels.h200 import env as h200_env
@@ -33,10 +34,10 @@ H200 = "NVIDIA H200"
 # after another) and at an H200's (two CTAs per SM: many small tiles, slow here).
 MERGES = {
     "triton": lambda *a, **kw: mp.merge_pieces(*a, interpret=True, **kw),
-    "mgpu": lambda *a, **kw: mm.merge_pieces_mgpu(*a, interpret=ops.mgpu_interpret_params(),
+    "mgpu": lambda *a, **kw: mm.merge_pieces_mgpu(*a, interpret=mgpu_shim.interpret_params(),
                                                   ctas=1, **kw),
     "mgpu_h200_tiles": lambda *a, **kw: mm.merge_pieces_mgpu(
-        *a, interpret=ops.mgpu_interpret_params(), **kw),
+        *a, interpret=mgpu_shim.interpret_params(), **kw),
 }
 
 

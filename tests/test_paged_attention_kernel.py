@@ -1,10 +1,11 @@
 """Paged decode attention kernels (MLA and GQA) against their jnp references.
 
-Interpret-mode classes run on CPU with tiny shapes; the base classes run the
-compiled kernels at realistic shapes and are skipped without a GPU. Unused
-page slots are filled with NaN, so a kernel that reads past a request's
-length, or leaves an output element unwritten (interpret mode fills fresh
-outputs with NaN), fails.
+Each op test class derives from ``OpTest`` and runs one implementation of the
+op (its ``backend``): the compiled ("pallas") classes run the kernels at
+realistic shapes and are skipped without a GPU; interpret-mode classes run them
+on CPU with tiny shapes. Unused page slots are filled with NaN, so a
+kernel that reads past a request's length, or leaves an output element
+unwritten (interpret mode fills fresh outputs with NaN), fails.
 """
 
 import itertools
@@ -18,7 +19,6 @@ from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gpu_interpret
 from jax._src.pallas.mosaic_gpu.interpret import shared_memory
@@ -27,6 +27,7 @@ from pallas_kernels.paged_attention import paged_gqa_decode
 from pallas_kernels.paged_attention import paged_gqa_decode_reference
 from pallas_kernels.paged_attention import paged_mla_decode
 from pallas_kernels.paged_attention import paged_mla_decode_reference
+from pallas_kernels import mgpu_shim
 from pallas_kernels import schedule
 from pallas_kernels.paged_attention import ops as attn_ops
 from pallas_kernels.paged_attention import reference
@@ -163,21 +164,44 @@ def _lengths(kind, batch, page_size, max_pages):
   return lengths
 
 
-class PagedMlaDecodeTest(parameterized.TestCase):
-  """Compiled kernel at realistic shapes (GPU only)."""
+class OpTest(parameterized.TestCase):
+  """One implementation of an op against the op's jnp reference, as tokamax's
+  ``test_base`` runs each implementation of an op: a subclass per implementation
+  (``IMPL``, the op's backend: "pallas" compiled, GPU only; "interpret" the same
+  kernels in Pallas' interpreter; "xla" the op's XLA path) runs the same cases.
 
-  INTERPRET = False
-  # heads, latent, rope, page size, pages per request, batch
-  SHAPE = dict(heads=128, c=512, r=64, page_size=64, max_pages=40, batch=4)
+  The paged-attention ops have no "xla" subclasses: their XLA path is the
+  reference itself, so it would be compared with itself."""
+
+  IMPL = "pallas"
+  # The op runs a Mosaic GPU kernel, whose interpreter detects races
+  # (mgpu_shim.interpret_params): interpreted, a test also asserts none was found.
+  MOSAIC_GPU = False
 
   def setUp(self):
     super().setUp()
-    if not self.INTERPRET and not ON_GPU:
+    if self.IMPL == "pallas" and not ON_GPU:
       self.skipTest("compiled Pallas kernels need a GPU")
 
   @property
   def backend(self):
-    return "interpret" if self.INTERPRET else "pallas"
+    return self.IMPL
+
+  def assert_matches(self, out, ref, tol):
+    """out against ref: shape, every element written and finite, the relative-norm
+    tolerance, and (an interpreted Mosaic GPU kernel) no data race."""
+    self.assertEqual(out.shape, ref.shape)
+    self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
+    self.assertLessEqual(_rel_err(out, ref), tol)
+    if self.IMPL == "interpret" and self.MOSAIC_GPU:
+      self.assertFalse(gpu_interpret.get_races().races_found, "data race")
+
+
+class PagedMlaDecodeTest(OpTest):
+  """Compiled kernel at realistic shapes (GPU only)."""
+
+  # heads, latent, rope, page size, pages per request, batch
+  SHAPE = dict(heads=128, c=512, r=64, page_size=64, max_pages=40, batch=4)
 
   @parameterized.parameters(*_MLA_CASES)
   def test_matches_reference(self, kv_dtype, length_kind, num_splits, ppb):
@@ -192,10 +216,8 @@ class PagedMlaDecodeTest(parameterized.TestCase):
                     num_splits=num_splits, impl="triton")
     out = paged_mla_decode(*args, scale=scale, backend=self.backend, block_sizes=bs)
     ref = paged_mla_decode_reference(*args, scale=scale)
-    self.assertEqual(out.shape, ref.shape)
     self.assertEqual(out.dtype, jnp.bfloat16)
-    self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
-    self.assertLessEqual(_rel_err(out, ref), TOL[kv_dtype])
+    self.assert_matches(out, ref, TOL[kv_dtype])
 
   def test_default_block_sizes(self):
     s = self.SHAPE
@@ -205,28 +227,22 @@ class PagedMlaDecodeTest(parameterized.TestCase):
                     lengths=lengths, kv_dtype="fp8")
     out = paged_mla_decode(*args, scale=0.05, backend=self.backend)
     ref = paged_mla_decode_reference(*args, scale=0.05)
-    self.assertTrue(bool(jnp.all(jnp.isfinite(out))))
-    self.assertLessEqual(_rel_err(out, ref), TOL["fp8"])
+    self.assert_matches(out, ref, TOL["fp8"])
 
 
 class PagedMlaDecodeInterpretTest(PagedMlaDecodeTest):
-  INTERPRET = True
+  IMPL = "interpret"
   # 20 heads: not a multiple of block_h, so head padding is exercised.
   SHAPE = dict(heads=20, c=64, r=16, page_size=8, max_pages=5, batch=3)
 
 
-class PagedMlaDecodeMgpuTest(parameterized.TestCase):
+class PagedMlaDecodeMgpuTest(OpTest):
   """The Mosaic GPU MLA kernel with heads in wgmma's M (mla_mgpu: C % 128, 64-token
   pages, R % 64); GPU only."""
 
-  INTERPRET = False
+  MOSAIC_GPU = True
   MLA_M = "heads"
   SHAPE = dict(heads=128, c=512, r=64, page_size=64, max_pages=40, batch=4)
-
-  def setUp(self):
-    super().setUp()
-    if not self.INTERPRET and not ON_GPU:
-      self.skipTest("compiled Pallas kernels need a GPU")
 
   def _check(self, seed, kv_dtype, *, mla_m=None, mla_qk="auto", loads="producer",
              lengths=None, length_kind="ragged", **shape):
@@ -244,22 +260,15 @@ class PagedMlaDecodeMgpuTest(parameterized.TestCase):
                     lengths=lengths, kv_dtype=kv_dtype)
     scale = 1.0 / math.sqrt(s["c"] + s["r"])
     bs = BlockSizes(impl="mgpu", mla_m=mla_m or self.MLA_M, mla_qk=mla_qk, loads=loads)
-    out = paged_mla_decode(*args, scale=scale,
-                           backend="interpret" if self.INTERPRET else "pallas",
-                           block_sizes=bs)
+    out = paged_mla_decode(*args, scale=scale, backend=self.backend, block_sizes=bs)
     ref = paged_mla_decode_reference(*args, scale=scale)
-    self.assertEqual(out.shape, ref.shape)
-    self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
-    self.assertLessEqual(_rel_err(out, ref), TOL[kv_dtype])
+    self.assert_matches(out, ref, TOL[kv_dtype])
     tokens = attn_ops.mla_tokens_in_m(bs, args[0], args[2], args[3])
     if attn_ops.mla_qk_fp8(bs, tokens, args[2]):
       ql8, qr8, q_scale = attn_ops.fp8_query(args[0], args[1])
       deq = lambda x: x.astype(jnp.float32) * q_scale[..., None]  # noqa: E731
       ref8 = paged_mla_decode_reference(deq(ql8), deq(qr8), *args[2:], scale=scale)
       self.assertLessEqual(_rel_err(out, ref8), TOL["bf16"])
-    if self.INTERPRET:
-      # The interpreter ran with detect_races=True (ops.mgpu_interpret_params).
-      self.assertFalse(gpu_interpret.get_races().races_found, "data race")
 
   # The kernel runs a balanced schedule of pieces (schedule.schedule_pieces)
   # and ignores num_splits; "ragged" gives the long request several pieces.
@@ -325,14 +334,14 @@ class PagedMlaDecodeMgpuTest(parameterized.TestCase):
     args = make_mla(4, batch=1, heads=20, c=256, r=64, page_size=64, max_pages=2,
                     lengths=[70], kv_dtype="bf16")
     one_cpu = [jax.devices("cpu")[0]]
-    with mock.patch.object(attn_ops.os, "cpu_count", return_value=2), \
-         mock.patch.object(attn_ops.jax, "devices", return_value=one_cpu):
+    with mock.patch.object(mgpu_shim.os, "cpu_count", return_value=2), \
+         mock.patch.object(mgpu_shim.jax, "devices", return_value=one_cpu):
       with self.assertRaisesRegex(RuntimeError, "xla_force_host_platform_device_count"):
         paged_mla_decode(*args, scale=0.1, backend="interpret",
                          block_sizes=BlockSizes(impl="mgpu", mla_m="heads"))
       # Two warpgroups need no more threads than that.
-      attn_ops.check_interpret_threads(2)
-    attn_ops.check_interpret_threads(3)  # this test process: 8 CPU devices
+      mgpu_shim.check_interpret_threads(2)
+    mgpu_shim.check_interpret_threads(3)  # this test process: 8 CPU devices
 
   def test_unsupported_shape_raises(self):
     args = make_mla(9, batch=1, heads=4, c=32, r=16, page_size=8, max_pages=2,
@@ -343,7 +352,7 @@ class PagedMlaDecodeMgpuTest(parameterized.TestCase):
 
 
 class PagedMlaDecodeMgpuInterpretTest(PagedMlaDecodeMgpuTest):
-  INTERPRET = True
+  IMPL = "interpret"
   # 20 heads pad to one 64-head block; 3 pages of 64 tokens. C = 256: each
   # warpgroup's 128 columns take two 64-column passes when a page is masked or
   # dequantised (bf16: two 64-wide tiles; fp8: two halves of one 128-wide tile).
@@ -423,7 +432,7 @@ class PagedMlaDecodeTokensMgpuTest(PagedMlaDecodeMgpuTest):
 
 
 class PagedMlaDecodeTokensMgpuInterpretTest(PagedMlaDecodeTokensMgpuTest):
-  INTERPRET = True
+  IMPL = "interpret"
   # 20 heads pad to N = 24; the rest as the heads-in-M interpret class.
   SHAPE = dict(heads=20, c=256, r=64, page_size=64, max_pages=3, batch=3)
 
@@ -629,20 +638,10 @@ class PieceScheduleTest(parameterized.TestCase):
     np.testing.assert_array_equal(np.asarray(out[1]), 0)
 
 
-class PagedGqaDecodeTest(parameterized.TestCase):
+class PagedGqaDecodeTest(OpTest):
   """Compiled kernel at realistic shapes (GPU only)."""
 
-  INTERPRET = False
   SHAPE = dict(kv_heads=8, hd=128, page_size=16, max_pages=64, batch=4)
-
-  def setUp(self):
-    super().setUp()
-    if not self.INTERPRET and not ON_GPU:
-      self.skipTest("compiled Pallas kernels need a GPU")
-
-  @property
-  def backend(self):
-    return "interpret" if self.INTERPRET else "pallas"
 
   @parameterized.parameters(*_GQA_CASES)
   def test_matches_reference(self, kv_dtype, length_kind, num_splits, ppb, group):
@@ -657,26 +656,19 @@ class PagedGqaDecodeTest(parameterized.TestCase):
                     impl="triton")
     out = paged_gqa_decode(*args, scale=scale, backend=self.backend, block_sizes=bs)
     ref = paged_gqa_decode_reference(*args, scale=scale)
-    self.assertEqual(out.shape, ref.shape)
-    self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
-    self.assertLessEqual(_rel_err(out, ref), TOL[kv_dtype])
+    self.assert_matches(out, ref, TOL[kv_dtype])
 
 
 class PagedGqaDecodeInterpretTest(PagedGqaDecodeTest):
-  INTERPRET = True
+  IMPL = "interpret"
   SHAPE = dict(kv_heads=2, hd=32, page_size=4, max_pages=6, batch=3)
 
 
-class PagedGqaDecodeMgpuTest(parameterized.TestCase):
+class PagedGqaDecodeMgpuTest(OpTest):
   """The Mosaic GPU GQA kernel (head_dim % 64, 64 % page, fp8: KV % 8); GPU only."""
 
-  INTERPRET = False
+  MOSAIC_GPU = True
   SHAPE = dict(kv_heads=8, hd=128, page_size=16, max_pages=64, batch=4)
-
-  def setUp(self):
-    super().setUp()
-    if not self.INTERPRET and not ON_GPU:
-      self.skipTest("compiled Pallas kernels need a GPU")
 
   # The kernel runs the balanced schedule of pieces and ignores num_splits.
   # The last case's query is 1e5 times larger (its scale as much smaller): past
@@ -692,18 +684,14 @@ class PagedGqaDecodeMgpuTest(parameterized.TestCase):
                     max_pages=s["max_pages"], lengths=lengths, kv_dtype=kv_dtype)
     args = ((args[0].astype(jnp.float32) * q_mul).astype(args[0].dtype), *args[1:])
     scale = 1.0 / math.sqrt(s["hd"]) / q_mul
-    out = paged_gqa_decode(*args, scale=scale,
-                           backend="interpret" if self.INTERPRET else "pallas",
+    out = paged_gqa_decode(*args, scale=scale, backend=self.backend,
                            block_sizes=BlockSizes(impl="mgpu"))
     ref = paged_gqa_decode_reference(*args, scale=scale)
-    self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
-    self.assertLessEqual(_rel_err(out, ref), TOL[kv_dtype])
-    if self.INTERPRET:
-      self.assertFalse(gpu_interpret.get_races().races_found, "data race")
+    self.assert_matches(out, ref, TOL[kv_dtype])
 
 
 class PagedGqaDecodeMgpuInterpretTest(PagedGqaDecodeMgpuTest):
-  INTERPRET = True
+  IMPL = "interpret"
   # 12 pages of 16 tokens = 3 of the kernel's 64-token blocks: "ragged" gives
   # the first request two pieces (2 blocks, then 1).
   SHAPE = dict(kv_heads=8, hd=64, page_size=16, max_pages=12, batch=2)
@@ -718,12 +706,10 @@ class PagedGqaDecodeMgpuInterpretTest(PagedGqaDecodeMgpuTest):
     scale = 1.0 / math.sqrt(64)
     one_piece_each = lambda batch, kv_heads, blocks, kind=None, ctas_per_sm=2: batch  # noqa: E731
     with mock.patch.object(attn_ops, "gqa_mgpu_pieces", one_piece_each):
-      out = paged_gqa_decode(*args, scale=scale, backend="interpret",
+      out = paged_gqa_decode(*args, scale=scale, backend=self.backend,
                              block_sizes=BlockSizes(impl="mgpu", gqa_loads=gqa_loads))
     ref = paged_gqa_decode_reference(*args, scale=scale)
-    self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
-    self.assertLessEqual(_rel_err(out, ref), TOL[kv_dtype])
-    self.assertFalse(gpu_interpret.get_races().races_found, "data race")
+    self.assert_matches(out, ref, TOL[kv_dtype])
 
   @parameterized.parameters(("bf16", "compute"), ("fp8", "compute"),
                             ("bf16", "producer"), ("fp8", "producer"))

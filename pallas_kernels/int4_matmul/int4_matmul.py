@@ -18,7 +18,8 @@ arithmetic on 8-bit types), multiplies by the scale row broadcast along rows
 (a WGMMA_COL vector, selected per group with a row iota when a chunk holds
 several groups), and stores bf16 into an SMEM scratch that wgmma reads. Going
 through SMEM rather than feeding wgmma from registers is what the Mosaic GPU
-interpreter needs (both wgmma operands in SMEM) and keeps one code path.
+interpreter needs (both wgmma operands in SMEM, ``pallas_kernels.mgpu_shim``) and
+keeps one code path.
 Accumulation is f32 in the wgmma accumulator.
 
 Not expressible in Mosaic GPU with jax 0.11.2 (checked by lowering for an
@@ -70,6 +71,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device
 from pallas_kernels import dispatch
+from pallas_kernels import mgpu_shim
 from pallas_kernels import schedule
 from pallas_kernels.int4_matmul import reference
 from pallas_kernels.int4_matmul import tile_model
@@ -82,14 +84,6 @@ _CHUNK = 64
 
 BACKENDS = dispatch.BACKENDS
 resolve_backend = dispatch.resolve_backend
-
-
-def interpret_params(backend: str):
-  if backend == "interpret":
-    # NaN-filled fresh buffers poison any output element the kernel skips.
-    return plgpu.InterpretGPUParams(detect_races=True,
-                                    uninitialized_memory="nan")
-  return None
 
 
 def _dequant_tile(p_smem, s_smem, wlo_smem, whi_smem, *, tile_n, tile_k,
@@ -348,7 +342,7 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *,
   kernel = functools.partial(dense_kernel, pipeline=_kn_pipeline(bs, group_size, k_steps),
                              x_refs=2, tile_n=tile_n, tile_m=tile_m, k_steps=k_steps)
   out_type, o_tile = dense_out(bs, n, m_pad, out_dtype)
-  out = plgpu.kernel(
+  out = mgpu_shim.kernel(
       kernel,
       out_type=out_type,
       grid=(n // tile_n, m_pad // tile_m, bs.k_splits),
@@ -356,7 +350,7 @@ def int4_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array, *,
       kernel_name="int4_matmul",
       scratch_types=_scratch(bs, o_tile, _overlap(bs, k_steps)),
       compiler_params=compiler_params(),
-      interpret=interpret_params(backend),
+      interpret=mgpu_shim.interpret_params(backend == "interpret"),
   )(x_even, x_odd, packed, scales)
   return dense_result(out, m, n_out, out_dtype)
 
@@ -568,7 +562,7 @@ def int4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
   kernel = functools.partial(grouped_kernel, pipeline=_kn_pipeline(bs, group_size, k_steps),
                              x_refs=2, tile_n=tile_n, tile_m=tile_m, n_tiles=n_tiles,
                              num_ctas=num_ctas)
-  out = plgpu.kernel(
+  out = mgpu_shim.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
       grid=(num_ctas,),
@@ -576,7 +570,7 @@ def int4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
       kernel_name="int4_grouped_matmul",
       scratch_types=_scratch(bs, plgpu.SMEM((tile_m, tile_n), x.dtype), _overlap(bs, k_steps)),
       compiler_params=compiler_params(),
-      interpret=interpret_params(backend),
+      interpret=mgpu_shim.interpret_params(backend == "interpret"),
   )(meta, x_even, x_odd, packed, scales)
   return out[:, :n_out].astype(out_dtype)
 

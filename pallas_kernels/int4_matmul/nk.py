@@ -22,7 +22,8 @@ tile ``[tile_n, tile_k]`` is wgmma's A operand as it stands, so:
 
 The Mosaic GPU interpreter only runs wgmma with both operands in shared
 memory, so under ``backend="interpret"`` the converted tile goes through a bf16
-scratch first; the conversion, the scales and everything else are the same code.
+scratch first (``pallas_kernels.mgpu_shim``); the conversion, the scales and
+everything else are the same code.
 
 Both kernels share the grids and schedules of ``int4_matmul.py`` (the dense
 split-K grid, the grouped persistent grid over the tiles in use, rows written in
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mgpu_shim
 from pallas_kernels.int4_matmul.int4_matmul import compiler_params
 from pallas_kernels.int4_matmul.int4_matmul import dense_kernel
 from pallas_kernels.int4_matmul.int4_matmul import dense_out
@@ -44,7 +46,6 @@ from pallas_kernels.int4_matmul.int4_matmul import grouped_ctas
 from pallas_kernels.int4_matmul.int4_matmul import grouped_kernel
 from pallas_kernels.int4_matmul.int4_matmul import grouped_schedule
 from pallas_kernels.int4_matmul.int4_matmul import grouped_tile_bound
-from pallas_kernels.int4_matmul.int4_matmul import interpret_params
 from pallas_kernels.int4_matmul.int4_matmul import resolve_backend
 from pallas_kernels.int4_matmul import reference
 from pallas_kernels.int4_matmul.block_sizes import BlockSizes
@@ -89,11 +90,8 @@ def _dequant(w_s, s_s, *, group_size):
 def _mma_step(x_s, w_s, s_s, acc_ref, a_smem, *, group_size):
   """Converts the step's weight tile and issues its wgmma; retires the previous
   step's (the only reader of the x buffer the pipeline refills next)."""
-  a = _dequant(w_s, s_s, group_size=group_size)
-  if a_smem is not None:  # the interpreter: both operands in shared memory
-    a_smem[...] = a
-    plgpu.commit_smem()
-    a = a_smem
+  # Interpreted, through a_smem (mgpu_shim.register_operand).
+  a = mgpu_shim.register_operand(_dequant(w_s, s_s, group_size=group_size), a_smem)
   plgpu.wgmma(acc_ref, a, x_s.T)  # [tn, tk] @ [tk, tm]
   plgpu.wgmma_wait(1)
 
@@ -130,10 +128,10 @@ def _in_specs(tile_m, tile_n, tile_k, ng, m_block, n_block, k_offset, *,
   ]
 
 
-def _scratch(bs: BlockSizes, o_tile, interpret: bool):
-  """The interpreter's bf16 A tile (none on a GPU), then the output tile ``o_tile``."""
-  a_tile = [plgpu.SMEM((bs.tile_n, bs.tile_k), jnp.bfloat16)] if interpret else []
-  return [*a_tile, o_tile]
+def _scratch(bs: BlockSizes, o_tile, interpret):
+  """The interpreter's bf16 A tile (None on a GPU: mgpu_shim.operand_scratch), then
+  the output tile ``o_tile``."""
+  return [mgpu_shim.operand_scratch(interpret, (bs.tile_n, bs.tile_k), jnp.bfloat16), o_tile]
 
 
 def _pipeline(bs, group_size, k_steps):
@@ -143,7 +141,8 @@ def _pipeline(bs, group_size, k_steps):
 
   def run(acc_ref, ins, work, *, m_block, n_block, k_offset, first_row=None):
     x, w, scales = ins
-    _k_pipeline(acc_ref, x, w, scales, work[0] if work else None,
+    (a_smem,) = work
+    _k_pipeline(acc_ref, x, w, scales, a_smem,
                 in_specs=_in_specs(bs.tile_m, bs.tile_n, bs.tile_k,
                                    bs.tile_k // group_size, m_block, n_block, k_offset,
                                    first_row=first_row),
@@ -203,10 +202,10 @@ def int4_matmul_nk(x: jax.Array, w_nk: jax.Array, scales: jax.Array, *,
   m_pad = -(-m // bs.tile_m) * bs.tile_m
   x = jnp.pad(x, ((0, m_pad - m), (0, 0)))
   k_steps = k // bs.tile_k // bs.k_splits
-  interpret = backend == "interpret"
+  interpret = mgpu_shim.interpret_params(backend == "interpret")
   run = _pipeline(bs, group_size, k_steps)
   out_type, o_tile = dense_out(bs, n, m_pad, out_dtype)
-  out = plgpu.kernel(
+  out = mgpu_shim.kernel(
       functools.partial(dense_kernel, pipeline=run, x_refs=1, tile_n=bs.tile_n,
                         tile_m=bs.tile_m, k_steps=k_steps),
       out_type=out_type,
@@ -215,7 +214,7 @@ def int4_matmul_nk(x: jax.Array, w_nk: jax.Array, scales: jax.Array, *,
       kernel_name="int4_matmul_nk",
       scratch_types=_scratch(bs, o_tile, interpret),
       compiler_params=compiler_params(),
-      interpret=interpret_params(backend),
+      interpret=interpret,
   )(x, w_nk, scales)
   return dense_result(out, m, n_out, out_dtype)
 
@@ -267,9 +266,9 @@ def int4_grouped_matmul_nk(x: jax.Array, w_nk: jax.Array, scales: jax.Array,
   n_tiles = n // bs.tile_n
   num_ctas = min(n_tiles * num_tiles,
                  bs.max_ctas or grouped_ctas(bs, group_size, layout="nk"))
-  interpret = backend == "interpret"
+  interpret = mgpu_shim.interpret_params(backend == "interpret")
   run = _pipeline(bs, group_size, k_steps)
-  out = plgpu.kernel(
+  out = mgpu_shim.kernel(
       functools.partial(grouped_kernel, pipeline=run, x_refs=1, tile_n=bs.tile_n,
                         tile_m=bs.tile_m, n_tiles=n_tiles, num_ctas=num_ctas),
       out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
@@ -278,6 +277,6 @@ def int4_grouped_matmul_nk(x: jax.Array, w_nk: jax.Array, scales: jax.Array,
       kernel_name="int4_grouped_matmul_nk",
       scratch_types=_scratch(bs, plgpu.SMEM((bs.tile_m, bs.tile_n), x.dtype), interpret),
       compiler_params=compiler_params(),
-      interpret=interpret_params(backend),
+      interpret=interpret,
   )(meta, x, w_nk, scales)
   return out[:, :n_out].astype(out_dtype)

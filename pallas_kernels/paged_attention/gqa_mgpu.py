@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mgpu_shim
 from pallas_kernels.paged_attention import merge_pieces_mgpu
 from pallas_kernels.paged_attention import producer as producer_loop
 
@@ -100,7 +101,6 @@ def gqa_decode_mgpu(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths,
               or q_scale.shape != q.shape[:3]):
     raise ValueError("an fp8 cache needs an f16 query, its [B, KV, 64] q_scale "
                      "(ops.f16_query) and KV % 8 == 0")
-  p_in_smem = bool(interpret)
   # Staging slots, used in turn (module docstring): two at two CTAs per SM; with
   # a producer, one CTA per SM and PRODUCER_SLOTS.
   slots = PRODUCER_SLOTS if producer else 2
@@ -206,23 +206,9 @@ def gqa_decode_mgpu(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths,
         p = jnp.where(valid, p, 0.0)
         l_new = l_i * alpha + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        p16 = p.astype(cdt)
-        if p_in_smem:
-          p_smem[...] = p16
-          plgpu.commit_smem()
-          p_op = p_smem
-        else:
-          p_op = p16
-        if interpret:
-          # See mla_mgpu: the interpreter cannot run_state an accumulator.
-          def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_op, vv)
-            return acc_ref[...]
-          acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_H, hd), jnp.float32))
-        else:
-          def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_op, vv)
-          acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+        p_op = mgpu_shim.register_operand(p.astype(cdt), p_smem)
+        acc = mgpu_shim.accumulate(acc, lambda acc_ref: plgpu.wgmma(acc_ref, p_op, vv),
+                                   interpret)
         if not fp8:
           plgpu.wgmma_wait(0)  # PV has read this slot: step i+1 may refill it
           if producer:
@@ -260,8 +246,8 @@ def gqa_decode_mgpu(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths,
         plgpu.SMEM((slots, BLOCK_K, nkv), jnp.float32) if fp8 else None,
         plgpu.SMEM((BLOCK_K, hd), cdt, transforms=_transforms(hd, cdt)) if fp8 else None,
         plgpu.SMEM((BLOCK_K, hd), cdt, transforms=_transforms(hd, cdt)) if fp8 else None,
-        (plgpu.SMEM((BLOCK_H, BLOCK_K), cdt, transforms=_transforms(BLOCK_K, cdt))
-         if p_in_smem else None),
+        mgpu_shim.operand_scratch(interpret, (BLOCK_H, BLOCK_K), cdt,
+                                  _transforms(BLOCK_K, cdt)),
         plgpu.SMEM((BLOCK_H, _OUT_CHUNK), jnp.float32),
         plgpu.SMEM((BLOCK_H,), jnp.float32),
     ]
@@ -277,8 +263,7 @@ def gqa_decode_mgpu(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths,
 
   out_type = (jax.ShapeDtypeStruct((num_g, nkv, BLOCK_H, hd), jnp.float32),
               jax.ShapeDtypeStruct((num_g, nkv, BLOCK_H), jnp.float32))
-  kwargs = dict(interpret=interpret) if interpret else {}
-  return plgpu.kernel(
+  return mgpu_shim.kernel(
       entry,
       out_type=out_type,
       grid=(nkv, num_g),
@@ -286,5 +271,5 @@ def gqa_decode_mgpu(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths,
       kernel_name="paged_gqa_decode_mgpu",
       **(dict(num_threads=2, thread_name="wg") if producer else {}),
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      **kwargs,
+      interpret=interpret,
   )(q, q_scale, k, v, k_scale, v_scale, block_tables, lengths, pieces)

@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import device
+from pallas_kernels import mgpu_shim
 from pallas_kernels.paged_attention import merge_pieces
 
 # Columns per CTA, widest first: bd / 128 elements a thread (8-byte bf16 loads at
@@ -69,9 +70,8 @@ def let_merge_launch(interpret) -> None:
   decode CTA has started (module docstring). Never earlier than that, so a merge
   CTA never holds an SM that a decode CTA still waits for; where the next kernel
   is not a programmatic dependent it does nothing. The interpreter, which runs
-  one kernel at a time, skips it."""
-  if not interpret:
-    plgpu.griddepcontrol_launch_dependents()
+  one kernel at a time, skips it (``mgpu_shim.launch_dependents``)."""
+  mgpu_shim.launch_dependents(interpret)
 
 
 def supports(d: int) -> bool:
@@ -110,16 +110,18 @@ def tiles(batch: int, x: int, rows: int, d: int, pieces: int | None = None,
   return bh, bd, kp
 
 
-def merge_kernel(ranges_ref, o_ref, lse_ref, out_ref, *, bh, bd, kp, row_blocks, pdl):
+def merge_kernel(ranges_ref, o_ref, lse_ref, out_ref, *, bh, bd, kp, row_blocks, pdl,
+                 interpret=False):
   """One (request, row block, column block).
 
   ranges_ref: [n, >= B] int32, its last two rows each request's first piece and
   piece count; o_ref: [G, X, R, D] partials; lse_ref: [G, X, RL] f32; out_ref:
-  [B, X, row_blocks * bh, D]. All in global memory.
+  [B, X, row_blocks * bh, D]. All in global memory. pdl: launched as a
+  programmatic dependent (compiled; the interpreter runs kernels in order).
   """
   if pdl:
     # Before any load: the partials and the ranges are complete past this point.
-    plgpu.griddepcontrol_wait()
+    mgpu_shim.wait_for_prerequisites(interpret)
   b, j, c = lax.axis_index("b"), lax.axis_index("j"), lax.axis_index("c")
   xg, r0 = j // row_blocks, (j % row_blocks) * bh
   n = ranges_ref.shape[0]
@@ -170,10 +172,10 @@ def merge_pieces_mgpu(o, lse, request, batch: int, *, rows: int | None = None,
     pdl: launch as a programmatic dependent of the preceding kernel (module
       docstring); False launches it as an ordinary kernel, for ablation.
     ctas: the CTAs the tiles aim for (``tiles``; None: two per SM). The ops
-      pass 1 when interpreting: the interpreter runs CTAs one after another, so
-      the fewest, largest tiles run fastest there.
+      pass 1 when interpreting (``mgpu_shim.ctas_to_fill``): the interpreter runs
+      CTAs one after another, so the fewest, largest tiles run fastest there.
     interpret: False, or Mosaic GPU interpret parameters
-      (``ops.mgpu_interpret_params()``); the interpreter runs one kernel at a
+      (``mgpu_shim.interpret_params()``); the interpreter runs one kernel at a
       time, so it ignores ``pdl``.
 
   Returns:
@@ -188,14 +190,13 @@ def merge_pieces_mgpu(o, lse, request, batch: int, *, rows: int | None = None,
   row_blocks = merge_pieces.count_row_blocks(bh, rows, r, lse.shape[2])
   ranges = merge_pieces.request_ranges(request, batch, ranges)
   kernel = functools.partial(merge_kernel, bh=bh, bd=bd, kp=kp, row_blocks=row_blocks,
-                             pdl=bool(pdl) and not interpret)
-  kwargs = dict(interpret=interpret) if interpret else {}
-  out = plgpu.kernel(
+                             pdl=bool(pdl), interpret=interpret)
+  out = mgpu_shim.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((batch, x, row_blocks * bh, d), out_dtype),
       grid=(batch, x * row_blocks, d // bd),
       grid_names=("b", "j", "c"),
       kernel_name="merge_pieces_mgpu",
-      **kwargs,
+      interpret=interpret,
   )(ranges, o, lse)
   return out if row_blocks * bh == rows else out[:, :, :rows]

@@ -83,9 +83,26 @@ piece's softmax sum, only the rows of the H real heads rounded up to 8 (the
 padding rows would be most of the partials' HBM traffic at 8 heads per
 device), and lse [G, Hp] f32 (a very negative number for an empty piece);
 merge_pieces.py merges each request's pieces.
+
+Code layout. The three variants (bf16 cache; fp8 cache with f16 QK; fp8 cache
+with fp8 QK) stage, issue and read their pages differently, and each has two
+ways of issuing them (a producer warpgroup or compute warpgroup 0), so the
+kernel is one class per variant over a base, ``_Cta``, that holds what they
+share: the per-CTA scalars, the query load, the loop and its carry, the
+row-vector swap, the online softmax, PV over the swapped halves of P and the
+partial outputs. A variant's ``step`` is its whole loop body, read top to
+bottom in the order the kernel runs it; ``first_pages`` / ``produce_pages`` are
+its two ways of issuing pages (the producer's ring is ``producer.issue_ring``).
+What interpret mode needs that the hardware does not (P in shared memory for
+PV, PV into a fresh accumulator, setmaxnreg, the merge's early launch) goes
+through ``pallas_kernels.mgpu_shim``. The traced program is the same as the
+single function's it replaced (jaxprs and lowered Mosaic GPU modules compared
+for every variant), so are the H200 readings.
 """
 
+import dataclasses
 import math
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
@@ -93,6 +110,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mgpu_shim
 from pallas_kernels.paged_attention import merge_pieces_mgpu
 from pallas_kernels.paged_attention import producer as producer_loop
 
@@ -175,7 +193,6 @@ def partial_rows(heads: int) -> int:
   the bf16 staging tile is in 8-row tiles and a partial head block writes whole ones."""
   return -(-heads // 8) * 8
 
-
 def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
                     k_rope_scale, block_tables, lengths, pieces, *, scale,
                     heads=None, producer=False, interpret=False):
@@ -209,22 +226,48 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
   Raises:
     ValueError: on an unsupported shape or dtype combination.
   """
-  b, hp, c = q_latent.shape
+  _, hp, c = q_latent.shape
   n, ps, r = k_rope.shape
   num_g = pieces.shape[1]
-  fp8 = latent.dtype == FP8
-  qdt = q_latent.dtype
-  # An fp8 query runs QK as fp8 wgmmas straight on the staged fp8 page.
-  qk8 = qdt == FP8
-  # P and PV's V: f16 for an fp8 cache (its pages converted), else the cache's.
-  cdt = jnp.float16 if fp8 else latent.dtype
-  half = c // 2
   heads = hp if heads is None else heads
-  if not 0 < heads <= hp or hp - heads >= BLOCK_H:
-    raise ValueError(f"heads {heads} must be in ({hp - BLOCK_H}, {hp}] for {hp} query rows")
+  _check_args(q_latent, q_rope, q_scale, latent, k_rope, heads)
+  if producer:
+    check_register_split(COMPUTE_REGS, PRODUCER_REGS)
   full_blocks = heads // BLOCK_H
   out_rows = partial_rows(heads)
-  tail_rows = out_rows - full_blocks * BLOCK_H
+  build = _Build(pages=n, ps=ps, c=c, r=r, qdt=q_latent.dtype, cache_dt=latent.dtype,
+                 scale=scale, producer=producer, interpret=interpret,
+                 full_blocks=full_blocks, tail_rows=out_rows - full_blocks * BLOCK_H)
+  variant = _variant(latent.dtype, q_latent.dtype)
+
+  def entry(*refs):
+    pl.run_scoped(lambda *s: variant(build, refs, _Scratch(*s)).run(),
+                  *variant.scratch_types(build), collective_axes="wg")
+
+  out_type = (jax.ShapeDtypeStruct((num_g, out_rows, c), PARTIAL_DTYPE),
+              jax.ShapeDtypeStruct((num_g, hp), jnp.float32))
+  return mgpu_shim.kernel(
+      entry,
+      out_type=out_type,
+      grid=(hp // BLOCK_H, num_g),
+      grid_names=("h", "s"),
+      num_threads=3 if producer else 2,
+      thread_name="wg",
+      kernel_name="paged_mla_decode_mgpu",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interpret,
+  )(q_latent, q_rope, q_scale, latent, k_rope, latent_scale, k_rope_scale,
+    block_tables, lengths, pieces)
+
+
+def _check_args(q_latent, q_rope, q_scale, latent, k_rope, heads) -> None:
+  """Raises ValueError unless mla_decode_mgpu takes these shapes and dtypes."""
+  b, hp, c = q_latent.shape
+  _, ps, r = k_rope.shape
+  fp8 = latent.dtype == FP8
+  qdt = q_latent.dtype
+  if not 0 < heads <= hp or hp - heads >= BLOCK_H:
+    raise ValueError(f"heads {heads} must be in ({hp - BLOCK_H}, {hp}] for {hp} query rows")
   if hp % BLOCK_H or c % 128 or ps != 64 or r % 64:
     raise ValueError(f"unsupported shape: heads {hp} (x64), C {c} (x128), "
                      f"page {ps} (64), R {r} (x64)")
@@ -240,422 +283,592 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
                      f"{None if q_scale is None else q_scale.shape}")
   if not fp8 and qdt != latent.dtype:
     raise ValueError(f"query {qdt} and cache {latent.dtype} dtypes differ")
-  if producer:
-    check_register_split(COMPUTE_REGS, PRODUCER_REGS)
-  # Register operands for P are fine on hardware; the interpreter needs SMEM.
-  p_in_smem = bool(interpret)
-  half_ps = ps // 2  # tokens per warpgroup in QK
-  # bf16 pages are read in place, so their latent gets two slots used in turn
-  # (the next page's gather overlaps this page's compute); fp8 pages with an
-  # f16 query land in one staging buffer that the conversion frees early; with
-  # an fp8 query, whole pages (latent and rope) in two slots, so two pages are
-  # in flight while one is computed (module docstring).
-  slots = 1 if fp8 and not qk8 else 2
-  # fp8 per-token scale rows are read until PV, after the next TMA (two
-  # slots) or the one after it (fp8 query: three).
-  scale_slots = 3 if qk8 else 2
 
-  def kernel(ql_ref, qr_ref, qs_ref, lat_ref, rope_ref, ls_ref, rs_ref, bt_ref,
-             len_ref, pc_ref, o_ref, lse_ref, scratch):
-    (ql_smem, qr_smem, qs_smem, lat_st, rope_st, ls_st, rs_st, lat16, rope16,
-     p_smem, px_smem, o_st, x_smem, lse_smem, q_bar, tma_bar, rope_bar, conv_bar,
-     free_bar, x_bar, p_bar, rope_free) = scratch
-    merge_pieces_mgpu.let_merge_launch(interpret)
-    hb = lax.axis_index("h")
-    piece = lax.axis_index("s")
-    wg = lax.axis_index("wg")
+
+def _variant(cache_dtype, query_dtype) -> type["_Cta"]:
+  """The kernel's variant for a cache and query dtype (the module docstring's three)."""
+  if cache_dtype != FP8:
+    return _Bf16Cache
+  # An fp8 query runs QK as fp8 wgmmas straight on the staged fp8 page.
+  return _Fp8CacheFp8Qk if query_dtype == FP8 else _Fp8CacheF16Qk
+
+
+@dataclasses.dataclass(frozen=True)
+class _Build:
+  """What one build of the kernel is (static): shapes, dtypes and how it runs."""
+
+  pages: int  # N, the pool's pages (page ids are clamped to it)
+  ps: int  # tokens per page
+  c: int  # latent columns
+  r: int  # rope columns
+  qdt: Any  # the query's dtype
+  cache_dt: Any  # the pages' dtype
+  scale: float  # the softmax scale
+  producer: bool  # a producer warpgroup (wg 2) issues the loads
+  interpret: Any  # False, or the interpreter's parameters
+  full_blocks: int  # 64-head blocks whose rows are all real
+  tail_rows: int  # the last block's real rows rounded up to 8 (0: it has none)
+
+  @property
+  def half(self) -> int:
+    """Output columns of each compute warpgroup's PV."""
+    return self.c // 2
+
+  @property
+  def half_ps(self) -> int:
+    """Tokens of each compute warpgroup's QK."""
+    return self.ps // 2
+
+  @property
+  def cdt(self):
+    """P's and PV's V dtype: f16 for an fp8 cache (its pages converted), else the cache's."""
+    return jnp.float16 if self.cache_dt == FP8 else self.cache_dt
+
+
+class _Scratch(NamedTuple):
+  """The kernel's shared memory and barriers, in allocation order (None: one this
+  build does without; _Cta.scratch_types)."""
+
+  ql_smem: Any  # [1, 64, C] query latent
+  qr_smem: Any  # [1, 64, R] query rope
+  qs_smem: Any  # [64] the query's row factors (fp8 cache)
+  lat_st: Any  # [slots, ps, C] staged latent pages
+  rope_st: Any  # staged rope pages
+  ls_st: Any  # [scale slots, ps] latent scales (fp8)
+  rs_st: Any  # [scale slots, ps] rope scales (fp8)
+  lat16: Any  # [1, ps, C] the page's latent in f16 (fp8)
+  rope16: Any  # [1, ps, R] the page's rope in f16 (fp8, f16 QK)
+  p_smem: Any  # [2, 64, ps] P as wgmma's A operand (interpreter only)
+  px_smem: Any  # [2, 64, ps/2] each warpgroup's half of P, then its output staging
+  o_st: Any  # [2, 64, ps/2] output staging where P is not bf16
+  x_smem: Any  # [2, 2, 64] row vectors swapped by exchange()
+  lse_smem: Any  # [64]
+  q_bar: Any  # the query landed
+  tma_bar: Any  # a page landed, per slot
+  rope_bar: Any  # bf16: the rope landed
+  conv_bar: Any  # the page converted / masked by both warpgroups
+  free_bar: Any  # a slot's readers are done with it
+  x_bar: Any  # row vectors swapped
+  p_bar: Any  # both halves of P written
+  rope_free: Any  # bf16 with a producer: both warpgroups' QK has read the rope
+
+
+# The _Scratch fields every variant uses (p_smem and o_st where the build needs them).
+_SHARED = ("ql_smem", "qr_smem", "lat_st", "rope_st", "p_smem", "px_smem", "o_st",
+           "x_smem", "lse_smem", "q_bar", "tma_bar", "x_bar", "p_bar")
+_ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector over the heads (rows)
+_COL = plgpu.Layout.WGMMA.reduce(0)  # a vector over the tokens (columns)
+
+
+class _Cta:
+  """One CTA: what every variant does the same way.
+
+  ``run`` is the kernel: the per-CTA scalars, then the loads (the producer's, or
+  compute warpgroup 0's first pages) and the compute warpgroups' loop over the
+  piece's pages, whose body is the variant's ``step``, then their partial
+  outputs. A variant (subclass) says which buffers it uses (``OWN``; the
+  slot counts), how its pages are issued (``first_pages``, ``produce_pages``)
+  and what a step does (``step``); the pieces of a step that do not depend on
+  the cache (views, softmax, PV) are here.
+  """
+
+  SLOTS = 2  # latent staging slots
+  ROPE_SLOTS = 1  # rope staging slots
+  SCALE_SLOTS = 0  # slots of the per-token scale rows (fp8)
+  FP8 = False
+  OWN: tuple[str, ...] = ()  # the variant's _Scratch fields beside _SHARED
+
+  def __init__(self, build: _Build, refs, scratch: _Scratch):
+    self.b = build
+    (self.ql_ref, self.qr_ref, self.qs_ref, self.lat_ref, self.rope_ref, self.ls_ref,
+     self.rs_ref, self.bt_ref, self.len_ref, self.pc_ref, self.o_ref, self.lse_ref) = refs
+    self.s = scratch
+
+  @classmethod
+  def scratch_types(cls, b: _Build) -> list:
+    """The types of the _Scratch fields, in allocation order: those of _SHARED and
+    of the variant's OWN, None for the rest."""
+    cdt, st = b.cdt, b.cache_dt
+    types = _Scratch(
+        ql_smem=_smem((BLOCK_H, b.c), b.qdt),
+        qr_smem=_smem((BLOCK_H, b.r), b.qdt),
+        qs_smem=plgpu.SMEM((BLOCK_H,), jnp.float32),
+        lat_st=plgpu.SMEM((cls.SLOTS, b.ps, b.c), st, transforms=transforms(b.c, st)),
+        rope_st=plgpu.SMEM((cls.ROPE_SLOTS, b.ps, b.r), st, transforms=transforms(b.r, st)),
+        ls_st=plgpu.SMEM((cls.SCALE_SLOTS, b.ps), jnp.float32),
+        rs_st=plgpu.SMEM((cls.SCALE_SLOTS, b.ps), jnp.float32),
+        lat16=_smem((b.ps, b.c), cdt),
+        rope16=_smem((b.ps, b.r), cdt),
+        p_smem=mgpu_shim.operand_scratch(b.interpret, (2, BLOCK_H, b.ps), cdt,
+                                         transforms(b.ps, cdt)),
+        px_smem=plgpu.SMEM((2, BLOCK_H, b.half_ps), cdt, transforms=transforms(b.half_ps, cdt)),
+        o_st=(None if cdt == PARTIAL_DTYPE else
+              plgpu.SMEM((2, BLOCK_H, b.half_ps), PARTIAL_DTYPE,
+                         transforms=transforms(b.half_ps, PARTIAL_DTYPE))),
+        x_smem=plgpu.SMEM((2, 2, BLOCK_H), jnp.float32),
+        lse_smem=plgpu.SMEM((BLOCK_H,), jnp.float32),
+        # Every TMA issued with a barrier is one arrival on it: the query's two
+        # (three with its row factors); a page's latent (bf16), or its latent,
+        # rope and two scale rows (fp8).
+        q_bar=plgpu.Barrier(num_arrivals=3 if cls.FP8 else 2),
+        tma_bar=plgpu.Barrier(num_arrivals=4 if cls.FP8 else 1, num_barriers=cls.SLOTS),
+        rope_bar=plgpu.Barrier(num_arrivals=1),
+        # The rest wait for both compute warpgroups; free_bar has one barrier per
+        # slot with a producer (see freed()).
+        conv_bar=plgpu.Barrier(num_arrivals=2),
+        free_bar=plgpu.Barrier(num_arrivals=2, num_barriers=2 if b.producer else 1),
+        x_bar=plgpu.Barrier(num_arrivals=2),
+        p_bar=plgpu.Barrier(num_arrivals=2),
+        rope_free=plgpu.Barrier(num_arrivals=2) if b.producer else None,
+    )
+    used = _SHARED + cls.OWN
+    return [t if name in used else None for name, t in zip(_Scratch._fields, types)]
+
+  def first_pages(self) -> None:
+    """Compute warpgroup 0 (no producer): the first pages, into slots free from the start."""
+    raise NotImplementedError
+
+  def produce_pages(self) -> None:
+    """The producer warpgroup: every page of the piece, each once its slot is free."""
+    raise NotImplementedError
+
+  def step(self, i, carry):
+    """The loop body over the piece's pages: page i's QK, online softmax and PV."""
+    raise NotImplementedError
+
+  def after_loop(self) -> None:
+    """What the compute warpgroups do once the loop is over, before the output."""
+
+  def run(self) -> None:
+    """The kernel, in every warpgroup."""
+    b = self.b
+    merge_pieces_mgpu.let_merge_launch(b.interpret)
+    self.hb = lax.axis_index("h")
+    self.piece = lax.axis_index("s")
+    self.wg = lax.axis_index("wg")
     # An unused piece (request -1) runs no step and writes an empty partial.
-    bi = jnp.maximum(pc_ref[0, piece], 0)
-    start = pc_ref[1, piece]
-    steps = pc_ref[2, piece]
-    length = len_ref[bi]
-    rows_h = pl.ds(hb * BLOCK_H, BLOCK_H)
-    cols = pl.ds(wg * half, half)
-    tok = pl.ds(pl.multiple_of(wg * half_ps, half_ps), half_ps)
-
-    def page_id(step):
-      # Only used pages are read (steps stops at them); clamp so a corrupt
-      # id never sends the TMA out of bounds.
-      return jnp.clip(bt_ref[bi, start + step], 0, n - 1)
-
-    def issue_latent(step):
-      """bf16: the page's latent, into slot step % 2."""
-      slot = lax.rem(step, 2)
-      plgpu.copy_gmem_to_smem(lat_ref.at[page_id(step)], lat_st.at[slot], tma_bar.at[slot])
-
-    def issue_rope(step):
-      """bf16: the page's rope, into its one buffer (read by QK only)."""
-      plgpu.copy_gmem_to_smem(rope_ref.at[page_id(step)], rope_st.at[0], rope_bar)
-
-    def issue_fp8(step):
-      """fp8: the page (latent, rope, scales) into staging slot step % slots."""
-      page = page_id(step)
-      slot = lax.rem(step, slots)
-      bar = tma_bar.at[slot]
-      plgpu.copy_gmem_to_smem(lat_ref.at[page], lat_st.at[slot], bar)
-      plgpu.copy_gmem_to_smem(rope_ref.at[page], rope_st.at[slot], bar)
-      sc = lax.rem(step, scale_slots)
-      plgpu.copy_gmem_to_smem(ls_ref.at[page], ls_st.at[sc], bar)
-      plgpu.copy_gmem_to_smem(rs_ref.at[page], rs_st.at[sc], bar)
-
-    def load_query():
-      plgpu.copy_gmem_to_smem(ql_ref.at[bi, rows_h], ql_smem.at[0], q_bar)
-      plgpu.copy_gmem_to_smem(qr_ref.at[bi, rows_h], qr_smem.at[0], q_bar)
-      if fp8:
-        plgpu.copy_gmem_to_smem(qs_ref.at[bi, rows_h], qs_smem, q_bar)
-
-    def freed(step):
-      """The barrier the compute warpgroups arrive on once step's slot is read.
-
-      With a producer, one per slot: the compute warpgroups can finish two
-      steps before the producer waits for the first of them (it issues page i
-      once step i-2 let go of the slot, and pages i-2 and i-1 were issued
-      before), and a barrier that completes two phases before its waiter
-      looks is never seen to complete (mbarrier waits test the phase's
-      parity)."""
-      return free_bar.at[lax.rem(step, 2)] if producer else free_bar
-
-    def produce():
-      """The memory warpgroup: the query, then every page of the piece in
-      order, each as soon as what last read its slot has let go of it (the
-      barriers the compute warpgroups arrive on). It then waits out the phases
-      nobody else waits on, so every barrier ends the kernel consumed."""
-      plgpu.set_max_registers(PRODUCER_REGS, action="decrease")
-      load_query()
-      if fp8 and qk8:
-        # Page i goes to slot i % 2, read by step i-2's QK and conversion
-        # (and its scale rows, slot i % 3, by step i-3's PV: done before).
-        producer_loop.issue_ring(steps, 2, free_bar, issue_fp8)
-      elif fp8:
-        # One staging buffer, free once both warpgroups converted step i-1.
-        @pl.loop(0, steps)
-        def _(i):
-          pl.when(i >= 1)(lambda: plgpu.barrier_wait(conv_bar))
-          issue_fp8(i)
-        pl.when(steps > 0)(lambda: plgpu.barrier_wait(conv_bar))
-      else:
-        # Latent slot i % 2 was read by step i-2's PV (the ring waits for
-        # that); the one rope buffer by step i-1's QK.
-        def issue_page(i):
-          issue_latent(i)
-          pl.when(i >= 1)(lambda: plgpu.barrier_wait(rope_free))
-          issue_rope(i)
-        producer_loop.issue_ring(steps, 2, free_bar, issue_page)
-        pl.when(steps > 0)(lambda: plgpu.barrier_wait(rope_free))
-
-    if producer:
-      pl.when(wg == 2)(produce)
+    self.bi = jnp.maximum(self.pc_ref[0, self.piece], 0)
+    self.start = self.pc_ref[1, self.piece]
+    self.steps = self.pc_ref[2, self.piece]
+    self.length = self.len_ref[self.bi]
+    self.rows_h = pl.ds(self.hb * BLOCK_H, BLOCK_H)
+    self.cols = pl.ds(self.wg * b.half, b.half)
+    self.tok = pl.ds(pl.multiple_of(self.wg * b.half_ps, b.half_ps), b.half_ps)
+    if b.producer:
+      pl.when(self.wg == 2)(self.produce)
+      pl.when(self.wg < 2)(self.compute)
     else:
-      @pl.when(wg == 0)
+      @pl.when(self.wg == 0)
       def _():
-        load_query()
-        @pl.when(steps > 0)
-        def _():
-          if fp8:
-            issue_fp8(0)
-            if qk8:
-              @pl.when(steps > 1)
-              def _():
-                issue_fp8(1)  # the second slot is free from the start
-          else:
-            issue_latent(0)
-            issue_rope(0)
-            @pl.when(steps > 1)
-            def _():
-              issue_latent(1)  # the second slot is free from the start
+        self.load_query()
+        pl.when(self.steps > 0)(self.first_pages)
+      self.compute()
 
-    def compute():
-      """The two compute warpgroups (wg 0 and 1)."""
-      if producer:
-        plgpu.set_max_registers(COMPUTE_REGS, action="increase")
-      plgpu.barrier_wait(q_bar)
-      row = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector over the heads (rows)
-      col = plgpu.Layout.WGMMA.reduce(0)  # a vector over the tokens (columns)
-      # The softmax scale, times the f16 query's row factors for an fp8 cache.
-      row_scale = (plgpu.load(qs_smem, layout=row) * scale if fp8
-                   else plgpu.layout_cast(jnp.full((BLOCK_H,), scale, jnp.float32), row))
-      other = 1 - wg
+  def page_id(self, step):
+    """The block table's id of the piece's page ``step``."""
+    # Only used pages are read (steps stops at them); clamp so a corrupt
+    # id never sends the TMA out of bounds.
+    return jnp.clip(self.bt_ref[self.bi, self.start + step], 0, self.b.pages - 1)
 
-      def exchange(vals):
-        """Swaps [64] row vectors with the other warpgroup (one rendezvous)."""
-        for j, v in enumerate(vals):
-          x_smem.at[wg, j][...] = v
+  def load_query(self) -> None:
+    s = self.s
+    plgpu.copy_gmem_to_smem(self.ql_ref.at[self.bi, self.rows_h], s.ql_smem.at[0], s.q_bar)
+    plgpu.copy_gmem_to_smem(self.qr_ref.at[self.bi, self.rows_h], s.qr_smem.at[0], s.q_bar)
+    if self.FP8:
+      plgpu.copy_gmem_to_smem(self.qs_ref.at[self.bi, self.rows_h], s.qs_smem, s.q_bar)
+
+  def freed(self, step):
+    """The barrier the compute warpgroups arrive on once step's slot is read.
+
+    With a producer, one per slot: the compute warpgroups can finish two
+    steps before the producer waits for the first of them (it issues page i
+    once step i-2 let go of the slot, and pages i-2 and i-1 were issued
+    before), and a barrier that completes two phases before its waiter
+    looks is never seen to complete (mbarrier waits test the phase's
+    parity)."""
+    return self.s.free_bar.at[lax.rem(step, 2)] if self.b.producer else self.s.free_bar
+
+  def produce(self) -> None:
+    """The memory warpgroup: the query, then every page of the piece in
+    order, each as soon as what last read its slot has let go of it (the
+    barriers the compute warpgroups arrive on). It then waits out the phases
+    nobody else waits on, so every barrier ends the kernel consumed."""
+    mgpu_shim.set_max_registers(PRODUCER_REGS, action="decrease")
+    self.load_query()
+    self.produce_pages()
+
+  def compute(self) -> None:
+    """The two compute warpgroups (wg 0 and 1): the loop over the piece's pages,
+    then the partial output."""
+    b = self.b
+    if b.producer:
+      mgpu_shim.set_max_registers(COMPUTE_REGS, action="increase")
+    plgpu.barrier_wait(self.s.q_bar)
+    # The softmax scale, times the query's row factors for an fp8 cache.
+    self.row_scale = (plgpu.load(self.s.qs_smem, layout=_ROW) * b.scale if self.FP8
+                      else plgpu.layout_cast(jnp.full((BLOCK_H,), b.scale, jnp.float32), _ROW))
+    self.other = 1 - self.wg
+    acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_H, b.half), jnp.float32), plgpu.Layout.WGMMA)
+    m0 = plgpu.layout_cast(jnp.full((BLOCK_H,), NEG, jnp.float32), _ROW)
+    l0 = plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), _ROW)
+    g0 = plgpu.layout_cast(jnp.ones((BLOCK_H,), jnp.float32), _ROW)
+    acc, m_i, l_i, g_i = lax.fori_loop(0, self.steps, self.step, (acc0, m0, l0, g0))
+    self.after_loop()
+    self.write_partials(acc, m_i, l_i, g_i)
+
+  def meet(self, bar) -> None:
+    """Fences this warpgroup's shared-memory stores and waits for the other
+    compute warpgroup to reach the same point (``bar``: two arrivals)."""
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(bar)
+    plgpu.barrier_wait(bar)
+
+  def exchange(self, vals):
+    """Swaps [64] row vectors with the other warpgroup (one rendezvous)."""
+    for j, v in enumerate(vals):
+      self.s.x_smem.at[self.wg, j][...] = v
+    self.meet(self.s.x_bar)
+    return [plgpu.load(self.s.x_smem.at[self.other, j], layout=_ROW) for j in range(len(vals))]
+
+  def views(self, i):
+    """Step i's query and staged page, and the page's valid tokens.
+
+    The buffers are indexed by z, 0 but opaque to LLVM (an optimization
+    barrier): their wgmma descriptors are then loop-variant and computed next
+    to their wgmma, instead of being hoisted out of the loop (module docstring).
+
+    Returns:
+      (z, query latent, query rope, staged latent, staged rope, valid tokens).
+    """
+    z = lax.optimization_barrier(jnp.int32(0))
+    q_lat, q_rp = self.s.ql_smem.at[z], self.s.qr_smem.at[z]
+    slot = z if self.SLOTS == 1 else lax.rem(i, 2) + z
+    lat_in = self.s.lat_st.at[slot]
+    rope_in = self.s.rope_st.at[slot if self.ROPE_SLOTS > 1 else z]
+    valid_tokens = self.length - (self.start + i) * self.b.ps
+    return z, q_lat, q_rp, lat_in, rope_in, valid_tokens
+
+  def keys(self, page):
+    """This warpgroup's tokens of a staged [ps, w] page, read transposed as QK's B."""
+    return page.at[self.tok].transpose((1, 0))
+
+  def qk_acc(self):
+    """An f32 accumulator for this warpgroup's [64, ps / 2] logits."""
+    return plgpu.ACC((BLOCK_H, self.b.half_ps), jnp.float32)
+
+  def masked_logits(self, logits, valid_tokens):
+    """The logits times the row scale, NEG past the page's valid tokens; and that mask."""
+    logits = logits * lax.broadcast_in_dim(self.row_scale, logits.shape, [0])
+    kpos = self.wg * self.b.half_ps + plgpu.broadcasted_iota(
+        jnp.int32, (BLOCK_H, self.b.half_ps), 1, layout=plgpu.Layout.WGMMA)
+    valid = kpos < valid_tokens
+    return jnp.where(valid, logits, NEG), valid
+
+  def softmax(self, m_i, l_i, logits, my_max, their_max):
+    """The online softmax over this warpgroup's tokens, with the running max both
+    warpgroups share.
+
+    Returns:
+      (m_new, alpha: the accumulator's rescale, p, l_new: this warpgroup's sum).
+    """
+    m_new = jnp.maximum(m_i, jnp.maximum(my_max, their_max))
+    alpha = jnp.exp2((m_i - m_new) * LOG2E)
+    p = jnp.exp2((logits - lax.broadcast_in_dim(m_new, logits.shape, [0])) * LOG2E)
+    l_new = l_i * alpha + p.sum(axis=1)  # this warpgroup's tokens only
+    return m_new, alpha, p, l_new
+
+  def pv(self, acc, alpha, p, v):
+    """acc * alpha + P V over the whole page, for this warpgroup's columns of V
+    (``v``: the page's [ps, C] latent as PV reads it).
+
+    P's halves meet in shared memory: each warpgroup stores its own and loads
+    both, so their order is static, and PV runs over the whole page."""
+    s = self.s
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    s.px_smem.at[self.wg][...] = p.astype(self.b.cdt)
+    self.meet(s.p_bar)
+    p16 = jnp.concatenate([s.px_smem.at[0][...], s.px_smem.at[1][...]], axis=1)
+    p_op = mgpu_shim.register_operand(p16, s.p_smem, self.wg)
+    return mgpu_shim.accumulate(
+        acc, lambda acc_ref: plgpu.wgmma(acc_ref, p_op, v.at[:, self.cols]), self.b.interpret)
+
+  def write_partials(self, acc, m_i, l_i, g_i) -> None:
+    """This piece's normalised output rows (this warpgroup's columns) and its lse."""
+    b, s = self.b, self.s
+    # The softmax sums of the two halves of the tokens.
+    l_i = l_i + self.exchange([l_i])[0]
+    nonempty = l_i > 0
+    inv = g_i / jnp.where(nonempty, l_i, 1.0)  # g_i: acc / g (fp8), else 1
+    acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+
+    def write_out(rows):
+      """This warpgroup's columns of the block's first `rows` rows (a static count).
+
+      Staged through this warpgroup's P tile when P has the partials' dtype
+      (bf16 cache; it is free after the last step), else through its own tile."""
+      o_smem = (s.o_st if s.o_st is not None else s.px_smem).at[self.wg]
+      for j in range(b.half // b.half_ps):
+        o_smem[...] = acc[:, j * b.half_ps:(j + 1) * b.half_ps].astype(PARTIAL_DTYPE)
         plgpu.commit_smem()
-        plgpu.barrier_arrive(x_bar)
-        plgpu.barrier_wait(x_bar)
-        return [plgpu.load(x_smem.at[other, j], layout=row) for j in range(len(vals))]
-
-      def body(i, carry):
-        acc, m_i, l_i, g_i = carry
-        # 0, but LLVM cannot prove it: buffers indexed by it have loop-variant
-        # addresses, so their wgmma descriptors are not hoisted (module doc).
-        z = lax.optimization_barrier(jnp.int32(0))
-        q_lat, q_rp = ql_smem.at[z], qr_smem.at[z]
-        slot = z if slots == 1 else lax.rem(i, 2) + z
-        lat_in, rope_in = lat_st.at[slot], rope_st.at[slot if qk8 else z]
-        pos0 = (start + i) * ps
-        valid_tokens = length - pos0
-        if qk8:
-          plgpu.barrier_wait(tma_bar.at[lax.rem(i, 2)])
-          # lat16 is read by PV only, each warpgroup its own columns.
-          k_lat = lat16.at[z]
-        elif fp8:
-          plgpu.barrier_wait(tma_bar.at[0])
-          k_lat, k_rope = lat16.at[z], rope16.at[z]
-          # lat16 / rope16 were last read by step i-1's QK (both warpgroups
-          # passed its exchange since) and by this warpgroup's own PV (retired).
-          stage_rows(lat_in.at[:, cols], k_lat.at[:, cols], valid_tokens)
-          @pl.when(wg == 0)
-          def _():
-            stage_rows(rope_in, k_rope, valid_tokens)
-          plgpu.commit_smem()
-          plgpu.barrier_arrive(conv_bar)
-          plgpu.barrier_wait(conv_bar)
-          # Both warpgroups converted the staging buffer: prefetch the next
-          # page during this one's compute (the producer waits on conv_bar).
-          if not producer:
-            @pl.when((wg == 0) & (i + 1 < steps))
-            def _():
-              issue_fp8(i + 1)
-        else:
-          # The other slot was last read by step i-1's PV in both warpgroups
-          # (each arrives on free_bar once its PV has retired): refill it with
-          # page i+1, so the gather overlaps this whole step (the producer
-          # waits on free_bar).
-          if not producer:
-            @pl.when((wg == 0) & (i > 0))
-            def _():
-              plgpu.barrier_wait(free_bar)
-              @pl.when(i + 1 < steps)
-              def _():
-                issue_latent(i + 1)
-          plgpu.barrier_wait(tma_bar.at[lax.rem(i, 2)])
-          plgpu.barrier_wait(rope_bar)
-          k_lat, k_rope = lat_in, rope_in
-          # No conversion pass on a bf16 cache, but the tail of a request's
-          # last page may hold garbage (NaN included) and p == 0 does not
-          # cancel NaN in PV: zero those rows, only on that partial page.
-          @pl.when(valid_tokens < ps)
-          def _():
-            stage_rows(lat_in.at[:, cols], lat_in.at[:, cols], valid_tokens)
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(conv_bar)
-            plgpu.barrier_wait(conv_bar)
-
-        # QK for this warpgroup's half of the page's tokens only, so no MMA
-        # work is duplicated.
-        half_acc = plgpu.ACC((BLOCK_H, half_ps), jnp.float32)
-        if fp8:
-          # Latent and rope have their own per-token scales: one tile each,
-          # scaled per column (token) here rather than per element in stage_rows().
-          def qk(lat_acc, rope_acc):
-            if qk8:
-              # fp8 x fp8 straight from the staged page (both operands K-major,
-              # as fp8 wgmma needs); the tail's garbage only reaches its own
-              # logits' columns, which are masked below.
-              plgpu.wgmma(lat_acc, q_lat, lat_in.at[tok].transpose((1, 0)))
-              plgpu.wgmma(rope_acc, q_rp, rope_in.at[tok].transpose((1, 0)))
-              # While they run: this warpgroup's half of the latent's columns
-              # to f16, PV's V (the tail's rows zeroed: p = 0 does not cancel
-              # NaN).
-              stage_rows(lat_in.at[:, cols], k_lat.at[:, cols], valid_tokens)
-              plgpu.commit_smem()
-            else:
-              plgpu.wgmma(lat_acc, q_lat, k_lat.at[tok].transpose((1, 0)))
-              plgpu.wgmma(rope_acc, q_rp, k_rope.at[tok].transpose((1, 0)))
-            return lat_acc[...], rope_acc[...]
-          s_lat, s_rope = pl.run_scoped(qk, half_acc, half_acc)
-          if qk8:
-            # Both warpgroups' QK and conversion have read the slot: refill it
-            # with page i+2 (page i+1 is landing in the other one).
-            plgpu.barrier_arrive(freed(i))
-            if not producer:
-              @pl.when(wg == 0)
-              def _():
-                plgpu.barrier_wait(free_bar)
-                @pl.when(i + 2 < steps)
-                def _():
-                  issue_fp8(i + 2)
-          sc = lax.rem(i, scale_slots)
-          ls_half = plgpu.load(ls_st.at[sc, tok], layout=col)
-          rs_half = plgpu.load(rs_st.at[sc, tok], layout=col)
-          logits = (s_lat * lax.broadcast_in_dim(ls_half, s_lat.shape, [1])
-                    + s_rope * lax.broadcast_in_dim(rs_half, s_rope.shape, [1]))
-        else:
-          def qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_lat, k_lat.at[tok].transpose((1, 0)))
-            plgpu.wgmma(acc_ref, q_rp, k_rope.at[tok].transpose((1, 0)))
-            return acc_ref[...]
-          logits = pl.run_scoped(qk, half_acc)
-          if producer:
-            # This warpgroup's QK has read the rope buffer (its wgmmas retired).
-            plgpu.barrier_arrive(rope_free)
-        # The online softmax over this half: the row maxima (and for fp8 the
-        # page's largest scale) are swapped with the other warpgroup, so both
-        # keep the same running max; each exponentiates only its own tokens.
-        logits = logits * lax.broadcast_in_dim(row_scale, logits.shape, [0])
-        kpos = wg * half_ps + plgpu.broadcasted_iota(
-            jnp.int32, (BLOCK_H, half_ps), 1, layout=plgpu.Layout.WGMMA)
-        valid = kpos < valid_tokens
-        logits = jnp.where(valid, logits, NEG)
-        mine = [logits.max(axis=1)]
-        if fp8:
-          # V = latent_scale[t] * f16 page: P takes the scale, divided by the
-          # page's largest (g) so it stays in [0, 1]; acc holds acc / g.
-          ls_tile = lax.broadcast_in_dim(ls_half, logits.shape, [1])
-          ls_tile = jnp.where(valid, ls_tile, 0.0)  # unused slots' scales may be NaN
-          mine.append(ls_tile.max(axis=1))
-        theirs = exchange(mine)
-        if not fp8 and not producer:
-          # Both warpgroups' QK has read the rope buffer: refill it.
-          @pl.when((wg == 0) & (i + 1 < steps))
-          def _():
-            issue_rope(i + 1)
-        m_new = jnp.maximum(m_i, jnp.maximum(mine[0], theirs[0]))
-        alpha = jnp.exp2((m_i - m_new) * LOG2E)
-        p = jnp.exp2((logits - lax.broadcast_in_dim(m_new, logits.shape, [0])) * LOG2E)
-        l_new = l_i * alpha + p.sum(axis=1)  # this warpgroup's tokens only
-        g_new = g_i
-        if fp8:
-          g_new = jnp.maximum(jnp.maximum(mine[1], theirs[1]), MIN_SCALE)
-          inv_g = 1.0 / g_new
-          p = p * ls_tile * lax.broadcast_in_dim(inv_g, p.shape, [0])
-          alpha = alpha * g_i * inv_g
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        # P's halves meet in shared memory: each warpgroup stores its own and
-        # loads the other's, and PV runs over the whole page.
-        p_half = p.astype(cdt)
-        px_smem.at[wg][...] = p_half
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(p_bar)
-        plgpu.barrier_wait(p_bar)
-        # Both halves are loaded (the own one too), so their order is static.
-        p16 = jnp.concatenate([px_smem.at[0][...], px_smem.at[1][...]], axis=1)
-        if p_in_smem:
-          p_smem.at[wg][...] = p16
-          plgpu.commit_smem()
-          p_op = p_smem.at[wg]
-        else:
-          p_op = p16
-
-        if interpret:
-          # The GPU interpreter supports neither run_state over an
-          # accumulator ("Cannot lower jaxpr with effects: _WGMMAPipelineEffect")
-          # nor storing into one; accumulate a fresh product instead (same
-          # math, but two live accumulators: hardware uses run_state below).
-          def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_op, k_lat.at[:, cols])
-            return acc_ref[...]
-          acc = acc + pl.run_scoped(pv, plgpu.ACC((BLOCK_H, half), jnp.float32))
-        else:
-          def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_op, k_lat.at[:, cols])
-          acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # waits for the wgmma
-        if not fp8:
-          plgpu.barrier_arrive(freed(i))  # this warpgroup's PV has read the slot
-        return acc, m_new, l_new, g_new
-
-      acc0 = plgpu.layout_cast(jnp.zeros((BLOCK_H, half), jnp.float32), plgpu.Layout.WGMMA)
-      m0 = plgpu.layout_cast(jnp.full((BLOCK_H,), NEG, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-      l0 = plgpu.layout_cast(jnp.zeros((BLOCK_H,), jnp.float32), row)
-      g0 = plgpu.layout_cast(jnp.ones((BLOCK_H,), jnp.float32), row)
-      acc, m_i, l_i, g_i = lax.fori_loop(0, steps, body, (acc0, m0, l0, g0))
-      if not fp8 and not producer:
-        # Consume the last step's phase (its waiter waits on every phase).
-        @pl.when((wg == 0) & (steps > 0))
-        def _():
-          plgpu.barrier_wait(free_bar)
-      # The softmax sums of the two halves of the tokens.
-      l_i = l_i + exchange([l_i])[0]
-      nonempty = l_i > 0
-      inv = g_i / jnp.where(nonempty, l_i, 1.0)  # g_i: acc / g (fp8), else 1
-      acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-
-      def write_out(rows):
-        """This warpgroup's columns of the block's first `rows` rows (a static count).
-
-        Staged through this warpgroup's P tile when P has the partials' dtype
-        (bf16 cache; it is free after the last step), else through its own tile."""
-        o_smem = (o_st if o_st is not None else px_smem).at[wg]
-        for j in range(half // half_ps):
-          o_smem[...] = acc[:, j * half_ps:(j + 1) * half_ps].astype(PARTIAL_DTYPE)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(
-              o_smem.at[pl.ds(0, rows)],
-              o_ref.at[piece, pl.ds(hb * BLOCK_H, rows),
-                       pl.ds(wg * half + j * half_ps, half_ps)])
-          plgpu.wait_smem_to_gmem(0)
-      if full_blocks:
-        pl.when(hb < full_blocks)(lambda: write_out(BLOCK_H))
-      if tail_rows:
-        pl.when(hb == full_blocks)(lambda: write_out(tail_rows))
-      @pl.when(wg == 0)
-      def _():
-        lse_smem[...] = jnp.where(nonempty, m_i + jnp.log(jnp.where(nonempty, l_i, 1.0)), NEG)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[piece, rows_h])
+        plgpu.copy_smem_to_gmem(
+            o_smem.at[pl.ds(0, rows)],
+            self.o_ref.at[self.piece, pl.ds(self.hb * BLOCK_H, rows),
+                          pl.ds(self.wg * b.half + j * b.half_ps, b.half_ps)])
         plgpu.wait_smem_to_gmem(0)
+    if b.full_blocks:
+      pl.when(self.hb < b.full_blocks)(lambda: write_out(BLOCK_H))
+    if b.tail_rows:
+      pl.when(self.hb == b.full_blocks)(lambda: write_out(b.tail_rows))
+    @pl.when(self.wg == 0)
+    def _():
+      s.lse_smem[...] = jnp.where(nonempty, m_i + jnp.log(jnp.where(nonempty, l_i, 1.0)), NEG)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(s.lse_smem, self.lse_ref.at[self.piece, self.rows_h])
+      plgpu.wait_smem_to_gmem(0)
 
+
+class _Bf16Cache(_Cta):
+  """A bf16 (or f16) cache, read in place.
+
+  The latent has two slots used in turn: page i+1's latent is issued at the top
+  of step i, into the slot step i-1's PV (in both warpgroups) has finished
+  reading. The rope, read by QK only, has one buffer, refilled as soon as both
+  warpgroups' QK has read it. Only a request's partial last page is touched:
+  its rows past the length are zeroed in place.
+  """
+
+  # The rope landed; the partial page masked by both warpgroups; both
+  # warpgroups' PV retired; with a producer, both warpgroups' QK read the rope.
+  OWN = ("rope_bar", "conv_bar", "free_bar", "rope_free")
+
+  def issue_latent(self, step):
+    """The page's latent, into slot step % 2."""
+    slot = lax.rem(step, 2)
+    plgpu.copy_gmem_to_smem(self.lat_ref.at[self.page_id(step)], self.s.lat_st.at[slot],
+                            self.s.tma_bar.at[slot])
+
+  def issue_rope(self, step):
+    """The page's rope, into its one buffer (read by QK only)."""
+    plgpu.copy_gmem_to_smem(self.rope_ref.at[self.page_id(step)], self.s.rope_st.at[0],
+                            self.s.rope_bar)
+
+  def first_pages(self):
+    self.issue_latent(0)
+    self.issue_rope(0)
+    pl.when(self.steps > 1)(lambda: self.issue_latent(1))  # the second slot is free from the start
+
+  def produce_pages(self):
+    # Latent slot i % 2 was read by step i-2's PV (the ring waits for that);
+    # the one rope buffer by step i-1's QK.
+    def issue_page(i):
+      self.issue_latent(i)
+      pl.when(i >= 1)(lambda: plgpu.barrier_wait(self.s.rope_free))
+      self.issue_rope(i)
+    producer_loop.issue_ring(self.steps, 2, self.s.free_bar, issue_page)
+    pl.when(self.steps > 0)(lambda: plgpu.barrier_wait(self.s.rope_free))
+
+  def step(self, i, carry):
+    acc, m_i, l_i, g_i = carry
+    s, producer = self.s, self.b.producer
+    _, q_lat, q_rp, lat_in, rope_in, valid_tokens = self.views(i)
+    # The other slot was last read by step i-1's PV in both warpgroups
+    # (each arrives on free_bar once its PV has retired): refill it with
+    # page i+1, so the gather overlaps this whole step (the producer
+    # waits on free_bar).
+    if not producer:
+      @pl.when((self.wg == 0) & (i > 0))
+      def _():
+        plgpu.barrier_wait(s.free_bar)
+        pl.when(i + 1 < self.steps)(lambda: self.issue_latent(i + 1))
+    plgpu.barrier_wait(s.tma_bar.at[lax.rem(i, 2)])
+    plgpu.barrier_wait(s.rope_bar)
+    # No conversion pass on a bf16 cache, but the tail of a request's
+    # last page may hold garbage (NaN included) and p == 0 does not
+    # cancel NaN in PV: zero those rows, only on that partial page.
+    @pl.when(valid_tokens < self.b.ps)
+    def _():
+      stage_rows(lat_in.at[:, self.cols], lat_in.at[:, self.cols], valid_tokens)
+      self.meet(s.conv_bar)
+
+    # QK for this warpgroup's half of the page's tokens only, so no MMA
+    # work is duplicated.
+    def qk(acc_ref):
+      plgpu.wgmma(acc_ref, q_lat, self.keys(lat_in))
+      plgpu.wgmma(acc_ref, q_rp, self.keys(rope_in))
+      return acc_ref[...]
+    logits = pl.run_scoped(qk, self.qk_acc())
     if producer:
-      pl.when(wg < 2)(compute)
-    else:
-      compute()
+      # This warpgroup's QK has read the rope buffer (its wgmmas retired).
+      plgpu.barrier_arrive(s.rope_free)
+    logits, _ = self.masked_logits(logits, valid_tokens)
+    my_max = logits.max(axis=1)
+    (their_max,) = self.exchange([my_max])
+    if not producer:
+      # Both warpgroups' QK has read the rope buffer: refill it.
+      pl.when((self.wg == 0) & (i + 1 < self.steps))(lambda: self.issue_rope(i + 1))
+    m_new, alpha, p, l_new = self.softmax(m_i, l_i, logits, my_max, their_max)
+    acc = self.pv(acc, alpha, p, lat_in)
+    plgpu.barrier_arrive(self.freed(i))  # this warpgroup's PV has read the slot
+    return acc, m_new, l_new, g_i
 
-  def entry(*refs):
-    st_dtype = latent.dtype
-    scratch = [
-        _smem((BLOCK_H, c), qdt),
-        _smem((BLOCK_H, r), qdt),
-        plgpu.SMEM((BLOCK_H,), jnp.float32) if fp8 else None,
-        plgpu.SMEM((slots, ps, c), st_dtype, transforms=transforms(c, st_dtype)),
-        (plgpu.SMEM((slots, ps, r), st_dtype, transforms=transforms(r, st_dtype))
-         if qk8 else _smem((ps, r), st_dtype)),
-        plgpu.SMEM((scale_slots, ps), jnp.float32) if fp8 else None,
-        plgpu.SMEM((scale_slots, ps), jnp.float32) if fp8 else None,
-        _smem((ps, c), cdt) if fp8 else None,
-        _smem((ps, r), cdt) if fp8 and not qk8 else None,
-        (plgpu.SMEM((2, BLOCK_H, ps), cdt, transforms=transforms(ps, cdt))
-         if p_in_smem else None),
-        # Each warpgroup's half of P, then its output staging: [64, 32] tiles.
-        plgpu.SMEM((2, BLOCK_H, half_ps), cdt, transforms=transforms(half_ps, cdt)),
-        (None if cdt == PARTIAL_DTYPE else
-         plgpu.SMEM((2, BLOCK_H, half_ps), PARTIAL_DTYPE,
-                    transforms=transforms(half_ps, PARTIAL_DTYPE))),
-        plgpu.SMEM((2, 2, BLOCK_H), jnp.float32),  # row vectors swapped by exchange()
-        plgpu.SMEM((BLOCK_H,), jnp.float32),
-    ]
-    barriers = [
-        # Every TMA issued with a barrier is one arrival on it.
-        plgpu.Barrier(num_arrivals=3 if fp8 else 2),  # q_latent, q_rope (, q_scale) loaded
-        # A page's copies landed, per slot: fp8 latent, rope and two scale
-        # rows; bf16 the latent.
-        plgpu.Barrier(num_arrivals=4 if fp8 else 1, num_barriers=slots),
-        None if fp8 else plgpu.Barrier(num_arrivals=1),  # bf16: the rope landed
-        None if qk8 else plgpu.Barrier(num_arrivals=2),  # page converted/masked by both WGs
-        # The slot is free: bf16 both WGs' PV retired; fp8 query both WGs'
-        # QK and conversion done.
-        (None if fp8 and not qk8 else
-         plgpu.Barrier(num_arrivals=2, num_barriers=2 if producer else 1)),
-        plgpu.Barrier(num_arrivals=2),  # row vectors swapped
-        plgpu.Barrier(num_arrivals=2),  # both halves of P written
-        # bf16 with a producer: both WGs' QK has read the rope buffer.
-        plgpu.Barrier(num_arrivals=2) if producer and not fp8 else None,
-    ]
-    pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, *barriers,
-                  collective_axes="wg")
+  def after_loop(self):
+    if not self.b.producer:
+      # Consume the last step's phase (its waiter waits on every phase).
+      @pl.when((self.wg == 0) & (self.steps > 0))
+      def _():
+        plgpu.barrier_wait(self.s.free_bar)
 
-  out_type = (jax.ShapeDtypeStruct((num_g, out_rows, c), PARTIAL_DTYPE),
-              jax.ShapeDtypeStruct((num_g, hp), jnp.float32))
-  kwargs = dict(interpret=interpret) if interpret else {}
-  return plgpu.kernel(
-      entry,
-      out_type=out_type,
-      grid=(hp // BLOCK_H, num_g),
-      grid_names=("h", "s"),
-      num_threads=3 if producer else 2,
-      thread_name="wg",
-      kernel_name="paged_mla_decode_mgpu",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      **kwargs,
-  )(q_latent, q_rope, q_scale, latent, k_rope, latent_scale, k_rope_scale,
-    block_tables, lengths, pieces)
+
+class _Fp8Cache(_Cta):
+  """An fp8 (e4m3) cache: what its two variants share.
+
+  A page lands with its per-token scale rows, which stay out of the per-element
+  work: QK yields latent and rope logits as two f32 tiles, scaled per token
+  (column) here; P takes the latent scale divided by the page's largest (g),
+  and the accumulator holds acc / g (module docstring).
+  """
+
+  FP8 = True
+
+  # The query's row factors, the scale rows, the page's f16 latent (PV's V).
+  OWN = ("qs_smem", "ls_st", "rs_st", "lat16")
+
+  def issue_page(self, step):
+    """The page (latent, rope, scales) into staging slot step % slots."""
+    page = self.page_id(step)
+    slot = lax.rem(step, self.SLOTS)
+    bar = self.s.tma_bar.at[slot]
+    plgpu.copy_gmem_to_smem(self.lat_ref.at[page], self.s.lat_st.at[slot], bar)
+    plgpu.copy_gmem_to_smem(self.rope_ref.at[page], self.s.rope_st.at[slot], bar)
+    sc = lax.rem(step, self.SCALE_SLOTS)
+    plgpu.copy_gmem_to_smem(self.ls_ref.at[page], self.s.ls_st.at[sc], bar)
+    plgpu.copy_gmem_to_smem(self.rs_ref.at[page], self.s.rs_st.at[sc], bar)
+
+  def convert_latent(self, lat_in, k_lat, valid_tokens):
+    """This warpgroup's columns of the staged latent to f16 (PV's V), the rows
+    past the length zeroed (p = 0 does not cancel NaN)."""
+    stage_rows(lat_in.at[:, self.cols], k_lat.at[:, self.cols], valid_tokens)
+
+  def qk(self, q_lat, q_rp, k_lat, k_rope, during=lambda: None):
+    """Latent and rope logits of this warpgroup's tokens, one f32 tile each (their
+    scales differ); ``during()`` runs while the wgmmas do."""
+    def qk(lat_acc, rope_acc):
+      plgpu.wgmma(lat_acc, q_lat, self.keys(k_lat))
+      plgpu.wgmma(rope_acc, q_rp, self.keys(k_rope))
+      during()
+      return lat_acc[...], rope_acc[...]
+    return pl.run_scoped(qk, self.qk_acc(), self.qk_acc())
+
+  def attend(self, i, carry, s_lat, s_rope, valid_tokens, v):
+    """From page i's latent and rope logits: the scaled logits, the online softmax
+    (P scaled by latent_scale / g) and PV over ``v``; the new carry."""
+    acc, m_i, l_i, g_i = carry
+    sc = lax.rem(i, self.SCALE_SLOTS)
+    ls_half = plgpu.load(self.s.ls_st.at[sc, self.tok], layout=_COL)
+    rs_half = plgpu.load(self.s.rs_st.at[sc, self.tok], layout=_COL)
+    logits = (s_lat * lax.broadcast_in_dim(ls_half, s_lat.shape, [1])
+              + s_rope * lax.broadcast_in_dim(rs_half, s_rope.shape, [1]))
+    logits, valid = self.masked_logits(logits, valid_tokens)
+    my_max = logits.max(axis=1)
+    # V = latent_scale[t] * f16 page: P takes the scale, divided by the
+    # page's largest (g) so it stays in [0, 1]; acc holds acc / g.
+    ls_tile = lax.broadcast_in_dim(ls_half, logits.shape, [1])
+    ls_tile = jnp.where(valid, ls_tile, 0.0)  # unused slots' scales may be NaN
+    my_g = ls_tile.max(axis=1)
+    their_max, their_g = self.exchange([my_max, my_g])
+    m_new, alpha, p, l_new = self.softmax(m_i, l_i, logits, my_max, their_max)
+    g_new = jnp.maximum(jnp.maximum(my_g, their_g), MIN_SCALE)
+    inv_g = 1.0 / g_new
+    p = p * ls_tile * lax.broadcast_in_dim(inv_g, p.shape, [0])
+    alpha = alpha * g_i * inv_g
+    return self.pv(acc, alpha, p, v), m_new, l_new, g_new
+
+
+class _Fp8CacheF16Qk(_Fp8Cache):
+  """An fp8 cache with an f16 query: each page is converted to an f16 page in
+  shared memory before QK (wgmma reads its B operand only from there), each
+  warpgroup its latent columns, warpgroup 0 the rope. The page lands in one
+  staging buffer, free once both warpgroups converted it, so the next page's TMA
+  overlaps this page's QK, softmax and PV; the scale rows, read until PV, have
+  two slots."""
+
+  SLOTS = 1
+  SCALE_SLOTS = 2
+
+  # The page's f16 rope; the page converted by both warpgroups.
+  OWN = _Fp8Cache.OWN + ("rope16", "conv_bar")
+
+  def first_pages(self):
+    self.issue_page(0)
+
+  def produce_pages(self):
+    # One staging buffer, free once both warpgroups converted step i-1.
+    @pl.loop(0, self.steps)
+    def _(i):
+      pl.when(i >= 1)(lambda: plgpu.barrier_wait(self.s.conv_bar))
+      self.issue_page(i)
+    pl.when(self.steps > 0)(lambda: plgpu.barrier_wait(self.s.conv_bar))
+
+  def step(self, i, carry):
+    s = self.s
+    z, q_lat, q_rp, lat_in, rope_in, valid_tokens = self.views(i)
+    plgpu.barrier_wait(s.tma_bar.at[0])
+    k_lat, k_rope = s.lat16.at[z], s.rope16.at[z]
+    # lat16 / rope16 were last read by step i-1's QK (both warpgroups
+    # passed its exchange since) and by this warpgroup's own PV (retired).
+    self.convert_latent(lat_in, k_lat, valid_tokens)
+    pl.when(self.wg == 0)(lambda: stage_rows(rope_in, k_rope, valid_tokens))
+    self.meet(s.conv_bar)
+    # Both warpgroups converted the staging buffer: prefetch the next
+    # page during this one's compute (the producer waits on conv_bar).
+    if not self.b.producer:
+      pl.when((self.wg == 0) & (i + 1 < self.steps))(lambda: self.issue_page(i + 1))
+    s_lat, s_rope = self.qk(q_lat, q_rp, k_lat, k_rope)
+    return self.attend(i, carry, s_lat, s_rope, valid_tokens, k_lat)
+
+
+class _Fp8CacheFp8Qk(_Fp8Cache):
+  """An fp8 cache with an e4m3 query (the default): QK runs as fp8 wgmmas straight
+  on the staged page (both operands K-major, as fp8 wgmma needs), and while they
+  run each warpgroup converts its latent columns to the f16 V of PV. Whole pages
+  have two slots: page i+2 is issued as soon as both warpgroups' QK and
+  conversion have read page i's slot; the scale rows, read until PV, have
+  three."""
+
+  ROPE_SLOTS = 2
+  SCALE_SLOTS = 3
+
+  # Both warpgroups' QK and conversion have read a slot.
+  OWN = _Fp8Cache.OWN + ("free_bar",)
+
+  def first_pages(self):
+    self.issue_page(0)
+    pl.when(self.steps > 1)(lambda: self.issue_page(1))  # the second slot is free from the start
+
+  def produce_pages(self):
+    # Page i goes to slot i % 2, read by step i-2's QK and conversion
+    # (and its scale rows, slot i % 3, by step i-3's PV: done before).
+    producer_loop.issue_ring(self.steps, 2, self.s.free_bar, self.issue_page)
+
+  def step(self, i, carry):
+    s = self.s
+    z, q_lat, q_rp, lat_in, rope_in, valid_tokens = self.views(i)
+    plgpu.barrier_wait(s.tma_bar.at[lax.rem(i, 2)])
+    # lat16 is read by PV only, each warpgroup its own columns.
+    k_lat = s.lat16.at[z]
+
+    def convert():
+      self.convert_latent(lat_in, k_lat, valid_tokens)
+      plgpu.commit_smem()
+    # fp8 x fp8 from the staged page; the tail's garbage only reaches its own
+    # logits' columns, which are masked.
+    s_lat, s_rope = self.qk(q_lat, q_rp, lat_in, rope_in, during=convert)
+    # Both warpgroups' QK and conversion have read the slot: refill it
+    # with page i+2 (page i+1 is landing in the other one).
+    plgpu.barrier_arrive(self.freed(i))
+    if not self.b.producer:
+      @pl.when(self.wg == 0)
+      def _():
+        plgpu.barrier_wait(s.free_bar)
+        pl.when(i + 2 < self.steps)(lambda: self.issue_page(i + 2))
+    return self.attend(i, carry, s_lat, s_rope, valid_tokens, k_lat)

@@ -54,6 +54,7 @@ from pallas_kernels.paged_attention.mla_mgpu import NEG
 from pallas_kernels.paged_attention.mla_mgpu import PARTIAL_DTYPE
 from pallas_kernels.paged_attention.mla_mgpu import stage_rows
 from pallas_kernels.paged_attention.mla_mgpu import transforms
+from pallas_kernels import mgpu_shim
 from pallas_kernels.paged_attention import merge_pieces_mgpu
 from pallas_kernels.paged_attention import producer as producer_loop
 
@@ -229,16 +230,9 @@ def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_sca
         p_smem.transpose((1, 0))[...] = p.astype(cdt)
         plgpu.commit_smem()
         v_t = k_lat.transpose((1, 0))  # [C, tokens]: V^T, M-major
-        if interpret:
-          # The GPU interpreter cannot run_state an accumulator (see mla_mgpu).
-          def pv(acc_ref):
-            plgpu.wgmma(acc_ref, v_t, p_smem.transpose((1, 0)))
-            return acc_ref[...]
-          acc = acc + pl.run_scoped(pv, plgpu.ACC((c, nh), jnp.float32))
-        else:
-          def pv(acc_ref):
-            plgpu.wgmma(acc_ref, v_t, p_smem.transpose((1, 0)))
-          acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # waits for the wgmma
+        acc = mgpu_shim.accumulate(  # waits for the wgmma
+            acc, lambda acc_ref: plgpu.wgmma(acc_ref, v_t, p_smem.transpose((1, 0))),
+            interpret)
         if producer:
           plgpu.barrier_arrive(free_bar.at[slot])  # the step is done with its slot
         return acc, m_new, l_new, g_new
@@ -292,8 +286,7 @@ def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_sca
 
   out_type = (jax.ShapeDtypeStruct((num_g, nh, c), PARTIAL_DTYPE),
               jax.ShapeDtypeStruct((num_g, nh), jnp.float32))
-  kwargs = dict(interpret=interpret) if interpret else {}
-  return plgpu.kernel(
+  return mgpu_shim.kernel(
       entry,
       out_type=out_type,
       grid=(num_g,),
@@ -301,6 +294,6 @@ def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_sca
       kernel_name="paged_mla_decode_tokens_mgpu",
       **(dict(num_threads=2, thread_name="wg") if producer else {}),
       compiler_params=plgpu.CompilerParams(approx_math=True),
-      **kwargs,
+      interpret=interpret,
   )(q_latent, q_rope, q_scale, latent, k_rope, latent_scale, k_rope_scale,
     block_tables, lengths, pieces)

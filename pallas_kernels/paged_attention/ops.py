@@ -1,16 +1,15 @@
 """Public paged decode-attention ops: dispatch between kernel and reference."""
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import device
 from pallas_kernels import dispatch
+from pallas_kernels import mgpu_shim
 from pallas_kernels import schedule
 from pallas_kernels.paged_attention import gqa_mgpu
 from pallas_kernels.paged_attention import merge_pieces
@@ -56,39 +55,6 @@ def _pad_tables(block_tables, multiple):
   pad = -p % multiple
   # Padded entries lie past every length, so the kernels never read them.
   return jnp.pad(block_tables, ((0, 0), (0, pad))) if pad else block_tables
-
-
-def mgpu_interpret_params():
-  """Interpret-mode parameters for the Mosaic GPU kernels (races detected)."""
-  return plgpu.InterpretGPUParams(detect_races=True)
-
-
-# The interpreter runs each warpgroup as a thread that blocks in its barrier
-# waits, on XLA's CPU client. With three (a producer warpgroup), on the 2-core
-# development machine it hangs at the first barrier with 1-3 CPU devices and
-# runs with 4 or more (two warpgroups run with 1): the client's threads are
-# about max(cores, CPU devices), and a blocked warpgroup holds one.
-INTERPRET_PRODUCER_THREADS = 4
-
-
-def check_interpret_threads(warpgroups: int) -> None:
-  """Raises, instead of hanging, where the interpreter lacks threads for a
-  kernel of three warpgroups (see INTERPRET_PRODUCER_THREADS).
-
-  Raises:
-    RuntimeError: fewer than INTERPRET_PRODUCER_THREADS cores and CPU devices.
-  """
-  if warpgroups < 3:
-    return
-  cores = os.cpu_count() or 1
-  cpus = len(jax.devices("cpu"))
-  if max(cores, cpus) < INTERPRET_PRODUCER_THREADS:
-    raise RuntimeError(
-        f"interpreting a kernel of {warpgroups} warpgroups needs XLA's CPU client to have "
-        f"at least {INTERPRET_PRODUCER_THREADS} threads, and here it has {cores} cores and "
-        f"{cpus} CPU devices, so the kernel would hang at its first barrier: set "
-        f"XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax starts (make "
-        f"does), or run BlockSizes(loads='compute') (two warpgroups)")
 
 
 def _mla_mgpu_supported(q_latent, latent, k_rope):
@@ -529,9 +495,9 @@ def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
   pieces = schedule.schedule_pieces(
       lengths, page_size=latent.shape[1], max_pages=bt.shape[1],
       pieces=mla_mgpu_pieces(b, h, bt.shape[1]))
-  mgpu_interpret = mgpu_interpret_params() if interpret else False
+  mgpu_interpret = mgpu_shim.interpret_params(interpret)
   if interpret and producer and not tokens_in_m:
-    check_interpret_threads(3)
+    mgpu_shim.check_interpret_threads(3)
   if tokens_in_m:
     o, lse = mla_tokens_mgpu.mla_decode_tokens_mgpu(
         ql, qr, q_scale, latent, k_rope, latent_scale, k_rope_scale, bt, lengths,
@@ -554,8 +520,8 @@ def _merge(o, lse, pieces, batch, *, rows, out_dtype, merge, interpret):
   if merge in ("mgpu", "mgpu_serial") and merge_pieces_mgpu.supports(o.shape[-1]):
     return merge_pieces_mgpu.merge_pieces_mgpu(
         o, lse, request, batch, rows=rows, out_dtype=out_dtype, ranges=pieces,
-        pdl=merge == "mgpu", ctas=1 if interpret else None,
-        interpret=mgpu_interpret_params() if interpret else False)
+        pdl=merge == "mgpu", ctas=mgpu_shim.ctas_to_fill(interpret),
+        interpret=mgpu_shim.interpret_params(interpret))
   if merge != "xla":  # "triton", or columns the Mosaic GPU merge does not take (GQA's 64, 192)
     return merge_pieces.merge_pieces(o, lse, request, batch, rows=rows, out_dtype=out_dtype,
                                      ranges=pieces, interpret=interpret)
@@ -686,7 +652,7 @@ def _gqa_mgpu(q, k, v, k_scale, v_scale, block_tables, lengths, *, scale, merge,
                                                            ctas_per_sm=1 if producer else 2))
   o, lse = gqa_mgpu.gqa_decode_mgpu(
       qg, q_scale, k, v, k_scale, v_scale, bt, lengths, pieces, scale=float(scale),
-      producer=producer, interpret=mgpu_interpret_params() if interpret else False)
+      producer=producer, interpret=mgpu_shim.interpret_params(interpret))
   # o [G, KV, 64, hd], lse [G, KV, 64]: the first g rows of each KV head are real.
   out = _merge(o, lse, pieces, b, rows=g, out_dtype=q.dtype, merge=merge,
                interpret=interpret)
