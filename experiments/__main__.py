@@ -160,12 +160,12 @@ def _run_one(name: str, out: str) -> dict:
 def write_report(out: str, done: list[tuple[str, float, str | None]]) -> str:
   """Writes <out>/REPORT.md: the report's figures beside ours, then per experiment its files.
 
-  The comparison table (``experiments.report``) comes first; a failure there is written
-  into the report instead of losing the per-experiment sections.
+  The comparison table (``mlkit.report.comparison``) comes first; a failure there is
+  written into the report instead of losing the per-experiment sections.
   """
   try:
-    from experiments import report
-    opening = report.section(out)
+    from mlkit.report import comparison
+    opening = comparison.section(out)
   except Exception as e:  # the links below must be written whatever the table does
     traceback.print_exc()
     opening = f"**Comparison table failed:** `{type(e).__name__}: {e}`\n"

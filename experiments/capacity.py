@@ -1,7 +1,8 @@
 """capacity: tokens that fit a fixed KV byte budget, bf16 vs fp8 pages (lever 1).
 
 Measured part: on the local device, size a paged pool to the budget with
-``mlkit.kvcache.capacity``, actually allocate it, and count its bytes. The
+``mlkit.kvcache.capacity``, actually allocate it, and count its bytes
+(``mlkit.kvcache.allocate_within``). The
 measured model is H200_MLA, whose cache entry is Kimi's (512 latent + 64 rope per
 layer): the fp8 pool's per-token f32 scales (8 bytes per layer) are then 1.4% of
 its size, as they are for Kimi. The tiny presets' entries are so small (40 and
@@ -10,8 +11,9 @@ run records SMALL_MLA beside it to show that. H200_GLM is the same widths with
 GLM 5's sparse-attention indexer on every layer: its pool pages 128 index-key
 values per token and layer beside the latent (fp8: plus one more f32 scale).
 
-Paper-scale part: bytes per token and tokens per GPU for KIMI_K2_6 and GLM_5_2
-with 48 GB of KV space per H200 (docs/report.md), next to the report's figures.
+Paper-scale part (``mlkit.plan.kv_tokens``): bytes per token and tokens per GPU for
+KIMI_K2_6 and GLM_5_2 with 48 GB of KV space per H200 (docs/report.md), next to the
+report's figures, and per weight recipe.
 """
 
 from __future__ import annotations
@@ -23,67 +25,13 @@ import jax
 from configs import GLM_5_2, H200_GLM, H200_MLA, KIMI_K2_6, SMALL_MLA
 from experiments import common
 from mlkit import kvcache as kvc
+from mlkit.measure import machine_info
+from mlkit.plan import kv_tokens
+from mlkit.report.figures import REPORT_KIMI_TOKENS, REPORT_KV_BUDGET
 
-# KV bytes per H200 that the report's 686K-token figure implies (docs/report.md).
-PAPER_BUDGET = 48 * 10**9
-# The report's figures for Kimi K2.6 (tokens per GPU).
-REPORT_TOKENS = {"bfloat16": 686_000, "float8_e4m3fn": 1_370_000}
-DTYPES = ("bfloat16", "float8_e4m3fn")
-PAGE_SIZE = 64
+DTYPES = kv_tokens.DTYPES
+PAGE_SIZE = kv_tokens.PAGE_SIZE
 MIN_RATIO = 1.95
-
-
-def _measure(cfg, dtype: str, budget: int) -> dict:
-  """Allocates the largest pool of ``cfg`` pages that fits ``budget`` and counts its bytes."""
-  plan = kvc.capacity(cfg, dtype, budget, page_size=PAGE_SIZE)
-  state = kvc.init_paged_state(cfg, kvc.KVCacheConfig(plan["pages"], PAGE_SIZE, dtype))
-  jax.block_until_ready(state)
-  allocated = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
-  if allocated > budget:
-    raise RuntimeError(f"{cfg.name} {dtype}: pool of {allocated} B exceeds the {budget} B budget")
-  del state
-  return {"model": cfg.name, "dtype": dtype, "budget_bytes": budget, "pages": plan["pages"],
-          "tokens": plan["pages"] * PAGE_SIZE, "allocated_bytes": int(allocated),
-          "bytes_per_token": plan["bytes_per_token"], "unused_bytes": budget - int(allocated)}
-
-
-def _paper(cfg) -> list[dict]:
-  rows = []
-  for dtype in DTYPES:
-    bd = kvc.bytes_per_token_breakdown(cfg, dtype, tp=8)
-    cap = kvc.capacity(cfg, dtype, PAPER_BUDGET, page_size=PAGE_SIZE, tp=8)
-    rows.append({"model": cfg.name, "dtype": dtype, "bytes_per_token": bd["total"],
-                 "value_bytes": bd["values"], "scale_bytes": bd["scales"],
-                 "indexer_bytes": bd["indexer"], "tokens_per_gpu": cap["tokens"],
-                 "report_tokens": REPORT_TOKENS[dtype] if cfg is KIMI_K2_6 else None})
-  return rows
-
-
-def _paper_recipes() -> list[dict]:
-  """Tokens per H200 for each weight recipe x KV dtype at TP 8 (lever 1 x lever 2).
-
-  The KV budget is what is left of the static HBM fraction after the recipe's
-  weights; the fraction is the one that gives Kimi (INT4 experts) its 48 GB of KV
-  (``mlkit.perfmodel.static_memory_fraction``), applied unchanged to every recipe.
-  """
-  from configs import H200
-  from mlkit import perfmodel as pm
-  from mlkit.quant import FP8_ALL, INT4_EXPERTS
-  kimi = pm.Deployment("kimi", KIMI_K2_6, INT4_EXPERTS, "bfloat16", H200)
-  frac = pm.static_memory_fraction(kimi)
-  rows = []
-  for cfg in (KIMI_K2_6, GLM_5_2):
-    for recipe in (FP8_ALL, INT4_EXPERTS):
-      for dtype in DTYPES:
-        dep = pm.Deployment(f"{cfg.name} {recipe.name} {dtype}", cfg, recipe, dtype, H200)
-        budget = pm.kv_budget(dep, frac)
-        # A negative budget: the weights alone overflow the static fraction (no KV at all).
-        tokens = pm.capacity(dep, budget)["tokens"] if budget > 0 else 0
-        rows.append({"model": cfg.name, "recipe": recipe.name, "kv_dtype": dtype,
-                     "weights_per_gpu_gib": pm.weight_split(dep)["per_gpu"] / 2**30,
-                     "kv_budget_gb": budget / 1e9, "tokens_per_gpu": tokens,
-                     "static_memory_fraction": frac})
-  return rows
 
 
 def _plot(path: str, measured: list[dict], paper: list[dict]) -> None:
@@ -109,7 +57,7 @@ def _plot(path: str, measured: list[dict], paper: list[dict]) -> None:
     vals = [next(r["tokens_per_gpu"] for r in paper if r["model"] == m and r["dtype"] == dtype) / 1e6
             for m in models]
     ax.bar([j + (i - 0.5) * width for j in range(len(models))], vals, width, label=f"ours {dtype}")
-  ax.scatter([-0.5 * width, 0.5 * width], [REPORT_TOKENS[d] / 1e6 for d in DTYPES], color="k",
+  ax.scatter([-0.5 * width, 0.5 * width], [REPORT_KIMI_TOKENS[d] / 1e6 for d in DTYPES], color="k",
              marker="x", zorder=3, label="report (Kimi)")
   ax.set_xticks(range(len(models)), models)
   ax.set_ylabel("million tokens per H200 (48 GB KV)")
@@ -134,22 +82,22 @@ def run(out_dir: str, *, quick: bool = True) -> dict:
   budget = (64 if quick else 1024) * 2**20
   common.progress(f"capacity: allocating pools inside {budget / 2**20:.0f} MiB on "
                   f"{jax.default_backend()}")
-  measured = [_measure(cfg, dtype, budget) for cfg in (H200_MLA, H200_GLM, SMALL_MLA)
-              for dtype in DTYPES]
+  measured = [kvc.allocate_within(cfg, dtype, budget, page_size=PAGE_SIZE)
+              for cfg in (H200_MLA, H200_GLM, SMALL_MLA) for dtype in DTYPES]
   tok = {(r["model"], r["dtype"]): r["tokens"] for r in measured}
   ratio = tok[(H200_MLA.name, "float8_e4m3fn")] / tok[(H200_MLA.name, "bfloat16")]
   glm_ratio = tok[(H200_GLM.name, "float8_e4m3fn")] / tok[(H200_GLM.name, "bfloat16")]
   small_ratio = tok[(SMALL_MLA.name, "float8_e4m3fn")] / tok[(SMALL_MLA.name, "bfloat16")]
-  paper = _paper(KIMI_K2_6) + _paper(GLM_5_2)
-  by_recipe = _paper_recipes()
+  paper = kv_tokens.tokens_by_dtype(KIMI_K2_6) + kv_tokens.tokens_by_dtype(GLM_5_2)
+  by_recipe = kv_tokens.tokens_by_recipe()
   kimi = {r["dtype"]: r["tokens_per_gpu"] for r in paper if r["model"] == KIMI_K2_6.name}
   record = {
       "experiment": "capacity",
-      "machine": common.machine_info(),
+      "machine": machine_info(),
       "config": {"measured_model": H200_MLA.to_dict(),
                  "also_measured": [H200_GLM.name, SMALL_MLA.name],
-                 "page_size": PAGE_SIZE, "budget_bytes": budget, "paper_budget_bytes": PAPER_BUDGET,
-                 "paper_tp": 8,
+                 "page_size": PAGE_SIZE, "budget_bytes": budget, "paper_budget_bytes": REPORT_KV_BUDGET,
+                 "paper_tp": kv_tokens.TP,
                  "glm_indexer": "paged: every layer, the pool's dtype (fp8: + f32 scale)"},
       "measured": measured,
       "ratio": ratio,

@@ -1,11 +1,15 @@
-"""Helpers shared by experiments: run metadata, timing, and result writers."""
+"""Helpers shared by experiments: result writers, progress, and the engine runs' set-up.
+
+What a result records beside its numbers (``mlkit.measure.machine_info``) and how a
+sample is summarised (``mlkit.measure.stats``) are the library's: its cached training
+runs record them too, and tests check them without running an experiment.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import time
 from typing import Callable, Mapping, Sequence
@@ -13,22 +17,7 @@ from typing import Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-
-def machine_info() -> dict:
-  """What ran the experiment: host, backend, devices and versions."""
-  devs = jax.devices()
-  return {
-      "host": platform.node(),
-      "platform": platform.platform(),
-      "python": platform.python_version(),
-      "cpu_count": os.cpu_count(),
-      "backend": jax.default_backend(),
-      "device_kind": devs[0].device_kind,
-      "device_count": len(devs),
-      "jax": jax.__version__,
-      "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else jax.__version__,
-      "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-  }
+from mlkit.measure import machine_info
 
 
 def median_time(fn: Callable[[], object], *, warmup: int = 1, iters: int = 5) -> float:
@@ -97,15 +86,6 @@ def local_model(quick: bool, smoke: bool = False):
   if jax.default_backend() == "gpu":
     return H200_MLA
   return TINY_MLA if quick else SMALL_MLA
-
-
-def stats(xs: Sequence[float]) -> dict:
-  """{median, min, max, p95, n} of a sample (None fields when empty)."""
-  if len(xs) == 0:
-    return {"median": None, "min": None, "max": None, "p95": None, "n": 0}
-  a = np.asarray(xs, np.float64)
-  return {"median": float(np.median(a)), "min": float(a.min()), "max": float(a.max()),
-          "p95": float(np.percentile(a, 95)), "n": int(a.size)}
 
 
 @dataclasses.dataclass

@@ -33,6 +33,7 @@ from experiments import common
 from mlkit import kvcache as kvc
 from mlkit.engine import EngineConfig, request_metrics
 from mlkit.engine.disagg import DisaggConfig, PoolConfig, build_serving_engine
+from mlkit.measure import stats
 from mlkit.parallel import MeshConfig
 from mlkit.quant import BF16, FP8_ALL, INT4_EXPERTS
 from mlkit.sampling import SamplingParams
@@ -97,8 +98,8 @@ def _serve(eng, prompts, new_tokens: int) -> dict:
   tokens = sum(m["output_tokens"] for m in ms)
   return {"wall_s": wall, "steps": steps, "output_tokens": tokens, "throughput_tok_s": tokens / wall,
           "finished": len(done), "aborted": len(ms) - len(done),
-          "ttft_ms": common.stats([1e3 * m["ttft_s"] for m in done]),
-          "tpot_ms": common.stats([1e3 * m["tpot_s"] for m in done if m["tpot_s"] is not None])}
+          "ttft_ms": stats([1e3 * m["ttft_s"] for m in done]),
+          "tpot_ms": stats([1e3 * m["tpot_s"] for m in done if m["tpot_s"] is not None])}
 
 
 def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
@@ -152,12 +153,12 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
                     f"{c['tpot_ms']['median']:.2f} ms (disaggregated vs colocated)")
   summary = {}
   for v in VARIANTS:
-    summary[v] = {k: common.stats([p[v][k] for p in pairs]) for k in ("throughput_tok_s",)}
-    summary[v]["ttft_ms_median"] = common.stats([p[v]["ttft_ms"]["median"] for p in pairs])
-    summary[v]["ttft_ms_p95"] = common.stats([p[v]["ttft_ms"]["p95"] for p in pairs])
-    summary[v]["tpot_ms_median"] = common.stats([p[v]["tpot_ms"]["median"] for p in pairs])
-    summary[v]["tpot_ms_p95"] = common.stats([p[v]["tpot_ms"]["p95"] for p in pairs])
-  ratios = {k: common.stats([p[k] for p in pairs if p[k] is not None])
+    summary[v] = {k: stats([p[v][k] for p in pairs]) for k in ("throughput_tok_s",)}
+    summary[v]["ttft_ms_median"] = stats([p[v]["ttft_ms"]["median"] for p in pairs])
+    summary[v]["ttft_ms_p95"] = stats([p[v]["ttft_ms"]["p95"] for p in pairs])
+    summary[v]["tpot_ms_median"] = stats([p[v]["tpot_ms"]["median"] for p in pairs])
+    summary[v]["tpot_ms_p95"] = stats([p[v]["tpot_ms"]["p95"] for p in pairs])
+  ratios = {k: stats([p[k] for p in pairs if p[k] is not None])
             for k in ("throughput_ratio", "ttft_ratio", "tpot_ratio")}
   dm = engines["disaggregated"].metrics()["disagg"]
   record = common.record_header("disagg", quick=quick, smoke=smoke, config={

@@ -27,6 +27,7 @@ from configs import SMALL_MLA, TINY_MLA
 from experiments import common
 from mlkit.engine import Engine, EngineConfig
 from mlkit.kvcache import KVCacheConfig, PageAllocator
+from mlkit.measure import machine_info
 from mlkit.model import count_params, init_params
 from mlkit.sampling import SamplingParams
 
@@ -200,7 +201,7 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
                   f"{paper['requests']} requests: {paper['audit_ms_median']:.3f} ms")
   record = {
       "experiment": "engine_overhead",
-      "machine": common.machine_info(),
+      "machine": machine_info(),
       "config": cfg.to_dict(),
       "running_requests": _RUNNING, "prompt_len": _PROMPT, "page_size": _PAGE,
       "quick": quick, "runs": runs,

@@ -16,6 +16,7 @@ import numpy as np
 from configs import SMALL_MLA, TINY_MLA
 from experiments import common
 from mlkit.generate import generate
+from mlkit.measure import machine_info
 from mlkit.model import count_params, init_params
 from mlkit.sampling import SamplingParams
 
@@ -70,7 +71,7 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   prefill_tps = float(np.median([batch * prompt_len / r.prefill_seconds for r in runs]))
   record = {
       "experiment": "generate",
-      "machine": common.machine_info(),
+      "machine": machine_info(),
       "config": cfg.to_dict(),
       "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
       "decode_tokens_per_second_median": decode_tps,

@@ -38,6 +38,7 @@ import numpy as np
 from experiments import common
 from mlkit import kvcache as kvc
 from mlkit.engine import ABORT_INTEGRITY, Engine, EngineConfig, Fault, FaultKind, RequestStatus
+from mlkit.measure import stats
 from mlkit.model import init_params
 from mlkit.sampling import SamplingParams
 
@@ -85,7 +86,7 @@ def _run_summary(log: common.StepLog, eng: Engine, gen_before: int) -> dict:
   tokens = eng.stats.generated_tokens - gen_before
   return {"throughput_tok_s": tokens / total, "output_tokens": int(tokens),
           "steps": len(log.seconds), "total_s": total,
-          "token_latency_ms": common.stats(list(1e3 * dec_s))}
+          "token_latency_ms": stats(list(1e3 * dec_s))}
 
 
 def _timing(params, cfg, shape, rng) -> list[dict]:
@@ -119,13 +120,13 @@ def _timing(params, cfg, shape, rng) -> list[dict]:
                                 / res[False]["token_latency_ms"]["p95"]
                                 if res[False]["token_latency_ms"]["p95"] else None),
       })
-    tr = common.stats([p["throughput_ratio"] for p in pairs])
-    lr = common.stats([p["p95_latency_ratio"] for p in pairs if p["p95_latency_ratio"]])
+    tr = stats([p["throughput_ratio"] for p in pairs])
+    lr = stats([p["p95_latency_ratio"] for p in pairs if p["p95_latency_ratio"]])
     out.append({"concurrency": c, "pairs": pairs, "throughput_ratio": tr, "p95_latency_ratio": lr,
-                "throughput_on": common.stats([p["on"]["throughput_tok_s"] for p in pairs]),
-                "throughput_off": common.stats([p["off"]["throughput_tok_s"] for p in pairs]),
-                "p95_ms_on": common.stats([p["on"]["token_latency_ms"]["p95"] for p in pairs]),
-                "p95_ms_off": common.stats([p["off"]["token_latency_ms"]["p95"] for p in pairs])})
+                "throughput_on": stats([p["on"]["throughput_tok_s"] for p in pairs]),
+                "throughput_off": stats([p["off"]["throughput_tok_s"] for p in pairs]),
+                "p95_ms_on": stats([p["on"]["token_latency_ms"]["p95"] for p in pairs]),
+                "p95_ms_off": stats([p["off"]["token_latency_ms"]["p95"] for p in pairs])})
     common.progress(f"integrity: c={c}: throughput on/off {tr['median']:.3f} "
                     f"[{tr['min']:.3f}, {tr['max']:.3f}], p95 token latency on/off "
                     f"{lr['median'] if lr['median'] is not None else float('nan'):.3f}")

@@ -32,6 +32,7 @@ import numpy as np
 from experiments import common
 from mlkit import kvcache as kvc
 from mlkit.engine import Engine, EngineConfig
+from mlkit.measure import stats
 from mlkit.model import init_params
 from mlkit.sampling import SamplingParams
 
@@ -53,31 +54,11 @@ SHAPES = {
 
 
 def kv_budget(cfg, shape: dict) -> dict:
-  """The fixed KV budget: the fp8 pool holds max(concurrency) full sequences, bf16 fewer.
-
-  Returns:
-    {budget_bytes, pages_per_seq, pages: {dtype: pool pages}, fits: {dtype: sequences
-    that fit at full length}}.
-
-  Raises:
-    ValueError: if the bf16 pool would also hold them all (then the shape cannot appear), or
-      the outputs are too short for all requests to decode together (one prefill per step).
-  """
-  page = shape["page_size"]
-  cmax = max(shape["concurrency"])
-  if shape["new_tokens"] <= cmax + WARMUP_STEPS:
-    raise ValueError(f"kv_dtype: {shape['new_tokens']} new tokens end before {cmax} prompts "
-                     "(one per step) are all prefilled")
-  pps = -(-(shape["prompt"] + shape["new_tokens"]) // page)
-  reserve = 1  # EngineConfig.admission_reserve
-  fp8 = kvc.capacity(cfg, "float8_e4m3fn", 0, page_size=page)
-  budget = (cmax * pps + reserve) * fp8["bytes_per_page"]
-  pages = {d: kvc.capacity(cfg, d, budget, page_size=page)["pages"] for d in DTYPES}
-  fits = {d: (pages[d] - reserve) // pps for d in DTYPES}
-  if fits["bfloat16"] >= cmax or fits["float8_e4m3fn"] < cmax:
-    raise ValueError(f"kv_dtype: budget {budget} B does not separate the dtypes: {fits}")
-  return {"budget_bytes": budget, "pages_per_seq": pps, "pages": pages, "fits": fits,
-          "admission_reserve": reserve}
+  """The fixed KV budget of a mode's shape: the fp8 pool holds max(concurrency) full
+  sequences, bf16 fewer (``mlkit.kvcache.separating_budget``)."""
+  return kvc.separating_budget(cfg, concurrency=max(shape["concurrency"]),
+                               prompt_tokens=shape["prompt"], new_tokens=shape["new_tokens"],
+                               page_size=shape["page_size"], warmup_steps=WARMUP_STEPS)
 
 
 def _engine(params, cfg, dtype: str, pages: int, shape: dict, pps: int) -> Engine:
@@ -99,14 +80,14 @@ def _summarise(eng: Engine, log: common.StepLog, c: int, preempt_before: int, fi
   preempted = eng.stats.preemptions - preempt_before
   peak = int(max((t for t, p in zip(log.tokens, log.prefill) if not p), default=0))
   oom = preempted > 0 or peak < c or steady_s.size == 0
-  per_step = common.stats(list(steady_t / steady_s)) if steady_s.size else common.stats([])
+  per_step = stats(list(steady_t / steady_s)) if steady_s.size else stats([])
   return {
       "concurrency": c, "oom": bool(oom), "predicted_oom": fits < c,
       "preemptions": int(preempted), "peak_decoding": peak,
       "steady_steps": int(steady_s.size),
       "decode_tok_s": per_step["median"] if not oom else None,
       "decode_tok_s_stats": per_step,
-      "step_ms": common.stats(list(1e3 * steady_s)),
+      "step_ms": stats(list(1e3 * steady_s)),
       # Everything decode-only, full batch or not: what an overloaded pool still delivers.
       "achieved_decode_tok_s": float(dec_t.sum() / dec_s.sum()) if dec_s.size else None,
       "steps": len(log.seconds),

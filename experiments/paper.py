@@ -10,7 +10,7 @@
   throughput fp8 vs INT4, and the token capacity with an fp8 KV cache and INT4
   weights.
 
-Capacity is arithmetic: weights per GPU from ``mlkit.quant.weight_bytes``, the KV
+Capacity is arithmetic (``mlkit.report.deployments``): weights per GPU, the KV
 budget from one memory-fraction assumption (derived from Kimi's 48 GB), bytes per
 token from ``mlkit.kvcache``. Every assumption is written into the JSON and the
 markdown; every prediction sits next to the report's figure where there is one.
@@ -21,26 +21,17 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from configs import GLM_5_2, H200, KIMI_K2_6
+from configs import H200
 from experiments import common
 from mlkit import perfmodel as pm
-from mlkit.quant import FP8_ALL, GIB, INT4_EXPERTS
+from mlkit.quant import INT4_EXPERTS
+from mlkit.report import deployments, figures
+from mlkit.report.deployments import GLM, GLM_WORK, KIMI, KIMI_WORK
+from mlkit.report.figures import (CONCURRENCY, REPORT_GLM_FP8, REPORT_GLM_PER_GPU_GIB,
+                                  REPORT_KIMI_TOKENS)
 
-CONCURRENCY = (1, 8, 16, 32, 64)
-# The report's figures (docs/report.md). None = out of memory.
-REPORT_KIMI_BF16 = {1: 137, 8: 731, 16: 1106, 32: 1558, 64: None}
-REPORT_GLM_FP8 = {1: 60, 8: 425, 16: 683, 32: 994, 64: 1672}
-REPORT_KIMI_TOKENS = {"bfloat16": 686_000, "float8_e4m3fn": 1_370_000}
-REPORT_GLM_PER_GPU_GIB = {FP8_ALL.name: 88, INT4_EXPERTS.name: 52}
-
-KIMI = pm.Deployment("kimi-k2.6 int4 weights, bf16 KV", KIMI_K2_6, INT4_EXPERTS, "bfloat16", H200)
-GLM = pm.Deployment("glm-5.2 fp8 weights, bf16 KV", GLM_5_2, FP8_ALL, "bfloat16", H200)
-# Request shapes of the two sweeps. The report does not state them; its own outcomes bound
-# them. Kimi: bf16 ran 32 requests but not 64, so a request holds between 686K/64 = 10.7K
-# and 686K/32 = 21.4K tokens; we take 8192 in + 8192 out (16K). GLM: 64 requests ran with
-# fp8 weights, so (bf16 KV, ~252K tokens) a request holds at most ~3.9K; we take 2048 + 1024.
-KIMI_WORK = pm.Workload(8192, 8192)
-GLM_WORK = pm.Workload(2048, 1024)
+# The report's bf16-KV column, None where it ran out of memory.
+REPORT_KIMI_BF16 = {**figures.REPORT_KIMI_BF16, figures.REPORT_KIMI_BF16_OOM: None}
 FACTOR = "overhead"
 SHAPE_NOTES = [
     f"Kimi sweep request shape: {KIMI_WORK.prompt_tokens} in + {KIMI_WORK.output_tokens} out "
@@ -57,10 +48,6 @@ SHAPE_NOTES = [
     "of the assumed one); the alternative, one efficiency multiplying the whole modelled rate, is "
     "fitted too and shown for comparison.",
 ]
-
-
-def _curve(dep, work, factor_value, factor=FACTOR):
-  return {c: pm.decode_throughput(dep, c, work, **{factor: factor_value}) for c in CONCURRENCY}
 
 
 def _ratio(pred, rep):
@@ -82,38 +69,19 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   frac = pm.static_memory_fraction(KIMI, a)
   common.progress(f"paper: static memory fraction {frac:.4f} (from Kimi's 48 GB of KV)")
   # --- capacity
-  deps = {
-      "kimi bf16 KV": KIMI,
-      "kimi fp8 KV": KIMI.replace(name="kimi-k2.6 int4 weights, fp8 KV", kv_dtype="float8_e4m3fn"),
-      "glm fp8 weights, bf16 KV": GLM,
-      "glm fp8 weights, fp8 KV": GLM.replace(name="glm-5.2 fp8 weights, fp8 KV",
-                                             kv_dtype="float8_e4m3fn"),
-      "glm int4 weights, fp8 KV": GLM.replace(name="glm-5.2 int4 weights, fp8 KV",
-                                              recipe=INT4_EXPERTS, kv_dtype="float8_e4m3fn"),
-  }
-  capacity = {}
-  for key, dep in deps.items():
-    budget = pm.kv_budget(dep, frac)
-    cap = pm.capacity(dep, budget)
-    work = KIMI_WORK if dep.model is KIMI_K2_6 else GLM_WORK
-    capacity[key] = {"weights_per_gpu_gib": pm.weight_split(dep)["per_gpu"] / GIB,
-                     "kv_budget_gb": budget / 1e9, "bytes_per_token": cap["bytes_per_token"],
-                     "tokens": cap["tokens"], "max_concurrency": pm.max_concurrency(dep, budget, work)}
+  deps = deployments.LEVERS
+  capacity = deployments.capacity(deps, frac)
   capacity["kimi bf16 KV"]["report_tokens"] = REPORT_KIMI_TOKENS["bfloat16"]
   capacity["kimi fp8 KV"]["report_tokens"] = REPORT_KIMI_TOKENS["float8_e4m3fn"]
-  capacity["glm fp8 weights, bf16 KV"]["report_weights_per_gpu_gib"] = 88
-  capacity["glm int4 weights, fp8 KV"]["report_weights_per_gpu_gib"] = 52
+  gib = {"fp8": REPORT_GLM_PER_GPU_GIB[GLM.recipe.name],
+         "int4": REPORT_GLM_PER_GPU_GIB[INT4_EXPERTS.name]}
+  capacity["glm fp8 weights, bf16 KV"]["report_weights_per_gpu_gib"] = gib["fp8"]
+  capacity["glm int4 weights, fp8 KV"]["report_weights_per_gpu_gib"] = gib["int4"]
   # --- calibration: one factor per deployment
   calib = {}
   for key, dep, rep, work in (("kimi", KIMI, REPORT_KIMI_BF16, KIMI_WORK),
                               ("glm", GLM, REPORT_GLM_FP8, GLM_WORK)):
-    fits = {}
-    for factor in pm.FACTORS:
-      value = pm.calibrate(dep, rep, work, factor=factor, a=a)
-      curve = _curve(dep, work, value, factor)
-      errs = [abs(curve[c] / v - 1) for c, v in rep.items() if v]
-      fits[factor] = {"value": value, "max_abs_error": max(errs),
-                      "curve": {c: curve[c] for c in CONCURRENCY}}
+    fits = deployments.fit_factors(dep, rep, work, a)
     calib[key] = {"factor": FACTOR, "value": fits[FACTOR]["value"], "fits": fits,
                   "assumed_fixed_s": pm.decode_step(dep, 1, work, a)["t_fixed"]}
     common.progress(f"paper: {key}: {FACTOR} factor {fits[FACTOR]['value']:.3f} (max error "
@@ -169,15 +137,19 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
       {"what": "GLM tokens, fp8 KV + INT4 weights", "predicted": glm_cap, "report": None,
        "ratio": None},
       {"what": "GLM weights per GPU, fp8 (GiB)",
-       "predicted": capacity["glm fp8 weights, bf16 KV"]["weights_per_gpu_gib"], "report": 88,
-       "ratio": capacity["glm fp8 weights, bf16 KV"]["weights_per_gpu_gib"] / 88},
+       "predicted": capacity["glm fp8 weights, bf16 KV"]["weights_per_gpu_gib"],
+       "report": gib["fp8"],
+       "ratio": capacity["glm fp8 weights, bf16 KV"]["weights_per_gpu_gib"] / gib["fp8"]},
       {"what": "GLM weights per GPU, INT4 experts (GiB)",
-       "predicted": capacity["glm int4 weights, fp8 KV"]["weights_per_gpu_gib"], "report": 52,
-       "ratio": capacity["glm int4 weights, fp8 KV"]["weights_per_gpu_gib"] / 52},
+       "predicted": capacity["glm int4 weights, fp8 KV"]["weights_per_gpu_gib"],
+       "report": gib["int4"],
+       "ratio": capacity["glm int4 weights, fp8 KV"]["weights_per_gpu_gib"] / gib["int4"]},
       {"what": "Kimi tokens, bf16 KV", "predicted": capacity["kimi bf16 KV"]["tokens"],
-       "report": 686_000, "ratio": capacity["kimi bf16 KV"]["tokens"] / 686_000},
+       "report": REPORT_KIMI_TOKENS["bfloat16"],
+       "ratio": capacity["kimi bf16 KV"]["tokens"] / REPORT_KIMI_TOKENS["bfloat16"]},
       {"what": "Kimi tokens, fp8 KV", "predicted": capacity["kimi fp8 KV"]["tokens"],
-       "report": 1_370_000, "ratio": capacity["kimi fp8 KV"]["tokens"] / 1_370_000},
+       "report": REPORT_KIMI_TOKENS["float8_e4m3fn"],
+       "ratio": capacity["kimi fp8 KV"]["tokens"] / REPORT_KIMI_TOKENS["float8_e4m3fn"]},
   ]
   record = common.record_header("paper", quick=True, smoke=smoke, config={
       "hardware": dataclasses.asdict(H200), "tp": 8,

@@ -23,6 +23,7 @@ import numpy as np
 from experiments import common
 from mlkit import kvcache as kvc
 from mlkit.engine import Engine, EngineConfig, request_metrics
+from mlkit.measure import stats
 from mlkit.model import count_params, init_params
 from mlkit.sampling import SamplingParams
 
@@ -66,7 +67,7 @@ def _serve(eng: Engine, prompts, new_tokens: int) -> dict:
   ms = [request_metrics(eng.get(i)) for i in ids]
   out = {"wall_s": wall, "outputs": [list(eng.get(i).output) for i in ids],
          "output_tokens": sum(m["output_tokens"] for m in ms),
-         "ttft_ms": common.stats([1e3 * m["ttft_s"] for m in ms]),
+         "ttft_ms": stats([1e3 * m["ttft_s"] for m in ms]),
          "prefill_tokens_computed": after["prefill_tokens"] - before["prefill_tokens"]}
   out["throughput_tok_s"] = out["output_tokens"] / wall
   pc_a, pc_b = after.get("prefix_cache"), before.get("prefix_cache")

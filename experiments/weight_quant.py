@@ -29,6 +29,7 @@ from configs import GLM_5_2, KIMI_K2_6
 from experiments import common
 from mlkit import kvcache as kvc
 from mlkit.engine import Engine, EngineConfig
+from mlkit.measure import stats
 from mlkit.model import init_params
 from mlkit.quant import BF16, FP8_ALL, GIB, INT4_EXPERTS, checkpoint_specs, quantize_params
 from mlkit.quant import weight_bytes
@@ -114,7 +115,7 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
     for name, log in logs.items():
       s, t = log.decode_only(min_running=c)
       s, t = s[WARMUP_STEPS:], t[WARMUP_STEPS:]
-      row[name] = common.stats(list(t / s))
+      row[name] = stats(list(t / s))
     f, q = row[FP8_ALL.name]["median"], row[INT4_EXPERTS.name]["median"]
     b = row[BF16.name]["median"] if BF16.name in row else None
     row["int4_over_fp8"] = q / f if q and f else None
@@ -132,7 +133,7 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   prefill = {}
   for name, log in logs.items():
     secs = [s for s, p in zip(log.seconds, log.prefill) if p][1:]  # first one: warm-up
-    prefill[name] = common.stats([shape["prompt"] / s for s in secs])
+    prefill[name] = stats([shape["prompt"] / s for s in secs])
   pf = {r.name: prefill[r.name]["median"] for r in recipes}
   prefill_ratio = pf[INT4_EXPERTS.name] / pf[FP8_ALL.name]
   common.progress("weight_quant: prefill " + ", ".join(

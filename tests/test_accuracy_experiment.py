@@ -1,9 +1,9 @@
-"""The accuracy experiment: its smoke run trains TINY_MLA, evaluates three recipes through
-the engine and the disaggregated recipe through the two-pool engine, and writes
-well-formed JSON, markdown and PNGs; the trained model is cached by fingerprint."""
+"""The accuracy experiment: its smoke run (through the command line) trains TINY_MLA,
+evaluates three recipes through the engine and the disaggregated recipe through the
+two-pool engine, and writes well-formed JSON, markdown and PNGs; the trained model is
+cached by fingerprint (mlkit.evals.setups), so this process loads what the run trained."""
 
 import dataclasses
-import json
 import os
 from unittest import mock
 
@@ -11,9 +11,12 @@ import jax
 import numpy as np
 from absl.testing import absltest
 
-from experiments import accuracy
+from mlkit.evals import setups
+from mlkit.evals.precision import DISAGG
 
+from experiment_runs import run_experiment
 from tempdirs import temp_dir
+
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -27,7 +30,7 @@ class AccuracySmokeTest(absltest.TestCase):
     cls.out = temp_dir(cls, "accuracy_smoke_")
     cls.env = mock.patch.dict(os.environ, {"MLKIT_CACHE": cls.cache})
     cls.env.start()
-    cls.record = accuracy.run(cls.out, quick=True, smoke=True)
+    cls.record = run_experiment("accuracy", out=cls.out, timeout=900)["accuracy"]
 
   @classmethod
   def tearDownClass(cls):
@@ -35,8 +38,7 @@ class AccuracySmokeTest(absltest.TestCase):
     super().tearDownClass()
 
   def test_files_well_formed(self):
-    with open(os.path.join(self.out, "accuracy.json")) as f:
-      rec = json.load(f)
+    rec = self.record
     self.assertEqual(rec["experiment"], "accuracy")
     self.assertEqual(rec["mode"], "smoke")
     for key in ("backend", "jax", "device_kind", "time_utc"):
@@ -52,25 +54,25 @@ class AccuracySmokeTest(absltest.TestCase):
         self.assertEqual(f.read(8), PNG_MAGIC)
 
   def test_every_recipe_scored_on_every_task(self):
-    names = set(accuracy.EVAL_SETUPS["smoke"].recipes) | {accuracy.DISAGG}
+    names = set(setups.EVAL_SETUPS["smoke"].recipes) | {DISAGG}
     self.assertEqual(set(self.record["recipes"]), names)
     for name, r in self.record["recipes"].items():
       self.assertEqual(set(r["tasks"]), {"arithmetic", "retrieval", "tool_call"}, name)
       for t, s in r["tasks"].items():
-        self.assertEqual(s["n"], accuracy.EVAL_SETUPS["smoke"].n_per_task)
+        self.assertEqual(s["n"], setups.EVAL_SETUPS["smoke"].n_per_task)
         self.assertLessEqual(s["ci95"][0], s["accuracy"])
         self.assertLessEqual(s["accuracy"], s["ci95"][1])
-    lo, hi = accuracy.EVAL_SETUPS["smoke"].tasks.retrieval_pairs
+    lo, hi = setups.EVAL_SETUPS["smoke"].tasks.retrieval_pairs
     for name, r in self.record["recipes"].items():
       by = r["retrieval_by_pairs"]
       self.assertTrue(by and all(lo <= int(n) <= hi for n in by), name)
     ref = self.record["recipes"]["w-bf16/kv-bf16"]
     self.assertEqual(ref["kl_mean"], 0.0)
     self.assertGreater(self.record["recipes"]["w-bf16/kv-fp8"]["kl_mean"], 0.0)
-    self.assertIsNone(self.record["recipes"][accuracy.DISAGG]["kl_mean"])
+    self.assertIsNone(self.record["recipes"][DISAGG]["kl_mean"])
     # Every request of the disaggregated recipe moved its KV between the pools.
-    n = 3 * accuracy.EVAL_SETUPS["smoke"].n_per_task
-    transfers = self.record["recipes"][accuracy.DISAGG]["transfers"]
+    n = 3 * setups.EVAL_SETUPS["smoke"].n_per_task
+    transfers = self.record["recipes"][DISAGG]["transfers"]
     self.assertEqual(transfers["transfers"], n)
     self.assertEqual(transfers["transfer_failures"], 0)
 
@@ -86,8 +88,8 @@ class AccuracySmokeTest(absltest.TestCase):
 
   def test_trained_model_is_cached_and_reloaded(self):
     self.assertFalse(self.record["train"]["cached"])
-    setup = accuracy.TRAIN_SETUPS["smoke"]
-    params, info = accuracy.train_or_load(setup)
+    setup = setups.TRAIN_SETUPS["smoke"]
+    params, info = setups.train_or_load(setup)
     self.assertTrue(info["cached"])
     self.assertEqual(info["fingerprint"], setup.fingerprint())
     self.assertEqual(len(info["history"]), len(self.record["train_history"]))
@@ -95,29 +97,29 @@ class AccuracySmokeTest(absltest.TestCase):
     self.assertTrue(all(np.all(np.isfinite(np.asarray(x))) for x in leaves))
 
   def test_stage_continues_its_parent(self):
-    setup = accuracy.TRAIN_SETUPS["smoke"]
+    setup = setups.TRAIN_SETUPS["smoke"]
     parent = self.record["train"]["parent"]
     self.assertEqual(parent["steps"], setup.parent.train.steps)
     self.assertEqual(parent["fingerprint"], setup.parent.fingerprint())
     # The parent's final model is where this stage started: the stage's first logged loss
     # (taken before its first update) is the parent model's loss on the stage's first batch.
     from mlkit.train import compute_config, loss_fn
-    parent_params, _ = accuracy.train_or_load(setup.parent)
-    tokens, weights, segments = accuracy.batch_fn(setup)(0)  # the smoke stages pack segments
+    parent_params, _ = setups.train_or_load(setup.parent)
+    tokens, weights, segments = setups.batch_fn(setup)(0)  # the smoke stages pack segments
     want, _ = jax.jit(loss_fn, static_argnames=("cfg", "tcfg"))(
         parent_params, tokens, weights, segments, cfg=compute_config(setup.model, setup.train),
         tcfg=setup.train)
     self.assertAlmostEqual(self.record["train_history"][0]["loss"], float(want), delta=0.02)
-    fresh = accuracy.TrainSetup(model=setup.model, train=setup.train, tasks=setup.tasks)
+    fresh = setups.TrainSetup(model=setup.model, train=setup.train, tasks=setup.tasks)
     self.assertNotEqual(fresh.fingerprint(), setup.fingerprint())
     mismatched = dataclasses.replace(
         setup, parent=dataclasses.replace(setup.parent,
                                           model=dataclasses.replace(setup.model, n_layers=3)))
     with self.assertRaisesRegex(ValueError, "same model"):
-      accuracy.train_or_load(mismatched)
+      setups.train_or_load(mismatched)
 
   def test_fingerprint_tracks_every_field(self):
-    setup = accuracy.TRAIN_SETUPS["smoke"]
+    setup = setups.TRAIN_SETUPS["smoke"]
     other = [dataclasses.replace(setup, train=dataclasses.replace(setup.train, steps=7)),
              dataclasses.replace(setup, prompt_weight=0.5),
              dataclasses.replace(setup, model=dataclasses.replace(setup.model, n_layers=3)),
@@ -127,10 +129,10 @@ class AccuracySmokeTest(absltest.TestCase):
     self.assertEqual(setup.fingerprint(), dataclasses.replace(setup).fingerprint())
 
   def test_short_rows_rejected(self):
-    setup = accuracy.TRAIN_SETUPS["smoke"]
+    setup = setups.TRAIN_SETUPS["smoke"]
     bad = dataclasses.replace(setup, train=dataclasses.replace(setup.train, seq_len=16))
     with self.assertRaisesRegex(ValueError, "seq_len 16"):
-      accuracy.batch_fn(bad)
+      setups.batch_fn(bad)
 
 
 class DisaggBackendTest(absltest.TestCase):

@@ -1,7 +1,8 @@
 """The cpu_peer experiment without torch: the skip path, the engine side, the worker protocol.
 
 torch and transformers are never imported here: the peer is a fake interpreter that cannot
-import them, and the worker's request loop runs against a stand-in model.
+import them, and the worker's request loop runs against a stand-in model. The smoke run goes
+through the command line; the rest tests the library it runs (mlkit.peer).
 """
 
 import contextlib
@@ -15,7 +16,9 @@ from unittest import mock
 import numpy as np
 from absl.testing import absltest
 
-from experiments import cpu_peer, peer_transformers
+from experiment_runs import run_experiment
+from mlkit.peer import compare, transformers_worker
+
 
 _NO_TORCH = "#!/bin/sh\necho \"ModuleNotFoundError: No module named 'torch'\" >&2\nexit 1\n"
 
@@ -37,20 +40,20 @@ def _fake_python(folder: str) -> str:
 class SkipTest(absltest.TestCase):
 
   def test_interpreter_without_torch_is_skipped_with_a_clear_message(self):
-    msg = cpu_peer.peer_unavailable(_fake_python(_tempdir(self)))
+    msg = compare.peer_unavailable(_fake_python(_tempdir(self)))
     self.assertIn("transformers peer skipped", msg)
     self.assertIn("cannot import torch and transformers", msg)
     self.assertIn("No module named 'torch'", msg)
-    self.assertIn(cpu_peer.PEER_PYTHON_ENV, msg)
+    self.assertIn(compare.PEER_PYTHON_ENV, msg)
 
   def test_missing_interpreter_is_skipped(self):
-    msg = cpu_peer.peer_unavailable("/no/such/python")
+    msg = compare.peer_unavailable("/no/such/python")
     self.assertIn("/no/such/python", msg)
-    self.assertIn(cpu_peer.PEER_PYTHON_ENV, msg)
+    self.assertIn(compare.PEER_PYTHON_ENV, msg)
 
   def test_peer_python_comes_from_the_environment(self):
-    with mock.patch.dict(os.environ, {cpu_peer.PEER_PYTHON_ENV: "/opt/peer/bin/python"}):
-      self.assertEqual(cpu_peer.peer_python(), "/opt/peer/bin/python")
+    with mock.patch.dict(os.environ, {compare.PEER_PYTHON_ENV: "/opt/peer/bin/python"}):
+      self.assertEqual(compare.peer_python(), "/opt/peer/bin/python")
 
 
 class SmokeRunTest(absltest.TestCase):
@@ -58,9 +61,9 @@ class SmokeRunTest(absltest.TestCase):
 
   def test_engine_side_runs_and_the_report_says_the_peer_was_skipped(self):
     out = _tempdir(self)
-    env = {cpu_peer.PEER_PYTHON_ENV: _fake_python(out)}
-    with mock.patch.dict(os.environ, env):
-      rec = cpu_peer.run(out, quick=True, smoke=True)
+    env = dict(os.environ, **{compare.PEER_PYTHON_ENV: _fake_python(out)})
+    rec = run_experiment("cpu_peer", out=out, env=env)["cpu_peer"]
+    self.assertEqual(rec["experiment"], "cpu_peer")
     self.assertIn("cannot import torch and transformers", rec["peer_skipped"])
     self.assertIsNone(rec["peer"])
     self.assertIsNone(rec["target_met"])
@@ -70,14 +73,29 @@ class SmokeRunTest(absltest.TestCase):
     self.assertTrue(row["engine_runs_agree"])
     self.assertIsNone(row["peer_tok_s"])
     self.assertIsNone(row["tokens_match"])
-    with open(os.path.join(out, "cpu_peer.json")) as f:
-      self.assertEqual(json.load(f)["experiment"], "cpu_peer")
     with open(os.path.join(out, "cpu_peer.md")) as f:
       md = f.read()
     self.assertTrue(md.startswith("# cpu_peer"))
     self.assertIn("transformers peer skipped", md)
     self.assertIn("| 2 |", md)
     self.assertFalse(os.path.exists(os.path.join(out, "cpu_peer.png")))
+
+
+class BatchRowTest(absltest.TestCase):
+
+  def test_medians_ratio_and_token_agreement(self):
+    wl = compare.Workload((2,), 4, 3, 2)
+    eng = [{"seconds": s, "tokens": [[1, 2, 3], [4, 5, 6]], "prefill_ms": 1.0,
+            "decode_ms_median": 2.0, "host_ms_per_step": 0.5} for s in (1.0, 3.0)]
+    peer = [{"seconds": 4.0, "tokens": [[1, 2, 3], [4, 5, 7]]}] * 2
+    row = compare.batch_row(2, wl, eng, peer)
+    self.assertEqual((row["engine_tok_s"], row["peer_tok_s"], row["ratio"]), (3.0, 1.5, 2.0))
+    self.assertTrue(row["engine_runs_agree"])
+    self.assertEqual(row["tokens_match"],
+                     {"identical": False, "fraction": 5 / 6, "first_mismatch": [1, 2]})
+    alone = compare.batch_row(2, wl, eng, [])  # the peer skipped
+    self.assertIsNone(alone["ratio"])
+    self.assertIsNone(alone["tokens_match"])
 
 
 class _FakeTorch:
@@ -114,8 +132,8 @@ class WorkerProtocolTest(absltest.TestCase):
 
   def _serve(self, model, *requests):
     replies = []
-    peer_transformers._serve(model, _FakeTorch, [json.dumps(r) + "\n" for r in requests],
-                             replies.append)
+    transformers_worker.serve(model, _FakeTorch, [json.dumps(r) + "\n" for r in requests],
+                              replies.append)
     return replies
 
   def test_replies_tokens_and_time_per_request(self):

@@ -1,59 +1,50 @@
 """Experiments: smoke runs write well-formed JSON, markdown and PNG; paper-scale arithmetic; CLI.
 
-The engine experiments run their smoke modes (2-layer TINY_MLA, a few tokens) once per
-class; their smoke shapes are chosen so that several share compiled steps. The kernels
-experiment's smoke run goes through the command line beside them (its logic is
-pallas_kernels', tested there; here, what it writes).
+The engine experiments, paper and kernels run their smoke modes (2-layer TINY_MLA, a few
+tokens) through the command line, all in one ``python -m experiments ... --smoke``
+process, as a user runs them; their smoke shapes are chosen so that several share
+compiled steps. The tests read the files it writes. The logic the experiments run is
+the library's, tested where it lives (here: the analytic model, mlkit.measure and the
+fp8-vs-bf16 budget).
 """
 
-import json
+import dataclasses
 import os
+import re
 import subprocess
 import sys
 
 from absl.testing import absltest, parameterized
 
-from configs import GLM_5_2, H200, KIMI_K2_6
-from experiments import common
+from configs import GLM_5_2, H200, KIMI_K2_6, TINY_MLA
 from mlkit import kvcache as kvc
 from mlkit import perfmodel as pm
+from mlkit.measure import stats
 from mlkit.quant import FP8_ALL, INT4_EXPERTS
+from mlkit.report import comparison
 from pallas_kernels import targets
 
+from experiment_runs import run_experiment
 from tempdirs import temp_dir
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Run by SmokeRunsTest, in this order, in one process; the first six write NAME.png.
+SMOKE = ("kv_dtype", "integrity", "paper", "weight_quant", "disagg", "prefix_cache", "kernels")
 
 
 class SmokeRunsTest(parameterized.TestCase):
-  """Runs every experiment's smoke mode once into one folder, then checks the files."""
+  """Runs the experiments' smoke modes in one command into one folder, then checks the files."""
 
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    from experiments import disagg, integrity, kv_dtype, paper, prefix_cache, weight_quant
     cls.out = temp_dir(cls, "experiments_smoke_")
-    cls.records = {}
-    for name, mod in (("kv_dtype", kv_dtype), ("integrity", integrity), ("paper", paper),
-                      ("weight_quant", weight_quant), ("disagg", disagg),
-                      ("prefix_cache", prefix_cache)):
-      cls.records[name] = mod.run(cls.out, quick=True, smoke=True)
-    # Its own folder: the command line writes a REPORT.md beside the experiment's files.
-    cls.kernels_out = os.path.join(cls.out, "kernels")
-    r = subprocess.run(
-        [sys.executable, "-m", "experiments", "kernels", "--smoke", "--out", cls.kernels_out],
-        cwd=_REPO, capture_output=True, text=True, timeout=600)
-    if r.returncode:
-      raise RuntimeError(f"python -m experiments kernels --smoke failed:\n{r.stderr[-3000:]}")
-    with open(os.path.join(cls.kernels_out, "kernels.json")) as f:
-      cls.records["kernels"] = json.load(f)
+    cls.records = run_experiment(*SMOKE, out=cls.out, timeout=900)
 
-  @parameterized.parameters("kv_dtype", "integrity", "paper", "weight_quant", "disagg",
-                            "prefix_cache")
+  @parameterized.parameters(*SMOKE[:-1])
   def test_files_well_formed(self, name):
-    with open(os.path.join(self.out, f"{name}.json")) as f:
-      rec = json.load(f)
+    rec = self.records[name]
     self.assertEqual(rec["experiment"], name)
     self.assertEqual(rec["mode"], "smoke")
     for key in ("backend", "jax", "device_kind", "time_utc"):
@@ -70,6 +61,22 @@ class SmokeRunsTest(parameterized.TestCase):
     self.assertEqual(png[:8], PNG_MAGIC)
     self.assertGreater(len(png), 5000)
 
+  def test_report_links_tables_and_plots(self):
+    with open(os.path.join(self.out, "REPORT.md")) as f:
+      report = f.read()
+    # The comparison table opens it (mlkit.report.comparison; paper.json is among the records).
+    self.assertIn(comparison.HEADER, report)
+    self.assertNotIn("Comparison table failed", report)
+    self.assertIn(f"![report vs ours]({comparison.PLOT})", report)
+    for name in SMOKE:
+      self.assertIn(f"## {name} (", report)
+      for link in (f"[{name}.json]({name}.json)", f"[{name}.md]({name}.md)"):
+        self.assertIn(link, report)
+    for name in SMOKE[:-1]:
+      self.assertIn(f"![{name}.png]({name}.png)", report)
+    self.assertIn("![kernels_roofline.png](kernels_roofline.png)", report)
+    self.assertNotIn("**Failed:**", report)
+
   def test_prefix_cache_saves_prefill_with_identical_outputs(self):
     runs = self.records["prefix_cache"]["runs"]
     for L, r in runs.items():
@@ -83,6 +90,10 @@ class SmokeRunsTest(parameterized.TestCase):
 
   def test_kv_dtype_bf16_runs_out_fp8_does_not(self):
     rec = self.records["kv_dtype"]
+    # The budget: fp8 holds the top concurrency's full sequences, bf16 fewer.
+    budget, top = rec["config"]["budget"], max(rec["config"]["shape"]["concurrency"])
+    self.assertEqual(budget["fits"]["float8_e4m3fn"], top)
+    self.assertLess(budget["fits"]["bfloat16"], top)
     self.assertEqual(rec["oom_concurrency"], {"bfloat16": [2], "float8_e4m3fn": []})
     self.assertTrue(rec["report_shape_reproduced"])
     for r in rec["runs"]:
@@ -98,7 +109,8 @@ class SmokeRunsTest(parameterized.TestCase):
 
   def test_integrity_faults_detected_and_never_contaminate(self):
     f = self.records["integrity"]["faults"]
-    self.assertEqual(list(f), ["both on", "tag check only", "audit only", "both off"])
+    # The four arms (the JSON sorts their keys; the experiment runs them in this order).
+    self.assertCountEqual(f, ["both on", "tag check only", "audit only", "both off"])
     for arm in ("both on", "tag check only", "audit only"):  # each defence alone suffices
       on = f[arm]
       self.assertEqual(len(on["faults"]), 2)
@@ -140,14 +152,14 @@ class SmokeRunsTest(parameterized.TestCase):
     else:
       self.assertTrue(rec["skipped"])
       self.assertIn("needs an NVIDIA GPU", rec["reason"])
-      with open(os.path.join(self.kernels_out, "kernels.md")) as f:
+      with open(os.path.join(self.out, "kernels.md")) as f:
         md = f.read()
       self.assertIn("needs an NVIDIA GPU", md)
       # Without a device the sheet is all modelled: every target case, nothing measured.
       self.assertIn("## Roofline sheet (H200, per call)", md)
       self.assertLen(rec["roofline"], len(targets.target_cases()))
       self.assertTrue(all(r["time_s"] is None for r in rec["roofline"]))
-      with open(os.path.join(self.kernels_out, "kernels_roofline.png"), "rb") as f:
+      with open(os.path.join(self.out, "kernels_roofline.png"), "rb") as f:
         self.assertEqual(f.read(8), PNG_MAGIC)
 
   def test_paper_predictions(self):
@@ -231,64 +243,68 @@ class PerfModelTest(parameterized.TestCase):
     self.assertGreater(int4["t_dequant"], 0)
 
 
-class CommonTest(absltest.TestCase):
+class MeasureTest(absltest.TestCase):
 
   def test_stats(self):
-    s = common.stats([3.0, 1.0, 2.0])
+    s = stats([3.0, 1.0, 2.0])
     self.assertEqual((s["median"], s["min"], s["max"], s["n"]), (2.0, 1.0, 3.0, 3))
-    self.assertIsNone(common.stats([])["median"])
+    self.assertIsNone(stats([])["median"])
 
-  def test_kv_budget(self):
-    from experiments import kv_dtype
-    cfg = common.local_model(True, smoke=True)
-    plan = kv_dtype.kv_budget(cfg, dict(concurrency=(1, 8), prompt=8, new_tokens=24, page_size=8))
+  def test_separating_budget(self):
+    cfg = dataclasses.replace(TINY_MLA, n_layers=1, first_k_dense=0)  # the smoke model
+    plan = kvc.separating_budget(cfg, concurrency=8, prompt_tokens=8, new_tokens=24,
+                                 page_size=8, warmup_steps=2)
     self.assertEqual(plan["pages_per_seq"], 4)
     self.assertEqual(plan["fits"]["float8_e4m3fn"], 8)
     self.assertLess(plan["fits"]["bfloat16"], 8)
     with self.assertRaisesRegex(ValueError, "end before"):
-      kv_dtype.kv_budget(cfg, dict(concurrency=(1, 8), prompt=8, new_tokens=8, page_size=8))
+      kvc.separating_budget(cfg, concurrency=8, prompt_tokens=8, new_tokens=8, page_size=8,
+                            warmup_steps=2)
+
+
+def _names_and_suite(usage: str) -> tuple[list[str], list[str]]:
+  """(every experiment, the default suite) from the command line's usage text."""
+  names = re.findall(r"^  (\w+) ", usage.split("experiments:", 1)[1], re.M)
+  suite = re.search(r"With no name, runs: (.*); then writes", usage)
+  return names, suite.group(1).split(", ") if suite else []
 
 
 class CliTest(absltest.TestCase):
 
-  def _run(self, *args):
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    cls.help = cls._run("--help")
+
+  @staticmethod
+  def _run(*args):
     return subprocess.run([sys.executable, "-m", "experiments", *args], cwd=_REPO,
                           capture_output=True, text=True, timeout=120)
 
   def test_help_lists_every_experiment(self):
-    from experiments.__main__ import DEFAULT_SUITE, EXPERIMENTS
-    r = self._run("--help")
-    self.assertEqual(r.returncode, 0, r.stderr)
-    for name in EXPERIMENTS:
-      self.assertIn(name, r.stdout)
-    self.assertTrue(set(DEFAULT_SUITE) <= set(EXPERIMENTS))
+    self.assertEqual(self.help.returncode, 0, self.help.stderr)
+    names, suite = _names_and_suite(self.help.stdout)
+    self.assertContainsSubset({"capacity", "kv_dtype", "paper", "h200_compile", "accuracy",
+                               "cpu_peer", "retrieval_learning"}, names)
+    self.assertNotEmpty(suite)
+    self.assertContainsSubset(suite, names)
 
   def test_every_experiment_module_is_registered(self):
     # A module with the experiment entry point run(out_dir, ...) that the CLI does not list
     # could never be run as documented; read the sources (importing them all is slow).
-    from experiments.__main__ import EXPERIMENTS
-    registered = {module for module, _ in EXPERIMENTS.values()}
+    names, _ = _names_and_suite(self.help.stdout)
     folder = os.path.join(_REPO, "experiments")
     for f in sorted(os.listdir(folder)):
       if f.endswith(".py") and not f.startswith("_"):
         with open(os.path.join(folder, f)) as src:
           if "\ndef run(out_dir" in src.read():
-            self.assertIn(f"experiments.{f[:-3]}", registered)
+            self.assertIn(f[:-3], names)
 
   def test_unknown_name_is_an_error(self):
     r = self._run("no_such_experiment", "--out", temp_dir(self, "experiments_unknown_"))
     self.assertEqual(r.returncode, 2)
     self.assertIn("unknown experiment(s): no_such_experiment", r.stderr)
     self.assertIn("kv_dtype", r.stderr)  # the usage follows
-
-  def test_report_links_tables_and_plots(self):
-    out = temp_dir(self, "experiments_report_")
-    r = self._run("paper", "--out", out)
-    self.assertEqual(r.returncode, 0, r.stderr[-2000:])
-    with open(os.path.join(out, "REPORT.md")) as f:
-      report = f.read()
-    for link in ("[paper.json](paper.json)", "[paper.md](paper.md)", "![paper.png](paper.png)"):
-      self.assertIn(link, report)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from pallas_kernels.indexer import bench as indexer_bench
 from pallas_kernels.indexer import topk_bench
 from pallas_kernels.paged_attention import bench as attn_bench
 
+from experiment_runs import run_experiment
 from tempdirs import temp_dir
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -388,11 +389,7 @@ class KernelsExperimentTest(absltest.TestCase):
   def test_skips_without_gpu_and_shows_the_compile_readings(self):
     before = self._compile_readings()
     out = temp_dir(self, "kernels_")
-    r = subprocess.run([sys.executable, "-m", "experiments", "kernels", "--smoke", "--out", out],
-                       cwd=_REPO, env=_env(), capture_output=True, text=True, timeout=300)
-    self.assertEqual(r.returncode, 0, r.stderr[-3000:])
-    with open(os.path.join(out, "kernels.json")) as f:
-      rec = json.load(f)
+    rec = run_experiment("kernels", out=out, env=_env(), timeout=300)["kernels"]
     self.assertTrue(rec["skipped"])
     self.assertEqual(rec["records"], [])
     with open(os.path.join(out, "kernels.md")) as f:

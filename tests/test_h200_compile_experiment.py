@@ -1,5 +1,6 @@
-"""The h200_compile experiment: a tiny model's decode step compiled for 8x H200 (smoke run),
-its per-device bytes against the analytic ones, the out-of-memory marking, and the depth fit."""
+"""The h200_compile experiment: a tiny model's decode step compiled for 8x H200 (its smoke run,
+through the command line), its per-device bytes against the analytic ones, the out-of-memory
+marking; and the library it runs (mlkit.plan): the depth fit, the plan and the step shapes."""
 
 import dataclasses
 import json
@@ -8,13 +9,17 @@ import os
 import jax
 from absl.testing import absltest
 
-from experiments import h200_compile as hc_exp
 from mlkit import kvcache as kvc
+from mlkit.parallel import abstract_params
+from mlkit.plan import step_compile as sc
+from mlkit.plan import step_memory as sm
 from mlkit.quant import INT4_EXPERTS, weight_bytes
 from mlkit.quant.tree import flatten_params
 from pallas_kernels.h200 import step_placement
 
+from experiment_runs import run_experiment
 from tempdirs import temp_dir
+
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -25,15 +30,15 @@ class SmokeRunTest(absltest.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     cls.out = temp_dir(cls, "h200_compile_smoke_")
-    cls.rec = hc_exp.run(cls.out, quick=True, smoke=True)
-    cls.plan = hc_exp.plan_for(quick=True, smoke=True)
+    cls.rec = run_experiment("h200_compile", out=cls.out)["h200_compile"]
+    cls.plan = sc.plan_for(quick=True, smoke=True)
 
   def test_arguments_are_the_analytic_weights_kv_and_inputs(self):
     (c,) = self.rec["compiles"]
-    cfg = hc_exp.TINY
+    cfg = sc.TINY
     # KV: MLA pages are replicated, so every device holds the whole pool:
     # pages x (page_size x (kv_lora + rope) x layers x 2 B) + a 4 B tag per page.
-    kv = c["num_pages"] * (hc_exp.PAGE_SIZE * kvc.bytes_per_token(cfg, "bfloat16") + 4)
+    kv = c["num_pages"] * (sc.PAGE_SIZE * kvc.bytes_per_token(cfg, "bfloat16") + 4)
     self.assertEqual(c["kv"], kv)
     # Inputs: 8 int32/uint32/f32 vectors [B] and 4 int32 arrays [B, T] or [B, M], replicated.
     B, T, M = c["rows"], c["tokens"], c["max_pages"]
@@ -42,7 +47,7 @@ class SmokeRunTest(absltest.TestCase):
     # .weight_bytes) plus what the placement keeps whole on every device instead: MLA's
     # low-rank down projections and the routers, of which the convention counts only 1/8.
     # The split axes all divide by 8, so the two agree to the byte.
-    params = hc_exp.abstract_params(cfg, INT4_EXPERTS, _mesh(), hc_exp.RULES)
+    params = abstract_params(cfg, INT4_EXPERTS, sc.h200_mesh(), sc.RULES)
     replicated = sum(x.size * x.dtype.itemsize for path, leaf in flatten_params(params)[0]
                      if path.rsplit("/", 1)[-1] in ("wq_a", "wkv_a", "router")
                      for x in jax.tree_util.tree_leaves(leaf))
@@ -61,7 +66,7 @@ class SmokeRunTest(absltest.TestCase):
     (c,) = self.rec["compiles"]
     at = row["at_concurrency"]
     self.assertEqual(at["requests"], 64)
-    self.assertEqual(c["num_pages"], 64 * hc_exp.pages_per_request(hc_exp.TINY_WORK))
+    self.assertEqual(c["num_pages"], 64 * sc.pages_per_request(sc.TINY_WORK))
     self.assertEqual(at["peak"], c["argument"] + c["temp"] + c["output"] - c["alias"])
     self.assertGreater(at["peak"], self.plan.hbm_bytes)
     self.assertFalse(at["fits_hbm"])
@@ -74,7 +79,7 @@ class SmokeRunTest(absltest.TestCase):
     self.assertLessEqual(row["largest_pool"], row["static_pool"])
     self.assertGreater(row["concurrency"], 0)
     self.assertLess(row["concurrency"], 64)
-    self.assertEqual(row["tokens"], kvc.capacity(hc_exp.TINY, "bfloat16",
+    self.assertEqual(row["tokens"], kvc.capacity(sc.TINY, "bfloat16",
                                                  int(row["largest_pool"]), page_size=64)["tokens"])
 
   def test_kernels_each_gpu_runs(self):
@@ -121,15 +126,10 @@ class SmokeRunTest(absltest.TestCase):
       self.assertEqual(f.read(8), PNG_MAGIC)
 
 
-def _mesh():
-  from pallas_kernels.h200 import compile as hc
-  return hc.mesh(hc_exp.MESH_SHAPE, hc_exp.AXES)
-
-
 class FitAndPlanTest(absltest.TestCase):
 
   def test_fit_depth_line_and_residual(self):
-    fit = hc_exp.fit_depth([(1, 10.0), (2, 13.0), (3, 16.0)], at=60)
+    fit = sm.fit_depth([(1, 10.0), (2, 13.0), (3, 16.0)], at=60)
     self.assertAlmostEqual(fit["slope"], 3.0)
     self.assertAlmostEqual(fit["intercept"], 7.0)
     self.assertAlmostEqual(fit["at_full"], 187.0)
@@ -137,20 +137,20 @@ class FitAndPlanTest(absltest.TestCase):
     self.assertAlmostEqual(fit["marginal_slope"], 3.0)
     # A first MoE layer that adds a one-off 2: least squares says 3 per layer, the
     # deepest two points 2, and the full-depth reading extends those.
-    bent = hc_exp.fit_depth([(3, 16.0), (1, 10.0), (2, 14.0)], at=5)
+    bent = sm.fit_depth([(3, 16.0), (1, 10.0), (2, 14.0)], at=5)
     self.assertAlmostEqual(bent["slope"], 3.0)
     self.assertAlmostEqual(bent["max_residual"], 2 / 3)
     self.assertAlmostEqual(bent["marginal_slope"], 2.0)
     self.assertAlmostEqual(bent["at_full"], 20.0)
 
   def test_fit_depth_single_point_is_constant(self):
-    fit = hc_exp.fit_depth([(2, 5.0)], at=60)
+    fit = sm.fit_depth([(2, 5.0)], at=60)
     self.assertEqual((fit["slope"], fit["at_full"]), (0.0, 5.0))
     with self.assertRaisesRegex(ValueError, "no points"):
-      hc_exp.fit_depth([], at=1)
+      sm.fit_depth([], at=1)
 
   def test_plan_validation_names_the_field(self):
-    plan = hc_exp.plan_for(quick=True, smoke=True)
+    plan = sc.plan_for(quick=True, smoke=True)
     with self.assertRaisesRegex(ValueError, "Plan.moe_depths"):
       dataclasses.replace(plan, moe_depths=())
     with self.assertRaisesRegex(ValueError, "Plan.static_fraction"):
@@ -159,11 +159,11 @@ class FitAndPlanTest(absltest.TestCase):
       dataclasses.replace(plan, kinds=("train",))
 
   def test_step_shapes_follow_the_sweep(self):
-    plan = hc_exp.plan_for(quick=True, smoke=False)
-    kimi, glm = hc_exp.KIMI.work, hc_exp.GLM_FP8.work
-    self.assertEqual(hc_exp.step_shape("decode", kimi, plan), (64, 1, 256))
-    self.assertEqual(hc_exp.step_shape("prefill", kimi, plan), (1, 8192, 256))
-    self.assertEqual(hc_exp.step_shape("prefill", glm, plan), (4, 2048, 48))
+    plan = sc.plan_for(quick=True, smoke=False)
+    kimi, glm = sc.KIMI.work, sc.GLM_FP8.work
+    self.assertEqual(sc.step_shape("decode", kimi, plan), (64, 1, 256))
+    self.assertEqual(sc.step_shape("prefill", kimi, plan), (1, 8192, 256))
+    self.assertEqual(sc.step_shape("prefill", glm, plan), (4, 2048, 48))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""REPORT.md's opening table (experiments.report) from hand-written, trimmed experiment records.
+"""REPORT.md's opening table (mlkit.report.comparison) from hand-written, trimmed experiment records.
 
 The records copy the structure the experiments write (smoke runs of paper, capacity,
 kv_dtype, weight_quant, integrity, h200_compile, accuracy, disagg and engine_overhead),
@@ -12,7 +12,8 @@ import re
 
 from absl.testing import absltest
 
-from experiments import report
+from mlkit.report import comparison as report
+from mlkit.report import figures
 
 from tempdirs import temp_dir
 
@@ -26,9 +27,9 @@ def _stats(v):
 
 def _paper(kimi_bf16_tokens=683_008, int4_decode_gain=0.97):
   cols = []
-  for col, role, rep, oom_at in (("kimi bf16 KV", "calibration", report.REPORT_KIMI_BF16, 64),
+  for col, role, rep, oom_at in (("kimi bf16 KV", "calibration", figures.REPORT_KIMI_BF16, 64),
                                  ("kimi fp8 KV", "prediction", {}, None),
-                                 ("glm fp8 weights", "calibration", report.REPORT_GLM_FP8, None),
+                                 ("glm fp8 weights", "calibration", figures.REPORT_GLM_FP8, None),
                                  ("glm int4 weights", "prediction", {}, None)):
     for c in (1, 8, 16, 32, 64):
       oom = c == oom_at
@@ -112,9 +113,9 @@ class ReportTest(absltest.TestCase):
                    "70,272 B", "out of memory", "runs", "unchanged", "within 0.8 points",
                    "faster (no figure)", "slower (no figure)"):
       self.assertIn(figure, {r.report for r in self.rows})
-    for c, v in report.REPORT_KIMI_BF16.items():
+    for c, v in figures.REPORT_KIMI_BF16.items():
       self.assertIn((f"{v} tok/s", f"Kimi decode tok/s, bf16 KV, concurrency {c}"), reports)
-    for c, v in report.REPORT_GLM_FP8.items():
+    for c, v in figures.REPORT_GLM_FP8.items():
       self.assertIn((f"{v} tok/s", f"GLM decode tok/s, fp8 weights, concurrency {c}"), reports)
     for words in ("throughput cost", "p95 latency cost", "decode pool fp8 KV", "fp8 / bf16"):
       self.assertIn(words, texts)
@@ -199,7 +200,7 @@ class ReportTest(absltest.TestCase):
 
   def test_fitted_columns_are_never_predictions(self):
     fitted = [r for r in self.rows if r.source == "fitted"]
-    self.assertLen(fitted, len(report.REPORT_KIMI_BF16) + len(report.REPORT_GLM_FP8))
+    self.assertLen(fitted, len(figures.REPORT_KIMI_BF16) + len(figures.REPORT_GLM_FP8))
     for r in fitted:
       self.assertEqual(r.verdict, report.FITTED_VERDICT)
       self.assertIn("tok/s", r.figure)

@@ -1,6 +1,6 @@
-"""retrieval_learning experiment: its data rows, the GQA twin of a preset, and a smoke run."""
+"""retrieval_learning: its data rows, scoring and the GQA twin of a preset (mlkit.evals.lookup),
+and the experiment's smoke run through the command line."""
 
-import json
 import os
 import tempfile
 
@@ -8,7 +8,8 @@ import numpy as np
 from absl.testing import absltest
 
 from configs import MINI_MLA
-from experiments import retrieval_learning as rl
+from experiment_runs import run_experiment
+from mlkit.evals import lookup as rl
 from mlkit.evals.tasks import TaskConfig, make_examples
 from mlkit.evals.tokenizer import BOS, EOS, PAD, CharTokenizer
 from mlkit.model.params import count_params
@@ -94,23 +95,23 @@ class SmokeRunTest(absltest.TestCase):
 
   def test_smoke_writes_curves_for_both_layouts(self):
     with tempfile.TemporaryDirectory() as out:
-      rec = rl.run(out, quick=True, smoke=True)
+      rec = run_experiment("retrieval_learning", out=out)["retrieval_learning"]
       for ext in ("json", "md", "png"):
         self.assertTrue(os.path.exists(os.path.join(out, f"retrieval_learning.{ext}")))
-      with open(os.path.join(out, "retrieval_learning.json")) as f:
-        self.assertEqual(json.load(f)["experiment"], "retrieval_learning")
+      self.assertEqual(rec["experiment"], "retrieval_learning")
       with open(os.path.join(out, "retrieval_learning.md")) as f:
         md = f.read()
       self.assertTrue(md.startswith("# retrieval_learning"))
       self.assertIn("](retrieval_learning.png)", md)
-    setup = rl.SETUPS["smoke"]
+    setup = rec["config"]["setup"]
+    self.assertEqual(setup["models"], ["mla", "gqa"])
     self.assertEqual([r["model"]["attention"] for r in rec["runs"]], ["mla", "gqa"])
     for r in rec["runs"]:
       self.assertEqual([p["step"] for p in r["curve"]],
-                       list(range(setup.eval_every, setup.steps + 1, setup.eval_every)))
+                       list(range(setup["eval_every"], setup["steps"] + 1, setup["eval_every"])))
       for p in r["curve"]:
         self.assertTrue(0.0 <= p["accuracy"] <= 1.0)
-    examples = make_examples("retrieval", setup.n_eval, seed=1, tc=TC)
+    examples = make_examples("retrieval", setup["n_eval"], seed=1, tc=TC)
     sizes = {str(e.prompt.count(",") + 1) for e in examples}
     self.assertTrue(all(set(p["by_pairs"]) == sizes for r in rec["runs"] for p in r["curve"]))
     self.assertAlmostEqual(rec["chance"], np.mean([1 / (e.prompt.count(",") + 1) for e in examples]))

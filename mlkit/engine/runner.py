@@ -18,7 +18,7 @@ as a static argument; likewise paged decode attention runs per device on its own
 heads where the params and the KV pool are placed for it
 (``mlkit.parallel.decode_sharding``). :func:`lower_step` lowers the same step from sharded
 ShapeDtypeStructs, so a deployment's step can be compiled for a topology that
-is not attached (see ``experiments/h200_compile.py``).
+is not attached (see ``mlkit/plan/step_compile.py``).
 """
 
 from __future__ import annotations

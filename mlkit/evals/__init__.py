@@ -3,6 +3,11 @@ character tokenizer (``tokenizer``), binomial intervals (``stats``), generation
 scoring (``harness``), teacher-forced perplexity and KL through the paged cache
 (``teacher_forcing``) and generation backends, including the serving engine
 (``backends``, imported on demand because it sits at the engine's level).
+
+Imported on demand too, as they train models or sit on the engine: the accuracy
+ablation's trained model and sizes (``setups``), precision recipes scored against the
+bf16 reference and the report's claims (``precision``), and how fast an attention
+layout learns the retrieval lookup (``lookup``).
 """
 
 from mlkit.evals.harness import (MAX_NEW_TOKENS, Backend, EvalConfig, TaskResult, evaluate,

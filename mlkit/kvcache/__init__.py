@@ -3,7 +3,8 @@
 Modules: ``config`` (KVCacheConfig), ``fp8`` (per-token quantisation), ``state``
 (device pytree, write/read paths, the model cache interface), ``allocator``
 (host free list, tags, refcounts, block tables, conservation audit), ``reference`` (pure-jnp paged
-attention and tag check), ``capacity`` (bytes per token and tokens per budget).
+attention and tag check), ``capacity`` (bytes per token, tokens per budget, the budget of the
+fp8-vs-bf16 comparison, and a pool allocated within a budget to check the accounting).
 
 One step, end to end::
 
@@ -23,7 +24,8 @@ The paged state is itself the cache ``mlkit.model.apply`` expects (it has
 
 from mlkit.kvcache.allocator import (CannotAdmit, OutOfPages, PageAllocator, PageViolation, next_tag,
                                     tag_to_int32)
-from mlkit.kvcache.capacity import bytes_per_token, bytes_per_token_breakdown, capacity
+from mlkit.kvcache.capacity import (allocate_within, bytes_per_token, bytes_per_token_breakdown,
+                                   capacity, separating_budget)
 from mlkit.kvcache.config import DEFAULT_PAGE_SIZE, KV_DTYPES, KVCacheConfig
 from mlkit.kvcache.fp8 import FP8_MAX, dequantize_fp8, quantize_fp8
 from mlkit.kvcache.reference import (paged_gqa_decode_reference, paged_gqa_prefill_reference,
@@ -37,11 +39,13 @@ from mlkit.kvcache.state import (PAD_PAGE, BatchMeta, PagedKVState, copy_pages, 
 
 __all__ = [
     "BatchMeta", "CannotAdmit", "DEFAULT_PAGE_SIZE", "FP8_MAX", "KVCacheConfig", "KV_DTYPES",
-    "OutOfPages", "PAD_PAGE", "PageAllocator", "PageViolation", "PagedKVState", "bytes_per_token",
+    "OutOfPages", "PAD_PAGE", "PageAllocator", "PageViolation", "PagedKVState", "allocate_within",
+    "bytes_per_token",
     "bytes_per_token_breakdown", "capacity", "copy_pages", "dequantize_fp8", "gather_layer",
     "gather_pages", "init_paged_state", "next_tag", "paged_gqa_decode_reference",
     "paged_gqa_prefill_reference", "paged_mla_decode_reference", "paged_mla_prefill_reference",
-    "paged_mask", "quantize_fp8", "read_layer", "sync_tags", "tag_check_reference",
+    "paged_mask", "quantize_fp8", "read_layer", "separating_budget", "sync_tags",
+    "tag_check_reference",
     "update_tags",
     "tag_to_int32", "validate_batch", "validate_state", "write_decode", "write_layer",
     "write_prefill",

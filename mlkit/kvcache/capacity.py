@@ -1,5 +1,9 @@
 """KV capacity accounting: bytes per token for a config and storage dtype, tokens per budget.
 
+Also the budget of lever 1's comparison (:func:`separating_budget`: fp8 holds the
+sequences, bf16 does not) and a pool really allocated within a budget
+(:func:`allocate_within`), the check that this accounting matches the arrays.
+
 Counted per GPU. Under tensor parallelism MLA's latent and rope key are
 replicated on every rank, so ``tp`` does not change MLA figures; GQA's KV heads
 split across ranks (ceil(n_kv_heads / tp) per rank).
@@ -139,3 +143,75 @@ def capacity(cfg: ModelConfig, dtype: str, budget_bytes: int, *, page_size: int 
   pages = int(budget_bytes) // bpp
   return {"bytes_per_token": bpt, "bytes_per_page": bpp, "pages": pages,
           "tokens": pages * page_size}
+
+
+def separating_budget(cfg: ModelConfig, *, concurrency: int, prompt_tokens: int, new_tokens: int,
+                      page_size: int, admission_reserve: int = 1, warmup_steps: int = 0) -> dict:
+  """The KV budget of lever 1's comparison: fp8 pages hold ``concurrency`` full sequences, bf16
+  pages of the same bytes fewer (the report's shape: bf16 out of memory, fp8 running).
+
+  Sized for an engine that admits one prompt per step and keeps ``admission_reserve``
+  pages back (``mlkit.engine.EngineConfig.admission_reserve``): a sequence is
+  ``prompt_tokens + new_tokens`` tokens at its end.
+
+  Args:
+    cfg: the model config.
+    concurrency: the sequences the fp8 pool must hold at full length at once.
+    prompt_tokens, new_tokens: one sequence's prompt and generated tokens.
+    page_size: tokens per page.
+    admission_reserve: pages the engine keeps free beside the running sequences.
+    warmup_steps: decode steps a measurement drops before all sequences decode together.
+
+  Returns:
+    {budget_bytes, pages_per_seq, pages: {dtype: pool pages}, fits: {dtype: sequences
+    that fit at full length}, admission_reserve}.
+
+  Raises:
+    ValueError: if the bf16 pool would also hold them all (then the shape cannot appear), or
+      the outputs are too short for all sequences to decode together (one prefill per step).
+  """
+  if new_tokens <= concurrency + warmup_steps:
+    raise ValueError(f"separating_budget: {new_tokens} new tokens end before {concurrency} "
+                     "prompts (one per step) are all prefilled")
+  pps = -(-(prompt_tokens + new_tokens) // page_size)
+  dtypes = ("bfloat16", "float8_e4m3fn")
+  fp8 = capacity(cfg, "float8_e4m3fn", 0, page_size=page_size)
+  budget = (concurrency * pps + admission_reserve) * fp8["bytes_per_page"]
+  pages = {d: capacity(cfg, d, budget, page_size=page_size)["pages"] for d in dtypes}
+  fits = {d: (pages[d] - admission_reserve) // pps for d in dtypes}
+  if fits["bfloat16"] >= concurrency or fits["float8_e4m3fn"] < concurrency:
+    raise ValueError(f"separating_budget: {budget} B does not separate the dtypes: {fits}")
+  return {"budget_bytes": budget, "pages_per_seq": pps, "pages": pages, "fits": fits,
+          "admission_reserve": admission_reserve}
+
+
+def allocate_within(cfg: ModelConfig, dtype: str, budget_bytes: int, *,
+                    page_size: int | None = None) -> dict:
+  """Allocates the largest pool :func:`capacity` plans within ``budget_bytes`` and counts it.
+
+  The accounting checked against a real allocation on the default device: the
+  pool's arrays (pages, scales, index keys, tags) must sum to at most the budget.
+
+  Returns:
+    {model, dtype, budget_bytes, pages, tokens, allocated_bytes, bytes_per_token,
+    unused_bytes}.
+
+  Raises:
+    RuntimeError: the allocated pool exceeds the budget (the accounting undercounts).
+  """
+  import jax
+
+  from mlkit.kvcache.config import KVCacheConfig
+  from mlkit.kvcache.state import init_paged_state
+  page_size = DEFAULT_PAGE_SIZE[cfg.attention] if page_size is None else page_size
+  plan = capacity(cfg, dtype, budget_bytes, page_size=page_size)
+  state = init_paged_state(cfg, KVCacheConfig(plan["pages"], page_size, dtype))
+  jax.block_until_ready(state)
+  allocated = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
+  del state
+  if allocated > budget_bytes:
+    raise RuntimeError(f"{cfg.name} {dtype}: pool of {allocated} B exceeds the {budget_bytes} B "
+                       "budget")
+  return {"model": cfg.name, "dtype": dtype, "budget_bytes": budget_bytes, "pages": plan["pages"],
+          "tokens": plan["pages"] * page_size, "allocated_bytes": int(allocated),
+          "bytes_per_token": plan["bytes_per_token"], "unused_bytes": budget_bytes - int(allocated)}

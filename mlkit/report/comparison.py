@@ -1,4 +1,4 @@
-"""report: every figure of the reproduced report beside this project's value, in one table.
+"""REPORT.md's opening table: every figure of the reproduced report beside this project's value.
 
 Each experiment compares itself with the report in its own files; without this table a
 reader opens a dozen of them to learn which figures are reproduced, which were only
@@ -6,7 +6,8 @@ fitted and which never ran. ``comparison`` reads whatever ``<name>.json`` record
 folder holds and returns one row per figure of docs/report.md; a missing record gives a
 "not run" row, never a missing row. Sources stay apart because they mean different
 things, and a CPU tok/s is never set beside an H200 tok/s (only ratios and shapes are).
-It reads JSON only (no jax), so ``write_report`` can call it after any run.
+It reads JSON only (no jax), so ``python -m experiments`` can call :func:`section` after
+any run, failed ones included.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import dataclasses
 import json
 import os
 
+from mlkit.report.figures import (REPORT_GLM_FP8, REPORT_GLM_PER_GPU_GIB, REPORT_KIMI_BF16,
+                                  REPORT_KIMI_TOKENS)
+
 MODELLED, COMPILED, FITTED, MEASURED = ("modelled (analytic)", "compiled for 8x H200", "fitted",
                                        "measured")
 FITTED_VERDICT = "fitted: not a prediction"
 KIMI, GLM, BF16, FP8, FP8_W, INT4_W = ("kimi-k2.6", "glm-5.2", "bfloat16", "float8_e4m3fn",
                                       "fp8-all", "int4-experts-g32")
-REPORT_KIMI_BF16 = {1: 137, 8: 731, 16: 1106, 32: 1558}
-REPORT_GLM_FP8 = {1: 60, 8: 425, 16: 683, 32: 994, 64: 1672}
 PLOT = "report_vs_ours.png"
 
 
@@ -158,8 +160,10 @@ def _specs():
   col = lambda name, c: lambda r: _find(r["columns"], column=name, concurrency=c)["predicted_tok_s"]
   acct = lambda rc, f: lambda r: _find(r["paper_weight_memory"], model=GLM, recipe=rc)[f]
   gib, tps = (lambda v: f"{v:.1f} GiB"), (lambda v: f"{v:,.0f} tok/s")
-  kv = (("bf16", BF16, "~686K tokens", 686_000), ("fp8", FP8, "~1.37M tokens", 1_370_000))
-  w = (("fp8", FP8_W, 705, 88), ("INT4 experts", INT4_W, 421, 52))
+  kv = (("bf16", BF16, "~686K tokens", REPORT_KIMI_TOKENS[BF16]),
+        ("fp8", FP8, "~1.37M tokens", REPORT_KIMI_TOKENS[FP8]))
+  w = (("fp8", FP8_W, 705, REPORT_GLM_PER_GPU_GIB[FP8_W]),
+       ("INT4 experts", INT4_W, 421, REPORT_GLM_PER_GPU_GIB[INT4_W]))
   rows = []
   for n, d, rt, rv in kv:
     rows += [(1, f"Kimi K2.6 KV tokens per H200, {n} cache", rt, rv, "paper",

@@ -1,10 +1,12 @@
-"""The transformers side of the cpu_peer experiment, as a worker process (torch + transformers only).
+"""The transformers side of the peer comparison, as a worker process (torch + transformers only).
 
 It imports nothing from this project, so it runs in any interpreter that has torch and
 transformers: the one ``MLKIT_PEER_PYTHON`` names (a separate virtual environment), or
-the project's own when the ``peer`` extra is installed. The project's tests never import it.
+the project's own when the ``peer`` extra is installed. ``mlkit.peer.compare.PeerWorker``
+starts it by its path; the project's tests import only its request loop (:func:`serve`),
+against a stand-in model, never torch.
 
-    python experiments/peer_transformers.py --checkpoint DIR --threads 2
+    python mlkit/peer/transformers_worker.py --checkpoint DIR --threads 2
 
 loads the Hugging Face checkpoint in DIR (``AutoModelForCausalLM``, float32, eager
 attention), sets torch's intra-op threads, replies one ``ready`` line, then serves one
@@ -30,7 +32,16 @@ import sys
 import time
 
 
-def _serve(model, torch, requests, reply) -> None:
+def serve(model, torch, requests, reply) -> None:
+  """Answers each JSON request line of ``requests`` with one ``reply`` (see the module docstring).
+
+  Args:
+    model: a transformers causal LM (anything with its ``generate``).
+    torch: the torch module (or a stand-in with ``tensor``, ``long``, ``ones_like`` and
+      ``inference_mode``).
+    requests: an iterable of request lines.
+    reply: called with one JSON-ready dict per request.
+  """
   for line in requests:
     if not line.strip():
       continue
@@ -77,7 +88,7 @@ def main(argv=None) -> int:
   reply({"ready": True, "torch": torch.__version__, "transformers": transformers.__version__,
          "threads": torch.get_num_threads(), "model_class": type(model).__name__,
          "python": sys.version.split()[0]})
-  _serve(model, torch, sys.stdin, reply)
+  serve(model, torch, sys.stdin, reply)
   return 0
 
 
