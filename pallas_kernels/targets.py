@@ -179,7 +179,8 @@ class KernelCase:
     return {"page_size": d["page_size"]}
 
 
-def _case(kernel, name, model, **dims) -> KernelCase:
+def kernel_case(kernel, name, model, **dims) -> KernelCase:
+  """A KernelCase of ``kernel`` named ``name`` for ``model``, its dims in keyword order."""
   return KernelCase(kernel, name, model, tuple(dims.items()))
 
 
@@ -197,7 +198,7 @@ def mla_cases() -> list[KernelCase]:
       (("tp8", KIMI_K2_6.n_heads // TP), ("dp", KIMI_K2_6.n_heads)), ("bf16", "fp8"),
       MLA_BATCHES, MLA_CONTEXTS):
     p = ctx // PAGE_SIZE
-    cases.append(_case("paged_mla_decode", f"mla/{par}/{kv}/b{b}/ctx{ctx}", "both",
+    cases.append(kernel_case("paged_mla_decode", f"mla/{par}/{kv}/b{b}/ctx{ctx}", "both",
                        batch=b, heads=heads, c=c, r=r, page_size=PAGE_SIZE, context=ctx,
                        max_pages=p, num_pages=b * p + 1, kv=kv,
                        qk_head_dim=KIMI_K2_6.qk_nope_head_dim + r))
@@ -232,7 +233,7 @@ def int4_dense_cases() -> list[KernelCase]:
                                                 DECODE_TOKENS + (PREFILL_TOKENS,), GROUPS):
       if k % g:
         continue
-      cases.append(_case("int4_matmul", f"int4/{cfg.name}/{proj}/m{m}/g{g}", model,
+      cases.append(kernel_case("int4_matmul", f"int4/{cfg.name}/{proj}/m{m}/g{g}", model,
                          m=m, k=k, n=n, group_size=g))
   return cases
 
@@ -251,7 +252,7 @@ def int4_grouped_cases() -> list[KernelCase]:
     for (proj, k, n), (rname, m), g in itertools.product(
         (("up", cfg.d_model, cfg.moe_ffn_dim), ("down", cfg.moe_ffn_dim, cfg.d_model)),
         rows, GROUPS):
-      cases.append(_case("int4_grouped_matmul", f"int4g/{cfg.name}/{proj}/{rname}/g{g}", model,
+      cases.append(kernel_case("int4_grouped_matmul", f"int4g/{cfg.name}/{proj}/{rname}/g{g}", model,
                          m=m, k=k, n=n, group_size=g, experts=e))
   return cases
 
@@ -262,7 +263,7 @@ def tag_check_cases() -> list[KernelCase]:
   cases = []
   for b in (1, 64):
     p = 131072 // PAGE_SIZE
-    cases.append(_case("tag_check", f"tag/b{b}/pool{n}", "both", batch=b, max_pages=p,
+    cases.append(kernel_case("tag_check", f"tag/b{b}/pool{n}", "both", batch=b, max_pages=p,
                        num_pages=n, page_size=PAGE_SIZE))
   return cases
 
@@ -277,7 +278,7 @@ def gqa_cases() -> list[KernelCase]:
   for g, kv, (b, ctx) in itertools.product(GQA_GROUPS, ("bf16", "fp8"),
                                            ((1, 32768), (64, 4096))):
     p = ctx // ps
-    cases.append(_case("paged_gqa_decode", f"gqa/g{g}/{kv}/b{b}/ctx{ctx}", "GQA",
+    cases.append(kernel_case("paged_gqa_decode", f"gqa/g{g}/{kv}/b{b}/ctx{ctx}", "GQA",
                        batch=b, kv_heads=kv_heads, group=g, head_dim=hd, page_size=ps,
                        context=ctx, max_pages=p, num_pages=b * p + 1, kv=kv))
   return cases
@@ -304,7 +305,7 @@ def sparse_mla_cases() -> list[KernelCase]:
       (("tp8", cfg.n_heads // TP), ("dp", cfg.n_heads)), ("bf16", "fp8"), MLA_BATCHES,
       SPARSE_CONTEXTS):
     p = ctx // PAGE_SIZE
-    cases.append(_case("paged_mla_sparse_decode", f"sparse_mla/{par}/{kv}/b{b}/ctx{ctx}",
+    cases.append(kernel_case("paged_mla_sparse_decode", f"sparse_mla/{par}/{kv}/b{b}/ctx{ctx}",
                        "GLM 5.2", batch=b, heads=heads, c=c, r=r, page_size=PAGE_SIZE,
                        context=ctx, max_pages=p, num_pages=b * p + 1, kv=kv,
                        topk=cfg.index_topk, qk_head_dim=cfg.qk_nope_head_dim + r))
@@ -318,7 +319,7 @@ def indexer_cases() -> list[KernelCase]:
   cases = []
   for kv, b, ctx in itertools.product(("bf16", "fp8"), MLA_BATCHES, SPARSE_CONTEXTS):
     p = ctx // PAGE_SIZE
-    cases.append(_case("paged_index_scores", f"indexer/{kv}/b{b}/ctx{ctx}", "GLM 5.2",
+    cases.append(kernel_case("paged_index_scores", f"indexer/{kv}/b{b}/ctx{ctx}", "GLM 5.2",
                        batch=b, index_heads=cfg.index_n_heads, index_dim=cfg.index_head_dim,
                        page_size=PAGE_SIZE, context=ctx, max_pages=p, num_pages=b * p + 1,
                        kv=kv))
@@ -329,7 +330,7 @@ def topk_cases() -> list[KernelCase]:
   """GLM 5.2's top-k selection per device: a request's index scores to index_topk
   positions, batch x context."""
   cfg = _sparse_config()
-  return [_case("topk_positions", f"topk/b{b}/ctx{ctx}", "GLM 5.2", batch=b, context=ctx,
+  return [kernel_case("topk_positions", f"topk/b{b}/ctx{ctx}", "GLM 5.2", batch=b, context=ctx,
                 topk=cfg.index_topk)
           for b, ctx in itertools.product(MLA_BATCHES, SPARSE_CONTEXTS)]
 

@@ -48,8 +48,8 @@ class ModelTest(absltest.TestCase):
 
   def setUp(self):
     super().setUp()
-    self.dense = kt._case("int4_matmul", "t", "t", m=1, k=7168, n=2048, group_size=128)
-    self.grouped = kt._case("int4_grouped_matmul", "t", "t", m=48, k=7168, n=2048,
+    self.dense = kt.kernel_case("int4_matmul", "t", "t", m=1, k=7168, n=2048, group_size=128)
+    self.grouped = kt.kernel_case("int4_grouped_matmul", "t", "t", m=48, k=7168, n=2048,
                             group_size=128, experts=48)
 
   def test_memory_bound_decode_is_near_the_copy_roofline(self):
@@ -80,11 +80,11 @@ class ModelTest(absltest.TestCase):
 
   def test_a_cta_that_does_not_fit_is_infinite(self):
     bs = BlockSizes(128, 256, 512, 1, 6)  # far past 228 KiB of shared memory
-    case = kt._case("int4_matmul", "t", "t", m=256, k=7168, n=2048, group_size=128)
+    case = kt.kernel_case("int4_matmul", "t", "t", m=256, k=7168, n=2048, group_size=128)
     self.assertEqual(tune.modelled_seconds(case, bs, 128), math.inf)
 
   def test_padding_tokens_cost_mma_time_at_prefill(self):
-    case = kt._case("int4_matmul", "t", "t", m=4096, k=7168, n=2048, group_size=128)
+    case = kt.kernel_case("int4_matmul", "t", "t", m=4096, k=7168, n=2048, group_size=128)
     bs = tune.resolve(BlockSizes(128, 64, 128, 1, 2), case)
     flops = 2 * 4096 * 7168 * 2048
     self.assertGreaterEqual(tune.modelled_seconds(case, bs, 128),

@@ -293,10 +293,10 @@ def tile_build(op: str, bs: BlockSizes, group_size: int):
   k = bs.tile_k * LONG_LOOP_STEPS
   tiles = BlockSizes(bs.tile_n, bs.tile_m, bs.tile_k, 1, COMPILE_DEPTH)
   if op == "grouped":
-    case = kt._case("int4_grouped_matmul", "tile", "tune", m=2 * bs.tile_m, k=k,
+    case = kt.kernel_case("int4_grouped_matmul", "tile", "tune", m=2 * bs.tile_m, k=k,
                     n=2 * bs.tile_n, group_size=group_size, experts=2)
   else:
-    case = kt._case("int4_matmul", "tile", "tune", m=2 * bs.tile_m, k=k, n=2 * bs.tile_n,
+    case = kt.kernel_case("int4_matmul", "tile", "tune", m=2 * bs.tile_m, k=k, n=2 * bs.tile_n,
                     group_size=group_size)
   return kc.Build(case, "nk", True, tiles, kc.kernel_key(case, "nk", tiles))
 
