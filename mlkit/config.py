@@ -151,7 +151,8 @@ class ModelConfig:
   dtype: str = "bfloat16"
   # Parameter storage dtype name.
   param_dtype: str = "bfloat16"
-  # Multi-token-prediction layers a checkpoint ships (counted for checkpoint bytes, never instantiated).
+  # Multi-token-prediction layers a checkpoint ships (counted for checkpoint bytes; loaded into
+  # params["mtp"] when a checkpoint holds them; the model does not run them).
   n_mtp_layers: int = 0
 
   def __post_init__(self):

@@ -1,7 +1,9 @@
-"""``python -m mlkit.convert SRC DST --recipe NAME``: a Hugging Face checkpoint -> a quantised orbax one.
+"""``python -m mlkit.convert SRC DST --recipe NAME [--format F]``: a Hugging Face checkpoint ->
+a quantised orbax one, or a Hugging Face one in a published quantised format.
 
-The command line of :func:`mlkit.checkpoint.convert.convert_hf_checkpoint`; see
-its docstring and docs/checkpoints.md. Exit status: 0 done, 1 the conversion
+The command line of :func:`mlkit.checkpoint.convert.convert_hf_checkpoint` (orbax)
+and :func:`~mlkit.checkpoint.convert.export_hf_checkpoint` (Hugging Face); see
+their docstrings and docs/checkpoints.md. Exit status: 0 done, 1 the conversion
 failed (bad input, I/O; the message names the file), 2 a bad command line.
 """
 
@@ -17,10 +19,19 @@ Converts a Hugging Face checkpoint (DeepSeek-V3 / Kimi-K2 / GLM-5 layout: config
 loads directly, bit-identical to load_hf_checkpoint(SRC, recipe=...) and without
 reading or quantising the source again.
 
-Resumable: converted tensors are staged in DST.convert-staging/, one file set per
-tensor with its CRC-32. An interrupted run (killed, out of disk) leaves no DST;
-running the same command again reuses the staged tensors that still match their
-checksums and converts only the rest. DST appears only once complete."""
+SRC may be dense or quantised as publishers ship it (compressed-tensors INT4,
+FP8 with 128x128 block scales): its formats are kept unless the recipe converts
+them (FP8 -> INT4 experts; INT4 -> FP8 is refused).
+
+Resumable (orbax output): converted tensors are staged in DST.convert-staging/, one
+file set per tensor with its CRC-32. An interrupted run (killed, out of disk) leaves
+no DST; running the same command again reuses the staged tensors that still match
+their checksums and converts only the rest. DST appears only once complete.
+
+--format compressed-tensors | fp8-block | dense writes a Hugging Face checkpoint
+instead (INT4 weights pack-quantized, FP8 weights with block scales, the rest
+dense), which engines that read those formats load; it holds the model in host
+memory and is not resumable."""
 
 _EPILOG = """\
 recipes:
@@ -31,17 +42,23 @@ loaded model, which a conversion does not have. Convert with round to nearest, o
 load the dense checkpoint, collect calibration (mlkit.quant.collect_calibration)
 and quantise with mlkit.quant.quantize_params.
 
-example:
+examples:
   python -m mlkit.convert /ckpt/Kimi-K2 /ckpt/kimi-k2-int4 --recipe int4-experts-g32 \\
-      --mesh tensor=8"""
+      --mesh tensor=8
+  python -m mlkit.convert /ckpt/GLM-FP8 /ckpt/glm-int4-hf --recipe int4-experts-g32 \\
+      --format compressed-tensors"""
 
 _RECIPE_HELP = {
-    "bf16": "nothing quantised (dense, in the source's or --dtype's dtype)",
+    "bf16": "nothing (re)quantised: dense weights in the source's or --dtype's dtype, "
+            "published INT4/FP8 ones as stored",
     "int4-experts-g32": "routed experts INT4 (RTN, group 32, bf16 scales); the rest dense",
     "int4-experts-g32-fp8-rest": "routed experts INT4 (RTN, group 32); attention, shared experts and "
                                  "dense FFNs FP8 (128x128 blocks)",
     "fp8-all": "every attention/FFN/expert projection FP8 (128x128 block scales)",
 }
+
+
+_HF_FORMATS = ("compressed-tensors", "fp8-block", "dense")
 
 
 def _recipes() -> tuple[list[str], list[str]]:
@@ -83,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--dtype", choices=("bfloat16", "float32"),
                       help="parameter dtype (default: config.json's torch_dtype, else the tensors'); "
                            "narrowing f32 tensors to bf16 must be asked for here")
+  parser.add_argument("--format", default="orbax", choices=("orbax", *_HF_FORMATS),
+                      help="output: an orbax checkpoint (default, resumable) or a Hugging Face "
+                           "checkpoint: compressed-tensors (INT4 pack-quantized), fp8-block (FP8 "
+                           "with 128x128 block scales) or dense")
   parser.add_argument("--mesh", type=_parse_mesh, metavar="AXIS=N,...",
                       help="serving mesh to plan for, e.g. tensor=8 or data=1,tensor=4,expert=2: "
                            "shardings checked before reading and bytes per device reported (no "
@@ -103,16 +124,23 @@ def main(argv: list[str] | None = None) -> int:
                  f"conversion does not have; use a round-to-nearest recipe ({', '.join(rtn)})")
   if args.recipe not in rtn:
     parser.error(f"unknown recipe {args.recipe!r}; choose one of: {', '.join(rtn)}")
+  if args.format != "orbax" and args.mesh is not None:
+    parser.error("--mesh plans an orbax checkpoint's serving layout; it does not apply to "
+                 f"--format {args.format}")
   from mlkit.checkpoint import CheckpointError
-  from mlkit.checkpoint.convert import convert_hf_checkpoint
+  from mlkit.checkpoint.convert import convert_hf_checkpoint, export_hf_checkpoint
 
   def say(line: str) -> None:
     if not args.quiet:
       print(line, file=sys.stderr, flush=True)
 
   try:
-    convert_hf_checkpoint(args.src, args.dst, recipe=args.recipe, dtype=args.dtype, mesh=args.mesh,
-                          overwrite=args.overwrite, progress=say)
+    if args.format == "orbax":
+      convert_hf_checkpoint(args.src, args.dst, recipe=args.recipe, dtype=args.dtype,
+                            mesh=args.mesh, overwrite=args.overwrite, progress=say)
+    else:
+      export_hf_checkpoint(args.src, args.dst, recipe=args.recipe, format=args.format,
+                           dtype=args.dtype, overwrite=args.overwrite, progress=say)
   except (CheckpointError, FileNotFoundError, FileExistsError, ValueError) as e:
     print(f"mlkit.convert: error: {e}", file=sys.stderr)
     return 1

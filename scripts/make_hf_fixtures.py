@@ -39,7 +39,7 @@ FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
                         "tests", "fixtures")
 
 
-def _randomise(model: torch.nn.Module, seed: int) -> None:
+def randomise(model: torch.nn.Module, seed: int) -> None:
   g = torch.Generator().manual_seed(seed)
   with torch.no_grad():
     for name, p in model.named_parameters():
@@ -53,7 +53,7 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
         b.copy_(0.05 * torch.randn(b.shape, generator=g))
 
 
-def _reference(model, tokens: np.ndarray, prompt_len: int, new_tokens: int) -> dict:
+def reference(model, tokens: np.ndarray, prompt_len: int, new_tokens: int) -> dict:
   ids = torch.tensor(tokens, dtype=torch.long)
   with torch.inference_mode():
     full = model(ids, use_cache=False).logits.float().numpy()
@@ -87,10 +87,10 @@ def deepseek_v3(out_dir: str) -> None:
   cfg._attn_implementation = "eager"
   torch.manual_seed(0)
   model = transformers.DeepseekV3ForCausalLM(cfg).eval()
-  _randomise(model, seed=1)
+  randomise(model, seed=1)
   model.save_pretrained(out_dir)
   tokens = np.random.default_rng(2).integers(2, cfg.vocab_size, (2, 24))
-  np.savez(os.path.join(out_dir, "reference.npz"), **_reference(model, tokens, 16, 8))
+  np.savez(os.path.join(out_dir, "reference.npz"), **reference(model, tokens, 16, 8))
 
 
 def _topk_margins(model, tokens: np.ndarray, rope) -> float:
@@ -145,10 +145,10 @@ def _sparse_fixture(out_dir: str, name: str, model_cls, cfg, rope) -> None:
   for seed in range(1, 200):
     torch.manual_seed(0)
     model = model_cls(cfg).eval()
-    _randomise(model, seed=seed)
+    randomise(model, seed=seed)
     if _topk_margins(model, tokens, rope) <= 2e-4:
       continue
-    ref = _reference(model, tokens, 16, 8)
+    ref = reference(model, tokens, 16, 8)
     margin = min(_topk_margins(model, tokens, rope),
                  _topk_margins(model, np.concatenate([tokens[:, :16], ref["greedy"]], 1), rope))
     if margin > 2e-4:  # float32 rounding moves a score by ~1e-6 of its scale
@@ -200,20 +200,27 @@ FIXTURE_BUILDERS = {"deepseek_v3_tf5": deepseek_v3, "deepseek_v32": deepseek_v32
                     "glm_moe_dsa": glm_moe_dsa}
 
 
-def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("names", nargs="*", help=f"fixtures to write (default all: {sorted(FIXTURE_BUILDERS)})")
+def run(builders: dict, script: str, argv=None, **versions: str) -> int:
+  """Writes the fixtures named in ``argv`` (default all of ``builders``), each with a
+  MADE_BY.json naming ``script`` and the package versions that made it."""
+  ap = argparse.ArgumentParser(description=f"Writes fixtures under tests/fixtures/ ({script}).")
+  ap.add_argument("names", nargs="*", help=f"fixtures to write (default all: {sorted(builders)})")
   args = ap.parse_args(argv)
   torch.set_num_threads(1)
-  for name in args.names or sorted(FIXTURE_BUILDERS):
+  for name in args.names or sorted(builders):
     out = os.path.join(FIXTURES, name)
     os.makedirs(out, exist_ok=True)
-    FIXTURE_BUILDERS[name](out)
+    builders[name](out)
     with open(os.path.join(out, "MADE_BY.json"), "w") as f:
-      json.dump({"script": "scripts/make_hf_fixtures.py", "transformers": transformers.__version__,
-                 "torch": torch.__version__}, f, indent=1)
-    print(f"wrote {out}")
+      json.dump({"script": script, "transformers": transformers.__version__,
+                 "torch": torch.__version__, **versions}, f, indent=1)
+    size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out))
+    print(f"wrote {out} ({size} bytes)")
   return 0
+
+
+def main(argv=None) -> int:
+  return run(FIXTURE_BUILDERS, "scripts/make_hf_fixtures.py", argv)
 
 
 if __name__ == "__main__":

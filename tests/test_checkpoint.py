@@ -146,7 +146,7 @@ class OrbaxTest(TreeAssertions):
     save_checkpoint(root, p1, TINY_MLA, step=5, overwrite=True)
     self.assertTreesIdentical(p1, load_checkpoint(root, step=5)[0])
 
-  def test_quantised_dataclass_leaves_need_target(self):
+  def test_quantised_dataclass_leaves_restore_by_target_or_recorded_format(self):
     params = jax.tree_util.tree_map(lambda x: x, _params(TINY_BF16))
     rng = np.random.default_rng(0)
     w = params["layers"][1]["ffn"]["w_gate"]  # [E, K, N]
@@ -164,6 +164,16 @@ class OrbaxTest(TreeAssertions):
     # An abstract target (ShapeDtypeStructs) works too.
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     self.assertTreesIdentical(params, load_checkpoint(path, target=abstract)[0])
+    # The save records each quantised leaf's format, so no target= is needed either ...
+    restored, _ = load_checkpoint(path)
+    self.assertTreesIdentical(params, restored)
+    self.assertEqual(restored["layers"][1]["ffn"]["w_gate"].group_size, 32)
+    # ... except for a checkpoint saved before formats were recorded.
+    from unittest import mock
+
+    from mlkit.checkpoint import orbax_io
+    with mock.patch.object(orbax_io, "_formats", lambda params: None):
+      save_checkpoint(path, params, TINY_BF16, overwrite=True)
     with self.assertRaisesRegex(ValueError, r"layers\.1\.ffn\.w_gate.*target="):
       load_checkpoint(path)
     bad = jax.tree_util.tree_map(lambda x: x, params)
@@ -394,7 +404,7 @@ def _hand_tensors(q_lora: int | None, seed: int = 0) -> dict[str, np.ndarray]:
   V, D, I, F, H, C, nope, rope, v, E = 96, 32, 48, 16, 2, 24, 8, 4, 12, 8
   t = lambda *shape: rng.standard_normal(shape).astype(np.float32) * 0.2
   out = {"model.embed_tokens.weight": t(V, D), "model.norm.weight": 1 + t(D), "lm_head.weight": t(V, D)}
-  for i in range(2):
+  for i in range(3):  # layer 2 is the multi-token-prediction layer (a MoE layer plus its parts)
     p = f"model.layers.{i}."
     out[p + "input_layernorm.weight"] = 1 + t(D)
     out[p + "post_attention_layernorm.weight"] = 1 + t(D)
@@ -423,9 +433,11 @@ def _hand_tensors(q_lora: int | None, seed: int = 0) -> dict[str, np.ndarray]:
       out[p + "mlp.shared_experts.gate_proj.weight"] = t(F, D)
       out[p + "mlp.shared_experts.up_proj.weight"] = t(F, D)
       out[p + "mlp.shared_experts.down_proj.weight"] = t(D, F)
-  # A multi-token-prediction layer (index == num_hidden_layers): skipped on import.
+  # The multi-token-prediction layer's own parts (index == num_hidden_layers): loaded into
+  # params["mtp"][0]; this one ships no embedding or head of its own.
   out["model.layers.2.eh_proj.weight"] = t(D, 2 * D)
-  out["model.layers.2.self_attn.kv_a_proj_with_mqa.weight"] = t(C + rope, D)
+  for n in ("enorm", "hnorm", "shared_head.norm"):
+    out[f"model.layers.2.{n}.weight"] = 1 + t(D)
   return out
 
 
@@ -529,6 +541,13 @@ class HFImportTest(TreeAssertions):
     # Head-major: wkv_b's columns for head h are HF rows h*(nope+v) ... (h+1)*(nope+v).
     kv_b = hf("layers.1.self_attn.kv_b_proj.weight")
     eq(params["layers"][1]["attn"]["wkv_b"][:, 20:40], kv_b[20:40].T, "wkv_b head 1")
+    # The MTP layer: a MoE layer named as layer 2, plus its own parts.
+    (mtp,) = params["mtp"]
+    self.assertNotIn("embed", mtp)  # not shipped: the model's own are shared
+    eq(mtp["eh_proj"], hf("layers.2.eh_proj.weight").T, "mtp eh_proj")
+    eq(mtp["head_norm"], hf("layers.2.shared_head.norm.weight"), "mtp head_norm")
+    eq(mtp["ffn"]["w_down"][5], hf("layers.2.mlp.experts.5.down_proj.weight").T, "mtp w_down[5]")
+    eq(mtp["attn"]["wkv_a"], hf("layers.2.self_attn.kv_a_proj_with_mqa.weight").T, "mtp wkv_a")
 
   def test_sharded_by_index_and_dtype_override(self):
     tensors = _hand_tensors(16)
@@ -545,7 +564,7 @@ class HFImportTest(TreeAssertions):
     self.assertTreesIdentical(params, jax.tree_util.tree_map(lambda r, p: r.astype(p.dtype), ref, params))
 
   def test_layers_beyond_the_config(self):
-    """Only the multi-token-prediction layers config.json declares may be skipped."""
+    """Only the multi-token-prediction layers config.json declares may be present, and whole."""
     tensors = _hand_tensors(16)  # layers 0 and 1, and MTP layer 2
     config = _hand_config(16)
     config["num_nextn_predict_layers"] = 0  # a config with fewer layers than the checkpoint
@@ -559,6 +578,10 @@ class HFImportTest(TreeAssertions):
     with self.assertRaisesRegex(CheckpointError, r"tensor model\.layers\.3\.eh_proj\.weight belongs to layer "
                                                  r"3, but config\.json declares num_hidden_layers=2 and "
                                                  r"num_nextn_predict_layers=1"):
+      load_hf_checkpoint(_write_hf(self.tmpdir(), _hand_config(16), tensors))
+    del tensors["model.layers.3.eh_proj.weight"], tensors["model.layers.2.hnorm.weight"]
+    with self.assertRaisesRegex(CheckpointError, r"missing tensor model\.layers\.2\.hnorm\.weight "
+                                                 r"\(for mtp\.0\.hnorm\)"):
       load_hf_checkpoint(_write_hf(self.tmpdir(), _hand_config(16), tensors))
 
   def test_dtype_from_the_tensors(self):

@@ -17,6 +17,11 @@ and converts only the rest. When every leaf is staged, the orbax checkpoint is
 assembled from them (``save_checkpoint``, which writes into a temporary directory
 and renames it to ``<dst>`` only once complete) and the staging directory is
 removed. ``<dst>`` therefore never exists half-written. See docs/checkpoints.md.
+
+:func:`export_hf_checkpoint` writes a Hugging Face checkpoint instead, in one of
+:func:`~mlkit.checkpoint.hf.save_hf_checkpoint`'s formats (compressed-tensors INT4,
+FP8 with block scales, or dense): it holds the converted model in host memory and
+is not resumable, and it too renames its output into place only once complete.
 """
 
 from __future__ import annotations
@@ -236,6 +241,7 @@ def convert_hf_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, rec
     raise FileExistsError(f"{_CONVERT}: {dst} already exists and holds {what}; pass overwrite=True "
                           "(--overwrite) to replace it")
   ck = open_hf_checkpoint(src, dtype=dtype, recipe=recipe)
+  _say_conversions(ck, recipe, say)
   per_device = None
   if mesh is not None:
     from mlkit.parallel.abstract import per_device_bytes
@@ -294,6 +300,74 @@ def convert_hf_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, rec
   say(f"done: {dst} ({len(todo)} tensors converted, {len(reused)} reused) in {secs:.1f} s")
   return ConvertResult(dst, tuple(ck.names[i] for i in todo), tuple(reused),
                        sum(ck.bytes_read.values()), secs, per_device)
+
+
+def export_hf_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, recipe, format: str,
+                         dtype=None, shards: int = 1, overwrite: bool = False,
+                         progress: Callable[[str], None] | None = None) -> ConvertResult:
+  """Converts a Hugging Face checkpoint into another Hugging Face checkpoint.
+
+  The source is read as :func:`load_hf_checkpoint` reads it (published formats kept,
+  ``recipe`` applied), and written by ``save_hf_checkpoint(..., format=format)``:
+  "compressed-tensors" (INT4 pack-quantized), "fp8-block" (FP8, 128x128 block scales)
+  or "dense". The result loads back into the same params, bit for bit. The whole
+  converted model is held in host memory; the output is written into
+  ``<dst>.export-tmp`` and renamed to ``dst`` once complete.
+
+  Args:
+    src, dst: the source checkpoint directory and the directory to write.
+    recipe: a name in ``mlkit.quant.RECIPES`` or that Recipe (round to nearest).
+    format: the output format (see above).
+    dtype: parameter dtype, as for :func:`load_hf_checkpoint`.
+    shards: safetensors files to write.
+    overwrite: replace an existing ``dst``.
+    progress: called with a few lines (start, conversions, end); default: logging.
+
+  Returns:
+    A :class:`ConvertResult` (``converted`` lists every leaf; nothing is ever reused).
+
+  Raises:
+    FileExistsError: ``dst`` exists and ``overwrite`` is False.
+    FileNotFoundError / CheckpointError: as for :func:`load_hf_checkpoint`.
+    ValueError: an unknown or GPTQ recipe, an unknown format, or params the format
+      cannot hold (names the leaf; before anything is written).
+  """
+  from mlkit.checkpoint.hf.save import FORMATS, save_hf_checkpoint
+  t0 = time.perf_counter()
+  say = progress or (lambda line: log.info("%s", line))
+  recipe = _resolve_recipe(recipe)
+  if format not in FORMATS:
+    raise ValueError(f"{_CONVERT}: format must be one of {FORMATS}, got {format!r}")
+  src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
+  if os.path.exists(dst) and not overwrite:
+    raise FileExistsError(f"{_CONVERT}: {dst} already exists; pass overwrite=True (--overwrite) to "
+                          "replace it")
+  ck = open_hf_checkpoint(src, dtype=dtype, recipe=recipe)
+  say(f"{src} -> {dst} ({recipe.name}, {format}, {ck.cfg.param_dtype}): {len(ck)} tensors, "
+      f"{_size(sum(ck.nbytes(i) for i in range(len(ck))))} to read")
+  _say_conversions(ck, recipe, say)
+  params, cfg = ck.load()
+  tmp = dst + ".export-tmp"
+  shutil.rmtree(tmp, ignore_errors=True)
+  with _out_of_space(f"writing {tmp} (run the same command again)"):
+    save_hf_checkpoint(tmp, params, cfg, shards=shards, format=format)
+    from mlkit.text.files import copy_tokenizer_files
+    copy_tokenizer_files(src, tmp)
+  del params
+  if os.path.exists(dst):
+    shutil.rmtree(dst)
+  os.replace(tmp, dst)
+  secs = time.perf_counter() - t0
+  say(f"done: {dst} in {secs:.1f} s")
+  return ConvertResult(dst, tuple(ck.names), (), sum(ck.bytes_read.values()), secs)
+
+
+def _say_conversions(ck, recipe, say) -> None:
+  """One line on what the recipe does to the source's published formats."""
+  if ck.conversions:
+    name, how = next(iter(ck.conversions.items()))
+    say(f"recipe {recipe.name} converts {len(ck.conversions)} published weight(s), dequantising "
+        f"each tensor and quantising it (e.g. {name}: {how})")
 
 
 @contextlib.contextmanager

@@ -5,7 +5,9 @@ Layout of one checkpoint directory (written by orbax, finalised atomically)::
   <path>/params   the params pytree (StandardCheckpointHandler, OCDBT/tensorstore)
   <path>/mlkit    JSON: {"format": "mlkit", "version": 2, "step": int | None, "config": {...},
                          "checksums": {"layers.1.attn.wq_a": <CRC-32 of its bytes>, ...},
-                         "recipe": <name in mlkit.quant.RECIPES> (optional)}
+                         "recipe": <name in mlkit.quant.RECIPES> (optional),
+                         "formats": {"layers.1.ffn.w_gate": "int4-g32", ...} (quantised leaves),
+                         "mtp": [optional MTP parts] (when params hold "mtp" layers)}
 
 Orbax writes into ``<path>.orbax-checkpoint-tmp-*`` and renames it to ``<path>`` only
 after every item is committed, so an interrupted save never leaves a directory that
@@ -16,10 +18,13 @@ Quantised weights: leaves may be ``flax.struct`` dataclasses (``Int4Weight`` etc
 Orbax stores their array fields as nested dicts and drops static fields (e.g.
 ``group_size``), so restoring them needs ``target=``: a pytree of the caller's
 structure (arrays or ``jax.ShapeDtypeStruct``; static fields come from it).
-Without ``target`` the expected structure is the plain layout of ``param_specs(cfg)``,
-or, for a checkpoint saved with ``recipe=`` (what ``mlkit.convert`` writes), that
-layout as the named recipe quantises it; ``mesh=`` then places every leaf's shards
-as ``mlkit.parallel.param_shardings`` does, each process reading only its own.
+Without ``target`` the expected structure is the plain layout of ``param_specs(cfg)``
+(with the multi-token-prediction layers the save recorded), with every quantised
+leaf in the format the save recorded (``formats``; a checkpoint of a published
+INT4 or FP8 release has no recipe to name them); older checkpoints saved with
+``recipe=`` get that layout as the named recipe quantises it. ``mesh=`` then places
+every leaf's shards as ``mlkit.parallel.param_shardings`` does, each process
+reading only its own.
 
 Integrity: params are checked against the config (:func:`mlkit.model.check_params`)
 before anything is written and again, from the stored shapes and dtypes, before
@@ -42,6 +47,7 @@ import zlib
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -118,10 +124,51 @@ def with_param_shardings(abstract, mesh, rules, cfg: ModelConfig):
                                 abstract, shardings)
 
 
-def _dense_abstract(cfg: ModelConfig):
+def _dense_abstract(cfg: ModelConfig, mtp=None):
   return jax.tree_util.tree_map(
       lambda s: jax.ShapeDtypeStruct(s[0], s[2] if len(s) == 3 else cfg.param_dtype),
-      param_specs(cfg), is_leaf=_is_spec)
+      param_specs(cfg, mtp=mtp), is_leaf=_is_spec)
+
+
+def _format_name(leaf) -> str | None:
+  """"int4-g32", "fp8-block128", "fp8-channel" for a quantised leaf, else None."""
+  from mlkit.quant import Fp8Weight, Int4Weight
+  if isinstance(leaf, Int4Weight):
+    return f"int4-g{leaf.group_size}"
+  if isinstance(leaf, Fp8Weight):
+    return "fp8-channel" if leaf.block_size is None else f"fp8-block{leaf.block_size}"
+  return None
+
+
+def _formats(params) -> dict[str, str]:
+  """{leaf name: format name} for every quantised leaf (what restores them without target=)."""
+  from mlkit.quant.tree import is_quantised
+  return {name: _format_name(leaf) for name, leaf in _flat(params, is_leaf=is_quantised).items()
+          if _format_name(leaf) is not None}
+
+
+def _with_formats(dense, formats: dict[str, str]):
+  """The dense abstract tree with the recorded leaves in their formats (shapes from the
+  dense ones; the stored dtypes are filled in by _abstract_target)."""
+  from mlkit.quant import Fp8Weight, Int4Weight
+
+  def leaf(path, x):
+    fmt = formats.get(_path_str(path))
+    if fmt is None:
+      return x
+    *lead, k, n = x.shape
+    sds = jax.ShapeDtypeStruct
+    if fmt.startswith("int4-g"):
+      g = int(fmt.removeprefix("int4-g"))
+      return Int4Weight(packed=sds((*lead, k // 2, n), np.uint8),
+                        scales=sds((*lead, k // g, n), x.dtype), group_size=g)
+    if fmt == "fp8-channel":
+      return Fp8Weight(values=sds(x.shape, jnp.float8_e4m3fn), scales=sds((*lead, n), np.float32),
+                       block_size=None)
+    b = int(fmt.removeprefix("fp8-block"))
+    return Fp8Weight(values=sds(x.shape, jnp.float8_e4m3fn),
+                     scales=sds((*lead, -(-k // b), -(-n // b)), np.float32), block_size=b)
+  return jax.tree_util.tree_map_with_path(leaf, dense)
 
 
 def _is_spec(x) -> bool:
@@ -237,8 +284,14 @@ def save_checkpoint(path: str | os.PathLike, params, cfg: ModelConfig, *, step: 
   params = relaid_int4(params, "kn")
   meta = {"format": _FORMAT, "version": _VERSION, "step": step, "config": cfg.to_dict(),
           "checksums": _checksums(params)}
+  formats = _formats(params)
+  if formats is not None:
+    meta["formats"] = formats
   if recipe_name is not None:
     meta["recipe"] = recipe_name
+  if "mtp" in params:
+    from mlkit.model.params import mtp_parts
+    meta["mtp"] = sorted(mtp_parts(params["mtp"]))
   # Synchronous Checkpointer: returns only after orbax has renamed the tmp dir into place.
   _checkpointer().save(path, ocp.args.Composite(**{
       _PARAMS: ocp.args.StandardSave(params), _META: ocp.args.JsonSave(meta)}), force=overwrite)
@@ -378,8 +431,25 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
   tree_md = getattr(tree_md, "tree", tree_md)
   stored = _flat(tree_md, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
   if target is None:
-    target = _dense_abstract(out_cfg)
-    if meta.get("recipe") is not None:
+    mtp = meta.get("mtp")
+    if mtp is not None and (not isinstance(mtp, list) or not all(isinstance(p, str) for p in mtp)):
+      raise CheckpointError(_LOAD, path, f"item '{_META}' has a bad 'mtp' entry {mtp!r}")
+    try:
+      target = _dense_abstract(out_cfg, mtp)
+    except ValueError as e:
+      raise CheckpointError(_LOAD, path, f"item '{_META}': {e}") from None
+    formats = meta.get("formats")
+    if formats is not None:
+      if not isinstance(formats, dict) or not all(
+          isinstance(v, str) and re.fullmatch(r"int4-g\d+|fp8-block\d+|fp8-channel", v)
+          for v in formats.values()):
+        raise CheckpointError(_LOAD, path, f"item '{_META}' has a bad 'formats' entry")
+      try:
+        target = _with_formats(target, formats)
+      except ValueError as e:
+        raise CheckpointError(_LOAD, path, f"recorded formats cannot be applied ({e}); pass "
+                                           "target=") from None
+    elif meta.get("recipe") is not None:
       try:
         target, _ = recipe_abstract(target, _known_recipe(_LOAD, meta["recipe"]))
       except ValueError as e:

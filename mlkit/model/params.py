@@ -17,12 +17,20 @@ weight formats. Layout::
     ffn (MoE):   router [D, E] (f32), router_bias [E] (f32, sigmoid routers only),
                  w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D],
                  shared: {w_gate [D, S*F], w_up [D, S*F], w_down [S*F, D]} (when S > 0)
+  mtp[j] (optional; only when a checkpoint ships its multi-token-prediction layers):
+    a MoE layer as above (attn_norm, ffn_norm, attn, ffn), plus eh_proj [2D, D],
+    enorm [D], hnorm [D], head_norm [D], and where the checkpoint has them its own
+    embed [V, D], lm_head [D, V] and (sparse attention) indexer weights in attn.
+
+The model does not run the ``mtp`` layers (they are for speculative decoding);
+:func:`param_specs` leaves them out unless asked (``mtp=``), and
+:func:`check_params` accepts a tree with or without them.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +56,8 @@ def _indexer_specs(cfg: ModelConfig) -> dict[str, Spec]:
   }
 
 
-def _attn_specs(cfg: ModelConfig, layer: int = 0) -> dict[str, Spec]:
+def _attn_specs(cfg: ModelConfig, layer: int = 0, *, indexer: bool | None = None) -> dict[str, Spec]:
+  """A layer's attention weights; ``indexer`` overrides whether the layer runs the indexer."""
   D, H = cfg.d_model, cfg.n_heads
   if cfg.attention == "gqa":
     return {
@@ -69,7 +78,7 @@ def _attn_specs(cfg: ModelConfig, layer: int = 0) -> dict[str, Spec]:
   specs["kv_norm"] = ((cfg.kv_lora_rank,), "ones")
   specs["wkv_b"] = ((cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim)), "normal")
   specs["wo"] = ((H * cfg.v_head_dim, D), "normal")
-  if cfg.runs_indexer(layer):
+  if cfg.runs_indexer(layer) if indexer is None else indexer:
     specs.update(_indexer_specs(cfg))
   return specs
 
@@ -95,8 +104,65 @@ def _ffn_specs(cfg: ModelConfig, layer: int) -> dict[str, Any]:
   return specs
 
 
-def param_specs(cfg: ModelConfig) -> dict[str, Any]:
-  """The nested dict of (shape, init kind[, dtype]) leaves that ``init_params`` fills."""
+# Parts of a multi-token-prediction layer that some checkpoints ship and others share
+# with the main model: its own embedding, its own output head, and (sparse attention)
+# its attention's indexer weights.
+MTP_OPTIONAL = ("embed", "lm_head", "indexer")
+
+
+def mtp_specs(cfg: ModelConfig, optional: Iterable[str] = ()) -> list[dict[str, Any]]:
+  """The ``cfg.n_mtp_layers`` multi-token-prediction layers' (shape, kind[, dtype]) leaves.
+
+  Each is a MoE decoder layer (the layout of ``param_specs(cfg)["layers"][i]`` for a
+  MoE layer) plus DeepSeek-V3's MTP parts: ``eh_proj`` [2D, D] (the projection of
+  the concatenated normed embedding and hidden state), ``enorm``, ``hnorm`` and
+  ``head_norm`` [D], and the ``optional`` parts present (see :data:`MTP_OPTIONAL`):
+  ``embed`` [V, D], ``lm_head`` [D, V], the indexer weights in ``attn``.
+
+  Raises:
+    ValueError: an unknown optional part.
+  """
+  optional = frozenset(optional)
+  unknown = sorted(optional - set(MTP_OPTIONAL))
+  if unknown:
+    raise ValueError(f"mtp_specs: unknown optional parts {unknown} (known: {MTP_OPTIONAL})")
+  D, V = cfg.d_model, cfg.vocab_size
+  layers = []
+  for j in range(cfg.n_mtp_layers):
+    layer: dict[str, Any] = {
+        "attn_norm": ((D,), "ones"), "ffn_norm": ((D,), "ones"),
+        "attn": _attn_specs(cfg, indexer="indexer" in optional),
+        "ffn": _ffn_specs(cfg, cfg.n_layers + j),  # past the dense prefix: a MoE layer
+        "eh_proj": ((2 * D, D), "normal"),
+        "enorm": ((D,), "ones"), "hnorm": ((D,), "ones"), "head_norm": ((D,), "ones")}
+    if "embed" in optional:
+      layer["embed"] = ((V, D), "embed")
+    if "lm_head" in optional:
+      layer["lm_head"] = ((D, V), "normal")
+    layers.append(layer)
+  return layers
+
+
+def mtp_parts(mtp_layers) -> frozenset[str]:
+  """The optional parts (:data:`MTP_OPTIONAL`) that a tree's ``mtp`` layers hold (from the first)."""
+  if not mtp_layers or not isinstance(mtp_layers[0], dict):
+    return frozenset()  # check_params then names what is wrong with the tree
+  first = mtp_layers[0]
+  parts = {p for p in ("embed", "lm_head") if p in first}
+  if any(str(k).startswith("indexer_") for k in first.get("attn", {})):
+    parts.add("indexer")
+  return frozenset(parts)
+
+
+def param_specs(cfg: ModelConfig, *, mtp: Iterable[str] | None = None) -> dict[str, Any]:
+  """The nested dict of (shape, init kind[, dtype]) leaves that ``init_params`` fills.
+
+  Args:
+    cfg: the model config.
+    mtp: None (the default): the serving model only. Otherwise the optional MTP parts
+      present, and ``cfg.n_mtp_layers`` layers of :func:`mtp_specs` are added as
+      ``"mtp"`` (what a checkpoint that ships them loads into).
+  """
   D, V = cfg.d_model, cfg.vocab_size
   specs: dict[str, Any] = {"embed": ((V, D), "embed"), "final_norm": ((D,), "ones")}
   if not cfg.tie_embeddings:
@@ -106,6 +172,8 @@ def param_specs(cfg: ModelConfig) -> dict[str, Any]:
        "attn": _attn_specs(cfg, i), "ffn": _ffn_specs(cfg, i)}
       for i in range(cfg.n_layers)
   ]
+  if mtp is not None and cfg.n_mtp_layers:
+    specs["mtp"] = mtp_specs(cfg, mtp)
   return specs
 
 
@@ -270,7 +338,10 @@ def check_params(params, cfg: ModelConfig, *, where: str) -> None:
   float8_e4m3fn [..., K, N] and f32 scales [..., N] (per channel) or
   [..., ceil(K/128), ceil(N/128)] (blocks). The embedding and the router stay dense.
   Reads only shapes and dtypes (no device transfer), so sharded params, host arrays
-  and ``jax.ShapeDtypeStruct`` trees are checked alike.
+  and ``jax.ShapeDtypeStruct`` trees are checked alike. Multi-token-prediction
+  layers (``params["mtp"]``) are optional; when present they must be the
+  ``cfg.n_mtp_layers`` layers of :func:`mtp_specs`, with the optional parts the
+  first of them holds.
 
   Args:
     params: the params tree (nested dicts and lists of arrays or quantised weights).
@@ -288,7 +359,14 @@ def check_params(params, cfg: ModelConfig, *, where: str) -> None:
     raise ValueError(f"{where}: params must be a dict (the tree init_params returns), "
                      f"got {type(params).__name__}")
   head = f"{where}: params do not match config {cfg.name!r}"
-  specs = jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=_is_spec)[0]
+  mtp = None
+  if "mtp" in params:
+    if not isinstance(params["mtp"], (list, tuple)) or len(params["mtp"]) != cfg.n_mtp_layers:
+      found = len(params["mtp"]) if isinstance(params["mtp"], (list, tuple)) else _desc(params["mtp"])
+      raise ValueError(f"{head}: mtp holds {found} multi-token-prediction layer(s), the config "
+                       f"declares n_mtp_layers={cfg.n_mtp_layers}")
+    mtp = mtp_parts(params["mtp"])
+  specs = jax.tree_util.tree_flatten_with_path(param_specs(cfg, mtp=mtp), is_leaf=_is_spec)[0]
   leaves = jax.tree_util.tree_flatten_with_path(
       params, is_leaf=lambda x: not isinstance(x, (dict, list, tuple)))[0]
   have = {tuple(_key(k) for k in p): (path_str(p), x) for p, x in leaves}
@@ -309,7 +387,7 @@ def check_params(params, cfg: ModelConfig, *, where: str) -> None:
       raise ValueError(f"{head}: {name} is missing (expected {expected}){structure()}")
     x = have[key][1]
     if isinstance(x, (Int4Weight, Fp8Weight)):
-      if len(shape) not in (2, 3) or len(spec) == 3 or name == "embed":
+      if len(shape) not in (2, 3) or len(spec) == 3 or name.rsplit("/", 1)[-1] == "embed":
         raise ValueError(f"{head}: {name} is a quantised {type(x).__name__} but must stay dense "
                          f"(expected {expected}; the embedding is gathered by row, routers and norms "
                          "are precision sensitive)")

@@ -111,9 +111,11 @@ def logical_axes_for(path: str, ndim: int) -> tuple:
   """
   parts = path.split("/")
   name = parts[-1]
-  if path == "embed":
+  # A multi-token-prediction layer's own embedding and head ("mtp/0/embed") split like the model's.
+  top = path if parts[0] != "mtp" or len(parts) != 3 else name
+  if top == "embed":
     return ("vocab", "embed")
-  if path == "lm_head":
+  if top == "lm_head":
     return ("embed", "vocab")
   if ndim == 1 or name.startswith("router"):
     return (None,) * ndim

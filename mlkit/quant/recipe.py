@@ -15,11 +15,18 @@ A pattern starting with ``re:`` is a Python regex matched against the full path.
 Never quantised, whatever the recipe says: 1-D params (norms, router bias), the
 router (routing decisions are precision sensitive) and ``embed`` (the model
 gathers rows from it with ``jnp.take``; tied configs also use it as the head).
+
+A weight that is already quantised (a published checkpoint's INT4 or FP8) is kept
+as it is unless the recipe asks for a lower precision it can be converted to:
+:func:`published_conversion` says which, :func:`apply_recipe` applies a recipe
+to such a tree (what a server does), and the Hugging Face loader does the same
+tensor by tensor (docs/checkpoints.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import warnings
 from typing import Mapping, Union
@@ -28,10 +35,12 @@ import jax
 import jax.numpy as jnp
 
 from mlkit.quant.dispatch import dequantize
-from mlkit.quant.formats import (FP8_BLOCK, INT4_GROUP_SIZES, INT4_LAYOUTS, Int4Weight,
+from mlkit.quant.formats import (FP8_BLOCK, INT4_GROUP_SIZES, INT4_LAYOUTS, Fp8Weight, Int4Weight,
                                  quantize_fp8, quantize_int4)
 from mlkit.quant.gptq import CalibrationStats, gptq_quantize_int4
-from mlkit.quant.tree import flatten_params, is_quantised
+from mlkit.quant.tree import flatten_params, is_quantised, leaf_format
+
+log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- specs
@@ -217,7 +226,7 @@ def assign_formats(params, recipe: Recipe) -> dict[str, FormatSpec]:
       if ndim not in (2, 3):
         raise ValueError(f"Recipe {recipe.name!r}: parameter {path!r} is {ndim}-D; "
                          "only 2-D/3-D projection weights can be quantised")
-      if last.startswith("router") or path == "embed":
+      if last.startswith("router") or last == "embed":
         raise ValueError(f"Recipe {recipe.name!r}: parameter {path!r} must stay dense "
                          "(routers are precision sensitive; the embedding is gathered by row)")
     out[path] = spec
@@ -248,6 +257,99 @@ def quantize_leaf(w, spec: FormatSpec, *, name: str = "weight",
   else:
     q = quantize_int4(w, spec.group_size, scale_dtype=scale_dtype, name=name)
   return q.to_layout(int4_layout or "kn")
+
+
+def published_conversion(w, spec: FormatSpec | None, *, name: str = "weight") -> str | None:
+  """What a recipe does to a weight that is already quantised (as a checkpoint published it).
+
+  The published format is kept unless the recipe asks for a lower precision:
+
+  - ``spec`` None or :class:`Keep`, or the format ``w`` already has (int4 of the
+    same group size, fp8 of the same block size): kept as it is (None);
+  - fp8 -> int4: converted, dequantising ``w`` in f32 and quantising that (how the
+    report made GLM's INT4 experts from its FP8 release); the description of it
+    is returned, e.g. "fp8 e4m3 block 128 -> int4 g32";
+  - anything else is refused: int4 -> fp8 would invent precision the checkpoint
+    does not have, and re-rounding onto another int4 group size or fp8 scaling
+    would round twice.
+
+  Args:
+    w: an :class:`Int4Weight` or :class:`Fp8Weight` (arrays or ShapeDtypeStructs).
+    spec: the recipe's format for it.
+    name: the parameter's name, for messages.
+
+  Raises:
+    ValueError: naming ``name``, both formats and why, for a refused conversion.
+  """
+  if spec is None or isinstance(spec, Keep):
+    return None
+  have = leaf_format(w)
+  if isinstance(w, Int4Weight):
+    if isinstance(spec, Int4Spec) and spec.group_size == w.group_size:
+      return None
+    if isinstance(spec, Fp8Spec):
+      raise ValueError(f"{name}: the recipe asks for fp8, but the checkpoint holds it as {have}: "
+                       "converting INT4 to FP8 would invent precision the checkpoint does not "
+                       "have (keep it: a recipe that keeps the experts, or none)")
+    raise ValueError(f"{name}: the recipe asks for int4 g{spec.group_size}, but the checkpoint holds "
+                     f"it as {have}: re-rounding onto another group size is not done (keep it)")
+  if isinstance(w, Fp8Weight):
+    if isinstance(spec, Fp8Spec) and spec.block_size == w.block_size:
+      return None
+    if isinstance(spec, Int4Spec):
+      return f"{have} -> int4 g{spec.group_size}"
+    raise ValueError(f"{name}: the recipe asks for fp8 with {spec.block_size or 'per-channel'} "
+                     f"scales, but the checkpoint holds it as {have}: requantising fp8 is not "
+                     "done (keep it)")
+  raise ValueError(f"{name}: {type(w).__name__} is not a quantised format")
+
+
+def apply_recipe(params, recipe: Recipe, *, int4_layout: str | None = None):
+  """Applies a round-to-nearest recipe to a tree that may hold published quantised weights.
+
+  Dense leaves are quantised as :func:`quantize_params` does. Quantised leaves (a
+  checkpoint loaded in its published formats) are kept or converted as
+  :func:`published_conversion` says; each conversion is logged. What a server
+  does with its ``--recipe`` after loading a checkpoint.
+
+  Args:
+    params: the params tree.
+    recipe: which format each parameter gets (no GPTQ: it needs calibration).
+    int4_layout: as for :func:`quantize_params`.
+
+  Returns:
+    The new tree.
+
+  Raises:
+    ValueError: recipe mismatches (:func:`assign_formats`), a GPTQ rule, a conversion
+      :func:`published_conversion` refuses, or the errors of :func:`quantize_params`.
+  """
+  specs = assign_formats(params, recipe)
+  gptq = [p for p, s in specs.items() if isinstance(s, Int4Spec) and s.method == "gptq"]
+  if gptq:
+    raise ValueError(f"Recipe {recipe.name!r} uses GPTQ for {gptq[0]!r}, which needs calibration "
+                     "activations; use quantize_params with collect_calibration")
+  if int4_layout is not None and int4_layout not in INT4_LAYOUTS:
+    raise ValueError(f"apply_recipe: int4_layout must be one of {INT4_LAYOUTS} or None, "
+                     f"got {int4_layout!r}")
+  flat, treedef = flatten_params(params)
+  how = {p: published_conversion(leaf, specs[p], name=p) for p, leaf in flat if is_quantised(leaf)}
+  out = []
+  for p, leaf in flat:
+    if is_quantised(leaf) and how[p] is None:
+      out.append(quantize_leaf(leaf, KEEP, name=p, int4_layout=int4_layout))
+    elif is_quantised(leaf):
+      # Dequantised in f32 (exact for fp8 * scale), so the int4 rounding sees the published values.
+      out.append(quantize_leaf(dequantize(leaf, jnp.float32), specs[p], name=p,
+                               int4_layout=int4_layout))
+    else:
+      out.append(quantize_leaf(leaf, specs[p], name=p, int4_layout=int4_layout))
+  converted = {p: h for p, h in how.items() if h is not None}
+  if converted:
+    p, h = next(iter(converted.items()))
+    log.info("recipe %r converted %d published weight(s), dequantising each and quantising it "
+             "(e.g. %s: %s)", recipe.name, len(converted), p, h)
+  return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def quantize_params(params, recipe: Recipe,
@@ -326,15 +428,19 @@ def calibration_paths(params, recipe: Recipe) -> list[str]:
 
 # Rules shared by every preset: never-quantised params, plus tensors only some
 # configs have (optional). lm_head stays bf16 as in both the Kimi K2 int4 and the
-# DeepSeek-V3/GLM fp8 checkpoints. MTP layers (eh_proj, in accounting trees only) and
-# GLM's sparse-attention indexer ship in bf16 (the indexer's head weights in f32).
+# DeepSeek-V3/GLM fp8 checkpoints. MTP layers' own parts (eh_proj, and their embedding
+# and head where shipped) and GLM's sparse-attention indexer ship in bf16 (the
+# indexer's head weights in f32). The presets' layer rules cover the loaded MTP
+# layers (``mtp/<j>/...``) as well, so they take the formats of the layers they
+# copy; accounting trees append MTP layers to ``layers`` instead.
 _DENSE_ALWAYS = (
     Rule("{embed,lm_head}", KEEP),
     Rule("**/*norm", KEEP),
-    Rule("layers/*/ffn/router*", KEEP, optional=True),
-    Rule("layers/*/eh_proj", KEEP, optional=True),
-    Rule("layers/*/attn/indexer_w*", KEEP, optional=True),
-    Rule("layers/*/attn/indexer_k_bias", KEEP, optional=True),
+    Rule("{layers,mtp}/*/ffn/router*", KEEP, optional=True),
+    Rule("{layers,mtp}/*/eh_proj", KEEP, optional=True),
+    Rule("mtp/*/{embed,lm_head}", KEEP, optional=True),
+    Rule("{layers,mtp}/*/attn/indexer_w*", KEEP, optional=True),
+    Rule("{layers,mtp}/*/attn/indexer_k_bias", KEEP, optional=True),
 )
 
 
@@ -364,10 +470,10 @@ def int4_experts(group_size: int = 32, *, method: str = "rtn", rest: FormatSpec 
   if isinstance(rest, Fp8Spec):
     name += "-fp8-rest"
   return Recipe(name, _DENSE_ALWAYS + (
-      Rule("layers/*/attn/w*", rest),
+      Rule("{layers,mtp}/*/attn/w*", rest),
       Rule("layers/*/ffn/w_*", rest, ndim=2, optional=True),  # dense FFN layers
-      Rule("layers/*/ffn/shared/w_*", rest, optional=True),
-      Rule("layers/*/ffn/w_*", int4, ndim=3),  # routed experts [E, K, N]
+      Rule("{layers,mtp}/*/ffn/shared/w_*", rest, optional=True),
+      Rule("{layers,mtp}/*/ffn/w_*", int4, ndim=3),  # routed experts [E, K, N]
   ))
 
 
@@ -375,8 +481,8 @@ def fp8_all(block_size: int | None = FP8_BLOCK) -> Recipe:
   """Every attention/FFN/expert projection in fp8 (how GLM and DeepSeek-V3 ship)."""
   fp8 = Fp8Spec(block_size)
   return Recipe("fp8-all" + ("" if block_size else "-per-channel"), _DENSE_ALWAYS + (
-      Rule("layers/*/attn/w*", fp8),
-      Rule("layers/*/ffn/**/w_*", fp8),  # dense FFN, routed and shared experts
+      Rule("{layers,mtp}/*/attn/w*", fp8),
+      Rule("{layers,mtp}/*/ffn/**/w_*", fp8),  # dense FFN, routed and shared experts
   ))
 
 
@@ -384,8 +490,8 @@ def int4_all(group_size: int = 128, *, method: str = "rtn") -> Recipe:
   """Every attention/FFN/expert projection in int4 (an aggressive ablation)."""
   int4 = Int4Spec(group_size=group_size, method=method)
   return Recipe(f"int4-all-g{group_size}", _DENSE_ALWAYS + (
-      Rule("layers/*/attn/w*", int4),
-      Rule("layers/*/ffn/**/w_*", int4),
+      Rule("{layers,mtp}/*/attn/w*", int4),
+      Rule("{layers,mtp}/*/ffn/**/w_*", int4),
   ))
 
 

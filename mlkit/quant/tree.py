@@ -41,6 +41,8 @@ _GROUPS = (("shared experts", "/ffn/shared/"), ("routers", "/ffn/router"),
 
 
 def _group(path: str, leaf) -> str:
+  if path.startswith("mtp/"):  # loaded for speculative decoding; the model does not run them
+    return "mtp layers"
   if "norm" in path.rsplit("/", 1)[-1]:
     return "norms"
   for name, key in _GROUPS:
@@ -66,7 +68,7 @@ def describe_formats(params) -> dict[str, str]:
 
   Returns:
     {group: formats} with groups attention, routed experts, shared experts, dense FFN,
-    routers, embeddings, lm_head, norms (those present), each the sorted distinct formats
+    routers, embeddings, lm_head, norms, mtp layers (those present), each the sorted distinct formats
     of its weights joined by " + ".
   """
   formats: dict[str, set] = {}

@@ -93,7 +93,8 @@ def _is_hf_dir(path: str) -> bool:
 
 
 def load_model(cfg: ServeConfig) -> tuple[dict, ModelConfig]:
-  """The dense params and the ModelConfig a ServeConfig names.
+  """The params (a quantised checkpoint in its stored formats) and the ModelConfig a
+  ServeConfig names.
 
   Raises:
     FileNotFoundError: the checkpoint directory does not exist.
@@ -106,11 +107,12 @@ def load_model(cfg: ServeConfig) -> tuple[dict, ModelConfig]:
       raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     from mlkit import checkpoint
     from mlkit.quant import kernel_int4_layout
+    # An already-quantised checkpoint (a published INT4 or FP8 one, or orbax) restores
+    # straight into the layout the engine's int4 kernels read (its EngineConfig keeps the
+    # platform's default backend), one leaf at a time; build_engine's apply_recipe then
+    # keeps it as it is.
     if _is_hf_dir(path):
-      return checkpoint.load_hf_checkpoint(path)
-    # An already-quantised checkpoint restores straight into the layout the engine's
-    # int4 kernels read (its EngineConfig keeps the platform's default backend), one
-    # leaf at a time; build_engine's quantize_params then keeps it as it is.
+      return checkpoint.load_hf_checkpoint(path, int4_layout=kernel_int4_layout(None))
     return checkpoint.load_checkpoint(path, int4_layout=kernel_int4_layout(None))
   import jax
   from configs.models import MODEL_PRESETS
@@ -141,15 +143,17 @@ def build_engine(cfg: ServeConfig, params, mcfg: ModelConfig):
   import jax
   from mlkit.engine import Engine
   from mlkit.parallel import MeshConfig, split_mesh
-  from mlkit.quant import RECIPES, kernel_int4_layout, quantize_params
+  from mlkit.quant import RECIPES, apply_recipe, kernel_int4_layout
   if jax.process_count() > 1:  # one pool over every process's devices (docs/serving_processes.md)
     (mesh,) = split_mesh([MeshConfig(tensor=len(jax.devices()))], list(jax.devices()))
   else:
     (mesh,) = split_mesh([MeshConfig(tensor=cfg.devices)], list(jax.devices())[:cfg.devices])
   ecfg = engine_config(cfg, mcfg)
-  # int4 weights in the layout the engine's kernels read (docs/int4_matmul.md).
-  qparams = quantize_params(params, RECIPES[cfg.recipe],
-                            int4_layout=kernel_int4_layout(ecfg.backend))
+  # int4 weights in the layout the engine's kernels read (docs/int4_matmul.md). A checkpoint
+  # loaded in its published formats keeps them unless the recipe converts (FP8 -> INT4
+  # experts) or refuses (INT4 -> FP8); docs/checkpoints.md.
+  qparams = apply_recipe(params, RECIPES[cfg.recipe],
+                         int4_layout=kernel_int4_layout(ecfg.backend))
   return Engine(qparams, ecfg, mesh=mesh,
                 role="prefill" if cfg.role == "prefill" else "serve")
 

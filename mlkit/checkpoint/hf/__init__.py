@@ -14,6 +14,9 @@ never the other way:
 - :mod:`~mlkit.checkpoint.hf.safetensors`: reading safetensors files (the lazy
   ``pread`` reader, stored dtypes, fp8 block-scale checks and
   :func:`dequantize_fp8_blocks`);
+- :mod:`~mlkit.checkpoint.hf.quantized`: the quantised formats publishers ship
+  (``quantization_config``: compressed-tensors INT4, FP8 block scales) and the
+  bit-exact conversion of their tensors to and from ours;
 - :mod:`~mlkit.checkpoint.hf.load`: :func:`load_hf_checkpoint`,
   :func:`open_hf_checkpoint` and :class:`HFCheckpoint` (streaming, quantising and
   sharded placement, progress logging);

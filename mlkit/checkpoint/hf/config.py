@@ -229,7 +229,7 @@ def config_from_hf(hf_config: dict, *, dtype=None) -> ModelConfig:
     if declared is None:
       raise ValueError("config_from_hf: config.json declares no 'torch_dtype' (or 'dtype'); pass dtype=")
     dt = _dtype_name(declared, "torch_dtype")
-  # How many layers after the last are multi-token-prediction layers (skipped on load).
+  # How many layers after the last are multi-token-prediction layers (params["mtp"] on load).
   mtp = hf_config.get("num_nextn_predict_layers") or 0
   if not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0:
     raise ValueError(f"config_from_hf: field 'num_nextn_predict_layers' must be a non-negative int, "

@@ -6,10 +6,18 @@ read; :class:`HFCheckpoint` then reads one parameter at a time, and
 holds one parameter, never the whole tree (docs/checkpoints.md, "Streaming
 import"). :func:`load_hf_checkpoint` is ``open_hf_checkpoint(...).load()``.
 
+The default keeps what the publisher shipped: compressed-tensors INT4 weights load
+as :class:`~mlkit.quant.Int4Weight` and fp8 weights with 128x128 block scales as
+:class:`~mlkit.quant.Fp8Weight`, their integers, values and scales bit for bit
+(:mod:`~mlkit.checkpoint.hf.quantized`). A recipe changes formats as
+:func:`mlkit.quant.published_conversion` allows (fp8 to int4 dequantises per tensor
+and quantises; int4 to fp8 is refused). Fp8 weights our formats cannot hold (other
+block shapes, or parameters that stay dense) are dequantised to the parameter dtype.
+
 The multi-token-prediction layers that config.json declares
-(``num_nextn_predict_layers`` of them, after the last layer) and rotary
-``inv_freq`` buffers are skipped; any other tensor the config does not explain
-is an error. Weights stored as fp8 with a block scale are dequantised on import.
+(``num_nextn_predict_layers`` of them, after the last layer) are loaded into
+``params["mtp"]`` when the checkpoint holds them; rotary ``inv_freq`` buffers are
+skipped; any other tensor the config does not explain is an error.
 
 The loader refuses to guess: the parameter dtype is the one asked for or declared,
 else the tensors' own (when they agree); narrowing conversions must be asked for; and
@@ -30,7 +38,9 @@ import numpy as np
 
 from mlkit.checkpoint.errors import CheckpointError, read_json
 from mlkit.checkpoint.hf.config import CONFIG_FILE, _declared_dtype, config_from_hf
-from mlkit.checkpoint.hf.names import _path_str, _Target, hf_layout
+from mlkit.checkpoint.hf.names import (_path_str, _Target, hf_layout, module_name, mtp_layer_index)
+from mlkit.checkpoint.hf.quantized import (COMPRESSED_TENSORS, REFUSED_SUFFIXES, PublishedQuant,
+                                           int4_from_packed, parse_quantization_config)
 from mlkit.checkpoint.hf.safetensors import (_FP8_DTYPES, _LOAD, _check_fp8_scales, _Reader,
                                              dequantize_fp8_blocks)
 from mlkit.config import ModelConfig
@@ -45,6 +55,20 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 # dequantised through f32, so they are never a silent narrowing either).
 _LOSSLESS = {("BF16", "bfloat16"), ("BF16", "float32"), ("F16", "float32"), ("F32", "float32")}
 _ST_NAMES = {"BF16": "bfloat16", "F32": "float32"}
+# INT4 scales are kept in their stored dtype; f16 ones are widened to f32 (exactly).
+_INT4_SCALE_DTYPES = {"BF16": "bfloat16", "F32": "float32", "F16": "float32"}
+_FP8_BLOCK = (128, 128)  # the block shape Fp8Weight holds
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+  """How one parameter is stored: "dense" (fp8 read dequantised), "int4" (compressed-tensors)
+  or "fp8" (128x128 block scales), with the stored tensors behind it."""
+
+  kind: str
+  stored: tuple[str, ...]  # every tensor read for it (weights, scales, shapes)
+  group_size: int | None = None  # int4
+  scale_dtype: str | None = None  # int4: the scales' dtype as loaded
 
 
 def _resolve_dtype(path: str, cfg_file: str, chosen: str | None, explicit: bool, reader: _Reader,
@@ -55,11 +79,14 @@ def _resolve_dtype(path: str, cfg_file: str, chosen: str | None, explicit: bool,
     path / cfg_file: the checkpoint directory and its config.json, for messages.
     chosen: the dtype ``dtype=`` or config.json names, or None if neither does.
     explicit: ``chosen`` comes from ``dtype=`` (narrowing is then allowed, and logged).
-    reader / targets: the tensors and the leaves they fill.
+    reader / targets: the tensors and the leaves they fill (packed INT4 modules have no
+      ``.weight`` tensor and do not count).
   """
   stored = {}  # safetensors dtype -> first tensor stored in it (tensors of the param dtype)
   for t in targets:
     for n in t.names:
+      if not reader.has(n):
+        continue
       st = reader.st_dtype(n)
       if st not in _FP8_DTYPES and t.dtype is None:
         stored.setdefault(st, n)
@@ -79,8 +106,8 @@ def _resolve_dtype(path: str, cfg_file: str, chosen: str | None, explicit: bool,
   narrowed = []
   for t in targets:
     want = t.dtype or chosen
-    narrowed += [(n, reader.st_dtype(n), want) for n in t.names
-                 if reader.st_dtype(n) not in _FP8_DTYPES and (reader.st_dtype(n), want) not in _LOSSLESS]
+    narrowed += [(n, reader.st_dtype(n), want) for n in t.names if reader.has(n)
+                 and reader.st_dtype(n) not in _FP8_DTYPES and (reader.st_dtype(n), want) not in _LOSSLESS]
   if narrowed and not explicit:
     n, st, want = narrowed[0]
     raise CheckpointError(_LOAD, reader.file(n), f"tensor {n} is {st} but config.json declares "
@@ -106,15 +133,24 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=None, recipe=None, mesh
   reads only the parts of each parameter that its own devices hold (the whole
   of a replicated one; docs/checkpoints.md, "Multi-process loading").
 
-  Dtype: the parameters are stored in ``dtype`` if given, else in config.json's
-  ``torch_dtype`` (or ``dtype``), else in the stored tensors' own dtype when they all
-  agree (router weights and bias are always f32; fp8 weights are dequantised). A
-  conversion that loses precision (an f32 tensor into bf16) is never silent: it must
-  be asked for with ``dtype=``, and is logged.
+  Published formats: without a recipe (or where the recipe keeps a parameter, or
+  asks for the format it already has), compressed-tensors INT4 weights load as
+  ``Int4Weight`` and fp8 weights with 128x128 block scales as ``Fp8Weight``, bit
+  for bit. A recipe that asks for int4 where the checkpoint has fp8 dequantises
+  each such tensor (f32) and quantises it (logged); one that asks for fp8 (or
+  another group size) where it has int4 is refused (docs/checkpoints.md).
 
-  Layers: the checkpoint's layers must be those of ``num_hidden_layers``; only the
+  Dtype: the dense parameters are stored in ``dtype`` if given, else in config.json's
+  ``torch_dtype`` (or ``dtype``), else in the stored tensors' own dtype when they all
+  agree (router weights and bias are always f32; fp8 weights that are not kept as
+  fp8 are dequantised). A conversion that loses precision (an f32 tensor into bf16)
+  is never silent: it must be asked for with ``dtype=``, and is logged.
+
+  Layers: the checkpoint's layers must be those of ``num_hidden_layers``, plus the
   multi-token-prediction layers config.json declares (indices ``num_hidden_layers``
-  to ``num_hidden_layers + num_nextn_predict_layers - 1``) are skipped.
+  to ``num_hidden_layers + num_nextn_predict_layers - 1``), which go to
+  ``params["mtp"]`` when the checkpoint holds them (checked against their shapes
+  like every other tensor; the model does not run them).
 
   Args:
     path: directory with ``config.json`` and ``*.safetensors`` (single or sharded with
@@ -122,27 +158,31 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=None, recipe=None, mesh
     dtype: parameter dtype ("bfloat16"/"float32"); see "Dtype" above.
     recipe: a ``mlkit.quant.Recipe`` applied leaf by leaf as it is read (round to
       nearest; GPTQ needs calibration activations and is refused here), or None
-      to keep the weights dense.
+      to keep the weights as stored.
     mesh: place every parameter's shards on this mesh as it is read (by
       ``mlkit.parallel.param_shardings`` with ``rules``), or None for the
       default device.
     rules: logical-axis rules with ``mesh`` (default ``mlkit.parallel.DEFAULT_RULES``).
-    int4_layout: the recipe's int4 weights' layout: "kn" (packed, as checkpoints
-      hold them) or "nk" (what the GPU kernels read, ``mlkit.quant.
+    int4_layout: the int4 weights' layout: "kn" (packed, as checkpoints hold
+      them) or "nk" (what the GPU kernels read, ``mlkit.quant.
       kernel_int4_layout()``), relaid after loading one leaf at a time, each
       packed copy freed before the next.
 
   Returns:
-    (params, cfg): params laid out as ``init_params(cfg)`` (router weights/bias in f32),
-    quantised by ``recipe`` and placed on ``mesh`` when given.
+    (params, cfg): params laid out as ``init_params(cfg)`` (router weights/bias in f32)
+    plus ``"mtp"`` when the checkpoint ships those layers, in the published formats or
+    the recipe's, and placed on ``mesh`` when given.
 
   Raises:
     FileNotFoundError: the directory, ``config.json``, a shard or all safetensors are missing.
     CheckpointError: (a ValueError) naming the file: invalid JSON in config.json or the
-      index, a bad config field, a truncated or corrupt safetensors file, a missing
-      tensor, a wrong shape (with expected and actual shapes), unexpected tensor names,
-      a layer beyond the config's layers and declared MTP layers, tensors whose dtypes
-      disagree when no dtype is declared, or a narrowing conversion not asked for.
+      index, a bad config field, a quantisation scheme this loader does not read (names
+      the scheme), a truncated or corrupt safetensors file, a missing tensor, a wrong
+      shape (with expected and actual shapes), unexpected tensor names, tensors that
+      disagree with ``quantization_config``, a layer beyond the config's layers and
+      declared MTP layers, tensors whose dtypes disagree when no dtype is declared, a
+      narrowing conversion not asked for, or a recipe that would convert a published
+      int4 weight (names the tensor).
     ValueError: a recipe that does not fit the model or asks for GPTQ; rules without a
       mesh; an unknown int4_layout (before anything is read).
   """
@@ -159,11 +199,13 @@ def open_hf_checkpoint(path: str | os.PathLike, *, dtype=None, recipe=None, mesh
   """Opens and checks a checkpoint for :func:`load_hf_checkpoint`, reading no tensor yet.
 
   Everything that can be checked from config.json and the safetensors headers is
-  checked here (names, shapes, dtypes, the recipe's formats, the shardings), so
-  that a conversion fails before its first read. Arguments, returns and errors
-  are those of :func:`load_hf_checkpoint`; the parameters are then read one at
-  a time with :meth:`HFCheckpoint.leaf` (what ``mlkit.convert`` does, skipping
-  those already converted) or all together with :meth:`HFCheckpoint.load`.
+  checked here (names, shapes, dtypes, the published quantisation, the recipe's
+  formats, the shardings), so that a conversion fails before its first read (only
+  the 8-byte ``weight_shape`` tensors of packed INT4 modules are read here).
+  Arguments, returns and errors are those of :func:`load_hf_checkpoint`; the
+  parameters are then read one at a time with :meth:`HFCheckpoint.leaf` (what
+  ``mlkit.convert`` does, skipping those already converted) or all together with
+  :meth:`HFCheckpoint.load`.
   """
   if rules is not None and mesh is None:
     raise ValueError(f"{_LOAD}: rules= needs a mesh=")
@@ -180,54 +222,239 @@ def open_hf_checkpoint(path: str | os.PathLike, *, dtype=None, recipe=None, mesh
     cfg = config_from_hf(hf_config, dtype=dtype if declared else "float32")
   except ValueError as e:
     raise CheckpointError(_LOAD, cfg_file, str(e)) from e
-  qcfg = hf_config.get("quantization_config") or {}
-  block = qcfg.get("weight_block_size", (128, 128)) if isinstance(qcfg, dict) else None
-  if (not isinstance(block, (list, tuple)) or len(block) != 2
-      or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-    raise CheckpointError(_LOAD, cfg_file, "quantization_config must be an object whose "
-                                           f"weight_block_size is two positive ints, got {qcfg!r}")
-  block = tuple(block)
+  quant = parse_quantization_config(hf_config, cfg_file)
 
   reader = _Reader(path)
-  targets, treedef = hf_layout(cfg)
-  expected = {n for t in targets for n in t.names}
   present = reader.names()
-  mtp = range(cfg.n_layers, cfg.n_layers + cfg.n_mtp_layers)
-  skipped_mtp, unexpected = [], []
+  mtp = _mtp_parts(reader, cfg)
+  targets, treedef = hf_layout(cfg, mtp=mtp)
+  if quant.method == COMPRESSED_TENSORS:
+    _check_ignore(quant, cfg, cfg_file)
+  sources = [_source(t, reader, quant, path) for t in targets]
+  expected = {n for s in sources for n in s.stored}
+  unexpected = []
   for n in sorted(present - expected):
-    base = n.removesuffix("_scale_inv")
     m = _LAYER_RE.match(n)
-    if m and int(m.group(1)) in mtp:
-      skipped_mtp.append(n)  # multi-token-prediction layers are not part of the serving model
-    elif m and int(m.group(1)) >= cfg.n_layers:
+    base, _, suffix = n.rpartition(".")
+    if m and int(m.group(1)) >= cfg.n_layers + cfg.n_mtp_layers:
       raise CheckpointError(_LOAD, reader.file(n), f"tensor {n} belongs to layer {m.group(1)}, but "
                                                    f"config.json declares num_hidden_layers={cfg.n_layers} "
                                                    f"and num_nextn_predict_layers={cfg.n_mtp_layers}")
     elif n.endswith("rotary_emb.inv_freq"):
       continue  # a recomputable buffer some exporters include
-    elif n.endswith("_scale_inv") and base in expected:
-      continue  # consumed with its weight below
+    elif suffix in REFUSED_SUFFIXES:
+      raise CheckpointError(_LOAD, reader.file(n), f"tensor {n} is {REFUSED_SUFFIXES[suffix]}, which "
+                                                   f"this loader does not read (module {base})")
+    elif n.endswith("_scale_inv") and n.removesuffix("_scale_inv") in expected:
+      raise CheckpointError(_LOAD, reader.file(n), f"{n} given but {n.removesuffix('_scale_inv')} is "
+                                                   f"{reader.st_dtype(n.removesuffix('_scale_inv'))}, "
+                                                   "not fp8")
     else:
       unexpected.append(n)
   if unexpected:
     raise CheckpointError(_LOAD, reader.file(unexpected[0]),
                           f"unexpected tensor(s) {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} "
                           f"({len(unexpected)} in all) for this config")
-  if skipped_mtp:
-    log.info("%s: skipped %d multi-token-prediction tensors (layers %d..%d)", _LOAD,
-             len(skipped_mtp), mtp.start, mtp.stop - 1)
-  for t in targets:
-    for n in t.names:
-      if n not in present:
-        raise CheckpointError(_LOAD, path, f"missing tensor {n} (for {_path_str(t.path)})")
-      shape = reader.shape(n)
-      if shape != t.hf_shape:
-        raise CheckpointError(_LOAD, reader.file(n), f"tensor {n} has shape {shape}, expected {t.hf_shape}")
+  if cfg.n_mtp_layers and mtp is None:
+    log.info("%s: config.json declares %d multi-token-prediction layer(s); the checkpoint holds "
+             "none", _LOAD, cfg.n_mtp_layers)
+  elif mtp is not None:
+    log.info("%s: loading %d multi-token-prediction layer(s) into params['mtp'] (layers %d..%d)",
+             _LOAD, cfg.n_mtp_layers, cfg.n_layers, cfg.n_layers + cfg.n_mtp_layers - 1)
   dt = _resolve_dtype(path, cfg_file, cfg.param_dtype if declared else None, dtype is not None,
                       reader, targets)
   cfg = dataclasses.replace(cfg, dtype=dt, param_dtype=dt)
-  return HFCheckpoint(path, cfg, reader, targets, treedef, block,
-                      _LeafConverter(targets, treedef, cfg, recipe, mesh, rules))
+  plans, specs, conversions = _plans(targets, treedef, sources, cfg, recipe, reader)
+  return HFCheckpoint(path, cfg, reader, targets, treedef, quant.fp8_block, sources, plans,
+                      conversions,
+                      _LeafConverter(targets, treedef, cfg, recipe, mesh, rules, plans, sources, specs))
+
+
+def _mtp_parts(reader: _Reader, cfg: ModelConfig):
+  """The optional parts of the multi-token-prediction layers the checkpoint holds, or None
+  for none (``mlkit.model.params.mtp_specs``)."""
+  if not any(mtp_layer_index(n, cfg) is not None for n in reader.names()):
+    return None
+  pre = f"model.layers.{cfg.n_layers}."
+  def has(module):
+    return reader.has(module + ".weight") or reader.has(module + ".weight_packed")
+  parts = set()
+  if has(pre + "embed_tokens"):
+    parts.add("embed")
+  if has(pre + "shared_head.head"):
+    parts.add("lm_head")
+  if any(n.startswith(pre + "self_attn.indexer.") for n in reader.names()):
+    parts.add("indexer")
+  return frozenset(parts)
+
+
+def _check_ignore(quant: PublishedQuant, cfg: ModelConfig, cfg_file: str) -> None:
+  """Every ``ignore`` entry must name a module the config declares (a stale or misspelt entry
+  would leave the modules it was meant for quantised)."""
+  declared_mtp = None
+  if cfg.n_mtp_layers:
+    declared_mtp = {"embed", "lm_head"} | ({"indexer"} if cfg.sparse_attention else set())
+  declared, _ = hf_layout(cfg, mtp=declared_mtp)
+  modules = {module_name(n) for t in declared for n in t.names} | {"lm_head"}
+  bad = quant.unmatched_ignore(modules)
+  if bad:
+    raise CheckpointError(_LOAD, cfg_file, f"quantization_config ignore entry {bad[0]!r} matches no "
+                                           "module this config declares (a misspelt or stale entry "
+                                           "would leave the modules it means quantised)")
+
+
+def _source(t: _Target, reader: _Reader, quant: PublishedQuant, path: str) -> _Source:
+  """How the tensors behind leaf ``t`` are stored, checked against config.json's
+  quantization_config and the leaf's shape."""
+  kinds, stored, groups, scale_dtypes = [], [], set(), set()
+  for n in t.names:
+    m = module_name(n)
+    group = quant.int4_group_size(m) if n.endswith(".weight") else None
+    if reader.has(m + ".weight_packed"):
+      kinds.append("int4")
+      stored += _int4_tensors(m, n, t.hf_shape, group, reader, quant)
+      groups.add(group)
+      scale_dtypes.add(_INT4_SCALE_DTYPES[reader.st_dtype(m + ".weight_scale")])
+      continue
+    if not reader.has(n):
+      raise CheckpointError(_LOAD, path, f"missing tensor {n} (for {_path_str(t.path)})")
+    if group is not None:
+      raise CheckpointError(_LOAD, reader.file(n), f"tensor {n} is stored dense ({reader.st_dtype(n)}), "
+                                                   f"but quantization_config quantises {m} (INT4 group "
+                                                   f"{group}): expected {m}.weight_packed")
+    shape = reader.shape(n)
+    if shape != t.hf_shape:
+      raise CheckpointError(_LOAD, reader.file(n), f"tensor {n} has shape {shape}, expected {t.hf_shape}")
+    stored.append(n)
+    if reader.st_dtype(n) in _FP8_DTYPES:
+      if not reader.has(n + "_scale_inv"):
+        raise CheckpointError(_LOAD, reader.file(n), f"fp8 tensor {n} has no {n}_scale_inv block scale")
+      try:  # the whole tensor's scales, whatever part of it is read later
+        _check_fp8_scales(shape, reader.shape(n + "_scale_inv"), quant.fp8_block, n)
+      except ValueError as e:
+        raise CheckpointError(_LOAD, reader.file(n + "_scale_inv"), str(e)) from e
+      stored.append(n + "_scale_inv")
+      kinds.append("fp8" if reader.st_dtype(n) == "F8_E4M3" else "dense")
+    else:
+      kinds.append("dense")
+  quantisable = len(_our_shape(t)) in (2, 3) and t.dtype is None and t.path[-1] != "embed"
+  if "int4" in kinds:
+    if set(kinds) != {"int4"}:
+      n = t.names[kinds.index("dense" if "dense" in kinds else "fp8")]
+      raise CheckpointError(_LOAD, reader.file(n), f"tensor {n} is not packed INT4 like the other "
+                                                   f"tensors of {_path_str(t.path)}")
+    if not quantisable:
+      m = module_name(t.names[0])
+      raise CheckpointError(_LOAD, reader.file(m + ".weight_packed"),
+                            f"tensor {m}.weight_packed is INT4, but {_path_str(t.path)} stays dense "
+                            "in this model (the embedding is gathered by row; routers and norms are "
+                            "precision sensitive)")
+    if len(groups) != 1 or len(scale_dtypes) != 1:
+      raise CheckpointError(_LOAD, reader.file(stored[0]), f"the INT4 tensors of {_path_str(t.path)} "
+                                                           f"differ in group size or scale dtype")
+    return _Source("int4", tuple(stored), groups.pop(), scale_dtypes.pop())
+  # Fp8Weight holds 128x128 blocks of a projection's whole stack; anything else is
+  # dequantised into the parameter dtype as it is read.
+  if set(kinds) == {"fp8"} and quant.fp8_block == _FP8_BLOCK and quantisable:
+    return _Source("fp8", tuple(stored))
+  return _Source("dense", tuple(stored))
+
+
+def _int4_tensors(m: str, n: str, hf_shape, group: int | None, reader: _Reader,
+                  quant: PublishedQuant) -> list[str]:
+  """Checks one packed INT4 module's tensors (config, dtypes, shapes); returns their names."""
+  packed = m + ".weight_packed"
+  where = reader.file(packed)
+  if quant.method != COMPRESSED_TENSORS:
+    raise CheckpointError(_LOAD, where, f"tensor {packed} is packed INT4, but config.json's "
+                                        "quantization_config is not compressed-tensors")
+  if group is None:
+    raise CheckpointError(_LOAD, where, f"tensor {packed} is packed INT4, but quantization_config "
+                                        f"leaves {m} dense (its ignore list or config_groups targets)")
+  if reader.has(n):
+    raise CheckpointError(_LOAD, reader.file(n), f"module {m} has both {n} and {packed}")
+  for suffix in ("weight_scale", "weight_shape"):
+    if not reader.has(f"{m}.{suffix}"):
+      raise CheckpointError(_LOAD, where, f"missing tensor {m}.{suffix} (packed INT4 {packed} needs "
+                                          "its scales and shape)")
+  out, k = hf_shape
+  checks = [(packed, ("I32",), (out, k // 8)),
+            (m + ".weight_scale", tuple(_INT4_SCALE_DTYPES), (out, k // group)),
+            (m + ".weight_shape", ("I32", "I64"), (2,))]
+  if k % group:
+    raise CheckpointError(_LOAD, where, f"tensor {packed}: group_size {group} does not divide the "
+                                        f"input dim {k} of {m}")
+  for name, dtypes, shape in checks:
+    st, got = reader.st_dtype(name), reader.shape(name)
+    if st not in dtypes:
+      raise CheckpointError(_LOAD, reader.file(name), f"tensor {name} is {st}, expected one of {dtypes}")
+    if got != shape:
+      hint = ""
+      if name.endswith("weight_scale") and len(got) == 2 and got[1] and k % got[1] == 0:
+        hint = (f" for group_size {group} (quantization_config); its shape fits group_size "
+                f"{k // got[1]}")
+      raise CheckpointError(_LOAD, reader.file(name), f"tensor {name} has shape {got}, expected "
+                                                      f"{shape}{hint}")
+  declared = tuple(int(v) for v in reader.get(m + ".weight_shape"))
+  if declared != (out, k):
+    raise CheckpointError(_LOAD, reader.file(m + ".weight_shape"),
+                          f"tensor {m}.weight_shape says {list(declared)}, expected {[out, k]}")
+  return [packed, m + ".weight_scale", m + ".weight_shape"]
+
+
+def _plans(targets, treedef, sources, cfg: ModelConfig, recipe, reader: _Reader):
+  """Per leaf: "dense" (read, then quantised by the recipe if it says so), "int4" / "fp8"
+  (the published format, kept) or "convert" (published fp8, dequantised in f32, quantised by
+  the recipe); also the recipe's spec per leaf and {leaf: conversion} for those converted.
+
+  Raises:
+    CheckpointError: naming the first tensor and its file, for a conversion the recipe asks
+      for that :func:`mlkit.quant.published_conversion` refuses.
+  """
+  from mlkit.quant.recipe import assign_formats, published_conversion
+  specs = [None] * len(targets)
+  if recipe is not None:
+    dense = jax.tree_util.tree_unflatten(treedef, [
+        jax.ShapeDtypeStruct(_our_shape(t), jnp.dtype(t.dtype or cfg.param_dtype)) for t in targets])
+    specs = list(assign_formats(dense, recipe).values())
+  plans, conversions = [], {}
+  for t, src, spec in zip(targets, sources, specs):
+    if src.kind == "dense":
+      plans.append("dense")
+      continue
+    try:
+      how = published_conversion(_published_abstract(t, src), spec, name=_path_str(t.path))
+    except ValueError as e:
+      raise CheckpointError(_LOAD, reader.file(src.stored[0]),
+                            f"tensor {src.stored[0]}: recipe {recipe.name!r}: {e}") from None
+    if how is None:
+      plans.append(src.kind)
+    else:
+      plans.append("convert")
+      conversions[_path_str(t.path)] = how
+  if conversions:
+    first = next(iter(conversions.items()))
+    log.info("%s: recipe %r converts %d published weight(s), dequantising each tensor and "
+             "quantising it (e.g. %s: %s)", _LOAD, recipe.name, len(conversions), *first)
+  kept = [f"{sum(p == k for p in plans)} {k}" for k in ("int4", "fp8") if k in plans]
+  if kept:
+    log.info("%s: keeping the published formats of %s weight(s)", _LOAD, " and ".join(kept))
+  return plans, specs, conversions
+
+
+def _published_abstract(t: _Target, src: _Source):
+  """The Int4Weight / Fp8Weight (of ShapeDtypeStructs) a published leaf loads as."""
+  from mlkit.quant import Fp8Weight, Int4Weight
+  *lead, k, n = _our_shape(t)
+  if src.kind == "int4":
+    g = src.group_size
+    return Int4Weight(packed=jax.ShapeDtypeStruct((*lead, k // 2, n), jnp.uint8),
+                      scales=jax.ShapeDtypeStruct((*lead, k // g, n), jnp.dtype(src.scale_dtype)),
+                      group_size=g)
+  b = _FP8_BLOCK[0]
+  return Fp8Weight(values=jax.ShapeDtypeStruct((*lead, k, n), jnp.float8_e4m3fn),
+                   scales=jax.ShapeDtypeStruct((*lead, -(-k // b), -(-n // b)), jnp.float32),
+                   block_size=b)
 
 
 class HFCheckpoint:
@@ -240,19 +467,24 @@ class HFCheckpoint:
     path: the checkpoint directory.
     cfg: the ModelConfig (with the dtype the parameters are loaded in).
     names: every leaf's dotted path, in flatten order.
-    abstract: the params tree (quantised by the recipe) as ShapeDtypeStructs, with
-      their shardings when a mesh was given.
+    abstract: the params tree (in the published formats, or the recipe's) as
+      ShapeDtypeStructs, with their shardings when a mesh was given.
+    conversions: {leaf name: "fp8 e4m3 block 128 -> int4 g32"} for the published
+      weights the recipe converts.
     bytes_read: {leaf name: tensor bytes this process read for it} for the leaves
       read so far (in a multi-process run, only what its devices hold).
   """
 
   def __init__(self, path: str, cfg: ModelConfig, reader: _Reader, targets: list[_Target], treedef,
-               block: tuple[int, int], convert: "_LeafConverter"):
+               block: tuple[int, int], sources: list[_Source], plans: list[str],
+               conversions: dict[str, str], convert: "_LeafConverter"):
     self.path, self.cfg = path, cfg
     self._reader, self._targets, self._treedef, self._block = reader, targets, treedef, block
+    self._sources, self._plans = sources, plans
     self._convert = convert
     self.names = [_path_str(t.path) for t in targets]
     self.abstract = jax.tree_util.tree_unflatten(treedef, convert.abstract)
+    self.conversions = dict(conversions)
     self.bytes_read: dict[str, int] = {}
 
   def __len__(self) -> int:
@@ -260,22 +492,26 @@ class HFCheckpoint:
 
   def nbytes(self, i: int) -> int:
     """Stored bytes of the tensors behind leaf ``i`` (all of them, wherever its shards go)."""
-    return sum(self._reader.nbytes(n) for n in self._targets[i].names)
+    return sum(self._reader.nbytes(n) for n in self._sources[i].stored)
 
   def leaf(self, i: int):
     """Reads, converts, quantises and places leaf ``i`` (only this process's part of it)."""
-    t = self._targets[i]
+    t, plan = self._targets[i], self._plans[i]
     box = self._convert.box(i)
-    out_dtype = jnp.dtype(t.dtype or self.cfg.param_dtype)
     before = self._reader.bytes_read
-    if t.kind == "stack":
-      (e0, e1), hf_box = box[0], box[1:][::-1]
-      arr = np.stack([self._read(n, hf_box).astype(out_dtype).T for n in t.names[e0:e1]])
+    if plan in ("int4", "fp8"):
+      out = self._convert.place(i, self._read_published(t, self._sources[i], box), box)
     else:
-      arr = self._read(t.names[0], box if t.kind == "copy" else box[::-1]).astype(out_dtype)
-      if t.kind == "T":
-        arr = arr.T
-    out = self._convert(i, arr, box)
+      # A conversion quantises the f32 values the fp8 tensors stand for, not a rounding of them.
+      out_dtype = jnp.dtype(jnp.float32 if plan == "convert" else t.dtype or self.cfg.param_dtype)
+      if t.kind == "stack":
+        (e0, e1), hf_box = box[0], box[1:][::-1]
+        arr = np.stack([self._read(n, hf_box).astype(out_dtype).T for n in t.names[e0:e1]])
+      else:
+        arr = self._read(t.names[0], box if t.kind == "copy" else box[::-1]).astype(out_dtype)
+        if t.kind == "T":
+          arr = arr.T
+      out = self._convert(i, arr, box)
     self.bytes_read[self.names[i]] = self._reader.bytes_read - before
     return out
 
@@ -289,6 +525,34 @@ class HFCheckpoint:
       meter.add(self._reader.bytes_read - before)
     meter.done()
     return jax.tree_util.tree_unflatten(self._treedef, leaves), self.cfg
+
+  def _read_published(self, t: _Target, src: _Source, box):
+    """The box (our [E,] K, N coordinates, whole groups or blocks) of a published int4 or fp8
+    leaf, as an Int4Weight / Fp8Weight of host arrays: the stored bits, transposed."""
+    from mlkit.quant import Fp8Weight, Int4Weight
+    reader = self._reader
+    names = t.names
+    if t.kind == "stack":
+      (e0, e1), box = box[0], box[1:]
+      names = names[e0:e1]
+    (k0, k1), (n0, n1) = box
+    parts = []
+    for n in names:
+      m = module_name(n)
+      if src.kind == "int4":
+        g = src.group_size
+        packed = reader.get(m + ".weight_packed", ((n0, n1), (k0 // 8, k1 // 8)))
+        scale = reader.get(m + ".weight_scale", ((n0, n1), (k0 // g, -(-k1 // g))))
+        parts.append(int4_from_packed(packed, scale.astype(jnp.dtype(src.scale_dtype))))
+      else:
+        b = _FP8_BLOCK[0]
+        values = reader.get(n, ((n0, n1), (k0, k1)))
+        scale = reader.get(n + "_scale_inv", ((n0 // b, -(-n1 // b)), (k0 // b, -(-k1 // b))))
+        parts.append((np.ascontiguousarray(values.T), np.ascontiguousarray(scale.astype(np.float32).T)))
+    a, s = ((np.stack([p[j] for p in parts]) for j in (0, 1)) if t.kind == "stack" else parts[0])
+    if src.kind == "int4":
+      return Int4Weight(packed=a, scales=s, group_size=src.group_size)
+    return Fp8Weight(values=a, scales=s, block_size=_FP8_BLOCK[0])
 
   def _read(self, n: str, box) -> np.ndarray:
     """Tensor ``n`` (its ``box`` of HF coordinates), fp8 dequantised."""
@@ -331,8 +595,9 @@ class _LeafConverter:
   """Quantises one parameter as it is read and places its shards on the mesh.
 
   The formats and shardings of every leaf are worked out once, from shapes only
-  (``assign_formats`` and ``param_shardings`` over ShapeDtypeStructs), so a
-  recipe or rules that do not fit the model fail before anything is read.
+  (the published format where it is kept, else the recipe's spec, and
+  ``param_shardings`` over ShapeDtypeStructs), so a recipe or rules that do not
+  fit the model fail before anything is read.
   Quantisation runs on the host's CPU device (a device-side copy of a whole
   parameter would defeat the point of sharding it).
 
@@ -342,26 +607,34 @@ class _LeafConverter:
   out of it.
   """
 
-  def __init__(self, targets, treedef, cfg: ModelConfig, recipe, mesh, rules):
-    from mlkit.checkpoint.orbax_io import recipe_abstract, with_param_shardings
+  def __init__(self, targets, treedef, cfg: ModelConfig, recipe, mesh, rules, plans, sources,
+               specs):
+    from mlkit.checkpoint.orbax_io import with_param_shardings
     from mlkit.quant.recipe import Int4Spec, quantize_leaf
     from mlkit.quant.tree import is_quantised
     self._quantize_leaf = quantize_leaf
-    tree = jax.tree_util.tree_unflatten(treedef, [
-        jax.ShapeDtypeStruct(_our_shape(t), jnp.dtype(t.dtype or cfg.param_dtype)) for t in targets])
     self.names = [_path_str(t.path) for t in targets]
-    self.specs = [None] * len(targets)
-    if recipe is not None:
-      tree, specs = recipe_abstract(tree, recipe)
-      self.specs = list(specs.values())  # tree order, the targets' order
-      gptq = [p for p, sp in specs.items() if isinstance(sp, Int4Spec) and sp.method == "gptq"]
-      if gptq:
-        raise ValueError(f"{_LOAD}: recipe {recipe.name!r} uses GPTQ for {gptq[0]!r}, which needs "
-                         "calibration activations; quantise after loading (mlkit.quant.gptq)")
+    leaves = []
+    self.specs = []
+    for t, plan, src, spec in zip(targets, plans, sources, specs):
+      if plan in ("int4", "fp8"):  # the published format, kept: nothing to quantise
+        leaves.append(_published_abstract(t, src))
+        self.specs.append(None)
+        continue
+      dense = jax.ShapeDtypeStruct(_our_shape(t), jnp.dtype(t.dtype or cfg.param_dtype))
+      leaves.append(dense if spec is None else
+                    jax.eval_shape(lambda w, sp=spec: quantize_leaf(w, sp), dense))
+      self.specs.append(spec)
+    gptq = [n for n, sp in zip(self.names, self.specs)
+            if isinstance(sp, Int4Spec) and sp.method == "gptq"]
+    if gptq:
+      raise ValueError(f"{_LOAD}: recipe {recipe.name!r} uses GPTQ for {gptq[0]!r}, which needs "
+                       "calibration activations; quantise after loading (mlkit.quant.gptq)")
+    tree = jax.tree_util.tree_unflatten(treedef, leaves)
     self.sharded = mesh is not None
     if self.sharded:
       tree = with_param_shardings(tree, mesh, rules, cfg)
-    # Every leaf as the recipe leaves it (an Int4Weight / Fp8Weight of ShapeDtypeStructs).
+    # Every leaf as it loads (an Int4Weight / Fp8Weight of ShapeDtypeStructs where quantised).
     self.abstract = jax.tree_util.tree_leaves(tree, is_leaf=is_quantised)
     self._cpu = jax.local_devices(backend="cpu")[0]  # this process's, in a multi-process run
 
@@ -395,6 +668,12 @@ class _LeafConverter:
       host = jax.tree_util.tree_map(np.asarray, leaf)
     else:
       host = arr
+    return self.place(i, host, box)
+
+  def place(self, i: int, host, box: tuple[tuple[int, int], ...]):
+    """Leaf ``i`` from ``host`` (its final format, host arrays covering ``box``) on its devices."""
+    if not self.sharded:
+      return jax.device_put(host, jax.local_devices()[0])  # the default device
     a = self.abstract[i]
     fields = []
     # Every device copies out only its own shard of the part read; a field's index is

@@ -21,6 +21,15 @@ Name and layout mapping (HF ``nn.Linear`` weights are [out, in]; ours are [in, o
   model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight -> ffn.w_{gate,up,down}[E] (stacked)
   model.layers.N.mlp.shared_experts.{gate,up,down}_proj.weight -> ffn.shared.w_{gate,up,down}
 
+Multi-token-prediction layers (DeepSeek-V3 naming; layer L = num_hidden_layers + j)
+go to ``mtp[j]``: a MoE layer named as above, plus::
+
+  model.layers.L.eh_proj.weight [D, 2D]     -> mtp[j].eh_proj [2D, D]
+  model.layers.L.{enorm, hnorm}.weight      -> mtp[j].{enorm, hnorm}
+  model.layers.L.shared_head.norm.weight    -> mtp[j].head_norm
+  model.layers.L.embed_tokens.weight [V, D] -> mtp[j].embed [V, D]    (where shipped)
+  model.layers.L.shared_head.head.weight    -> mtp[j].lm_head [D, V]  (where shipped)
+
 Our head-major layouts (wq_b [q_lora, H*(nope+rope)], wkv_b [kv_lora, H*(nope+v)],
 wo [H*v, D]) are exactly the HF weights transposed, and DeepSeek checkpoints use
 interleaved RoPE (``rope_interleave=True``).
@@ -64,6 +73,11 @@ def _key(k):
   return k.key if isinstance(k, jax.tree_util.DictKey) else k.idx
 
 
+_MTP = {"eh_proj": "eh_proj.weight", "enorm": "enorm.weight", "hnorm": "hnorm.weight",
+        "head_norm": "shared_head.norm.weight", "embed": "embed_tokens.weight",
+        "lm_head": "shared_head.head.weight"}
+
+
 def _hf_names(path: tuple, cfg: ModelConfig, shape: tuple[int, ...]) -> tuple[str, ...]:
   if path[0] == "embed":
     return ("model.embed_tokens.weight",)
@@ -71,8 +85,12 @@ def _hf_names(path: tuple, cfg: ModelConfig, shape: tuple[int, ...]) -> tuple[st
     return ("model.norm.weight",)
   if path[0] == "lm_head":
     return ("lm_head.weight",)
-  i, group = path[1], path[2]
+  # A multi-token-prediction layer is named as the layer after the last one (and the next).
+  i = path[1] if path[0] == "layers" else cfg.n_layers + path[1]
+  group = path[2]
   pre = f"model.layers.{i}."
+  if path[0] == "mtp" and group in _MTP:
+    return (pre + _MTP[group],)
   if group == "attn_norm":
     return (pre + "input_layernorm.weight",)
   if group == "ffn_norm":
@@ -91,16 +109,17 @@ def _hf_names(path: tuple, cfg: ModelConfig, shape: tuple[int, ...]) -> tuple[st
   return tuple(f"{pre}mlp.experts.{e}.{_FFN[name]}.weight" for e in range(shape[0]))
 
 
-def hf_layout(cfg: ModelConfig) -> tuple[list[_Target], Any]:
-  """The HF tensors behind every leaf of ``param_specs(cfg)``, in flatten order, plus the treedef."""
+def hf_layout(cfg: ModelConfig, *, mtp=None) -> tuple[list[_Target], Any]:
+  """The HF tensors behind every leaf of ``param_specs(cfg, mtp=mtp)``, in flatten order, plus
+  the treedef (``mtp``: None for no multi-token-prediction layers, else their optional parts)."""
   if cfg.attention != "mla":
     raise ValueError(f"hf_layout: attention={cfg.attention!r}; the DeepSeek-V3 layout needs 'mla'")
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=_is_spec)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(param_specs(cfg, mtp=mtp), is_leaf=_is_spec)
   targets = []
   for kpath, spec in leaves:
     path = tuple(_key(k) for k in kpath)
     shape = spec[0]
-    if len(shape) == 1 or path[0] == "embed":
+    if len(shape) == 1 or path[-1] == "embed":
       kind, hf_shape = "copy", shape
     elif len(shape) == 2:
       kind, hf_shape = "T", shape[::-1]
@@ -113,3 +132,28 @@ def hf_layout(cfg: ModelConfig) -> tuple[list[_Target], Any]:
 
 def _path_str(path: tuple) -> str:
   return ".".join(str(p) for p in path)
+
+
+def mtp_layer_index(name: str, cfg: ModelConfig) -> int | None:
+  """j if tensor ``name`` belongs to the j-th multi-token-prediction layer config.json declares."""
+  parts = name.split(".")
+  if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+    j = int(parts[2]) - cfg.n_layers
+    return j if 0 <= j < cfg.n_mtp_layers else None
+  return None
+
+
+def module_name(tensor: str) -> str:
+  """The module a weight tensor belongs to: ``model.layers.3.mlp.experts.7.up_proj``."""
+  return tensor.removesuffix(".weight")
+
+
+# Modules of our layout that are not nn.Linear in transformers' modelling code (the
+# router is DeepseekV3TopkRouter): a quantisation config's "Linear" target skips them.
+_NOT_LINEAR_LAST = ("embed_tokens", "gate", "norm", "enorm", "hnorm", "input_layernorm",
+                    "post_attention_layernorm", "q_a_layernorm", "kv_a_layernorm", "k_norm")
+
+
+def is_linear(module: str) -> bool:
+  """Whether ``module`` (an HF module name of this layout) is an ``nn.Linear``."""
+  return module.rsplit(".", 1)[-1] not in _NOT_LINEAR_LAST

@@ -109,7 +109,8 @@ class _Reader:
 
   def nbytes(self, name: str) -> int:
     """Stored bytes of tensor ``name`` (from the header)."""
-    size = {"F64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}.get(self.st_dtype(name), 1)
+    size = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2}.get(
+        self.st_dtype(name), 1)
     return size * math.prod(self.shape(name))
 
   def get(self, name: str, box: tuple[tuple[int, int], ...] | None = None) -> np.ndarray:
