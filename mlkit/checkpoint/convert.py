@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mlkit.checkpoint.hf import CONFIG_FILE, INDEX_FILE, open_hf_checkpoint
-from mlkit.checkpoint.orbax_io import _is_complete_checkpoint, save_checkpoint, with_param_shardings
+from mlkit.checkpoint.orbax_io import is_complete_checkpoint, save_checkpoint, with_param_shardings
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ def convert_hf_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, *, rec
     raise ValueError(f"{_CONVERT}: rules= needs a mesh=")
   src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
   if os.path.exists(dst) and not overwrite:
-    what = "a complete checkpoint" if _is_complete_checkpoint(dst) else "something that is not a checkpoint"
+    what = "a complete checkpoint" if is_complete_checkpoint(dst) else "something that is not a checkpoint"
     raise FileExistsError(f"{_CONVERT}: {dst} already exists and holds {what}; pass overwrite=True "
                           "(--overwrite) to replace it")
   ck = open_hf_checkpoint(src, dtype=dtype, recipe=recipe)

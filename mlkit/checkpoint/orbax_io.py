@@ -61,10 +61,10 @@ _VERSION = 2  # 2 added "checksums"
 _READABLE = (1, 2)
 _PARAMS = "params"
 _META = "mlkit"
-_SAVE, _LOAD = "save_checkpoint", "load_checkpoint"
+_SAVE, LOAD_OP = "save_checkpoint", "load_checkpoint"
 
 
-def _path_str(path) -> str:
+def dotted_path(path) -> str:
   """Key path -> "layers.1.attn.wq_a" (dict keys, list indices and dataclass fields alike)."""
   parts = []
   for k in path:
@@ -83,7 +83,7 @@ def _path_str(path) -> str:
 
 def _flat(tree, is_leaf=None) -> dict[str, Any]:
   leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
-  return {_path_str(p): leaf for p, leaf in leaves}
+  return {dotted_path(p): leaf for p, leaf in leaves}
 
 
 def _checksums(tree) -> dict[str, int | None]:
@@ -153,7 +153,7 @@ def _with_formats(dense, formats: dict[str, str]):
   from mlkit.quant import Fp8Weight, Int4Weight
 
   def leaf(path, x):
-    fmt = formats.get(_path_str(path))
+    fmt = formats.get(dotted_path(path))
     if fmt is None:
       return x
     *lead, k, n = x.shape
@@ -226,7 +226,8 @@ def _checkpointer() -> ocp.Checkpointer:
       _PARAMS: ocp.StandardCheckpointHandler(), _META: ocp.JsonCheckpointHandler()}))
 
 
-def _is_complete_checkpoint(path: str) -> bool:
+def is_complete_checkpoint(path: str) -> bool:
+  """True when ``path`` is a finished orbax checkpoint (not one still being written)."""
   return (os.path.isdir(path) and not ocp.utils.is_tmp_checkpoint(path)
           and ocp.utils.is_checkpoint_finalized(path)
           and os.path.isdir(os.path.join(path, _META)) and os.path.isdir(os.path.join(path, _PARAMS)))
@@ -238,7 +239,7 @@ def checkpoint_steps(path: str | os.PathLike) -> list[int]:
   if not os.path.isdir(path):
     return []
   return sorted(int(n) for n in os.listdir(path)
-                if n.isdigit() and _is_complete_checkpoint(os.path.join(path, n)))
+                if n.isdigit() and is_complete_checkpoint(os.path.join(path, n)))
 
 
 def save_checkpoint(path: str | os.PathLike, params, cfg: ModelConfig, *, step: int | None = None,
@@ -308,7 +309,7 @@ def _known_recipe(func: str, name):
 def _resolve(path: str, step: int | None) -> str:
   if not os.path.exists(path):
     raise FileNotFoundError(f"load_checkpoint: no checkpoint at {path} (path does not exist)")
-  if step is None and _is_complete_checkpoint(path):
+  if step is None and is_complete_checkpoint(path):
     return path
   steps = checkpoint_steps(path)
   if step is not None:
@@ -320,15 +321,15 @@ def _resolve(path: str, step: int | None) -> str:
     return os.path.join(path, str(steps[-1]))
   if ocp.utils.is_tmp_checkpoint(path) or (
       os.path.isdir(path) and not ocp.utils.is_checkpoint_finalized(path)):
-    raise CheckpointError(_LOAD, path, "an unfinished (interrupted) save, not a checkpoint")
-  raise CheckpointError(_LOAD, path, f"not an mlkit checkpoint (expected '{_PARAMS}' and '{_META}' "
+    raise CheckpointError(LOAD_OP, path, "an unfinished (interrupted) save, not a checkpoint")
+  raise CheckpointError(LOAD_OP, path, f"not an mlkit checkpoint (expected '{_PARAMS}' and '{_META}' "
                                      "items written by save_checkpoint)")
 
 
 def _abstract_target(target, stored: dict[str, Any]):
   """ShapeDtypeStructs with the target's structure and the stored dtypes (exact round trip)."""
   def leaf(p, x):
-    m = stored[_path_str(p)]
+    m = stored[dotted_path(p)]
     sharding = getattr(x, "sharding", None)
     return jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=sharding)
   return jax.tree_util.tree_map_with_path(leaf, target)
@@ -345,13 +346,13 @@ def _check_structure(path: str, stored: dict[str, Any], expected: dict[str, tupl
   def show(names):
     return f"{names[:8]}{' ...' if len(names) > 8 else ''}"
   if missing:
-    raise CheckpointError(_LOAD, path, f"parameter(s) {show(missing)} expected by the {source} "
+    raise CheckpointError(LOAD_OP, path, f"parameter(s) {show(missing)} expected by the {source} "
                                        f"are not in the checkpoint{hint}")
   if extra:
-    raise CheckpointError(_LOAD, path, f"checkpoint parameter(s) {show(extra)} are not in the {source}")
+    raise CheckpointError(LOAD_OP, path, f"checkpoint parameter(s) {show(extra)} are not in the {source}")
   for name, shape in expected.items():
     if tuple(stored[name].shape) != tuple(shape):
-      raise CheckpointError(_LOAD, path, f"parameter {name} has shape {tuple(stored[name].shape)} in "
+      raise CheckpointError(LOAD_OP, path, f"parameter {name} has shape {tuple(stored[name].shape)} in "
                                          f"the checkpoint but the {source} expects {tuple(shape)}")
 
 
@@ -407,53 +408,53 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
   try:
     meta = ckptr.restore(path, ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
   except Exception as e:  # orbax raises a variety of types for unreadable items
-    raise CheckpointError(_LOAD, path, f"not an mlkit checkpoint: item '{_META}' cannot be read "
+    raise CheckpointError(LOAD_OP, path, f"not an mlkit checkpoint: item '{_META}' cannot be read "
                                        f"({_one_line_cause(e)})") from None
   if not isinstance(meta, dict) or meta.get("format") != _FORMAT or "config" not in meta:
-    raise CheckpointError(_LOAD, path, f"not an mlkit checkpoint (bad '{_META}' metadata)")
+    raise CheckpointError(LOAD_OP, path, f"not an mlkit checkpoint (bad '{_META}' metadata)")
   version = meta.get("version")
   if version not in _READABLE:
-    raise CheckpointError(_LOAD, path, f"format version {version}; this code reads versions {_READABLE}")
+    raise CheckpointError(LOAD_OP, path, f"format version {version}; this code reads versions {_READABLE}")
   checksums = meta.get("checksums")
   if version >= 2 and not isinstance(checksums, dict):
-    raise CheckpointError(_LOAD, path, f"item '{_META}' has no 'checksums' object")
+    raise CheckpointError(LOAD_OP, path, f"item '{_META}' has no 'checksums' object")
   try:
     stored_cfg = ModelConfig.from_dict(meta["config"])
   except (TypeError, ValueError) as e:
-    raise CheckpointError(_LOAD, path, f"item '{_META}' holds an invalid config ({e})") from None
+    raise CheckpointError(LOAD_OP, path, f"item '{_META}' holds an invalid config ({e})") from None
   out_cfg = stored_cfg if cfg is None else cfg
 
   try:
     tree_md = ckptr.metadata(path).item_metadata[_PARAMS]
   except Exception as e:  # a damaged _METADATA / _sharding / manifest: JSON, key or tensorstore errors
-    raise CheckpointError(_LOAD, path, f"item '{_PARAMS}': its metadata cannot be read "
+    raise CheckpointError(LOAD_OP, path, f"item '{_PARAMS}': its metadata cannot be read "
                                        f"({_one_line_cause(e)})") from None
   tree_md = getattr(tree_md, "tree", tree_md)
   stored = _flat(tree_md, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
   if target is None:
     mtp = meta.get("mtp")
     if mtp is not None and (not isinstance(mtp, list) or not all(isinstance(p, str) for p in mtp)):
-      raise CheckpointError(_LOAD, path, f"item '{_META}' has a bad 'mtp' entry {mtp!r}")
+      raise CheckpointError(LOAD_OP, path, f"item '{_META}' has a bad 'mtp' entry {mtp!r}")
     try:
       target = _dense_abstract(out_cfg, mtp)
     except ValueError as e:
-      raise CheckpointError(_LOAD, path, f"item '{_META}': {e}") from None
+      raise CheckpointError(LOAD_OP, path, f"item '{_META}': {e}") from None
     formats = meta.get("formats")
     if formats is not None:
       if not isinstance(formats, dict) or not all(
           isinstance(v, str) and re.fullmatch(r"int4-g\d+|fp8-block\d+|fp8-channel", v)
           for v in formats.values()):
-        raise CheckpointError(_LOAD, path, f"item '{_META}' has a bad 'formats' entry")
+        raise CheckpointError(LOAD_OP, path, f"item '{_META}' has a bad 'formats' entry")
       try:
         target = _with_formats(target, formats)
       except ValueError as e:
-        raise CheckpointError(_LOAD, path, f"recorded formats cannot be applied ({e}); pass "
+        raise CheckpointError(LOAD_OP, path, f"recorded formats cannot be applied ({e}); pass "
                                            "target=") from None
     elif meta.get("recipe") is not None:
       try:
-        target, _ = recipe_abstract(target, _known_recipe(_LOAD, meta["recipe"]))
+        target, _ = recipe_abstract(target, _known_recipe(LOAD_OP, meta["recipe"]))
       except ValueError as e:
-        raise CheckpointError(_LOAD, path, f"recorded recipe {meta['recipe']!r} cannot be applied "
+        raise CheckpointError(LOAD_OP, path, f"recorded recipe {meta['recipe']!r} cannot be applied "
                                            f"({e}); pass target=") from None
     if mesh is not None:
       target = with_param_shardings(target, mesh, rules, out_cfg)
@@ -464,7 +465,7 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
     expected = {k: tuple(v.shape) for k, v in _flat(target).items()}
     _check_structure(path, stored, expected, "target")
   abstract = _abstract_target(target, stored)
-  check_params(abstract, out_cfg, where=f"{_LOAD}: {path}")  # the stored dtypes, before any read
+  check_params(abstract, out_cfg, where=f"{LOAD_OP}: {path}")  # the stored dtypes, before any read
   _quiet_abandoned_reads()
   try:
     restored = ckptr.restore(path, ocp.args.Composite(**{_PARAMS: ocp.args.StandardRestore(abstract)}))
@@ -472,14 +473,14 @@ def load_checkpoint(path: str | os.PathLike, cfg: ModelConfig | None = None, *,
     cause = _one_line_cause(e)
     leaf = re.search(r'Error reading "([^"/]+)/', cause)
     where = f", parameter {leaf.group(1)}" if leaf else ""
-    raise CheckpointError(_LOAD, path, f"item '{_PARAMS}'{where} cannot be read (truncated or corrupt "
+    raise CheckpointError(LOAD_OP, path, f"item '{_PARAMS}'{where} cannot be read (truncated or corrupt "
                                        f"files?): {cause}") from None
   params = restored[_PARAMS]
   if verify and checksums:
     for name, got in _checksums(params).items():
       want = checksums.get(name)
       if want is not None and got is not None and got != want:
-        raise CheckpointError(_LOAD, path, f"item '{_PARAMS}', parameter {name}: restored bytes do not "
+        raise CheckpointError(LOAD_OP, path, f"item '{_PARAMS}', parameter {name}: restored bytes do not "
                                            f"match the checksum recorded at save (CRC-32 {got:#010x}, "
                                            f"expected {want:#010x}): the data files are corrupt")
   return relaid_int4(params, int4_layout, free_source=True), out_cfg

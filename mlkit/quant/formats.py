@@ -73,7 +73,7 @@ def stored_nbytes(shape, dtype) -> int:
 _all_finite = jax.jit(lambda w: jnp.all(jnp.isfinite(w)))
 
 
-def _check_finite(w: jax.Array, name: str) -> None:
+def check_finite(w: jax.Array, name: str) -> None:
   """Raises ValueError naming ``name`` if a concrete ``w`` holds NaN or inf."""
   if isinstance(w, jax.core.Tracer):
     return  # abstract (eval_shape / jit): nothing to check
@@ -179,7 +179,8 @@ def int4_codes(w: Int4Weight) -> jax.Array:
   return unpack_int4(w.packed)
 
 
-def _check_int4_shape(shape, group_size: int, name: str) -> None:
+def check_int4_shape(shape, group_size: int, name: str) -> None:
+  """Raises ValueError naming ``name`` unless K (``shape[-2]``) is even and a multiple of ``group_size``."""
   k = shape[-2]
   if k % 2:
     raise ValueError(f"{name}: input dim K={k} is odd; int4 packing needs an even K")
@@ -226,8 +227,8 @@ def quantize_int4(w: jax.Array, group_size: int = 128, *, scale_dtype=jnp.bfloat
       that does not divide K (or is not 32/64/128), or non-finite weights.
   """
   _check_rank(w, name)
-  _check_int4_shape(w.shape, group_size, name)
-  _check_finite(w, name)
+  check_int4_shape(w.shape, group_size, name)
+  check_finite(w, name)
   packed, scales = _rtn_int4(w, group_size, jnp.dtype(scale_dtype))
   return Int4Weight(packed=packed, scales=scales, group_size=group_size)
 
@@ -325,7 +326,7 @@ def quantize_fp8(w: jax.Array, block_size: int | None = FP8_BLOCK, *,
   _check_rank(w, name)
   if block_size not in (None, FP8_BLOCK):
     raise ValueError(f"{name}: fp8 block_size must be None or {FP8_BLOCK}, got {block_size!r}")
-  _check_finite(w, name)
+  check_finite(w, name)
   values, scales = _rtn_fp8(w, block_size)
   return Fp8Weight(values=values, scales=scales, block_size=block_size)
 

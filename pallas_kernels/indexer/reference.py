@@ -3,7 +3,7 @@
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention.reference import _dequant
+from pallas_kernels.paged_attention.reference import dequant_pages
 
 _HI = lax.Precision.HIGHEST
 
@@ -28,7 +28,7 @@ def paged_index_scores_reference(q, weights, index_k, index_k_scale, block_table
     [B, M * page_size] f32.
   """
   di = q.shape[-1]
-  keys = _dequant(index_k, index_k_scale, block_tables)  # [B, S, Di] f32
+  keys = dequant_pages(index_k, index_k_scale, block_tables)  # [B, S, Di] f32
   s = jnp.einsum("bhd,bsd->bhs", q.astype(jnp.float32), keys, precision=_HI) * di ** -0.5
   scores = jnp.einsum("bh,bhs->bs", weights.astype(jnp.float32), jnp.maximum(s, 0.0),
                       precision=_HI)

@@ -18,7 +18,8 @@ def _gather_tokens(pages, block_tables):
   return g.reshape(b, p * pages.shape[1], *pages.shape[2:])
 
 
-def _dequant(pages, scales, block_tables):
+def dequant_pages(pages, scales, block_tables):
+  """Each request's tokens gathered through its block table, f32, times their scales when given."""
   x = _gather_tokens(pages, block_tables).astype(jnp.float32)
   if scales is not None:
     s = _gather_tokens(scales, block_tables).astype(jnp.float32)
@@ -50,8 +51,8 @@ def paged_mla_decode_reference(q_latent, q_rope, latent, k_rope, latent_scale,
   Returns:
     [B, H, C] in q_latent's dtype.
   """
-  lat = _dequant(latent, latent_scale, block_tables)  # [B, T, C]
-  rope = _dequant(k_rope, k_rope_scale, block_tables)  # [B, T, R]
+  lat = dequant_pages(latent, latent_scale, block_tables)  # [B, T, C]
+  rope = dequant_pages(k_rope, k_rope_scale, block_tables)  # [B, T, R]
   logits = jnp.einsum("BHC,BTC->BHT", q_latent.astype(jnp.float32), lat, precision=_HI)
   logits += jnp.einsum("BHR,BTR->BHT", q_rope.astype(jnp.float32), rope, precision=_HI)
   logits *= scale
@@ -140,8 +141,8 @@ def paged_gqa_decode_reference(q, k, v, k_scale, v_scale, block_tables, lengths,
   """
   b, h, hd = q.shape
   kv = k.shape[2]
-  kk = _dequant(k, k_scale, block_tables)  # [B, T, KV, hd]
-  vv = _dequant(v, v_scale, block_tables)
+  kk = dequant_pages(k, k_scale, block_tables)  # [B, T, KV, hd]
+  vv = dequant_pages(v, v_scale, block_tables)
   qg = q.astype(jnp.float32).reshape(b, kv, h // kv, hd)
   logits = jnp.einsum("BKGD,BTKD->BKGT", qg, kk, precision=_HI) * scale
   t = jnp.arange(kk.shape[1])

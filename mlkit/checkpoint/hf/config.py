@@ -51,7 +51,7 @@ def _dtype_name(value, field: str) -> str:
   return aliases[name]
 
 
-def _declared_dtype(hf_config: dict):
+def declared_dtype(hf_config: dict):
   """The parameter dtype config.json declares (``torch_dtype``, or ``dtype`` in newer exports), or None."""
   declared = hf_config.get("torch_dtype")
   return hf_config.get("dtype") if declared is None else declared
@@ -225,7 +225,7 @@ def config_from_hf(hf_config: dict, *, dtype=None) -> ModelConfig:
   if dtype is not None:
     dt = _dtype_name(dtype, "load dtype")
   else:
-    declared = _declared_dtype(hf_config)
+    declared = declared_dtype(hf_config)
     if declared is None:
       raise ValueError("config_from_hf: config.json declares no 'torch_dtype' (or 'dtype'); pass dtype=")
     dt = _dtype_name(declared, "torch_dtype")

@@ -37,11 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from mlkit.checkpoint.errors import CheckpointError, read_json
-from mlkit.checkpoint.hf.config import CONFIG_FILE, _declared_dtype, config_from_hf
-from mlkit.checkpoint.hf.names import (_path_str, _Target, hf_layout, module_name, mtp_layer_index)
+from mlkit.checkpoint.hf.config import CONFIG_FILE, declared_dtype, config_from_hf
+from mlkit.checkpoint.hf.names import (dotted_path, Target, hf_layout, module_name, mtp_layer_index)
 from mlkit.checkpoint.hf.quantized import (COMPRESSED_TENSORS, REFUSED_SUFFIXES, PublishedQuant,
                                            int4_from_packed, parse_quantization_config)
-from mlkit.checkpoint.hf.safetensors import (_FP8_DTYPES, _LOAD, _check_fp8_scales, _Reader,
+from mlkit.checkpoint.hf.safetensors import (FP8_DTYPES, LOAD_OP, check_fp8_scales, Reader,
                                              dequantize_fp8_blocks)
 from mlkit.config import ModelConfig
 
@@ -71,8 +71,8 @@ class _Source:
   scale_dtype: str | None = None  # int4: the scales' dtype as loaded
 
 
-def _resolve_dtype(path: str, cfg_file: str, chosen: str | None, explicit: bool, reader: _Reader,
-                   targets: list[_Target]) -> str:
+def _resolve_dtype(path: str, cfg_file: str, chosen: str | None, explicit: bool, reader: Reader,
+                   targets: list[Target]) -> str:
   """The parameter dtype to load into (see :func:`load_hf_checkpoint`, "Dtype").
 
   Args:
@@ -88,36 +88,36 @@ def _resolve_dtype(path: str, cfg_file: str, chosen: str | None, explicit: bool,
       if not reader.has(n):
         continue
       st = reader.st_dtype(n)
-      if st not in _FP8_DTYPES and t.dtype is None:
+      if st not in FP8_DTYPES and t.dtype is None:
         stored.setdefault(st, n)
   if chosen is None:
     if len(stored) != 1:
       found = ", ".join(f"{n} is {st}" for st, n in sorted(stored.items()))
-      raise CheckpointError(_LOAD, cfg_file, f"declares no 'torch_dtype' and the tensors disagree "
+      raise CheckpointError(LOAD_OP, cfg_file, f"declares no 'torch_dtype' and the tensors disagree "
                                              f"({found}); pass dtype= to choose one")
     (st, n), = stored.items()
     if st not in _ST_NAMES:
-      raise CheckpointError(_LOAD, reader.file(n), f"config.json declares no 'torch_dtype' and the "
+      raise CheckpointError(LOAD_OP, reader.file(n), f"config.json declares no 'torch_dtype' and the "
                                                    f"tensors are {st} (e.g. {n}); pass dtype='bfloat16' "
                                                    "or 'float32'")
-    log.info("%s: %s declares no torch_dtype; using the tensors' own dtype %s", _LOAD, cfg_file,
+    log.info("%s: %s declares no torch_dtype; using the tensors' own dtype %s", LOAD_OP, cfg_file,
              _ST_NAMES[st])
     return _ST_NAMES[st]
   narrowed = []
   for t in targets:
     want = t.dtype or chosen
     narrowed += [(n, reader.st_dtype(n), want) for n in t.names if reader.has(n)
-                 and reader.st_dtype(n) not in _FP8_DTYPES and (reader.st_dtype(n), want) not in _LOSSLESS]
+                 and reader.st_dtype(n) not in FP8_DTYPES and (reader.st_dtype(n), want) not in _LOSSLESS]
   if narrowed and not explicit:
     n, st, want = narrowed[0]
-    raise CheckpointError(_LOAD, reader.file(n), f"tensor {n} is {st} but config.json declares "
+    raise CheckpointError(LOAD_OP, reader.file(n), f"tensor {n} is {st} but config.json declares "
                                                  f"torch_dtype {want}; converting {len(narrowed)} "
                                                  f"tensor(s) to it loses precision: pass dtype='{want}' "
                                                  "to convert explicitly (or dtype='float32')")
   if narrowed:
     n, st, want = narrowed[0]
     log.warning("%s: %s: converting %d tensor(s) to the narrower dtype %s as dtype= asks (e.g. %s "
-                "is %s)", _LOAD, path, len(narrowed), want, n, st)
+                "is %s)", LOAD_OP, path, len(narrowed), want, n, st)
   return chosen
 
 
@@ -188,7 +188,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=None, recipe=None, mesh
   """
   from mlkit.quant.formats import INT4_LAYOUTS, relaid_int4
   if int4_layout not in INT4_LAYOUTS:
-    raise ValueError(f"{_LOAD}: int4_layout must be one of {INT4_LAYOUTS}, got {int4_layout!r}")
+    raise ValueError(f"{LOAD_OP}: int4_layout must be one of {INT4_LAYOUTS}, got {int4_layout!r}")
   params, cfg = open_hf_checkpoint(path, dtype=dtype, recipe=recipe, mesh=mesh,
                                    rules=rules).load()
   return relaid_int4(params, int4_layout, free_source=True), cfg
@@ -208,23 +208,23 @@ def open_hf_checkpoint(path: str | os.PathLike, *, dtype=None, recipe=None, mesh
   :meth:`HFCheckpoint.load`.
   """
   if rules is not None and mesh is None:
-    raise ValueError(f"{_LOAD}: rules= needs a mesh=")
+    raise ValueError(f"{LOAD_OP}: rules= needs a mesh=")
   path = os.fspath(path)
   if not os.path.isdir(path):
-    raise FileNotFoundError(f"{_LOAD}: {path} is not a directory")
+    raise FileNotFoundError(f"{LOAD_OP}: {path} is not a directory")
   cfg_file = os.path.join(path, CONFIG_FILE)
   if not os.path.exists(cfg_file):
-    raise FileNotFoundError(f"{_LOAD}: {cfg_file} is missing")
-  hf_config = read_json(_LOAD, cfg_file)
-  declared = dtype is not None or _declared_dtype(hf_config) is not None
+    raise FileNotFoundError(f"{LOAD_OP}: {cfg_file} is missing")
+  hf_config = read_json(LOAD_OP, cfg_file)
+  declared = dtype is not None or declared_dtype(hf_config) is not None
   try:
     # The layout does not depend on the dtype; without a declared one it comes from the tensors.
     cfg = config_from_hf(hf_config, dtype=dtype if declared else "float32")
   except ValueError as e:
-    raise CheckpointError(_LOAD, cfg_file, str(e)) from e
+    raise CheckpointError(LOAD_OP, cfg_file, str(e)) from e
   quant = parse_quantization_config(hf_config, cfg_file)
 
-  reader = _Reader(path)
+  reader = Reader(path)
   present = reader.names()
   mtp = _mtp_parts(reader, cfg)
   targets, treedef = hf_layout(cfg, mtp=mtp)
@@ -237,30 +237,30 @@ def open_hf_checkpoint(path: str | os.PathLike, *, dtype=None, recipe=None, mesh
     m = _LAYER_RE.match(n)
     base, _, suffix = n.rpartition(".")
     if m and int(m.group(1)) >= cfg.n_layers + cfg.n_mtp_layers:
-      raise CheckpointError(_LOAD, reader.file(n), f"tensor {n} belongs to layer {m.group(1)}, but "
+      raise CheckpointError(LOAD_OP, reader.file(n), f"tensor {n} belongs to layer {m.group(1)}, but "
                                                    f"config.json declares num_hidden_layers={cfg.n_layers} "
                                                    f"and num_nextn_predict_layers={cfg.n_mtp_layers}")
     elif n.endswith("rotary_emb.inv_freq"):
       continue  # a recomputable buffer some exporters include
     elif suffix in REFUSED_SUFFIXES:
-      raise CheckpointError(_LOAD, reader.file(n), f"tensor {n} is {REFUSED_SUFFIXES[suffix]}, which "
+      raise CheckpointError(LOAD_OP, reader.file(n), f"tensor {n} is {REFUSED_SUFFIXES[suffix]}, which "
                                                    f"this loader does not read (module {base})")
     elif n.endswith("_scale_inv") and n.removesuffix("_scale_inv") in expected:
-      raise CheckpointError(_LOAD, reader.file(n), f"{n} given but {n.removesuffix('_scale_inv')} is "
+      raise CheckpointError(LOAD_OP, reader.file(n), f"{n} given but {n.removesuffix('_scale_inv')} is "
                                                    f"{reader.st_dtype(n.removesuffix('_scale_inv'))}, "
                                                    "not fp8")
     else:
       unexpected.append(n)
   if unexpected:
-    raise CheckpointError(_LOAD, reader.file(unexpected[0]),
+    raise CheckpointError(LOAD_OP, reader.file(unexpected[0]),
                           f"unexpected tensor(s) {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} "
                           f"({len(unexpected)} in all) for this config")
   if cfg.n_mtp_layers and mtp is None:
     log.info("%s: config.json declares %d multi-token-prediction layer(s); the checkpoint holds "
-             "none", _LOAD, cfg.n_mtp_layers)
+             "none", LOAD_OP, cfg.n_mtp_layers)
   elif mtp is not None:
     log.info("%s: loading %d multi-token-prediction layer(s) into params['mtp'] (layers %d..%d)",
-             _LOAD, cfg.n_mtp_layers, cfg.n_layers, cfg.n_layers + cfg.n_mtp_layers - 1)
+             LOAD_OP, cfg.n_mtp_layers, cfg.n_layers, cfg.n_layers + cfg.n_mtp_layers - 1)
   dt = _resolve_dtype(path, cfg_file, cfg.param_dtype if declared else None, dtype is not None,
                       reader, targets)
   cfg = dataclasses.replace(cfg, dtype=dt, param_dtype=dt)
@@ -270,7 +270,7 @@ def open_hf_checkpoint(path: str | os.PathLike, *, dtype=None, recipe=None, mesh
                       _LeafConverter(targets, treedef, cfg, recipe, mesh, rules, plans, sources, specs))
 
 
-def _mtp_parts(reader: _Reader, cfg: ModelConfig):
+def _mtp_parts(reader: Reader, cfg: ModelConfig):
   """The optional parts of the multi-token-prediction layers the checkpoint holds, or None
   for none (``mlkit.model.params.mtp_specs``)."""
   if not any(mtp_layer_index(n, cfg) is not None for n in reader.names()):
@@ -298,12 +298,12 @@ def _check_ignore(quant: PublishedQuant, cfg: ModelConfig, cfg_file: str) -> Non
   modules = {module_name(n) for t in declared for n in t.names} | {"lm_head"}
   bad = quant.unmatched_ignore(modules)
   if bad:
-    raise CheckpointError(_LOAD, cfg_file, f"quantization_config ignore entry {bad[0]!r} matches no "
+    raise CheckpointError(LOAD_OP, cfg_file, f"quantization_config ignore entry {bad[0]!r} matches no "
                                            "module this config declares (a misspelt or stale entry "
                                            "would leave the modules it means quantised)")
 
 
-def _source(t: _Target, reader: _Reader, quant: PublishedQuant, path: str) -> _Source:
+def _source(t: Target, reader: Reader, quant: PublishedQuant, path: str) -> _Source:
   """How the tensors behind leaf ``t`` are stored, checked against config.json's
   quantization_config and the leaf's shape."""
   kinds, stored, groups, scale_dtypes = [], [], set(), set()
@@ -317,22 +317,22 @@ def _source(t: _Target, reader: _Reader, quant: PublishedQuant, path: str) -> _S
       scale_dtypes.add(_INT4_SCALE_DTYPES[reader.st_dtype(m + ".weight_scale")])
       continue
     if not reader.has(n):
-      raise CheckpointError(_LOAD, path, f"missing tensor {n} (for {_path_str(t.path)})")
+      raise CheckpointError(LOAD_OP, path, f"missing tensor {n} (for {dotted_path(t.path)})")
     if group is not None:
-      raise CheckpointError(_LOAD, reader.file(n), f"tensor {n} is stored dense ({reader.st_dtype(n)}), "
+      raise CheckpointError(LOAD_OP, reader.file(n), f"tensor {n} is stored dense ({reader.st_dtype(n)}), "
                                                    f"but quantization_config quantises {m} (INT4 group "
                                                    f"{group}): expected {m}.weight_packed")
     shape = reader.shape(n)
     if shape != t.hf_shape:
-      raise CheckpointError(_LOAD, reader.file(n), f"tensor {n} has shape {shape}, expected {t.hf_shape}")
+      raise CheckpointError(LOAD_OP, reader.file(n), f"tensor {n} has shape {shape}, expected {t.hf_shape}")
     stored.append(n)
-    if reader.st_dtype(n) in _FP8_DTYPES:
+    if reader.st_dtype(n) in FP8_DTYPES:
       if not reader.has(n + "_scale_inv"):
-        raise CheckpointError(_LOAD, reader.file(n), f"fp8 tensor {n} has no {n}_scale_inv block scale")
+        raise CheckpointError(LOAD_OP, reader.file(n), f"fp8 tensor {n} has no {n}_scale_inv block scale")
       try:  # the whole tensor's scales, whatever part of it is read later
-        _check_fp8_scales(shape, reader.shape(n + "_scale_inv"), quant.fp8_block, n)
+        check_fp8_scales(shape, reader.shape(n + "_scale_inv"), quant.fp8_block, n)
       except ValueError as e:
-        raise CheckpointError(_LOAD, reader.file(n + "_scale_inv"), str(e)) from e
+        raise CheckpointError(LOAD_OP, reader.file(n + "_scale_inv"), str(e)) from e
       stored.append(n + "_scale_inv")
       kinds.append("fp8" if reader.st_dtype(n) == "F8_E4M3" else "dense")
     else:
@@ -341,16 +341,16 @@ def _source(t: _Target, reader: _Reader, quant: PublishedQuant, path: str) -> _S
   if "int4" in kinds:
     if set(kinds) != {"int4"}:
       n = t.names[kinds.index("dense" if "dense" in kinds else "fp8")]
-      raise CheckpointError(_LOAD, reader.file(n), f"tensor {n} is not packed INT4 like the other "
-                                                   f"tensors of {_path_str(t.path)}")
+      raise CheckpointError(LOAD_OP, reader.file(n), f"tensor {n} is not packed INT4 like the other "
+                                                   f"tensors of {dotted_path(t.path)}")
     if not quantisable:
       m = module_name(t.names[0])
-      raise CheckpointError(_LOAD, reader.file(m + ".weight_packed"),
-                            f"tensor {m}.weight_packed is INT4, but {_path_str(t.path)} stays dense "
+      raise CheckpointError(LOAD_OP, reader.file(m + ".weight_packed"),
+                            f"tensor {m}.weight_packed is INT4, but {dotted_path(t.path)} stays dense "
                             "in this model (the embedding is gathered by row; routers and norms are "
                             "precision sensitive)")
     if len(groups) != 1 or len(scale_dtypes) != 1:
-      raise CheckpointError(_LOAD, reader.file(stored[0]), f"the INT4 tensors of {_path_str(t.path)} "
+      raise CheckpointError(LOAD_OP, reader.file(stored[0]), f"the INT4 tensors of {dotted_path(t.path)} "
                                                            f"differ in group size or scale dtype")
     return _Source("int4", tuple(stored), groups.pop(), scale_dtypes.pop())
   # Fp8Weight holds 128x128 blocks of a projection's whole stack; anything else is
@@ -360,49 +360,49 @@ def _source(t: _Target, reader: _Reader, quant: PublishedQuant, path: str) -> _S
   return _Source("dense", tuple(stored))
 
 
-def _int4_tensors(m: str, n: str, hf_shape, group: int | None, reader: _Reader,
+def _int4_tensors(m: str, n: str, hf_shape, group: int | None, reader: Reader,
                   quant: PublishedQuant) -> list[str]:
   """Checks one packed INT4 module's tensors (config, dtypes, shapes); returns their names."""
   packed = m + ".weight_packed"
   where = reader.file(packed)
   if quant.method != COMPRESSED_TENSORS:
-    raise CheckpointError(_LOAD, where, f"tensor {packed} is packed INT4, but config.json's "
+    raise CheckpointError(LOAD_OP, where, f"tensor {packed} is packed INT4, but config.json's "
                                         "quantization_config is not compressed-tensors")
   if group is None:
-    raise CheckpointError(_LOAD, where, f"tensor {packed} is packed INT4, but quantization_config "
+    raise CheckpointError(LOAD_OP, where, f"tensor {packed} is packed INT4, but quantization_config "
                                         f"leaves {m} dense (its ignore list or config_groups targets)")
   if reader.has(n):
-    raise CheckpointError(_LOAD, reader.file(n), f"module {m} has both {n} and {packed}")
+    raise CheckpointError(LOAD_OP, reader.file(n), f"module {m} has both {n} and {packed}")
   for suffix in ("weight_scale", "weight_shape"):
     if not reader.has(f"{m}.{suffix}"):
-      raise CheckpointError(_LOAD, where, f"missing tensor {m}.{suffix} (packed INT4 {packed} needs "
+      raise CheckpointError(LOAD_OP, where, f"missing tensor {m}.{suffix} (packed INT4 {packed} needs "
                                           "its scales and shape)")
   out, k = hf_shape
   checks = [(packed, ("I32",), (out, k // 8)),
             (m + ".weight_scale", tuple(_INT4_SCALE_DTYPES), (out, k // group)),
             (m + ".weight_shape", ("I32", "I64"), (2,))]
   if k % group:
-    raise CheckpointError(_LOAD, where, f"tensor {packed}: group_size {group} does not divide the "
+    raise CheckpointError(LOAD_OP, where, f"tensor {packed}: group_size {group} does not divide the "
                                         f"input dim {k} of {m}")
   for name, dtypes, shape in checks:
     st, got = reader.st_dtype(name), reader.shape(name)
     if st not in dtypes:
-      raise CheckpointError(_LOAD, reader.file(name), f"tensor {name} is {st}, expected one of {dtypes}")
+      raise CheckpointError(LOAD_OP, reader.file(name), f"tensor {name} is {st}, expected one of {dtypes}")
     if got != shape:
       hint = ""
       if name.endswith("weight_scale") and len(got) == 2 and got[1] and k % got[1] == 0:
         hint = (f" for group_size {group} (quantization_config); its shape fits group_size "
                 f"{k // got[1]}")
-      raise CheckpointError(_LOAD, reader.file(name), f"tensor {name} has shape {got}, expected "
+      raise CheckpointError(LOAD_OP, reader.file(name), f"tensor {name} has shape {got}, expected "
                                                       f"{shape}{hint}")
   declared = tuple(int(v) for v in reader.get(m + ".weight_shape"))
   if declared != (out, k):
-    raise CheckpointError(_LOAD, reader.file(m + ".weight_shape"),
+    raise CheckpointError(LOAD_OP, reader.file(m + ".weight_shape"),
                           f"tensor {m}.weight_shape says {list(declared)}, expected {[out, k]}")
   return [packed, m + ".weight_scale", m + ".weight_shape"]
 
 
-def _plans(targets, treedef, sources, cfg: ModelConfig, recipe, reader: _Reader):
+def _plans(targets, treedef, sources, cfg: ModelConfig, recipe, reader: Reader):
   """Per leaf: "dense" (read, then quantised by the recipe if it says so), "int4" / "fp8"
   (the published format, kept) or "convert" (published fp8, dequantised in f32, quantised by
   the recipe); also the recipe's spec per leaf and {leaf: conversion} for those converted.
@@ -423,26 +423,26 @@ def _plans(targets, treedef, sources, cfg: ModelConfig, recipe, reader: _Reader)
       plans.append("dense")
       continue
     try:
-      how = published_conversion(_published_abstract(t, src), spec, name=_path_str(t.path))
+      how = published_conversion(_published_abstract(t, src), spec, name=dotted_path(t.path))
     except ValueError as e:
-      raise CheckpointError(_LOAD, reader.file(src.stored[0]),
+      raise CheckpointError(LOAD_OP, reader.file(src.stored[0]),
                             f"tensor {src.stored[0]}: recipe {recipe.name!r}: {e}") from None
     if how is None:
       plans.append(src.kind)
     else:
       plans.append("convert")
-      conversions[_path_str(t.path)] = how
+      conversions[dotted_path(t.path)] = how
   if conversions:
     first = next(iter(conversions.items()))
     log.info("%s: recipe %r converts %d published weight(s), dequantising each tensor and "
-             "quantising it (e.g. %s: %s)", _LOAD, recipe.name, len(conversions), *first)
+             "quantising it (e.g. %s: %s)", LOAD_OP, recipe.name, len(conversions), *first)
   kept = [f"{sum(p == k for p in plans)} {k}" for k in ("int4", "fp8") if k in plans]
   if kept:
-    log.info("%s: keeping the published formats of %s weight(s)", _LOAD, " and ".join(kept))
+    log.info("%s: keeping the published formats of %s weight(s)", LOAD_OP, " and ".join(kept))
   return plans, specs, conversions
 
 
-def _published_abstract(t: _Target, src: _Source):
+def _published_abstract(t: Target, src: _Source):
   """The Int4Weight / Fp8Weight (of ShapeDtypeStructs) a published leaf loads as."""
   from mlkit.quant import Fp8Weight, Int4Weight
   *lead, k, n = _our_shape(t)
@@ -475,14 +475,14 @@ class HFCheckpoint:
       read so far (in a multi-process run, only what its devices hold).
   """
 
-  def __init__(self, path: str, cfg: ModelConfig, reader: _Reader, targets: list[_Target], treedef,
+  def __init__(self, path: str, cfg: ModelConfig, reader: Reader, targets: list[Target], treedef,
                block: tuple[int, int], sources: list[_Source], plans: list[str],
                conversions: dict[str, str], convert: "_LeafConverter"):
     self.path, self.cfg = path, cfg
     self._reader, self._targets, self._treedef, self._block = reader, targets, treedef, block
     self._sources, self._plans = sources, plans
     self._convert = convert
-    self.names = [_path_str(t.path) for t in targets]
+    self.names = [dotted_path(t.path) for t in targets]
     self.abstract = jax.tree_util.tree_unflatten(treedef, convert.abstract)
     self.conversions = dict(conversions)
     self.bytes_read: dict[str, int] = {}
@@ -526,7 +526,7 @@ class HFCheckpoint:
     meter.done()
     return jax.tree_util.tree_unflatten(self._treedef, leaves), self.cfg
 
-  def _read_published(self, t: _Target, src: _Source, box):
+  def _read_published(self, t: Target, src: _Source, box):
     """The box (our [E,] K, N coordinates, whole groups or blocks) of a published int4 or fp8
     leaf, as an Int4Weight / Fp8Weight of host arrays: the stored bits, transposed."""
     from mlkit.quant import Fp8Weight, Int4Weight
@@ -557,14 +557,14 @@ class HFCheckpoint:
   def _read(self, n: str, box) -> np.ndarray:
     """Tensor ``n`` (its ``box`` of HF coordinates), fp8 dequantised."""
     reader = self._reader
-    if reader.st_dtype(n) in _FP8_DTYPES:
+    if reader.st_dtype(n) in FP8_DTYPES:
       if not reader.has(n + "_scale_inv"):
-        raise CheckpointError(_LOAD, reader.file(n), f"fp8 tensor {n} has no {n}_scale_inv block scale")
+        raise CheckpointError(LOAD_OP, reader.file(n), f"fp8 tensor {n} has no {n}_scale_inv block scale")
       shape = reader.shape(n)
       try:  # the whole tensor's scales, whatever part of it is read
-        _check_fp8_scales(shape, reader.shape(n + "_scale_inv"), self._block, n)
+        check_fp8_scales(shape, reader.shape(n + "_scale_inv"), self._block, n)
       except ValueError as e:
-        raise CheckpointError(_LOAD, reader.file(n + "_scale_inv"), str(e)) from e
+        raise CheckpointError(LOAD_OP, reader.file(n + "_scale_inv"), str(e)) from e
       # Whole scale blocks: the box grows to block edges, and is cut back after.
       grown = tuple((a // b * b, min(-(-c // b) * b, d))
                     for (a, c), b, d in zip(box, self._block, shape))
@@ -575,15 +575,15 @@ class HFCheckpoint:
       except CheckpointError:
         raise
       except ValueError as e:
-        raise CheckpointError(_LOAD, reader.file(n + "_scale_inv"), str(e)) from e
+        raise CheckpointError(LOAD_OP, reader.file(n + "_scale_inv"), str(e)) from e
       return w[tuple(slice(a - g, c - g) for (a, c), (g, _) in zip(box, grown))]
     if reader.has(n + "_scale_inv"):
-      raise CheckpointError(_LOAD, reader.file(n), f"{n}_scale_inv given but {n} is "
+      raise CheckpointError(LOAD_OP, reader.file(n), f"{n}_scale_inv given but {n} is "
                                                    f"{reader.st_dtype(n)}, not fp8")
     return reader.get(n, box)
 
 
-def _our_shape(t: _Target) -> tuple[int, ...]:
+def _our_shape(t: Target) -> tuple[int, ...]:
   if t.kind == "copy":
     return t.hf_shape
   if t.kind == "T":
@@ -613,7 +613,7 @@ class _LeafConverter:
     from mlkit.quant.recipe import Int4Spec, quantize_leaf
     from mlkit.quant.tree import is_quantised
     self._quantize_leaf = quantize_leaf
-    self.names = [_path_str(t.path) for t in targets]
+    self.names = [dotted_path(t.path) for t in targets]
     leaves = []
     self.specs = []
     for t, plan, src, spec in zip(targets, plans, sources, specs):
@@ -628,7 +628,7 @@ class _LeafConverter:
     gptq = [n for n, sp in zip(self.names, self.specs)
             if isinstance(sp, Int4Spec) and sp.method == "gptq"]
     if gptq:
-      raise ValueError(f"{_LOAD}: recipe {recipe.name!r} uses GPTQ for {gptq[0]!r}, which needs "
+      raise ValueError(f"{LOAD_OP}: recipe {recipe.name!r} uses GPTQ for {gptq[0]!r}, which needs "
                        "calibration activations; quantise after loading (mlkit.quant.gptq)")
     tree = jax.tree_util.tree_unflatten(treedef, leaves)
     self.sharded = mesh is not None
@@ -752,10 +752,10 @@ class _Progress:
     now = time.perf_counter()
     if now - self.last >= self.EVERY_S:
       self.last = now
-      log.info("%s: %.2f of %.2f GB read (%.0f MB/s)", _LOAD, self.done_bytes / 1e9,
+      log.info("%s: %.2f of %.2f GB read (%.0f MB/s)", LOAD_OP, self.done_bytes / 1e9,
                self.total / 1e9, self.done_bytes / 1e6 / max(now - self.t0, 1e-9))
 
   def done(self) -> None:
     dt = time.perf_counter() - self.t0
-    log.info("%s: %.2f GB read in %.1f s (%.0f MB/s)", _LOAD, self.done_bytes / 1e9, dt,
+    log.info("%s: %.2f GB read in %.1f s (%.0f MB/s)", LOAD_OP, self.done_bytes / 1e9, dt,
              self.done_bytes / 1e6 / max(dt, 1e-9))

@@ -55,7 +55,7 @@ _FFN = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
 
 
 @dataclasses.dataclass(frozen=True)
-class _Target:
+class Target:
   """One leaf of our params and the HF tensor(s) it comes from."""
 
   path: tuple  # keys into our params tree, e.g. ("layers", 1, "ffn", "w_gate")
@@ -69,7 +69,8 @@ def _is_spec(x) -> bool:
   return isinstance(x, tuple) and len(x) in (2, 3) and isinstance(x[0], tuple)
 
 
-def _key(k):
+def keypath_entry(k):
+  """A jax key-path entry as the plain dict key or list index it stands for."""
   return k.key if isinstance(k, jax.tree_util.DictKey) else k.idx
 
 
@@ -109,7 +110,7 @@ def _hf_names(path: tuple, cfg: ModelConfig, shape: tuple[int, ...]) -> tuple[st
   return tuple(f"{pre}mlp.experts.{e}.{_FFN[name]}.weight" for e in range(shape[0]))
 
 
-def hf_layout(cfg: ModelConfig, *, mtp=None) -> tuple[list[_Target], Any]:
+def hf_layout(cfg: ModelConfig, *, mtp=None) -> tuple[list[Target], Any]:
   """The HF tensors behind every leaf of ``param_specs(cfg, mtp=mtp)``, in flatten order, plus
   the treedef (``mtp``: None for no multi-token-prediction layers, else their optional parts)."""
   if cfg.attention != "mla":
@@ -117,7 +118,7 @@ def hf_layout(cfg: ModelConfig, *, mtp=None) -> tuple[list[_Target], Any]:
   leaves, treedef = jax.tree_util.tree_flatten_with_path(param_specs(cfg, mtp=mtp), is_leaf=_is_spec)
   targets = []
   for kpath, spec in leaves:
-    path = tuple(_key(k) for k in kpath)
+    path = tuple(keypath_entry(k) for k in kpath)
     shape = spec[0]
     if len(shape) == 1 or path[-1] == "embed":
       kind, hf_shape = "copy", shape
@@ -125,12 +126,12 @@ def hf_layout(cfg: ModelConfig, *, mtp=None) -> tuple[list[_Target], Any]:
       kind, hf_shape = "T", shape[::-1]
     else:
       kind, hf_shape = "stack", shape[1:][::-1]
-    targets.append(_Target(path, _hf_names(path, cfg, shape), tuple(hf_shape), kind,
+    targets.append(Target(path, _hf_names(path, cfg, shape), tuple(hf_shape), kind,
                            spec[2] if len(spec) == 3 else None))
   return targets, treedef
 
 
-def _path_str(path: tuple) -> str:
+def dotted_path(path: tuple) -> str:
   return ".".join(str(p) for p in path)
 
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from mlkit.checkpoint.errors import CheckpointError
 from mlkit.checkpoint.hf.names import is_linear
-from mlkit.checkpoint.hf.safetensors import _LOAD
+from mlkit.checkpoint.hf.safetensors import LOAD_OP
 
 COMPRESSED_TENSORS = "compressed-tensors"
 PACK_QUANTIZED = "pack-quantized"
@@ -115,7 +115,7 @@ def parse_quantization_config(hf_config: dict, cfg_file: str) -> PublishedQuant:
   if q is None:
     return PublishedQuant()
   if not isinstance(q, dict):
-    raise CheckpointError(_LOAD, cfg_file, "quantization_config must be an object whose "
+    raise CheckpointError(LOAD_OP, cfg_file, "quantization_config must be an object whose "
                                            f"weight_block_size is two positive ints, got {q!r}")
   method = q.get("quant_method")
   if method == COMPRESSED_TENSORS:
@@ -123,27 +123,27 @@ def parse_quantization_config(hf_config: dict, cfg_file: str) -> PublishedQuant:
   block = q.get("weight_block_size", (128, 128))
   if (not isinstance(block, (list, tuple)) or len(block) != 2
       or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-    raise CheckpointError(_LOAD, cfg_file, "quantization_config must be an object whose "
+    raise CheckpointError(LOAD_OP, cfg_file, "quantization_config must be an object whose "
                                            f"weight_block_size is two positive ints, got {q!r}")
   if method not in (None, FP8):
-    raise CheckpointError(_LOAD, cfg_file, f"quantization_config quant_method {method!r} is not "
+    raise CheckpointError(LOAD_OP, cfg_file, f"quantization_config quant_method {method!r} is not "
                                            f"supported (read: {FP8!r} with block scales, "
                                            f"{COMPRESSED_TENSORS!r} {PACK_QUANTIZED!r} INT4)")
   if method == FP8:
     act = q.get("activation_scheme", "dynamic")
     if act not in (None, "dynamic"):
       # Static activation scales ship as input_scale tensors that a W8A16 model has no use for.
-      raise CheckpointError(_LOAD, cfg_file, f"fp8 activation_scheme {act!r} is not supported (only "
+      raise CheckpointError(LOAD_OP, cfg_file, f"fp8 activation_scheme {act!r} is not supported (only "
                                              "'dynamic': weights fp8, activations as computed)")
     fmt = q.get("fmt", "e4m3")
     if fmt not in ("e4m3", "float8_e4m3fn"):
-      raise CheckpointError(_LOAD, cfg_file, f"fp8 fmt {fmt!r} is not supported (only 'e4m3')")
+      raise CheckpointError(LOAD_OP, cfg_file, f"fp8 fmt {fmt!r} is not supported (only 'e4m3')")
   return PublishedQuant(method=FP8 if method == FP8 else "none", fp8_block=tuple(block))
 
 
 def _compressed_tensors(q: dict, cfg_file: str) -> PublishedQuant:
   def refuse(what: str):
-    raise CheckpointError(_LOAD, cfg_file, f"compressed-tensors {what}; read: {PACK_QUANTIZED!r} INT4, "
+    raise CheckpointError(LOAD_OP, cfg_file, f"compressed-tensors {what}; read: {PACK_QUANTIZED!r} INT4, "
                                            "symmetric, group-wise (group 32, 64 or 128), weights only")
   fmt = q.get("format")
   groups_cfg = q.get("config_groups")

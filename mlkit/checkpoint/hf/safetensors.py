@@ -4,7 +4,7 @@ A checkpoint directory holds ``config.json`` plus ``model.safetensors``, or shar
 ``model-0000i-of-0000N.safetensors`` listed in ``model.safetensors.index.json``.
 
 Kept apart from loading because it concerns the file format only, not our
-model: :class:`_Reader` opens and validates every file up front and reads a
+model: :class:`Reader` opens and validates every file up front and reads a
 tensor (or only a box of it) with plain ``pread`` calls rather than through
 safetensors' memory map, whose pages would count in the process's resident
 memory (docs/checkpoints.md). Weights stored as float8_e4m3fn with a DeepSeek
@@ -30,15 +30,15 @@ from mlkit.checkpoint.errors import CheckpointError, read_json
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-_FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+FP8_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
               "BOOL": np.bool_}
 # What errors are reported under: only the loader reads (the writer writes whole files).
-_LOAD = "load_hf_checkpoint"
+LOAD_OP = "load_hf_checkpoint"
 
 
-class _Reader:
+class Reader:
   """Lazy access to the tensors of a (possibly sharded) safetensors checkpoint.
 
   Every file it opens is validated up front (safetensors checks that the header is
@@ -50,41 +50,41 @@ class _Reader:
     index = os.path.join(path, INDEX_FILE)
     if os.path.exists(index):
       # The index is authoritative: tensors in the shards that it does not list are ignored.
-      weight_map = read_json(_LOAD, index).get("weight_map")
+      weight_map = read_json(LOAD_OP, index).get("weight_map")
       if not isinstance(weight_map, dict):
-        raise CheckpointError(_LOAD, index, f"has no 'weight_map' object (got {type(weight_map).__name__})")
+        raise CheckpointError(LOAD_OP, index, f"has no 'weight_map' object (got {type(weight_map).__name__})")
       for k, v in weight_map.items():
         if not isinstance(v, str) or not v or os.path.basename(v) != v:
-          raise CheckpointError(_LOAD, index, f"weight_map[{k!r}] must be a file name in {path}, got {v!r}")
+          raise CheckpointError(LOAD_OP, index, f"weight_map[{k!r}] must be a file name in {path}, got {v!r}")
       for fname in sorted(set(weight_map.values())):
         if not os.path.exists(os.path.join(path, fname)):
-          raise FileNotFoundError(f"{_LOAD}: shard {fname} listed in {index} is missing")
+          raise FileNotFoundError(f"{LOAD_OP}: shard {fname} listed in {index} is missing")
       self._where = {k: os.path.join(path, v) for k, v in weight_map.items()}
       files = sorted(set(self._where.values()))
     else:
       self._where = {}
       files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
       if not files:
-        raise FileNotFoundError(f"{_LOAD}: no *.safetensors files in {path}")
+        raise FileNotFoundError(f"{LOAD_OP}: no *.safetensors files in {path}")
     self._handles = {}
     for f in files:
       try:
         self._handles[f] = safe_open(f, framework="numpy")
       except Exception as e:  # SafetensorError (truncated, bad header) or OSError
-        raise CheckpointError(_LOAD, f, f"not a readable safetensors file ({e})") from e
+        raise CheckpointError(LOAD_OP, f, f"not a readable safetensors file ({e})") from e
     self._headers: dict[str, dict] = {}
     self.bytes_read = 0  # tensor bytes read from the files so far
     keys = {f: set(h.keys()) for f, h in self._handles.items()}
     if os.path.exists(index):
       for k, fname in self._where.items():
         if k not in keys[fname]:
-          raise CheckpointError(_LOAD, fname, f"tensor {k} is listed in {INDEX_FILE} but missing from "
+          raise CheckpointError(LOAD_OP, fname, f"tensor {k} is listed in {INDEX_FILE} but missing from "
                                               "this file")
     else:
       for fname in files:
         for k in keys[fname]:
           if k in self._where:
-            raise CheckpointError(_LOAD, fname, f"tensor {k} appears in both "
+            raise CheckpointError(LOAD_OP, fname, f"tensor {k} appears in both "
                                                 f"{os.path.basename(self._where[k])} and this file")
           self._where[k] = fname
 
@@ -116,9 +116,9 @@ class _Reader:
   def get(self, name: str, box: tuple[tuple[int, int], ...] | None = None) -> np.ndarray:
     """Tensor ``name``, or only its ``box`` (a ``(start, stop)`` per axis) read from the file."""
     st = self.st_dtype(name)
-    dtype = _FP8_DTYPES.get(st) or _ST_DTYPES.get(st)
+    dtype = FP8_DTYPES.get(st) or _ST_DTYPES.get(st)
     if dtype is None:
-      raise CheckpointError(_LOAD, self._where[name], f"tensor {name} has dtype {st}, which "
+      raise CheckpointError(LOAD_OP, self._where[name], f"tensor {name} has dtype {st}, which "
                                                      "this loader does not read")
     return self._read_raw(name, np.dtype(dtype), box)
 
@@ -162,7 +162,7 @@ class _Reader:
         self.bytes_read += len(out)
       return np.frombuffer(out, dtype=np.uint8).view(dtype).reshape(out_shape)
     except (OSError, ValueError, KeyError, struct.error) as e:
-      raise CheckpointError(_LOAD, fname, f"cannot read tensor {name} ({e})") from e
+      raise CheckpointError(LOAD_OP, fname, f"cannot read tensor {name} ({e})") from e
 
 
 def _pread_into(fd: int, view: memoryview, off: int) -> None:
@@ -174,7 +174,8 @@ def _pread_into(fd: int, view: memoryview, off: int) -> None:
     view, off = view[n:], off + n
 
 
-def _check_fp8_scales(shape, scale_shape, block: tuple[int, int], name: str) -> None:
+def check_fp8_scales(shape, scale_shape, block: tuple[int, int], name: str) -> None:
+  """Raises ValueError naming ``name`` unless ``scale_shape`` is one scale per ``block`` of a 2-D ``shape``."""
   if len(shape) != 2:
     raise ValueError(f"{name}: fp8 block scales need a 2-D weight, got shape {tuple(shape)}")
   bo, bi = block
@@ -197,7 +198,7 @@ def dequantize_fp8_blocks(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int
   Returns:
     The f32 weight [out, in].
   """
-  _check_fp8_scales(w.shape, scale_inv.shape, block, name)
+  check_fp8_scales(w.shape, scale_inv.shape, block, name)
   bo, bi = block
   s = np.repeat(np.repeat(scale_inv.astype(np.float32), bo, axis=0), bi, axis=1)
   return w.astype(np.float32) * s[:w.shape[0], :w.shape[1]]

@@ -31,7 +31,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from mlkit.checkpoint.hf.config import CONFIG_FILE, config_to_hf
-from mlkit.checkpoint.hf.names import _key, _path_str, hf_layout, is_linear, module_name
+from mlkit.checkpoint.hf.names import keypath_entry, dotted_path, hf_layout, is_linear, module_name
 from mlkit.checkpoint.hf.quantized import (COMPRESSED_TENSORS, FP8, PACK_QUANTIZED,
                                            int4_to_packed)
 from mlkit.checkpoint.hf.safetensors import INDEX_FILE, SINGLE_FILE
@@ -68,14 +68,14 @@ def save_hf_checkpoint(path: str | os.PathLike, params, cfg: ModelConfig, *, sha
   hf_config = config_to_hf(cfg)
   check_params(params, cfg, where="save_hf_checkpoint")
   targets, _ = hf_layout(cfg, mtp=mtp_parts(params["mtp"]) if "mtp" in params else None)
-  flat = {tuple(_key(k) for k in p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(
+  flat = {tuple(keypath_entry(k) for k in p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(
       params, is_leaf=lambda x: not isinstance(x, (dict, list, tuple)))[0]}
   tensors: dict[str, np.ndarray] = {}
   quantised: dict[str, int | None] = {}  # module -> int4 group size (None: fp8)
   for t in targets:
     leaf = flat[t.path]
     if format != "dense" and isinstance(leaf, (Int4Weight, Fp8Weight)):
-      _check_format(leaf, format, _path_str(t.path))
+      _check_format(leaf, format, dotted_path(t.path))
       for n, parts in zip(t.names, _quantised_tensors(leaf, t.kind, len(t.names))):
         m = module_name(n)
         quantised[m] = leaf.group_size if isinstance(leaf, Int4Weight) else None
