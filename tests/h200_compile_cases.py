@@ -27,7 +27,7 @@ from pallas_kernels.h200 import kernel_readings as kc
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Where the kernels experiment reads compile records (experiments.kernel_compile.DEFAULT_DIR;
-# tests/test_gpu_check.py checks that its report shows what is here).
+# tests/test_experiments.py checks that its report shows what is here).
 RECORDS_DIR = os.path.join(_REPO, "results", "h200_kernel_compile")
 
 

@@ -23,14 +23,20 @@ from mlkit.measure import stats
 from mlkit.quant import FP8_ALL, INT4_EXPERTS
 from mlkit.report import comparison
 from pallas_kernels import targets
+from pallas_kernels.h200 import kernel_readings
 
 from experiment_runs import run_experiment
+import h200_compile_cases
 from tempdirs import temp_dir
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # Run by SmokeRunsTest, in this order, in one process; the first six write NAME.png.
 SMOKE = ("kv_dtype", "integrity", "paper", "weight_quant", "disagg", "prefix_cache", "kernels")
+
+
+def _compile_readings() -> str:
+  return kernel_readings.markdown(kernel_readings.load_records(h200_compile_cases.RECORDS_DIR))
 
 
 class SmokeRunsTest(parameterized.TestCase):
@@ -40,6 +46,9 @@ class SmokeRunsTest(parameterized.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     cls.out = temp_dir(cls, "experiments_smoke_")
+    # The kernels experiment shows the H200 compile readings on disk; the compile tests may
+    # add records while it runs (pytest -n 2), so its table is that of before or after.
+    cls.readings_before = _compile_readings()
     cls.records = run_experiment(*SMOKE, out=cls.out, timeout=900)
 
   @parameterized.parameters(*SMOKE[:-1])
@@ -155,6 +164,8 @@ class SmokeRunsTest(parameterized.TestCase):
       with open(os.path.join(self.out, "kernels.md")) as f:
         md = f.read()
       self.assertIn("needs an NVIDIA GPU", md)
+      self.assertIn("## H200 compile readings", md)
+      self.assertTrue(self.readings_before in md or _compile_readings() in md, md[-3000:])
       # Without a device the sheet is all modelled: every target case, nothing measured.
       self.assertIn("## Roofline sheet (H200, per call)", md)
       self.assertLen(rec["roofline"], len(targets.target_cases()))

@@ -19,15 +19,12 @@ import jax
 import jax.numpy as jnp
 from absl.testing import absltest
 
-import h200_compile_cases
 from pallas_kernels import benchmark as bm
 from pallas_kernels import targets as kt
-from pallas_kernels.h200 import kernel_readings
 from pallas_kernels.indexer import bench as indexer_bench
 from pallas_kernels.indexer import topk_bench
 from pallas_kernels.paged_attention import bench as attn_bench
 
-from experiment_runs import run_experiment
 from tempdirs import temp_dir
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -379,26 +376,6 @@ class BenchmarkTest(absltest.TestCase):
   def test_rotation_only_on_a_gpu(self):
     self.assertEqual(bm.rotation_sets(1), 1)  # this machine's backend is the CPU
     self.assertEqual(bm.TOL, {"bf16": 1e-2, "f32": 1e-6, "fp8": 5e-2})
-
-
-class KernelsExperimentTest(absltest.TestCase):
-
-  def _compile_readings(self):
-    return kernel_readings.markdown(kernel_readings.load_records(h200_compile_cases.RECORDS_DIR))
-
-  def test_skips_without_gpu_and_shows_the_compile_readings(self):
-    before = self._compile_readings()
-    out = temp_dir(self, "kernels_")
-    rec = run_experiment("kernels", out=out, env=_env(), timeout=300)["kernels"]
-    self.assertTrue(rec["skipped"])
-    self.assertEqual(rec["records"], [])
-    with open(os.path.join(out, "kernels.md")) as f:
-      md = f.read()
-    self.assertIn("needs an NVIDIA GPU", md)
-    self.assertIn("## H200 compile readings", md)
-    # The compile tests may add records while the experiment runs (pytest -n 2): its
-    # table is that of the records before the run or after it.
-    self.assertTrue(before in md or self._compile_readings() in md, md[-3000:])
 
 
 if __name__ == "__main__":
