@@ -68,28 +68,8 @@ settings.register_profile("soak", max_examples=400, deadline=None, suppress_heal
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-# The modules whose tests take longest on the 2-core machine, longest first (pytest
-# --durations, summed per module). pytest-xdist's loadscope hands out classes in collection
-# order, so these start first and the short ones fill in at the end: the two workers then
-# finish within seconds of each other instead of one waiting on the last long class.
-_LONGEST_FIRST = (
-    "test_paged_attention_kernel", "test_h200_compile_attention", "test_serve_processes",
-    "test_disagg", "test_glm_serving", "test_engine", "test_merge_pieces_kernel",
-    "test_experiments", "test_hf_parity", "test_h200_compile_int4", "test_parallel",
-    "test_int4_matmul_kernel", "test_checkpoint_streaming", "test_model", "test_http",
-    "test_gpu_check", "test_train", "test_h200_compile_dsa", "test_mla_producer_compile",
-    "test_serving_conformance", "test_accuracy_experiment", "test_hf_quantized")
-
-
-def _longest_first(item) -> int:
-  name = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
-  return _LONGEST_FIRST.index(name) if name in _LONGEST_FIRST else len(_LONGEST_FIRST)
-
-
 def pytest_collection_modifyitems(config, items):
-  """Orders the longest modules first (see _LONGEST_FIRST), and skips (counted as skipped)
-  tests marked `gpu` when no GPU backend is present."""
-  items.sort(key=_longest_first)  # stable: collection order within a module and among the rest
+  """Skips (and counts as skipped) tests marked `gpu` when no GPU backend is present."""
   import jax
   if jax.default_backend() == "gpu":
     return
