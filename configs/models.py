@@ -11,7 +11,8 @@ import dataclasses
 
 from mlkit.config import ModelConfig, RopeScaling
 
-# Kimi K2.6: DeepSeek-V3 layout, 64 heads, 384 experts, YaRN x32 from a 4K base.
+# Kimi K2.6: DeepSeek-V3 layout, 64 heads, 384 experts, YaRN x32 from a 4K base. Its public
+# config declares no multi-token-prediction layer (num_nextn_predict_layers 0).
 KIMI_K2_6 = ModelConfig(
     name="kimi-k2.6",
     vocab_size=163840,
@@ -68,7 +69,10 @@ TINY_MLA = dataclasses.replace(
     dense_ffn_dim=128, moe_ffn_dim=32, n_routed_experts=8, top_k=2, n_group=2, topk_group=1,
     rope_scaling=RopeScaling(factor=4.0, original_max_position_embeddings=64, beta_fast=32.0,
                              beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
-    max_seq_len=256, dtype="float32", param_dtype="float32")
+    max_seq_len=256, dtype="float32", param_dtype="float32",
+    # One multi-token-prediction layer as DeepSeek-V3 ships (run by mlkit.model.mtp and trained
+    # when TrainConfig.mtp_loss_weight > 0; nothing else runs it).
+    n_mtp_layers=1)
 
 # Tiny GQA model for unit tests: 2 layers, first dense, softmax router, tied embeddings.
 TINY_GQA = ModelConfig(
@@ -108,7 +112,9 @@ SMALL_MLA = dataclasses.replace(
 MINI_MLA = dataclasses.replace(
     SMALL_MLA, name="mini-mla", vocab_size=128, d_model=192, n_layers=4, n_heads=6,
     q_lora_rank=96, kv_lora_rank=64, dense_ffn_dim=768, moe_ffn_dim=192, n_routed_experts=16,
-    top_k=2, max_seq_len=512)
+    top_k=2, max_seq_len=512,
+    # One multi-token-prediction layer, trained with the accuracy model (mlkit.evals.setups).
+    n_mtp_layers=1)
 
 # Kimi-shaped (MLA 512+64, 64 heads) but smaller, so the report's capacity and
 # throughput curves run on one H200 in minutes.
@@ -123,7 +129,9 @@ H200_MLA = dataclasses.replace(
 TINY_GLM = dataclasses.replace(
     TINY_MLA, name="tiny-glm", n_layers=4, n_group=1, topk_group=1, rope_scaling=None,
     norm_topk_prob=True, index_n_heads=4, index_head_dim=16, index_topk=8,
-    indexer_types=("full", "shared", "full", "shared"), rms_norm_eps=1e-5, latent_norm_eps=1e-6)
+    indexer_types=("full", "shared", "full", "shared"), rms_norm_eps=1e-5, latent_norm_eps=1e-6,
+    # No MTP layer (TINY_MLA has one): a sparse-attention MTP layer needs its own indexer.
+    n_mtp_layers=0)
 
 # H200_MLA's widths with GLM 5's indexer on every layer (32 heads of 128, top 2048):
 # the GLM cache entry (512 latent + 64 rope + 128 index key per layer) for pools

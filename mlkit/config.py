@@ -152,7 +152,7 @@ class ModelConfig:
   # Parameter storage dtype name.
   param_dtype: str = "bfloat16"
   # Multi-token-prediction layers a checkpoint ships (counted for checkpoint bytes; loaded into
-  # params["mtp"] when a checkpoint holds them; the model does not run them).
+  # params["mtp"] when a checkpoint holds them; run by mlkit.model.mtp, not by the serving forward).
   n_mtp_layers: int = 0
 
   def __post_init__(self):

@@ -18,7 +18,7 @@ def _is_spec(x) -> bool:
   return isinstance(x, tuple) and len(x) in (2, 3) and isinstance(x[0], tuple)
 
 
-def init_params_np(cfg, seed: int = 0) -> dict:
+def init_params_np(cfg, seed: int = 0, mtp=None) -> dict:
   """Params laid out as ``model.init_params(cfg, key)``, with its distributions.
 
   N(0, 1/fan_in) matrices (embeddings N(0, 1), or N(0, 1/d_model) when tied), unit
@@ -28,6 +28,8 @@ def init_params_np(cfg, seed: int = 0) -> dict:
   Args:
     cfg: the model config.
     seed: the numpy generator seed.
+    mtp: as ``model.init_params``'s: None, or the optional parts of the ``mtp`` layers to
+      add (drawn after every main-model leaf, so those are the same either way).
 
   Returns:
     The params pytree (jax arrays).
@@ -46,4 +48,4 @@ def init_params_np(cfg, seed: int = 0) -> dict:
     # or fill would compile a small program per shape.
     return jnp.asarray(x.astype(dt))
 
-  return jax.tree_util.tree_map(leaf, model.param_specs(cfg), is_leaf=_is_spec)
+  return jax.tree_util.tree_map(leaf, model.param_specs(cfg, mtp=mtp), is_leaf=_is_spec)

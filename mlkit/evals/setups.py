@@ -107,13 +107,19 @@ class EvalSetup:
 _TRAIN_TASKS = TaskConfig(arith_digits=(1, 2), retrieval_pairs=(1, 10), key_letters=1)
 _EVAL_TASKS = TaskConfig(arith_digits=(1, 2), retrieval_pairs=(6, 10), key_letters=1,
                          query_first=True)
+# Every stage trains the preset's multi-token-prediction layer (MINI_MLA and TINY_MLA have one)
+# beside the model, with DeepSeek-V3's early-phase weight, so that the trained checkpoint has
+# MTP layers to draft with (docs/speculative.md). The main model's loss is unchanged; the
+# field is part of the fingerprint, so models cached without MTP layers are not reused.
+MTP_LOSS_WEIGHT = 0.3
 # Stage 1 learns the sums, the tool-call format and copying a value from the context (~18 min
 # on 2 cores). It does not learn which key's value to copy: its retrieval accuracy falls to
 # chance with 2 or more pairs.
 _STAGE1 = TrainSetup(
     model=MINI_MLA,
     train=TrainConfig(steps=2400, batch_size=16, seq_len=96, learning_rate=3e-3, warmup_steps=50,
-                      bias_update_rate=1e-3, log_every=25, checkpoint_every=200, seed=0),
+                      bias_update_rate=1e-3, log_every=25, checkpoint_every=200, seed=0,
+                      mtp_loss_weight=MTP_LOSS_WEIGHT),
     tasks=_TRAIN_TASKS)
 # Stage 2 continues it with retrieval drawn twice as often, over 2-10 pairs, where matching the
 # key is the only way to the answer (~8 min). Measured: tool calls rose from 76.8% to 85.5% exact,
@@ -121,7 +127,8 @@ _STAGE1 = TrainSetup(
 _STAGE2 = TrainSetup(
     model=MINI_MLA,
     train=TrainConfig(steps=1000, batch_size=16, seq_len=96, learning_rate=2e-3, warmup_steps=30,
-                      bias_update_rate=1e-3, log_every=25, checkpoint_every=200, seed=1),
+                      bias_update_rate=1e-3, log_every=25, checkpoint_every=200, seed=1,
+                      mtp_loss_weight=MTP_LOSS_WEIGHT),
     tasks=TaskConfig(arith_digits=(1, 2), retrieval_pairs=(2, 10), key_letters=1),
     task_mix=("arithmetic", "retrieval", "retrieval", "tool_call"), parent=_STAGE1)
 # Stage 3 asks for the key before the context, so each pair can be compared with the query as
@@ -130,7 +137,8 @@ _STAGE2 = TrainSetup(
 _STAGE3 = TrainSetup(
     model=MINI_MLA,
     train=TrainConfig(steps=1000, batch_size=16, seq_len=96, learning_rate=2e-3, warmup_steps=30,
-                      bias_update_rate=1e-3, log_every=25, checkpoint_every=200, seed=2),
+                      bias_update_rate=1e-3, log_every=25, checkpoint_every=200, seed=2,
+                      mtp_loss_weight=MTP_LOSS_WEIGHT),
     tasks=TaskConfig(arith_digits=(1, 2), retrieval_pairs=(1, 10), key_letters=1, query_first=True),
     task_mix=("arithmetic", "retrieval", "retrieval", "tool_call"), parent=_STAGE2)
 # Stage 4 trains with segment ids: each example attends only to itself, from position 0, as
@@ -147,7 +155,7 @@ _STAGE4 = dataclasses.replace(
 _STAGE5 = dataclasses.replace(
     _STAGE4, train=dataclasses.replace(_STAGE4.train, seed=4), parent=_STAGE4)
 _SMOKE_TRAIN = TrainConfig(steps=3, batch_size=2, seq_len=96, warmup_steps=1, log_every=1,
-                           checkpoint_every=2, seed=0)
+                           checkpoint_every=2, seed=0, mtp_loss_weight=MTP_LOSS_WEIGHT)
 # The smoke model: TINY_MLA cut to one MoE layer (routed experts for the int4 recipes, MLA
 # attention for the KV pools), so the run compiles as little as it can.
 _SMOKE_MODEL = dataclasses.replace(TINY_MLA, n_layers=1, first_k_dense=0)

@@ -22,9 +22,10 @@ weight formats. Layout::
     enorm [D], hnorm [D], head_norm [D], and where the checkpoint has them its own
     embed [V, D], lm_head [D, V] and (sparse attention) indexer weights in attn.
 
-The model does not run the ``mtp`` layers (they are for speculative decoding);
-:func:`param_specs` leaves them out unless asked (``mtp=``), and
-:func:`check_params` accepts a tree with or without them.
+The serving forward (``mlkit.model.apply``) does not run the ``mtp`` layers;
+``mlkit.model.mtp`` does (training's MTP loss, later speculative decoding).
+:func:`param_specs` and :func:`init_params` leave them out unless asked (``mtp=``),
+and :func:`check_params` accepts a tree with or without them.
 """
 
 from __future__ import annotations
@@ -181,23 +182,23 @@ def _is_spec(x) -> bool:
   return isinstance(x, tuple) and len(x) in (2, 3) and isinstance(x[0], tuple)
 
 
-def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
-  """Random params for ``cfg`` (see :func:`_init_params`); compiled once per config."""
-  return _init_params_jit(cfg, key)
-
-
-def _init_params(cfg: ModelConfig, key: jax.Array) -> dict:
-  """Random params for ``cfg``: N(0, 1/fan_in) matrices, unit norms, zero router bias.
+def init_params(cfg: ModelConfig, key: jax.Array, *, mtp: Iterable[str] | None = None) -> dict:
+  """Random params for ``cfg`` (see :func:`_init_params`); compiled once per config.
 
   Args:
     cfg: the model config.
     key: a PRNG key.
-
-  Returns:
-    The params pytree described in this module's docstring, in ``cfg.param_dtype``
-    (router weights and bias in f32, because routing decisions are precision sensitive).
+    mtp: None (the default): the serving model only. Otherwise the optional MTP parts
+      (:data:`MTP_OPTIONAL`) to create, and ``params["mtp"]`` holds ``cfg.n_mtp_layers``
+      layers of :func:`mtp_specs` (``()``: layers that share the main model's
+      embedding and head, as training builds them). The main model's params are the
+      same with or without them: the MTP layers are drawn from their own key.
   """
-  specs = param_specs(cfg)
+  return _init_params_jit(cfg, key, None if mtp is None else frozenset(mtp))
+
+
+def _draw(specs, cfg: ModelConfig, key: jax.Array):
+  """Fills a (shape, kind[, dtype]) spec tree: N(0, 1/fan_in) matrices, unit norms, zeros."""
   leaves, treedef = jax.tree_util.tree_flatten(specs, is_leaf=_is_spec)
   keys = jax.random.split(key, len(leaves))
   dtype = jnp.dtype(cfg.param_dtype)
@@ -228,7 +229,40 @@ def _init_params(cfg: ModelConfig, key: jax.Array) -> dict:
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-_init_params_jit = jax.jit(_init_params, static_argnums=0)
+def _init_params(cfg: ModelConfig, key: jax.Array, mtp: frozenset[str] | None = None) -> dict:
+  """Random params for ``cfg``: N(0, 1/fan_in) matrices, unit norms, zero router bias.
+
+  Args:
+    cfg: the model config.
+    key: a PRNG key.
+    mtp: None, or the optional MTP parts of the ``mtp`` layers to add (see :func:`init_params`).
+
+  Returns:
+    The params pytree described in this module's docstring, in ``cfg.param_dtype``
+    (router weights and bias in f32, because routing decisions are precision sensitive).
+  """
+  params = _draw(param_specs(cfg), cfg, key)
+  if mtp is not None and cfg.n_mtp_layers:
+    params["mtp"] = _init_mtp_params(cfg, key, mtp)
+  return params
+
+
+def _init_mtp_params(cfg: ModelConfig, key: jax.Array, parts: frozenset[str]) -> list:
+  # Their own key, so that asking for them leaves every main-model weight as it was.
+  return _draw(mtp_specs(cfg, parts), cfg, jax.random.fold_in(key, 1))
+
+
+_init_params_jit = jax.jit(_init_params, static_argnums=(0, 2))
+_init_mtp_params_jit = jax.jit(_init_mtp_params, static_argnums=(0, 2))
+
+
+def init_mtp_params(cfg: ModelConfig, key: jax.Array, parts: Iterable[str] = ()) -> list:
+  """Only the ``params["mtp"]`` layers that ``init_params(cfg, key, mtp=parts)`` creates.
+
+  For adding MTP layers to an existing main model (training from a model trained
+  without them) without compiling the main model's initialiser.
+  """
+  return _init_mtp_params_jit(cfg, key, frozenset(parts))
 
 
 def indexer_param_count(cfg: ModelConfig) -> int:

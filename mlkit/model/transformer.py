@@ -25,11 +25,64 @@ def _check_inputs(params: dict, tokens, positions, cfg: ModelConfig) -> None:
     raise ValueError(f"params have {len(params['layers'])} layers, config says {cfg.n_layers}")
 
 
+def decoder_layer(lp: dict, x: jax.Array, positions: jax.Array, cache, layer: int,
+                  cfg: ModelConfig, *, moe: bool, selection=None, batch_meta=None,
+                  mla_mode: str = "auto", backend: str | None = None,
+                  segment_ids: jax.Array | None = None, expert_sharding=None,
+                  decode_sharding=None):
+  """One decoder block: pre-norm attention and pre-norm FFN, each added to the residual.
+
+  The main model's layers and the multi-token-prediction layers (``mlkit.model.mtp``)
+  both run through here.
+
+  Args:
+    lp: the layer's params {attn_norm, ffn_norm, attn, ffn}.
+    x: [B, T, D] residual stream.
+    positions: [B, T] int32 positions.
+    cache: the KV cache or None (cache-free).
+    layer: the layer's index into the cache (and into ``cfg.indexer_types``).
+    cfg: the model config.
+    moe: whether the FFN is the MoE FFN (else the dense SwiGLU).
+    selection: sparse attention: the last full layer's selection (see ``attention_block``).
+    batch_meta, mla_mode, backend, segment_ids, expert_sharding, decode_sharding: as
+      :func:`apply`.
+
+  Returns:
+    (x [B, T, D], cache, selection, aux): aux is the MoE router statistics
+    {expert_load, router_prob: [E]} or None for a dense FFN.
+  """
+  h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+  if cfg.sparse_attention:
+    attn_out, cache, selection = attention_block(
+        lp["attn"], h, positions, cache, layer, cfg, batch_meta=batch_meta, mla_mode=mla_mode,
+        backend=backend, segment_ids=segment_ids, selection=selection,
+        decode_sharding=decode_sharding)
+  else:
+    attn_out, cache = attention_block(lp["attn"], h, positions, cache, layer, cfg,
+                                      batch_meta=batch_meta, mla_mode=mla_mode,
+                                      backend=backend, segment_ids=segment_ids,
+                                      decode_sharding=decode_sharding)
+  x = x + attn_out
+  h = rms_norm(x, lp["ffn_norm"], cfg.rms_norm_eps)
+  aux = None
+  if moe:
+    ffn_out, aux = moe_ffn(lp["ffn"], h, cfg, backend=backend, expert_sharding=expert_sharding)
+  else:
+    ffn_out = swiglu(lp["ffn"], h, backend=backend)
+  # Materialise the residual stream once per layer. Without the barrier XLA fuses the
+  # chain of residual adds into every consumer, recomputing x from all earlier layers'
+  # all-reduced outputs, which then all stay live to the end of the step (two [T, D]
+  # f32 buffers per layer: 0.47 GB per layer for an 8192-token Kimi prefill chunk).
+  x = jax.lax.optimization_barrier(x + ffn_out)
+  return x, cache, selection, aux
+
+
 def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
           cfg: ModelConfig, batch_meta=None, mla_mode: str = "auto",
           backend: str | None = None, return_aux: bool = False, return_hidden: bool = False,
           segment_ids: jax.Array | None = None, expert_sharding=None,
-          decode_sharding=None, logits_index: jax.Array | None = None):
+          decode_sharding=None, logits_index: jax.Array | None = None,
+          return_pre_norm: bool = False):
   """Runs the model over a chunk of tokens, reading and writing the cache.
 
   Args:
@@ -58,10 +111,14 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
       at this index of each row's T tokens, [B, 1, V]. Serving samples one token
       per row, and a prefill chunk's ``lm_head`` over all T tokens would be most of
       its vocabulary-sized work (T x D x V per row).
+    return_pre_norm: also return the final hidden states before ``final_norm``
+      [B, T, D] (at ``logits_index`` when given), last: the input of the first
+      multi-token-prediction layer (``mlkit.model.mtp``).
 
   Returns:
     (logits [B, T, V] f32 ([B, 1, V] with ``logits_index``), cache), plus an aux dict
-    {expert_load, router_prob: [n_moe_layers, E]} when ``return_aux``.
+    {expert_load, router_prob: [n_moe_layers, E]} when ``return_aux``, plus the
+    pre-norm hidden states when ``return_pre_norm``.
 
   Raises:
     ValueError: on malformed shapes or a params/config mismatch.
@@ -80,33 +137,16 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
   selection = None  # sparse attention: the last full layer's selection (attention_block)
   for i, lp in enumerate(params["layers"]):
     with jax.named_scope(f"layer_{i}"):
-      h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-      if cfg.sparse_attention:
-        attn_out, cache, selection = attention_block(
-            lp["attn"], h, positions, cache, i, cfg, batch_meta=batch_meta, mla_mode=mla_mode,
-            backend=backend, segment_ids=segment_ids, selection=selection,
-            decode_sharding=decode_sharding)
-      else:
-        attn_out, cache = attention_block(lp["attn"], h, positions, cache, i, cfg,
-                                          batch_meta=batch_meta, mla_mode=mla_mode,
-                                          backend=backend, segment_ids=segment_ids,
-                                          decode_sharding=decode_sharding)
-      x = x + attn_out
-      h = rms_norm(x, lp["ffn_norm"], cfg.rms_norm_eps)
-      if cfg.is_moe_layer(i):
-        ffn_out, aux = moe_ffn(lp["ffn"], h, cfg, backend=backend,
-                               expert_sharding=expert_sharding)
+      x, cache, selection, aux = decoder_layer(
+          lp, x, positions, cache, i, cfg, moe=cfg.is_moe_layer(i), selection=selection,
+          batch_meta=batch_meta, mla_mode=mla_mode, backend=backend, segment_ids=segment_ids,
+          expert_sharding=expert_sharding, decode_sharding=decode_sharding)
+      if aux is not None:
         loads.append(aux["expert_load"])
         probs.append(aux["router_prob"])
-      else:
-        ffn_out = swiglu(lp["ffn"], h, backend=backend)
-      # Materialise the residual stream once per layer. Without the barrier XLA fuses the
-      # chain of residual adds into every consumer, recomputing x from all earlier layers'
-      # all-reduced outputs, which then all stay live to the end of the step (two [T, D]
-      # f32 buffers per layer: 0.47 GB per layer for an 8192-token Kimi prefill chunk).
-      x = jax.lax.optimization_barrier(x + ffn_out)
   if logits_index is not None:
     x = jnp.take_along_axis(x, logits_index.astype(jnp.int32)[:, None, None], axis=1)  # [B, 1, D]
+  pre_norm = x  # [B, T, D]: what the first multi-token-prediction layer reads
   x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   if return_hidden:
     out = x
@@ -117,8 +157,8 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
   if return_aux:
     aux = {"expert_load": jnp.stack(loads) if loads else jnp.zeros((0,)),
            "router_prob": jnp.stack(probs) if probs else jnp.zeros((0,))}
-    return out, cache, aux
-  return out, cache
+    return (out, cache, aux, pre_norm) if return_pre_norm else (out, cache, aux)
+  return (out, cache, pre_norm) if return_pre_norm else (out, cache)
 
 
 def segment_positions(segment_ids: jax.Array) -> jax.Array:

@@ -139,9 +139,10 @@ KIMI = Variant("kimi-k2.6 int4 experts", KIMI_K2_6, INT4_EXPERTS, deployments.KI
 GLM_FP8 = Variant("glm-5.2 fp8", GLM_5_2, FP8_ALL, deployments.GLM_WORK)
 GLM_INT4 = Variant("glm-5.2 int4 experts", GLM_5_2, INT4_EXPERTS, deployments.GLM_WORK)
 # Smoke: TINY_MLA (one dense + one MoE layer: compiled at full depth) with 8 heads and 8
-# experts, so that both split 8 ways, in bf16.
+# experts, so that both split 8 ways, in bf16; without TINY_MLA's MTP layer, whose weights
+# the serving step would not read.
 TINY = dataclasses.replace(TINY_MLA, name="tiny-mla-8way", n_layers=2, n_heads=8, dtype="bfloat16",
-                           param_dtype="bfloat16")
+                           param_dtype="bfloat16", n_mtp_layers=0)
 TINY_WORK = pm.Workload(96, 32)
 
 

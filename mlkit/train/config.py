@@ -40,6 +40,11 @@ class TrainConfig:
   bias_update_rate: float = 1e-3
   # Weight of the auxiliary balance loss alpha * E * sum_i f_i P_i for "aux".
   aux_loss_weight: float = 1e-2
+  # Weight lambda of the multi-token-prediction loss (DeepSeek-V3: 0.3 early, 0.1 later), added
+  # when the model declares MTP layers (ModelConfig.n_mtp_layers). 0 (the default, so that a
+  # preset gaining MTP layers trains as before unless asked) disables it and leaves the MTP
+  # layers out of the train state.
+  mtp_loss_weight: float = 0.0
   # None: dropless training through the same exact ragged grouped matmul serving uses (on CPU
   # its block-sparse form, ``mlkit.quant.dispatch.ragged_dot_f32``). A float: capacity-slab
   # dispatch (``mlkit.train.experts.CapacityExperts``) with this many slab rows per expert as a
@@ -82,6 +87,8 @@ class TrainConfig:
       raise ValueError(f"TrainConfig.bias_update_rate must be >= 0, got {self.bias_update_rate}")
     if not self.aux_loss_weight >= 0:
       raise ValueError(f"TrainConfig.aux_loss_weight must be >= 0, got {self.aux_loss_weight}")
+    if not (isinstance(self.mtp_loss_weight, (int, float)) and self.mtp_loss_weight >= 0):
+      raise ValueError(f"TrainConfig.mtp_loss_weight must be >= 0, got {self.mtp_loss_weight!r}")
     if self.capacity_factor is not None and not (
         isinstance(self.capacity_factor, (int, float)) and self.capacity_factor >= 1):
       raise ValueError(f"TrainConfig.capacity_factor must be None (dropless) or >= 1, "

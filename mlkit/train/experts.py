@@ -112,14 +112,20 @@ def dropped_fraction(expert_load: jax.Array, top_k: int, tokens: int,
 
 
 def wrap_experts(params: dict, capacity_factor: float = 2.0) -> dict:
-  """Params with every routed-expert weight [E, K, N] wrapped in :class:`CapacityExperts`."""
-  layers = []
-  for lp in params["layers"]:
-    ffn = lp["ffn"]
-    if "router" in ffn:
-      ffn = dict(ffn)
-      for name in ("w_gate", "w_up", "w_down"):
-        ffn[name] = CapacityExperts(ffn[name], capacity_factor)
-      lp = dict(lp, ffn=ffn)
-    layers.append(lp)
-  return dict(params, layers=layers)
+  """Params with every routed-expert weight [E, K, N] wrapped in :class:`CapacityExperts`
+  (the main layers' and the multi-token-prediction layers')."""
+  def wrap(layers):
+    out = []
+    for lp in layers:
+      ffn = lp["ffn"]
+      if "router" in ffn:
+        ffn = dict(ffn)
+        for name in ("w_gate", "w_up", "w_down"):
+          ffn[name] = CapacityExperts(ffn[name], capacity_factor)
+        lp = dict(lp, ffn=ffn)
+      out.append(lp)
+    return out
+  wrapped = dict(params, layers=wrap(params["layers"]))
+  if params.get("mtp"):
+    wrapped["mtp"] = wrap(params["mtp"])
+  return wrapped

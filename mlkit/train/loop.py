@@ -22,7 +22,8 @@ import optax
 import orbax.checkpoint as ocp
 
 from mlkit.config import ModelConfig
-from mlkit.model import apply, init_params, segment_positions
+from mlkit.model import apply, init_params, mtp_forward_all, segment_positions
+from mlkit.model.params import init_mtp_params
 from mlkit.train.config import TrainConfig
 from mlkit.train.experts import dropped_fraction, wrap_experts
 
@@ -56,10 +57,25 @@ def make_optimizer(tcfg: TrainConfig) -> optax.GradientTransformation:
                   mask=_decay_mask))
 
 
+def trains_mtp(cfg: ModelConfig, tcfg: TrainConfig) -> bool:
+  """Whether training adds the multi-token-prediction loss (and holds the MTP layers)."""
+  return bool(cfg.n_mtp_layers and tcfg.mtp_loss_weight > 0)
+
+
 def init_train_state(cfg: ModelConfig, tcfg: TrainConfig, params=None) -> dict:
-  """A fresh train state: f32 params (from ``init_params`` unless given), optimizer state, step 0."""
+  """A fresh train state: f32 params (from ``init_params`` unless given), optimizer state, step 0.
+
+  When training runs the MTP loss (:func:`trains_mtp`) the params get ``cfg.n_mtp_layers``
+  fresh MTP layers (sharing the main embedding and head) unless they hold some; the main
+  model's params are the same either way.
+  """
+  ccfg = compute_config(cfg, tcfg)
+  key = jax.random.key(tcfg.seed)
+  mtp = trains_mtp(cfg, tcfg)
   if params is None:
-    params = init_params(compute_config(cfg, tcfg), jax.random.key(tcfg.seed))
+    params = init_params(ccfg, key, mtp=() if mtp else None)
+  elif mtp and "mtp" not in params:
+    params = dict(params, mtp=init_mtp_params(ccfg, key))
   params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), params)
   return {"params": params, "opt_state": make_optimizer(tcfg).init(params),
           "step": jnp.zeros((), jnp.int32)}
@@ -71,7 +87,14 @@ def _is_router_bias(path) -> bool:
 
 def loss_fn(params, tokens: jax.Array, weights: jax.Array, segment_ids: jax.Array | None = None, *,
             cfg: ModelConfig, tcfg: TrainConfig):
-  """Weighted next-token cross entropy plus (for balance="aux") the balance loss.
+  """Weighted next-token cross entropy plus (for balance="aux") the balance loss, plus the
+  multi-token-prediction loss.
+
+  The MTP loss (when ``tcfg.mtp_loss_weight`` > 0 and ``params`` hold ``mtp`` layers):
+  depth k at input position i predicts t_{i+k+1}; its cross entropy is averaged over the
+  positions whose target exists, has weight and lies in the same segment, then over the
+  depths, and added times ``mtp_loss_weight`` (DeepSeek-V3's lambda). The balance loss
+  counts the main model's MoE layers only.
 
   Args:
     params: f32 params.
@@ -84,7 +107,8 @@ def loss_fn(params, tokens: jax.Array, weights: jax.Array, segment_ids: jax.Arra
     tcfg: the train config.
 
   Returns:
-    (total loss, metrics dict of scalars and ``expert_load`` [n_moe_layers, E]).
+    (total loss, metrics dict of scalars and ``expert_load`` [n_moe_layers, E]; with the
+    MTP loss also ``mtp_loss`` and ``mtp_expert_load`` [n_mtp_layers, E]).
   """
   inputs, targets, w = tokens[:, :-1], tokens[:, 1:], weights[:, 1:]
   segs = None if segment_ids is None else segment_ids[:, :-1]
@@ -92,11 +116,14 @@ def loss_fn(params, tokens: jax.Array, weights: jax.Array, segment_ids: jax.Arra
                if segs is None else segment_positions(segs))
   if tcfg.capacity_factor is not None:
     params = wrap_experts(params, tcfg.capacity_factor)
-  logits, _, aux = apply(params, inputs, positions, None, cfg=cfg, return_aux=True,
-                         segment_ids=segs)  # [B, T-1, V]
-  logp = jax.nn.log_softmax(logits, axis=-1)
-  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [B, T-1]
-  ce = jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1e-6)
+  run_mtp = tcfg.mtp_loss_weight > 0 and bool(params.get("mtp"))
+  if run_mtp:
+    logits, _, aux, pre_norm = apply(params, inputs, positions, None, cfg=cfg, return_aux=True,
+                                     segment_ids=segs, return_pre_norm=True)  # [B, T-1, V]
+  else:
+    logits, _, aux = apply(params, inputs, positions, None, cfg=cfg, return_aux=True,
+                           segment_ids=segs)  # [B, T-1, V]
+  ce = _weighted_ce(logits, targets, w)
   load, prob = aux["expert_load"], aux["router_prob"]  # [L, E] each
   if cfg.n_moe_layers:
     E = cfg.n_routed_experts
@@ -105,7 +132,31 @@ def loss_fn(params, tokens: jax.Array, weights: jax.Array, segment_ids: jax.Arra
   else:
     balance = jnp.zeros(())
   total = ce + (tcfg.aux_loss_weight * balance if tcfg.balance == "aux" else 0.0)
-  return total, {"loss": ce, "balance_loss": balance, "expert_load": load}
+  metrics = {"loss": ce, "balance_loss": balance, "expert_load": load}
+  if run_mtp:
+    mtp_logits, mtp_aux = mtp_forward_all(params, pre_norm, inputs, cfg=cfg, positions=positions,
+                                          segment_ids=segs, return_aux=True)  # [K, B, T-1, V]
+    T = inputs.shape[1]
+    losses = []
+    for k in range(1, mtp_logits.shape[0] + 1):
+      # Depth k at position i predicts tokens[:, i + k + 1] = targets[:, i + k].
+      tk = jnp.pad(targets[:, k:], ((0, 0), (0, min(k, T))))  # [B, T-1]
+      wk = jnp.pad(w[:, k:], ((0, 0), (0, min(k, T))))
+      if segs is not None:  # the target must belong to the position's own sequence
+        seg_t = jnp.pad(segment_ids[:, 1:][:, k:], ((0, 0), (0, min(k, T))), constant_values=-1)
+        wk = wk * (seg_t == segs)
+      losses.append(_weighted_ce(mtp_logits[k - 1], tk, wk))
+    mtp_loss = jnp.mean(jnp.stack(losses))
+    total = total + tcfg.mtp_loss_weight * mtp_loss
+    metrics.update(mtp_loss=mtp_loss, mtp_expert_load=mtp_aux["expert_load"])
+  return total, metrics
+
+
+def _weighted_ce(logits: jax.Array, targets: jax.Array, w: jax.Array) -> jax.Array:
+  """Cross entropy of logits [B, T, V] against targets [B, T], weighted by w [B, T]."""
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [B, T]
+  return jnp.sum(nll * w) / jnp.maximum(jnp.sum(w), 1e-6)
 
 
 def update_router_bias(params, expert_load: jax.Array, cfg: ModelConfig, rate: float):
@@ -139,6 +190,18 @@ def update_router_bias(params, expert_load: jax.Array, cfg: ModelConfig, rate: f
   return dict(params, layers=layers)
 
 
+def _update_mtp_router_bias(params, expert_load: jax.Array, cfg: ModelConfig, rate: float):
+  """:func:`update_router_bias` for the MTP layers (expert_load [n_mtp_layers, E])."""
+  if cfg.router != "sigmoid" or not expert_load.size:
+    return params
+  mtp = []
+  for j, lp in enumerate(params["mtp"]):
+    load = expert_load[j]
+    ffn = dict(lp["ffn"], router_bias=lp["ffn"]["router_bias"] + rate * jnp.sign(jnp.mean(load) - load))
+    mtp.append(dict(lp, ffn=ffn))
+  return dict(params, mtp=mtp)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "tcfg"), donate_argnames=("state",))
 def train_step(state: dict, tokens: jax.Array, weights: jax.Array,
                segment_ids: jax.Array | None = None, *, cfg: ModelConfig, tcfg: TrainConfig):
@@ -154,7 +217,8 @@ def train_step(state: dict, tokens: jax.Array, weights: jax.Array,
   Returns:
     (new state, metrics): loss, balance_loss, grad_norm, lr, max_load (max over
     experts of load * E, averaged over layers; 1 is perfect balance), dropped
-    (fraction of expert assignments over slab capacity).
+    (fraction of expert assignments over slab capacity), and mtp_loss when the
+    multi-token-prediction loss runs (see :func:`loss_fn`).
   """
   params = state["params"]
   (_, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, weights, segment_ids,
@@ -169,6 +233,8 @@ def train_step(state: dict, tokens: jax.Array, weights: jax.Array,
   load = m["expert_load"]
   if tcfg.balance == "bias":
     params = update_router_bias(params, load, cfg, tcfg.bias_update_rate)
+    if "mtp_expert_load" in m:
+      params = _update_mtp_router_bias(params, m["mtp_expert_load"], cfg, tcfg.bias_update_rate)
   n_tok = tokens.shape[0] * (tokens.shape[1] - 1)
   metrics = {
       "loss": m["loss"], "balance_loss": m["balance_loss"], "grad_norm": grad_norm,
@@ -177,6 +243,8 @@ def train_step(state: dict, tokens: jax.Array, weights: jax.Array,
       "dropped": (dropped_fraction(load, cfg.top_k, n_tok, tcfg.capacity_factor)
                   if load.size and tcfg.capacity_factor is not None else jnp.zeros(())),
   }
+  if "mtp_loss" in m:
+    metrics["mtp_loss"] = m["mtp_loss"]
   return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
 
@@ -301,7 +369,8 @@ def train(cfg: ModelConfig, tcfg: TrainConfig, batch_fn: BatchFn, *,
       m.update(step=step, seconds=now - t_start)
       history.append(m)
       if progress:
-        progress(f"train: step {step}/{tcfg.steps} loss {m['loss']:.4f} lr {m['lr']:.2e} "
+        mtp = f" mtp {m['mtp_loss']:.4f}" if "mtp_loss" in m else ""
+        progress(f"train: step {step}/{tcfg.steps} loss {m['loss']:.4f}{mtp} lr {m['lr']:.2e} "
                  f"|g| {m['grad_norm']:.2f} max-load {m['max_load']:.2f} "
                  f"dropped {100 * m['dropped']:.2f}% ({m['seconds']:.0f} s)")
     if mgr is not None and tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0:
@@ -324,6 +393,8 @@ def plot_loss(history: list[dict], path: str, title: str = "training loss") -> s
   steps = [h["step"] for h in history]
   fig, ax = plt.subplots(figsize=(6, 3.5))
   ax.plot(steps, [h["loss"] for h in history], "-o", ms=2, label="loss (weighted CE)")
+  if history and all("mtp_loss" in h for h in history):
+    ax.plot(steps, [h["mtp_loss"] for h in history], "-", lw=1, label="MTP loss")
   ax.set_xlabel("step")
   ax.set_ylabel("loss")
   ax.set_yscale("log")
