@@ -218,7 +218,9 @@ class ConvertTest(absltest.TestCase):
       return edit
     cases = [
         (drop_shard, r"shard model-00002-of-00002\.safetensors listed in .* is missing"),
-        (edit_config(num_hidden_layers=2), r"tensor model\.layers\.2\..* belongs to layer 2"),
+        # (no MTP layer: one would take index 2 and be reported missing instead)
+        (edit_config(num_hidden_layers=2, num_nextn_predict_layers=0),
+         r"tensor model\.layers\.2\..* belongs to layer 2"),
         (edit_config(moe_intermediate_size=64), r"tensor model\.layers\..*experts.* has shape"),
     ]
     for edit, pattern in cases:
