@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from mlkit.measure import machine_info
+from pallas_kernels.tables import markdown_table  # noqa: F401  (experiments call common.markdown_table)
 
 
 def median_time(fn: Callable[[], object], *, warmup: int = 1, iters: int = 5) -> float:
@@ -38,16 +39,6 @@ def write_json(out_dir: str, name: str, record: dict) -> str:
   with open(path, "w") as f:
     json.dump(record, f, indent=2, sort_keys=True, default=str)
   return path
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-  def fmt(v):
-    if isinstance(v, float):
-      return f"{v:,.3g}" if abs(v) < 1000 else f"{v:,.0f}"
-    return f"{v:,}" if isinstance(v, int) else str(v)
-  lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-  lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
-  return "\n".join(lines) + "\n"
 
 
 def write_markdown(out_dir: str, name: str, text: str) -> str:
