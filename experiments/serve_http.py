@@ -5,13 +5,18 @@ What the front door costs. A colocated pool (random params, f32 KV, batch bucket
 32 tokens, 64 output tokens each, at a fixed concurrency (a new request as soon
 as one ends):
 
-* **in process**: ``Engine.submit`` / ``step`` in this process, on the engine the
-  server builds (``mlkit.serve.model.build_engine``); TTFT from submit;
+* **engine loop**: ``Engine.submit`` / ``step`` in this process, on the engine the
+  server builds (``mlkit.serve.model.build_engine``); a request is submitted
+  between steps, the moment the one before it ends; TTFT from submit;
+* **in process**: the server's own engine thread (``ColocatedServer``) and its
+  hand-off to asyncio (``mlkit.serve.http.calls``) in this process, driven by
+  asyncio clients as the HTTP handlers drive it: everything but HTTP and the
+  second process; TTFT from the hand-off to the first token's arrival;
 * **HTTP**: ``python -m mlkit.serve --role colocated --http`` as a separate
   process, driven by ``mlkit.serve.bench`` (streamed completions) from this one;
   TTFT from the request's send to its first content chunk.
 
-The two run one after the other, at concurrency 1, 8 and 32, on SMALL_MLA (a
+The three run one after the other, at concurrency 1, 8 and 32, on SMALL_MLA (a
 decode step of 32 rows takes ~20 ms here) and on TINY_MLA (~2 ms: the front
 door's cost per token is the same, so this is its worst case). The client runs
 on the same two cores as the server. Targets (SMALL_MLA, concurrency 32): HTTP
@@ -69,6 +74,70 @@ def in_process(engine, n: int, concurrency: int, seed: int) -> dict:
           "median_tpot_ms": 1e3 * float(np.median(tpot))}
 
 
+def in_process_clients(engine, n: int, concurrency: int, seed: int) -> dict:
+  """The HTTP server's own engine loop and hand-off, in this process, without HTTP.
+
+  The engine runs ``ColocatedServer.serve_forever`` in a thread, as the server's main thread
+  does; ``concurrency`` asyncio clients submit ``Call`` objects to its inbox and read their
+  updates, as the HTTP handlers do (``mlkit.serve.http.calls``). A client sends its next
+  request when its last one's final update arrives, so new requests reach the engine while a
+  step runs and wait for its end, as HTTP clients' do; in the engine loop above
+  (:func:`in_process`) they are submitted between steps, before the next one starts. TTFT from
+  the submit to the first token's arrival on the asyncio side.
+  """
+  import asyncio
+  import threading
+
+  from mlkit.sampling import SamplingParams
+  from mlkit.serve.decode import ColocatedServer
+  from mlkit.serve.http.calls import HTTP, Accepted, Call
+  rng = np.random.default_rng(seed)
+  prompts = [rng.integers(0, 256, PROMPT).tolist() for _ in range(n)]
+  sampling = SamplingParams(max_new_tokens=OUTPUT)
+  server = ColocatedServer(engine, None, model_name="in-process", max_waiting=4 * n)
+  thread = threading.Thread(target=server.serve_forever, daemon=True, name="engine")
+  thread.start()
+  ttft, tpot, tokens, next_i = [], [], 0, iter(range(n))
+
+  async def client() -> None:
+    nonlocal tokens
+    loop = asyncio.get_running_loop()
+    for i in next_i:
+      call = Call([prompts[i]], [sampling], loop)
+      t0 = time.perf_counter()
+      server.inbox.queue.put((HTTP, {"kind": "http_submit", "call": call}))
+      first = await call.queue.get()
+      if not isinstance(first, Accepted):
+        raise RuntimeError(f"the in-process front door refused a request: {first}")
+      got, t_first = 0, None
+      while True:
+        u = await call.queue.get()
+        if u.tokens and t_first is None:
+          t_first = time.perf_counter()
+        got += len(u.tokens)
+        if u.done:
+          break
+      if u.abort_reason is not None:
+        raise RuntimeError(f"an in-process request was aborted: {u.abort_reason}: {u.error}")
+      ttft.append(t_first - t0)
+      tpot.append((time.perf_counter() - t_first) / max(got - 1, 1))
+      tokens += got
+
+  async def all_clients() -> float:
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return time.perf_counter() - t0
+
+  try:
+    wall = asyncio.run(all_clients())
+  finally:
+    server.stop()
+    thread.join(30)
+  return {"requests": n, "output_tokens": tokens, "duration_s": wall,
+          "output_tok_s": tokens / wall, "median_ttft_ms": 1e3 * float(np.median(ttft)),
+          "median_tpot_ms": 1e3 * float(np.median(tpot))}
+
+
 def over_http(base: str, n: int, concurrency: int, seed: int) -> dict:
   from mlkit.serve import bench
   r = bench.benchmark(bench.BenchConfig(
@@ -92,7 +161,7 @@ def _plot(path: str, rows: list[dict]) -> None:
   for model in dict.fromkeys(r["model"] for r in rows):
     mine = [r for r in rows if r["model"] == model]
     xs = [r["concurrency"] for r in mine]
-    for where, style in (("in_process", "o-"), ("http", "s--")):
+    for where, style in (("engine_loop", "^:"), ("in_process", "o-"), ("http", "s--")):
       label = f"{model}, {where.replace('_', ' ')}"
       a.plot(xs, [r[where]["output_tok_s"] for r in mine], style, label=label)
       b.plot(xs, [r[where]["median_ttft_ms"] for r in mine], style, label=label)
@@ -122,7 +191,8 @@ def one_model(model: str, levels, per_level) -> list[dict]:
   rows = []
   for c in levels:
     rows.append({"model": model, "concurrency": c,
-                 "in_process": in_process(engine, per_level(c), c, seed=c)})
+                 "engine_loop": in_process(engine, per_level(c), c, seed=c),
+                 "in_process": in_process_clients(engine, per_level(c), c, seed=c)})
   del engine, params
   jax.clear_caches()
   tmp = tempfile.mkdtemp(prefix="mlkit-serve-http-")
@@ -140,7 +210,8 @@ def one_model(model: str, levels, per_level) -> list[dict]:
                                            / row["in_process"]["output_tok_s"])
       row["http_added_ttft_ms"] = (row["http"]["median_ttft_ms"]
                                    - row["in_process"]["median_ttft_ms"])
-      common.progress(f"serve_http: {model}, concurrency {c}: in process "
+      common.progress(f"serve_http: {model}, concurrency {c}: engine loop "
+                      f"{row['engine_loop']['output_tok_s']:.0f} tok/s, in process "
                       f"{row['in_process']['output_tok_s']:.0f} tok/s, HTTP "
                       f"{row['http']['output_tok_s']:.0f} tok/s "
                       f"({100 * row['http_over_in_process_tok_s']:.0f}%), TTFT "
@@ -169,11 +240,18 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
         f"Colocated, random params, f32 KV, {PROMPT}-token prompts, {OUTPUT} output tokens, a "
         f"closed loop at each concurrency. `python -m experiments serve_http"
         f"{'' if quick else ' --full'}`.", "",
+        "Three ways: the **engine loop** submits between steps (no client reaction time); "
+        "**in process**, asyncio clients hand requests to the server's own engine thread and "
+        "read its updates as the HTTP handlers do, without HTTP; **HTTP** through the server "
+        "process and `mlkit.serve.bench`. The targets compare HTTP with in process: what HTTP "
+        "itself costs.", "",
         common.markdown_table(
-            ["model", "concurrency", "in-process tok/s", "HTTP tok/s", "HTTP / in-process",
-             "in-process TTFT ms", "HTTP TTFT ms", "added TTFT ms", "HTTP TPOT ms"],
-            [[r["model"], r["concurrency"], r["in_process"]["output_tok_s"],
-              r["http"]["output_tok_s"], f"{r['http_over_in_process_tok_s']:.2f}",
+            ["model", "concurrency", "engine-loop tok/s", "in-process tok/s", "HTTP tok/s",
+             "HTTP / in-process", "engine-loop TTFT ms", "in-process TTFT ms", "HTTP TTFT ms",
+             "added TTFT ms", "HTTP TPOT ms"],
+            [[r["model"], r["concurrency"], r["engine_loop"]["output_tok_s"],
+              r["in_process"]["output_tok_s"], r["http"]["output_tok_s"],
+              f"{r['http_over_in_process_tok_s']:.2f}", r["engine_loop"]["median_ttft_ms"],
               r["in_process"]["median_ttft_ms"], r["http"]["median_ttft_ms"],
               f"{r['http_added_ttft_ms']:+.1f}", r["http"]["median_tpot_ms"]] for r in rows]),
         "", f"Targets ({top['model']}, concurrency {top['concurrency']}): HTTP keeps at least "

@@ -170,9 +170,16 @@ class FrontDoor:
                                                engine.config.model.max_seq_len)
 
   def serve_forever(self) -> None:
-    self.inbox.accept_from(self.listener, self.client_kinds)
+    """Runs the engine thread's loop until a shutdown (or :meth:`stop`). Without a listener
+    (``None``: an in-process front door) only HTTP-side messages reach the inbox."""
+    if self.listener is not None:
+      self.inbox.accept_from(self.listener, self.client_kinds)
     while not self._stop:
       self.poll(0.0 if self._busy() else 0.02)
+
+  def stop(self) -> None:
+    """Ends :meth:`serve_forever` within one turn (from any thread)."""
+    self._stop = True
 
   def _busy(self) -> bool:
     # Only engine work spins the loop. Anything else waits on a message or a pull, both of which
