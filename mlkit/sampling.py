@@ -114,8 +114,25 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array,
                       lambda: greedy)
 
 
-def _sample_filtered(logits, keys, temperature, top_k, top_p, greedy):
-  """:func:`sample_tokens` for a batch with sampled rows (logits [B, V] f32, greedy [B])."""
+def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                    top_p: jax.Array) -> jax.Array:
+  """Temperature-scaled logits with everything outside the top-k/top-p set at -inf.
+
+  ``softmax`` of the result is the distribution a sampled row draws from: the one
+  :func:`sample_tokens` samples and speculative decoding's acceptance rule
+  (:mod:`mlkit.speculative`) compares drafts against, so both share this one filter.
+
+  Args:
+    logits: [B, V] f32.
+    temperature: [B] f32. Rows with 0 are scaled by 1/1e-6 instead (their values are
+      unused by the callers, which take the argmax there, but stay finite or -inf).
+    top_k: [B] int32; 0 disables the filter for that row.
+    top_p: [B] f32 in (0, 1]; 1 disables the filter for that row.
+
+  Returns:
+    [B, V] f32: the scaled logit where the token is kept, -inf elsewhere (at least the
+    largest logit of each row is kept).
+  """
   V = logits.shape[-1]
   scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
   sorted_desc = -jnp.sort(-scaled, axis=-1)  # [B, V]
@@ -129,7 +146,12 @@ def _sample_filtered(logits, keys, temperature, top_k, top_p, greedy):
   n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
   pth = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
   threshold = jnp.maximum(kth, pth)
-  filtered = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+  return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+def _sample_filtered(logits, keys, temperature, top_k, top_p, greedy):
+  """:func:`sample_tokens` for a batch with sampled rows (logits [B, V] f32, greedy [B])."""
+  filtered = filtered_logits(logits, temperature, top_k, top_p)  # [B, V]
   sampled = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
   return jnp.where(temperature > 0, sampled, greedy)
 
