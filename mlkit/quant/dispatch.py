@@ -60,6 +60,11 @@ _BLOCKED_MIN_WORK = 4096
 # (a 16-expert 512 x 256 projection over 8 rows), the CPU block forms are faster even for the few
 # rows of a decode step (docs/cpu_speed.md).
 _CPU_RAGGED_MAX_MACS = 1 << 24
+# The weight copy costs about as much as this many rows of that work, whatever M is: with a
+# 32-expert 256 x 256 weight, ragged_dot took ~1.2-1.6 ms at 1, 4, 8 and 32 rows alike, and the
+# block forms 0.15-0.4 ms, so a batch-1 decode step of SMALL_MLA ran 3.5x slower than a
+# batch-8 one (docs/cpu_speed.md).
+_CPU_RAGGED_COPY_ROWS = 32
 
 
 def ragged_dot_f32(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
@@ -94,7 +99,7 @@ def ragged_dot_f32(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     group_sizes: [G] int, summing to at most M.
     blocked: force (True) or forbid (False, plain ragged_dot) the block-sparse form;
       None picks it when M * G is large enough to matter, or on a CPU target when
-      ragged_dot's dense M * G * K * N work is.
+      ragged_dot's dense M * G * K * N work and its copy of the weight are.
     per_block: run the blocks one at a time (True) or batched (False); None: one at a time.
 
   Returns:
@@ -105,7 +110,8 @@ def ragged_dot_f32(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
   G, _, N = w.shape
   on_cpu = device.device_kind() == "cpu"
   if blocked is None:
-    blocked = M * G >= _BLOCKED_MIN_WORK or (on_cpu and M * G * K * N >= _CPU_RAGGED_MAX_MACS)
+    blocked = M * G >= _BLOCKED_MIN_WORK or (
+        on_cpu and (M + _CPU_RAGGED_COPY_ROWS) * G * K * N >= _CPU_RAGGED_MAX_MACS)
   if not blocked:
     return jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
   per_block = True if per_block is None else per_block
