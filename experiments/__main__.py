@@ -85,9 +85,10 @@ EXPERIMENTS = {
                    "an empty or full prefix cache and requests served; RSS (not in the default "
                    "suite: quick ~2 min with 20K requests served, --full ~2 min with 100K)"),
     "serve_http": ("experiments.serve_http",
-                   "the same workload in process and through the OpenAI-compatible HTTP API "
-                   "(mlkit.serve.bench) on SMALL_MLA and TINY_MLA: output tok/s and TTFT at "
-                   "concurrency 1-32 (not in the default suite: quick ~5.5 min)"),
+                   "the same workload through the engine loop, in process through the server's "
+                   "engine thread, and through the OpenAI-compatible HTTP API (mlkit.serve.bench) "
+                   "on SMALL_MLA and TINY_MLA: output tok/s and TTFT at concurrency 1-32 (not in "
+                   "the default suite: quick ~6 min)"),
     "serve_processes": ("experiments.serve_processes",
                         "prefill and decode as two server processes (mlkit.serve, KV over "
                         "jax.experimental.transfer) vs the in-process DisaggEngine: transfer MB/s, "
