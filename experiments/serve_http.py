@@ -49,11 +49,22 @@ def _flags(model: str, port: int) -> list[str]:
   return flags
 
 
+def _prompts(n: int, seed: int) -> list[list[int]]:
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, 256, PROMPT).tolist() for _ in range(n)]
+
+
+def _summary(n: int, tokens: int, wall: float, ttft: list, tpot: list) -> dict:
+  """One way's figures from its wall time and per-request TTFT / TPOT (seconds)."""
+  return {"requests": n, "output_tokens": tokens, "duration_s": wall,
+          "output_tok_s": tokens / wall, "median_ttft_ms": 1e3 * float(np.median(ttft)),
+          "median_tpot_ms": 1e3 * float(np.median(tpot))}
+
+
 def in_process(engine, n: int, concurrency: int, seed: int) -> dict:
   """Closed loop over ``engine``: ``concurrency`` requests in flight until ``n`` ended."""
   from mlkit.sampling import SamplingParams
-  rng = np.random.default_rng(seed)
-  prompts = [rng.integers(0, 256, PROMPT).tolist() for _ in range(n)]
+  prompts = _prompts(n, seed)
   sampling = SamplingParams(max_new_tokens=OUTPUT)
   live, done, next_i = {}, [], 0
   t0 = time.perf_counter()
@@ -69,9 +80,7 @@ def in_process(engine, n: int, concurrency: int, seed: int) -> dict:
   tokens = sum(len(r.output) for r in done)
   ttft = [r.first_token_time - r.arrival_time for r in done]
   tpot = [(r.finish_time - r.first_token_time) / (len(r.output) - 1) for r in done]
-  return {"requests": n, "output_tokens": tokens, "duration_s": wall,
-          "output_tok_s": tokens / wall, "median_ttft_ms": 1e3 * float(np.median(ttft)),
-          "median_tpot_ms": 1e3 * float(np.median(tpot))}
+  return _summary(n, tokens, wall, ttft, tpot)
 
 
 def in_process_clients(engine, n: int, concurrency: int, seed: int) -> dict:
@@ -80,10 +89,9 @@ def in_process_clients(engine, n: int, concurrency: int, seed: int) -> dict:
   The engine runs ``ColocatedServer.serve_forever`` in a thread, as the server's main thread
   does; ``concurrency`` asyncio clients submit ``Call`` objects to its inbox and read their
   updates, as the HTTP handlers do (``mlkit.serve.http.calls``). A client sends its next
-  request when its last one's final update arrives, so new requests reach the engine while a
-  step runs and wait for its end, as HTTP clients' do; in the engine loop above
-  (:func:`in_process`) they are submitted between steps, before the next one starts. TTFT from
-  the submit to the first token's arrival on the asyncio side.
+  request when its last one's final update arrives (in the engine loop, :func:`in_process`,
+  the next request is submitted between steps). TTFT from the submit to the first token's
+  arrival on the asyncio side.
   """
   import asyncio
   import threading
@@ -91,8 +99,7 @@ def in_process_clients(engine, n: int, concurrency: int, seed: int) -> dict:
   from mlkit.sampling import SamplingParams
   from mlkit.serve.decode import ColocatedServer
   from mlkit.serve.http.calls import HTTP, Accepted, Call
-  rng = np.random.default_rng(seed)
-  prompts = [rng.integers(0, 256, PROMPT).tolist() for _ in range(n)]
+  prompts = _prompts(n, seed)
   sampling = SamplingParams(max_new_tokens=OUTPUT)
   server = ColocatedServer(engine, None, model_name="in-process", max_waiting=4 * n)
   thread = threading.Thread(target=server.serve_forever, daemon=True, name="engine")
@@ -133,9 +140,7 @@ def in_process_clients(engine, n: int, concurrency: int, seed: int) -> dict:
   finally:
     server.stop()
     thread.join(30)
-  return {"requests": n, "output_tokens": tokens, "duration_s": wall,
-          "output_tok_s": tokens / wall, "median_ttft_ms": 1e3 * float(np.median(ttft)),
-          "median_tpot_ms": 1e3 * float(np.median(tpot))}
+  return _summary(n, tokens, wall, ttft, tpot)
 
 
 def over_http(base: str, n: int, concurrency: int, seed: int) -> dict:

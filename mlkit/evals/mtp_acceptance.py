@@ -135,8 +135,6 @@ def measure(params, cfg: ModelConfig, sequences: Sequence[Sequence[int]],
     if not 1 <= P < T:
       raise ValueError(f"mtp_acceptance: prompt length {P} leaves no continuation in a "
                        f"sequence of {T} tokens")
-    if T < 2:
-      continue
     greedy, draft = map(np.asarray, _forward_and_drafts(params, jnp.asarray([seq], jnp.int32),
                                                         cfg))
     s = np.asarray(seq)
