@@ -278,12 +278,17 @@ class PagedKVState:
                                     backend=backend)
 
 
-def init_paged_state(cfg: ModelConfig, kv_cfg: KVCacheConfig) -> PagedKVState:
+def init_paged_state(cfg: ModelConfig, kv_cfg: KVCacheConfig, draft_layers: int = 0
+                     ) -> PagedKVState:
   """An empty pool: zero pages, unit scales (fp8), all tags 0 (never allocated).
 
   Args:
     cfg: the model config (attention kind, entry shapes, layer count).
     kv_cfg: pool shape and dtype; page_size None takes the default for cfg.attention.
+    draft_layers: extra layers after the model's for the multi-token-prediction layer
+      that drafts speculative tokens (``mlkit.model.mtp.mtp_paged``): layer
+      ``cfg.n_layers + i`` holds drafter layer i's KV in the same pages, under the same
+      block tables and tags as the model's (docs/speculative.md).
 
   Returns:
     A :class:`PagedKVState`.
@@ -291,10 +296,16 @@ def init_paged_state(cfg: ModelConfig, kv_cfg: KVCacheConfig) -> PagedKVState:
   kv_cfg = kv_cfg.resolve(cfg)
   N, P = kv_cfg.num_pages, kv_cfg.page_size
   dtype = jnp.dtype(kv_cfg.dtype)
+  if draft_layers < 0:
+    raise ValueError(f"init_paged_state: draft_layers must be >= 0, got {draft_layers}")
+  if draft_layers and cfg.sparse_attention:
+    raise ValueError("init_paged_state: drafter layers on a sparse-attention model are not "
+                     "supported (its MTP layer runs an indexer of its own)")
   layers = []
-  for i in range(cfg.n_layers):
+  for i in range(cfg.n_layers + draft_layers):
     layer = {}
-    for name, shp in entry_shapes(cfg, i).items():
+    # A drafter layer caches what a model layer caches (dense attention: every layer alike).
+    for name, shp in entry_shapes(cfg, min(i, cfg.n_layers - 1)).items():
       layer[name] = jnp.zeros((N, P) + shp, dtype)
       if kv_cfg.is_fp8:
         layer[scale_name(name)] = jnp.ones((N, P) + shp[:-1], jnp.float32)

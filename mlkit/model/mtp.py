@@ -15,7 +15,10 @@ DeepSeek-V3's and vLLM's (``deepseek_mtp.py``). A layer uses its own ``embed`` a
 DeepSeek-V3's training). Positions beyond a row's tokens are padded (see
 :func:`mtp_forward_all`); causal attention keeps every earlier position exact.
 
-Speculative decoding with these layers is not built yet (docs/speculative.md).
+Serving drafts speculative tokens with depth 1 through the paged pool
+(:func:`mtp_paged`): its KV lives in an extra layer of the pool
+(``init_paged_state(..., draft_layers=1)``), written and read under the requests'
+block tables like every model layer's (docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -80,30 +83,97 @@ def mtp_forward(params: dict, hidden: jax.Array, tokens: jax.Array, *, cfg: Mode
     raise ValueError(f"mtp_forward: hidden {hidden.shape} must be [B, T, D] for tokens "
                      f"{tokens.shape} [B, T] and D={cfg.d_model}")
   lp = layers[depth - 1]
-  dtype = jnp.dtype(cfg.dtype)
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
   positions = positions.astype(jnp.int32)
   with jax.named_scope(f"mtp_{depth}"):
-    embed = lp.get("embed", params["embed"])
-    e = jnp.take(embed, tokens, axis=0).astype(dtype)  # [B, T, D]
-    eh = jnp.concatenate([rms_norm(e, lp["enorm"], cfg.rms_norm_eps),
-                          rms_norm(hidden.astype(dtype), lp["hnorm"], cfg.rms_norm_eps)],
-                         axis=-1)  # [B, T, 2D]
-    x = matmul(eh, lp["eh_proj"], backend=backend)  # [B, T, D]
+    x = _eh_proj(params, lp, hidden, tokens, cfg, backend)  # [B, T, D]
     lcfg = _layer_config(cfg, lp)
     # An MTP layer's FFN is MoE whenever the model has routed experts (mtp_specs).
     x, _, _, aux = decoder_layer(lp, x, positions, None, 0, lcfg, moe="router" in lp["ffn"],
                                  backend=backend, segment_ids=segment_ids)
-    h = rms_norm(x, lp["head_norm"], cfg.rms_norm_eps)
-    if "lm_head" in lp:
-      head = lp["lm_head"]
-    else:
-      head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    logits = matmul(h, head, out_dtype=jnp.float32, backend=backend)  # [B, T, V]
+    logits = _head(params, lp, x, cfg, backend)  # [B, T, V]
   if return_aux:
     return logits, x, aux
   return logits, x
+
+
+def mtp_paged(params: dict, hidden: jax.Array, tokens: jax.Array, positions: jax.Array,
+              cache, *, cfg: ModelConfig, batch_meta, backend: str | None = None,
+              logits_index: jax.Array | None = None, expert_sharding=None,
+              decode_sharding=None):
+  """Runs MTP depth 1 over a chunk through the paged pool: the drafter of speculative decoding.
+
+  Writes the layer's KV for the chunk into pool layer ``cfg.n_layers`` (the pool's
+  first drafter layer) and attends over the row's earlier positions there, as a model
+  layer does (T = 1 takes the paged decode path).
+
+  Args:
+    params: the params tree with at least one ``mtp`` layer.
+    hidden: [B, T, D] the input hidden states: the model's pre-norm final hidden state at
+      the same positions, or (drafting further ahead) the MTP layer's own output at the
+      position before.
+    tokens: [B, T] int the token after each position (t_{i+1}).
+    positions: [B, T] int the positions.
+    cache: the paged KV state with a drafter layer (``init_paged_state(draft_layers=1)``).
+    cfg: the model config.
+    batch_meta: the step's block tables and lengths (the cache's ``BatchMeta``).
+    backend, expert_sharding, decode_sharding: as :func:`mlkit.model.apply`.
+    logits_index: [B] int or None: logits only at this index of each row ([B, 1, V]).
+
+  Returns:
+    (logits [B, T, V] f32 (or [B, 1, V]): position i's prediction of t_{i+2}, hidden
+    [B, T, D] the layer's output before the head's norm, cache).
+
+  Raises:
+    ValueError: no ``mtp`` layers, a pool without a drafter layer, a sparse-attention
+      model, or mismatched shapes.
+  """
+  layers = params.get("mtp")
+  if not layers:
+    raise ValueError("mtp_paged: params hold no multi-token-prediction layers (params['mtp'])")
+  if cfg.sparse_attention:
+    raise ValueError("mtp_paged: drafting through the pool is not built for sparse-attention "
+                     "models")
+  if cache.n_layers <= cfg.n_layers:
+    raise ValueError(f"mtp_paged: the pool has {cache.n_layers} layers, none after the model's "
+                     f"{cfg.n_layers} for the drafter (init_paged_state(..., draft_layers=1))")
+  if tokens.ndim != 2 or hidden.shape != (*tokens.shape, cfg.d_model):
+    raise ValueError(f"mtp_paged: hidden {hidden.shape} must be [B, T, D] for tokens "
+                     f"{tokens.shape} [B, T] and D={cfg.d_model}")
+  lp = layers[0]
+  with jax.named_scope("mtp_draft"):
+    x = _eh_proj(params, lp, hidden, tokens, cfg, backend)  # [B, T, D]
+    x, cache, _, _ = decoder_layer(lp, x, positions.astype(jnp.int32), cache, cfg.n_layers, cfg,
+                                   moe="router" in lp["ffn"], batch_meta=batch_meta,
+                                   backend=backend, expert_sharding=expert_sharding,
+                                   decode_sharding=decode_sharding)
+    h = x
+    if logits_index is not None:
+      h = jnp.take_along_axis(x, logits_index.astype(jnp.int32)[:, None, None], axis=1)
+    logits = _head(params, lp, h, cfg, backend)
+  return logits, x, cache
+
+
+def _eh_proj(params: dict, lp: dict, hidden, tokens, cfg: ModelConfig, backend):
+  """h' = eh_proj([enorm(embed(tokens)); hnorm(hidden)]) [B, T, D]."""
+  dtype = jnp.dtype(cfg.dtype)
+  embed = lp.get("embed", params["embed"])
+  e = jnp.take(embed, tokens, axis=0).astype(dtype)  # [B, T, D]
+  eh = jnp.concatenate([rms_norm(e, lp["enorm"], cfg.rms_norm_eps),
+                        rms_norm(hidden.astype(dtype), lp["hnorm"], cfg.rms_norm_eps)],
+                       axis=-1)  # [B, T, 2D]
+  return matmul(eh, lp["eh_proj"], backend=backend)
+
+
+def _head(params: dict, lp: dict, x, cfg: ModelConfig, backend):
+  """The shared head with the layer's own norm: logits [B, T, V] f32."""
+  h = rms_norm(x, lp["head_norm"], cfg.rms_norm_eps)
+  if "lm_head" in lp:
+    head = lp["lm_head"]
+  else:
+    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+  return matmul(h, head, out_dtype=jnp.float32, backend=backend)
 
 
 def shift_tokens(tokens: jax.Array, k: int, pad: int = 0) -> jax.Array:

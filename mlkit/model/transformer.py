@@ -112,8 +112,9 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
       per row, and a prefill chunk's ``lm_head`` over all T tokens would be most of
       its vocabulary-sized work (T x D x V per row).
     return_pre_norm: also return the final hidden states before ``final_norm``
-      [B, T, D] (at ``logits_index`` when given), last: the input of the first
-      multi-token-prediction layer (``mlkit.model.mtp``).
+      [B, T, D] at every position (also with ``logits_index``), last: the input of the
+      first multi-token-prediction layer (``mlkit.model.mtp``), which a drafter runs over
+      a whole prefill chunk.
 
   Returns:
     (logits [B, T, V] f32 ([B, 1, V] with ``logits_index``), cache), plus an aux dict
@@ -144,9 +145,9 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
       if aux is not None:
         loads.append(aux["expert_load"])
         probs.append(aux["router_prob"])
+  pre_norm = x  # [B, T, D]: what the first multi-token-prediction layer reads, every position
   if logits_index is not None:
     x = jnp.take_along_axis(x, logits_index.astype(jnp.int32)[:, None, None], axis=1)  # [B, 1, D]
-  pre_norm = x  # [B, T, D]: what the first multi-token-prediction layer reads
   x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   if return_hidden:
     out = x
