@@ -151,15 +151,19 @@ class SpeculativeStepTest(parameterized.TestCase):
     fwd = jax.jit(apply, static_argnames=("cfg", "return_pre_norm"))
     mtp = jax.jit(mtp_forward, static_argnames=("cfg", "depth"))
 
+    W = PROMPT_T + N_NEW + 2 * k  # every sequence, right-padded (causal: exact before)
+
     def on_step(outs, n_acc, drafts):
-      for b in range(B):
-        seq = PROMPTS[b] + outs[b]  # the last token is the one the step emitted
-        toks = jnp.asarray([seq[:-1]], jnp.int32)
-        pos = jnp.arange(len(seq) - 1, dtype=jnp.int32)[None]
-        _, _, hidden = fwd(self.params, toks, pos, None, cfg=CFG, return_pre_norm=True)
-        logits, _ = mtp(self.params, hidden, jnp.asarray([seq[1:]], jnp.int32), cfg=CFG,
-                        depth=1, positions=pos)
-        row = np.asarray(logits[0, -1])
+      seqs = [PROMPTS[b] + outs[b] for b in range(B)]  # the last token: the step's last
+      toks, after = np.zeros((B, W), np.int32), np.zeros((B, W), np.int32)
+      for b, seq in enumerate(seqs):
+        toks[b, :len(seq) - 1], after[b, :len(seq) - 1] = seq[:-1], seq[1:]
+      pos = jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (B, W))
+      _, _, hidden = fwd(self.params, jnp.asarray(toks), pos, None, cfg=CFG,
+                         return_pre_norm=True)
+      logits, _ = mtp(self.params, hidden, jnp.asarray(after), cfg=CFG, depth=1, positions=pos)
+      for b, seq in enumerate(seqs):
+        row = np.asarray(logits[b, len(seq) - 2])
         self.assertGreater(row[drafts[b, 0]], row.max() - 1e-4, (b, len(seq)))
         checked.append(b)
 
