@@ -84,6 +84,11 @@ EXPERIMENTS = {
                    "host ms per engine step vs pool pages (1K-200K), running requests (16-256), "
                    "an empty or full prefix cache and requests served; RSS (not in the default "
                    "suite: quick ~2 min with 20K requests served, --full ~2 min with 100K)"),
+    "speculative": ("experiments.speculative",
+                    "MTP speculative decoding on the MTP-trained MINI_MLA: acceptance length by "
+                    "task for k = 1-3, decode tok/s with and without at concurrency 1-32, "
+                    "identical greedy outputs (not in the default suite: trains the accuracy "
+                    "model first if not cached, ~1 h; then quick ~5 min)"),
     "serve_http": ("experiments.serve_http",
                    "the same workload through the engine loop, in process through the server's "
                    "engine thread, and through the OpenAI-compatible HTTP API (mlkit.serve.bench) "

@@ -31,8 +31,9 @@ from tempdirs import temp_dir
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-# Run by SmokeRunsTest, in this order, in one process; the first six write NAME.png.
-SMOKE = ("kv_dtype", "integrity", "paper", "weight_quant", "disagg", "prefix_cache", "kernels")
+# Run by SmokeRunsTest, in this order, in one process; all but the last write NAME.png.
+SMOKE = ("kv_dtype", "integrity", "paper", "weight_quant", "disagg", "prefix_cache", "speculative",
+         "kernels")
 
 
 def _compile_readings() -> str:
@@ -49,7 +50,9 @@ class SmokeRunsTest(parameterized.TestCase):
     # The kernels experiment shows the H200 compile readings on disk; the compile tests may
     # add records while it runs (pytest -n 2), so its table is that of before or after.
     cls.readings_before = _compile_readings()
-    cls.records = run_experiment(*SMOKE, out=cls.out, timeout=900)
+    # speculative trains the smoke model first: into a cache of this run's own.
+    env = dict(os.environ, MLKIT_CACHE=temp_dir(cls, "experiments_cache_"))
+    cls.records = run_experiment(*SMOKE, out=cls.out, timeout=900, env=env)
 
   @parameterized.parameters(*SMOKE[:-1])
   def test_files_well_formed(self, name):
@@ -85,6 +88,18 @@ class SmokeRunsTest(parameterized.TestCase):
       self.assertIn(f"![{name}.png]({name}.png)", report)
     self.assertIn("![kernels_roofline.png](kernels_roofline.png)", report)
     self.assertNotIn("**Failed:**", report)
+
+  def test_speculative_keeps_the_greedy_tokens(self):
+    rec = self.records["speculative"]
+    for task, ks in rec["acceptance"].items():
+      for k, r in ks.items():
+        self.assertTrue(r["identical"], (task, k))
+        spec = r["speculation"]
+        self.assertEqual(sum(spec["accepted_histogram"]), spec["verify_rows"])
+        self.assertGreaterEqual(spec["acceptance_length"], 1.0)
+    for row in rec["speed"]:
+      self.assertTrue(row["identical"], row)
+      self.assertGreater(row["tok_s_on"], 0)
 
   def test_prefix_cache_saves_prefill_with_identical_outputs(self):
     runs = self.records["prefix_cache"]["runs"]

@@ -3,8 +3,8 @@
 ``AllocatorMachine`` drives a PageAllocator with admissions, growth, forks
 (shared pages), releases and every bookkeeping fault followed by the audit's
 recovery, against a plain model of who holds what. ``EngineMachine`` drives a
-real Engine (f32, tiny model, a pool small enough to preempt) with submits,
-steps, cancels and every fault kind. After every operation:
+real Engine (f32, tiny model, a pool small enough to preempt, speculative decoding
+on or off) with submits, steps, cancels and every fault kind. After every operation:
 
 * page conservation holds (free + held + quarantined = all pages, refcounts
   equal block-table entries), whenever no injected fault is still pending;
@@ -18,8 +18,10 @@ minute); ``make soak`` runs the "soak" profile for a long randomised search.
 """
 
 import collections
+import functools
 
 import hypothesis.strategies as st
+import jax
 import numpy as np
 from absl.testing import absltest
 from hypothesis import settings
@@ -29,8 +31,9 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initia
 from mlkit.engine import Engine, Fault, FaultKind, RequestStatus
 from mlkit.engine import faults as faults_lib
 from mlkit.kvcache import PageAllocator
+from mlkit.model import init_params
 from mlkit.sampling import SamplingParams
-from test_reliability import NUM_PAGES, engine_config, params, solo
+from test_reliability import CFG, NUM_PAGES, engine_config, params, solo
 
 # ----------------------------------------------------------------------------- allocator
 
@@ -214,6 +217,12 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 # ----------------------------------------------------------------------------- engine
 
+@functools.cache
+def params_with_mtp():
+  """params() plus the MTP layer (init_params draws the main weights the same either way)."""
+  return init_params(CFG, jax.random.key(0), mtp=())
+
+
 _PROMPT_LEN = st.integers(1, 20)
 _SHARED = np.random.default_rng(99).integers(0, 256, 13).tolist()
 
@@ -221,10 +230,14 @@ _SHARED = np.random.default_rng(99).integers(0, 256, 13).tolist()
 class EngineMachine(RuleBasedStateMachine):
   """A real Engine (f32, 16 pages of 4 tokens: preemption happens) under random operations."""
 
-  @initialize(audit=st.booleans(), overlap=st.booleans(), prefix_cache=st.booleans())
-  def setup(self, audit, overlap, prefix_cache):
-    self.eng = Engine(params(), engine_config(page_audit=audit, overlap=overlap,
-                                              prefix_cache=prefix_cache))
+  @initialize(audit=st.booleans(), overlap=st.booleans(), prefix_cache=st.booleans(),
+              speculative=st.sampled_from((0, 2)))
+  def setup(self, audit, overlap, prefix_cache, speculative):
+    # Speculative engines draft with the MTP layer (the main weights are params()'s).
+    weights = params_with_mtp() if speculative else params()
+    self.eng = Engine(weights, engine_config(page_audit=audit, overlap=overlap,
+                                             prefix_cache=prefix_cache,
+                                             speculative_tokens=speculative))
     self.rng = np.random.default_rng(0)
     # Steps until an injected fault has been dealt with: one synchronously. Overlapped, up
     # to three: a step may only collect the victim's last prefill chunk, the next only
@@ -304,6 +317,13 @@ class EngineMachine(RuleBasedStateMachine):
       return
     self.eng.run_until_done(max_steps=500)
     for rid, r in self.eng.requests.items():
+      if self.eng.config.speculative_tokens and r.sampling.temperature > 0:
+        # Rejection sampling draws other (equally distributed) tokens than plain sampling:
+        # test_speculative_accept checks the distribution; here only the length and ids.
+        assert len(r.output) <= r.sampling.max_new_tokens
+        assert all(0 <= t < self.eng.config.model.vocab_size for t in r.output), r.output
+        assert r.status in (RequestStatus.FINISHED, RequestStatus.ABORTED), r.status
+        continue
       want = solo(r.prompt, r.sampling)
       if r.status is RequestStatus.FINISHED:
         assert tuple(r.output) == want, (rid, r.output, want)

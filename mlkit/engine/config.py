@@ -70,6 +70,10 @@ class EngineConfig:
   prefix_cache: bool = False
   # Write engine metrics to the log every this many steps (0: never).
   log_every: int = 0
+  # Speculative decoding: tokens the model's first multi-token-prediction layer drafts per
+  # request and step, verified by one target pass over k + 1 positions (0: off;
+  # docs/speculative.md). Each sequence keeps 2k - 1 positions of look-ahead room.
+  speculative_tokens: int = 0
 
   def __post_init__(self):
     if not isinstance(self.model, ModelConfig):
@@ -114,6 +118,20 @@ class EngineConfig:
                        f"got {g!r}")
     if not isinstance(self.log_every, int) or self.log_every < 0:
       raise ValueError(f"EngineConfig.log_every must be a non-negative int, got {self.log_every!r}")
+    k = self.speculative_tokens
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+      raise ValueError(f"EngineConfig.speculative_tokens must be a non-negative int, got {k!r}")
+    if k:
+      if self.model.n_mtp_layers < 1:
+        raise ValueError(f"EngineConfig.speculative_tokens={k} needs a model with "
+                         f"multi-token-prediction layers; {self.model.name!r} has none "
+                         "(ModelConfig.n_mtp_layers=0)")
+      if self.model.sparse_attention:
+        raise ValueError("EngineConfig.speculative_tokens: speculative decoding on a "
+                         "sparse-attention model is not built yet")
+      if self.logprobs:
+        raise ValueError("EngineConfig.speculative_tokens: log-probabilities are not returned "
+                         "by speculative steps yet (set logprobs=0)")
     # Resolve the page size now so every shape below is concrete.
     object.__setattr__(self, "kv", self.kv.resolve(self.model))
 
@@ -123,10 +141,17 @@ class EngineConfig:
     return self.kv.page_size
 
   @property
+  def lookahead(self) -> int:
+    """Positions past a sequence's tokens that its pages must hold for a step: a verify
+    step writes k drafts, and the drafter k - 1 positions past the last accepted one."""
+    k = self.speculative_tokens
+    return 2 * k - 1 if k else 0
+
+  @property
   def max_seq_tokens(self) -> int:
     """The longest sequence (prompt + output) one request may reach."""
     return min(self.model.max_seq_len, self.max_pages_per_seq * self.page_size,
-               self.kv.num_pages * self.page_size)
+               self.kv.num_pages * self.page_size) - self.lookahead
 
   def batch_bucket(self, n: int) -> int:
     """The smallest batch bucket >= n (n <= the largest bucket)."""

@@ -132,6 +132,9 @@ class DisaggConfig:
     if self.prefill.engine.model != self.decode.engine.model:
       raise ValueError("DisaggConfig.prefill and DisaggConfig.decode must serve the same model, got "
                        f"{self.prefill.engine.model.name!r} and {self.decode.engine.model.name!r}")
+    if self.prefill.engine.speculative_tokens or self.decode.engine.speculative_tokens:
+      raise ValueError("DisaggConfig: speculative decoding across disaggregated pools is not "
+                       "built yet (speculative_tokens=0 in both pools)")
     if not isinstance(self.transfer_attempts, int) or self.transfer_attempts < 1:
       raise ValueError(f"DisaggConfig.transfer_attempts must be an int >= 1, "
                        f"got {self.transfer_attempts!r}")

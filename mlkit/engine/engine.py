@@ -112,11 +112,17 @@ class Engine(ServingLoop):
       raise ValueError(f"Engine needs an EngineConfig, got {type(config).__name__}")
     if role not in ROLES:
       raise ValueError(f"Engine role must be one of {ROLES}, got {role!r}")
+    if role != "serve" and config.speculative_tokens:
+      raise ValueError("Engine: speculative decoding in a disaggregated prefill pool is not "
+                       "built yet (speculative_tokens needs role='serve')")
     # Shapes and dtypes only (no transfer): a mismatch names its leaf here, not deep in jax.
     check_params(params, config.model, where="Engine")
     self.config = config
     self.role = role
     self.mesh = mesh
+    if mesh is not None and config.speculative_tokens:
+      raise ValueError("Engine: speculative decoding on a mesh is not built yet "
+                       "(speculative_tokens needs mesh=None)")
     if mesh is not None:
       params = shard_params(params, mesh, rules, config.model)
       state = sharded_kv_state(config.model, config.kv, mesh, rules,
@@ -131,7 +137,13 @@ class Engine(ServingLoop):
                         "docs/serving_step_memory.md); tensor parallelism does not",
                         backend)
     else:
-      state = init_paged_state(config.model, config.kv)
+      state = init_paged_state(config.model, config.kv,
+                               draft_layers=1 if config.speculative_tokens else 0)
+    if config.speculative_tokens and not params.get("mtp"):
+      raise ValueError(f"Engine: speculative_tokens={config.speculative_tokens} drafts with the "
+                       "model's multi-token-prediction layers, and these params have none "
+                       "(params['mtp']; load a checkpoint that ships them, or init_params(..., "
+                       "mtp=()))")
     self.runner = Runner(params, config, state)
     # Every device operation goes through this (lockstep.Leader when the pool spans
     # processes and this one decides: each operation is then repeated by the others).
@@ -258,7 +270,8 @@ class Engine(ServingLoop):
     usable = self.allocator.num_pages
     if self.config.quarantine_grace_steps is None:
       usable -= len(self.allocator.quarantined)
-    return min(self.config.max_seq_tokens, usable * self.config.page_size)
+    return min(self.config.max_seq_tokens,
+               usable * self.config.page_size - self.config.lookahead)
 
   def cancel(self, request_id: int) -> bool:
     """Cancels a live request held here (aborted with reason ``cancelled``), returning its pages.
@@ -482,7 +495,8 @@ class Engine(ServingLoop):
     Returns:
       One RequestOutput per request that emitted tokens or ended in the step collected.
     """
-    if not self.config.overlap or self.role != "serve":
+    if not self.config.overlap or self.role != "serve" or self.config.speculative_tokens:
+      # A speculative step's next rows depend on how many drafts it accepted: no overlap.
       self.dispatch()
       return self.collect()
     prev, self._in_flight = self._in_flight, None
@@ -558,8 +572,9 @@ class Engine(ServingLoop):
     pre, pre_rows = self._build(build_prefill_batch, plan.prefill)
     prev_rows = ({r.request_id: i for i, r in enumerate(prev.dec_rows)} if prev is not None
                  else {})
-    dec, dec_rows = self._build(functools.partial(build_decode_batch, prev_rows=prev_rows),
-                                plan.decode)
+    dec_builder = (build_verify_batch if self.config.speculative_tokens else
+                   functools.partial(build_decode_batch, prev_rows=prev_rows))
+    dec, dec_rows = self._build(dec_builder, plan.decode)
     if pre is None and dec is None:
       host = time.perf_counter() - t0
       self.stats.host_seconds += host
@@ -588,21 +603,31 @@ class Engine(ServingLoop):
       self._touch([it.req for it in inf.pre_rows])
       self._touch(inf.dec_rows)
       k = 0
+      spec = bool(self.config.speculative_tokens)
       if inf.pre_rows:
         tok, ok, lg, lp = host_out[k]
         k += 1
+        if spec:  # the emitted token and its logits: window position 0
+          _, emitted, drafts = tok
+          tok, lg = emitted[:, 0], (lg[:, 0] if lg is not None else None)
         for i, item in enumerate(inf.pre_rows):
           end = item.start + item.n
           if ok[i] and not item.req.done and self.scheduler.holds(item.req):
             # Its KV up to here is written and checked: later requests may share it now.
             self._cache_prefix(item.req, item.req.prefill_tokens[:end])
+          final = end == len(item.req.prefill_tokens)
           generated += self._finish_row(item.req, bool(ok[i]), tok[i], lg, lp, i, t2,
-                                        prefill_final=end == len(item.req.prefill_tokens))
+                                        prefill_final=final)
+          if spec and final and not item.req.done:
+            item.req.drafts = tuple(int(d) for d in drafts[i])
       if inf.dec_rows:
         tok, ok, lg, lp = host_out[k]
         for i, req in enumerate(inf.dec_rows):
           req.pending -= 1
-          generated += self._finish_row(req, bool(ok[i]), tok[i], lg, lp, i, t2)
+          if spec:
+            generated += self._finish_verify_row(req, bool(ok[i]), tok, lg, i, t2)
+          else:
+            generated += self._finish_row(req, bool(ok[i]), tok[i], lg, lp, i, t2)
     else:
       t2 = time.perf_counter()
     self._touch(self.audit_pages())
@@ -661,6 +686,39 @@ class Engine(ServingLoop):
     except Exception as e:  # one request's bad state must not stop the others
       self._error_abort(req, f"{type(e).__name__}: {e}")
       return 0
+
+  def _finish_verify_row(self, req: Request, ok: bool, tok, logits, i: int, now: float) -> int:
+    """A speculative decode row's result: emits its accepted drafts and the token after them
+    (until one stops it) and keeps its next drafts; returns the tokens emitted.
+
+    The row's length advances by what it emitted only; what the step wrote past that is
+    written again by the next step before anything reads it, and the pages the row holds
+    (its tokens plus ``EngineConfig.lookahead``) stay its own, so nothing is rewound on
+    the device.
+    """
+    n_acc, emitted, drafts = tok
+    if req.done or not self.scheduler.holds(req):
+      return 0
+    if not ok:
+      self._integrity_abort(req, "its page-tag check failed")
+      return 0
+    if req.status is not RequestStatus.DECODING:
+      return 0
+    offered = min(len(req.drafts), self.config.speculative_tokens,
+                  max(req.sampling.max_new_tokens - len(req.output) - 1, 0))
+    n = int(n_acc[i])
+    self.stats.record_speculation(offered, n)
+    count = 0
+    try:
+      for j in range(n + 1):
+        count += self._emit(req, emitted[i, j], logits[i, j] if logits is not None else None, now)
+        if req.done:
+          break
+      if not req.done:
+        req.drafts = tuple(int(d) for d in drafts[i])
+    except Exception as e:  # one request's bad state must not stop the others
+      self._error_abort(req, f"{type(e).__name__}: {e}")
+    return count
 
   def generate(self, prompts, sampling=SamplingParams()) -> list[list[int]]:
     """Submits every prompt, runs to completion and returns each request's tokens (in order).
@@ -954,8 +1012,23 @@ def build_prefill_batch(config: EngineConfig, scheduler, items):
     last[i] = it.n - 1
   bt, et = scheduler.fill_tables([it.req for it in rows], B)
   seeds, temp, top_k, top_p, steps = _sampling_arrays([v[1] for _, v in built], B)
-  return StepBatch(tokens, positions, bt, et, lengths, last, seeds, steps, temp, top_k,
-                   top_p), rows, failed
+  batch = StepBatch(tokens, positions, bt, et, lengths, last, seeds, steps, temp, top_k, top_p)
+  if config.speculative_tokens:
+    # A prompt's last piece emits and drafts (its pages hold the look-ahead); an inner
+    # piece hands the drafter the prompt's next token.
+    check = lengths.copy()
+    next_token = np.full(B, -1, np.int32)
+    draft_rows = np.zeros(B, bool)
+    for i, it in enumerate(rows):
+      end = it.start + it.n
+      if end == len(it.req.prefill_tokens):
+        check[i] += config.lookahead
+        draft_rows[i] = True
+      else:
+        next_token[i] = it.req.prefill_tokens[end]
+    batch = dataclasses.replace(batch, check_lengths=check, num_drafts=np.zeros(B, np.int32),
+                                next_token=next_token, draft_rows=draft_rows)
+  return batch, rows, failed
 
 
 def build_decode_batch(config: EngineConfig, scheduler, reqs, prev_rows=None):
@@ -1003,6 +1076,51 @@ def build_decode_batch(config: EngineConfig, scheduler, reqs, prev_rows=None):
   seeds, temp, top_k, top_p, steps = _sampling_arrays([v[1] for _, v in built], B)
   return StepBatch(tokens, positions, bt, et, lengths, np.zeros(B, np.int32), seeds, steps, temp,
                    top_k, top_p, prev_row=prev_row), rows, failed
+
+
+def build_verify_batch(config: EngineConfig, scheduler, reqs):
+  """A speculative engine's decode step: per request its newest token and its drafts.
+
+  Row b's chunk is [newest token, d_1 .. d_n] at positions context_len - 1 onwards,
+  with n = the drafts it holds, at most ``speculative_tokens`` and at most one fewer
+  than the tokens it may still emit; the rest of the K + 1 columns are padding.
+
+  Returns:
+    (batch or None, requests in batch order, [(request, error)]) as build_prefill_batch.
+  """
+  K = config.speculative_tokens
+
+  def row(r):
+    if r.pending:
+      raise ValueError(f"request {r.request_id} has a pending token in a speculative step")
+    left = r.sampling.max_new_tokens - len(r.output)
+    drafts = list(r.drafts[:max(min(K, left - 1), 0)])
+    return [r.output[-1]] + drafts, _sampling_row(r), scheduler.row(r)
+
+  built, failed = _rows(reqs, row)
+  if not built:
+    return None, [], failed
+  rows = [r for r, _ in built]
+  B = config.batch_bucket(len(rows))
+  tokens = np.zeros((B, K + 1), np.int32)
+  positions = np.zeros((B, K + 1), np.int32)
+  lengths = np.zeros(B, np.int32)
+  check = np.zeros(B, np.int32)
+  n_drafts = np.zeros(B, np.int32)
+  for i, (r, (toks, _, _)) in enumerate(built):
+    n = len(toks) - 1
+    tokens[i, :n + 1] = toks
+    positions[i] = np.arange(r.context_len - 1, r.context_len + K)
+    lengths[i] = r.context_len + n
+    check[i] = r.context_len + config.lookahead
+    n_drafts[i] = n
+  bt, et = scheduler.fill_tables(rows, B)
+  seeds, temp, top_k, top_p, steps = _sampling_arrays([v[1] for _, v in built], B)
+  draft_rows = np.zeros(B, bool)
+  draft_rows[:len(rows)] = True
+  return StepBatch(tokens, positions, bt, et, lengths, n_drafts.copy(), seeds, steps, temp,
+                   top_k, top_p, check_lengths=check, num_drafts=n_drafts,
+                   next_token=np.full(B, -1, np.int32), draft_rows=draft_rows), rows, failed
 
 
 def _validate_sampling(sampling, vocab_size: int) -> SamplingParams:

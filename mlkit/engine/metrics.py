@@ -60,6 +60,20 @@ class EngineMetrics:
   last_step_time: float | None = None
   last_host_seconds: float = 0.0
   last_device_seconds: float = 0.0
+  # Speculative decoding: drafts offered to and accepted by verify rows, verify rows, and
+  # verify rows by drafts accepted (index n: n accepted, so n + 1 tokens from the row).
+  drafts_proposed: int = 0
+  drafts_accepted: int = 0
+  verify_rows: int = 0
+  accepted_histogram: collections.Counter = dataclasses.field(
+      default_factory=collections.Counter)
+
+  def record_speculation(self, offered: int, accepted: int) -> None:
+    """One verify row: ``offered`` drafts, ``accepted`` of them kept."""
+    self.drafts_proposed += offered
+    self.drafts_accepted += accepted
+    self.verify_rows += 1
+    self.accepted_histogram[accepted] += 1
 
   def record_step(self, *, host_s: float, device_s: float, prefill: bool, decode: bool,
                   generated: int, prefilled: int, start: float,
@@ -101,4 +115,20 @@ class EngineMetrics:
         "page_violations": self.page_violations,
         "audit_s_per_step": self.audit_seconds / self.steps if self.steps else 0.0,
         "aborted": dict(self.aborted), "rejected": dict(self.rejected),
+        **self._speculation(),
     }
+
+  def _speculation(self) -> dict:
+    if not self.verify_rows:
+      return {}
+    hist = [self.accepted_histogram.get(n, 0) for n in range(max(self.accepted_histogram) + 1)]
+    return {"speculative": {
+        "drafts_proposed": self.drafts_proposed, "drafts_accepted": self.drafts_accepted,
+        "verify_rows": self.verify_rows,
+        # Tokens a verify row emits: its accepted drafts plus one.
+        "acceptance_length": 1 + self.drafts_accepted / self.verify_rows,
+        "acceptance_rate": (self.drafts_accepted / self.drafts_proposed
+                            if self.drafts_proposed else 0.0),
+        "accepted_histogram": hist,
+        "tokens_per_decode_step": (self.generated_tokens / self.decode_steps
+                                   if self.decode_steps else 0.0)}}

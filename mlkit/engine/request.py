@@ -67,6 +67,8 @@ class Request:
     pending: tokens a dispatched, not yet collected step is sampling for it (0 or 1; the
       engine's overlapped mode schedules the next step before it knows them).
     arrival_time / first_token_time / finish_time: perf_counter seconds.
+    drafts: speculative decoding: the tokens the drafter proposed after the newest output
+      token, verified by the request's next step (empty: none yet, e.g. after a preemption).
   """
 
   request_id: int
@@ -88,6 +90,7 @@ class Request:
   # Per emitted token, when sampling.logprobs is not None: (logprob, top ids, top logprobs),
   # the top lists sampling.logprobs long.
   logprobs: list | None = None
+  drafts: tuple[int, ...] = ()
 
   @property
   def done(self) -> bool:

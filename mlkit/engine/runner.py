@@ -33,6 +33,7 @@ import numpy as np
 from mlkit.kvcache import BatchMeta, PagedKVState
 from mlkit.model import apply
 from mlkit.parallel import decode_sharding, expert_sharding
+from mlkit.engine.speculative_step import speculative_step_jit
 from mlkit.sampling import row_keys, sample_tokens, token_logprobs
 from pallas_kernels.tag_check import tag_check
 
@@ -57,6 +58,8 @@ class StepBatch:
     prev_row: [B] int32 or None: for a decode row whose input token is still on
       device (the engine's overlapped mode), its row in the step in flight, else -1.
       The engine resolves it into ``tokens`` before the step; the step ignores it.
+    check_lengths / num_drafts / next_token / draft_rows: [B] a speculative engine's
+      step inputs (``mlkit.engine.speculative_step``), else None.
   """
 
   tokens: np.ndarray
@@ -71,6 +74,10 @@ class StepBatch:
   top_k: np.ndarray
   top_p: np.ndarray
   prev_row: np.ndarray | None = None
+  check_lengths: np.ndarray | None = None
+  num_drafts: np.ndarray | None = None
+  next_token: np.ndarray | None = None
+  draft_rows: np.ndarray | None = None
 
 
 def _step(params, state: PagedKVState, tokens, positions, block_tables, expected_tags, lengths,
@@ -195,6 +202,23 @@ class Runner:
       log-probability [B] f32, and the K most likely tokens [B, K] int32 with theirs
       [B, K] f32 (:func:`mlkit.sampling.token_logprobs`).
     """
+    if self.config.speculative_tokens:
+      return self._run_speculative(kind, state, batch)
     # numpy inputs go straight to the jitted call: its C++ path transfers them, cheaper
     # than one jnp.asarray dispatch per array.
     return _step_jit(*_step_args(self.params, state, batch), kind=kind, **self._static)
+
+  def _run_speculative(self, kind: str, state: PagedKVState, b: StepBatch):
+    """A speculative engine's step (``speculative_step``): the same outputs as :meth:`run`,
+    its tokens ``(num_accepted [B], emitted [B, K+1], drafts [B, K])`` and its logits
+    the window's [B, K+1, V]."""
+    st = self._static
+    n_acc, emitted, drafts, ok, state, lg = speculative_step_jit(
+        self.params, state, b.tokens, b.positions, b.block_tables, b.expected_tags, b.lengths,
+        b.check_lengths, b.last_index, b.num_drafts, b.next_token, b.draft_rows, b.seeds,
+        b.sample_steps, b.temperature, b.top_k, b.top_p, cfg=st["cfg"],
+        page_size=st["page_size"], k=self.config.speculative_tokens,
+        integrity_check=st["integrity_check"], backend=st["backend"],
+        record_logits=st["record_logits"], expert_sharding=st["expert_sharding"],
+        decode_sharding=st["decode_sharding"])
+    return (n_acc, emitted, drafts), ok, state, lg, None

@@ -335,6 +335,7 @@ class Scheduler:
     """
     cfg = self.config
     alloc = self.allocator
+    la = cfg.lookahead  # room a speculative step writes past a sequence's tokens
     admitted, preempted = [], []
     changed = False
     decoding = [r for r in self.running if r.status is RequestStatus.DECODING
@@ -342,7 +343,7 @@ class Scheduler:
     growth = 0
     if in_flight:
       # Pages every decoding request needs for its next token (after the pending one).
-      growth = sum(max(alloc.pages_for(r.context_len + r.pending) - len(self.row(r)[0]), 0)
+      growth = sum(max(alloc.pages_for(r.context_len + r.pending + la) - len(self.row(r)[0]), 0)
                    for r in decoding)
       self._make_room(growth - alloc.num_free)
       if growth > alloc.num_free:
@@ -352,7 +353,7 @@ class Scheduler:
     copies, keep = [], set()
     while self.waiting and self.slots_taken < cfg.max_running:
       req = self.waiting[0]
-      n = len(req.prefill_tokens)
+      n = len(req.prefill_tokens) + la
       match = cache.match(req.prefill_tokens) if cache is not None else Match()
       held = set(match.pages) | ({match.copy_from} if match.copy_from is not None else set())
       if self._page_shortfall(n, growth, len(match.pages)) > 0 and cache is not None:
@@ -369,7 +370,7 @@ class Scheduler:
       self.waiting.popleft()
       self._put(req, "running")
       if cache is not None:
-        cache.record_lookup(n, match)
+        cache.record_lookup(n - la, match)
         keep |= held
         if match.copy_from is not None:
           copies.append((match.copy_from, int(self.row(req)[0][len(match.pages)])))
@@ -387,13 +388,14 @@ class Scheduler:
         continue
       while True:
         pages_before = len(self.row(req)[0])
-        if alloc.extend(req.request_id, req.context_len + req.pending) is None:
-          if alloc.pages_for(req.context_len + req.pending) > pages_before:
+        if alloc.extend(req.request_id, req.context_len + req.pending + la) is None:
+          if alloc.pages_for(req.context_len + req.pending + la) > pages_before:
             self._rows.pop(req.request_id, None)
             changed = True
           decode.append(req)
           break
-        shortfall = alloc.pages_for(req.context_len + req.pending) - pages_before - alloc.num_free
+        shortfall = (alloc.pages_for(req.context_len + req.pending + la) - pages_before
+                     - alloc.num_free)
         if self.prefix_cache is not None and self.prefix_cache.evict(shortfall, keep=keep):
           continue  # cached pages went back to the free list: try again before preempting
         assert not in_flight, "growth was checked to fit"
