@@ -5,9 +5,10 @@ emits (every draft rejected), and an "echo" checkpoint whose blocks add little t
 the residual stream and whose MTP layer passes the token's embedding straight to
 the shared head, so it drafts what the model will emit most of the time: verify
 rows accept 0 to k drafts. On both, greedy tokens with k = 1, 2, 3 equal the
-engine's without speculation: alone, with the prefix cache, through preemption,
-with stop tokens and max_new_tokens ending a row inside its accepted drafts.
-Page tags, cancellation and the allocator's conservation hold as without it.
+engine's without speculation: alone, on a mesh, in disaggregated pools, with the
+prefix cache, through preemption, with stop tokens and max_new_tokens ending a row
+inside its accepted drafts. Page tags, cancellation and the allocator's
+conservation hold as without it.
 """
 
 import dataclasses
@@ -18,10 +19,11 @@ import numpy as np
 from absl.testing import absltest, parameterized
 
 from configs import TINY_MLA
-from mlkit.engine import (ABORT_INTEGRITY, DisaggConfig, Engine, EngineConfig, PoolConfig,
-                          RequestStatus)
+from mlkit.engine import (ABORT_INTEGRITY, DisaggConfig, DisaggEngine, Engine, EngineConfig,
+                          PoolConfig, RequestStatus)
 from mlkit.engine.faults import Fault, FaultKind
 from mlkit.kvcache import KVCacheConfig
+from mlkit.parallel import MeshConfig, make_mesh
 from mlkit.quant import BF16
 from mlkit.sampling import SamplingParams
 from numpy_params import init_params_np
@@ -180,11 +182,31 @@ class SpeculativeEngineTest(parameterized.TestCase):
     no_mtp = {k: v for k, v in params("random").items() if k != "mtp"}
     with self.assertRaisesRegex(ValueError, "params have none"):
       Engine(no_mtp, engine_config(2))
-    with self.assertRaisesRegex(ValueError, "prefill pool"):
-      Engine(params("random"), engine_config(2), role="prefill")
     pool = PoolConfig(engine_config(2), BF16)
-    with self.assertRaisesRegex(ValueError, "across disaggregated pools"):
+    with self.assertRaisesRegex(ValueError, "the same in both pools"):
       DisaggConfig(prefill=PoolConfig(engine_config(0), BF16), decode=pool)
+
+  def test_on_a_mesh(self):
+    mesh = make_mesh(MeshConfig(tensor=2, expert=2), jax.devices()[:4])
+    eng = Engine(params("echo"), engine_config(2), mesh=mesh)
+    ids = [eng.submit(p, SamplingParams(max_new_tokens=N_NEW)) for p in PROMPTS]
+    eng.run_until_done(max_steps=500)
+    self.assertEqual([list(eng.get(i).output) for i in ids], self.base["echo"])
+    self.assertGreater(eng.metrics()["speculative"]["drafts_accepted"], 0)
+
+  def test_disaggregated_pools(self):
+    # The prefill pool writes the prompt's drafter KV and the first drafts; the transfer
+    # carries the drafter layer with the model's; the (overlapped) decode pool verifies.
+    cfg = DisaggConfig(prefill=PoolConfig(engine_config(2), BF16, MeshConfig(tensor=2)),
+                       decode=PoolConfig(engine_config(2, overlap=True), BF16,
+                                         MeshConfig(tensor=2)))
+    eng = DisaggEngine(params("echo"), cfg, devices=jax.devices()[4:8])
+    ids = [eng.submit(p, SamplingParams(max_new_tokens=N_NEW)) for p in PROMPTS]
+    eng.run_until_done(max_steps=500)
+    self.assertEqual([list(eng.get(i).output) for i in ids], self.base["echo"])
+    spec = eng.metrics()["speculative"]
+    colocated = serve("echo", 2)[0].metrics()["speculative"]
+    self.assertEqual(spec["accepted_histogram"], colocated["accepted_histogram"])
 
   def test_sequences_keep_look_ahead_room(self):
     eng = Engine(params("random"), engine_config(3))

@@ -132,9 +132,12 @@ class DisaggConfig:
     if self.prefill.engine.model != self.decode.engine.model:
       raise ValueError("DisaggConfig.prefill and DisaggConfig.decode must serve the same model, got "
                        f"{self.prefill.engine.model.name!r} and {self.decode.engine.model.name!r}")
-    if self.prefill.engine.speculative_tokens or self.decode.engine.speculative_tokens:
-      raise ValueError("DisaggConfig: speculative decoding across disaggregated pools is not "
-                       "built yet (speculative_tokens=0 in both pools)")
+    kp, kd = self.prefill.engine.speculative_tokens, self.decode.engine.speculative_tokens
+    if kp != kd:
+      # The prefill pool writes the drafter's KV of the prompt (a layer of its pool) and the
+      # first drafts, which the decode pool verifies: both pools draft, k tokens each.
+      raise ValueError(f"DisaggConfig: speculative_tokens must be the same in both pools, got "
+                       f"{kp} (prefill) and {kd} (decode)")
     if not isinstance(self.transfer_attempts, int) or self.transfer_attempts < 1:
       raise ValueError(f"DisaggConfig.transfer_attempts must be an int >= 1, "
                        f"got {self.transfer_attempts!r}")
@@ -428,8 +431,10 @@ class DisaggEngine(ServingLoop):
     for k, v in dm.items():
       if isinstance(v, (int, float)) and not isinstance(v, bool) and isinstance(pm.get(k), (int, float)):
         out[k] = pm[k] + v
+      elif k == "speculative":  # verify rows run in the decode pool only
+        out[k] = v
       elif isinstance(v, dict):
-        out[k] = {r: pm[k].get(r, 0) + v.get(r, 0) for r in {*pm[k], *v}}
+        out[k] = {r: pm.get(k, {}).get(r, 0) + v.get(r, 0) for r in {*pm.get(k, {}), *v}}
     first = [t for t in (self.prefill.stats.first_step_time, self.decode.stats.first_step_time)
              if t is not None]
     last = [t for t in (self.prefill.stats.last_step_time, self.decode.stats.last_step_time)

@@ -112,21 +112,16 @@ class Engine(ServingLoop):
       raise ValueError(f"Engine needs an EngineConfig, got {type(config).__name__}")
     if role not in ROLES:
       raise ValueError(f"Engine role must be one of {ROLES}, got {role!r}")
-    if role != "serve" and config.speculative_tokens:
-      raise ValueError("Engine: speculative decoding in a disaggregated prefill pool is not "
-                       "built yet (speculative_tokens needs role='serve')")
     # Shapes and dtypes only (no transfer): a mismatch names its leaf here, not deep in jax.
     check_params(params, config.model, where="Engine")
     self.config = config
     self.role = role
     self.mesh = mesh
-    if mesh is not None and config.speculative_tokens:
-      raise ValueError("Engine: speculative decoding on a mesh is not built yet "
-                       "(speculative_tokens needs mesh=None)")
     if mesh is not None:
       params = shard_params(params, mesh, rules, config.model)
       state = sharded_kv_state(config.model, config.kv, mesh, rules,
-                               data_parallel=data_parallel_attention)
+                               data_parallel=data_parallel_attention,
+                               draft_layers=1 if config.speculative_tokens else 0)
       backend = kernel_dispatch.resolve_backend(config.backend)
       if data_parallel_attention and mesh.devices.size > 1 and backend != "xla":
         # The decode kernel is one custom call over the whole pool: XLA gathers the

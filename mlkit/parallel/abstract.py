@@ -80,20 +80,22 @@ def abstract_params(cfg: ModelConfig, recipe: Recipe | None, mesh: Mesh,
 
 def abstract_kv_state(cfg: ModelConfig, kv_cfg: KVCacheConfig, mesh: Mesh,
                       rules: ShardingRules = DEFAULT_RULES, *,
-                      data_parallel: bool = False) -> PagedKVState:
+                      data_parallel: bool = False, draft_layers: int = 0) -> PagedKVState:
   """A paged KV pool of ``kv_cfg`` as sharded ShapeDtypeStructs (see ``kv_state_shardings``).
+
+  ``draft_layers``: as ``init_paged_state``'s (the speculative drafter's layer).
 
   Raises:
     ValueError: with data_parallel, if the page count does not split over the data axis.
   """
-  shapes = jax.eval_shape(lambda: init_paged_state(cfg, kv_cfg))
+  shapes = jax.eval_shape(lambda: init_paged_state(cfg, kv_cfg, draft_layers))
   return with_shardings(shapes, kv_state_shardings(shapes, mesh, rules,
                                                    data_parallel=data_parallel))
 
 
 def sharded_kv_state(cfg: ModelConfig, kv_cfg: KVCacheConfig, mesh: Mesh,
                      rules: ShardingRules = DEFAULT_RULES, *,
-                     data_parallel: bool = False) -> PagedKVState:
+                     data_parallel: bool = False, draft_layers: int = 0) -> PagedKVState:
   """An empty paged KV pool created in place on ``mesh``, sharded as ``kv_state_shardings`` says.
 
   The pool is built by one jitted call with those output shardings, so each
@@ -103,9 +105,10 @@ def sharded_kv_state(cfg: ModelConfig, kv_cfg: KVCacheConfig, mesh: Mesh,
   Raises:
     ValueError: with data_parallel, if the page count does not split over the data axis.
   """
-  shardings = abstract_kv_state(cfg, kv_cfg, mesh, rules, data_parallel=data_parallel)
+  shardings = abstract_kv_state(cfg, kv_cfg, mesh, rules, data_parallel=data_parallel,
+                                draft_layers=draft_layers)
   out = jax.tree_util.tree_map(lambda s: s.sharding, shardings)
-  return jax.jit(lambda: init_paged_state(cfg, kv_cfg), out_shardings=out)()
+  return jax.jit(lambda: init_paged_state(cfg, kv_cfg, draft_layers), out_shardings=out)()
 
 
 def replicated(shape, dtype, mesh: Mesh) -> jax.ShapeDtypeStruct:
