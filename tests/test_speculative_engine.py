@@ -177,14 +177,24 @@ class SpeculativeEngineTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "no.*multi-token-prediction|has none"):
       EngineConfig(model=dataclasses.replace(CFG, n_mtp_layers=0),
                    kv=KVCacheConfig(NUM_PAGES, PAGE, "float32"), speculative_tokens=2)
-    with self.assertRaisesRegex(ValueError, "log-probabilities"):
-      engine_config(2, logprobs=2)
     no_mtp = {k: v for k, v in params("random").items() if k != "mtp"}
     with self.assertRaisesRegex(ValueError, "params have none"):
       Engine(no_mtp, engine_config(2))
     pool = PoolConfig(engine_config(2), BF16)
     with self.assertRaisesRegex(ValueError, "the same in both pools"):
       DisaggConfig(prefill=PoolConfig(engine_config(0), BF16), decode=pool)
+
+  def test_logprobs_equal_plain_decoding(self):
+    sampling = [SamplingParams(max_new_tokens=N_NEW, logprobs=3)] * len(PROMPTS)
+    plain, _ = serve("echo", 0, sampling=sampling, logprobs=3)
+    spec, outs = serve("echo", 3, sampling=sampling, logprobs=3)
+    self.assertEqual(outs, self.base["echo"])
+    for a, b in zip(plain.requests.values(), spec.requests.values()):
+      self.assertLen(b.logprobs, len(b.output))
+      for (lp_a, ids_a, top_a), (lp_b, ids_b, top_b) in zip(a.logprobs, b.logprobs):
+        np.testing.assert_allclose(lp_b, lp_a, atol=1e-5)
+        np.testing.assert_array_equal(ids_b, ids_a)
+        np.testing.assert_allclose(top_b, top_a, atol=1e-5)
 
   def test_on_a_mesh(self):
     mesh = make_mesh(MeshConfig(tensor=2, expert=2), jax.devices()[:4])
@@ -207,6 +217,21 @@ class SpeculativeEngineTest(parameterized.TestCase):
     spec = eng.metrics()["speculative"]
     colocated = serve("echo", 2)[0].metrics()["speculative"]
     self.assertEqual(spec["accepted_histogram"], colocated["accepted_histogram"])
+
+  def test_served_with_the_serve_config(self):
+    # What `python -m mlkit.serve --speculative-tokens 2` builds: the preset's MTP layer
+    # is drawn, the engine speculates, and greedy tokens are those of the plain server.
+    from mlkit.serve.model import ServeConfig, build_engine, load_model
+    outs = {}
+    for k in (0, 2):
+      cfg = ServeConfig(role="colocated", model="tiny-mla", n_layers=2, kv_dtype="float32",
+                        page_size=4, num_pages=64, max_pages_per_seq=16, speculative_tokens=k)
+      params_k, mcfg = load_model(cfg)
+      self.assertEqual("mtp" in params_k, k > 0)
+      eng = build_engine(cfg, params_k, mcfg)
+      self.assertEqual(eng.config.speculative_tokens, k)
+      outs[k] = eng.generate(PROMPTS[:2], SamplingParams(max_new_tokens=6))
+    self.assertEqual(outs[2], outs[0])
 
   def test_sequences_keep_look_ahead_room(self):
     eng = Engine(params("random"), engine_config(3))

@@ -58,7 +58,7 @@ class _Rows:
         np.arange(B, dtype=np.uint32), sample_steps, zeros, np.zeros(B, np.int32),
         np.ones(B, np.float32), cfg=CFG, page_size=PAGE, k=self.k, integrity_check=True,
         backend="xla")
-    n_acc, emitted, drafts, ok, self.state, _ = out
+    n_acc, emitted, drafts, ok, self.state, _, _ = out
     return np.asarray(n_acc), np.asarray(emitted), np.asarray(drafts), np.asarray(ok)
 
 

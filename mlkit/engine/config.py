@@ -129,9 +129,6 @@ class EngineConfig:
       if self.model.sparse_attention:
         raise ValueError("EngineConfig.speculative_tokens: speculative decoding on a "
                          "sparse-attention model is not built yet")
-      if self.logprobs:
-        raise ValueError("EngineConfig.speculative_tokens: log-probabilities are not returned "
-                         "by speculative steps yet (set logprobs=0)")
     # Resolve the page size now so every shape below is concrete.
     object.__setattr__(self, "kv", self.kv.resolve(self.model))
 

@@ -602,9 +602,10 @@ class Engine(ServingLoop):
       if inf.pre_rows:
         tok, ok, lg, lp = host_out[k]
         k += 1
-        if spec:  # the emitted token and its logits: window position 0
+        if spec:  # the emitted token, its logits and log-probabilities: window position 0
           _, emitted, drafts = tok
           tok, lg = emitted[:, 0], (lg[:, 0] if lg is not None else None)
+          lp = tuple(x[:, 0] for x in lp) if lp is not None else None
         for i, item in enumerate(inf.pre_rows):
           end = item.start + item.n
           if ok[i] and not item.req.done and self.scheduler.holds(item.req):
@@ -620,7 +621,7 @@ class Engine(ServingLoop):
         for i, req in enumerate(inf.dec_rows):
           req.pending -= 1
           if spec:
-            generated += self._finish_verify_row(req, bool(ok[i]), tok, lg, i, t2)
+            generated += self._finish_verify_row(req, bool(ok[i]), tok, lg, lp, i, t2)
           else:
             generated += self._finish_row(req, bool(ok[i]), tok[i], lg, lp, i, t2)
     else:
@@ -682,7 +683,8 @@ class Engine(ServingLoop):
       self._error_abort(req, f"{type(e).__name__}: {e}")
       return 0
 
-  def _finish_verify_row(self, req: Request, ok: bool, tok, logits, i: int, now: float) -> int:
+  def _finish_verify_row(self, req: Request, ok: bool, tok, logits, logprobs, i: int,
+                         now: float) -> int:
     """A speculative decode row's result: emits its accepted drafts and the token after them
     (until one stops it) and keeps its next drafts; returns the tokens emitted.
 
@@ -706,7 +708,9 @@ class Engine(ServingLoop):
     count = 0
     try:
       for j in range(n + 1):
-        count += self._emit(req, emitted[i, j], logits[i, j] if logits is not None else None, now)
+        lp = None if logprobs is None else tuple(x[i, j] for x in logprobs)
+        count += self._emit(req, emitted[i, j], logits[i, j] if logits is not None else None,
+                            now, lp)
         if req.done:
           break
       if not req.done:

@@ -210,15 +210,15 @@ class Runner:
 
   def _run_speculative(self, kind: str, state: PagedKVState, b: StepBatch):
     """A speculative engine's step (``speculative_step``): the same outputs as :meth:`run`,
-    its tokens ``(num_accepted [B], emitted [B, K+1], drafts [B, K])`` and its logits
-    the window's [B, K+1, V]."""
+    its tokens ``(num_accepted [B], emitted [B, K+1], drafts [B, K])``, its logits and
+    log-probabilities the window's ([B, K+1, ...])."""
     st = self._static
-    n_acc, emitted, drafts, ok, state, lg = speculative_step_jit(
+    n_acc, emitted, drafts, ok, state, lg, lp = speculative_step_jit(
         self.params, state, b.tokens, b.positions, b.block_tables, b.expected_tags, b.lengths,
         b.check_lengths, b.last_index, b.num_drafts, b.next_token, b.draft_rows, b.seeds,
         b.sample_steps, b.temperature, b.top_k, b.top_p, cfg=st["cfg"],
         page_size=st["page_size"], k=self.config.speculative_tokens,
         integrity_check=st["integrity_check"], backend=st["backend"],
         record_logits=st["record_logits"], expert_sharding=st["expert_sharding"],
-        decode_sharding=st["decode_sharding"])
-    return (n_acc, emitted, drafts), ok, state, lg, None
+        decode_sharding=st["decode_sharding"], logprobs=st["logprobs"])
+    return (n_acc, emitted, drafts), ok, state, lg, lp

@@ -38,7 +38,7 @@ from mlkit.kvcache import BatchMeta, PagedKVState
 from mlkit.model import apply
 from mlkit.model.mtp import mtp_paged
 from mlkit.quant import matmul
-from mlkit.sampling import row_keys
+from mlkit.sampling import row_keys, token_logprobs
 from mlkit.speculative import accept_drafts
 from pallas_kernels.tag_check import tag_check
 
@@ -47,7 +47,7 @@ def speculative_step(params, state: PagedKVState, tokens, positions, block_table
                      lengths, check_lengths, last_index, num_drafts, next_token, draft_rows,
                      seeds, sample_steps, temperature, top_k, top_p, *, cfg, page_size: int,
                      k: int, integrity_check: bool, backend, record_logits: bool = False,
-                     expert_sharding=None, decode_sharding=None):
+                     expert_sharding=None, decode_sharding=None, logprobs: int = 0):
   """One speculative step over B rows (see the module docstring).
 
   Args:
@@ -72,11 +72,14 @@ def speculative_step(params, state: PagedKVState, tokens, positions, block_table
       ``mlkit.engine.runner``'s step.
     k: drafts per row (static, >= 1).
     record_logits: also return the target's logits at the window.
+    logprobs: L > 0: also return each emitted token's log-probability and the L most
+      likely tokens' at its window position (``mlkit.sampling.token_logprobs``).
 
   Returns:
     (num_accepted [B] int32, emitted [B, K+1] int32 (row b emits
     ``emitted[b, :num_accepted[b] + 1]``; FILL_TOKEN after), drafts [B, k] int32 (the next
-    step's drafts), ok [B] bool, state, window logits [B, K+1, V] f32 or None).
+    step's drafts), ok [B] bool, state, window logits [B, K+1, V] f32 or None, and
+    (token logprob [B, K+1], top ids [B, K+1, L], top logprobs [B, K+1, L]) or None).
   """
   B, T = tokens.shape
   K = k
@@ -136,11 +139,16 @@ def speculative_step(params, state: PagedKVState, tokens, positions, block_table
                                    decode_sharding=decode_sharding)
     draft = jnp.argmax(d_logits[:, 0], axis=-1).astype(jnp.int32)
     drafts.append(draft)
+  lp = None
+  if logprobs:
+    flat = logits.reshape(B * (K + 1), -1)  # [B (K+1), V]
+    lp = token_logprobs(flat, jnp.maximum(emitted, 0).reshape(-1), logprobs)
+    lp = tuple(x.reshape(B, K + 1, *x.shape[1:]) for x in lp)
   return (n_acc, emitted, jnp.stack(drafts, axis=1), ok, state,
-          logits if record_logits else None)
+          logits if record_logits else None, lp)
 
 
 _STATIC = ("cfg", "page_size", "k", "integrity_check", "backend", "record_logits",
-           "expert_sharding", "decode_sharding")
+           "expert_sharding", "decode_sharding", "logprobs")
 speculative_step_jit = jax.jit(speculative_step, static_argnames=_STATIC,
                                donate_argnames=("state",))

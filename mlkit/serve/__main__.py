@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--overlap", action="store_true",
                  help="colocated: dispatch each step before collecting the last (host work, "
                       "HTTP included, runs while the device computes)")
+  p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                 help="draft K tokens per request and step with the checkpoint's MTP layer and "
+                      "verify them in one target pass (0: off; a disaggregated pair sets the "
+                      "same K on both servers)")
   p.add_argument("--max-logprobs", type=int, default=20,
                  help="top log-probabilities each step computes (0: none)")
   p.add_argument("--enable-fault-injection", action="store_true",
@@ -180,7 +184,8 @@ def main(argv=None) -> int:
                       prefill_chunk=args.prefill_chunk, devices=args.devices,
                       enable_fault_injection=args.enable_fault_injection,
                       max_logprobs=args.max_logprobs, overlap=args.overlap,
-                      batch_buckets=_buckets(args.batch_buckets))
+                      batch_buckets=_buckets(args.batch_buckets),
+                      speculative_tokens=args.speculative_tokens)
     from mlkit.serve.decode import DecodeOptions
     options = DecodeOptions(prefill_timeout_s=args.prefill_timeout, pull_timeout_s=args.pull_timeout,
                             transfer_attempts=args.transfer_attempts)

@@ -54,6 +54,9 @@ class ServeConfig:
   # Batch sizes a step may pad to, ascending (default: max_running only, the fewest
   # compiles). More buckets make a lone request's step as small as it is.
   batch_buckets: tuple[int, ...] | None = None
+  # Speculative decoding: tokens the MTP layer drafts per request and step
+  # (EngineConfig.speculative_tokens; 0: off). Both servers of a pair set the same.
+  speculative_tokens: int = 0
 
   def __post_init__(self):
     from mlkit.quant import RECIPES
@@ -120,7 +123,9 @@ def load_model(cfg: ServeConfig) -> tuple[dict, ModelConfig]:
   mcfg = MODEL_PRESETS[cfg.model]
   if cfg.n_layers is not None:
     mcfg = mcfg.first_layers(cfg.n_layers)
-  return init_params(mcfg, jax.random.PRNGKey(cfg.seed)), mcfg
+  # With speculation the preset's MTP layers are drawn too (the main weights are the same).
+  return (init_params(mcfg, jax.random.PRNGKey(cfg.seed),
+                      mtp=() if cfg.speculative_tokens else None), mcfg)
 
 
 def engine_config(cfg: ServeConfig, mcfg: ModelConfig):
@@ -134,7 +139,8 @@ def engine_config(cfg: ServeConfig, mcfg: ModelConfig):
                       prefill_token_budget=cfg.prefill_chunk * cfg.max_running,
                       max_pages_per_seq=cfg.max_pages_per_seq,
                       enable_fault_injection=cfg.enable_fault_injection,
-                      logprobs=cfg.max_logprobs, overlap=cfg.overlap)
+                      logprobs=cfg.max_logprobs, overlap=cfg.overlap,
+                      speculative_tokens=cfg.speculative_tokens)
 
 
 def build_engine(cfg: ServeConfig, params, mcfg: ModelConfig):
