@@ -10,7 +10,11 @@ loss; trained first if not cached, ~1 h) is served in f32 through the Engine
   of k = 0;
 * **decode speed**: the tool-call prompts (64-token answers) at concurrency 1, 8
   and 32, k = 0 against the best k of the acceptance runs: output tok/s on this
-  machine and the ratio.
+  machine and the ratio;
+* **modelled** at the report's GLM 5.2 deployment (``mlkit.perfmodel.
+  speculative_decode_step``: bytes read per step by the verify pass and the
+  drafter against a plain decode step) with the acceptance measured here and with
+  vLLM's GLM 5 figure.
 
 Writes speculative.{json,md,png}.
 """
@@ -22,6 +26,8 @@ import dataclasses
 from experiments import common
 
 TASKS = ("arithmetic", "retrieval", "tool_call")
+# vLLM's GLM 5 recipe: three MTP drafts, average acceptance length 1.64.
+VLLM_GLM5_ACCEPTANCE = 1.64
 SHAPES = {
     "smoke": dict(setup="smoke", items=3, ks=(2,), concurrency=(2,), accept_concurrency=2),
     "quick": dict(setup="main", items=24, ks=(1, 2, 3), concurrency=(1, 8, 32),
@@ -87,12 +93,30 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
     common.progress(f"speculative: concurrency {conc}: {row['tok_s_off']:.0f} tok/s without, "
                     f"{row['tok_s_on']:.0f} with k={best_k} ({row['speedup']:.2f}x)")
 
+  # Modelled at the report's GLM 5.2 deployment (GLM ships one MTP layer): the acceptance
+  # measured here per k (mean over the tasks), and vLLM's GLM 5 recipe figure (k = 3, 1.64).
+  from mlkit import perfmodel as pm
+  from mlkit.report.deployments import GLM, GLM_WORK
+  cases = [(k, sum(acceptance[t][k]["speculation"].get("acceptance_length", 1.0)
+                   for t in TASKS) / len(TASKS), "measured here") for k in shape["ks"]]
+  cases.append((3, VLLM_GLM5_ACCEPTANCE, "vLLM GLM 5 recipe"))
+  modelled = []
+  for k, al, source in cases:
+    for conc in (1, 8, 32):
+      m = pm.speculative_decode_step(GLM, conc, GLM_WORK, k, al)
+      modelled.append({"k": k, "acceptance_length": al, "source": source, "concurrency": conc,
+                       "plain_tok_s": m["plain_tok_s"], "tok_s": m["tok_s"],
+                       "speedup": m["speedup"], "verify_gb": m["verify"]["bytes"] / 1e9,
+                       "draft_gb": m["draft"]["bytes"] / 1e9})
+
   record = common.record_header("speculative", quick=quick, smoke=smoke, config={
       "model": cfg.name, "setup": shape["setup"], "items_per_task": shape["items"],
       "ks": list(shape["ks"]), "acceptance_concurrency": c,
       "speed_concurrency": list(shape["concurrency"]), "speed_task": task, "best_k": best_k})
   record["acceptance"] = {t: {str(k): v for k, v in ks.items()} for t, ks in acceptance.items()}
   record["speed"] = speed
+  record["modelled"] = {"deployment": GLM.name, "workload": dataclasses.asdict(GLM_WORK),
+                        "rows": modelled}
   common.write_json(out_dir, "speculative", record)
   common.plot_lines(f"{out_dir}/speculative.png", {
       "k = 0": ([r["concurrency"] for r in speed], [r["tok_s_off"] for r in speed]),
@@ -117,6 +141,17 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
                                   f"{r['tok_s_on']:.0f}", f"{r['speedup']:.2f}",
                                   f"{r['acceptance_length']:.2f}",
                                   "yes" if r["identical"] else "NO"] for r in speed])
+        + f"\n\n## Modelled on the report's {GLM.name} (8x H200, `mlkit.perfmodel`)\n\n"
+        "Bytes each GPU reads per step (verify pass + k drafter passes) against a plain "
+        "decode step; not calibrated.\n\n"
+        + common.markdown_table(["k", "acceptance length", "source", "concurrency",
+                                 "plain tok/s", "speculative tok/s", "speedup",
+                                 "verify GB/GPU", "draft GB/GPU"],
+                                [[r["k"], f"{r['acceptance_length']:.2f}", r["source"],
+                                  r["concurrency"], f"{r['plain_tok_s']:.0f}",
+                                  f"{r['tok_s']:.0f}", f"{r['speedup']:.2f}",
+                                  f"{r['verify_gb']:.1f}", f"{r['draft_gb']:.2f}"]
+                                 for r in modelled])
         + "\n\n![speculative](speculative.png)\n")
   common.write_markdown(out_dir, "speculative", md)
   return record

@@ -257,6 +257,59 @@ def decode_step(dep: Deployment, c: int, work: Workload, a: Assumptions = Assump
           "t_fixed": t_fixed, "t_step": t_fixed + max(t_memory, t_compute)}
 
 
+def speculative_decode_step(dep: Deployment, c: int, work: Workload, k: int,
+                            acceptance_length: float, a: Assumptions = Assumptions()) -> dict:
+  """The modelled time of one speculative decode step of ``c`` requests, k drafts each.
+
+  The verify pass runs the target over c (k + 1) tokens: its dense weights are read
+  once, its routed experts as many as c (k + 1) tokens touch, each request's KV once
+  (one attention kernel serves a row's k + 1 queries), and FLOPs grow k + 1 times.
+  The drafter (the first MTP layer, with the shared head) runs k passes, each reading
+  that layer's weights, the experts its c rows touch, the head and the layer's KV.
+  A step emits ``acceptance_length`` tokens per request on average (measured on a
+  trained model; 1 + accepted drafts).
+
+  Returns:
+    {verify, draft: decode_step-like dicts, t_step, tokens (per step), tok_s,
+    plain_tok_s (decode_step at the same concurrency), speedup} per GPU.
+
+  Raises:
+    ValueError: k < 1, an acceptance length outside [1, k + 1], or a model without MTP layers.
+  """
+  cfg, hw = dep.model, dep.hardware
+  if k < 1 or not 1.0 <= acceptance_length <= k + 1:
+    raise ValueError(f"speculative_decode_step: need k >= 1 and an acceptance length in "
+                     f"[1, k + 1], got k={k}, {acceptance_length}")
+  if cfg.n_mtp_layers < 1:
+    raise ValueError(f"speculative_decode_step: {cfg.name} has no MTP layer to draft with")
+  plain = decode_step(dep, c, work, a)
+  # Verify: decode_step's weights and KV at c (k + 1) tokens' expert touches, FLOPs x (k + 1).
+  w = weight_split(dep, resident=False)
+  touched = distinct_experts(cfg.n_routed_experts, cfg.top_k, c * (k + 1))
+  experts = touched * w["expert_bytes_per_gpu"] * cfg.n_moe_layers
+  verify_bytes = plain["bytes"]["dense"] + experts + plain["bytes"]["kv"]
+  verify = {"bytes": verify_bytes, "flops": plain["flops"] * (k + 1),
+            "t_memory": verify_bytes / hw.measured_bandwidth}
+  verify["t_compute"] = verify["flops"] / hw.measured_bf16_flops
+  # Draft: one MTP layer (its dense weights are what the resident split adds) and the head.
+  mtp_dense = weight_split(dep)["dense_per_gpu"] - w["dense_per_gpu"]
+  head = cfg.vocab_size * cfg.d_model * 2 / dep.tp  # the shared lm_head, bf16, vocab-parallel
+  latent = kvc.bytes_per_token_breakdown(cfg, dep.kv_dtype, tp=dep.tp)
+  per_layer_kv = c * _attended(cfg, work.mean_context) * (latent["values"] + latent["scales"]) \
+      / cfg.n_layers
+  draft_pass = (mtp_dense + distinct_experts(cfg.n_routed_experts, cfg.top_k, c)
+                * w["expert_bytes_per_gpu"] + head + per_layer_kv)
+  draft = {"bytes": k * draft_pass, "t_memory": k * draft_pass / hw.measured_bandwidth}
+  t_fixed = (cfg.n_layers + k) * (a.allreduces_per_layer * a.allreduce_latency_s
+                                  + a.kernel_overhead_per_layer_s)
+  t_step = t_fixed + max(verify["t_memory"], verify["t_compute"]) + draft["t_memory"]
+  tokens = c * acceptance_length
+  plain_tok_s = c / plain["t_step"]
+  return {"verify": verify, "draft": draft, "t_fixed": t_fixed, "t_step": t_step,
+          "tokens": tokens, "tok_s": tokens / t_step, "plain_tok_s": plain_tok_s,
+          "speedup": tokens / t_step / plain_tok_s}
+
+
 def decode_throughput(dep: Deployment, c: int, work: Workload, *, overhead: float = 1.0,
                       efficiency: float = 1.0, a: Assumptions = Assumptions()) -> float:
   """Output tokens/s at concurrency ``c``.

@@ -238,6 +238,26 @@ class PerfModelTest(parameterized.TestCase):
     self.assertAlmostEqual(pm.distinct_experts(384, 8, 10_000), 384.0, places=3)
     self.assertLess(pm.distinct_experts(384, 8, 64), 64 * 8)
 
+  def test_speculative_step_reads_more_and_emits_more(self):
+    dep = pm.Deployment("glm", GLM_5_2, FP8_ALL, "bfloat16", H200)
+    work = pm.Workload(2048, 1024)
+    plain = pm.decode_step(dep, 8, work)
+    none = pm.speculative_decode_step(dep, 8, work, 2, 1.0)  # every draft rejected
+    self.assertLess(none["speedup"], 1.0)
+    self.assertGreater(none["verify"]["bytes"], sum(plain["bytes"].values()))
+    self.assertAlmostEqual(none["verify"]["flops"], 3 * plain["flops"])
+    speedups = [pm.speculative_decode_step(dep, 1, work, 2, al)["speedup"]
+                for al in (1.0, 1.5, 2.0, 3.0)]
+    self.assertEqual(speedups, sorted(speedups))
+    self.assertGreater(speedups[-1], 1.0)
+    # More drafts read the drafter and the experts more: at the same acceptance, slower.
+    self.assertLess(pm.speculative_decode_step(dep, 8, work, 3, 1.6)["speedup"],
+                    pm.speculative_decode_step(dep, 8, work, 1, 1.6)["speedup"])
+    with self.assertRaisesRegex(ValueError, "acceptance length"):
+      pm.speculative_decode_step(dep, 1, work, 2, 3.5)
+    with self.assertRaisesRegex(ValueError, "no MTP layer"):
+      pm.speculative_decode_step(dep.replace(model=KIMI_K2_6), 1, work, 2, 1.5)
+
   @parameterized.parameters("overhead", "efficiency")
   def test_calibrate_recovers_a_known_factor(self, factor):
     dep = pm.Deployment("glm", GLM_5_2, FP8_ALL, "bfloat16", H200)
