@@ -51,9 +51,10 @@ _REF = None
 
 
 def ckpt():
+  """The shared checkpoint, with its MTP layer (the main weights are drawn first, unchanged)."""
   global _CKPT
   if _CKPT is None:
-    _CKPT = init_params_np(CFG)
+    _CKPT = init_params_np(CFG, mtp=())
   return _CKPT
 
 
@@ -62,17 +63,19 @@ def engine_config(page_size=8, **kw) -> EngineConfig:
                       **{**ENGINE_KW, **kw})
 
 
-def make(kind: str):
-  """A fresh engine of ``kind`` over the shared f32 checkpoint."""
+def make(kind: str, **kw):
+  """A fresh engine of ``kind`` over the shared f32 checkpoint (``kw``: EngineConfig fields of
+  every pool)."""
   devices = jax.devices()
   if kind == "engine":
-    return Engine(ckpt(), engine_config())
+    return Engine(ckpt(), engine_config(**kw))
   if kind == "engine_overlap":
-    return Engine(ckpt(), engine_config(overlap=True))
+    return Engine(ckpt(), engine_config(overlap=True, **kw))
   if kind in ("disagg", "disagg_overlap"):
     # The prefill pool always runs its two phases apart; the decode pool may overlap.
-    decode = engine_config(overlap=kind == "disagg_overlap")
-    cfg = DisaggConfig(prefill=PoolConfig(engine_config(page_size=4), BF16, MeshConfig(tensor=2)),
+    decode = engine_config(overlap=kind == "disagg_overlap", **kw)
+    cfg = DisaggConfig(prefill=PoolConfig(engine_config(page_size=4, **kw), BF16,
+                                          MeshConfig(tensor=2)),
                        decode=PoolConfig(decode, BF16, MeshConfig(tensor=2)))
     return DisaggEngine(ckpt(), cfg, devices=devices[4:8])
   raise ValueError(kind)
@@ -202,6 +205,16 @@ class ServingConformanceTest(parameterized.TestCase):
       eng.run_until_done(max_steps=1)
     eng.run_until_done()
     self.assertEqual(eng.get(rid).output, reference()[1])
+    self.assert_pool_empty(eng)
+
+  @parameterized.parameters(*KINDS)
+  def test_speculative_greedy_tokens_equal_the_reference(self, kind):
+    # Two MTP drafts per step (random weights: the drafts are mostly rejected; acceptance
+    # itself is tested in test_speculative_engine): the greedy tokens stay generate's.
+    eng = make(kind, speculative_tokens=2)
+    greedy = [dataclasses.replace(s, temperature=0.0, top_k=0, top_p=1.0) for s in SAMPLINGS]
+    self.assertEqual(eng.generate(PROMPTS, greedy), generate(ckpt(), CFG, PROMPTS, greedy).tokens)
+    self.assertGreater(eng.metrics()["speculative"]["verify_rows"], 0)
     self.assert_pool_empty(eng)
 
   @parameterized.parameters(*KINDS)
