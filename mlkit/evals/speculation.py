@@ -5,7 +5,7 @@ requests in flight, the next submitted as one ends) with
 ``EngineConfig.speculative_tokens=k`` and reports the outputs, the output tokens
 per second and the engine's speculation counters: drafts proposed and accepted,
 the acceptance length (tokens a verify row emits: accepted drafts plus one) and
-its histogram. Every bucket the run uses is compiled by a warm-up engine of the
+its histogram. Every step the run uses is compiled by a warm-up engine of the
 same configuration first, so the timed run measures serving, not compiling.
 The ``speculative`` experiment calls it per task and per concurrency.
 """
@@ -99,8 +99,11 @@ def serve(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], sampling: 
   """
   config = engine_config(cfg, prompts, sampling.max_new_tokens, k=k, concurrency=concurrency,
                          backend=backend)
-  warm = Engine(params, config)  # compiles the prefill and decode steps of this shape
-  _closed_loop(warm, list(prompts[:concurrency]), sampling, concurrency)
+  # Compiles the steps of this shape: twice as many prompts as rows, so that prompts are
+  # also prefilled after decode steps, as in the timed run (a state that a step returned
+  # is another jit signature than the fresh pool's).
+  warm = Engine(params, config)
+  _closed_loop(warm, list(prompts[:2 * concurrency]), sampling, concurrency)
   eng = Engine(params, config)
   t0 = time.perf_counter()
   ids = _closed_loop(eng, list(prompts), sampling, concurrency)
