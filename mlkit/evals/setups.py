@@ -161,6 +161,9 @@ _SMOKE_TRAIN = TrainConfig(steps=3, batch_size=2, seq_len=96, warmup_steps=1, lo
 _SMOKE_MODEL = dataclasses.replace(TINY_MLA, n_layers=1, first_k_dense=0)
 TRAIN_SETUPS = {
     "main": _STAGE5,
+    # The main model's first stage alone (~20 min): it already emits arithmetic and tool
+    # calls, and its MTP layer drafts them, so speculative decoding can be measured early.
+    "stage1": _STAGE1,
     # Two short stages, so the smoke run also continues a stage from its parent (one train
     # config for both, with segment ids as the main model's last stages: the jitted step
     # compiles once).

@@ -7,7 +7,10 @@ per second and the engine's speculation counters: drafts proposed and accepted,
 the acceptance length (tokens a verify row emits: accepted drafts plus one) and
 its histogram. Every step the run uses is compiled by a warm-up engine of the
 same configuration first, so the timed run measures serving, not compiling.
-The ``speculative`` experiment calls it per task and per concurrency.
+
+:func:`measure` runs the ``speculative`` experiment's workload on a trained setup
+(acceptance by task, decode speed with and without, the modelled H200 speedup);
+``python -m mlkit.evals.speculation --setup stage1`` runs it from the command line.
 """
 
 from __future__ import annotations
@@ -112,3 +115,124 @@ def serve(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], sampling: 
   return Run(outputs=outputs, tokens=sum(len(o) for o in outputs), seconds=seconds,
              decode_steps=eng.stats.decode_steps,
              speculation=eng.metrics().get("speculative", {}))
+
+
+TASKS = ("arithmetic", "retrieval", "tool_call")
+# vLLM's GLM 5 recipe: three MTP drafts, average acceptance length 1.64.
+VLLM_GLM5_ACCEPTANCE = 1.64
+
+
+def measure(setup: str, *, items: int, ks: Sequence[int], concurrency: Sequence[int],
+            accept_concurrency: int, backend: str | None = None, progress=print) -> dict:
+  """Acceptance by task, decode speed with and without, and the modelled H200 speedup.
+
+  The trained model of ``mlkit.evals.setups.TRAIN_SETUPS[setup]`` (trained first if not
+  cached) serves in f32, greedy, with EOS stops:
+
+  * each task's ``items`` evaluation prompts at ``accept_concurrency``, with every k of
+    ``ks``: the engine's speculation counters, and whether the outputs equal k = 0's;
+  * the tool-call prompts (64-token answers) at each of ``concurrency``: k = 0 against
+    the k with the highest mean acceptance length, output tok/s;
+  * ``mlkit.perfmodel.speculative_decode_step`` at the report's GLM 5.2 deployment with
+    the acceptance measured here (mean over tasks) and with vLLM's GLM 5 figure.
+
+  Returns:
+    {"model", "acceptance": {task: {k: Run.to_json() + identical, base_decode_steps}},
+     "best_k", "speed": [...], "modelled": {...}}.
+  """
+  from mlkit import perfmodel as pm
+  from mlkit.evals import setups
+  from mlkit.evals.harness import MAX_NEW_TOKENS
+  from mlkit.evals.tasks import make_examples
+  from mlkit.evals.tokenizer import EOS, CharTokenizer
+  from mlkit.report.deployments import GLM, GLM_WORK
+
+  say = progress or (lambda msg: None)
+  tsetup = setups.TRAIN_SETUPS[setup]
+  params, _ = setups.train_or_load(tsetup, progress=progress)
+  cfg = dataclasses.replace(tsetup.model, dtype="float32", param_dtype="float32")
+  tok = CharTokenizer()
+  tc = setups.EVAL_SETUPS["quick"].tasks
+  prompts, samplings = {}, {}
+  for task in TASKS:
+    prompts[task] = [tok.encode(ex.prompt, bos=True)
+                     for ex in make_examples(task, items, seed=1234, tc=tc)]
+    samplings[task] = SamplingParams(max_new_tokens=MAX_NEW_TOKENS[task], stop_tokens=(EOS,))
+
+  def length(run_json: dict) -> float:
+    return run_json["speculation"].get("acceptance_length", 1.0)
+
+  acceptance: dict = {}
+  c = accept_concurrency
+  for task in TASKS:
+    base = serve(params, cfg, prompts[task], samplings[task], k=0, concurrency=c,
+                 backend=backend)
+    acceptance[task] = {}
+    for k in ks:
+      r = serve(params, cfg, prompts[task], samplings[task], k=k, concurrency=c, backend=backend)
+      same = r.outputs == base.outputs
+      acceptance[task][k] = dict(r.to_json(), identical=same,
+                                 base_decode_steps=base.decode_steps)
+      say(f"speculative: {task}, k={k}: acceptance length {length(acceptance[task][k]):.2f}, "
+          f"histogram {r.speculation.get('accepted_histogram')}, outputs "
+          f"{'identical' if same else 'DIFFER'} to k=0")
+  mean_length = {k: sum(length(acceptance[t][k]) for t in TASKS) / len(TASKS) for k in ks}
+  best_k = max(ks, key=lambda k: mean_length[k])
+
+  speed = []
+  task = "tool_call"
+  for conc in concurrency:
+    n = max(len(prompts[task]), 2 * conc)
+    ps = (prompts[task] * (-(-n // len(prompts[task]))))[:n]
+    runs = {k: serve(params, cfg, ps, samplings[task], k=k, concurrency=conc, backend=backend)
+            for k in (0, best_k)}
+    row = {"concurrency": conc, "k": best_k, "prompts": n, "tok_s_off": runs[0].tok_s,
+           "tok_s_on": runs[best_k].tok_s, "speedup": runs[best_k].tok_s / runs[0].tok_s,
+           "identical": runs[best_k].outputs == runs[0].outputs,
+           "acceptance_length": runs[best_k].speculation.get("acceptance_length", 1.0)}
+    speed.append(row)
+    say(f"speculative: concurrency {conc}: {row['tok_s_off']:.0f} tok/s without, "
+        f"{row['tok_s_on']:.0f} with k={best_k} ({row['speedup']:.2f}x)")
+
+  cases = [(k, mean_length[k], "measured here") for k in ks]
+  cases.append((3, VLLM_GLM5_ACCEPTANCE, "vLLM GLM 5 recipe"))
+  modelled = []
+  for k, al, source in cases:
+    for conc in (1, 8, 32):
+      m = pm.speculative_decode_step(GLM, conc, GLM_WORK, k, al)
+      modelled.append({"k": k, "acceptance_length": al, "source": source, "concurrency": conc,
+                       "plain_tok_s": m["plain_tok_s"], "tok_s": m["tok_s"],
+                       "speedup": m["speedup"], "verify_gb": m["verify"]["bytes"] / 1e9,
+                       "draft_gb": m["draft"]["bytes"] / 1e9})
+  return {"model": cfg.name, "setup": setup, "items_per_task": items,
+          "acceptance_concurrency": c, "speed_task": task, "best_k": best_k,
+          "acceptance": {t: {str(k): v for k, v in r.items()} for t, r in acceptance.items()},
+          "speed": speed,
+          "modelled": {"deployment": GLM.name, "workload": dataclasses.asdict(GLM_WORK),
+                       "rows": modelled}}
+
+
+def main(argv=None) -> int:
+  """``python -m mlkit.evals.speculation``: :func:`measure` on a trained setup, as JSON."""
+  import argparse
+  import json
+
+  from mlkit.evals import setups
+  p = argparse.ArgumentParser(prog="python -m mlkit.evals.speculation", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--setup", default="main", choices=sorted(setups.TRAIN_SETUPS),
+                 help="the trained model (trained first if not cached: main takes ~2 h on "
+                      "2 cores, stage1 ~20 min)")
+  p.add_argument("--items", type=int, default=24, help="evaluation prompts per task")
+  p.add_argument("--out", help="also write the results as JSON here")
+  args = p.parse_args(argv)
+  rec = measure(args.setup, items=args.items, ks=(1, 2, 3), concurrency=(1, 8, 32),
+                accept_concurrency=8)
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(rec, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
