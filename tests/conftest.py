@@ -1,6 +1,6 @@
 """Test-wide setup: 8 host CPU devices for sharding tests, CPU code compiled without LLVM
-optimisation, the H200 compile environment, the `gpu` marker, and a compilation cache shared
-by the run's processes.
+optimisation, the H200 compile environment, the `gpu` marker, and no persistent compilation
+cache.
 
 XLA_FLAGS and the compile environment must be set before jax is imported anywhere, so it
 happens at the top of this file, which pytest imports before any test module.
@@ -26,22 +26,11 @@ if "xla_backend_optimization_level" not in flags:
   flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = flags.strip()
 
-# One persistent compilation cache for the whole run, shared by pytest-xdist's workers and
-# the subprocesses tests start (they inherit the environment): many programs (model steps,
-# engine steps, quantisers) are compiled by tests in both workers, and a cache hit saves
-# the second compile. Every program is cached, however short its compile: most of the
-# suite's programs compile in well under a second at optimisation level 0, and caching
-# them all cut a fresh run's pytest time by about 2% (489 s -> 478 s). It is fresh for every run and
-# removed at its end, so no run reads another's executables. The H200 compile tests need
-# ptxas to run: a cached executable would leave its report empty, which those tests fail on.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  import atexit
-  import shutil
-  import tempfile
-  _cache_dir = tempfile.mkdtemp(prefix="mlkit-test-jax-cache-")
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-  atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+# No persistent compilation cache in the tests. A run that shared one between pytest-xdist's
+# workers (every program cached: about 2% faster) had a worker die inside jax's cache write
+# (``executable.serialize()``: an abort, then a segfault, at two different tests of the same
+# worker), and the xdist controller then hung; the suite's speed is not worth that.
+os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 
 # The serving processes' key file (mlkit.wire.keys) for this run: a fresh directory, never the
 # user's own ~/.cache/mlkit/serve.key. Servers the tests start on loopback generate the key
