@@ -26,10 +26,9 @@ if "xla_backend_optimization_level" not in flags:
   flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = flags.strip()
 
-# No persistent compilation cache in the tests. A run that shared one between pytest-xdist's
-# workers (every program cached: about 2% faster) had a worker die inside jax's cache write
-# (``executable.serialize()``: an abort, then a segfault, at two different tests of the same
-# worker), and the xdist controller then hung; the suite's speed is not worth that.
+# No persistent compilation cache in the tests: while hunting a worker crash inside XLA
+# (see _release_compiled_programs below), one run died in the cache's write
+# (``executable.serialize()``); sharing it between the workers saved only about 2%.
 os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 
 # The serving processes' key file (mlkit.wire.keys) for this run: a fresh directory, never the
@@ -66,3 +65,15 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops jax's compiled programs after each test module. A worker otherwise holds every
+  program it has compiled for the whole run (thousands), and late in fresh-clone runs a
+  worker died inside XLA's CPU compiler (a segfault, twice at different tests, and an abort
+  in an executable's serialisation), always the same worker near its end; the modules
+  share compiled programs within themselves, not across."""
+  yield
+  import jax
+  jax.clear_caches()
