@@ -114,6 +114,12 @@ class Engine(ServingLoop):
       raise ValueError(f"Engine role must be one of {ROLES}, got {role!r}")
     # Shapes and dtypes only (no transfer): a mismatch names its leaf here, not deep in jax.
     check_params(params, config.model, where="Engine")
+    # Before the pool is allocated: refuse early.
+    if config.speculative_tokens and not params.get("mtp"):
+      raise ValueError(f"Engine: speculative_tokens={config.speculative_tokens} drafts with the "
+                       "model's multi-token-prediction layers, and these params have none "
+                       "(params['mtp']; load a checkpoint that ships them, or init_params(..., "
+                       "mtp=()))")
     self.config = config
     self.role = role
     self.mesh = mesh
@@ -134,11 +140,6 @@ class Engine(ServingLoop):
     else:
       state = init_paged_state(config.model, config.kv,
                                draft_layers=1 if config.speculative_tokens else 0)
-    if config.speculative_tokens and not params.get("mtp"):
-      raise ValueError(f"Engine: speculative_tokens={config.speculative_tokens} drafts with the "
-                       "model's multi-token-prediction layers, and these params have none "
-                       "(params['mtp']; load a checkpoint that ships them, or init_params(..., "
-                       "mtp=()))")
     self.runner = Runner(params, config, state)
     # Every device operation goes through this (lockstep.Leader when the pool spans
     # processes and this one decides: each operation is then repeated by the others).

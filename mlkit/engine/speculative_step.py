@@ -24,7 +24,8 @@ decode rows alike (docs/speculative.md):
 
 KV written past a row's accepted tokens (rejected drafts; the drafter's look-ahead)
 is never read: the next step writes those positions again before it attends to them.
-The host rewinds the row's length and returns the pages past it.
+The host advances the row's length by what it emitted only; the row's pages already
+hold the look-ahead (``EngineConfig.lookahead``), so no page is returned or rewound.
 
 Shapes: B rows, T chunk tokens, K = ``k`` drafts at most, V vocabulary, D width.
 """
