@@ -92,10 +92,15 @@ def speculative_step(params, state: PagedKVState, tokens, positions, block_table
   lengths = jnp.where(ok, lengths, 0)
   meta = BatchMeta(block_tables=block_tables, lengths=lengths, expected_tags=expected_tags,
                    page_size=page_size)
+  # A step of verify rows only (T = K + 1) attends with MLA's absorbed form, as a decode
+  # step does: the textbook form expands every cached position's keys and values per head,
+  # a temporary that grows with rows x context x heads (docs/speculative.md, "The verify
+  # step compiled for an H200"). A step with prompt chunks keeps the form prefill uses.
+  mla_mode = "absorbed" if T <= K + 1 else "auto"
   normed, state, pre_norm = apply(params, tokens, positions, state, cfg=cfg, batch_meta=meta,
                                   backend=backend, expert_sharding=expert_sharding,
                                   decode_sharding=decode_sharding, return_hidden=True,
-                                  return_pre_norm=True)  # [B, T, D] twice
+                                  return_pre_norm=True, mla_mode=mla_mode)  # [B, T, D] twice
   # The window: the last emitted token's position w, then its K successors (clipped).
   w = jnp.clip(last_index - num_drafts, 0, T - 1)  # [B]
   win = jnp.minimum(w[:, None] + jnp.arange(K + 1)[None, :], T - 1)  # [B, K+1]
@@ -122,7 +127,7 @@ def speculative_step(params, state: PagedKVState, tokens, positions, block_table
   d_logits, d_hidden, state = mtp_paged(params, pre_norm, after, positions, state, cfg=cfg,
                                         batch_meta=meta, backend=backend, logits_index=last,
                                         expert_sharding=expert_sharding,
-                                        decode_sharding=decode_sharding)
+                                        decode_sharding=decode_sharding, mla_mode=mla_mode)
   draft = jnp.argmax(d_logits[:, 0], axis=-1).astype(jnp.int32)  # [B]
   h = jnp.take_along_axis(d_hidden, last[:, None, None], axis=1)  # [B, 1, D]
   pos = jnp.take_along_axis(positions, last[:, None], axis=1)[:, 0]  # [B]

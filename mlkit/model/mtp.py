@@ -101,7 +101,7 @@ def mtp_forward(params: dict, hidden: jax.Array, tokens: jax.Array, *, cfg: Mode
 def mtp_paged(params: dict, hidden: jax.Array, tokens: jax.Array, positions: jax.Array,
               cache, *, cfg: ModelConfig, batch_meta, backend: str | None = None,
               logits_index: jax.Array | None = None, expert_sharding=None,
-              decode_sharding=None):
+              decode_sharding=None, mla_mode: str = "auto"):
   """Runs MTP depth 1 over a chunk through the paged pool: the drafter of speculative decoding.
 
   Writes the layer's KV for the chunk into pool layer ``cfg.n_layers`` (the pool's
@@ -118,7 +118,7 @@ def mtp_paged(params: dict, hidden: jax.Array, tokens: jax.Array, positions: jax
     cache: the paged KV state with a drafter layer (``init_paged_state(draft_layers=1)``).
     cfg: the model config.
     batch_meta: the step's block tables and lengths (the cache's ``BatchMeta``).
-    backend, expert_sharding, decode_sharding: as :func:`mlkit.model.apply`.
+    backend, expert_sharding, decode_sharding, mla_mode: as :func:`mlkit.model.apply`.
     logits_index: [B] int or None: logits only at this index of each row ([B, 1, V]).
 
   Returns:
@@ -147,7 +147,7 @@ def mtp_paged(params: dict, hidden: jax.Array, tokens: jax.Array, positions: jax
     x, cache, _, _ = decoder_layer(lp, x, positions.astype(jnp.int32), cache, cfg.n_layers, cfg,
                                    moe="router" in lp["ffn"], batch_meta=batch_meta,
                                    backend=backend, expert_sharding=expert_sharding,
-                                   decode_sharding=decode_sharding)
+                                   decode_sharding=decode_sharding, mla_mode=mla_mode)
     h = x
     if logits_index is not None:
       h = jnp.take_along_axis(x, logits_index.astype(jnp.int32)[:, None, None], axis=1)
