@@ -14,7 +14,10 @@ with EOS stops (``mlkit.evals.speculation.measure``):
 * **modelled** at the report's GLM 5.2 deployment (``mlkit.perfmodel.
   speculative_decode_step``: bytes read per step by the verify pass and the
   drafter against a plain decode step) with the acceptance measured here and with
-  vLLM's GLM 5 figure.
+  vLLM's GLM 5 figure;
+* **compiled for 8x H200** (``mlkit.plan.step_compile.speculative_plan``): the
+  verify step with the best k beside the plain decode step at Kimi K2.6's shapes
+  with one MTP layer: per-GPU memory and kernels per step, read at the full depth.
 
 ``python -m mlkit.evals.speculation --setup stage1`` measures the same on the main
 model's first training stage (~20 min to train). Writes speculative.{json,md,png}.
@@ -23,6 +26,8 @@ model's first training stage (~20 min to train). Writes speculative.{json,md,png
 from __future__ import annotations
 
 from experiments import common
+from mlkit.plan import step_compile as sc
+from mlkit.plan import step_memory as sm
 
 SHAPES = {
     "smoke": dict(setup="smoke", items=3, ks=(2,), concurrency=(2,), accept_concurrency=2),
@@ -45,9 +50,17 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
       "speed_concurrency": list(shape["concurrency"]), "speed_task": res["speed_task"],
       "best_k": res["best_k"]})
   record.update(acceptance=res["acceptance"], speed=res["speed"], modelled=res["modelled"])
+  # The verify step beside the plain decode step, compiled for 8x H200 (no GPU needed).
+  plan = sc.speculative_plan(smoke, k=res["best_k"])
+  mesh = sc.h200_mesh()
+  weights, jobs = sc.plan_jobs(plan, mesh, common.progress)
+  compiled = sm.kind_rows(plan, sc.compile_all(jobs, plan, mesh, common.progress))
+  record["h200_compile"] = {"plan": plan.summary(), "rows": compiled}
   common.write_json(out_dir, "speculative", record)
 
   speed, best_k, modelled = res["speed"], res["best_k"], res["modelled"]
+  unit = sm.unit_for(plan.hbm_bytes)
+  scale = 1e9 if unit == "GB" else 1e6
   common.plot_lines(f"{out_dir}/speculative.png", {
       "k = 0": ([r["concurrency"] for r in speed], [r["tok_s_off"] for r in speed]),
       f"k = {best_k}": ([r["concurrency"] for r in speed], [r["tok_s_on"] for r in speed])},
@@ -83,6 +96,19 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
                                   f"{r['tok_s']:.0f}", f"{r['speedup']:.2f}",
                                   f"{r['verify_gb']:.1f}", f"{r['draft_gb']:.2f}"]
                                  for r in modelled["rows"]])
+        + f"\n\n## The verify step compiled for 8x H200 (k = {plan.speculative_tokens})\n\n"
+        f"{compiled[0]['variant']}, {plan.kv_dtypes[0]} KV, {plan.concurrency} rows, "
+        "compiled at the dense prefix plus "
+        f"{' and '.join(map(str, plan.moe_depths))} MoE layers by XLA's GPU compiler on this "
+        "CPU (`mlkit.plan.step_compile`, as `h200_compile`) and read at the full depth: "
+        "per-GPU bytes from XLA's memory analysis, kernels from its thunk dump. The verify "
+        "step runs the model over k + 1 tokens per row, then the MTP layer k times.\n\n"
+        + common.markdown_table(
+            ["step", "tokens per row", "args " + unit, "temporaries " + unit, "peak " + unit,
+             "kernels per step", "kernels per MoE layer"],
+            [[r["kind"], r["tokens"], f"{r['argument'] / scale:.2f}",
+              f"{r['temp'] / scale:.2f}", f"{r['peak'] / scale:.2f}", f"{r['launches']:,}",
+              f"{r['launches_per_moe_layer']:.0f}"] for r in compiled])
         + "\n\n![speculative](speculative.png)\n")
   common.write_markdown(out_dir, "speculative", md)
   return record

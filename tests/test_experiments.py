@@ -101,6 +101,22 @@ class SmokeRunsTest(parameterized.TestCase):
       self.assertTrue(row["identical"], row)
       self.assertGreater(row["tok_s_on"], 0)
 
+  def test_speculative_compiles_the_verify_step_for_h200(self):
+    rec = self.records["speculative"]["h200_compile"]
+    k = rec["plan"]["speculative_tokens"]
+    self.assertEqual(k, self.records["speculative"]["config"]["best_k"])
+    decode, verify = rec["rows"]
+    self.assertEqual((decode["kind"], verify["kind"]), ("decode", "verify"))
+    self.assertEqual((decode["tokens"], verify["tokens"]), (1, k + 1))
+    # The verify step holds the MTP layer's weights and KV beside the model's, runs the
+    # model over k + 1 tokens per row and the drafter k times: more of everything.
+    for f in ("argument", "temp", "launches"):
+      self.assertGreater(verify[f], decode[f], f)
+    with open(os.path.join(self.out, "speculative.md")) as f:
+      md = f.read()
+    self.assertIn(f"## The verify step compiled for 8x H200 (k = {k})", md)
+    self.assertIn(f"| verify | {k + 1} |", md)
+
   def test_prefix_cache_saves_prefill_with_identical_outputs(self):
     runs = self.records["prefix_cache"]["runs"]
     for L, r in runs.items():

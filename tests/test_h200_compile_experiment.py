@@ -157,6 +157,13 @@ class FitAndPlanTest(absltest.TestCase):
       dataclasses.replace(plan, static_fraction=1.5)
     with self.assertRaisesRegex(ValueError, "Plan.kinds"):
       dataclasses.replace(plan, kinds=("train",))
+    # A verify step drafts with an MTP layer: the smoke model has none, GLM 5.2 is sparse.
+    with self.assertRaisesRegex(ValueError, "tiny int4 experts .* 0 MTP layers"):
+      dataclasses.replace(plan, kinds=("verify",))
+    with self.assertRaisesRegex(ValueError, "1 MTP layers and sparse attention"):
+      dataclasses.replace(plan, variants=(sc.GLM_FP8,), kinds=("verify",))
+    with self.assertRaisesRegex(ValueError, "Plan.speculative_tokens"):
+      sc.speculative_plan(smoke=True, k=0)
 
   def test_step_shapes_follow_the_sweep(self):
     plan = sc.plan_for(quick=True, smoke=False)
@@ -164,6 +171,22 @@ class FitAndPlanTest(absltest.TestCase):
     self.assertEqual(sc.step_shape("decode", kimi, plan), (64, 1, 256))
     self.assertEqual(sc.step_shape("prefill", kimi, plan), (1, 8192, 256))
     self.assertEqual(sc.step_shape("prefill", glm, plan), (4, 2048, 48))
+    # A verify row: the last token and k drafts, in pages holding 2k - 1 positions more
+    # (Kimi's 16,384 tokens fill 256 pages exactly: the look-ahead needs one more).
+    spec = sc.speculative_plan(smoke=False, k=3)
+    self.assertEqual(sc.step_shape("verify", spec.variants[0].work, spec), (64, 4, 257))
+    self.assertEqual(spec.kinds, ("decode", "verify"))
+    self.assertEqual(spec.variants[0].model.n_mtp_layers, 1)
+
+  def test_lowering_a_verify_step_needs_speculative_tokens(self):
+    from mlkit.engine import EngineConfig
+    from mlkit.engine.runner import abstract_batch, lower_step
+    with self.assertRaisesRegex(ValueError, "speculative_tokens"):
+      lower_step(None, None, abstract_batch(1, 2, 1, None, speculative=True),
+                 EngineConfig(model=sc.TINY, kv=kvc.KVCacheConfig(num_pages=4)), kind="verify")
+    with self.assertRaisesRegex(ValueError, "kind must be"):
+      lower_step(None, None, abstract_batch(1, 1, 1, None),
+                 EngineConfig(model=sc.TINY, kv=kvc.KVCacheConfig(num_pages=4)), kind="train")
 
 
 if __name__ == "__main__":

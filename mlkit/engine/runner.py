@@ -129,25 +129,38 @@ def _step_args(params, state, b: StepBatch) -> tuple:
           b.last_index, b.seeds, b.sample_steps, b.temperature, b.top_k, b.top_p)
 
 
-def abstract_batch(rows: int, tokens: int, max_pages: int, sharding) -> StepBatch:
+def _speculative_args(params, state, b: StepBatch) -> tuple:
+  return (params, state, b.tokens, b.positions, b.block_tables, b.expected_tags, b.lengths,
+          b.check_lengths, b.last_index, b.num_drafts, b.next_token, b.draft_rows, b.seeds,
+          b.sample_steps, b.temperature, b.top_k, b.top_p)
+
+
+def abstract_batch(rows: int, tokens: int, max_pages: int, sharding, *,
+                   speculative: bool = False) -> StepBatch:
   """A StepBatch of ShapeDtypeStructs (every input placed by ``sharding``) for :func:`lower_step`.
 
   Args:
     rows: B, the batch bucket.
-    tokens: T, 1 for decode or the prefill chunk length.
+    tokens: T, 1 for decode, the prefill chunk length, or k + 1 for a verify step.
     max_pages: M, the block-table width (``EngineConfig.max_pages_per_seq``).
     sharding: the sharding of every batch input (replicated on the mesh, as the
       engine's host arrays are).
+    speculative: also the speculative step's inputs (``check_lengths``, ``num_drafts``,
+      ``next_token``, ``draft_rows``).
   """
   def sds(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
   B, T, M = rows, tokens, max_pages
+  extra = {}
+  if speculative:
+    extra = dict(check_lengths=sds((B,), jnp.int32), num_drafts=sds((B,), jnp.int32),
+                 next_token=sds((B,), jnp.int32), draft_rows=sds((B,), jnp.bool_))
   return StepBatch(tokens=sds((B, T), jnp.int32), positions=sds((B, T), jnp.int32),
                    block_tables=sds((B, M), jnp.int32), expected_tags=sds((B, M), jnp.int32),
                    lengths=sds((B,), jnp.int32), last_index=sds((B,), jnp.int32),
                    seeds=sds((B,), jnp.uint32), sample_steps=sds((B,), jnp.int32),
                    temperature=sds((B,), jnp.float32), top_k=sds((B,), jnp.int32),
-                   top_p=sds((B,), jnp.float32))
+                   top_p=sds((B,), jnp.float32), **extra)
 
 
 def lower_step(params, state: PagedKVState, batch: StepBatch, config, *, kind: str):
@@ -162,14 +175,28 @@ def lower_step(params, state: PagedKVState, batch: StepBatch, config, *, kind: s
     params: the params (arrays or sharded ShapeDtypeStructs).
     state: the KV state (arrays or sharded ShapeDtypeStructs).
     batch: the step's inputs.
-    config: an ``EngineConfig`` (model, page size, backend, integrity check).
-    kind: "prefill" or "decode".
+    config: an ``EngineConfig`` (model, page size, backend, integrity check; for
+      "verify", ``speculative_tokens``).
+    kind: "prefill" or "decode" (the plain step), or "verify": a speculative engine's
+      step (``mlkit.engine.speculative_step``: verify k drafts, draft k more), whose
+      batch has the speculative inputs (``abstract_batch(..., speculative=True)``) and
+      whose state has the drafter's layer.
 
   Returns:
     The ``jax.stages.Lowered`` step.
+
+  Raises:
+    ValueError: "verify" without ``config.speculative_tokens``, or an unknown kind.
   """
-  return _step_jit.trace(*_step_args(params, state, batch), kind=kind,
-                         **_static_args(params, config, state)).lower()
+  if kind not in ("prefill", "decode", "verify"):
+    raise ValueError(f"lower_step: kind must be 'prefill', 'decode' or 'verify', got {kind!r}")
+  if kind == "verify" and not config.speculative_tokens:
+    raise ValueError("lower_step(kind='verify') needs EngineConfig.speculative_tokens >= 1")
+  static = _static_args(params, config, state)
+  if kind == "verify":
+    return speculative_step_jit.trace(*_speculative_args(params, state, batch),
+                                      k=config.speculative_tokens, **static).lower()
+  return _step_jit.trace(*_step_args(params, state, batch), kind=kind, **static).lower()
 
 
 class Runner:
@@ -212,13 +239,7 @@ class Runner:
     """A speculative engine's step (``speculative_step``): the same outputs as :meth:`run`,
     its tokens ``(num_accepted [B], emitted [B, K+1], drafts [B, K])``, its logits and
     log-probabilities the window's ([B, K+1, ...])."""
-    st = self._static
     n_acc, emitted, drafts, ok, state, lg, lp = speculative_step_jit(
-        self.params, state, b.tokens, b.positions, b.block_tables, b.expected_tags, b.lengths,
-        b.check_lengths, b.last_index, b.num_drafts, b.next_token, b.draft_rows, b.seeds,
-        b.sample_steps, b.temperature, b.top_k, b.top_p, cfg=st["cfg"],
-        page_size=st["page_size"], k=self.config.speculative_tokens,
-        integrity_check=st["integrity_check"], backend=st["backend"],
-        record_logits=st["record_logits"], expert_sharding=st["expert_sharding"],
-        decode_sharding=st["decode_sharding"], logprobs=st["logprobs"])
+        *_speculative_args(self.params, state, b), k=self.config.speculative_tokens,
+        **self._static)
     return (n_acc, emitted, drafts), ok, state, lg, lp

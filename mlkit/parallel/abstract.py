@@ -50,7 +50,8 @@ def with_shardings(tree, shardings):
 
 
 def abstract_params(cfg: ModelConfig, recipe: Recipe | None, mesh: Mesh,
-                    rules: ShardingRules = DEFAULT_RULES, *, int4_layout: str = "kn"):
+                    rules: ShardingRules = DEFAULT_RULES, *, int4_layout: str = "kn",
+                    mtp=None):
   """The serving params of ``cfg`` in ``recipe``'s formats, as sharded ShapeDtypeStructs.
 
   Nothing is allocated: ``init_params`` and ``quantize_params`` run under
@@ -63,6 +64,8 @@ def abstract_params(cfg: ModelConfig, recipe: Recipe | None, mesh: Mesh,
     rules: logical-axis rules (heads and experts are kept whole, as ``shard_params`` with
       the config does).
     int4_layout: the int4 weights' layout ("kn" or "nk", see ``quantize_params``).
+    mtp: as ``init_params``'s: None leaves the multi-token-prediction layers out; ``()``
+      adds ``cfg.n_mtp_layers`` of them sharing the main model's embedding and head.
 
   Returns:
     The params pytree with ShapeDtypeStruct leaves carrying NamedShardings.
@@ -70,7 +73,7 @@ def abstract_params(cfg: ModelConfig, recipe: Recipe | None, mesh: Mesh,
   from mlkit.model import init_params  # model sits beside parallel; import on use
 
   def build():
-    params = init_params(cfg, jax.random.key(0))
+    params = init_params(cfg, jax.random.key(0), mtp=mtp)
     return params if recipe is None else quantize_params(params, recipe,
                                                          int4_layout=int4_layout)
 

@@ -51,7 +51,7 @@ MESH_SHAPE = (1, 8, 1)
 RULES = pm.DEPLOYMENT_RULES
 KV_DTYPES = ("bfloat16", "float8_e4m3fn")
 PAGE_SIZE = 64
-KINDS = ("decode", "prefill")
+KINDS = ("decode", "prefill", "verify")
 # XLA's codegen stages only (LLVM, ptxas) run without optimisation: buffer assignment, and so
 # every memory figure, is decided before them, and they are most of the compile time.
 # Autotuning off: with no device there is nothing to time, yet the smoke run (one compile)
@@ -91,7 +91,8 @@ class Plan:
   variants: tuple[Variant, ...]
   # KV storage dtypes.
   kv_dtypes: tuple[str, ...]
-  # Step kinds compiled: "decode" and/or "prefill".
+  # Step kinds compiled: "decode", "prefill" and/or "verify" (a speculative engine's step:
+  # verify ``speculative_tokens`` drafts per decode row, draft as many; models with MTP only).
   kinds: tuple[str, ...]
   # MoE layer counts compiled after the dense prefix (the depth fit needs two or more).
   moe_depths: tuple[int, ...]
@@ -107,6 +108,8 @@ class Plan:
   backend: str = "pallas"
   # Compiles run at once (XLA releases the GIL while compiling).
   workers: int = 2
+  # Drafts per row of a "verify" step (EngineConfig.speculative_tokens).
+  speculative_tokens: int = 3
 
   def __post_init__(self):
     for name in ("variants", "kv_dtypes", "kinds", "moe_depths"):
@@ -116,7 +119,14 @@ class Plan:
       raise ValueError(f"Plan.kinds must be drawn from {KINDS}, got {self.kinds!r}")
     if min(self.moe_depths) < 1:
       raise ValueError(f"Plan.moe_depths must be >= 1, got {self.moe_depths!r}")
-    for name in ("hbm_bytes", "concurrency", "prefill_tokens", "workers"):
+    if "verify" in self.kinds:
+      for v in self.variants:
+        if v.model.n_mtp_layers < 1 or v.model.sparse_attention:
+          raise ValueError(f"Plan: a verify step needs a dense-attention model with an MTP "
+                           f"layer; {v.key} ({v.model.name}) has "
+                           f"{v.model.n_mtp_layers} MTP layers"
+                           f"{' and sparse attention' if v.model.sparse_attention else ''}")
+    for name in ("hbm_bytes", "concurrency", "prefill_tokens", "workers", "speculative_tokens"):
       if getattr(self, name) <= 0:
         raise ValueError(f"Plan.{name} must be positive, got {getattr(self, name)!r}")
     if not 0 < self.static_fraction < 1:
@@ -130,7 +140,7 @@ class Plan:
     """The plan as JSON-ready fields (variants by key, model, recipe and request shape)."""
     return {**{k: getattr(self, k) for k in ("kv_dtypes", "kinds", "moe_depths", "hbm_bytes",
                                               "static_fraction", "concurrency", "prefill_tokens",
-                                              "backend")},
+                                              "backend", "speculative_tokens")},
             "variants": [{"key": v.key, "model": v.model.name, "recipe": v.recipe.name,
                           "work": dataclasses.asdict(v.work)} for v in self.variants]}
 
@@ -144,6 +154,36 @@ GLM_INT4 = Variant("glm-5.2 int4 experts", GLM_5_2, INT4_EXPERTS, deployments.GL
 TINY = dataclasses.replace(TINY_MLA, name="tiny-mla-8way", n_layers=2, n_heads=8, dtype="bfloat16",
                            param_dtype="bfloat16", n_mtp_layers=0)
 TINY_WORK = pm.Workload(96, 32)
+
+
+# The verify step of speculative decoding at Kimi K2.6's shapes. The preset has no MTP
+# layer (its config sets none), so this one carries one of DeepSeek-V3's form (an MoE
+# decoder layer, eh_proj and norms, the shared embedding and head): what a Kimi-shaped
+# model drafting with its own MTP layer would serve. GLM 5.2 ships one, but its sparse
+# attention is not speculated here (docs/speculative.md).
+KIMI_MTP = Variant("kimi-k2.6 int4 experts + 1 MTP layer",
+                   dataclasses.replace(KIMI_K2_6, n_mtp_layers=1), INT4_EXPERTS,
+                   deployments.KIMI_WORK)
+
+
+def speculative_plan(smoke: bool, k: int) -> Plan:
+  """The decode step and the verify step (k drafts per row) of one deployment, side by side.
+
+  Smoke: TINY with an MTP layer, at one depth, 64 rows (fewer leave the verify
+  step's small f32 matmuls to a Triton GEMM that, with autotuning off as
+  :data:`COMPILE_OPTIONS` has it, finds no config). Otherwise :data:`KIMI_MTP`
+  with fp8 KV at 2 and 3 MoE layers and the sweep's top concurrency, as
+  :func:`plan_for`'s quick plan compiles its decode step.
+  """
+  if smoke:
+    tiny = dataclasses.replace(TINY, name="tiny-mla-8way-mtp", n_mtp_layers=1)
+    return Plan(variants=(Variant("tiny int4 experts + MTP", tiny, INT4_EXPERTS, TINY_WORK),),
+                kv_dtypes=("bfloat16",), kinds=("decode", "verify"), moe_depths=(1,),
+                hbm_bytes=1_500_000, static_fraction=0.6, concurrency=64, prefill_tokens=96,
+                workers=1, speculative_tokens=k)
+  return dataclasses.replace(plan_for(quick=True, smoke=False), variants=(KIMI_MTP,),
+                             kv_dtypes=("float8_e4m3fn",), kinds=("decode", "verify"),
+                             speculative_tokens=k)
 
 
 def plan_for(quick: bool, smoke: bool) -> Plan:
@@ -162,30 +202,39 @@ def plan_for(quick: bool, smoke: bool) -> Plan:
     # 2 and 3 MoE layers, not 1 and 2: XLA schedules a step's only MoE layer differently
     # from one that others follow (Kimi's fp8 prefill: 1.21 / 1.50 / 1.53 GB of
     # temporaries at 1 / 2 / 3 MoE layers), so a line through 1 and 2 overstates the slope.
-    return Plan(variants=(KIMI,), kv_dtypes=KV_DTYPES, kinds=KINDS, moe_depths=(2, 3),
+    return Plan(variants=(KIMI,), kv_dtypes=KV_DTYPES, kinds=("decode", "prefill"), moe_depths=(2, 3),
                 **common_kw)
-  return Plan(variants=(KIMI, GLM_FP8, GLM_INT4), kv_dtypes=KV_DTYPES, kinds=KINDS,
+  return Plan(variants=(KIMI, GLM_FP8, GLM_INT4), kv_dtypes=KV_DTYPES, kinds=("decode", "prefill"),
               moe_depths=(1, 2, 3), **common_kw)
 
 
 # ----------------------------------------------------------------------------- shapes
 
 
-def pages_per_request(work: pm.Workload) -> int:
-  """Pages one request of the sweep's shape holds at its end (the block-table width)."""
-  return -(-work.footprint // PAGE_SIZE)
+def pages_per_request(work: pm.Workload, lookahead: int = 0) -> int:
+  """Pages one request of the sweep's shape holds at its end (the block-table width); a
+  speculative engine's requests hold ``lookahead`` positions more (``EngineConfig.lookahead``)."""
+  return -(-(work.footprint + lookahead) // PAGE_SIZE)
+
+
+def lookahead(plan: Plan) -> int:
+  """Positions a speculative request reserves past its tokens: 2k - 1 (``EngineConfig``)."""
+  return 2 * plan.speculative_tokens - 1
 
 
 def step_shape(kind: str, work: pm.Workload, plan: Plan) -> tuple[int, int, int]:
   """(rows B, tokens T, block-table width M) of the compiled step.
 
-  Decode: one token for each of ``plan.concurrency`` requests. Prefill: whole
-  prompts, as many rows as fit ``plan.prefill_tokens`` (Kimi: one 8192-token
+  Decode: one token for each of ``plan.concurrency`` requests. Verify: the last
+  token and k drafts for each of them, in pages that hold the look-ahead. Prefill:
+  whole prompts, as many rows as fit ``plan.prefill_tokens`` (Kimi: one 8192-token
   prompt; GLM: four 2048-token prompts).
   """
   M = pages_per_request(work)
   if kind == "decode":
     return plan.concurrency, 1, M
+  if kind == "verify":
+    return plan.concurrency, plan.speculative_tokens + 1, pages_per_request(work, lookahead(plan))
   T = min(plan.prefill_tokens, work.prompt_tokens)
   return max(1, plan.prefill_tokens // T), T, M
 
@@ -195,8 +244,10 @@ def step_shape(kind: str, work: pm.Workload, plan: Plan) -> tuple[int, int, int]
 
 def served_params(cfg: ModelConfig, v: Variant, mesh, backend: str):
   """The served params of ``cfg`` in ``v``'s recipe, abstract and placed by RULES, int4
-  weights in the layout the engine quantises into for ``backend`` (docs/int4_matmul.md)."""
-  return abstract_params(cfg, v.recipe, mesh, RULES, int4_layout=kernel_int4_layout(backend))
+  weights in the layout the engine quantises into for ``backend`` (docs/int4_matmul.md);
+  with ``cfg.n_mtp_layers`` its MTP layers too, sharing the embedding and head."""
+  return abstract_params(cfg, v.recipe, mesh, RULES, int4_layout=kernel_int4_layout(backend),
+                         mtp=() if cfg.n_mtp_layers else None)
 
 
 def served_weight_bytes(v: Variant, mesh, backend: str) -> int:
@@ -269,6 +320,7 @@ def plan_jobs(plan: Plan, mesh, progress: Progress | None = None) -> tuple[dict,
       static_pages = kvc.capacity(v.model, dt, max(0, int(plan.static_pool(
           served + unserved["bytes"]))), page_size=PAGE_SIZE, tp=MESH_SHAPE[1])["pages"]
       pages = {"decode": plan.concurrency * pages_per_request(v.work),
+               "verify": plan.concurrency * pages_per_request(v.work, lookahead(plan)),
                "prefill": max(1, static_pages)}
       if progress:
         progress(f"h200_compile: {v.key} {dt}: {bpt:,} B/token; decode pool "
@@ -287,15 +339,22 @@ def lower(v: Variant, kv_dtype: str, kind: str, n_moe: int, num_pages: int, plan
     (the lowered step, its record's analytic part: shape, pool pages and the exact
     per-device bytes of weights, KV pool and batch inputs).
   """
+  verify = kind == "verify"
   cfg = v.model.first_layers(v.model.first_k_dense + n_moe)
+  if not verify:
+    # A plain step never reads the MTP layers, and jit drops unread arguments, so they
+    # would be missing from XLA's argument bytes: compile the plain steps without them.
+    cfg = dataclasses.replace(cfg, n_mtp_layers=0)
   B, T, M = step_shape(kind, v.work, plan)
   kv_cfg = kvc.KVCacheConfig(num_pages=num_pages, page_size=PAGE_SIZE, dtype=kv_dtype)
   params = served_params(cfg, v, mesh, plan.backend)
-  state = abstract_kv_state(cfg, kv_cfg, mesh, RULES)
-  batch = abstract_batch(B, T, M, NamedSharding(mesh, PartitionSpec()))
+  # A verify step's pool has the drafter's layer (same pages, one layer more).
+  state = abstract_kv_state(cfg, kv_cfg, mesh, RULES, draft_layers=int(verify))
+  batch = abstract_batch(B, T, M, NamedSharding(mesh, PartitionSpec()), speculative=verify)
   config = EngineConfig(model=cfg, kv=kv_cfg, max_running=B, batch_buckets=(B,),
                         prefill_buckets=(T,), prefill_token_budget=B * T, max_pages_per_seq=M,
-                        backend=plan.backend)
+                        backend=plan.backend,
+                        speculative_tokens=plan.speculative_tokens if verify else 0)
   t0 = time.perf_counter()
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
     lowered = lower_step(params, state, batch, config, kind=kind)

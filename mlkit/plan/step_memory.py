@@ -162,6 +162,31 @@ def summarize(plan: Plan, compiles: list[dict], weights: dict) -> tuple[dict, li
   return fits, rows
 
 
+def kind_rows(plan: Plan, compiles: list[dict]) -> list[dict]:
+  """One row per (variant, KV dtype, step kind): what XLA reports for the step at the full
+  depth (bytes per device, kernels launched) and what each further MoE layer adds.
+
+  Sets the kinds of one deployment side by side (the speculative experiment's decode and
+  verify steps), where :func:`summarize` sizes its pool.
+  """
+  rows = []
+  for v in plan.variants:
+    for dt in plan.kv_dtypes:
+      for kind in plan.kinds:
+        recs = [r for r in compiles
+                if (r["variant"], r["kv_dtype"], r["kind"]) == (v.key, dt, kind)]
+        fit = fit_series(recs, v.model.n_moe_layers)
+        deepest = max(recs, key=lambda r: r["n_moe"])
+        rows.append({"variant": v.key, "kv_dtype": dt, "kind": kind, "rows": deepest["rows"],
+                     "tokens": deepest["tokens"], "n_layers": v.model.n_layers,
+                     **{f: fit[f]["at_full"] for f in ("argument", "temp", "peak")},
+                     "launches": round(fit["launches"]["at_full"]),
+                     "launches_per_moe_layer": fit["launches"]["marginal_slope"],
+                     "temp_per_moe_layer": fit["temp"]["marginal_slope"],
+                     "compiled_depths": sorted(r["n_moe"] for r in recs)})
+  return rows
+
+
 def unit_for(hbm_bytes: int) -> str:
   """The unit tables print bytes in: GB for real devices, MB for the smoke run's toy one."""
   return "GB" if hbm_bytes >= 1e9 else "MB"
