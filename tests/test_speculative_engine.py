@@ -39,9 +39,12 @@ N_NEW = 12
 
 
 def engine_config(k: int, **kw) -> EngineConfig:
+  # Every engine computes log-probabilities (a request returns them only when it asks): one
+  # compiled step per k and shape serves the logprobs test and the rest alike.
   base = dict(model=CFG, kv=KVCacheConfig(NUM_PAGES, PAGE, "float32"), max_running=4,
               batch_buckets=(4,), prefill_buckets=(8,), prefill_token_budget=16,
-              max_pages_per_seq=16, speculative_tokens=k, enable_fault_injection=True)
+              max_pages_per_seq=16, speculative_tokens=k, enable_fault_injection=True,
+              logprobs=3)
   base.update(kw)
   return EngineConfig(**base)
 
@@ -186,8 +189,8 @@ class SpeculativeEngineTest(parameterized.TestCase):
 
   def test_logprobs_equal_plain_decoding(self):
     sampling = [SamplingParams(max_new_tokens=N_NEW, logprobs=3)] * len(PROMPTS)
-    plain, _ = serve("echo", 0, sampling=sampling, logprobs=3)
-    spec, outs = serve("echo", 3, sampling=sampling, logprobs=3)
+    plain, _ = serve("echo", 0, sampling=sampling)
+    spec, outs = serve("echo", 3, sampling=sampling)
     self.assertEqual(outs, self.base["echo"])
     for a, b in zip(plain.requests.values(), spec.requests.values()):
       self.assertLen(b.logprobs, len(b.output))

@@ -85,7 +85,8 @@ def _closed_loop(eng: Engine, prompts, sampling: SamplingParams, concurrency: in
 
 
 def serve(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], sampling: SamplingParams,
-          *, k: int, concurrency: int, backend: str | None = None) -> Run:
+          *, k: int, concurrency: int, backend: str | None = None, warm_up: bool = True,
+          sized_for: tuple[Sequence[Sequence[int]], int] | None = None) -> Run:
   """Serves ``prompts`` with ``concurrency`` in flight and k drafts per step (0: off).
 
   Args:
@@ -96,17 +97,23 @@ def serve(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], sampling: 
     k: ``EngineConfig.speculative_tokens``.
     concurrency: requests in flight (also the engine's only batch bucket).
     backend: the kernel backend.
+    warm_up: first serve some prompts on an engine of the same configuration, so that
+      the timed run compiles nothing (off where only outputs and counters matter).
+    sized_for: (prompts, max_new_tokens) to size the engine for instead of this run's own:
+      runs of different prompts then share one configuration, and so their compiles.
 
   Returns:
     A :class:`Run`.
   """
-  config = engine_config(cfg, prompts, sampling.max_new_tokens, k=k, concurrency=concurrency,
+  size_prompts, size_new = sized_for or (prompts, sampling.max_new_tokens)
+  config = engine_config(cfg, size_prompts, size_new, k=k, concurrency=concurrency,
                          backend=backend)
-  # Compiles the steps of this shape: twice as many prompts as rows, so that prompts are
-  # also prefilled after decode steps, as in the timed run (a state that a step returned
-  # is another jit signature than the fresh pool's).
-  warm = Engine(params, config)
-  _closed_loop(warm, list(prompts[:2 * concurrency]), sampling, concurrency)
+  if warm_up:
+    # Compiles the steps of this shape: twice as many prompts as rows, so that prompts are
+    # also prefilled after decode steps, as in the timed run (a state that a step returned
+    # is another jit signature than the fresh pool's).
+    warm = Engine(params, config)
+    _closed_loop(warm, list(prompts[:2 * concurrency]), sampling, concurrency)
   eng = Engine(params, config)
   t0 = time.perf_counter()
   ids = _closed_loop(eng, list(prompts), sampling, concurrency)
@@ -164,12 +171,17 @@ def measure(setup: str, *, items: int, ks: Sequence[int], concurrency: Sequence[
 
   acceptance: dict = {}
   c = accept_concurrency
+  # One engine configuration for every task (sized for the longest prompt and answer), so
+  # each k compiles once; these runs are not timed.
+  every = ([p for t in TASKS for p in prompts[t]],
+           max(samplings[t].max_new_tokens for t in TASKS))
   for task in TASKS:
     base = serve(params, cfg, prompts[task], samplings[task], k=0, concurrency=c,
-                 backend=backend)
+                 backend=backend, warm_up=False, sized_for=every)
     acceptance[task] = {}
     for k in ks:
-      r = serve(params, cfg, prompts[task], samplings[task], k=k, concurrency=c, backend=backend)
+      r = serve(params, cfg, prompts[task], samplings[task], k=k, concurrency=c, backend=backend,
+                warm_up=False, sized_for=every)
       same = r.outputs == base.outputs
       acceptance[task][k] = dict(r.to_json(), identical=same,
                                  base_decode_steps=base.decode_steps)
