@@ -87,8 +87,10 @@ EXPERIMENTS = {
     "speculative": ("experiments.speculative",
                     "MTP speculative decoding on the MTP-trained MINI_MLA: acceptance length by "
                     "task for k = 1-3, decode tok/s with and without at concurrency 1-32, "
-                    "identical greedy outputs (not in the default suite: trains the accuracy "
-                    "model first if not cached, ~1 h; then quick ~5 min)"),
+                    "identical greedy outputs; the verify step beside the decode step compiled "
+                    "for 8x H200 at Kimi K2.6's shapes (not in the default suite: trains the "
+                    "accuracy model first if not cached, ~2 h on 2 cores; then quick ~6 min, "
+                    "1 of it compiling)"),
     "serve_http": ("experiments.serve_http",
                    "the same workload through the engine loop, in process through the server's "
                    "engine thread, and through the OpenAI-compatible HTTP API (mlkit.serve.bench) "
