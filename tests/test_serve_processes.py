@@ -470,6 +470,17 @@ class CliTest(absltest.TestCase):
                     "127.0.0.1:2")
     self.assertEqual(res.returncode, 2)
     self.assertIn("--process-id 2 must be in [0, --num-processes 2)", res.stderr)
+    # Speculative decoding drafts with the model's MTP layer: a model without one is refused
+    # once loaded, a negative K before.
+    res = self._run("--role", "colocated", "--model", "tiny-gqa", "--speculative-tokens", "2",
+                    "--listen", f"127.0.0.1:{launch.free_port()}")
+    self.assertEqual(res.returncode, 2, res.stderr)
+    self.assertIn("cannot serve tiny-gqa as configured: EngineConfig.speculative_tokens=2 "
+                  "needs a model with multi-token-prediction layers", res.stderr)
+    self.assertNotIn("Traceback", res.stderr)
+    res = self._run("--role", "prefill", "--model", "tiny-mla", "--speculative-tokens", "-1")
+    self.assertEqual(res.returncode, 2)
+    self.assertIn("--speculative-tokens) must be a non-negative int, got -1", res.stderr)
 
   def test_keys(self):
     # Any address other than loopback needs a key given; none is ever a constant.

@@ -376,7 +376,10 @@ def _build(args, cfg):
   what = (f"checkpoint {cfg.checkpoint}" if cfg.checkpoint else
           f"preset {cfg.model} (random params, seed {cfg.seed})")
   _log(f"model {mcfg.name}: {mcfg.n_layers} layers, {what}, loaded in {time.perf_counter() - t0:.1f} s")
-  engine = build_engine(cfg, params, mcfg)
+  try:
+    engine = build_engine(cfg, params, mcfg)
+  except ValueError as e:  # the engine refuses the configuration (e.g. K drafts, no MTP layer)
+    _fail(f"cannot serve {mcfg.name} as configured: {e}")
   del params
   _log(f"pool: {cfg.num_pages} pages of {engine.config.page_size} tokens, KV "
        f"{engine.pool_layout()['kv_dtype']}, {len(jax.devices())} {jax.default_backend()} "

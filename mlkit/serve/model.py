@@ -84,6 +84,10 @@ class ServeConfig:
                        "KV between steps; a prefill server hands requests over)")
     if self.n_layers is not None and (not isinstance(self.n_layers, int) or self.n_layers < 1):
       raise ValueError(f"ServeConfig.n_layers must be a positive int or None, got {self.n_layers!r}")
+    k = self.speculative_tokens
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+      raise ValueError(f"ServeConfig.speculative_tokens (--speculative-tokens) must be a "
+                       f"non-negative int, got {k!r}")
 
   @property
   def model_name(self) -> str:
