@@ -34,9 +34,10 @@ SERVE = ["--kv-dtype", "float32", "--num-pages", "96", "--max-running", "8",
          "--prefill-chunk", "16", "--max-pages-per-seq", "64", "--page-size", "4"]
 
 
-def write_checkpoint(d: str, tokenizer: str) -> str:
-  """A Hugging Face checkpoint (config.json + safetensors, random 2-layer TINY_MLA) with the
-  tokenizer files of ``tokenizer`` ("bpe" or "kimi"); returns its directory."""
+def write_checkpoint(d: str, tokenizer: str, mtp: bool = False) -> str:
+  """A Hugging Face checkpoint (config.json + safetensors, random 2-layer TINY_MLA, with its
+  MTP layer when ``mtp``) with the tokenizer files of ``tokenizer`` ("bpe" or "kimi");
+  returns its directory."""
   from mlkit.checkpoint import save_hf_checkpoint
   from mlkit.model import init_params
   from mlkit.text import copy_tokenizer_files
@@ -52,7 +53,7 @@ def write_checkpoint(d: str, tokenizer: str) -> str:
                          {"eos_token_id": list(tok.eos_token_ids)})
   tok = load_tokenizer(tok_dir)
   cfg = dataclasses.replace(TINY_MLA, vocab_size=tok.vocab_size, n_layers=2)
-  save_hf_checkpoint(ckpt, init_params(cfg, jax.random.key(0)), cfg)
+  save_hf_checkpoint(ckpt, init_params(cfg, jax.random.key(0), mtp=() if mtp else None), cfg)
   copy_tokenizer_files(tok_dir, ckpt)
   return ckpt
 
@@ -395,17 +396,19 @@ class HttpColocatedTest(_Server):
 
 
 class HttpDisaggregatedTest(_Server):
-  """A prefill/decode pair behind the API, serving a Kimi-style tiktoken.model checkpoint."""
+  """A prefill/decode pair behind the API, serving a Kimi-style tiktoken.model checkpoint that
+  ships an MTP layer, with speculative decoding on (two drafts per step): its greedy text
+  is the plain engine's."""
 
   def test_pair_serves_the_api(self):
     tmp = temp_dir(self, "mlkit-http-pair-")
-    ckpt = write_checkpoint(tmp, "kimi")
+    ckpt = write_checkpoint(tmp, "kimi", mtp=True)
     tok = load_tokenizer(ckpt)
     self.assertEqual(tok.backend, "tiktoken")
     pre_addr, dec_addr = (f"127.0.0.1:{launch.free_port()}" for _ in range(2))
     port = launch.free_port()
     logs = [os.path.join(tmp, f"{r}.log") for r in ("prefill", "decode")]
-    common = ["--checkpoint", ckpt, *SERVE]
+    common = ["--checkpoint", ckpt, *SERVE, "--speculative-tokens", "2"]
     procs = [self._launch("prefill", pre_addr, common, logs[0]),
              self._launch("decode", dec_addr, [*common, "--prefill", pre_addr, "--http",
                                                str(port), "--connect-timeout", "120"], logs[1])]
@@ -436,6 +439,14 @@ class HttpDisaggregatedTest(_Server):
                  "mlkit:kv_transfers_total", 0.0) < 2:
       self.assertLess(time.monotonic(), deadline)
       time.sleep(0.1)
+    # The decode server verified drafts, up to two per row (fewer where max_tokens is near).
+    self.assertIn("speculative decoding: 2 drafts", log)
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    rows = metric(text, "mlkit:spec_decode_num_drafts_total")
+    drafts = metric(text, "mlkit:spec_decode_num_draft_tokens_total")
+    self.assertGreater(rows, 0)
+    self.assertTrue(0 < drafts <= 2 * rows, (rows, drafts))
+    self.assertLessEqual(metric(text, "mlkit:spec_decode_num_accepted_tokens_total"), drafts)
 
 
 class OpenAiApiTest(absltest.TestCase):

@@ -387,6 +387,10 @@ def _build(args, cfg):
        f"max {cfg.max_running} running")
   # What was loaded, not what --recipe says: a quantised checkpoint keeps its formats.
   _log("weights: " + "; ".join(f"{g} {f}" for g, f in engine.weight_formats().items()))
+  if engine.config.speculative_tokens:
+    _log(f"speculative decoding: {engine.config.speculative_tokens} drafts per request and step "
+         f"from the model's MTP layer (a request reserves {engine.config.lookahead} positions "
+         "of look-ahead)")
   return engine, mcfg
 
 

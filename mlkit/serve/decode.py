@@ -332,14 +332,17 @@ class FrontDoor:
   def snapshot(self) -> dict:
     """Gauges and counters of the server for /metrics (engine thread)."""
     m = self.engine.metrics()
-    pc = m.get("prefix_cache", {})
+    pc, spec = m.get("prefix_cache", {}), m.get("speculative", {})
     return {"running": m["running"], "waiting": self.waiting(), "pages_used": m["pages_used"],
             "pages_free": m["pages_free"], "pages_cached": m["pages_cached"],
             "pages_quarantined": m["pages_quarantined"],
             "prefix_cache_hit_rate": pc.get("token_hit_rate", 0.0),
             "prefix_cache_queries": pc.get("tokens_looked_up", 0),
             "prefix_cache_hits": pc.get("tokens_saved", 0),
-            "generated_tokens": m["generated_tokens"], "prompt_tokens": m["prefill_tokens"]}
+            "generated_tokens": m["generated_tokens"], "prompt_tokens": m["prefill_tokens"],
+            "spec_verify_rows": spec.get("verify_rows", 0),
+            "spec_draft_tokens": spec.get("drafts_proposed", 0),
+            "spec_accepted_tokens": spec.get("drafts_accepted", 0)}
 
   def metrics(self) -> dict:
     return self.engine.metrics()

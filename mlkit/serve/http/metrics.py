@@ -49,6 +49,13 @@ _FROM_SNAPSHOT = {
                             "KV transfers asked again after a checksum mismatch.", "counter"),
     "kv_transfer_failures": ("mlkit:kv_transfer_failures",
                              "Requests aborted because their KV never arrived intact.", "counter"),
+    # Speculative decoding (vLLM's spec_decode_* counters): 0 when it is off.
+    "spec_verify_rows": ("mlkit:spec_decode_num_drafts",
+                         "Verify rows: a request's drafts checked by one target pass.", "counter"),
+    "spec_draft_tokens": ("mlkit:spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                          "counter"),
+    "spec_accepted_tokens": ("mlkit:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                             "counter"),
 }
 
 
