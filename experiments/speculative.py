@@ -53,7 +53,7 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   # The verify step beside the plain decode step, compiled for 8x H200 (no GPU needed).
   plan = sc.speculative_plan(smoke, k=res["best_k"])
   mesh = sc.h200_mesh()
-  weights, jobs = sc.plan_jobs(plan, mesh, common.progress)
+  _, jobs = sc.plan_jobs(plan, mesh, common.progress)
   compiled = sm.kind_rows(plan, sc.compile_all(jobs, plan, mesh, common.progress))
   record["h200_compile"] = {"plan": plan.summary(), "rows": compiled}
   common.write_json(out_dir, "speculative", record)
