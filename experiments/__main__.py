@@ -89,7 +89,7 @@ EXPERIMENTS = {
                     "task for k = 1-3, decode tok/s with and without at concurrency 1-32, "
                     "identical greedy outputs; the verify step beside the decode step compiled "
                     "for 8x H200 at Kimi K2.6's shapes (not in the default suite: trains the "
-                    "accuracy model first if not cached, ~2 h on 2 cores; then quick ~6 min, "
+                    "accuracy model first if not cached, ~2 h on 2 cores; then quick ~3 min, "
                     "1 of it compiling)"),
     "serve_http": ("experiments.serve_http",
                    "the same workload through the engine loop, in process through the server's "
