@@ -58,7 +58,20 @@ def _summary(n: int, tokens: int, wall: float, ttft: list, tpot: list) -> dict:
   """One way's figures from its wall time and per-request TTFT / TPOT (seconds)."""
   return {"requests": n, "output_tokens": tokens, "duration_s": wall,
           "output_tok_s": tokens / wall, "median_ttft_ms": 1e3 * float(np.median(ttft)),
+          "mean_ttft_ms": 1e3 * float(np.mean(ttft)),
           "median_tpot_ms": 1e3 * float(np.median(tpot))}
+
+
+def _engine_split(before: dict, after: dict, engine_ttft_s: float, n: int) -> dict:
+  """Where a way's time went inside the server, from two engine metrics snapshots
+  (``Engine.metrics()``) around it: steps, device and host milliseconds per step, and the
+  engine's own mean TTFT (``engine_ttft_s`` summed over ``n`` requests: from the request's
+  arrival in the engine to its first token, without the hand-off, HTTP or the client)."""
+  steps = after["steps"] - before["steps"]
+  per_step = lambda k: 1e3 * (after[k] - before[k]) / max(steps, 1)  # noqa: E731
+  return {"steps": steps, "device_ms_per_step": per_step("device_seconds"),
+          "host_ms_per_step": per_step("host_seconds"),
+          "engine_mean_ttft_ms": 1e3 * engine_ttft_s / max(n, 1)}
 
 
 def in_process(engine, n: int, concurrency: int, seed: int) -> dict:
@@ -105,6 +118,8 @@ def in_process_clients(engine, n: int, concurrency: int, seed: int) -> dict:
   thread = threading.Thread(target=server.serve_forever, daemon=True, name="engine")
   thread.start()
   ttft, tpot, tokens, next_i = [], [], 0, iter(range(n))
+  engine_ttft = []  # the engine's own TTFT of each request (Update.ttft_s)
+  before = engine.metrics()
 
   async def client() -> None:
     nonlocal tokens
@@ -121,6 +136,8 @@ def in_process_clients(engine, n: int, concurrency: int, seed: int) -> dict:
         u = await call.queue.get()
         if u.tokens and t_first is None:
           t_first = time.perf_counter()
+        if u.done and u.ttft_s is not None:
+          engine_ttft.append(u.ttft_s)
         got += len(u.tokens)
         if u.done:
           break
@@ -140,11 +157,35 @@ def in_process_clients(engine, n: int, concurrency: int, seed: int) -> dict:
   finally:
     server.stop()
     thread.join(30)
-  return _summary(n, tokens, wall, ttft, tpot)
+  return dict(_summary(n, tokens, wall, ttft, tpot),
+              **_engine_split(before, engine.metrics(), sum(engine_ttft), len(engine_ttft)))
 
 
-def over_http(base: str, n: int, concurrency: int, seed: int) -> dict:
+def _served_ttft(base: str) -> tuple[float, int]:
+  """(sum of seconds, count) of the server's TTFT histogram, from its /metrics."""
+  import urllib.request
+
+  from prometheus_client.parser import text_string_to_metric_families
+  with urllib.request.urlopen(base + "/metrics", timeout=30) as f:
+    text = f.read().decode()
+  total, count = 0.0, 0
+  for family in text_string_to_metric_families(text):
+    if family.name == "mlkit:time_to_first_token_seconds":
+      for sample in family.samples:
+        if sample.name.endswith("_sum"):
+          total += sample.value
+        elif sample.name.endswith("_count"):
+          count += int(sample.value)
+  return total, count
+
+
+def over_http(base: str, n: int, concurrency: int, seed: int, control=None) -> dict:
+  """``n`` streamed completions through ``mlkit.serve.bench``; with ``control`` (an
+  ``mlkit.serve.client.Client`` on the server's control channel), also the server's
+  step times and its engine's own TTFT over the run."""
   from mlkit.serve import bench
+  if control is not None:
+    before, ttft_before = control.metrics(), _served_ttft(base)
   r = bench.benchmark(bench.BenchConfig(
       base_url=base, num_prompts=n, max_concurrency=concurrency, random_input_len=PROMPT,
       random_output_len=OUTPUT, random_vocab_size=256, ignore_eos=True, seed=seed,
@@ -153,9 +194,15 @@ def over_http(base: str, n: int, concurrency: int, seed: int) -> dict:
   if m["failed"]:
     raise RuntimeError(f"{m['failed']} HTTP requests failed: "
                        f"{next(q['error'] for q in r['requests'] if not q['success'])}")
-  return {"requests": m["completed"], "output_tokens": m["total_output_tokens"],
-          "duration_s": m["duration_s"], "output_tok_s": m["output_throughput"],
-          "median_ttft_ms": m["median_ttft_ms"], "median_tpot_ms": m["median_tpot_ms"]}
+  out = {"requests": m["completed"], "output_tokens": m["total_output_tokens"],
+         "duration_s": m["duration_s"], "output_tok_s": m["output_throughput"],
+         "median_ttft_ms": m["median_ttft_ms"], "mean_ttft_ms": m["mean_ttft_ms"],
+         "median_tpot_ms": m["median_tpot_ms"]}
+  if control is not None:
+    total, count = _served_ttft(base)
+    out.update(_engine_split(before, control.metrics(), total - ttft_before[0],
+                             count - ttft_before[1]))
+  return out
 
 
 def _plot(path: str, rows: list[dict]) -> None:
@@ -187,6 +234,7 @@ def one_model(model: str, levels, per_level) -> list[dict]:
   import jax
 
   from mlkit.serve import launch
+  from mlkit.serve.client import Client
   from mlkit.serve.model import ServeConfig, build_engine, load_model, warm_up_colocated
   cfg = ServeConfig(role="colocated", model=model, **ARGS)
   common.progress(f"serve_http: {model} in process (compiling every batch bucket first)")
@@ -202,7 +250,8 @@ def one_model(model: str, levels, per_level) -> list[dict]:
   jax.clear_caches()
   tmp = tempfile.mkdtemp(prefix="mlkit-serve-http-")
   port, log = launch.free_port(), os.path.join(tmp, "server.log")
-  proc = launch.start("colocated", f"127.0.0.1:{launch.free_port()}", _flags(model, port), log=log)
+  control_address = f"127.0.0.1:{launch.free_port()}"
+  proc = launch.start("colocated", control_address, _flags(model, port), log=log)
   try:
     launch.wait_ready(proc, log, timeout_s=900)
     base = f"http://127.0.0.1:{port}"
@@ -210,7 +259,8 @@ def one_model(model: str, levels, per_level) -> list[dict]:
     over_http(base, 2 * max(levels), max(levels), seed=99)  # connections, and the HTTP path
     for row in rows:
       c = row["concurrency"]
-      row["http"] = over_http(base, per_level(c), c, seed=c)
+      with Client(control_address) as control:
+        row["http"] = over_http(base, per_level(c), c, seed=c, control=control)
       row["http_over_in_process_tok_s"] = (row["http"]["output_tok_s"]
                                            / row["in_process"]["output_tok_s"])
       row["http_added_ttft_ms"] = (row["http"]["median_ttft_ms"]
@@ -220,7 +270,9 @@ def one_model(model: str, levels, per_level) -> list[dict]:
                       f"{row['in_process']['output_tok_s']:.0f} tok/s, HTTP "
                       f"{row['http']['output_tok_s']:.0f} tok/s "
                       f"({100 * row['http_over_in_process_tok_s']:.0f}%), TTFT "
-                      f"{row['http_added_ttft_ms']:+.1f} ms")
+                      f"{row['http_added_ttft_ms']:+.1f} ms, device ms per step "
+                      f"{row['in_process']['device_ms_per_step']:.2f} in process, "
+                      f"{row['http']['device_ms_per_step']:.2f} serving HTTP")
   finally:
     proc.terminate()
     proc.wait(timeout=30)
@@ -259,6 +311,26 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
               f"{r['http_over_in_process_tok_s']:.2f}", r["engine_loop"]["median_ttft_ms"],
               r["in_process"]["median_ttft_ms"], r["http"]["median_ttft_ms"],
               f"{r['http_added_ttft_ms']:+.1f}", r["http"]["median_tpot_ms"]] for r in rows]),
+        "", "## Where the added TTFT goes", "",
+        "The engine's own TTFT runs from a request's arrival in the engine to its first token "
+        "(its `Request` timestamps: in process from each request's last update, through HTTP "
+        "from the server's `mlkit:time_to_first_token_seconds` histogram, so means); the "
+        "client's adds the hand-off to the engine thread, HTTP and the client itself. Step "
+        "times are the engine's (`Engine.metrics()`, through HTTP over the control channel): "
+        "device ms is launch to results, host ms the engine thread's own work. The client, "
+        "the HTTP thread and XLA's compute threads share this machine's two cores.", "",
+        common.markdown_table(
+            ["model", "concurrency", "device ms/step in process", "device ms/step HTTP",
+             "host ms/step in process", "host ms/step HTTP", "engine TTFT ms in process",
+             "engine TTFT ms HTTP", "client TTFT ms in process", "client TTFT ms HTTP",
+             "outside the engine ms in process", "outside the engine ms HTTP"],
+            [[r["model"], r["concurrency"], r["in_process"]["device_ms_per_step"],
+              r["http"]["device_ms_per_step"], r["in_process"]["host_ms_per_step"],
+              r["http"]["host_ms_per_step"], r["in_process"]["engine_mean_ttft_ms"],
+              r["http"]["engine_mean_ttft_ms"], r["in_process"]["mean_ttft_ms"],
+              r["http"]["mean_ttft_ms"],
+              r["in_process"]["mean_ttft_ms"] - r["in_process"]["engine_mean_ttft_ms"],
+              r["http"]["mean_ttft_ms"] - r["http"]["engine_mean_ttft_ms"]] for r in rows]),
         "", f"Targets ({top['model']}, concurrency {top['concurrency']}): HTTP keeps at least "
         f"90% of in-process output tok/s ({'met' if record['tok_s_target_met'] else 'not met'}), "
         f"adds at most 5 ms to median TTFT "
