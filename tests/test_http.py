@@ -131,6 +131,34 @@ class HttpColocatedTest(_Server):
   def _text(self, ids) -> str:
     return self.tok.decode(ids, skip_special_tokens=True)
 
+  def test_local_load_drives_the_engine_thread_as_the_handlers_do(self):
+    """mlkit.serve.local_load (serve_http's in-process way) on the server's engine, here: a
+    closed and an open loop serve every request whole, the engine's own TTFT within the
+    client's; and the server's histograms read from /metrics."""
+    from mlkit.serve import local_load
+    prompts = [self.tok.encode(t) for t in ("one two", "three", "four five six", "seven")]
+    s = SamplingParams(max_new_tokens=4)  # no stop tokens: 4 tokens each
+    for load in (dict(concurrency=2), dict(rate=40.0, seed=3)):
+      r = local_load.drive(self.engine, prompts, s, **load)
+      self.assertEqual((r["requests"], r["output_tokens"]), (4, 16), load)
+      self.assertGreater(r["steps"], 0)
+      self.assertGreater(r["device_ms_per_step"], 0.0)
+      self.assertGreater(r["engine_mean_ttft_ms"], 0.0)
+      self.assertLessEqual(r["engine_mean_ttft_ms"], r["mean_ttft_ms"])
+    self.assertFalse(self.engine.has_unfinished())
+    for bad in (dict(), dict(concurrency=2, rate=1.0), dict(concurrency=0), dict(rate=0.0)):
+      with self.assertRaises(ValueError, msg=str(bad)):
+        local_load.drive(self.engine, prompts, s, **bad)
+    with self.assertRaisesRegex(ValueError, "no prompts"):
+      local_load.drive(self.engine, [], s, concurrency=1)
+    self.client.completions.create(model=self.model, prompt=[1, 2, 3], max_tokens=2)
+    total, count = local_load.served_histogram(self.base, "mlkit:time_to_first_token_seconds",
+                                               api_key=self.key)
+    self.assertGreaterEqual(count, 1)
+    self.assertGreater(total, 0.0)
+    with self.assertRaisesRegex(KeyError, "no histogram"):
+      local_load.served_histogram(self.base, "mlkit:no_such_histogram", api_key=self.key)
+
   def test_health_models_metrics_and_auth(self):
     self.assertEqual(httpx.get(self.base + "/health").status_code, 200)  # no key needed
     r = httpx.get(self.base + "/v1/models")
