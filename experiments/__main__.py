@@ -94,8 +94,9 @@ EXPERIMENTS = {
     "serve_http": ("experiments.serve_http",
                    "the same workload through the engine loop, in process through the server's "
                    "engine thread, and through the OpenAI-compatible HTTP API (mlkit.serve.bench) "
-                   "on SMALL_MLA and TINY_MLA: output tok/s and TTFT at concurrency 1-32 (not in "
-                   "the default suite: quick ~6 min)"),
+                   "on SMALL_MLA and TINY_MLA: output tok/s and TTFT at concurrency 1-32, where "
+                   "the added TTFT goes, and TTFT under the same Poisson arrivals both ways (not "
+                   "in the default suite: quick ~6 min)"),
     "serve_processes": ("experiments.serve_processes",
                         "prefill and decode as two server processes (mlkit.serve, KV over "
                         "jax.experimental.transfer) vs the in-process DisaggEngine: transfer MB/s, "
