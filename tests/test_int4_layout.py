@@ -17,7 +17,7 @@ from mlkit import parallel
 from mlkit.model import check_params, forward
 from mlkit.quant import (INT4_EXPERTS, RECIPES, Int4Weight, dequantize, grouped_matmul,
                          kernel_int4_layout, kernel_layout, matmul, quantize_int4,
-                         quantize_params, weight_bytes)
+                         quantize_params, relaid_int4, weight_bytes)
 from numpy_params import init_params_np
 
 MLA = dataclasses.replace(TINY_MLA, n_layers=2)  # one dense and one MoE layer
@@ -72,16 +72,22 @@ class Int4LayoutTest(absltest.TestCase):
     self.assertEqual(parallel.per_device_bytes([codes]), 2 * 64 * 256 // 2)
 
   def test_platform_layout(self):
+    # The kernels read the packed layout: the [N, K] kernels fail on an H200.
     self.assertEqual((kernel_int4_layout("xla"), kernel_int4_layout("interpret"),
-                      kernel_int4_layout("pallas")), ("kn", "nk", "nk"))
-    self.assertEqual(kernel_int4_layout(), "nk" if jax.default_backend() == "gpu" else "kn")
+                      kernel_int4_layout("pallas"), kernel_int4_layout()), ("kn",) * 4)
+    with self.assertRaisesRegex(ValueError, "backend"):
+      kernel_int4_layout("cuda")
 
   def test_kernel_layout_converts_for_kernel_backends_only(self):
     tree = {"w": self.kn, "norm": jnp.ones(4)}
     self.assertIs(kernel_layout(tree, "xla"), tree)
-    out = kernel_layout(tree, "interpret")
-    self.assertEqual(out["w"].layout, "nk")
+    nk_tree = {"w": self.nk, "norm": tree["norm"]}
+    self.assertIs(kernel_layout(nk_tree, "xla"), nk_tree)
+    out = kernel_layout(nk_tree, "interpret")  # an "nk" tree goes back to the kernels' layout
+    self.assertEqual(out["w"].layout, "kn")
+    np.testing.assert_array_equal(np.asarray(out["w"].packed), np.asarray(self.kn.packed))
     self.assertIs(out["norm"], tree["norm"])
+    self.assertIs(kernel_layout(tree, "interpret")["w"], self.kn)  # already there: no copy
 
 
 class Int4LayoutModelTest(absltest.TestCase):
@@ -93,7 +99,7 @@ class Int4LayoutModelTest(absltest.TestCase):
     cls.nk = quantize_params(init_params_np(MLA), INT4_EXPERTS, int4_layout="nk")
 
   def test_quantising_into_nk_is_converting(self):
-    converted = kernel_layout(self.kn, "interpret")
+    converted = relaid_int4(self.kn, "nk")
     for a, b in zip(jax.tree.leaves(converted), jax.tree.leaves(self.nk)):
       np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     self.assertEqual(jax.tree.structure(converted), jax.tree.structure(self.nk))

@@ -23,24 +23,37 @@ from pallas_kernels import int4_matmul as int4_kernels
 from pallas_kernels.int4_matmul import partitioned as int4_partitioned
 
 
+# The layout the kernel backends read: the one whose kernels are right on an H200
+# (pallas_kernels.int4_matmul.HARDWARE_LAYOUT; docs/int4_matmul.md, "On hardware").
+# Interpret mode reads it too, so that the CPU tests run what a GPU runs; the other
+# layout stays selectable by name (quantize_params(..., int4_layout=...)).
+KERNEL_INT4_LAYOUT = int4_kernels.HARDWARE_LAYOUT
+
+
 def kernel_int4_layout(backend: str | None = None) -> str:
-  """The Int4Weight layout the matmuls of ``backend`` run fastest on: "nk" for the
-  kernels ("pallas", "interpret", and None on a GPU; docs/int4_matmul.md), "kn"
-  for the XLA reference, which reads either (None on a CPU)."""
-  return "kn" if kernel_dispatch.resolve_backend(backend) == "xla" else "nk"
+  """The Int4Weight layout the matmuls of ``backend`` should be given:
+  :data:`KERNEL_INT4_LAYOUT` for the kernels ("pallas", "interpret", and None on a
+  GPU), "kn" for the XLA reference, which reads either (None on a CPU).
+
+  Raises:
+    ValueError: an unknown backend.
+  """
+  if kernel_dispatch.resolve_backend(backend) == "xla":
+    return "kn"
+  return KERNEL_INT4_LAYOUT
 
 
 def kernel_layout(tree, backend: str | None = None):
-  """``tree`` with its Int4Weight leaves in layout "nk" for a kernel backend;
-  unchanged for "xla" (see :func:`kernel_int4_layout`).
+  """``tree`` with its Int4Weight leaves in the layout ``backend``'s kernels read
+  (:func:`kernel_int4_layout`); unchanged for "xla", which reads either.
 
-  Converting copies each int4 weight while the caller still holds ``tree``; for a
-  full-size model, quantise (``quantize_params(..., int4_layout=...)``) into the
-  layout instead.
+  Converting copies each relaid int4 weight while the caller still holds ``tree``;
+  for a full-size model, quantise (``quantize_params(..., int4_layout=...)``) into
+  the layout instead.
   """
-  if kernel_int4_layout(backend) == "kn":
+  if kernel_dispatch.resolve_backend(backend) == "xla":
     return tree  # the XLA reference reads either layout: nothing to copy
-  return relaid_int4(tree, "nk")
+  return relaid_int4(tree, kernel_int4_layout(backend))
 
 
 @matmul.register(Int4Weight)

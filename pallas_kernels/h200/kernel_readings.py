@@ -50,6 +50,7 @@ from pallas_kernels.indexer import IndexerBlockSizes
 from pallas_kernels.indexer import TopkBlockSizes
 from pallas_kernels.indexer import paged_index_scores
 from pallas_kernels.indexer import topk_positions
+from pallas_kernels.int4_matmul import HARDWARE_LAYOUT as INT4_HARDWARE_LAYOUT
 from pallas_kernels.int4_matmul import BlockSizes as Int4BlockSizes
 from pallas_kernels.int4_matmul import int4_grouped_matmul
 from pallas_kernels.int4_matmul import int4_grouped_matmul_nk
@@ -272,11 +273,11 @@ def builds(case, *, other_impl: bool = False) -> list[Build]:
   if case.kernel in ("paged_mla_decode", "paged_gqa_decode"):
     return _attention_builds(case, other_impl)
   if case.kernel in ("int4_matmul", "int4_grouped_matmul"):
-    # The serving engines quantise into layout "nk" for the Pallas backend
-    # (quantize_params(int4_layout=kernel_int4_layout(...))), so they run the "nk"
-    # kernels; "mgpu" is the packed-layout kernel.
-    impls = ("nk", "mgpu") if other_impl else ("nk",)
-    return [Build(case, i, i == "nk", bs, kernel_key(case, i, bs))
+    # The serving engines quantise into the layout whose kernels are right on an H200
+    # (INT4_HARDWARE_LAYOUT): "mgpu" is the packed-layout kernel, "nk" the [N, K] one.
+    engine, other = ("nk", "mgpu") if INT4_HARDWARE_LAYOUT == "nk" else ("mgpu", "nk")
+    impls = (engine, other) if other_impl else (engine,)
+    return [Build(case, i, i == engine, bs, kernel_key(case, i, bs))
             for i in impls for bs in [_int4_block_sizes(case, i)]]
   block_sizes = {"tag_check": _tag_block_sizes, "paged_mla_sparse_decode": _sparse_block_sizes,
                  "paged_index_scores": _indexer_block_sizes, "topk_positions": _topk_block_sizes}

@@ -1,5 +1,11 @@
 """INT4 weight-only (W4A16) matmuls, dense and grouped (MoE), for Hopper."""
 
+# The weight layout whose kernels are right on an H200, and so the one the engine runs:
+# the packed kernels ("kn"). The [N, K] kernels ("nk", nk.py) pass in interpret mode
+# but returned NaN or wrong outputs on an H200 (every group-32 case, some group-128
+# ones; docs/int4_matmul.md, "On hardware").
+HARDWARE_LAYOUT = "kn"
+
 from pallas_kernels.int4_matmul.block_sizes import BlockSizes
 from pallas_kernels.int4_matmul.int4_matmul import BACKENDS
 from pallas_kernels.int4_matmul.int4_matmul import int4_grouped_matmul
