@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.h200 import compile as hc
 from pallas_kernels.int4_matmul import BlockSizes
 from pallas_kernels.int4_matmul import int4_grouped_matmul_reference
 from pallas_kernels.int4_matmul import int4_matmul_reference
@@ -125,6 +126,45 @@ class NkKernelInterpretTest(NkKernelTest):
 
   def test_grouped(self):
     self._grouped()
+
+
+class NkRegisterOperandTest(parameterized.TestCase):
+  """The hazard the interpreter cannot show (docs/int4_matmul.md, "On hardware"): a
+  wgmma reads its register A operand while it runs, and the next pipeline step
+  converts into the same registers, so each register-operand wgmma must be retired
+  (wait_group 0) first. Checked in the PTX of a deviceless sm_90a compile of a
+  4-step dense loop (7 K splits' worth, no refill code between steps: the case that
+  returned NaN on an H200 with wait_group 1) and a grouped one."""
+
+  def _waits(self, fn, *args):
+    report = hc.compile_for_h200(fn, *args, mosaic_ptx=True)
+    self.assertTrue(report.register_wgmma_waits, "no Mosaic GPU PTX was dumped")
+    return [w for ws in report.register_wgmma_waits.values() for w in ws]
+
+  def test_dense_and_grouped_retire_each_register_operand_wgmma(self):
+    k, n, g = 2048, 128, 32
+    dense = self._waits(
+        lambda x, w, sc: nk.int4_matmul_nk(x, w, sc, group_size=g, backend="pallas",
+                                           block_sizes=BlockSizes(64, 8, 256, 2, 4)),
+        hc.spec((8, k), jnp.bfloat16), hc.spec((n, k), jnp.int4),
+        hc.spec((k // g, n), jnp.bfloat16))
+    grouped = self._waits(
+        lambda x, w, sc, gs: nk.int4_grouped_matmul_nk(
+            x, w, sc, gs, group_size=g, backend="pallas",
+            block_sizes=BlockSizes(128, 16, 128, 1, 4)),
+        hc.spec((64, k), jnp.bfloat16), hc.spec((4, n, k), jnp.int4),
+        hc.spec((4, k // g, n), jnp.bfloat16), hc.spec((4,), jnp.int32))
+    for waits in (dense, grouped):
+      self.assertTrue(waits, "no register-operand wgmma in the PTX")
+      self.assertEqual(set(waits), {0})
+
+  def test_reading_the_waits(self):
+    reg = "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%r1,%r2}, {%r3,%r4}, %rd1, p;"
+    desc = "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%r1,%r2}, %rd2, %rd1, p;"
+    wait = "wgmma.wait_group.sync.aligned {};"
+    ptx = "\n".join([desc, wait.format(1), reg, reg, wait.format(1), reg, wait.format(0), reg])
+    self.assertEqual(hc.register_wgmma_waits(ptx), (1, 1, 0, -1))
+    self.assertEqual(hc.register_wgmma_waits(desc + wait.format(1)), ())
 
 
 if __name__ == "__main__":

@@ -94,12 +94,15 @@ class CompileReport:
     launches: what the compiled program launches, in order: the name of every
       kernel (XLA's fusions, Triton and Mosaic GPU kernels) and library call
       (custom calls, GEMMs) of XLA's thunk sequence.
+    register_wgmma_waits: with ``mosaic_ptx=True``, per Mosaic GPU module, the
+      :func:`register_wgmma_waits` of its PTX.
   """
 
   seconds: float
   kernels: dict[str, KernelStats]
   memory: dict[str, int]
   launches: tuple[str, ...] = ()
+  register_wgmma_waits: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 @functools.cache
@@ -191,7 +194,7 @@ def parse_ptxas_log(text: str) -> dict[str, dict]:
 
 
 def compile_for_h200(fn: Callable[..., Any], *args, mesh_=None, ptxas_report: bool = True,
-                     **kwargs) -> CompileReport:
+                     mosaic_ptx: bool = False, **kwargs) -> CompileReport:
   """Lowers and compiles ``fn(*args, **kwargs)`` for an H200 and reads ptxas' report.
 
   Args:
@@ -201,6 +204,8 @@ def compile_for_h200(fn: Callable[..., Any], *args, mesh_=None, ptxas_report: bo
       GPU kind from it.
     ptxas_report: require XLA's ptxas logging (``env.prepare()``), so that every
       kernel's registers and spills are read; False for memory-only compiles.
+    mosaic_ptx: also have Mosaic GPU dump its kernels' PTX and read their
+      ``register_wgmma_waits``.
     **kwargs: static keyword arguments of ``fn``.
 
   Returns:
@@ -214,7 +219,47 @@ def compile_for_h200(fn: Callable[..., Any], *args, mesh_=None, ptxas_report: bo
     raise H200CompileUnavailable("cannot read ptxas' report here: " + "; ".join(problems))
   m = mesh() if mesh_ is None else mesh_
   with tempfile.TemporaryDirectory(prefix="h200_dump_") as dump:
-    return _compile(fn, args, kwargs, m, dump)
+    if not mosaic_ptx:
+      return _compile(fn, args, kwargs, m, dump)
+    ptx_dir = os.path.join(dump, "mosaic")
+    os.makedirs(ptx_dir)
+    saved = {k: os.environ.get(k) for k in _MOSAIC_DUMP_ENV}
+    os.environ.update(MOSAIC_GPU_DUMP_TO=ptx_dir, MOSAIC_GPU_DUMP_PTX="1")  # read per lowering
+    try:
+      report = _compile(fn, args, kwargs, m, dump)
+    finally:
+      for k, v in saved.items():
+        if v is None:
+          os.environ.pop(k, None)
+        else:
+          os.environ[k] = v
+    waits = {}
+    for path in sorted(glob.glob(os.path.join(ptx_dir, "*.ptx"))):
+      with open(path) as f:
+        waits[os.path.basename(path).removesuffix(".ptx")] = register_wgmma_waits(f.read())
+    return dataclasses.replace(report, register_wgmma_waits=waits)
+
+
+_MOSAIC_DUMP_ENV = ("MOSAIC_GPU_DUMP_TO", "MOSAIC_GPU_DUMP_PTX")
+# A wgmma whose A operand is a register list (the second brace group) rather than a
+# shared-memory descriptor; and a wait for all but N wgmma groups.
+_REGISTER_WGMMA_RE = re.compile(r"wgmma\.mma_async\S*\s+\{[^}]*\},\s*\{")
+_WGMMA_WAIT_RE = re.compile(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)")
+
+
+def register_wgmma_waits(ptx: str) -> tuple[int, ...]:
+  """For each wgmma in ``ptx`` that reads its A operand from registers, in text order,
+  the N of the first ``wgmma.wait_group N`` after it (-1 where none follows).
+
+  A wgmma reads register operands while it runs, and PTX leaves writing them before a
+  wait that covers it undefined: a kernel that goes on to reuse those registers (the
+  next pipeline step converting into them) needs N = 0 here (docs/int4_matmul.md).
+  """
+  waits = [(m.start(), int(m.group(1))) for m in _WGMMA_WAIT_RE.finditer(ptx)]
+  out = []
+  for m in _REGISTER_WGMMA_RE.finditer(ptx):
+    out.append(next((n for pos, n in waits if pos > m.start()), -1))
+  return tuple(out)
 
 
 def _compile(fn, args, kwargs, m, dump: str) -> CompileReport:

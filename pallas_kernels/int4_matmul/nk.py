@@ -17,8 +17,10 @@ tile ``[tile_n, tile_k]`` is wgmma's A operand as it stands, so:
   * wgmma reads A from those registers: no bf16 scratch, no shared-memory
     store and fence, and x enters in its own K order (the [K/2, N] kernels
     split x into even and odd columns);
-  * the step's wgmmas are left running while the next step converts
-    (``wgmma_wait(1)``); the x buffers are released a step late.
+  * each step's wgmma is retired before the next step converts
+    (``wgmma_wait(0)``): the conversion reuses the registers a running wgmma
+    reads (``_mma_step``). The x buffers are still released a step late, as
+    when the wgmma was left running; the block-size tables count that buffer.
 
 The Mosaic GPU interpreter only runs wgmma with both operands in shared
 memory, so under ``backend="interpret"`` the converted tile goes through a bf16
@@ -88,12 +90,20 @@ def _dequant(w_s, s_s, *, group_size):
 
 
 def _mma_step(x_s, w_s, s_s, acc_ref, a_smem, *, group_size):
-  """Converts the step's weight tile and issues its wgmma; retires the previous
-  step's (the only reader of the x buffer the pipeline refills next)."""
+  """Converts the step's weight tile, issues its wgmma and retires it.
+
+  The wgmma reads its A operand (the converted tile) from registers while it runs,
+  and the next step's conversion writes the same registers: PTX leaves touching them
+  before a covering ``wgmma.wait_group`` undefined, and ptxas reuses them. Waiting
+  for one group in flight (``wgmma_wait(1)``) let the conversion overwrite a running
+  wgmma's operand: NaN on an H200, unseen by the interpreter, which runs the wgmma
+  synchronously from shared memory (docs/int4_matmul.md, "On hardware"). The TMA
+  loads of later steps still overlap the conversion and the MMA.
+  """
   # Interpreted, through a_smem (mgpu_shim.register_operand).
   a = mgpu_shim.register_operand(_dequant(w_s, s_s, group_size=group_size), a_smem)
   plgpu.wgmma(acc_ref, a, x_s.T)  # [tn, tk] @ [tk, tm]
-  plgpu.wgmma_wait(1)
+  plgpu.wgmma_wait(0)
 
 
 def _k_pipeline(acc_ref, x, w, scales, a_smem, *, in_specs, k_steps,
@@ -112,8 +122,8 @@ def _k_pipeline(acc_ref, x, w, scales, a_smem, *, in_specs, k_steps,
 def _in_specs(tile_m, tile_n, tile_k, ng, m_block, n_block, k_offset, *,
               first_row=None):
   """x, weight and scale specs; x rows from block m_block, or from row first_row
-  (a multiple of 8, see int4_matmul._in_specs). x is released a step late: the
-  step's wgmma still reads it while the next step converts."""
+  (a multiple of 8, see int4_matmul._in_specs). x is released a step late (see the
+  module docstring)."""
   if first_row is not None:
     x_spec = plgpu.BlockSpec((pl.Element(tile_m), tile_k), lambda kk: (first_row, kk),
                              oob_fill_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
