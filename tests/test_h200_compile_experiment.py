@@ -90,7 +90,7 @@ class SmokeRunTest(absltest.TestCase):
     # The tag check before the layers, attention in both layers, the MoE layer's gate, up
     # and down projections as grouped INT4 calls (run per GPU inside the experts' shard_map).
     self.assertEqual(where, {"tag_check": ["-"], "paged_mla_decode": ["layer_0", "layer_1"],
-                             "int4_grouped_matmul_nk": ["layer_1"] * 3})
+                             "int4_grouped_matmul": ["layer_1"] * 3})
     # What XLA gathers is the MoE dispatch's per-token routing values ([rows, 8]), no weight.
     self.assertNotEmpty(c["all_gathers"])
     for g in c["all_gathers"]:
@@ -121,7 +121,7 @@ class SmokeRunTest(absltest.TestCase):
     self.assertIn("**NO (out of memory)**", md)
     self.assertIn("not instantiated", md)
     self.assertIn("## Kernels each GPU runs", md)
-    self.assertIn("| int4_grouped_matmul_nk | mosaic_gpu_v2 | `bf16[128,64]` | layer_1 | 3 |", md)
+    self.assertIn("| int4_grouped_matmul | mosaic_gpu_v2 | `bf16[128,64]` | layer_1 | 3 |", md)
     with open(os.path.join(self.out, "h200_compile.png"), "rb") as f:
       self.assertEqual(f.read(8), PNG_MAGIC)
 
