@@ -7,8 +7,10 @@ kernel's time from CUPTI, its error against the f32 reference, achieved bytes/s
 and FLOP/s against the H200 ceilings, the roofline bound, XLA's path and the
 peers (JAX's own Pallas kernels, bf16 twins), and fp8 pages against bf16.
 
-Without a GPU there is nothing to time: ``run`` writes a note that says so and
-returns ``{"skipped": True, ...}``. Either way the markdown carries the roofline
+Without a GPU there is nothing to time here: ``run`` says so, returns
+``{"skipped": True, ...}``, and renders the H200 runs committed under
+``docs/measurements`` (``committed_runs``) instead, so a CPU report still shows
+what the kernels did on the device. Either way the markdown carries the roofline
 sheet (``pallas_kernels.roofline``: per target case the bytes and FLOPs, the time at
 the H200's ceilings and the target; measured times beside it once a device has run
 ``gpu_check``; plotted by ``experiments.roofline``) and the H200 compile readings
@@ -24,6 +26,7 @@ A JSONL fetched from a device renders the same way::
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import subprocess
@@ -38,6 +41,7 @@ from pallas_kernels import roofline
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(_REPO, "scripts", "gpu_check.py")
+MEASUREMENTS = os.path.join(_REPO, "docs", "measurements")
 SKIP_REASON = ("kernels needs an NVIDIA GPU (the Pallas kernels are compiled and timed on the "
                "device); this machine's JAX backend is '{backend}'. Skipped. On a CPU the kernels "
                "are checked in interpret mode by the tests and by "
@@ -110,6 +114,11 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   if backend != "gpu":
     reason = SKIP_REASON.format(backend=backend)
     common.progress(f"kernels: {reason}")
+    committed = committed_runs()
+    if committed:
+      common.progress(f"kernels: rendering the committed H200 run(s) {[os.path.basename(p) for p in committed]}")
+      record.update(reason=reason)
+      return report(committed, out_dir, record=record, skipped=True)
     sheet = roofline.rows()
     record.update(skipped=True, reason=reason, records=[], roofline=sheet)
     common.write_json(out_dir, "kernels", record)
@@ -138,12 +147,16 @@ def _f(v, digits=3):
 
 
 def case_rows(cases: list[dict]) -> list[list]:
-  """One table row per case record: status, kernel time, XLA, best peer, rates, roofline."""
+  """One table row per case record: status, kernel time, XLA, best peer, rates, roofline.
+
+  The best peer is the fastest one whose output was right: a peer that returned NaN
+  (the [N, K] INT4 kernels on an H200, say) is no bound on anything."""
   rows = []
   for r in cases:
     if r.get("group") == "ceiling":
       continue
-    peers = r.get("peer_time_s") or {}
+    wrong = {p.get("impl") for p in r.get("impls", []) if p.get("correct") is False}
+    peers = {k: v for k, v in (r.get("peer_time_s") or {}).items() if k not in wrong}
     best = min(peers.items(), key=lambda kv: kv[1]) if peers else None
     rows.append([r["kernel"], r["name"], r["status"], r.get("tier", "-"),
                  _f(_us(r.get("time_s"))), r.get("timing_source", "-"),
@@ -163,46 +176,69 @@ def _xla_time(r: dict) -> float | None:
   return None
 
 
-def report(jsonl: str, out_dir: str, *, record: dict | None = None) -> dict:
-  """Renders a gpu_check JSONL as kernels.{json,md,png} under out_dir.
+def committed_runs(folder: str = MEASUREMENTS) -> list[str]:
+  """The gpu_check runs committed under ``folder`` (docs/measurements), oldest first."""
+  return sorted(glob.glob(os.path.join(folder, "gpu_check_*.jsonl")))
+
+
+def report(jsonl: str | list[str], out_dir: str, *, record: dict | None = None,
+           skipped: bool = False) -> dict:
+  """Renders gpu_check JSONL as kernels.{json,md,png} under out_dir.
 
   Args:
-    jsonl: the script's output (a partial file from a killed run is fine).
+    jsonl: the script's output (a partial file from a killed run is fine), or several
+      runs' (a rerun after a first run, say): a case run twice keeps its later record.
     out_dir: where to write.
     record: the experiment header to extend (None: a bare one).
+    skipped: nothing ran here; the records are committed ones (:func:`committed_runs`),
+      and the markdown says so, with ``record["reason"]``.
 
   Returns:
     The record with ``cases`` (every case record, plus ``xla_time_s``), the
     header, summary and budget/aborted records of the run, and ``all_ok``.
   """
-  records = load_jsonl(jsonl)
+  paths = [jsonl] if isinstance(jsonl, str) else list(jsonl)
   record = dict(record or {"experiment": "kernels"})
   by_type: dict[str, list[dict]] = {}
-  for r in records:
-    by_type.setdefault(r.get("type", "?"), []).append(r)
-  cases = by_type.get("case", [])
+  latest: dict[str, dict] = {}
+  for path in paths:
+    for r in load_jsonl(path):
+      if r.get("type") == "case":
+        latest.pop(r.get("name"), None)  # re-inserted: a rerun's case sorts after the first run's
+        latest[r.get("name")] = r
+      else:
+        by_type.setdefault(r.get("type", "?"), []).append(r)
+  cases = list(latest.values())
   for r in cases:
     r["xla_time_s"] = _xla_time(r)
   header = (by_type.get("header") or [{}])[0]
-  summary = (by_type.get("summary") or [None])[0]
-  stop = (by_type.get("budget") or by_type.get("aborted") or [None])[0]
+  summaries = by_type.get("summary") or []
+  summary = dict(summaries[0], fp8_vs_bf16=[t for s in summaries
+                                             for t in s.get("fp8_vs_bf16") or []]) if summaries else None
+  stops = by_type.get("budget", []) + by_type.get("aborted", [])
+  stop = stops[0] if stops else None
   workers = by_type.get("worker", [])
   real = [r for r in cases if r.get("group") != "fault"]
   sheet = roofline.rows(measured={r["name"]: r for r in real})
-  record.update(skipped=False, source=jsonl, header=header, summary=summary, stop=stop,
-                workers=workers, cases=cases, roofline=sheet,
+  record.update(skipped=skipped, source=paths[0] if len(paths) == 1 else paths, header=header,
+                summary=summary, stop=stop, workers=workers, cases=cases, roofline=sheet,
                 all_ok=bool(real) and all(r["status"] == "ok" for r in real))
   common.write_json(out_dir, "kernels", record)
   device = next((w.get("device_kind") for w in workers if w.get("device_kind")), "?")
-  lines = [f"# kernels\n",
-           f"Source: `{os.path.basename(jsonl)}` on `{device}` (jax {header.get('jax', '?')}, "
+  names = ", ".join(f"`{os.path.basename(p)}`" for p in paths)
+  lines = ["# kernels\n"]
+  if skipped:
+    lines.append(f"{record.get('reason', 'Nothing ran here.')} The figures below are the H200 "
+                 f"run{'s' if len(paths) > 1 else ''} committed under `docs/measurements` "
+                 f"(measured on the device, not here).\n")
+  lines += [f"Source: {names} on `{device}` (jax {header.get('jax', '?')}, "
            f"{'smoke: tiny shapes, interpret mode, timings mean nothing' if header.get('smoke') else 'target shapes'}). "
            f"{len(real)} of {header.get('plan_size', '?')} planned cases ran "
            f"({header.get('targets_total', '?')} target cases in all).",
            "Kernel time: median over rotated inputs, from CUPTI where the source says `cupti`; "
            "rates against 4.3 TB/s copy and 790 TFLOP/s bf16; roofline = max(bytes / 4.3 TB/s, "
            "FLOPs / 790 TFLOP/s), and its fraction = roofline / kernel time.\n"]
-  if stop:
+  for stop in stops:
     lines.append(f"**Run stopped ({stop['type']}):** {stop.get('reason', 'the budget would be exceeded')}; "
                  f"{len(stop.get('unstarted', []))} cases not started.\n")
   ceilings = [r for r in cases if r.get("group") == "ceiling"]
@@ -228,6 +264,11 @@ def report(jsonl: str, out_dir: str, *, record: dict | None = None) -> dict:
       tail = (r.get("stderr_tail") or "").strip().splitlines()[-1:] if not why else []
       lines.append(f"- `{r['name']}`: {r['status']}" + (f": {why.splitlines()[0][:200]}" if why
                                                           else (f": `{tail[0][:200]}`" if tail else "")))
+  wrong = [(r["name"], p["impl"], p.get("rel_err")) for r in cases for p in r.get("impls", [])
+           if p.get("correct") is False and p.get("impl") != "pallas"]
+  if wrong:
+    lines.append("\n## Peers with wrong outputs (left out of \"best peer\")\n")
+    lines += [f"- `{name}`: `{impl}`, rel err {_f(err)}" for name, impl, err in wrong]
   lines.append("\n![kernels](kernels.png)\n")
   lines.append(roofline.markdown(sheet))
   lines.append("\n![kernels_roofline](kernels_roofline.png)\n")

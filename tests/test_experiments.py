@@ -9,6 +9,8 @@ fp8-vs-bf16 budget).
 """
 
 import dataclasses
+import glob
+import json
 import os
 import re
 import subprocess
@@ -197,10 +199,26 @@ class SmokeRunsTest(parameterized.TestCase):
       self.assertIn("needs an NVIDIA GPU", md)
       self.assertIn("## H200 compile readings", md)
       self.assertTrue(self.readings_before in md or _compile_readings() in md, md[-3000:])
-      # Without a device the sheet is all modelled: every target case, nothing measured.
+      # Without a device it shows the committed H200 runs: each of their cases once (a
+      # rerun's record replacing the first run's), and their times in the roofline sheet.
+      committed = sorted(glob.glob(os.path.join(_REPO, "docs", "measurements",
+                                                "gpu_check_*.jsonl")))
+      self.assertTrue(committed)
+      self.assertIn("committed under `docs/measurements`", md)
+      want = {}
+      for path in committed:
+        with open(path) as f:
+          want.update({r["name"]: r for r in map(json.loads, f) if r.get("type") == "case"})
+      self.assertEqual(sorted(c["name"] for c in rec["cases"]), sorted(want))
+      rows = set(re.findall(r"^\| \w+ \| (\S+) \| (\w+) \|", md, re.M))
+      self.assertEqual({(n, r["status"]) for n, r in want.items() if r.get("group") != "ceiling"},
+                       rows & {(n, r["status"]) for n, r in want.items()})
+      self.assertIn("Measured ceilings: ceiling/copy", md)
       self.assertIn("## Roofline sheet (H200, per call)", md)
       self.assertLen(rec["roofline"], len(targets.target_cases()))
-      self.assertTrue(all(r["time_s"] is None for r in rec["roofline"]))
+      timed = {r["case"] for r in rec["roofline"] if r["time_s"] is not None}
+      self.assertEqual(timed, {n for n, r in want.items()
+                               if r.get("group") == "target" and r["status"] == "ok"})
       with open(os.path.join(self.out, "kernels_roofline.png"), "rb") as f:
         self.assertEqual(f.read(8), PNG_MAGIC)
 
