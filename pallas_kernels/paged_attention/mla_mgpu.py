@@ -172,19 +172,41 @@ def stage_rows(src, dst, valid_tokens):
 
   In column chunks, so only [ps, 64] values are in registers at a time
   beside the accumulator; src is read a whole swizzle tile at a time.
+
+  Only a request's last, partial page has rows to zero, so a full page
+  (valid_tokens >= ps) takes a branch without the select. On an fp8 cache the
+  select was most of the conversion pass: Mosaic GPU lowers it per 16-bit
+  element (unpack, select, repack), 658 of the 1,125 instructions the pass
+  adds per warp per page in the compiled H200 kernel, and the pass is what made
+  the fp8 kernel slower than the bf16 one (docs/paged_attention.md).
   """
+  ps = src.shape[0]
+
+  @pl.when(valid_tokens >= ps)
+  def _():
+    copy_rows(src, dst)
+
+  @pl.when(valid_tokens < ps)
+  def _():
+    copy_rows(src, dst, valid_tokens)
+
+
+def copy_rows(src, dst, valid_tokens=None):
+  """dst = src (as dst's dtype), rows >= valid_tokens zeroed unless it is None: the
+  body of :func:`stage_rows`, for callers that already know the page is partial."""
   w = src.shape[1]
   load_w = math.gcd(w, 128 // jnp.dtype(src.dtype).itemsize)
   for j in range(w // load_w):
     xs = src[:, pl.ds(j * load_w, load_w)]
     for h in range(load_w // _STAGE_CHUNK):
       x = xs[:, h * _STAGE_CHUNK:(h + 1) * _STAGE_CHUNK]
-      rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
       # e4m3 -> f16 is one exact cvt per pair (8-bit registers allow no
       # arithmetic, so the select comes after it).
       x = x.astype(dst.dtype)
-      # A select, not a multiply: unused slots may be NaN.
-      x = jnp.where(rows < valid_tokens, x, jnp.zeros_like(x))
+      if valid_tokens is not None:
+        rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
+        # A select, not a multiply: unused slots may be NaN.
+        x = jnp.where(rows < valid_tokens, x, jnp.zeros_like(x))
       dst[:, pl.ds(j * load_w + h * _STAGE_CHUNK, _STAGE_CHUNK)] = x.astype(dst.dtype)
 
 
@@ -687,7 +709,7 @@ class _Bf16Cache(_Cta):
     # cancel NaN in PV: zero those rows, only on that partial page.
     @pl.when(valid_tokens < self.b.ps)
     def _():
-      stage_rows(lat_in.at[:, self.cols], lat_in.at[:, self.cols], valid_tokens)
+      copy_rows(lat_in.at[:, self.cols], lat_in.at[:, self.cols], valid_tokens)
       self.meet(s.conv_bar)
 
     # QK for this warpgroup's half of the page's tokens only, so no MMA

@@ -52,6 +52,7 @@ from pallas_kernels.paged_attention.mla_mgpu import LOG2E
 from pallas_kernels.paged_attention.mla_mgpu import MIN_SCALE
 from pallas_kernels.paged_attention.mla_mgpu import NEG
 from pallas_kernels.paged_attention.mla_mgpu import PARTIAL_DTYPE
+from pallas_kernels.paged_attention.mla_mgpu import copy_rows
 from pallas_kernels.paged_attention.mla_mgpu import stage_rows
 from pallas_kernels.paged_attention.mla_mgpu import transforms
 from pallas_kernels import mgpu_shim
@@ -187,7 +188,7 @@ def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_sca
           k_lat, k_rope = lat_in, rope_in
           @pl.when(valid_tokens < ps)
           def _():
-            stage_rows(lat_in, lat_in, valid_tokens)
+            copy_rows(lat_in, lat_in, valid_tokens)
             plgpu.commit_smem()
 
         s_acc = plgpu.ACC((ps, nh), jnp.float32)
