@@ -35,9 +35,6 @@ if [ ! -x .venv/bin/python ]; then
   "$py" -m venv .venv
 fi
 echo "bootstrap: installing the project and its test/plot extras into .venv"
-# --no-compile: Python compiles each module the first time it is imported, so byte-compiling
-# every file of every package up front (jax, scipy, matplotlib, ...) only costs time: on the
-# 2-core machine a fresh .venv took about 40 s with it and 24 s without.
-.venv/bin/python -m pip install --quiet --no-compile --upgrade pip
-.venv/bin/python -m pip install --quiet --no-compile -e ".[tests,plots]"
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet -e ".[tests,plots]"
 touch "$stamp"
