@@ -35,6 +35,10 @@ if [ ! -x .venv/bin/python ]; then
   "$py" -m venv .venv
 fi
 echo "bootstrap: installing the project and its test/plot extras into .venv"
+# pip byte-compiles what it installs: keep it so (no --no-compile). Where
+# PYTHONDONTWRITEBYTECODE is set, as on the development machines, nothing writes .pyc files
+# later, and every process (each test worker, server and experiment subprocess) would
+# compile jax and the rest from source: `import jax` 4.1 s against 1.8 s.
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -e ".[tests,plots]"
 touch "$stamp"
