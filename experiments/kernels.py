@@ -155,7 +155,7 @@ def case_rows(cases: list[dict]) -> list[list]:
   for r in cases:
     if r.get("group") == "ceiling":
       continue
-    wrong = {p.get("impl") for p in r.get("impls", []) if p.get("correct") is False}
+    wrong = {p["impl"] for p in _wrong_impls(r)}
     peers = {k: v for k, v in (r.get("peer_time_s") or {}).items() if k not in wrong}
     best = min(peers.items(), key=lambda kv: kv[1]) if peers else None
     rows.append([r["kernel"], r["name"], r["status"], r.get("tier", "-"),
@@ -167,6 +167,11 @@ def case_rows(cases: list[dict]) -> list[list]:
                  _f(r["flops"] / r["time_s"] / 1e12 if r.get("time_s") and r.get("flops") else None),
                  _f(_us(r.get("roofline_s"))), _f(r.get("roofline_fraction"))])
   return rows
+
+
+def _wrong_impls(r: dict) -> list[dict]:
+  """The impls of case record ``r`` whose output failed the reference check."""
+  return [p for p in r.get("impls", []) if p.get("correct") is False]
 
 
 def _xla_time(r: dict) -> float | None:
@@ -264,8 +269,8 @@ def report(jsonl: str | list[str], out_dir: str, *, record: dict | None = None,
       tail = (r.get("stderr_tail") or "").strip().splitlines()[-1:] if not why else []
       lines.append(f"- `{r['name']}`: {r['status']}" + (f": {why.splitlines()[0][:200]}" if why
                                                           else (f": `{tail[0][:200]}`" if tail else "")))
-  wrong = [(r["name"], p["impl"], p.get("rel_err")) for r in cases for p in r.get("impls", [])
-           if p.get("correct") is False and p.get("impl") != "pallas"]
+  wrong = [(r["name"], p["impl"], p.get("rel_err")) for r in cases for p in _wrong_impls(r)
+           if p["impl"] != "pallas"]
   if wrong:
     lines.append("\n## Peers with wrong outputs (left out of \"best peer\")\n")
     lines += [f"- `{name}`: `{impl}`, rel err {_f(err)}" for name, impl, err in wrong]

@@ -132,9 +132,10 @@ class NkRegisterOperandTest(parameterized.TestCase):
   """The hazard the interpreter cannot show (docs/int4_matmul.md, "On hardware"): a
   wgmma reads its register A operand while it runs, and the next pipeline step
   converts into the same registers, so each register-operand wgmma must be retired
-  (wait_group 0) first. Checked in the PTX of a deviceless sm_90a compile of a
-  4-step dense loop (7 K splits' worth, no refill code between steps: the case that
-  returned NaN on an H200 with wait_group 1) and a grouped one."""
+  (wait_group 0) first. Checked in the PTX of deviceless sm_90a compiles: a dense
+  loop of 4 steps per K split, as many as the pipeline has slots, so no refill code
+  sits between the steps (the shape of the dense case that returned NaN on an H200
+  with wait_group 1), and a grouped one."""
 
   def _waits(self, fn, *args):
     report = hc.compile_for_h200(fn, *args, mosaic_ptx=True)

@@ -23,24 +23,20 @@ from pallas_kernels import int4_matmul as int4_kernels
 from pallas_kernels.int4_matmul import partitioned as int4_partitioned
 
 
-# The layout the kernel backends read: the one whose kernels are right on an H200
-# (pallas_kernels.int4_matmul.HARDWARE_LAYOUT; docs/int4_matmul.md, "On hardware").
-# Interpret mode reads it too, so that the CPU tests run what a GPU runs; the other
-# layout stays selectable by name (quantize_params(..., int4_layout=...)).
-KERNEL_INT4_LAYOUT = int4_kernels.HARDWARE_LAYOUT
-
-
 def kernel_int4_layout(backend: str | None = None) -> str:
-  """The Int4Weight layout the matmuls of ``backend`` should be given:
-  :data:`KERNEL_INT4_LAYOUT` for the kernels ("pallas", "interpret", and None on a
-  GPU), "kn" for the XLA reference, which reads either (None on a CPU).
+  """The Int4Weight layout the matmuls of ``backend`` should be given: for the kernels
+  ("pallas", "interpret", and None on a GPU), the one whose kernels are right on an
+  H200 (``pallas_kernels.int4_matmul.HARDWARE_LAYOUT``; docs/int4_matmul.md, "On
+  hardware"), interpret mode included, so that the CPU tests run what a GPU runs;
+  "kn" for the XLA reference, which reads either (None on a CPU). The other layout
+  stays selectable by name (``quantize_params(..., int4_layout=...)``).
 
   Raises:
     ValueError: an unknown backend.
   """
   if kernel_dispatch.resolve_backend(backend) == "xla":
     return "kn"
-  return KERNEL_INT4_LAYOUT
+  return int4_kernels.HARDWARE_LAYOUT
 
 
 def kernel_layout(tree, backend: str | None = None):
