@@ -1,11 +1,11 @@
-"""The accuracy experiment: its smoke run (through the command line) trains TINY_MLA,
-evaluates three recipes through the engine and the disaggregated recipe through the
-two-pool engine, and writes well-formed JSON, markdown and PNGs; the trained model is
-cached by fingerprint (mlkit.evals.setups), so this process loads what the run trained."""
+"""The accuracy experiment: its smoke run (through the command line, with the other
+experiments' in test_experiments.SmokeRunsTest) trains TINY_MLA, evaluates three recipes
+through the engine and the disaggregated recipe through the two-pool engine, and writes
+well-formed JSON, markdown and PNGs; the trained model is cached by fingerprint
+(mlkit.evals.setups), so this process loads what the run trained."""
 
 import dataclasses
 import os
-from unittest import mock
 
 import jax
 import numpy as np
@@ -14,30 +14,21 @@ from absl.testing import absltest
 from mlkit.evals import setups
 from mlkit.evals.precision import DISAGG
 
-from experiment_runs import run_experiment
-from tempdirs import temp_dir
-
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-class AccuracySmokeTest(absltest.TestCase):
+class AccuracySmokeChecks:
+  """Checks of the accuracy smoke run. Not a TestCase: test_experiments.SmokeRunsTest mixes
+  it in, which runs every experiment's smoke mode in one process (the accuracy run trains
+  the smoke model there, into the run's ``MLKIT_CACHE``, which that class sets in this
+  process too, and the speculative run loads it)."""
 
-  @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    cls.cache = temp_dir(cls, "accuracy_cache_")
-    cls.out = temp_dir(cls, "accuracy_smoke_")
-    cls.env = mock.patch.dict(os.environ, {"MLKIT_CACHE": cls.cache})
-    cls.env.start()
-    cls.record = run_experiment("accuracy", out=cls.out, timeout=900)["accuracy"]
+  @property
+  def record(self):
+    return self.records["accuracy"]
 
-  @classmethod
-  def tearDownClass(cls):
-    cls.env.stop()
-    super().tearDownClass()
-
-  def test_files_well_formed(self):
+  def test_accuracy_files_well_formed(self):
     rec = self.record
     self.assertEqual(rec["experiment"], "accuracy")
     self.assertEqual(rec["mode"], "smoke")
@@ -53,7 +44,7 @@ class AccuracySmokeTest(absltest.TestCase):
       with open(os.path.join(self.out, png), "rb") as f:
         self.assertEqual(f.read(8), PNG_MAGIC)
 
-  def test_every_recipe_scored_on_every_task(self):
+  def test_accuracy_scores_every_recipe_on_every_task(self):
     names = set(setups.EVAL_SETUPS["smoke"].recipes) | {DISAGG}
     self.assertEqual(set(self.record["recipes"]), names)
     for name, r in self.record["recipes"].items():
@@ -76,7 +67,7 @@ class AccuracySmokeTest(absltest.TestCase):
     self.assertEqual(transfers["transfers"], n)
     self.assertEqual(transfers["transfer_failures"], 0)
 
-  def test_claims_cover_kv_weights_and_disagg(self):
+  def test_accuracy_claims_cover_kv_weights_and_disagg(self):
     claims = {c["claim"] for c in self.record["claims"]}
     self.assertIn("fp8 KV within ~1 point", claims)
     self.assertIn("disaggregated within ~1 point of bf16", claims)
@@ -86,7 +77,7 @@ class AccuracySmokeTest(absltest.TestCase):
       self.assertLessEqual(lo, c["delta_points"] + 1e-9)
       self.assertLessEqual(c["delta_points"], hi + 1e-9)
 
-  def test_trained_model_is_cached_and_reloaded(self):
+  def test_accuracy_model_is_cached_and_reloaded(self):
     self.assertFalse(self.record["train"]["cached"])
     setup = setups.TRAIN_SETUPS["smoke"]
     params, info = setups.train_or_load(setup)
@@ -96,7 +87,7 @@ class AccuracySmokeTest(absltest.TestCase):
     leaves = jax.tree_util.tree_leaves(params)
     self.assertTrue(all(np.all(np.isfinite(np.asarray(x))) for x in leaves))
 
-  def test_stage_continues_its_parent(self):
+  def test_accuracy_stage_continues_its_parent(self):
     setup = setups.TRAIN_SETUPS["smoke"]
     parent = self.record["train"]["parent"]
     self.assertEqual(parent["steps"], setup.parent.train.steps)
@@ -119,6 +110,8 @@ class AccuracySmokeTest(absltest.TestCase):
                                           model=dataclasses.replace(setup.model, n_layers=3)))
     with self.assertRaisesRegex(ValueError, "same model"):
       setups.train_or_load(mismatched)
+
+class TrainSetupTest(absltest.TestCase):
 
   def test_fingerprint_tracks_every_field(self):
     setup = setups.TRAIN_SETUPS["smoke"]

@@ -2,7 +2,7 @@
 
 torch and transformers are never imported here: the peer is a fake interpreter that cannot
 import them, and the worker's request loop runs against a stand-in model. The smoke run goes
-through the command line; the rest tests the library it runs (mlkit.peer).
+through the command line (checked by CpuPeerSmokeChecks in test_experiments.SmokeRunsTest); the rest tests the library it runs (mlkit.peer).
 """
 
 import contextlib
@@ -16,7 +16,6 @@ from unittest import mock
 import numpy as np
 from absl.testing import absltest
 
-from experiment_runs import run_experiment
 from mlkit.peer import compare, transformers_worker
 
 
@@ -29,7 +28,8 @@ def _tempdir(test) -> str:
   return folder
 
 
-def _fake_python(folder: str) -> str:
+def fake_python(folder: str) -> str:
+  """An interpreter that cannot import torch: a peer that cannot start."""
   path = os.path.join(folder, "python")
   with open(path, "w") as f:
     f.write(_NO_TORCH)
@@ -40,7 +40,7 @@ def _fake_python(folder: str) -> str:
 class SkipTest(absltest.TestCase):
 
   def test_interpreter_without_torch_is_skipped_with_a_clear_message(self):
-    msg = compare.peer_unavailable(_fake_python(_tempdir(self)))
+    msg = compare.peer_unavailable(fake_python(_tempdir(self)))
     self.assertIn("transformers peer skipped", msg)
     self.assertIn("cannot import torch and transformers", msg)
     self.assertIn("No module named 'torch'", msg)
@@ -56,13 +56,14 @@ class SkipTest(absltest.TestCase):
       self.assertEqual(compare.peer_python(), "/opt/peer/bin/python")
 
 
-class SmokeRunTest(absltest.TestCase):
-  """The smoke run with a peer that cannot start: the engine's side alone, and the report says why."""
+class CpuPeerSmokeChecks:
+  """Checks of the cpu_peer smoke run, with a peer that cannot start: the engine's side
+  alone, and the report says why. Not a TestCase: test_experiments.SmokeRunsTest mixes it
+  in, which runs every experiment's smoke mode in one process, with
+  ``compare.PEER_PYTHON_ENV`` naming :func:`fake_python`."""
 
-  def test_engine_side_runs_and_the_report_says_the_peer_was_skipped(self):
-    out = _tempdir(self)
-    env = dict(os.environ, **{compare.PEER_PYTHON_ENV: _fake_python(out)})
-    rec = run_experiment("cpu_peer", out=out, env=env)["cpu_peer"]
+  def test_cpu_peer_engine_side_runs_and_the_report_says_the_peer_was_skipped(self):
+    rec, out = self.records["cpu_peer"], self.out
     self.assertEqual(rec["experiment"], "cpu_peer")
     self.assertIn("cannot import torch and transformers", rec["peer_skipped"])
     self.assertIsNone(rec["peer"])

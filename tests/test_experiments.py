@@ -1,8 +1,8 @@
 """Experiments: smoke runs write well-formed JSON, markdown and PNG; paper-scale arithmetic; CLI.
 
-The engine experiments, paper and kernels run their smoke modes (2-layer TINY_MLA, a few
-tokens) through the command line, all in one ``python -m experiments ... --smoke``
-process, as a user runs them; their smoke shapes are chosen so that several share
+The engine experiments, paper, accuracy, h200_compile, retrieval_learning, cpu_peer and
+kernels run their smoke modes (2-layer TINY_MLA, a few tokens) through the command line, all in one ``python -m
+experiments ... --smoke`` process, as a user runs them; their smoke shapes are chosen so that several share
 compiled steps. The tests read the files it writes. The logic the experiments run is
 the library's, tested where it lives (here: the analytic model, mlkit.measure and the
 fp8-vs-bf16 budget).
@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+from unittest import mock
 
 from absl.testing import absltest, parameterized
 
@@ -22,6 +23,7 @@ from configs import GLM_5_2, H200, KIMI_K2_6, TINY_MLA
 from mlkit import kvcache as kvc
 from mlkit import perfmodel as pm
 from mlkit.measure import stats
+from mlkit.peer import compare as peer_compare
 from mlkit.quant import FP8_ALL, INT4_EXPERTS
 from mlkit.report import comparison
 from pallas_kernels import targets
@@ -30,20 +32,34 @@ from pallas_kernels.h200 import kernel_readings
 from experiment_runs import run_experiment
 import h200_compile_cases
 from tempdirs import temp_dir
+from test_accuracy_experiment import AccuracySmokeChecks
+from test_cpu_peer import CpuPeerSmokeChecks, fake_python
+from test_h200_compile_experiment import H200CompileSmokeChecks
+from test_retrieval_learning import RetrievalLearningSmokeChecks
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-# Run by SmokeRunsTest, in this order, in one process; all but the last write NAME.png.
-SMOKE = ("kv_dtype", "integrity", "paper", "weight_quant", "disagg", "prefix_cache", "speculative",
-         "kernels")
+# Run by SmokeRunsTest, in this order, in one process: accuracy trains the smoke model that
+# speculative then loads; every experiment shares the process's compiled steps.
+SMOKE = ("kv_dtype", "integrity", "paper", "weight_quant", "disagg", "prefix_cache", "accuracy",
+         "speculative", "h200_compile", "retrieval_learning", "cpu_peer", "kernels")
+# Those that plot: all but the peer comparison's table and the kernels' skip on a CPU.
+PLOTTED = tuple(n for n in SMOKE if n not in ("cpu_peer", "kernels"))
+# Those whose files test_files_well_formed checks (the mixed-in checks cover the others').
+ENGINE_SMOKE = ("kv_dtype", "integrity", "paper", "weight_quant", "disagg", "prefix_cache",
+                "speculative")
 
 
 def _compile_readings() -> str:
   return kernel_readings.markdown(kernel_readings.load_records(h200_compile_cases.RECORDS_DIR))
 
 
-class SmokeRunsTest(parameterized.TestCase):
-  """Runs the experiments' smoke modes in one command into one folder, then checks the files."""
+class SmokeRunsTest(AccuracySmokeChecks, H200CompileSmokeChecks, RetrievalLearningSmokeChecks,
+                    CpuPeerSmokeChecks, parameterized.TestCase):
+  """Runs every experiment's smoke mode in one command into one folder, then checks the
+  files; the checks of the accuracy, h200_compile, retrieval_learning and cpu_peer runs
+  live beside those experiments' other tests and are mixed in here. One process runs them
+  all because each process pays for its imports and compiles its own steps."""
 
   @classmethod
   def setUpClass(cls):
@@ -52,11 +68,16 @@ class SmokeRunsTest(parameterized.TestCase):
     # The kernels experiment shows the H200 compile readings on disk; the compile tests may
     # add records while it runs (pytest -n 2), so its table is that of before or after.
     cls.readings_before = _compile_readings()
-    # speculative trains the smoke model first: into a cache of this run's own.
-    env = dict(os.environ, MLKIT_CACHE=temp_dir(cls, "experiments_cache_"))
-    cls.records = run_experiment(*SMOKE, out=cls.out, timeout=900, env=env)
+    # accuracy trains the smoke model into a cache of this run's own, which this process
+    # reads too (AccuracySmokeChecks loads the trained model); cpu_peer's peer cannot start.
+    run_env = {"MLKIT_CACHE": temp_dir(cls, "experiments_cache_"),
+               peer_compare.PEER_PYTHON_ENV: fake_python(temp_dir(cls, "cpu_peer_python_"))}
+    cls.env = mock.patch.dict(os.environ, run_env)
+    cls.env.start()
+    cls.addClassCleanup(cls.env.stop)
+    cls.records = run_experiment(*SMOKE, out=cls.out, timeout=900, env=dict(os.environ))
 
-  @parameterized.parameters(*SMOKE[:-1])
+  @parameterized.parameters(*ENGINE_SMOKE)
   def test_files_well_formed(self, name):
     rec = self.records[name]
     self.assertEqual(rec["experiment"], name)
@@ -86,7 +107,7 @@ class SmokeRunsTest(parameterized.TestCase):
       self.assertIn(f"## {name} (", report)
       for link in (f"[{name}.json]({name}.json)", f"[{name}.md]({name}.md)"):
         self.assertIn(link, report)
-    for name in SMOKE[:-1]:
+    for name in PLOTTED:
       self.assertIn(f"![{name}.png]({name}.png)", report)
     self.assertIn("![kernels_roofline.png](kernels_roofline.png)", report)
     self.assertNotIn("**Failed:**", report)

@@ -1,6 +1,7 @@
 """The h200_compile experiment: a tiny model's decode step compiled for 8x H200 (its smoke run,
 through the command line), its per-device bytes against the analytic ones, the out-of-memory
-marking; and the library it runs (mlkit.plan): the depth fit, the plan and the step shapes."""
+marking (checked in test_experiments.SmokeRunsTest, which runs every smoke run in one process);
+and the library it runs (mlkit.plan): the depth fit, the plan and the step shapes."""
 
 import dataclasses
 import json
@@ -17,23 +18,23 @@ from mlkit.quant import INT4_EXPERTS, weight_bytes
 from mlkit.quant.tree import flatten_params
 from pallas_kernels.h200 import step_placement
 
-from experiment_runs import run_experiment
-from tempdirs import temp_dir
-
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-class SmokeRunTest(absltest.TestCase):
+class H200CompileSmokeChecks:
+  """Checks of the h200_compile smoke run. Not a TestCase: test_experiments.SmokeRunsTest
+  mixes it in, which runs every experiment's smoke mode in one process."""
 
-  @classmethod
-  def setUpClass(cls):
-    super().setUpClass()
-    cls.out = temp_dir(cls, "h200_compile_smoke_")
-    cls.rec = run_experiment("h200_compile", out=cls.out)["h200_compile"]
-    cls.plan = sc.plan_for(quick=True, smoke=True)
+  @property
+  def rec(self):
+    return self.records["h200_compile"]
 
-  def test_arguments_are_the_analytic_weights_kv_and_inputs(self):
+  @property
+  def plan(self):
+    return sc.plan_for(quick=True, smoke=True)
+
+  def test_h200_compile_arguments_are_the_analytic_weights_kv_and_inputs(self):
     (c,) = self.rec["compiles"]
     cfg = sc.TINY
     # KV: MLA pages are replicated, so every device holds the whole pool:
@@ -61,7 +62,7 @@ class SmokeRunTest(absltest.TestCase):
     self.assertEqual(c["alias"], kv)
     self.assertGreater(c["temp"], 0)
 
-  def test_sixty_four_requests_do_not_fit_the_toy_device(self):
+  def test_h200_compile_sixty_four_requests_do_not_fit_the_toy_device(self):
     (row,) = self.rec["rows"]
     (c,) = self.rec["compiles"]
     at = row["at_concurrency"]
@@ -82,7 +83,7 @@ class SmokeRunTest(absltest.TestCase):
     self.assertEqual(row["tokens"], kvc.capacity(sc.TINY, "bfloat16",
                                                  int(row["largest_pool"]), page_size=64)["tokens"])
 
-  def test_kernels_each_gpu_runs(self):
+  def test_h200_compile_kernels_each_gpu_runs(self):
     (c,) = self.rec["compiles"]
     where = {}
     for k in c["kernels"]:
@@ -98,7 +99,7 @@ class SmokeRunTest(absltest.TestCase):
         self.assertEqual(shape, (c["rows"], 8), g)
     self.assertEqual(c["all_gather_bytes"], sum(g["bytes"] for g in c["all_gathers"]))
 
-  def test_kernels_per_step_are_counted(self):
+  def test_h200_compile_kernels_per_step_are_counted(self):
     (c,) = self.rec["compiles"]
     (row,) = self.rec["rows"]
     # Every Pallas kernel call is one launch of XLA's thunk sequence, beside XLA's own
@@ -111,7 +112,7 @@ class SmokeRunTest(absltest.TestCase):
     self.assertIn("kernels per step, decode / prefill", md)
     self.assertIn(f"| {c['launches']:,} / - |", md)
 
-  def test_files_well_formed(self):
+  def test_h200_compile_files_well_formed(self):
     with open(os.path.join(self.out, "h200_compile.json")) as f:
       rec = json.load(f)
     self.assertEqual((rec["experiment"], rec["mode"], rec["kernel_backend"]),

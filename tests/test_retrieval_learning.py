@@ -1,14 +1,13 @@
 """retrieval_learning: its data rows, scoring and the GQA twin of a preset (mlkit.evals.lookup),
-and the experiment's smoke run through the command line."""
+and the checks of the experiment's smoke run (run by test_experiments.SmokeRunsTest, with
+every other smoke run, through the command line)."""
 
 import os
-import tempfile
 
 import numpy as np
 from absl.testing import absltest
 
 from configs import MINI_MLA
-from experiment_runs import run_experiment
 from mlkit.evals import lookup as rl
 from mlkit.evals.tasks import TaskConfig, make_examples
 from mlkit.evals.tokenizer import BOS, EOS, PAD, CharTokenizer
@@ -91,18 +90,19 @@ class GqaVariantTest(absltest.TestCase):
     self.assertLess(abs(count_params(g) / count_params(MINI_MLA) - 1), 0.1)
 
 
-class SmokeRunTest(absltest.TestCase):
+class RetrievalLearningSmokeChecks:
+  """Checks of the retrieval_learning smoke run. Not a TestCase: test_experiments
+  .SmokeRunsTest mixes it in, which runs every experiment's smoke mode in one process."""
 
-  def test_smoke_writes_curves_for_both_layouts(self):
-    with tempfile.TemporaryDirectory() as out:
-      rec = run_experiment("retrieval_learning", out=out)["retrieval_learning"]
-      for ext in ("json", "md", "png"):
-        self.assertTrue(os.path.exists(os.path.join(out, f"retrieval_learning.{ext}")))
-      self.assertEqual(rec["experiment"], "retrieval_learning")
-      with open(os.path.join(out, "retrieval_learning.md")) as f:
-        md = f.read()
-      self.assertTrue(md.startswith("# retrieval_learning"))
-      self.assertIn("](retrieval_learning.png)", md)
+  def test_retrieval_learning_writes_curves_for_both_layouts(self):
+    rec, out = self.records["retrieval_learning"], self.out
+    for ext in ("json", "md", "png"):
+      self.assertTrue(os.path.exists(os.path.join(out, f"retrieval_learning.{ext}")))
+    self.assertEqual(rec["experiment"], "retrieval_learning")
+    with open(os.path.join(out, "retrieval_learning.md")) as f:
+      md = f.read()
+    self.assertTrue(md.startswith("# retrieval_learning"))
+    self.assertIn("](retrieval_learning.png)", md)
     setup = rec["config"]["setup"]
     self.assertEqual(setup["models"], ["mla", "gqa"])
     self.assertEqual([r["model"]["attention"] for r in rec["runs"]], ["mla", "gqa"])
