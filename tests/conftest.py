@@ -1,6 +1,6 @@
 """Test-wide setup: 8 host CPU devices for sharding tests, CPU code compiled without LLVM
-optimisation, the H200 compile environment, the `gpu` marker, no persistent compilation
-cache, and a bound on the compiled programs a worker holds.
+optimisation, the H200 compile environment, the `gpu` marker, and no persistent compilation
+cache.
 
 XLA_FLAGS and the compile environment must be set before jax is imported anywhere, so it
 happens at the top of this file, which pytest imports before any test module.
@@ -27,7 +27,7 @@ if "xla_backend_optimization_level" not in flags:
 os.environ["XLA_FLAGS"] = flags.strip()
 
 # No persistent compilation cache in the tests: while hunting a worker crash inside XLA
-# (see _COMPILES_KEPT below), one run died in the cache's write
+# (see _release_compiled_programs below), one run died in the cache's write
 # (``executable.serialize()``); sharing it between the workers saved only about 2%.
 os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 
@@ -67,37 +67,13 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(skip)
 
 
-# How many programs a worker compiles before it drops them all (jax.clear_caches). A worker
-# that kept every program it compiled, thousands by the end of a run, died inside XLA's CPU
-# compiler late in fresh-clone runs (a segfault, at different tests in different runs, and an
-# abort in an executable's serialisation). Dropping them after every module avoided that but
-# compiled the same programs again: in the module that came next, and in the same module
-# when pytest-xdist handed its classes to a worker between another module's. A worker now
-# holds at most about this many plus one module's (the largest compiles ~1,300).
-_COMPILES_KEPT = 1500
-_compiles_since_clear = [0]
-
-
-def _count_compile(event: str, duration: float, **kwargs) -> None:
-  if event == "/jax/core/compile/backend_compile_duration":
-    _compiles_since_clear[0] += 1
-
-
-def _listen_for_compiles() -> None:
-  import jax
-  jax.monitoring.register_event_duration_secs_listener(_count_compile)
-
-
-_listen_for_compiles()
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-  """Drops jax's compiled programs after a module once the worker has compiled
-  ``_COMPILES_KEPT`` since it last did, so that modules share what they compile
-  (the same steps, the same small eager ops) without a worker holding thousands."""
+  """Drops jax's compiled programs after each test module. A worker otherwise holds every
+  program it has compiled for the whole run (thousands), and late in fresh-clone runs a
+  worker died inside XLA's CPU compiler (a segfault, twice at different tests, and an abort
+  in an executable's serialisation), always the same worker near its end; the modules
+  share compiled programs within themselves, not across."""
   yield
-  if _compiles_since_clear[0] >= _COMPILES_KEPT:
-    import jax
-    jax.clear_caches()
-    _compiles_since_clear[0] = 0
+  import jax
+  jax.clear_caches()
