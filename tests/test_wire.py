@@ -345,6 +345,35 @@ class InboxTest(parameterized.TestCase):
     self.assertIsNone(inbox.get(0.5))
     lis.close()
 
+  def test_a_closed_listener_takes_no_more_connections(self):
+    # The inbox's accept thread is blocked in accept(2) when the listener closes: it must
+    # wake and end, and a peer that connects afterwards must be refused, not served.
+    lis = wire.Listener(("127.0.0.1", 0), KEY)
+    accepting = threading.Event()
+    real_accept = lis.accept_socket
+
+    def accept_socket(*args):
+      accepting.set()
+      return real_accept(*args)
+
+    lis.accept_socket = accept_socket
+    before = set(threading.enumerate())
+    inbox = proto.Inbox()
+    inbox.accept_from(lis, proto.prefill_kinds(100, 64))
+    (loop,) = set(threading.enumerate()) - before
+    self.assertTrue(accepting.wait(5))
+    time.sleep(0.05)  # inside accept(2)
+    lis.close()
+    loop.join(5)
+    self.assertFalse(loop.is_alive(), "the accept thread still waits on a closed listener")
+    with self.assertRaisesRegex(ConnectionError, "cannot connect"):
+      wire.connect(lis.address, KEY, timeout_s=1)
+    self.assertIsNone(inbox.get(0.2))
+    # A listener that never accepted closes too, and closing twice is harmless.
+    idle = wire.Listener(("127.0.0.1", 0), KEY)
+    idle.close()
+    idle.close()
+
 
 # ------------------------------------------------------------------ a pool's leader and follower
 def _fake_side():

@@ -407,6 +407,13 @@ class Listener:
         continue
 
   def close(self) -> None:
+    """Stops listening. A thread blocked in :meth:`accept_socket` wakes with an OSError
+    (:func:`is_closed_listener_error`): closing the socket alone leaves it blocked in
+    accept(2), still taking connections on the old socket."""
+    try:
+      self._sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+      pass  # never connected or already shut: close still releases it
     try:
       self._sock.close()
     except OSError:
