@@ -111,6 +111,7 @@ class AccuracySmokeChecks:
     with self.assertRaisesRegex(ValueError, "same model"):
       setups.train_or_load(mismatched)
 
+
 class TrainSetupTest(absltest.TestCase):
 
   def test_fingerprint_tracks_every_field(self):

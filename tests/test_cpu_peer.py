@@ -2,7 +2,8 @@
 
 torch and transformers are never imported here: the peer is a fake interpreter that cannot
 import them, and the worker's request loop runs against a stand-in model. The smoke run goes
-through the command line (checked by CpuPeerSmokeChecks in test_experiments.SmokeRunsTest); the rest tests the library it runs (mlkit.peer).
+through the command line (checked by CpuPeerSmokeChecks, mixed into
+test_experiments.SmokeRunsTest); the rest tests the library it runs (mlkit.peer).
 """
 
 import contextlib

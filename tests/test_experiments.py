@@ -1,11 +1,11 @@
 """Experiments: smoke runs write well-formed JSON, markdown and PNG; paper-scale arithmetic; CLI.
 
 The engine experiments, paper, accuracy, h200_compile, retrieval_learning, cpu_peer and
-kernels run their smoke modes (2-layer TINY_MLA, a few tokens) through the command line, all in one ``python -m
-experiments ... --smoke`` process, as a user runs them; their smoke shapes are chosen so that several share
-compiled steps. The tests read the files it writes. The logic the experiments run is
-the library's, tested where it lives (here: the analytic model, mlkit.measure and the
-fp8-vs-bf16 budget).
+kernels run their smoke modes (2-layer TINY_MLA, a few tokens) through the command line,
+all in one ``python -m experiments ... --smoke`` process, as a user runs them; their smoke
+shapes are chosen so that several share compiled steps. The tests read the files it
+writes. The logic the experiments run is the library's, tested where it lives (here: the
+analytic model, mlkit.measure and the fp8-vs-bf16 budget).
 """
 
 import dataclasses
@@ -40,7 +40,7 @@ from test_retrieval_learning import RetrievalLearningSmokeChecks
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # Run by SmokeRunsTest, in this order, in one process: accuracy trains the smoke model that
-# speculative then loads; every experiment shares the process's compiled steps.
+# speculative then loads, and experiments of the same shapes share compiled steps.
 SMOKE = ("kv_dtype", "integrity", "paper", "weight_quant", "disagg", "prefix_cache", "accuracy",
          "speculative", "h200_compile", "retrieval_learning", "cpu_peer", "kernels")
 # Those that plot: all but the peer comparison's table and the kernels' skip on a CPU.
