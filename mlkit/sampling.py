@@ -141,12 +141,39 @@ def filtered_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
   kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)  # [B, 1]
   # top-p: keep sorted tokens whose preceding cumulative mass is below top_p.
   probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
-  mass_before = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
+  mass_before = row_cumsum(probs_sorted) - probs_sorted
   keep_sorted = mass_before < top_p[:, None]
   n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
   pth = jnp.take_along_axis(sorted_desc, (n_keep - 1)[:, None], axis=-1)
   threshold = jnp.maximum(kth, pth)
   return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+# Columns per block of row_cumsum: one MMA-friendly tile; the block totals' prefix sum is a
+# [V / 128, V / 128] triangle (Kimi K2.6's 163,840-token vocabulary: 1,280 blocks, 6.5 MB).
+CUMSUM_BLOCK = 128
+
+
+def row_cumsum(x: jax.Array) -> jax.Array:
+  """Inclusive prefix sums along the last axis of x [B, V] f32, as two triangular matmuls.
+
+  ``jnp.cumsum`` over a vocabulary-sized axis is a sequential loop on an H200: XLA's GPU
+  compiler turned the top-p filter's cumsum over Kimi K2.6's vocabulary shard into two
+  while loops of 20,479 and 20,480 iterations, a few kernel launches each, in every
+  decode step (docs/step_time.md). Here each block of CUMSUM_BLOCK columns is summed by
+  a matmul with an upper-triangular ones matrix, and the block totals' exclusive prefix
+  by a second one: two GEMMs, no loop, at f32 precision (HIGHEST: no TF32 or bf16 passes).
+  """
+  B, V = x.shape
+  pad = (-V) % CUMSUM_BLOCK
+  blocks = jnp.pad(x, ((0, 0), (0, pad))).reshape(B, -1, CUMSUM_BLOCK)  # [B, nb, blk]
+  nb = blocks.shape[1]
+  hi = jax.lax.Precision.HIGHEST
+  upper = jnp.triu(jnp.ones((CUMSUM_BLOCK, CUMSUM_BLOCK), jnp.float32))  # [k, j]: k <= j
+  within = jnp.einsum("bnk,kj->bnj", blocks, upper, precision=hi)  # [B, nb, blk]
+  before = jnp.triu(jnp.ones((nb, nb), jnp.float32), k=1)  # [m, n]: m < n
+  offsets = jnp.einsum("bm,mn->bn", within[..., -1], before, precision=hi)  # [B, nb]
+  return (within + offsets[..., None]).reshape(B, -1)[:, :V]
 
 
 def _sample_filtered(logits, keys, temperature, top_k, top_p, greedy):

@@ -68,6 +68,33 @@ class SamplerTest(parameterized.TestCase):
     out = self._sample(logits, 1.0, 0, 0.7)
     self.assertEqual(set(out[0].tolist()), {0, 1})
 
+  @parameterized.parameters((3, 256), (2, 1000), (4, 129), (1, 1), (2, 128))
+  def test_row_cumsum_matches_a_float64_cumsum(self, rows, vocab):
+    # The top-p filter's prefix sums are two triangular matmuls (no sequential loop on a
+    # GPU): within f32's 1e-6 of a float64 cumsum, on softmax rows as the filter sums.
+    from mlkit.sampling import row_cumsum
+    x = jax.nn.softmax(_normal(vocab, (rows, vocab)) * 3.0, axis=-1)
+    got = np.asarray(jax.jit(row_cumsum)(x))
+    want = np.cumsum(np.asarray(x, np.float64), axis=-1)
+    self.assertEqual(got.shape, (rows, vocab))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+  def test_top_p_keeps_what_a_float64_cumsum_keeps(self):
+    # filtered_logits against the same filter written with numpy in float64, on rows whose
+    # top-p cut falls far from any tie: the same tokens survive.
+    from mlkit.sampling import filtered_logits
+    logits = _normal(7, (3, 500)) * 2.0
+    top_p = np.asarray([0.5, 0.9, 0.97], np.float32)
+    got = np.isfinite(np.asarray(jax.jit(filtered_logits)(
+        logits, jnp.ones((3,)), jnp.zeros((3,), jnp.int32), jnp.asarray(top_p))))
+    x = np.asarray(logits, np.float64)
+    for b in range(3):
+      order = np.argsort(-x[b])
+      p = np.exp(x[b][order] - x[b][order][0])
+      p /= p.sum()
+      n_keep = max(int(np.sum(np.cumsum(p) - p < top_p[b])), 1)
+      np.testing.assert_array_equal(np.flatnonzero(got[b]), np.sort(order[:n_keep]))
+
   def test_temperature_one_matches_distribution(self):
     probs = np.array([0.6, 0.3, 0.1])
     out = self._sample(jnp.log(jnp.asarray([probs])), 1.0, 0, 1.0, n=1500)

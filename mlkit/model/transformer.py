@@ -133,7 +133,7 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
   dtype = jnp.dtype(cfg.dtype)
   positions = positions.astype(jnp.int32)
   with jax.named_scope("embed"):
-    x = jnp.take(params["embed"], tokens, axis=0).astype(dtype)  # [B, T, D]
+    x = embed_tokens(params["embed"], tokens).astype(dtype)  # [B, T, D]
   loads, probs = [], []
   selection = None  # sparse attention: the last full layer's selection (attention_block)
   for i, lp in enumerate(params["layers"]):
@@ -160,6 +160,21 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
            "router_prob": jnp.stack(probs) if probs else jnp.zeros((0,))}
     return (out, cache, aux, pre_norm) if return_pre_norm else (out, cache, aux)
   return (out, cache, pre_norm) if return_pre_norm else (out, cache)
+
+
+def embed_tokens(table: jax.Array, tokens: jax.Array) -> jax.Array:
+  """Rows of ``table`` [V, D] for ``tokens`` [B, T]: [B, T, D].
+
+  A lookup of one token is done as a lookup of two (the token twice, one row kept):
+  XLA rewrites a one-index gather into a dynamic slice, and the SPMD partitioner runs a
+  dynamic slice of a vocabulary-parallel table on the whole table, all-gathered (2.35
+  GB over NVLink per Kimi K2.6 decode step at concurrency 1, docs/step_time.md); a
+  gather of two it partitions as a masked local lookup and an all-reduce.
+  """
+  if tokens.size != 1:
+    return jnp.take(table, tokens, axis=0)
+  twice = jnp.concatenate([tokens.reshape(1), tokens.reshape(1)])
+  return jnp.take(table, twice, axis=0)[:1].reshape(*tokens.shape, table.shape[-1])
 
 
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
