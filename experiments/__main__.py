@@ -57,7 +57,8 @@ EXPERIMENTS = {
                      "throughput, prefill tokens saved, hit rate, identical outputs (quick: ~1 min)"),
     "paper": ("experiments.paper",
               "analytic model of the report's Kimi K2.6 and GLM 5.2 deployments on 8x H200: "
-              "calibrated, then predicted (~5 s)"),
+              "calibrated, then predicted; and predicted from the steps compiled for 8x H200 with "
+              "one fitted launch gap (~4 min)"),
     "h200_compile": ("experiments.h200_compile",
                      "the report's decode and prefill steps compiled for 8x H200 without a GPU: "
                      "per-device weights, KV pool and temporaries from XLA, the largest pool that "

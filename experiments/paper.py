@@ -10,6 +10,10 @@
   throughput fp8 vs INT4, and the token capacity with an fp8 KV cache and INT4
   weights.
 
+Beside it, the compiled-program model (``mlkit.plan.step_time``): the same columns
+predicted from the steps compiled for 8x H200 (``mlkit.plan.step_programs``: 22
+compiles, a few minutes), with only a launch gap fitted, on Kimi's bf16 column.
+
 Capacity is arithmetic (``mlkit.report.deployments``): weights per GPU, the KV
 budget from one memory-fraction assumption (derived from Kimi's 48 GB), bytes per
 token from ``mlkit.kvcache``. Every assumption is written into the JSON and the
@@ -24,6 +28,7 @@ import os
 from configs import H200
 from experiments import common
 from mlkit import perfmodel as pm
+from mlkit.plan import step_programs
 from mlkit.quant import INT4_EXPERTS
 from mlkit.report import deployments, figures
 from mlkit.report.deployments import GLM, GLM_WORK, KIMI, KIMI_WORK
@@ -55,11 +60,12 @@ def _ratio(pred, rep):
 
 
 def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
-  """Calibrates, predicts and writes paper.{json,md,png}. Pure arithmetic (seconds).
+  """Calibrates, predicts and writes paper.{json,md,png}: arithmetic, then the compiles.
 
   Args:
     out_dir: output folder.
-    quick, smoke: accepted for a uniform interface; the model is the same in every mode.
+    quick: accepted for a uniform interface.
+    smoke: the compiled-program model reads the tiny 8-way model's decode step only.
 
   Returns:
     The JSON record (``capacity``, ``calibration``, ``columns``, ``predictions``).
@@ -160,9 +166,13 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
                 shape_assumptions=SHAPE_NOTES, capacity=capacity, calibration=calib,
                 columns=columns, predictions=predictions,
                 prefill={"glm fp8": pf_fp8, "glm int4": pf_int4})
+  jobs = step_programs.jobs_for(smoke)
+  record["compiled"] = step_programs.predict_jobs(
+      jobs, step_programs.compile_all(jobs, common.progress))
   common.write_json(out_dir, "paper", record)
-  _plot(os.path.join(out_dir, "paper.png"), columns)
-  common.write_markdown(out_dir, "paper", _markdown(record))
+  _plot(os.path.join(out_dir, "paper.png"), columns, record["compiled"]["rows"])
+  common.write_markdown(out_dir, "paper", _markdown(record)
+                        + step_programs.markdown(record["compiled"]))
   for p in predictions:
     v = p["predicted"]
     common.progress(f"paper: {p['what']}: {v:,.3g}" if isinstance(v, float) else
@@ -222,7 +232,7 @@ def _markdown(rec: dict) -> str:
   return "".join(md)
 
 
-def _plot(path: str, columns: list[dict]) -> None:
+def _plot(path: str, columns: list[dict], compiled: list[dict]) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -234,6 +244,9 @@ def _plot(path: str, columns: list[dict]) -> None:
       rows = [r for r in columns if r["column"] == col]
       pts = [(r["concurrency"], r["predicted_tok_s"]) for r in rows if r["predicted_tok_s"]]
       ax.plot(*zip(*pts), marker="o", label=f"model: {col}")
+      prog = [(r["rows"], r["tok_s"]) for r in compiled if r["column"] == col]
+      if prog:
+        ax.plot(*zip(*prog), marker="^", linestyle=":", label=f"compiled program: {col}")
       rep = [(r["concurrency"], r["report_tok_s"]) for r in rows
              if isinstance(r["report_tok_s"], (int, float))]
       if rep:

@@ -258,6 +258,27 @@ class SmokeRunsTest(AccuracySmokeChecks, H200CompileSmokeChecks, RetrievalLearni
     self.assertIn("allreduce_latency_s", names)
     self.assertTrue(all(a["note"] for a in rec["assumptions"]))
 
+  def test_paper_compiled_program_model(self):
+    comp = self.records["paper"]["compiled"]
+    # The smoke plan: the tiny 8-way model's decode step, no report column to fit the gap on.
+    self.assertFalse(comp["fitted"])
+    self.assertEqual([(r["column"], r["rows"]) for r in comp["rows"]], [("tiny", 16), ("tiny", 64)])
+    for r in comp["rows"]:
+      self.assertTrue(0 < r["tok_s"] < float("inf"))
+      self.assertEqual(r["tokens"], r["rows"])
+      # No loop in a decode step: the top-p filter's cumsum over the vocabulary shard once
+      # compiled into two sequential loops (158 launches here; 41K for Kimi K2.6).
+      self.assertEqual(r["loop_launches"], 0)
+      # Kernels per MoE layer (docs/step_time.md lists them), held so they do not creep.
+      self.assertLessEqual(r["layer_launches"], 53)
+      self.assertGreater(r["moe_layer"]["int4"]["launches"], 0)
+      self.assertAlmostEqual(sum(v["seconds"] for v in r["by_kind"].values()),
+                             r["step_ms"] / 1e3, delta=1e-9)
+    with open(os.path.join(self.out, "paper.md")) as f:
+      md = f.read()
+    self.assertIn("## Compiled-program model", md)
+    self.assertIn("not fitted (no report column)", md)
+
 
 class PaperScaleTest(parameterized.TestCase):
   """The report's capacity figures are arithmetic, so they are asserted."""

@@ -1,12 +1,20 @@
-"""Reading launches from compiled HLO text (pallas_kernels.h200.program).
+"""The compiled-program step-time model: reading launches from HLO text
+(pallas_kernels.h200.program) and timing them (mlkit.plan.step_time).
 
 The reader is checked on a hand-written scheduled HLO module, so every rule (slices,
 in-place updates, dots, library GEMMs, loops, async collectives, Pallas calls) has a
-known answer; then on two pieces of the serving step compiled for 8 H200s."""
+known answer; the model on synthetic launches with the arithmetic written out. The
+compiled steps themselves are read in the paper experiment's smoke run
+(test_experiments.SmokeRunsTest)."""
+
+import math
 
 from absl.testing import absltest
 
+from configs import H200, KIMI_K2_6
+from mlkit.plan import step_time as st
 from pallas_kernels.h200 import program
+from pallas_kernels.paged_attention import bench as attn_bench
 
 HLO = """HloModule jit__step, is_scheduled=true, entry_computation_layout={()->f32[]}
 
@@ -125,6 +133,122 @@ class ProgramReadTest(absltest.TestCase):
   def test_text_without_an_entry_is_refused(self):
     with self.assertRaisesRegex(ValueError, "no ENTRY"):
       program.launches("HloModule m\n")
+
+
+def _launch(name="f", kind="fusion", op="kLoop", layer="-", nbytes=0, flops=0, operands=(),
+            results=(), count=1):
+  return program.Launch(name, kind, op, layer, nbytes, flops, tuple(operands), tuple(results),
+                        count)
+
+
+DATA = st.StepData(KIMI_K2_6, rows=8, tokens=8, context=1000.0)
+
+
+class StepTimeTest(absltest.TestCase):
+
+  def test_memory_compute_and_collective_times(self):
+    eff = st.Efficiency(launch_gap_s=3e-6)
+    t, kind, _, _ = st.launch_time(_launch(nbytes=10**9), DATA, eff)
+    self.assertEqual(kind, "fusion")
+    self.assertAlmostEqual(t, 1e9 / (4.3 / 4.8 * H200.hbm_bandwidth) + 3e-6, delta=1e-12)
+    t, kind, _, _ = st.launch_time(_launch(nbytes=1000, flops=10**12, operands=("bf16[4]",)),
+                                   DATA, eff)
+    self.assertEqual(kind, "gemm")
+    self.assertAlmostEqual(t, 1e12 / (790 / 989 * H200.bf16_flops) + 3e-6, delta=1e-12)
+    t, _, _, _ = st.launch_time(_launch(nbytes=1000, flops=10**12, operands=("f8e4m3fn[4]",)),
+                                DATA, eff)
+    self.assertAlmostEqual(t, 1e12 / (1550 / 1979 * H200.fp8_flops) + 3e-6, delta=1e-12)
+    t, kind, _, _ = st.launch_time(_launch(kind="collective", op="all-reduce", nbytes=10**6),
+                                   DATA, eff)
+    # No launch gap: the alpha covers it.
+    self.assertEqual(kind, "collective")
+    self.assertAlmostEqual(t, 10e-6 + 10**6 * 2 * 7 / 8 / (0.8 * 450e9), delta=1e-12)
+
+  def test_mla_attention_reads_the_context_not_the_pool(self):
+    ops = ("bf16[8,16,512]", "bf16[8,16,64]", "bf16[5000,64,512]", "bf16[5000,64,64]",
+           "s32[8,32]", "s32[8]")
+    ln = _launch(kind="pallas", op="paged_mla_decode_tokens_mgpu", operands=ops,
+                 nbytes=5000 * 64 * 576 * 2)
+    nbytes, flops, kind = st.pallas_cost(ln, DATA)
+    want = attn_bench.job_cost("paged_mla_decode", {"batch": 8, "heads": 16, "c": 512, "r": 64,
+                                                    "kv": "bf16", "context": 1000,
+                                                    "max_pages": 32})
+    self.assertEqual((nbytes, flops, kind), (*map(float, want), "attention"))
+    fp8 = ("bf16[8,16,512]", "bf16[8,16,64]", "f8e4m3fn[5000,64,512]", "f8e4m3fn[5000,64,64]",
+           "f32[5000,64]", "f32[5000,64]", "s32[8,32]", "s32[8]")
+    nbytes8, _, _ = st.pallas_cost(_launch(kind="pallas", op="paged_mla_decode_tokens_mgpu",
+                                           operands=fp8), DATA)
+    self.assertLess(nbytes8, 0.6 * nbytes)
+
+  def test_grouped_int4_reads_the_experts_the_batch_picks(self):
+    local = KIMI_K2_6.n_routed_experts // 8
+    # As the engine's kernel is called: its schedule, the activations in two halves of K,
+    # the packed weights [E, K/2, N] and their group scales.
+    ops = ("s32[5,82]", "bf16[64,3584]", "bf16[64,3584]", f"u8[{local},3584,2048]",
+           f"bf16[{local},224,2048]")
+    ln = _launch(kind="pallas", op="int4_grouped_matmul", operands=ops,
+                 results=("bf16[64,2048]",))
+    nbytes, flops, kind = st.pallas_cost(ln, DATA)
+    weights = local * 3584 * 2048 + local * 224 * 2048 * 2
+    frac = 1 - (1 - 8 / 384) ** 8
+    rest = 5 * 82 * 4 + 64 * 7168 * 2 + 64 * 2048 * 2
+    self.assertEqual(kind, "int4")
+    self.assertAlmostEqual(nbytes, weights * frac + rest, delta=1)
+    self.assertAlmostEqual(flops, 2 * (8 * 8 / 8) * 7168 * 2048)
+
+  def test_the_moe_layer_runs_once_per_moe_layer_and_loops_their_trip_count(self):
+    prog = [_launch("a", nbytes=10**6), _launch("b", layer="layer_1", nbytes=2 * 10**6),
+            _launch("c", layer="layer_1", kind="collective", op="all-gather", nbytes=800),
+            _launch("d", nbytes=10**5, count=7)]
+    eff = st.Efficiency(launch_gap_s=1e-6)
+    r = st.step_time(prog, DATA, eff, moe_layer="layer_1", moe_layers=60)
+    self.assertEqual(r["launches"], 1 + 60 + 60 + 7)
+    self.assertEqual(r["kernel_launches"], 1 + 60 + 7)
+    self.assertEqual(r["layer_launches"], 2)
+    t = {ln.name: st.launch_time(ln, DATA, eff)[0] for ln in prog}
+    self.assertAlmostEqual(r["seconds"], t["a"] + 60 * (t["b"] + t["c"]) + 7 * t["d"], delta=1e-12)
+    self.assertAlmostEqual(r["moe_layer"]["fusion"]["seconds"], t["b"], delta=1e-12)
+    self.assertEqual(r["by_kind"]["collective"]["launches"], 60)
+
+  def test_the_launch_gap_is_fitted_back(self):
+    progs = {c: [_launch(nbytes=c * 10**7)] * 300 for c in (1, 8, 32)}
+    data = {c: st.StepData(KIMI_K2_6, c, c, 1000.0) for c in progs}
+    truth = st.Efficiency(launch_gap_s=4e-6)
+    reported = {c: c / st.step_time(progs[c], data[c], truth)["seconds"] for c in progs}
+    points = [(progs[c], data[c], {}) for c in progs]
+    gap = st.calibrate_gap(points, reported, st.Efficiency())
+    self.assertAlmostEqual(gap, 4e-6, delta=1e-9)
+    with self.assertRaisesRegex(ValueError, "no reported point"):
+      st.calibrate_gap([], reported, st.Efficiency())
+
+  def test_predict_fits_one_column_and_judges_the_others(self):
+    prog = [_launch(nbytes=10**8)] * 100
+    entries = []
+    for c in (1, 8):
+      data, kw = st.job_data(KIMI_K2_6, "decode", c, 1, 1000.0)
+      entries.append({"key": f"k{c}", "program": prog, "data": data, "kw": {}, "column": "fit",
+                      "report": None, "calibrate": True})
+    truth = st.Efficiency(launch_gap_s=2.5e-6)
+    reported = {e["data"].rows: e["data"].rows / st.step_time(prog, e["data"], truth)["seconds"]
+                for e in entries}
+    for e in entries:
+      e["report"] = reported[e["data"].rows]
+    other, _ = st.job_data(KIMI_K2_6, "prefill", 2, 1024, 0.0)
+    self.assertEqual((other.rows, other.tokens, other.context), (2, 2048, 512.0))
+    entries.append({"key": "p", "program": prog, "data": other, "kw": {}, "column": "other",
+                    "report": 1.0, "calibrate": False})
+    out = st.predict(entries, reported)
+    self.assertTrue(out["fitted"])
+    self.assertAlmostEqual(out["launch_gap_s"], 2.5e-6, delta=1e-9)
+    rows = {r["key"]: r for r in out["rows"]}
+    self.assertTrue(rows["k1"]["within_25"])
+    self.assertAlmostEqual(rows["k8"]["ratio"], 1.0, places=4)
+    self.assertFalse(rows["p"]["within_25"])  # 1 tok/s reported: far off
+    self.assertTrue(math.isfinite(rows["p"]["tok_s"]))
+
+
+if __name__ == "__main__":
+  absltest.main()
 
 
 class CompiledForH200Test(absltest.TestCase):
