@@ -41,8 +41,18 @@ def _paper(kimi_bf16_tokens=683_008, int4_decode_gain=0.97):
             "41 / 64"), ("Kimi fp8-KV: most requests that fit", 82),
            ("GLM INT4 / fp8 decode tok/s at concurrency 1", int4_decode_gain),
            ("GLM prefill INT4 / fp8", 0.52)]
+  # The compiled-program model's rows (mlkit.plan.step_time.predict): Kimi's bf16 column at
+  # 1.2x the report, GLM fp8 at 0.1x, INT4 decode 0.9x fp8 at c=1, INT4 prefill 2x fp8.
+  prog = [{"column": "kimi bf16 KV", "rows": c, "tok_s": 1.2 * v}
+          for c, v in figures.REPORT_KIMI_BF16.items()]
+  prog += [{"column": "glm fp8 weights", "rows": c, "tok_s": 0.1 * v}
+           for c, v in figures.REPORT_GLM_FP8.items()]
+  prog += [{"column": "glm int4 weights", "rows": 1, "tok_s": 0.9 * 0.1 * 60},
+           {"column": "glm fp8 prefill", "rows": 4, "tok_s": 9000.0},
+           {"column": "glm int4 prefill", "rows": 4, "tok_s": 18000.0}]
   return {"experiment": "paper", "columns": cols,
-          "predictions": [{"what": w, "predicted": v} for w, v in preds]}
+          "predictions": [{"what": w, "predicted": v} for w, v in preds],
+          "compiled": {"launch_gap_s": 8e-7, "fitted": True, "rows": prog}}
 
 
 def _records():
@@ -121,8 +131,9 @@ class ReportTest(absltest.TestCase):
       self.assertIn(words, texts)
     # Kimi's token capacity: analytic and compiled; the INT4 claims: modelled and measured.
     self.assertEqual(sum(r.report == "~686K tokens" for r in self.rows), 2)
-    self.assertEqual({r.source.split(" (")[0] for r in self.rows
-                      if r.figure.startswith("INT4 prefill")}, {"modelled", "measured"})
+    self.assertEqual({r.source.split(" (")[0].split(",")[0] for r in self.rows
+                      if r.figure.startswith("INT4 prefill")},
+                     {"modelled", "measured", "compiled for 8x H200"})
     self.assertEqual({r.lever for r in self.rows}, {1, 2, 3, 4, "model"})
     for r in self.rows:
       self.assertRegex(r.from_, r"^\w+\.json: \S")
@@ -159,6 +170,25 @@ class ReportTest(absltest.TestCase):
     self.assertEqual(_row(self.rows, "page-tag check: throughput cost").ours,
                      "+0.5% throughput at c=2 (worst of c=1/2)")
     self.assertEqual(_row(self.rows, "page-tag check: p95 latency cost").verdict, "reproduced")
+    # The compiled-program model: Kimi's column carries its fitted gap, GLM's is predicted.
+    r = _row(self.rows, "Kimi decode tok/s, bf16 KV, concurrency 8 (compiled step)")
+    self.assertEqual((r.ours, r.verdict), ("877 tok/s",
+                                            "within 25% (one constant fitted on this column)"))
+    self.assertTrue(r.source.startswith("compiled for 8x H200, step-time model"))
+    r = _row(self.rows, "GLM decode tok/s, fp8 weights, concurrency 64 (compiled step)")
+    self.assertEqual((r.verdict, r.source), ("off by -90%", "compiled for 8x H200, step-time model"))
+    self.assertAlmostEqual(r.ratio, 0.1)
+    self.assertEqual(_row(self.rows, fast + " (compiled steps)").verdict, "not reproduced")
+    self.assertEqual(_row(self.rows, fast + " (compiled steps)").ours, "INT4/fp8 decode 0.90x at c=1")
+    self.assertEqual(_row(self.rows, "INT4 prefill slower than fp8 (compiled steps)").verdict,
+                     "not reproduced")
+    # A smoke record compiled the tiny model only.
+    records = _records()
+    records["paper"]["compiled"]["rows"] = [{"column": "tiny", "rows": 16, "tok_s": 1.0}]
+    r = _row(report.comparison(_out_dir(self, records)),
+             "GLM decode tok/s, fp8 weights, concurrency 1 (compiled step)")
+    self.assertEqual(r.ours, "not compiled")
+    self.assertTrue(r.verdict.startswith("not run"), r.verdict)
     # GLM is compiled only in --full runs: a quick record lacks it.
     r = _row(self.rows, "GLM 5.2 weights per GPU at TP 8, fp8 (compiled)")
     self.assertEqual((r.ours, r.ratio), ("not compiled", None))
