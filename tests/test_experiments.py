@@ -278,6 +278,11 @@ class SmokeRunsTest(AccuracySmokeChecks, H200CompileSmokeChecks, RetrievalLearni
       md = f.read()
     self.assertIn("## Compiled-program model", md)
     self.assertIn("not fitted (no report column)", md)
+    # With the kernels' efficiencies gpu_check measured (docs/measurements) as well.
+    measured = self.records["paper"]["compiled_measured"]
+    self.assertIn("attention_bw", measured["measured"])
+    self.assertEqual(len(measured["rows"]), len(comp["rows"]))
+    self.assertIn("as measured on an H200", md)
 
 
 class PaperScaleTest(parameterized.TestCase):

@@ -8,6 +8,7 @@ compiled steps themselves are read in the paper experiment's smoke run
 (test_experiments.SmokeRunsTest)."""
 
 import math
+import os
 
 from absl.testing import absltest
 
@@ -220,6 +221,42 @@ class StepTimeTest(absltest.TestCase):
     self.assertAlmostEqual(gap, 4e-6, delta=1e-9)
     with self.assertRaisesRegex(ValueError, "no reported point"):
       st.calibrate_gap([], reported, st.Efficiency())
+
+  def test_gpu_check_measurements_replace_the_anchors(self):
+    case = lambda name, kernel, nbytes, flops, t, status="ok", **dims: {  # noqa: E731
+        "type": "case", "name": name, "kernel": kernel, "dims": dims, "status": status,
+        "bytes": nbytes, "flops": flops, "time_s": t}
+    cases = [case("ceiling/copy", "ceiling", 4.0e9, 0, 1e-3),
+             case("ceiling/matmul_bf16", "ceiling", 0, 6e11, 1e-3),
+             case("mla/tp8/bf16/b8", "paged_mla_decode", 3e9, 0, 1e-3, kv="bf16"),
+             case("mla/tp8/bf16/b64", "paged_mla_decode", 4e9, 0, 1e-3, kv="bf16"),
+             case("mla/tp8/bf16/b1", "paged_mla_decode", 5e9, 0, 1e-3, kv="bf16"),
+             case("mla/tp8/fp8/b8", "paged_mla_decode", 1e9, 0, 1e-3, kv="fp8"),
+             case("int4g/kimi/up/r8", "int4_grouped_matmul", 1.2e9, 0, 1e-3),
+             case("int4g/kimi/up/prefill", "int4_grouped_matmul", 9e9, 0, 1e-3),
+             case("int4g/glm/up/r8", "int4_grouped_matmul", 9e9, 0, 1e-3, status="timeout")]
+    eff = st.Efficiency.from_gpu_check(cases)
+    bw = H200.hbm_bandwidth
+    self.assertAlmostEqual(eff.fusion_bw, 4e12 / bw)
+    self.assertAlmostEqual(eff.bf16_gemm_flops, 6e14 / H200.bf16_flops)
+    self.assertAlmostEqual(eff.attention_bw, 4e12 / bw)  # the median of three
+    self.assertAlmostEqual(eff.attention_fp8_bw, 1e12 / bw)
+    # Decode rows only, and only cases that ran.
+    self.assertAlmostEqual(eff.int4_bw, 1.2e12 / bw)
+    self.assertEqual(eff.measured, ("attention_bw", "attention_fp8_bw", "bf16_gemm_flops",
+                                    "fusion_bw", "int4_bw"))
+    # Unmeasured kinds keep their anchors.
+    self.assertEqual((eff.fp8_gemm_flops, eff.sparse_bw), (st.Efficiency().fp8_gemm_flops,
+                                                           st.Efficiency().sparse_bw))
+    self.assertEqual(st.Efficiency.from_gpu_check([]), st.Efficiency())
+
+  def test_the_committed_gpu_check_runs_are_read(self):
+    from mlkit.plan import step_programs
+    eff = step_programs.measured_efficiency()
+    self.assertIsNotNone(eff)
+    self.assertIn("attention_fp8_bw", eff.measured)
+    self.assertTrue(all(0 < getattr(eff, f) < 1.2 for f in eff.measured))
+    self.assertIsNone(step_programs.measured_efficiency(os.path.dirname(__file__)))
 
   def test_predict_fits_one_column_and_judges_the_others(self):
     prog = [_launch(nbytes=10**8)] * 100

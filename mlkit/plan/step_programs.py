@@ -15,6 +15,8 @@ rows a Mosaic GPU copy of its tiny shapes does not tile).
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
 import time
 from typing import Callable
 
@@ -22,6 +24,17 @@ from mlkit.plan import step_compile as sc
 from mlkit.report import figures
 
 Progress = Callable[[str], None]
+# gpu_check's JSONL runs on an H200, committed with the repository (docs/gpu_check.md).
+MEASUREMENTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "docs", "measurements")
+
+
+def measured_efficiency(folder: str = MEASUREMENTS):
+  """``step_time.Efficiency`` with the shares gpu_check measured (every JSONL in
+  ``folder``), or None when there is none."""
+  from mlkit.plan import step_time as st
+  paths = sorted(glob.glob(os.path.join(folder, "gpu_check_*.jsonl")))
+  return st.Efficiency.from_gpu_check(st.gpu_check_cases(paths)) if paths else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,12 +106,13 @@ _REPORTED = {"kimi bf16 KV": figures.REPORT_KIMI_BF16, "glm fp8 weights": figure
 CALIBRATION_COLUMN = "kimi bf16 KV"
 
 
-def predict_jobs(jobs: list[Job], texts: dict[str, str]) -> dict:
+def predict_jobs(jobs: list[Job], texts: dict[str, str], eff=None) -> dict:
   """The compiled-program model's prediction for every job (``mlkit.plan.step_time``).
 
   Args:
     jobs: the compiled jobs (:func:`jobs_for`).
     texts: {job key: compiled HLO text} (:func:`compile_all`).
+    eff: the ``step_time.Efficiency`` (default: the published anchors).
 
   Returns:
     ``step_time.predict``'s record (JSON-ready), each row with its "kind" and its
@@ -120,7 +134,9 @@ def predict_jobs(jobs: list[Job], texts: dict[str, str]) -> dict:
                     "column": column, "report": report,
                     "calibrate": column == CALIBRATION_COLUMN and report is not None})
   calibrate_on = _REPORTED[CALIBRATION_COLUMN] if any(e["calibrate"] for e in entries) else None
-  out = st.predict(entries, calibrate_on)
+  eff = eff or st.Efficiency()
+  out = st.predict(entries, calibrate_on, eff)
+  out["measured"] = list(eff.measured)
   for row, job in zip(out["rows"], jobs):
     row["kind"] = job.kind
   return out
@@ -130,13 +146,16 @@ def _ms(s: float) -> str:
   return f"{1e3 * s:.3f}"
 
 
-def markdown(pred: dict) -> str:
+def markdown(pred: dict, title: str = "Compiled-program model (`mlkit.plan.step_time`)") -> str:
   """The compiled-program section of paper.md: predictions beside the report, where each
   step's time goes (GLM's INT4 effects among them), and the launches per MoE layer."""
   rows = pred["rows"]
-  md = ["\n## Compiled-program model (`mlkit.plan.step_time`)\n\n",
+  shares = ("published kernel efficiencies" if not pred["measured"] else
+            "the efficiencies gpu_check measured on an H200 for " + ", ".join(pred["measured"])
+            + " (docs/measurements), published anchors for the rest")
+  md = [f"\n## {title}\n\n",
         "Each step compiled for one H200 of eight (dense prefix + one MoE layer, repeated to "
-        "full depth); every launch timed at published kernel efficiencies "
+        f"full depth); every launch timed at {shares} "
         "(docs/step_time.md); one constant, the launch gap: "
         + (f"fitted on the `{CALIBRATION_COLUMN}` column, {1e6 * pred['launch_gap_s']:.2f} us"
            if pred["fitted"] else f"not fitted (no report column), {1e6 * pred['launch_gap_s']:.2f} us")

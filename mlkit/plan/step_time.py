@@ -32,25 +32,33 @@ from mlkit.config import HardwareConfig, ModelConfig
 from pallas_kernels.h200.program import Launch, arrays
 
 
+# Bytes per parameter of INT4 weights with a bf16 scale per 32 (mlkit.quant's int4 g32),
+# against bf16's 2.
+INT4_G32_BYTES = 0.5 + 2 / 32
+
+
 @dataclasses.dataclass(frozen=True)
 class Efficiency:
   """Achieved fractions of the H200's peak, by kernel kind, from published anchors
-  (docs/step_time.md cites each), and the NVLink and launch constants."""
+  (docs/step_time.md cites each) or from gpu_check's measurements of this project's own
+  kernels (:meth:`from_gpu_check`), and the NVLink and launch constants."""
 
-  # Memory-bound attention: FlashMLA reaches 3,000 GB/s of the H800's 3.35 TB/s.
+  # Memory-bound dense MLA attention: FlashMLA reaches 3,000 GB/s of the H800's 3.35 TB/s.
   attention_bw: float = 3000 / 3350
+  # The same with an fp8 cache (FlashMLA's anchor: no separate published fp8 figure).
+  attention_fp8_bw: float = 3000 / 3350
+  # Sparse MLA attention and the indexer's scoring (the same anchor).
+  sparse_bw: float = 3000 / 3350
+  index_bw: float = 3000 / 3350
   # Compute-bound attention: FlashMLA's 580 TFLOP/s of the H800's 989 (bf16).
   attention_flops: float = 580 / 989
   # Small-M GEMMs (decode): DeepGEMM's dense FP8 GEMM at M=64, N=2112, K=7168 moves
   # 1,688 GB/s of the H800's 3.35 TB/s.
   gemm_bw: float = 1688 / 3350
-  # Grouped expert GEMMs at decode: DeepGEMM's masked grouped FP8 GEMM, 4 groups of 256
-  # rows, 2,064 GB/s of 3.35 TB/s.
-  grouped_gemm_bw: float = 2064 / 3350
   # INT4 weight GEMMs at M <= 16: Marlin runs about 3-4x faster than fp16 (3.5 here) on
   # weights 3.56x smaller (4 bits plus a bf16 scale per 32), so about the fp16 GEMM's
   # bandwidth share.
-  int4_speedup_over_bf16: float = 3.5
+  int4_bw: float = 1688 / 3350 * 3.5 / (2 / INT4_G32_BYTES)
   # Large bf16 GEMMs: cuBLAS at 790 of the H200's 989 TFLOP/s (docs/measuring.md).
   bf16_gemm_flops: float = 790 / 989
   # Large FP8 GEMMs: DeepGEMM's 1,550 of the H800's 1,979 TFLOP/s.
@@ -64,14 +72,56 @@ class Efficiency:
   nvlink_bytes_s: float = 0.8 * 450e9
   # Gap per launch under CUDA graphs (calibrated; see calibrate_gap).
   launch_gap_s: float = 2e-6
+  # The fields read from gpu_check measurements instead of anchors (from_gpu_check).
+  measured: tuple[str, ...] = ()
 
   def with_gap(self, gap_s: float) -> "Efficiency":
     return dataclasses.replace(self, launch_gap_s=gap_s)
 
+  @classmethod
+  def from_gpu_check(cls, cases: list[dict], hw: HardwareConfig = H200) -> "Efficiency":
+    """The anchors, with every share gpu_check measured on an H200 put in their place.
 
-# Bytes per parameter of INT4 weights with a bf16 scale per 32 (mlkit.quant's int4 g32),
-# against bf16's 2.
-INT4_G32_BYTES = 0.5 + 2 / 32
+    Args:
+      cases: gpu_check's "case" records (:func:`gpu_check_cases`): each with its kernel,
+        dims, status, the job's bytes and FLOPs, and the kernel's median time.
+      hw: the GPU whose peaks the shares are of.
+
+    Returns:
+      An Efficiency whose ``measured`` names the fields taken from the cases: the device
+      copy (XLA's kernels), the bf16 and fp8 matmul ceilings, this project's MLA decode
+      kernel with a bf16 and an fp8 cache, the sparse MLA and indexer kernels, and the
+      grouped INT4 kernel at decode rows; the median over a field's cases.
+    """
+    import statistics
+    ok = [c for c in cases if c.get("status") == "ok" and c.get("time_s")]
+    bw = lambda c: c["bytes"] / c["time_s"] / hw.hbm_bandwidth  # noqa: E731
+    picks = {
+        "fusion_bw": ([c for c in ok if c["name"] == "ceiling/copy"], bw),
+        "bf16_gemm_flops": ([c for c in ok if c["name"] == "ceiling/matmul_bf16"],
+                            lambda c: c["flops"] / c["time_s"] / hw.bf16_flops),
+        "fp8_gemm_flops": ([c for c in ok if c["name"] == "ceiling/matmul_fp8"],
+                           lambda c: c["flops"] / c["time_s"] / hw.fp8_flops),
+        "attention_bw": ([c for c in ok if c["kernel"] == "paged_mla_decode"
+                          and c["dims"].get("kv") == "bf16"], bw),
+        "attention_fp8_bw": ([c for c in ok if c["kernel"] == "paged_mla_decode"
+                              and c["dims"].get("kv") == "fp8"], bw),
+        "sparse_bw": ([c for c in ok if c["kernel"] == "paged_mla_sparse_decode"], bw),
+        "index_bw": ([c for c in ok if c["kernel"] == "paged_index_scores"], bw),
+        "int4_bw": ([c for c in ok if c["kernel"] == "int4_grouped_matmul"
+                     and "prefill" not in c["name"]], bw)}
+    values = {k: statistics.median(f(c) for c in found) for k, (found, f) in picks.items() if found}
+    return dataclasses.replace(cls(), measured=tuple(sorted(values)), **values)
+
+
+def gpu_check_cases(paths: list[str]) -> list[dict]:
+  """The "case" records of gpu_check JSONL files (docs/gpu_check.md), in file order."""
+  import json
+  cases = []
+  for path in paths:
+    with open(path) as f:
+      cases += [r for r in map(json.loads, filter(str.strip, f)) if r.get("type") == "case"]
+  return cases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,15 +183,16 @@ def pallas_cost(launch: Launch, data: StepData) -> tuple[float, float, str]:
               and s[0] == q[0]]
     dims = {"batch": q[0], "heads": q[1], "c": q[2], "r": q_rope[-1], "kv": kv, "context": ctx,
             "max_pages": tables[0][1] if tables else 1, "topk": data.model.index_topk or ctx}
-    kernel = "paged_mla_sparse_decode" if "sparse" in name else "paged_mla_decode"
-    nbytes, flops = attn_bench.job_cost(kernel, dims)
-    return float(nbytes), float(flops), "attention"
+    sparse = "sparse" in name
+    nbytes, flops = attn_bench.job_cost("paged_mla_sparse_decode" if sparse else
+                                        "paged_mla_decode", dims)
+    return float(nbytes), float(flops), "sparse" if sparse else "attention"
   if "index" in name and "score" in name:
     _, q = _shape(ops[0])
     dims = {"batch": q[0], "index_heads": q[1], "index_dim": q[-1], "context": ctx,
             "max_pages": 1, "kv": kv}
     nbytes, flops = indexer_bench.job_cost(dims)
-    return float(nbytes), float(flops), "attention"
+    return float(nbytes), float(flops), "index"
   if "topk" in name:
     return float(data.rows * ctx * 4 + data.rows * (data.model.index_topk or ctx) * 4), 0.0, "fusion"
   if "int4" in name and "matmul" in name:
@@ -179,10 +230,12 @@ def launch_time(launch: Launch, data: StepData, eff: Efficiency,
     nbytes, flops = float(launch.bytes), float(launch.flops)
     kind = "gemm" if flops else "fusion"
   fp8 = any(t.startswith("f8") for t in launch.operands)
-  if kind == "attention":
-    bw, rate = eff.attention_bw * hw.hbm_bandwidth, eff.attention_flops * hw.bf16_flops
+  if kind in ("attention", "sparse", "index"):
+    share = {"attention": eff.attention_fp8_bw if fp8 else eff.attention_bw,
+             "sparse": eff.sparse_bw, "index": eff.index_bw}[kind]
+    bw, rate = share * hw.hbm_bandwidth, eff.attention_flops * hw.bf16_flops
   elif kind == "int4":
-    bw = eff.gemm_bw * eff.int4_speedup_over_bf16 / (2 / INT4_G32_BYTES) * hw.hbm_bandwidth
+    bw = eff.int4_bw * hw.hbm_bandwidth
     # The INT4 kernels dequantise to bf16 and run bf16 MMAs.
     rate = eff.bf16_gemm_flops * hw.bf16_flops
   elif kind == "gemm":
