@@ -11,7 +11,7 @@
   weights.
 
 Beside it, the compiled-program model (``mlkit.plan.step_time``): the same columns
-predicted from the steps compiled for 8x H200 (``mlkit.plan.step_programs``: 22
+predicted from the steps compiled for 8x H200 (``mlkit.plan.step_programs``: 23
 compiles, a few minutes), with only a launch gap fitted, on Kimi's bf16 column.
 
 Capacity is arithmetic (``mlkit.report.deployments``): weights per GPU, the KV
@@ -166,7 +166,7 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
                 shape_assumptions=SHAPE_NOTES, capacity=capacity, calibration=calib,
                 columns=columns, predictions=predictions,
                 prefill={"glm fp8": pf_fp8, "glm int4": pf_int4})
-  jobs = step_programs.jobs_for(smoke)
+  jobs = step_programs.jobs_for(smoke, kimi_fp8_peak=peak_c)
   texts = step_programs.compile_all(jobs, common.progress)
   record["compiled"] = step_programs.predict_jobs(jobs, texts)
   measured = step_programs.measured_efficiency()

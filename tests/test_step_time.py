@@ -258,6 +258,16 @@ class StepTimeTest(absltest.TestCase):
     self.assertTrue(all(0 < getattr(eff, f) < 1.2 for f in eff.measured))
     self.assertIsNone(step_programs.measured_efficiency(os.path.dirname(__file__)))
 
+  def test_the_sweeps_compile_every_column_once(self):
+    from mlkit.plan import step_programs
+    jobs = step_programs.jobs_for(False, kimi_fp8_peak=82)
+    keys = [j.key for j in jobs]
+    self.assertLen(set(keys), len(keys))
+    self.assertLen(jobs, 23)  # Kimi 2 x 5 + its fp8 peak, GLM 2 x (5 decode + 1 prefill)
+    self.assertEqual(jobs[10].key, "kimi-k2.6 int4 experts | float8_e4m3fn | decode | 82")
+    self.assertLen(step_programs.jobs_for(False, kimi_fp8_peak=64), 22)
+    self.assertEqual([j.rows for j in step_programs.jobs_for(True)], [16, 64])
+
   def test_predict_fits_one_column_and_judges_the_others(self):
     prog = [_launch(nbytes=10**8)] * 100
     entries = []

@@ -4,7 +4,8 @@
 needs (``mlkit.plan.step_compile``'s set-up: 8x H200, the report's weight recipes
 and parallelism) at the dense prefix plus one MoE layer, a few seconds each:
 
-* Kimi K2.6 (INT4 experts) decode at every concurrency, bf16 and fp8 KV;
+* Kimi K2.6 (INT4 experts) decode at every concurrency, bf16 and fp8 KV, and with fp8 KV
+  at its peak (the most requests its pool holds);
 * GLM 5.2 decode at every concurrency with FP8 weights and with INT4 experts (bf16 KV);
 * GLM 5.2 prefill of one 8192-token chunk (four 2048-token prompts), both recipes.
 
@@ -51,12 +52,15 @@ class Job:
     return f"{self.variant.key} | {self.kv_dtype} | {self.kind} | {self.rows}"
 
 
-def jobs_for(smoke: bool) -> list[Job]:
-  """The steps the paper's compiled-program model reads."""
+def jobs_for(smoke: bool, kimi_fp8_peak: int | None = None) -> list[Job]:
+  """The steps the paper's compiled-program model reads; ``kimi_fp8_peak`` adds Kimi's
+  fp8-KV decode step at that concurrency (the most requests its pool holds)."""
   if smoke:
     tiny = sc.Variant("tiny int4 experts", sc.TINY, sc.INT4_EXPERTS, sc.TINY_WORK)
     return [Job(tiny, "bfloat16", "decode", c) for c in (16, 64)]
   jobs = [Job(sc.KIMI, kv, "decode", c) for kv in sc.KV_DTYPES for c in figures.CONCURRENCY]
+  if kimi_fp8_peak and kimi_fp8_peak not in figures.CONCURRENCY:
+    jobs.append(Job(sc.KIMI, "float8_e4m3fn", "decode", kimi_fp8_peak))
   for v in (sc.GLM_FP8, sc.GLM_INT4):
     jobs += [Job(v, "bfloat16", "decode", c) for c in figures.CONCURRENCY]
     jobs.append(Job(v, "bfloat16", "prefill", 0))
