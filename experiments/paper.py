@@ -31,6 +31,7 @@ from mlkit import perfmodel as pm
 from mlkit.plan import step_programs
 from mlkit.quant import INT4_EXPERTS
 from mlkit.report import deployments, figures
+from mlkit.report.curves import decode_curves
 from mlkit.report.deployments import GLM, GLM_WORK, KIMI, KIMI_WORK
 from mlkit.report.figures import (CONCURRENCY, REPORT_GLM_FP8, REPORT_GLM_PER_GPU_GIB,
                                   REPORT_KIMI_TOKENS)
@@ -172,7 +173,7 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   measured = step_programs.measured_efficiency()
   record["compiled_measured"] = measured and step_programs.predict_jobs(jobs, texts, measured)
   common.write_json(out_dir, "paper", record)
-  _plot(os.path.join(out_dir, "paper.png"), columns, record["compiled"]["rows"])
+  decode_curves(os.path.join(out_dir, "paper.png"), columns, record["compiled"]["rows"])
   common.write_markdown(out_dir, "paper", _markdown(record) + "".join(
       step_programs.markdown(record[k], t) for k, t in (
           ("compiled", "Compiled-program model (`mlkit.plan.step_time`), published anchors"),
@@ -235,37 +236,3 @@ def _markdown(rec: dict) -> str:
   md += [f"- `{x['name']}` = {x['value']}: {x['note']}\n" for x in rec["assumptions"]]
   md.append("\n![paper](paper.png)\n")
   return "".join(md)
-
-
-def _plot(path: str, columns: list[dict], compiled: list[dict]) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-  for ax, (model, cols) in zip(axes, (("Kimi K2.6 (INT4 weights)", ("kimi bf16 KV", "kimi fp8 KV")),
-                                      ("GLM 5.2 (bf16 KV)", ("glm fp8 weights", "glm int4 weights")))):
-    for col in cols:
-      rows = [r for r in columns if r["column"] == col]
-      pts = [(r["concurrency"], r["predicted_tok_s"]) for r in rows if r["predicted_tok_s"]]
-      ax.plot(*zip(*pts), marker="o", label=f"model: {col}")
-      prog = [(r["rows"], r["tok_s"]) for r in compiled if r["column"] == col]
-      if prog:
-        ax.plot(*zip(*prog), marker="^", linestyle=":", label=f"compiled program: {col}")
-      rep = [(r["concurrency"], r["report_tok_s"]) for r in rows
-             if isinstance(r["report_tok_s"], (int, float))]
-      if rep:
-        ax.plot(*zip(*rep), linestyle="--", marker="s", color="k", label=f"report: {col}")
-      oom = [r["concurrency"] for r in rows if r["predicted_oom"]]
-      if oom:
-        ax.scatter(oom, [0] * len(oom), marker="x", color="red", s=80, zorder=5,
-                   label=f"model OOM: {col}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrency")
-    ax.set_ylabel("decode tok/s (8x H200)")
-    ax.set_title(model, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
