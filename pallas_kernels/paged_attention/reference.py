@@ -27,6 +27,9 @@ def dequant_pages(pages, scales, block_tables):
   return x
 
 
+# The references are jitted so that an eager call (the tests, tools) compiles one program
+# per shape instead of one per operation; inside a caller's jit they are inlined.
+@jax.jit
 def paged_mla_decode_reference(q_latent, q_rope, latent, k_rope, latent_scale,
                                k_rope_scale, block_tables, lengths, *, scale):
   """MLA decode attention (absorbed form) over a paged latent cache.
@@ -118,6 +121,7 @@ def paged_mla_sparse_decode_reference(q_latent, q_rope, latent, k_rope,
   return out.astype(q_latent.dtype)
 
 
+@jax.jit
 def paged_gqa_decode_reference(q, k, v, k_scale, v_scale, block_tables, lengths,
                                *, scale):
   """GQA decode attention over paged K/V.
