@@ -408,6 +408,14 @@ def grouped_schedule(group_sizes, m, tile_m, num_tiles):
   ]).astype(jnp.int32)
 
 
+def grouped_x_rows(m: int, tile_m: int) -> int:
+  """Rows the grouped kernels pad x to: a tile's window may start up to tile_m rows before
+  M's end, so M rounded up to _ROW_ALIGN plus tile_m. The rounding keeps the TMA source's
+  rows a multiple of its 8-row tiling, which M + tile_m is not when M is not a multiple of
+  8 (1 or 5 rows of a batch times top-2 routing failed to lower)."""
+  return -(-m // _ROW_ALIGN) * _ROW_ALIGN + tile_m
+
+
 def segment_tiles(starts, ends, tile_m: int):
   """Tiles of each row segment [starts, ends) in ``grouped_schedule``: windows of
   tile_m rows from its start rounded down to _ROW_ALIGN (0 for an empty one).
@@ -555,7 +563,7 @@ def int4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
   tile_n, tile_m, tile_k = bs.tile_n, bs.tile_m, bs.tile_k
   num_tiles = grouped_tile_bound(m, e, tile_m)
   meta = grouped_schedule(group_sizes, m, tile_m, num_tiles)
-  x_even, x_odd = _split_even_odd(x, m + tile_m)
+  x_even, x_odd = _split_even_odd(x, grouped_x_rows(m, tile_m))
   k_steps = k // tile_k
   n_tiles = n // tile_n
   num_ctas = min(n_tiles * num_tiles, bs.max_ctas or grouped_ctas(bs, group_size))

@@ -48,6 +48,7 @@ from pallas_kernels.int4_matmul.int4_matmul import grouped_ctas
 from pallas_kernels.int4_matmul.int4_matmul import grouped_kernel
 from pallas_kernels.int4_matmul.int4_matmul import grouped_schedule
 from pallas_kernels.int4_matmul.int4_matmul import grouped_tile_bound
+from pallas_kernels.int4_matmul.int4_matmul import grouped_x_rows
 from pallas_kernels.int4_matmul.int4_matmul import resolve_backend
 from pallas_kernels.int4_matmul import reference
 from pallas_kernels.int4_matmul.block_sizes import BlockSizes
@@ -271,7 +272,7 @@ def int4_grouped_matmul_nk(x: jax.Array, w_nk: jax.Array, scales: jax.Array,
       m, n, k)
   num_tiles = grouped_tile_bound(m, e, bs.tile_m)
   meta = grouped_schedule(group_sizes, m, bs.tile_m, num_tiles)
-  x = jnp.pad(x, ((0, bs.tile_m), (0, 0)))  # a tile's box never leaves x
+  x = jnp.pad(x, ((0, grouped_x_rows(m, bs.tile_m) - m), (0, 0)))  # a tile's box stays in x
   k_steps = k // bs.tile_k
   n_tiles = n // bs.tile_n
   num_ctas = min(n_tiles * num_tiles,
