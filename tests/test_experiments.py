@@ -262,7 +262,7 @@ class SmokeRunsTest(AccuracySmokeChecks, H200CompileSmokeChecks, RetrievalLearni
     comp = self.records["paper"]["compiled"]
     # The smoke plan: the tiny 8-way model's decode step, no report column to fit the gap on.
     self.assertFalse(comp["fitted"])
-    self.assertEqual([(r["column"], r["rows"]) for r in comp["rows"]], [("tiny", 16), ("tiny", 64)])
+    self.assertEqual([(r["column"], r["rows"]) for r in comp["rows"]], [("tiny", 1), ("tiny", 64)])
     for r in comp["rows"]:
       self.assertTrue(0 < r["tok_s"] < float("inf"))
       self.assertEqual(r["tokens"], r["rows"])

@@ -266,7 +266,7 @@ class StepTimeTest(absltest.TestCase):
     self.assertLen(jobs, 23)  # Kimi 2 x 5 + its fp8 peak, GLM 2 x (5 decode + 1 prefill)
     self.assertEqual(jobs[10].key, "kimi-k2.6 int4 experts | float8_e4m3fn | decode | 82")
     self.assertLen(step_programs.jobs_for(False, kimi_fp8_peak=64), 22)
-    self.assertEqual([j.rows for j in step_programs.jobs_for(True)], [16, 64])
+    self.assertEqual([j.rows for j in step_programs.jobs_for(True)], [1, 64])
 
   def test_predict_fits_one_column_and_judges_the_others(self):
     prog = [_launch(nbytes=10**8)] * 100
