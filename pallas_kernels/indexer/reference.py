@@ -1,5 +1,6 @@
 """Pure-jnp reference for paged indexer scoring (the ``xla`` backend) and the top-k step."""
 
+import jax
 from jax import lax
 import jax.numpy as jnp
 
@@ -8,6 +9,9 @@ from pallas_kernels.paged_attention.reference import dequant_pages
 _HI = lax.Precision.HIGHEST
 
 
+# Jitted so that an eager call (the tests, tools) compiles one program per shape instead of
+# one per operation; inside a caller's jit it is inlined.
+@jax.jit
 def paged_index_scores_reference(q, weights, index_k, index_k_scale, block_tables, lengths):
   """Index scores of one decode query per request over its paged index keys.
 

@@ -11,6 +11,8 @@ The [N, K] int4 layout of ``nk.py`` (``w_nk[n, k] = int4[k, n]``, the same
 scales) has its references at the end.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -119,6 +121,12 @@ def check_int4_args(x, packed, scales, group_size, experts: bool):
   return m, k, n
 
 
+# The references are jitted so that an eager call (the tests, tools) compiles one program
+# per shape instead of one per operation; inside a caller's jit they are inlined.
+_jit = functools.partial(jax.jit, static_argnames=("group_size",))
+
+
+@_jit
 def int4_matmul_reference(x: jax.Array, packed: jax.Array, scales: jax.Array,
                           *, group_size: int) -> jax.Array:
   """W4A16 matmul: x @ dequantize(packed, scales), f32 accumulation.
@@ -154,6 +162,7 @@ def _ragged_dot(x, w, group_sizes):
   return out.astype(x.dtype)
 
 
+@_jit
 def int4_grouped_matmul_reference(x: jax.Array, packed: jax.Array,
                                   scales: jax.Array, group_sizes: jax.Array,
                                   *, group_size: int) -> jax.Array:
@@ -214,12 +223,14 @@ def dequantize_int4_nk(w_nk: jax.Array, scales: jax.Array, group_size: int,
   return _scaled(jnp.swapaxes(w_nk, -1, -2), scales, group_size, dtype)
 
 
+@_jit
 def int4_matmul_nk_reference(x, w_nk, scales, *, group_size: int):
   """``int4_matmul_reference`` for [N, K] int4 weights."""
   check_int4_nk_args(x, w_nk, scales, group_size, experts=False)
   return _dot(x, dequantize_int4_nk(w_nk, scales, group_size))
 
 
+@_jit
 def int4_grouped_matmul_nk_reference(x, w_nk, scales, group_sizes, *, group_size: int):
   """``int4_grouped_matmul_reference`` for [E, N, K] int4 weights."""
   _, _, _, e = check_int4_nk_args(x, w_nk, scales, group_size, experts=True)

@@ -70,6 +70,7 @@ def paged_mla_decode_reference(q_latent, q_rope, latent, k_rope, latent_scale,
   return out.astype(q_latent.dtype)
 
 
+@jax.jit
 def paged_mla_sparse_decode_reference(q_latent, q_rope, latent, k_rope,
                                       latent_scale, k_rope_scale, block_tables,
                                       lengths, indices, *, scale):
