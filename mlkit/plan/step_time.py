@@ -29,7 +29,9 @@ import math
 
 from configs import H200
 from mlkit.config import HardwareConfig, ModelConfig
+from mlkit.perfmodel import distinct_experts
 from pallas_kernels.h200.program import Launch, arrays
+from pallas_kernels.h200.step_placement import type_bytes
 
 
 # Bytes per parameter of INT4 weights with a bf16 scale per 32 (mlkit.quant's int4 g32),
@@ -144,8 +146,8 @@ class StepData:
 
   def experts_touched_fraction(self, tokens: int) -> float:
     """Share of the experts a batch of ``tokens`` picks at least once (uniform routing)."""
-    e, k = self.model.n_routed_experts, self.model.top_k
-    return 1.0 - (1.0 - k / e) ** tokens
+    e = self.model.n_routed_experts
+    return distinct_experts(e, self.model.top_k, tokens) / e
 
 
 def _shape(type_text: str) -> tuple[str, tuple[int, ...]]:
@@ -153,13 +155,8 @@ def _shape(type_text: str) -> tuple[str, tuple[int, ...]]:
   return found[0] if found else ("", ())
 
 
-def _nbytes(type_text: str) -> float:
-  from pallas_kernels.h200.step_placement import array_bytes
-  return float(array_bytes(type_text)) if arrays(type_text) else 0.0
-
-
 def _io(launch: Launch) -> float:
-  return sum(_nbytes(t) for t in launch.operands) + sum(_nbytes(t) for t in launch.results)
+  return sum(type_bytes(t) for t in launch.operands) + sum(type_bytes(t) for t in launch.results)
 
 
 def pallas_cost(launch: Launch, data: StepData) -> tuple[float, float, str]:
@@ -206,7 +203,7 @@ def pallas_cost(launch: Launch, data: StepData) -> tuple[float, float, str]:
     if "grouped" in name:
       local = data.model.n_routed_experts // data.tp
       expert_ops = [t for t in ops if len(_shape(t)[1]) >= 3 and _shape(t)[1][0] == local]
-      weights = sum(_nbytes(t) for t in expert_ops)
+      weights = sum(type_bytes(t) for t in expert_ops)
       rest = _io(launch) - weights
       # Rows routed to this GPU's experts: the step's tokens x top-k over tp GPUs.
       frac = data.experts_touched_fraction(data.tokens)

@@ -32,16 +32,15 @@ import dataclasses
 import math
 import re
 
-from pallas_kernels.h200.step_placement import (KERNEL_TARGETS, _kernel_origin, array_bytes,
-                                                arrays)
+from pallas_kernels.h200.step_placement import (KERNEL_TARGETS, arrays, async_results,
+                                                kernel_origin, type_bytes)
 
 # Collective opcodes (and their async "-start" forms).
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter", "collective-permute",
                "ragged-all-to-all")
 # Instructions that launch nothing.
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id",
-         "replica-id", "after-all", "optimization-barrier", "add-dependency", "opt-barrier",
-         "iota-free"}
+         "replica-id", "after-all", "optimization-barrier", "add-dependency", "opt-barrier"}
 # Ops that read only part of operand 0, and ops that update operand 0 in place.
 _SLICING = ("slice", "dynamic-slice", "gather")
 _IN_PLACE = ("dynamic-update-slice", "scatter")
@@ -128,10 +127,6 @@ def _computations(hlo: str) -> tuple[dict[str, list[_Instr]], str]:
   return comps, entry
 
 
-def _bytes(type_text: str) -> int:
-  return array_bytes(type_text) if arrays(type_text) else 0
-
-
 def _layer(line: str) -> str:
   m = _OP_NAME_RE.search(line)
   lm = _LAYER_RE.search(m.group(1)) if m else None
@@ -141,7 +136,7 @@ def _layer(line: str) -> str:
 def _dot_flops(instr: _Instr, types: dict[str, str], contract_re=_CONTRACT_RE) -> int:
   """2 x result elements x contracted size of a dot (its lhs's contracting dims)."""
   m = contract_re.search(instr.rest)
-  (_, lhs_shape), = arrays(types[instr.operands[0]])[:1] or [(None, ())]
+  lhs_shape = arrays(types[instr.operands[0]])[0][1]
   dims = [int(d.strip().strip('"')) for d in m.group(1).split(",") if d.strip()] if m else []
   contracted = math.prod(lhs_shape[d] for d in dims) if dims else 1
   out = sum(math.prod(shape) for _, shape in arrays(instr.type)[:1])
@@ -173,7 +168,7 @@ class _Fused:
     for u in self.users.get(name, []):
       first = u.operands and u.operands[0] == name
       if u.opcode in _SLICING and first:
-        total += _bytes(u.type)
+        total += type_bytes(u.type)
       elif u.opcode in _IN_PLACE and first:
         continue  # updated in place: nothing to read
       elif u.opcode in ("bitcast", "reshape"):
@@ -194,12 +189,12 @@ class _Fused:
       while r.opcode == "bitcast" and r.operands:
         r = next(i for i in self.body if i.name == r.operands[0])
       if r.opcode == "dynamic-update-slice":
-        total += _bytes(self.types[r.operands[1]])
+        total += type_bytes(self.types[r.operands[1]])
       elif r.opcode == "scatter":
-        total += _bytes(self.types[r.operands[-1]])
+        total += type_bytes(self.types[r.operands[-1]])
       else:
-        total += _bytes(r.type)
-    return total if roots else _bytes(result_type)
+        total += type_bytes(r.type)
+    return total if roots else type_bytes(result_type)
 
   def collective(self) -> str | None:
     """The collective this fused computation wraps (XLA's async all-reduce fusions), if any."""
@@ -217,10 +212,8 @@ class _Fused:
 
 def _payload(instr: _Instr) -> int:
   """A collective's result bytes (an async start's tuple holds operands, then results)."""
-  found = arrays(instr.type)
-  if instr.opcode.endswith("-start") and len(found) > 1:
-    found = found[len(found) // 2:]
-  return int(sum(_bytes(f"{t}[{','.join(map(str, s))}]") for t, s in found))
+  start = instr.opcode.endswith("-start") and len(arrays(instr.type)) > 1
+  return type_bytes(async_results(instr.type) if start else instr.type)
 
 
 def launches(hlo: str) -> list[Launch]:
@@ -279,7 +272,7 @@ def _walk(comps: dict[str, list[_Instr]], comp: str, count: int, out: list[Launc
         out.append(Launch(i.name, "collective", coll, layer, _payload(i), 0, operand_types,
                           (i.type,), count))
         continue
-      read = sum(fused.read_bytes(k, _bytes(t)) for k, t in enumerate(operand_types))
+      read = sum(fused.read_bytes(k, type_bytes(t)) for k, t in enumerate(operand_types))
       kind = _KIND_RE.search(i.rest)
       out.append(Launch(i.name, "fusion", kind.group(1) if kind else "kLoop", layer,
                         read + fused.write_bytes(i.type), fused.flops, operand_types, (i.type,),
@@ -290,11 +283,11 @@ def _walk(comps: dict[str, list[_Instr]], comp: str, count: int, out: list[Launc
       out.append(Launch(i.name, "collective", base, layer, _payload(i), 0, operand_types,
                         (i.type,), count))
       continue
-    io = sum(_bytes(t) for t in operand_types) + _bytes(i.type)
+    io = sum(type_bytes(t) for t in operand_types) + type_bytes(i.type)
     if op == "custom-call":
       target = _TARGET_RE.search(i.rest).group(1)
       if target in KERNEL_TARGETS:
-        _, kname = _kernel_origin(i.line)
+        _, kname = kernel_origin(i.line)
         results = tuple(f"{t}[{','.join(map(str, s))}]" for t, s in arrays(i.type))
         out.append(Launch(i.name, "pallas", kname, layer, io, 0, operand_types, results, count))
       elif target.startswith("__cublas"):
@@ -309,8 +302,8 @@ def _walk(comps: dict[str, list[_Instr]], comp: str, count: int, out: list[Launc
         out.append(Launch(i.name, "other", target, layer, io, 0, operand_types, (i.type,), count))
       continue
     if op in _IN_PLACE:
-      update = _bytes(operand_types[1] if op == "dynamic-update-slice" else operand_types[-1])
+      update = type_bytes(operand_types[1] if op == "dynamic-update-slice" else operand_types[-1])
       io = 2 * update
     elif op in _SLICING:
-      io = 2 * _bytes(i.type)
+      io = 2 * type_bytes(i.type)
     out.append(Launch(i.name, "other", op, layer, io, 0, operand_types, (i.type,), count))

@@ -77,11 +77,25 @@ def array_bytes(type_text: str) -> int:
   return int(math.ceil(total))
 
 
+def type_bytes(type_text: str) -> int:
+  """:func:`array_bytes`, or 0 for a type with no array in it (a token, an empty tuple)."""
+  return array_bytes(type_text) if arrays(type_text) else 0
+
+
+def async_results(type_text: str) -> str:
+  """The results of an async collective's "-start" tuple, which holds its operands and then
+  its results: ``(f32[8], f32[64])`` -> ``f32[64]`` (a tuple when several)."""
+  found = arrays(type_text)
+  found = found[len(found) // 2:]
+  result = ", ".join(f"{t}[{','.join(map(str, shape))}]" for t, shape in found)
+  return f"({result})" if len(found) > 1 else result
+
+
 def _strip_layouts(type_text: str) -> str:
   return re.sub(r"\{[^{}]*\}", "", type_text)
 
 
-def _kernel_origin(line: str) -> tuple[str, str]:
+def kernel_origin(line: str) -> tuple[str, str]:
   """(layer, name) of a kernel call.
 
   The name is the kernel's own (``kernel_name=`` / the Pallas call's name): a
@@ -120,18 +134,15 @@ def step_placement(hlo: str) -> dict:
   for line in hlo.splitlines():
     call = _CALL_RE.match(line)
     if call and call.group(2) in KERNEL_TARGETS:
-      layer, name = _kernel_origin(line)
+      layer, name = kernel_origin(line)
       kernels.append({"layer": layer, "name": name, "target": call.group(2),
                       "result": _strip_layouts(call.group(1))})
       continue
     gather = _GATHER_RE.match(line)
     if gather:
       result = _strip_layouts(gather.group(1))
-      if gather.group(2):  # async: the start's tuple holds the operands, then the results
-        found = arrays(result)
-        found = found[len(found) // 2:]
-        result = ", ".join(f"{t}[{','.join(map(str, shape))}]" for t, shape in found)
-        result = f"({result})" if len(found) > 1 else result
+      if gather.group(2):
+        result = async_results(result)
       gathers.append({"result": result, "bytes": array_bytes(result)})
   return {"kernels": kernels, "all_gathers": gathers,
           "all_gather_bytes": sum(g["bytes"] for g in gathers)}
