@@ -69,7 +69,9 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
     smoke: the compiled-program model reads the tiny 8-way model's decode step only.
 
   Returns:
-    The JSON record (``capacity``, ``calibration``, ``columns``, ``predictions``).
+    The JSON record (``capacity``, ``calibration``, ``columns``, ``predictions``, and the
+    compiled-program model's ``compiled`` and, with gpu_check runs committed,
+    ``compiled_measured``).
   """
   del quick
   a = pm.Assumptions()
