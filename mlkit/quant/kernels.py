@@ -6,8 +6,9 @@ in ``pallas_kernels.int4_matmul`` (on a GPU, the default backend is "pallas", so
 the model runs the kernels with no code change). Int4 weights in layout "kn" run
 the packed-layout kernels, in layout "nk" the register-dequantising ones
 (:func:`kernel_int4_layout` names the platform's, :func:`kernel_layout` converts
-a tree; docs/int4_matmul.md). Both layouts run on every backend. FP8 weights have no Pallas
-kernel yet and always use the XLA reference.
+a tree; docs/int4_matmul.md). Both layouts run on every backend. Block-scaled FP8 experts run
+the FP8 grouped kernel (``pallas_kernels.fp8_matmul``); dense FP8 matmuls, and experts
+with per-channel scales, use the XLA reference.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from mlkit.quant.formats import Fp8Weight, Int4Weight, relaid_int4
 from mlkit.quant.reference import (fp8_grouped_matmul_reference, fp8_matmul_reference,
                                    int4_grouped_matmul_reference, int4_matmul_reference)
 from pallas_kernels import dispatch as kernel_dispatch
+from pallas_kernels import fp8_matmul as fp8_kernels
 from pallas_kernels import int4_matmul as int4_kernels
 from pallas_kernels.int4_matmul import partitioned as int4_partitioned
 
@@ -90,5 +92,9 @@ def _matmul_fp8(x, w: Fp8Weight, *, out_dtype=None, backend=None):
 
 @grouped_matmul.register(Fp8Weight)
 def _grouped_matmul_fp8(x, w: Fp8Weight, group_sizes, *, out_dtype=None, backend=None):
-  kernel_dispatch.resolve_backend(backend)
-  return fp8_grouped_matmul_reference(x, w, group_sizes, out_dtype=out_dtype)
+  backend = kernel_dispatch.resolve_backend(backend)
+  if backend == "xla" or w.block_size is None or w.values.ndim != 3:
+    return fp8_grouped_matmul_reference(x, w, group_sizes, out_dtype=out_dtype)
+  y = fp8_kernels.fp8_grouped_matmul(x, w.values, w.scales, group_sizes.astype(jax.numpy.int32),
+                                     backend=backend)  # [M, N]
+  return y.astype(out_dtype or x.dtype)

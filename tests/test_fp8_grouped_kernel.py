@@ -1,0 +1,189 @@
+"""The FP8 grouped (MoE) kernel: interpret mode against its jnp reference and a float64
+ground truth, its errors, its use by ``mlkit.quant.grouped_matmul``, and its compiles for
+an H200 at GLM 5.2's expert shapes (no spills, the shared memory the block sizes say)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import absltest, parameterized
+
+from mlkit.quant import grouped_matmul, quantize_fp8
+from pallas_kernels.fp8_matmul import (fp8_grouped_matmul, fp8_grouped_matmul_reference,
+                                       grouped_block_sizes)
+from pallas_kernels.fp8_matmul.grouped import smem_bytes
+from pallas_kernels.int4_matmul.block_sizes import H200_SMEM_BYTES
+
+
+def _operands(e, k, n, group_sizes, m, seed, x_dtype=jnp.bfloat16):
+  """Random x, fp8 values spanning e4m3's range and a distinct scale per 128 x 128 block
+  (so a wrong block index shows)."""
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal((m, k)), x_dtype)
+  values = jnp.asarray(rng.standard_normal((e, k, n)) * 60, jnp.float32).astype(jnp.float8_e4m3fn)
+  scales = jnp.asarray(rng.uniform(0.25, 4.0, (e, -(-k // 128), -(-n // 128))) * 1e-2,
+                       jnp.float32)
+  return x, values, scales, jnp.asarray(group_sizes, jnp.int32)
+
+
+def _ground_truth(x, values, scales, group_sizes):
+  """float64, one expert at a time: x and each dequantised weight rounded to bf16 first,
+  as the kernel feeds its MMA."""
+  k, n = values.shape[1:]
+  xb = np.asarray(x.astype(jnp.bfloat16), np.float64)
+  s = np.repeat(np.repeat(np.asarray(scales, np.float64), 128, 1), 128, 2)[:, :k, :n]
+  w = np.asarray(jnp.asarray(np.asarray(values, np.float64) * s, jnp.float32).astype(
+      jnp.bfloat16), np.float64)
+  out = np.zeros((x.shape[0], n))
+  start = 0
+  for e, g in enumerate(np.asarray(group_sizes)):
+    out[start:start + g] = xb[start:start + g] @ w[e]
+    start += g
+  return out
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+class Fp8GroupedInterpretTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      # An empty expert and rows past sum(group_sizes) (zeros).
+      ("ragged", 4, 256, 128, [5, 0, 11, 4], 24),
+      # N = 192: tile_n 64, the second and third tiles read scale columns 0 and 1.
+      ("n_tiles_of_64", 3, 256, 192, [7, 9, 2], 18),
+      # K = 200, N = 100: padded to 256 and 128 inside the last scale block.
+      ("unaligned", 2, 200, 100, [3, 6], 9),
+      ("one_row", 4, 128, 128, [0, 0, 1, 0], 1),
+      ("many_rows_per_expert", 2, 384, 128, [40, 30], 72),
+  )
+  def test_matches_reference_and_ground_truth(self, e, k, n, group_sizes, m):
+    x, values, scales, gs = _operands(e, k, n, group_sizes, m, seed=k + n + m)
+    out = fp8_grouped_matmul(x, values, scales, gs, backend="interpret")
+    ref = fp8_grouped_matmul_reference(x, values, scales, gs)
+    truth = _ground_truth(x, values, scales, gs)
+    self.assertEqual((out.shape, out.dtype), ((m, n), jnp.bfloat16))
+    total = int(gs.sum())
+    self.assertTrue(np.all(np.asarray(out[total:], np.float32) == 0))
+    self.assertLessEqual(_rel(out[:total], truth[:total]), 1e-2)
+    self.assertLessEqual(_rel(ref[:total], truth[:total]), 1e-2)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               rtol=1e-2, atol=1e-2 * np.abs(truth).max())
+
+  def test_f32_activations_come_back_f32(self):
+    x, values, scales, gs = _operands(2, 128, 128, [3, 5], 8, seed=3, x_dtype=jnp.float32)
+    out = fp8_grouped_matmul(x, values, scales, gs, backend="interpret")
+    self.assertEqual(out.dtype, jnp.float32)
+    self.assertLessEqual(_rel(out, _ground_truth(x, values, scales, gs)), 1e-2)
+
+  def test_a_wrong_scale_is_seen(self):
+    """The test can fail: one block's scale doubled moves that block's columns only."""
+    x, values, scales, gs = _operands(2, 256, 256, [4, 4], 8, seed=5)
+    out = fp8_grouped_matmul(x, values, scales.at[1, 1, 0].multiply(2.0), gs,
+                             backend="interpret")
+    truth = _ground_truth(x, values, scales, gs)
+    self.assertGreater(_rel(out[4:, :128], truth[4:, :128]), 0.1)
+    self.assertLessEqual(_rel(out[:4], truth[:4]), 1e-2)
+    self.assertLessEqual(_rel(out[4:, 128:], truth[4:, 128:]), 1e-2)
+
+
+class Fp8GroupedErrorsTest(parameterized.TestCase):
+
+  def test_bad_operands_raise_naming_them(self):
+    x, values, scales, gs = _operands(2, 128, 128, [2, 2], 4, seed=0)
+    for args, pattern in [
+        ((x[0], values, scales, gs), "x must be"),
+        ((x.astype(jnp.float8_e4m3fn), values, scales, gs), "x must be"),
+        ((x, values.astype(jnp.bfloat16), scales, gs), "values must be float8_e4m3fn"),
+        ((x[:, :64], values, scales, gs), "K=64"),
+        ((x, values, scales[:, :, :0], gs), "scales must be"),
+        ((x, values, scales.astype(jnp.bfloat16), gs), "scales must be"),
+        ((x, values, scales, gs[:1]), "group_sizes must be"),
+        ((x, values, scales, gs.astype(jnp.float32)), "group_sizes must be"),
+    ]:
+      for backend in ("interpret", "xla"):
+        with self.assertRaisesRegex(ValueError, pattern):
+          fp8_grouped_matmul(*args, backend=backend)
+
+  def test_bad_tiles_and_backend_raise(self):
+    x, values, scales, gs = _operands(2, 128, 128, [2, 2], 4, seed=0)
+    bs = grouped_block_sizes(4, 128, 128, 2)
+    for bad in (dataclasses.replace(bs, tile_k=256), dataclasses.replace(bs, tile_n=192)):
+      with self.assertRaisesRegex(ValueError, "tile_k must be 128"):
+        fp8_grouped_matmul(x, values, scales, gs, backend="interpret", block_sizes=bad)
+    with self.assertRaises(ValueError):
+      fp8_grouped_matmul(x, values, scales, gs, backend="cuda")
+
+
+class QuantGroupedMatmulTest(absltest.TestCase):
+  """``mlkit.quant.grouped_matmul`` runs the kernel for block-scaled FP8 experts on the
+  kernel backends, and the reference for "xla" and for per-channel scales."""
+
+  def test_kernel_backend_matches_xla(self):
+    rng = np.random.default_rng(7)
+    w = jnp.asarray(rng.standard_normal((3, 256, 128)) * 0.05, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((10, 256)), jnp.bfloat16)
+    gs = jnp.array([4, 0, 5])
+    for block in (128, None):
+      fw = quantize_fp8(w, block_size=block)
+      ref = grouped_matmul(x, fw, gs, backend="xla")
+      out = grouped_matmul(x, fw, gs, backend="interpret")
+      self.assertLessEqual(_rel(np.asarray(out[:9], np.float32), np.asarray(ref[:9], np.float32)),
+                           1e-2)
+    text = jax.jit(lambda x, fw: grouped_matmul(x, fw, gs, backend="interpret")).lower(
+        x, quantize_fp8(w)).as_text()
+    self.assertIn("fp8_grouped_matmul", text)
+
+
+class Fp8GroupedH200CompileTest(parameterized.TestCase):
+  """GLM 5.2's routed experts on one of 8 GPUs (32 experts): gate/up [6144, 2048] and down
+  [2048, 6144], at a decode step of 64 requests (512 rows), one request's 8 rows, and a
+  prefill chunk of 2,048 tokens (16,384 rows)."""
+
+  @parameterized.parameters((512, 6144, 2048), (512, 2048, 6144), (8, 6144, 2048),
+                            (16384, 6144, 2048))
+  def test_compiles_without_spills(self, m, k, n):
+    from pallas_kernels.h200 import compile as hc
+    e = 32
+    args = (hc.spec((m, k), jnp.bfloat16), hc.spec((e, k, n), jnp.float8_e4m3fn),
+            hc.spec((e, k // 128, n // 128), jnp.float32), hc.spec((e,), jnp.int32))
+    try:
+      report = hc.compile_for_h200(
+          lambda x, v, s, g: fp8_grouped_matmul(x, v, s, g, backend="pallas"), *args)
+    except hc.H200CompileUnavailable as err:
+      self.skipTest(str(err))
+    (stats,) = report.kernels.values()
+    self.assertEqual((stats.spill_stores, stats.spill_loads), (0, 0))
+    self.assertLessEqual(stats.smem, H200_SMEM_BYTES)
+    # What the persistent grid is sized by: ptxas' count is smem_bytes plus 8 bytes of
+    # barrier per pipeline stage, at the block sizes the H200 trace picks.
+    self.assertBetween(stats.smem - smem_bytes(grouped_block_sizes(m, n, k, e, "NVIDIA H200")), 0, 64)
+
+
+if __name__ == "__main__":
+  absltest.main()
+
+
+class ModelTest(absltest.TestCase):
+  """TINY_MLA with FP8_ALL's weights: the forward pass on the kernel backend (routed experts
+  through the FP8 grouped kernel) gives the XLA reference's logits."""
+
+  def test_forward_matches_the_reference_backend(self):
+    from configs import TINY_MLA
+    from mlkit.model import forward, init_params
+    from mlkit.quant import FP8_ALL, quantize_params
+    cfg = dataclasses.replace(TINY_MLA, n_layers=2, dtype="bfloat16")
+    params = quantize_params(init_params(cfg, jax.random.key(1)), FP8_ALL)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 6)), jnp.int32)
+    run = jax.jit(lambda p, t, backend: forward(p, t, cfg=cfg, backend=backend),
+                  static_argnums=2)
+    text = jax.jit(lambda p, t: forward(p, t, cfg=cfg, backend="interpret")).lower(
+        params, tokens).as_text()
+    self.assertIn("fp8_grouped_matmul", text)
+    got = np.asarray(run(params, tokens, "interpret"), np.float32)
+    want = np.asarray(run(params, tokens, "xla"), np.float32)
+    # The same bf16 weights and f32 accumulation; only summation order differs (bf16 bound).
+    self.assertLessEqual(_rel(got, want), 1e-2)
