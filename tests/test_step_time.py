@@ -12,7 +12,7 @@ import os
 
 from absl.testing import absltest
 
-from configs import H200, KIMI_K2_6
+from configs import GLM_5_2, H200, KIMI_K2_6
 from mlkit.plan import step_time as st
 from pallas_kernels.h200 import program
 from pallas_kernels.paged_attention import bench as attn_bench
@@ -196,6 +196,26 @@ class StepTimeTest(absltest.TestCase):
     self.assertEqual(kind, "int4")
     self.assertAlmostEqual(nbytes, weights * frac + rest, delta=1)
     self.assertAlmostEqual(flops, 2 * (8 * 8 / 8) * 7168 * 2048)
+
+  def test_grouped_fp8_reads_the_experts_the_batch_picks_at_its_own_anchor(self):
+    local = GLM_5_2.n_routed_experts // 8
+    data = st.StepData(GLM_5_2, rows=8, tokens=8, context=1000.0)
+    # As the engine's kernel is called: its schedule, the activations padded by a tile,
+    # the fp8 values [E, K, N] and a scale per 128 x 128 block.
+    ops = ("s32[5,70]", "bf16[72,6144]", f"f8e4m3fn[{local},6144,2048]",
+           f"f32[{local},48,16]")
+    ln = _launch(kind="pallas", op="fp8_grouped_matmul", operands=ops,
+                 results=("bf16[64,2048]",))
+    nbytes, flops, kind = st.pallas_cost(ln, data)
+    weights = local * 6144 * 2048 + local * 48 * 16 * 4
+    frac = 1 - (1 - 8 / 256) ** 8
+    rest = 5 * 70 * 4 + 72 * 6144 * 2 + 64 * 2048 * 2
+    self.assertEqual(kind, "fp8_grouped")
+    self.assertAlmostEqual(nbytes, weights * frac + rest, delta=1)
+    self.assertAlmostEqual(flops, 2 * (8 * 8 / 8) * 6144 * 2048)
+    eff = st.Efficiency(launch_gap_s=0.0)
+    t, _, _, _ = st.launch_time(ln, data, eff)
+    self.assertAlmostEqual(t, nbytes / (2064 / 3350 * H200.hbm_bandwidth), delta=1e-12)
 
   def test_the_moe_layer_runs_once_per_moe_layer_and_loops_their_trip_count(self):
     prog = [_launch("a", nbytes=10**6), _launch("b", layer="layer_1", nbytes=2 * 10**6),

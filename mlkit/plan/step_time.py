@@ -61,6 +61,9 @@ class Efficiency:
   # weights 3.56x smaller (4 bits plus a bf16 scale per 32), so about the fp16 GEMM's
   # bandwidth share.
   int4_bw: float = 1688 / 3350 * 3.5 / (2 / INT4_G32_BYTES)
+  # Grouped FP8 expert GEMMs at decode rows: DeepGEMM's masked grouped GEMM (4 groups x 256
+  # rows) moves 2,064 GB/s of the H800's 3.35 TB/s.
+  fp8_grouped_bw: float = 2064 / 3350
   # Large bf16 GEMMs: cuBLAS at 790 of the H200's 989 TFLOP/s (docs/measuring.md).
   bf16_gemm_flops: float = 790 / 989
   # Large FP8 GEMMs: DeepGEMM's 1,550 of the H800's 1,979 TFLOP/s.
@@ -159,6 +162,15 @@ def _io(launch: Launch) -> float:
   return sum(type_bytes(t) for t in launch.operands) + sum(type_bytes(t) for t in launch.results)
 
 
+def _grouped_weight_bytes(launch: Launch, data: StepData) -> tuple[float, float]:
+  """(bytes of this GPU's expert operands [E/tp, ...], bytes of the other operands and
+  results) of a grouped matmul launch."""
+  local = data.model.n_routed_experts // data.tp
+  weights = sum(type_bytes(t) for t in launch.operands
+                if len(_shape(t)[1]) >= 3 and _shape(t)[1][0] == local)
+  return weights, _io(launch) - weights
+
+
 def pallas_cost(launch: Launch, data: StepData) -> tuple[float, float, str]:
   """(bytes, FLOPs, kind) of one Pallas kernel launch on ``data``.
 
@@ -192,6 +204,13 @@ def pallas_cost(launch: Launch, data: StepData) -> tuple[float, float, str]:
     return float(nbytes), float(flops), "index"
   if "topk" in name:
     return float(data.rows * ctx * 4 + data.rows * (data.model.index_topk or ctx) * 4), 0.0, "fusion"
+  if "fp8_grouped_matmul" in name:
+    _, out = _shape(launch.results[0])
+    acts = [s for t in ops for d, s in [_shape(t)] if d == "bf16" and len(s) == 2]
+    weights, rest = _grouped_weight_bytes(launch, data)
+    rows = data.tokens * data.model.top_k / data.tp
+    return (weights * data.experts_touched_fraction(data.tokens) + rest,
+            2.0 * rows * (acts[0][-1] if acts else 0) * out[-1], "fp8_grouped")
   if "int4" in name and "matmul" in name:
     _, out = _shape(launch.results[0])
     # K and N from the packed weights (two 4-bit values per byte along K), else the first
@@ -201,10 +220,7 @@ def pallas_cost(launch: Launch, data: StepData) -> tuple[float, float, str]:
     k_dim = packed[0][-2] * 2 if packed else (acts[0][-1] if acts else 0)
     n_dim = out[-1]
     if "grouped" in name:
-      local = data.model.n_routed_experts // data.tp
-      expert_ops = [t for t in ops if len(_shape(t)[1]) >= 3 and _shape(t)[1][0] == local]
-      weights = sum(type_bytes(t) for t in expert_ops)
-      rest = _io(launch) - weights
+      weights, rest = _grouped_weight_bytes(launch, data)
       # Rows routed to this GPU's experts: the step's tokens x top-k over tp GPUs.
       frac = data.experts_touched_fraction(data.tokens)
       rows = data.tokens * data.model.top_k / data.tp
@@ -231,9 +247,9 @@ def launch_time(launch: Launch, data: StepData, eff: Efficiency,
     share = {"attention": eff.attention_fp8_bw if fp8 else eff.attention_bw,
              "sparse": eff.sparse_bw, "index": eff.index_bw}[kind]
     bw, rate = share * hw.hbm_bandwidth, eff.attention_flops * hw.bf16_flops
-  elif kind == "int4":
-    bw = eff.int4_bw * hw.hbm_bandwidth
-    # The INT4 kernels dequantise to bf16 and run bf16 MMAs.
+  elif kind in ("int4", "fp8_grouped"):
+    bw = (eff.int4_bw if kind == "int4" else eff.fp8_grouped_bw) * hw.hbm_bandwidth
+    # Both weight-only kernels dequantise to bf16 and run bf16 MMAs.
     rate = eff.bf16_gemm_flops * hw.bf16_flops
   elif kind == "gemm":
     bw = eff.gemm_bw * hw.hbm_bandwidth
