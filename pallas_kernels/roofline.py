@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from pallas_kernels import benchmark as bm
 from pallas_kernels import tables
 from pallas_kernels import targets as kt
+from pallas_kernels.fp8_matmul import bench as fp8_bench
 from pallas_kernels.indexer import bench as indexer_bench
 from pallas_kernels.indexer import topk_bench
 from pallas_kernels.int4_matmul import bench as int4_bench
@@ -61,11 +62,14 @@ def job_cost(case: kt.KernelCase) -> tuple[int, int]:
     return indexer_bench.job_cost(case.d)
   if case.kernel == "topk_positions":
     return topk_bench.job_cost(case.d)
+  if case.kernel == "fp8_grouped_matmul":
+    return fp8_bench.job_cost(case.d)
   raise ValueError(f"unknown kernel {case.kernel!r}; known: {kt.KERNELS}")
 
 
 def _grouped_expert_tiles(m: int, e: int, tile_m: int) -> int:
-  """Tiles the INT4 grouped kernel's schedule gives the bench's balanced rows."""
+  """Tiles the grouped kernels' schedule (INT4 and FP8 share it) gives the bench's
+  balanced rows."""
   import numpy as np
   from pallas_kernels.int4_matmul.int4_matmul import segment_tiles
   rows = np.asarray(int4_bench.balanced_group_sizes(m, e))
@@ -96,7 +100,7 @@ def design_flops(case: kt.KernelCase) -> int:
   - sparse MLA decode (Triton): heads padded to the program's block_h, over the
     selected positions;
   - INT4 dense: tokens padded to tile_m (the [N, K] kernels' table, which the
-    engine runs on a GPU); INT4 grouped: every tile computes tile_m
+    engine runs on a GPU); INT4 and FP8 grouped: every tile computes tile_m
     token columns (tiles from the kernel's schedule over the bench's balanced rows);
   - the others (indexer, top-k, tag check): the job's FLOPs.
   """
@@ -123,6 +127,11 @@ def design_flops(case: kt.KernelCase) -> int:
     if not grouped:
       return 2 * (-(-m // bs.tile_m) * bs.tile_m) * k * n
     return 2 * _grouped_expert_tiles(m, e, bs.tile_m) * bs.tile_m * k * n
+  if case.kernel == "fp8_grouped_matmul":
+    from pallas_kernels.fp8_matmul import grouped_block_sizes
+    m, k, n, e = d["m"], d["k"], d["n"], d["experts"]
+    tile_m = grouped_block_sizes(m, n, k, e, device_kind=H200).tile_m
+    return 2 * _grouped_expert_tiles(m, e, tile_m) * tile_m * k * n
   return job_cost(case)[1]
 
 
@@ -193,7 +202,7 @@ def design_bytes(case: kt.KernelCase) -> int:
 
 def twin_cost(case: kt.KernelCase) -> tuple[int, int] | None:
   """(bytes, FLOPs) of the same job in bf16: bf16 pages (or index keys) for an fp8
-  attention or indexer case, dequantised bf16 weights for an INT4 one; None where
+  attention or indexer case, dequantised bf16 weights for an INT4 or FP8 one; None where
   there is no narrower format."""
   d = case.d
   if case.kernel in attn_bench.KERNELS:
@@ -204,6 +213,9 @@ def twin_cost(case: kt.KernelCase) -> tuple[int, int] | None:
     return indexer_bench.job_cost(d | {"kv": "bf16"}) if d["kv"] == "fp8" else None
   if case.kernel in int4_bench.KERNELS:
     return int4_bench.job_cost(case.kernel, d, weights="bf16")
+  if case.kernel == "fp8_grouped_matmul":
+    m, k, n, e = d["m"], d["k"], d["n"], d["experts"]
+    return min(m, e) * k * n * 2 + m * k * 2 + m * n * 2, 2 * m * k * n
   return None
 
 

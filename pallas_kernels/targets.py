@@ -94,7 +94,8 @@ EP = 8  # expert parallelism of the same
 KV_TOKENS_PER_H200 = 1_372_000  # the report's fp8 KV capacity of Kimi K2.6 on one H200
 
 KERNELS = ("paged_mla_decode", "paged_gqa_decode", "int4_matmul", "int4_grouped_matmul",
-           "tag_check", "paged_mla_sparse_decode", "paged_index_scores", "topk_positions")
+           "tag_check", "paged_mla_sparse_decode", "paged_index_scores", "topk_positions",
+           "fp8_grouped_matmul")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +142,10 @@ class KernelCase:
       m, k, n, g, e = d["m"], d["k"], d["n"], d["group_size"], d["experts"]
       return [((m, k), jnp.bfloat16), ((e, k // 2, n), jnp.uint8), ((e, k // g, n), jnp.bfloat16),
               ((e,), jnp.int32)]
+    if self.kernel == "fp8_grouped_matmul":
+      m, k, n, e = d["m"], d["k"], d["n"], d["experts"]
+      return [((m, k), jnp.bfloat16), ((e, k, n), FP8), ((e, -(-k // 128), -(-n // 128)),
+                                                          jnp.float32), ((e,), jnp.int32)]
     if self.kernel == "tag_check":
       b, p, n = d["batch"], d["max_pages"], d["num_pages"]
       return [((n,), jnp.int32), ((b, p), jnp.int32), ((b, p), jnp.int32), ((b,), jnp.int32)]
@@ -176,6 +181,8 @@ class KernelCase:
       return {"scale": 1.0 / math.sqrt(d["head_dim"])}
     if self.kernel in ("int4_matmul", "int4_grouped_matmul"):
       return {"group_size": d["group_size"]}
+    if self.kernel == "fp8_grouped_matmul":
+      return {}
     return {"page_size": d["page_size"]}
 
 
@@ -255,6 +262,18 @@ def int4_grouped_cases() -> list[KernelCase]:
       cases.append(kernel_case("int4_grouped_matmul", f"int4g/{cfg.name}/{proj}/{rname}/g{g}", model,
                          m=m, k=k, n=n, group_size=g, experts=e))
   return cases
+
+
+def fp8_grouped_cases() -> list[KernelCase]:
+  """GLM 5.2's routed experts with FP8 weights (its published checkpoint, the report's
+  prefill pool) per device at EP 8: gate/up and down, decode and prefill rows."""
+  cfg = GLM_5_2
+  e = cfg.n_routed_experts // EP
+  rows = [(f"r{r}", r * e) for r in ROWS_PER_EXPERT] + [("prefill", PREFILL_TOKENS * cfg.top_k // EP)]
+  return [kernel_case("fp8_grouped_matmul", f"fp8g/{cfg.name}/{proj}/{rname}", "GLM 5.2",
+                      m=m, k=k, n=n, experts=e)
+          for (proj, k, n), (rname, m) in itertools.product(
+              (("up", cfg.d_model, cfg.moe_ffn_dim), ("down", cfg.moe_ffn_dim, cfg.d_model)), rows)]
 
 
 def tag_check_cases() -> list[KernelCase]:
@@ -340,7 +359,8 @@ def target_cases(kernels: tuple[str, ...] = KERNELS) -> list[KernelCase]:
   builders = {"paged_mla_decode": mla_cases, "paged_gqa_decode": gqa_cases,
               "int4_matmul": int4_dense_cases, "int4_grouped_matmul": int4_grouped_cases,
               "tag_check": tag_check_cases, "paged_mla_sparse_decode": sparse_mla_cases,
-              "paged_index_scores": indexer_cases, "topk_positions": topk_cases}
+              "paged_index_scores": indexer_cases, "topk_positions": topk_cases,
+              "fp8_grouped_matmul": fp8_grouped_cases}
   unknown = [k for k in kernels if k not in builders]
   if unknown:
     raise ValueError(f"unknown kernel(s) {unknown}; known: {KERNELS}")

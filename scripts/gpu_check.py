@@ -69,8 +69,8 @@ RESERVE_S = 3.0  # kept back from the budget for the summary
 # GLM 5's sparse decode kernels follow dense MLA: together they are a GLM decode step's
 # attention, and they have never run on a GPU.
 KERNEL_ORDER = ("paged_mla_decode", "paged_mla_sparse_decode", "paged_index_scores",
-                "topk_positions", "int4_grouped_matmul", "tag_check", "int4_matmul",
-                "paged_gqa_decode")
+                "topk_positions", "int4_grouped_matmul", "fp8_grouped_matmul", "tag_check",
+                "int4_matmul", "paged_gqa_decode")
 
 # How target cases are ranked. "variant": the facets every value of which tier 1 covers (the
 # dtype axis and the like). "prefs": preferred values, most important first, per facet; a
@@ -84,6 +84,8 @@ PRIORITY = {
                             "prefs": {"model": ("Kimi K2.6", "GLM 5.2"), "group_size": (32, 128),
                                       "rows": ("r8", "r1", "r64", "prefill"),
                                       "proj": ("up", "down")}},
+    "fp8_grouped_matmul": {"variant": (), "prefs": {"rows": ("r8", "r1", "r64", "prefill"),
+                                                    "proj": ("up", "down")}},
     "tag_check": {"variant": (), "prefs": {"batch": (64, 1)}},
     "int4_matmul": {"variant": ("group_size",),
                     "prefs": {"group_size": (32, 128), "m": (8, 1, 64, 4096),
@@ -104,7 +106,8 @@ PRIORITY = {
 }
 # Facets read from a case's name (position in name.split("/")) rather than its dims.
 NAME_FACETS = {"paged_mla_decode": {"par": 1}, "paged_mla_sparse_decode": {"par": 1},
-               "int4_matmul": {"proj": 2}, "int4_grouped_matmul": {"proj": 2, "rows": 3}}
+               "int4_matmul": {"proj": 2}, "int4_grouped_matmul": {"proj": 2, "rows": 3},
+               "fp8_grouped_matmul": {"proj": 2, "rows": 3}}
 
 # matmul_fp8 checks the roofline's modelled fp8 rate (benchmark.H200_FP8_FLOPS).
 CEILINGS = {"copy": {"elements": 1 << 30}, "matmul_bf16": {"m": 8192, "k": 8192, "n": 8192},
@@ -115,7 +118,7 @@ SMOKE_CEILINGS = {"copy": {"elements": 1 << 16}, "matmul_bf16": {"m": 128, "k": 
 PRIOR_S = {"ceiling": 15.0, "paged_mla_decode": 20.0, "paged_gqa_decode": 15.0,
            "int4_matmul": 12.0, "int4_grouped_matmul": 25.0, "tag_check": 6.0,
            "paged_mla_sparse_decode": 20.0, "paged_index_scores": 10.0, "topk_positions": 6.0,
-           "fault": 1.0}
+           "fp8_grouped_matmul": 15.0, "fault": 1.0}
 SMOKE_PRIOR_S = {"ceiling": 1.0, "fault": 0.5}
 PRIOR_STARTUP_S = {False: 30.0, True: 3.0}
 
@@ -234,6 +237,7 @@ SMOKE_DIMS = {
     "paged_gqa_decode": _smoke_gqa,
     "int4_matmul": lambda d: dict(d, m=min(d["m"], 8), k=256, n=128),
     "int4_grouped_matmul": lambda d: dict(d, m=16, k=256, n=128, experts=4),
+    "fp8_grouped_matmul": lambda d: dict(d, m=16, k=256, n=128, experts=4),
     "tag_check": lambda d: dict(d, batch=min(d["batch"], 7), max_pages=5, num_pages=40,
                                 page_size=4),
     "paged_mla_sparse_decode": _smoke_sparse_mla,
@@ -294,6 +298,9 @@ def _bench_for(item: dict, smoke: bool):
   if kernel in ("int4_matmul", "int4_grouped_matmul"):
     from pallas_kernels.int4_matmul import bench
     return bench.bench_case(kernel, dims, backend=backend, peers=item["peers"])
+  if kernel == "fp8_grouped_matmul":
+    from pallas_kernels.fp8_matmul import bench
+    return bench.bench_case(dims, backend=backend)
   if kernel == "tag_check":
     from pallas_kernels.tag_check import bench
     return bench.bench_case(dims, backend=backend)

@@ -1,6 +1,7 @@
 """The FP8 grouped (MoE) kernel: interpret mode against its jnp reference and a float64
 ground truth, its errors, its use by ``mlkit.quant.grouped_matmul``, and its compiles for
-an H200 at GLM 5.2's expert shapes (no spills, the shared memory the block sizes say)."""
+an H200 at GLM 5.2's expert shapes (pallas_kernels.targets: no spills, the shared memory
+the block sizes say)."""
 
 import dataclasses
 
@@ -13,7 +14,9 @@ from mlkit.quant import grouped_matmul, quantize_fp8
 from pallas_kernels.fp8_matmul import (fp8_grouped_matmul, fp8_grouped_matmul_reference,
                                        grouped_block_sizes)
 from pallas_kernels.fp8_matmul.grouped import smem_bytes
-from pallas_kernels.int4_matmul.block_sizes import H200_SMEM_BYTES
+from pallas_kernels.h200 import kernel_readings as kc
+
+import h200_compile_cases
 
 
 def _operands(e, k, n, group_sizes, m, seed, x_dtype=jnp.bfloat16):
@@ -138,33 +141,26 @@ class QuantGroupedMatmulTest(absltest.TestCase):
     self.assertIn("fp8_grouped_matmul", text)
 
 
-class Fp8GroupedH200CompileTest(parameterized.TestCase):
-  """GLM 5.2's routed experts on one of 8 GPUs (32 experts): gate/up [6144, 2048] and down
-  [2048, 6144], at a decode step of 64 requests (512 rows), one request's 8 rows, and a
-  prefill chunk of 2,048 tokens (16,384 rows)."""
-
-  @parameterized.parameters((512, 6144, 2048), (512, 2048, 6144), (8, 6144, 2048),
-                            (16384, 6144, 2048))
-  def test_compiles_without_spills(self, m, k, n):
-    from pallas_kernels.h200 import compile as hc
-    e = 32
-    args = (hc.spec((m, k), jnp.bfloat16), hc.spec((e, k, n), jnp.float8_e4m3fn),
-            hc.spec((e, k // 128, n // 128), jnp.float32), hc.spec((e,), jnp.int32))
-    try:
-      report = hc.compile_for_h200(
-          lambda x, v, s, g: fp8_grouped_matmul(x, v, s, g, backend="pallas"), *args)
-    except hc.H200CompileUnavailable as err:
-      self.skipTest(str(err))
-    (stats,) = report.kernels.values()
-    self.assertEqual((stats.spill_stores, stats.spill_loads), (0, 0))
-    self.assertLessEqual(stats.smem, H200_SMEM_BYTES)
-    # What the persistent grid is sized by: ptxas' count is smem_bytes plus 8 bytes of
-    # barrier per pipeline stage, at the block sizes the H200 trace picks.
-    self.assertBetween(stats.smem - smem_bytes(grouped_block_sizes(m, n, k, e, "NVIDIA H200")), 0, 64)
+# GLM 5.2's routed experts on one of 8 GPUs (pallas_kernels.targets.fp8_grouped_cases): every
+# distinct compile, no spills, shared memory within a block (tests/h200_compile_cases.py).
+GROUPS = kc.target_groups(("fp8_grouped_matmul",))
+Fp8GroupedH200CompileTest = h200_compile_cases.make_test_case(__file__, GROUPS)
 
 
-if __name__ == "__main__":
-  absltest.main()
+class Fp8GroupedSmemTest(parameterized.TestCase):
+  """What the persistent grid is sized by: ptxas' shared memory is ``smem_bytes`` of the
+  block sizes the H200 trace picks, plus 8 bytes of barrier per pipeline stage (read
+  from the compile tests' own compiles)."""
+
+  @parameterized.named_parameters((g.name, g) for g in GROUPS)
+  def test_smem_bytes_is_what_ptxas_reports(self, group):
+    build = group.compiled
+    readings = h200_compile_cases._readings(build)  # pylint: disable=protected-access
+    bs = build.block_sizes
+    stages = min(bs.max_concurrent_steps, build.case.d["k"] // bs.tile_k)
+    self.assertEqual(readings["smem"], smem_bytes(bs) + 8 * stages)
+    self.assertEqual(bs, grouped_block_sizes(*(build.case.d[x] for x in ("m", "n", "k", "experts")),
+                                             device_kind="NVIDIA H200"))
 
 
 class ModelTest(absltest.TestCase):

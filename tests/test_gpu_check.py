@@ -4,7 +4,7 @@ The script runs for real, as subprocesses in smoke mode (CPU, interpret mode, ti
 shapes), on its cheapest cases: the two ceilings and the tag check, with an injected
 crash and an injected hang between them, and one case each of GLM 5's sparse MLA
 decode (with the dense kernel as its peer) and indexer scoring. The plan (which of the
-244 target cases run first) is checked as data. The kernels experiment runs through its
+252 target cases run first) is checked as data. The kernels experiment runs through its
 command lines, as subprocesses too: rendering a run's JSONL, and its smoke run.
 """
 
@@ -69,7 +69,7 @@ class PlanTest(absltest.TestCase):
     self.assertEqual([p.name for p in self.plan[:3]],
                      ["ceiling/copy", "ceiling/matmul_bf16", "ceiling/matmul_fp8"])
     targets = [p.name for p in self.plan if p.group == "target"]
-    self.assertLen(targets, 244)
+    self.assertLen(targets, 252)
     self.assertCountEqual(targets, [c.name for c in kt.target_cases()])
     self.assertEqual([p.order for p in self.plan], list(range(len(self.plan))))
     tiers = [p.tier for p in self.plan if p.group == "target"]
@@ -85,6 +85,7 @@ class PlanTest(absltest.TestCase):
         "indexer/bf16/b64/ctx32768", "indexer/fp8/b64/ctx32768", "topk/b64/ctx32768",
         "int4g/kimi-k2.6/up/r8/g32", "int4g/kimi-k2.6/up/r8/g128",
         "int4g/glm-5.2/up/r8/g32", "int4g/glm-5.2/up/r8/g128",
+        "fp8g/glm-5.2/up/r8",
         "tag/b64/pool21437",
         "int4/kimi-k2.6/ffn_up/m8/g32", "int4/kimi-k2.6/ffn_up/m8/g128",
         "gqa/g8/bf16/b64/ctx4096", "gqa/g8/fp8/b64/ctx4096"])

@@ -96,7 +96,7 @@ class Efficiency:
       An Efficiency whose ``measured`` names the fields taken from the cases: the device
       copy (XLA's kernels), the bf16 and fp8 matmul ceilings, this project's MLA decode
       kernel with a bf16 and an fp8 cache, the sparse MLA and indexer kernels, and the
-      grouped INT4 kernel at decode rows; the median over a field's cases.
+      grouped INT4 and FP8 kernels at decode rows; the median over a field's cases.
     """
     import statistics
     ok = [c for c in cases if c.get("status") == "ok" and c.get("time_s")]
@@ -114,7 +114,9 @@ class Efficiency:
         "sparse_bw": ([c for c in ok if c["kernel"] == "paged_mla_sparse_decode"], bw),
         "index_bw": ([c for c in ok if c["kernel"] == "paged_index_scores"], bw),
         "int4_bw": ([c for c in ok if c["kernel"] == "int4_grouped_matmul"
-                     and "prefill" not in c["name"]], bw)}
+                     and "prefill" not in c["name"]], bw),
+        "fp8_grouped_bw": ([c for c in ok if c["kernel"] == "fp8_grouped_matmul"
+                            and "prefill" not in c["name"]], bw)}
     values = {k: statistics.median(f(c) for c in found) for k, (found, f) in picks.items() if found}
     return dataclasses.replace(cls(), measured=tuple(sorted(values)), **values)
 

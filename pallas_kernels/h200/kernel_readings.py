@@ -52,6 +52,7 @@ from pallas_kernels.indexer import paged_index_scores
 from pallas_kernels.indexer import topk_positions
 from pallas_kernels.int4_matmul import HARDWARE_LAYOUT as INT4_HARDWARE_LAYOUT
 from pallas_kernels.int4_matmul import BlockSizes as Int4BlockSizes
+from pallas_kernels.fp8_matmul import fp8_grouped_matmul, grouped_block_sizes as fp8_block_sizes
 from pallas_kernels.int4_matmul import int4_grouped_matmul
 from pallas_kernels.int4_matmul import int4_grouped_matmul_nk
 from pallas_kernels.int4_matmul import int4_matmul
@@ -157,6 +158,7 @@ OPS: dict[str, Callable[..., Any]] = {
     "paged_mla_sparse_decode": attention_ops.paged_mla_sparse_decode,
     "paged_index_scores": paged_index_scores,
     "topk_positions": topk_positions,
+    "fp8_grouped_matmul": fp8_grouped_matmul,
 }
 # The INT4 kernels on [N, K] int4 weights (Int4Weight layout "nk"), impl "nk".
 NK_OPS: dict[str, Callable[..., Any]] = {
@@ -279,6 +281,10 @@ def builds(case, *, other_impl: bool = False) -> list[Build]:
     impls = (engine, other) if other_impl else (engine,)
     return [Build(case, i, i == engine, bs, kernel_key(case, i, bs))
             for i in impls for bs in [_int4_block_sizes(case, i)]]
+  if case.kernel == "fp8_grouped_matmul":
+    d = case.d
+    bs = fp8_block_sizes(d["m"], d["n"], d["k"], d["experts"], device_kind=H200)
+    return [Build(case, "mgpu", True, bs, kernel_key(case, "mgpu", bs))]
   block_sizes = {"tag_check": _tag_block_sizes, "paged_mla_sparse_decode": _sparse_block_sizes,
                  "paged_index_scores": _indexer_block_sizes, "topk_positions": _topk_block_sizes}
   if case.kernel in block_sizes:
@@ -369,6 +375,11 @@ def kernel_key(case, impl: str, block_sizes) -> tuple:
       key["unit_axes"] = _unit_axes(n=d["n"] // block_sizes.tile_n,
                                     tiles=-(-d["m"] // block_sizes.tile_m),
                                     splits=block_sizes.k_splits)
+  elif case.kernel == "fp8_grouped_matmul":
+    # One K step per 128-row scale block; the grid is persistent (one axis of many CTAs).
+    steps = d["k"] // block_sizes.tile_k
+    key.update(k_steps=steps if steps < INT4_LONG_LOOP_STEPS else f">={INT4_LONG_LOOP_STEPS}",
+               pipeline_depth=min(block_sizes.max_concurrent_steps, steps))
   elif case.kernel == "tag_check":
     key.update(page_size=d["page_size"],
                padded_pages=next_pow2(d["max_pages"]))
@@ -683,7 +694,7 @@ def _fmt_bs(bs: dict, kernel: str, impl: str) -> str:
       return m
     return (f"h{bs['block_h']} ppb{bs['pages_per_block']} w{bs['num_warps']} "
             f"st{bs['num_stages']}")
-  if kernel in ("int4_matmul", "int4_grouped_matmul"):
+  if kernel in ("int4_matmul", "int4_grouped_matmul", "fp8_grouped_matmul"):
     return (f"n{bs['tile_n']} m{bs['tile_m']} k{bs['tile_k']} ks{bs['k_splits']} "
             f"p{bs['max_concurrent_steps']}")
   if kernel == "paged_mla_sparse_decode":  # splits vary by case (the step count is keyed)
