@@ -88,13 +88,14 @@ class OutDirTest(parameterized.TestCase):
     self.assertIn("unknown experiment(s): no_such_experiment", res.stderr)
     self.assertFalse(os.path.exists(out))  # a typo in the names creates nothing
     # The check itself: a missing folder is created, and its write probe removed again (the
-    # quickest experiment, the analytic model, writes into it).
-    res, _ = _cli("--out", out, "paper", "--smoke")
+    # quickest experiment, the capacity arithmetic, writes into it).
+    res, _ = _cli("--out", out, "capacity", "--smoke")
     self.assertEqual(res.returncode, 0, "\n".join(_errors(res.stderr))[-2000:])
     self.assertTrue(os.path.isdir(out))
     written = sorted(os.listdir(out))
     self.assertEqual([f for f in written if f.startswith(".")], [])  # the probe file is gone
-    self.assertContainsSubset({"paper.json", "paper.md", "paper.png", "REPORT.md"}, written)
+    self.assertContainsSubset({"capacity.json", "capacity.md", "capacity.png", "REPORT.md"},
+                              written)
 
 
 if __name__ == "__main__":
