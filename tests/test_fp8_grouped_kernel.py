@@ -176,10 +176,9 @@ class ModelTest(absltest.TestCase):
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 6)), jnp.int32)
     run = jax.jit(lambda p, t, backend: forward(p, t, cfg=cfg, backend=backend),
                   static_argnums=2)
-    text = jax.jit(lambda p, t: forward(p, t, cfg=cfg, backend="interpret")).lower(
-        params, tokens).as_text()
-    self.assertIn("fp8_grouped_matmul", text)
-    got = np.asarray(run(params, tokens, "interpret"), np.float32)
+    lowered = run.lower(params, tokens, "interpret")
+    self.assertIn("fp8_grouped_matmul", lowered.as_text())
+    got = np.asarray(lowered.compile()(params, tokens), np.float32)
     want = np.asarray(run(params, tokens, "xla"), np.float32)
     # The same bf16 weights and f32 accumulation; only summation order differs (bf16 bound).
     self.assertLessEqual(_rel(got, want), 1e-2)
