@@ -36,7 +36,7 @@ def _test_name(group: kc.Group) -> str:
 
 
 @functools.cache
-def _readings(build: kc.Build) -> dict:
+def build_readings(build: kc.Build) -> dict:
   """One compile per build per process, shared by the group and witness tests."""
   return kc.compile_build(build)
 
@@ -91,7 +91,7 @@ def make_test_case(module_file: str, groups: list[kc.Group]) -> type:
 
     @parameterized.named_parameters((_test_name(g), g) for g in groups)
     def test_compiles_without_spills(self, group):
-      readings = kc.compile_group(group, _readings)
+      readings = kc.compile_group(group, build_readings)
       records = kc.records_for(group, readings)
       _merge_into(out_path, records)
       bad = {r["case"]: r["problems"] for r in records if not r["ok"]}
@@ -105,7 +105,7 @@ def make_test_case(module_file: str, groups: list[kc.Group]) -> type:
     def test_shared_compile_witness(self, group):
       smallest = group.builds[-1]
       self.assertIsNot(smallest, group.compiled)
-      ours, theirs = _readings(group.compiled), _readings(smallest)
+      ours, theirs = build_readings(group.compiled), build_readings(smallest)
       keys = kc.READINGS + ("error",)
       self.assertTrue(
           kc.agree(ours, theirs),

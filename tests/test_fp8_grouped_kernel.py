@@ -155,7 +155,7 @@ class Fp8GroupedSmemTest(parameterized.TestCase):
   @parameterized.named_parameters((g.name, g) for g in GROUPS)
   def test_smem_bytes_is_what_ptxas_reports(self, group):
     build = group.compiled
-    readings = h200_compile_cases._readings(build)  # pylint: disable=protected-access
+    readings = h200_compile_cases.build_readings(build)
     bs = build.block_sizes
     stages = min(bs.max_concurrent_steps, build.case.d["k"] // bs.tile_k)
     self.assertEqual(readings["smem"], smem_bytes(bs) + 8 * stages)
