@@ -37,11 +37,12 @@ def route(p: dict, x: jax.Array, cfg: ModelConfig):
   logits = jnp.dot(x.astype(jnp.float32), p["router"].astype(jnp.float32))  # [N, E]
   N, E = logits.shape
   if cfg.router == "sigmoid":
-    scores = jax.nn.sigmoid(logits)
-    # The bias is tied to this layer's scores: broadcast to [N, E] from the params alone,
+    # The bias is tied to this layer's logits: broadcast to [N, E] from the params alone,
     # XLA would build every layer's at the start of the step and hold them all (12 MiB a
-    # layer in Kimi K2.6's 8192-token prefill; docs/serving_step_memory.md).
-    scores, bias = jax.lax.optimization_barrier((scores, p["router_bias"].astype(jnp.float32)))
+    # layer in Kimi K2.6's 8192-token prefill; docs/serving_step_memory.md). Tied to the
+    # logits rather than the scores, the sigmoid and the bias add fuse into one kernel.
+    logits, bias = jax.lax.optimization_barrier((logits, p["router_bias"].astype(jnp.float32)))
+    scores = jax.nn.sigmoid(logits)
     choice = scores + bias
   else:
     scores = jax.nn.softmax(logits, axis=-1)
