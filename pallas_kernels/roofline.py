@@ -214,8 +214,7 @@ def twin_cost(case: kt.KernelCase) -> tuple[int, int] | None:
   if case.kernel in int4_bench.KERNELS:
     return int4_bench.job_cost(case.kernel, d, weights="bf16")
   if case.kernel == "fp8_grouped_matmul":
-    m, k, n, e = d["m"], d["k"], d["n"], d["experts"]
-    return min(m, e) * k * n * 2 + m * k * 2 + m * n * 2, 2 * m * k * n
+    return fp8_bench.job_cost(d, weights="bf16")
   return None
 
 

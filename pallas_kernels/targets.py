@@ -144,8 +144,9 @@ class KernelCase:
               ((e,), jnp.int32)]
     if self.kernel == "fp8_grouped_matmul":
       m, k, n, e = d["m"], d["k"], d["n"], d["experts"]
-      return [((m, k), jnp.bfloat16), ((e, k, n), FP8), ((e, -(-k // 128), -(-n // 128)),
-                                                          jnp.float32), ((e,), jnp.int32)]
+      b = 128  # one f32 scale per 128 x 128 block (fp8_matmul.reference checks the shape)
+      return [((m, k), jnp.bfloat16), ((e, k, n), FP8), ((e, -(-k // b), -(-n // b)), jnp.float32),
+              ((e,), jnp.int32)]
     if self.kernel == "tag_check":
       b, p, n = d["batch"], d["max_pages"], d["num_pages"]
       return [((n,), jnp.int32), ((b, p), jnp.int32), ((b, p), jnp.int32), ((b,), jnp.int32)]

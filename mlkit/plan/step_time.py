@@ -164,13 +164,16 @@ def _io(launch: Launch) -> float:
   return sum(type_bytes(t) for t in launch.operands) + sum(type_bytes(t) for t in launch.results)
 
 
-def _grouped_weight_bytes(launch: Launch, data: StepData) -> tuple[float, float]:
-  """(bytes of this GPU's expert operands [E/tp, ...], bytes of the other operands and
-  results) of a grouped matmul launch."""
+def _grouped_cost(launch: Launch, data: StepData, k_dim: int, n_dim: int) -> tuple[float, float]:
+  """(bytes, FLOPs) of a grouped matmul launch: this GPU's expert operands [E/tp, ...] read
+  for the share of experts the batch picks, the other operands and results whole, and the
+  rows routed to this GPU's experts (the step's tokens x top-k over tp GPUs) times K x N."""
   local = data.model.n_routed_experts // data.tp
   weights = sum(type_bytes(t) for t in launch.operands
                 if len(_shape(t)[1]) >= 3 and _shape(t)[1][0] == local)
-  return weights, _io(launch) - weights
+  rows = data.tokens * data.model.top_k / data.tp
+  return (weights * data.experts_touched_fraction(data.tokens) + _io(launch) - weights,
+          2.0 * rows * k_dim * n_dim)
 
 
 def pallas_cost(launch: Launch, data: StepData) -> tuple[float, float, str]:
@@ -206,28 +209,18 @@ def pallas_cost(launch: Launch, data: StepData) -> tuple[float, float, str]:
     return float(nbytes), float(flops), "index"
   if "topk" in name:
     return float(data.rows * ctx * 4 + data.rows * (data.model.index_topk or ctx) * 4), 0.0, "fusion"
-  if "fp8_grouped_matmul" in name:
+  if "matmul" in name and ("int4" in name or "fp8_grouped" in name):
     _, out = _shape(launch.results[0])
-    acts = [s for t in ops for d, s in [_shape(t)] if d == "bf16" and len(s) == 2]
-    weights, rest = _grouped_weight_bytes(launch, data)
-    rows = data.tokens * data.model.top_k / data.tp
-    return (weights * data.experts_touched_fraction(data.tokens) + rest,
-            2.0 * rows * (acts[0][-1] if acts else 0) * out[-1], "fp8_grouped")
-  if "int4" in name and "matmul" in name:
-    _, out = _shape(launch.results[0])
-    # K and N from the packed weights (two 4-bit values per byte along K), else the first
-    # bf16 operand (the activations) and the result.
+    # K from the packed INT4 weights (two 4-bit values per byte along K), else from the first
+    # bf16 operand (the activations); N from the result.
     packed = [s for t in ops for d, s in [_shape(t)] if d in ("u8", "s8") and len(s) >= 2]
     acts = [s for t in ops for d, s in [_shape(t)] if d == "bf16" and len(s) == 2]
     k_dim = packed[0][-2] * 2 if packed else (acts[0][-1] if acts else 0)
     n_dim = out[-1]
+    kind = "fp8_grouped" if "fp8" in name else "int4"
     if "grouped" in name:
-      weights, rest = _grouped_weight_bytes(launch, data)
-      # Rows routed to this GPU's experts: the step's tokens x top-k over tp GPUs.
-      frac = data.experts_touched_fraction(data.tokens)
-      rows = data.tokens * data.model.top_k / data.tp
-      return weights * frac + rest, 2.0 * rows * k_dim * n_dim, "int4"
-    return _io(launch), 2.0 * out[0] * k_dim * n_dim, "int4"
+      return (*_grouped_cost(launch, data, k_dim, n_dim), kind)
+    return _io(launch), 2.0 * out[0] * k_dim * n_dim, kind
   return _io(launch), 0.0, "fusion"
 
 

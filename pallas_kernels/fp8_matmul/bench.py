@@ -20,12 +20,22 @@ from pallas_kernels.fp8_matmul.reference import SCALE_BLOCK
 from pallas_kernels.int4_matmul.bench import balanced_group_sizes
 
 
-def job_cost(dims: dict) -> tuple[int, int]:
-  """(bytes, FLOPs) one call must at least move and do: the fp8 values and f32 block scales
-  of the experts that receive rows (min(M, E) of them, as ``balanced_group_sizes`` spreads
-  the rows), activations in and outputs out in bf16; 2 M K N FLOPs."""
+def job_cost(dims: dict, *, weights: str = "fp8") -> tuple[int, int]:
+  """(bytes, FLOPs) one call must at least move and do: the weights of the experts that
+  receive rows (min(M, E) of them, as ``balanced_group_sizes`` spreads the rows; "fp8": the
+  values and f32 block scales, "bf16": the dequantised bf16 twin), activations in and
+  outputs out in bf16; 2 M K N FLOPs.
+
+  Raises:
+    ValueError: an unknown weight format.
+  """
   m, k, n, e = dims["m"], dims["k"], dims["n"], dims["experts"]
-  per_expert = k * n + -(-k // SCALE_BLOCK) * -(-n // SCALE_BLOCK) * 4
+  if weights == "fp8":
+    per_expert = k * n + -(-k // SCALE_BLOCK) * -(-n // SCALE_BLOCK) * 4
+  elif weights == "bf16":
+    per_expert = k * n * 2
+  else:
+    raise ValueError(f"weights must be 'fp8' or 'bf16', got {weights!r}")
   return min(m, e) * per_expert + m * k * 2 + m * n * 2, 2 * m * k * n
 
 

@@ -178,5 +178,3 @@ def fp8_grouped_matmul(x: jax.Array, values: jax.Array, scales: jax.Array,
   )(meta, x, values, scales)
   return out[:, :n].astype(out_dtype)
 
-
-fp8_grouped_matmul_reference = reference.fp8_grouped_matmul_reference

@@ -48,11 +48,11 @@ from pallas_kernels.h200 import compile as hc
 from pallas_kernels.h200 import env
 from pallas_kernels.indexer import IndexerBlockSizes
 from pallas_kernels.indexer import TopkBlockSizes
+from pallas_kernels.fp8_matmul import fp8_grouped_matmul, grouped_block_sizes as fp8_block_sizes
 from pallas_kernels.indexer import paged_index_scores
 from pallas_kernels.indexer import topk_positions
 from pallas_kernels.int4_matmul import HARDWARE_LAYOUT as INT4_HARDWARE_LAYOUT
 from pallas_kernels.int4_matmul import BlockSizes as Int4BlockSizes
-from pallas_kernels.fp8_matmul import fp8_grouped_matmul, grouped_block_sizes as fp8_block_sizes
 from pallas_kernels.int4_matmul import int4_grouped_matmul
 from pallas_kernels.int4_matmul import int4_grouped_matmul_nk
 from pallas_kernels.int4_matmul import int4_matmul
