@@ -93,6 +93,27 @@ class Fp8Test(parameterized.TestCase):
     np.testing.assert_array_equal(np.asarray(s), 1.0)
     np.testing.assert_array_equal(np.asarray(kvc.dequantize_fp8(q, s)), 0.0)
 
+  def test_many_equals_one_by_one(self):
+    # One reduction for several arrays (a layer's write) gives quantize_fp8's bits: MLA's
+    # latent and rope key (different widths, one all-zero token), GQA's K and V (one
+    # width, bf16), and arrays whose leading shapes differ (quantised one by one).
+    from mlkit.kvcache.fp8 import quantize_fp8_many
+    rng = np.random.default_rng(5)
+    latent = rng.standard_normal((2, 3, 32)).astype(np.float32) * 7
+    rope = rng.standard_normal((2, 3, 8)).astype(np.float32) * 1e-3
+    latent[1, 2] = 0.0
+    k, v = (jnp.asarray(rng.standard_normal((2, 3, 2, 16)), jnp.bfloat16) for _ in range(2))
+    for xs in ([latent, rope], [k, v], [latent, rng.standard_normal((4, 8))]):
+      many = jax.jit(quantize_fp8_many)([jnp.asarray(x) for x in xs])
+      self.assertLen(many, len(xs))
+      for x, (q, s) in zip(xs, many):
+        q1, s1 = kvc.quantize_fp8(jnp.asarray(x))
+        self.assertEqual(q.dtype, q1.dtype)
+        np.testing.assert_array_equal(np.asarray(s), np.asarray(s1))
+        np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(q1).view(np.uint8))
+    _, s = quantize_fp8_many([jnp.asarray(latent), jnp.asarray(rope)])[0]
+    self.assertEqual(float(s[1, 2]), 1.0)  # the all-zero token keeps scale 1
+
 
 class WriteReadTest(parameterized.TestCase):
 

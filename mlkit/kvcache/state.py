@@ -38,7 +38,7 @@ from flax import struct
 
 from mlkit.config import ModelConfig
 from mlkit.kvcache.config import KVCacheConfig
-from mlkit.kvcache.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
+from mlkit.kvcache.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8_many
 from mlkit.model.masks import causal_mask
 
 # Block-table entry for "no page here" (past the request's pages, or a padded batch row).
@@ -449,15 +449,15 @@ def write_layer(state: PagedKVState, layer: int, new: dict, positions: jax.Array
                              meta.lengths.astype(jnp.int32), state.page_size, state.num_pages)
     cur = state.layers[layer]
     upd = dict(cur)
-    for name in state.layer_names(layer):
-      x = new[name]
-      if state.is_fp8:
-        q, s = quantize_fp8(x)
+    names = state.layer_names(layer)
+    if state.is_fp8:
+      for name, (q, s) in zip(names, quantize_fp8_many([new[n] for n in names])):
         upd[name] = cur[name].at[page, slot].set(q, mode="drop")
         sn = scale_name(name)
         upd[sn] = cur[sn].at[page, slot].set(s, mode="drop")
-      else:
-        upd[name] = cur[name].at[page, slot].set(x.astype(cur[name].dtype), mode="drop")
+    else:
+      for name in names:
+        upd[name] = cur[name].at[page, slot].set(new[name].astype(cur[name].dtype), mode="drop")
   layers = list(state.layers)
   layers[layer] = upd
   return state.replace(layers=layers)
