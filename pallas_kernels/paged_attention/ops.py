@@ -386,11 +386,18 @@ def f16_query(*parts):
     (each part as f16, ..., q_scale [...] f32) with part = part16 * q_scale[..., None].
   """
   parts = [x.astype(jnp.float32) for x in parts]
-  amax = functools.reduce(jnp.maximum, [jnp.abs(x).max(-1) for x in parts])
+  amax = _row_amax(parts)
   _, exp = jnp.frexp(amax)  # amax < 2^exp
   q_scale = jnp.where(amax > 0, jnp.ldexp(jnp.float32(1), exp - _F16_ROW_MAX_LOG2), 1.0)
   inv = (1.0 / q_scale)[..., None]  # a power of two: exact
   return (*[(x * inv).astype(jnp.float16) for x in parts], q_scale.astype(jnp.float32))
+
+
+def _row_amax(parts) -> jax.Array:
+  """Each row's largest |value| over all parts, as one reduction over their concatenation:
+  XLA fuses the concatenation into the reduction's input, so the query's prologue runs one
+  reduce kernel where a reduction per part and a maximum ran one per part (docs/step_time.md, "Launches per MoE layer")."""
+  return jnp.max(jnp.abs(jnp.concatenate(parts, axis=-1)), axis=-1)
 
 
 # e4m3's largest finite value: fp8_query maps each row's largest |value| to it.
@@ -413,7 +420,7 @@ def fp8_query(*parts):
     (each part as float8_e4m3fn, ..., q_scale [...] f32), part ~= part8 * q_scale[..., None].
   """
   parts = [x.astype(jnp.float32) for x in parts]
-  amax = functools.reduce(jnp.maximum, [jnp.abs(x).max(-1) for x in parts])
+  amax = _row_amax(parts)
   q_scale = jnp.where(amax > 0, amax / _E4M3_MAX, 1.0)
   inv = (1.0 / q_scale)[..., None]
   # Clipped: amax * (448 / amax) may round a hair above 448, and e4m3fn has
