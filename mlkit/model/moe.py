@@ -167,7 +167,13 @@ def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
   # Row of each (token, choice) in the sorted order: the inverse permutation.
   slot = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
   slot = slot.reshape(expert_ids.shape)  # [N, k]
-  group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)  # [E]
+  # Rows of the experts up to each one, then the sizes from them: one reduction (one GPU
+  # kernel) gives both, where a bincount's scatter-add and a prefix sum of it ran two
+  # (docs/step_time.md, "Launches per MoE layer").
+  ends = jnp.sum(flat[None, :] <= jnp.arange(n_experts, dtype=flat.dtype)[:, None], axis=1,
+                 dtype=jnp.int32)  # [E]
+  cum = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])  # [E + 1] row offsets
+  group_sizes = cum[1:] - cum[:-1]  # [E]
   row_weights = weights.reshape(-1)[order]  # [N*k]
   experts = {name: p[name] for name in ("w_gate", "w_up", "w_down")}
   axes = _expert_axes(expert_sharding)
@@ -184,12 +190,14 @@ def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
   R = token_of.shape[0]
   pass_rows = ep_pass_rows(R, shards)
 
-  def local(experts, x, token_of, group_sizes, row_weights, slot):
+  def local(experts, x, token_of, cum, row_weights, slot):
     first = jax.lax.axis_index(axes) * local_experts
-    sizes = jax.lax.dynamic_slice_in_dim(group_sizes, first, local_experts)  # [E_local]
-    start = jnp.sum(jnp.where(jnp.arange(n_experts) < first, group_sizes, 0))
-    count = jnp.sum(sizes)  # this device's rows: [start, start + count) of the sorted rows
-    ends = jnp.cumsum(sizes)  # [E_local] local row offsets
+    # Every offset from the row offsets (no reduction here, where a sum for the start,
+    # one for the count and a cumsum ran three kernels).
+    sizes = jax.lax.dynamic_slice_in_dim(cum[1:] - cum[:-1], first, local_experts)  # [E_local]
+    start = cum[first]
+    ends = jax.lax.dynamic_slice_in_dim(cum, first + 1, local_experts) - start  # [E_local]
+    count = ends[-1]  # this device's rows: [start, start + count) of the sorted rows
 
     def run_pass(lo):
       """Local rows [lo, lo + pass_rows): their experts' FFNs, combined into [N, D] f32."""
@@ -217,7 +225,7 @@ def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
   in_specs = (jax.tree_util.tree_map(expert_spec, experts),) + (PartitionSpec(),) * 5
   run = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(),
                       check_vma=False)
-  return run(experts, x, token_of, group_sizes, row_weights, slot).astype(x.dtype)
+  return run(experts, x, token_of, cum, row_weights, slot).astype(x.dtype)
 
 
 def moe_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, backend: str | None = None,
