@@ -41,10 +41,11 @@ def quantize_fp8_many(xs: list[jax.Array]) -> list[tuple[jax.Array, jax.Array]]:
 
   A step writes several entries per layer (MLA's latent and rope key, GQA's K and V).
   Quantised one by one, each runs a reduction kernel of its own on a GPU; here the
-  arrays, zero-padded to one last-axis length and stacked, are reduced at once (XLA
-  fuses the padding and the stack into the reduction's input), so a layer's write
-  runs one (docs/step_time.md, "Launches per MoE layer"). Zeros never raise a
-  maximum of absolute values, so every scale and value equals quantize_fp8's.
+  arrays' absolute values, zero-padded to one last-axis length, go through one variadic
+  reduction (a maximum per array), so a layer's write runs one reduction kernel
+  (docs/step_time.md, "Launches per MoE layer"; stacked instead, the stack was built
+  in a kernel of its own). Zeros never raise a maximum of absolute values, so every
+  scale and value equals quantize_fp8's.
   Arrays whose leading shapes differ are quantised one by one.
 
   Args:

@@ -167,9 +167,9 @@ def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
   # Row of each (token, choice) in the sorted order: the inverse permutation.
   slot = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
   slot = slot.reshape(expert_ids.shape)  # [N, k]
-  # Rows of the experts up to each one, then the sizes from them: one reduction (one GPU
-  # kernel) gives both, where a bincount's scatter-add and a prefix sum of it ran two
-  # (docs/step_time.md, "Launches per MoE layer").
+  # Rows of the experts up to each one: one reduction (one GPU kernel) gives the group
+  # sizes and, under expert parallelism, every device's row offsets, where a bincount's
+  # scatter-add gave the sizes alone (docs/step_time.md, "Launches per MoE layer").
   ends = jnp.sum(flat[None, :] <= jnp.arange(n_experts, dtype=flat.dtype)[:, None], axis=1,
                  dtype=jnp.int32)  # [E]
   cum = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])  # [E + 1] row offsets
@@ -192,8 +192,8 @@ def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
 
   def local(experts, x, token_of, cum, row_weights, slot):
     first = jax.lax.axis_index(axes) * local_experts
-    # Every offset from the row offsets (no reduction here, where a sum for the start,
-    # one for the count and a cumsum ran three kernels).
+    # This device's offsets, sliced from the row offsets: no kernel of their own, where
+    # a sum for the start, one for the count and a cumsum ran three.
     sizes = jax.lax.dynamic_slice_in_dim(cum[1:] - cum[:-1], first, local_experts)  # [E_local]
     start = cum[first]
     ends = jax.lax.dynamic_slice_in_dim(cum, first + 1, local_experts) - start  # [E_local]
