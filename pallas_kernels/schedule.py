@@ -12,6 +12,11 @@ from jax import lax
 import jax.numpy as jnp
 
 
+def pow2_at_least(n: int) -> int:
+  """The least power of two >= n (1 for n <= 1): Triton tensors' sizes are powers of two."""
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
 def prefix_sum(x: jax.Array) -> jax.Array:
   """Inclusive prefix sum of a short [E] int vector as one masked [E, E] reduction.
 

@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import device
+from pallas_kernels.schedule import pow2_at_least
 
 # Elements of one program's [kp, rows, cols] partial tile: 64 f32 registers a
 # thread at 4 warps, so a tile and its weighted copy stay in registers.
@@ -38,11 +39,6 @@ NUM_STAGES = 3
 # programs is taken (a batch-1 merge needs narrow columns to spread its pieces).
 _COL_TILES = (128, 64, 32, 16)
 _MAX_ROW_TILE = 8
-
-
-def pow2_at_least(n: int) -> int:
-  """The least power of two >= n (1 for n <= 1)."""
-  return 1 << max(0, int(n) - 1).bit_length()
 
 
 def tiles(batch: int, x: int, rows: int, d: int, pieces: int | None = None,
