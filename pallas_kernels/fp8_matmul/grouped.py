@@ -40,7 +40,7 @@ from pallas_kernels import dispatch
 from pallas_kernels import mgpu_shim
 from pallas_kernels.fp8_matmul import reference
 from pallas_kernels.int4_matmul.int4_matmul import (compiler_params, grouped_kernel,
-                                                    grouped_schedule, grouped_tile_bound,
+                                                    grouped_meta, grouped_tile_bound,
                                                     grouped_x_rows)
 from pallas_kernels.int4_matmul.block_sizes import H200_SMEM_BYTES, BlockSizes
 
@@ -157,7 +157,7 @@ def fp8_grouped_matmul(x: jax.Array, values: jax.Array, scales: jax.Array,
                      f"dividing N={np_}, got {bs}")
   tile_m, tile_n = bs.tile_m, bs.tile_n
   num_tiles = grouped_tile_bound(m, e, tile_m)
-  meta = grouped_schedule(group_sizes.astype(jnp.int32), m, tile_m, num_tiles)
+  meta = grouped_meta(group_sizes, m, tile_m, num_tiles, interpret=backend == "interpret")
   x = jnp.pad(x, ((0, grouped_x_rows(m, tile_m) - m), (0, 0)))
   n_tiles = np_ // tile_n
   per_sm = max(1, H200_SMEM_BYTES // smem_bytes(bs))

@@ -74,6 +74,7 @@ from pallas_kernels import dispatch
 from pallas_kernels import mgpu_shim
 from pallas_kernels import schedule
 from pallas_kernels.int4_matmul import reference
+from pallas_kernels.int4_matmul import schedule_kernel
 from pallas_kernels.int4_matmul import tile_model
 from pallas_kernels.int4_matmul.block_sizes import BlockSizes
 from pallas_kernels.int4_matmul.block_sizes import H200_SMEM_BYTES
@@ -408,6 +409,22 @@ def grouped_schedule(group_sizes, m, tile_m, num_tiles):
   ]).astype(jnp.int32)
 
 
+def grouped_meta(group_sizes, m: int, tile_m: int, num_tiles: int, *, interpret: bool):
+  """The table the grouped kernels read: :func:`grouped_schedule`'s, in one launch.
+
+  ``schedule_kernel.grouped_schedule_pallas`` computes it in one Pallas Triton
+  program, where XLA runs grouped_schedule's three reductions and stack as four
+  kernels before every grouped matmul; under the Mosaic GPU interpreter
+  (``interpret``) the same kernel runs in Pallas' interpreter.
+
+  Returns:
+    [5, T >= num_tiles] int32; the tiles past num_tiles are unused ones.
+  """
+  return schedule_kernel.grouped_schedule_pallas(
+      group_sizes.astype(jnp.int32), m=m, tile_m=tile_m, num_tiles=num_tiles,
+      row_align=_ROW_ALIGN, interpret=interpret)
+
+
 def grouped_x_rows(m: int, tile_m: int) -> int:
   """Rows the grouped kernels pad x to: a tile's window may start up to tile_m rows before
   M's end, so M rounded up to _ROW_ALIGN plus tile_m. The rounding keeps the TMA source's
@@ -562,7 +579,7 @@ def int4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
       m, n, k)
   tile_n, tile_m, tile_k = bs.tile_n, bs.tile_m, bs.tile_k
   num_tiles = grouped_tile_bound(m, e, tile_m)
-  meta = grouped_schedule(group_sizes, m, tile_m, num_tiles)
+  meta = grouped_meta(group_sizes, m, tile_m, num_tiles, interpret=backend == "interpret")
   x_even, x_odd = _split_even_odd(x, grouped_x_rows(m, tile_m))
   k_steps = k // tile_k
   n_tiles = n // tile_n

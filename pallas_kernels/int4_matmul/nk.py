@@ -46,7 +46,7 @@ from pallas_kernels.int4_matmul.int4_matmul import dense_out
 from pallas_kernels.int4_matmul.int4_matmul import dense_result
 from pallas_kernels.int4_matmul.int4_matmul import grouped_ctas
 from pallas_kernels.int4_matmul.int4_matmul import grouped_kernel
-from pallas_kernels.int4_matmul.int4_matmul import grouped_schedule
+from pallas_kernels.int4_matmul.int4_matmul import grouped_meta
 from pallas_kernels.int4_matmul.int4_matmul import grouped_tile_bound
 from pallas_kernels.int4_matmul.int4_matmul import grouped_x_rows
 from pallas_kernels.int4_matmul.int4_matmul import resolve_backend
@@ -271,7 +271,7 @@ def int4_grouped_matmul_nk(x: jax.Array, w_nk: jax.Array, scales: jax.Array,
                                               layout="nk")).fit(
       m, n, k)
   num_tiles = grouped_tile_bound(m, e, bs.tile_m)
-  meta = grouped_schedule(group_sizes, m, bs.tile_m, num_tiles)
+  meta = grouped_meta(group_sizes, m, bs.tile_m, num_tiles, interpret=backend == "interpret")
   x = jnp.pad(x, ((0, grouped_x_rows(m, bs.tile_m) - m), (0, 0)))  # a tile's box stays in x
   k_steps = k // bs.tile_k
   n_tiles = n // bs.tile_n
