@@ -65,6 +65,27 @@ def witnesses(groups: list[kc.Group]) -> list[tuple[str, kc.Group]]:
   return [(_test_name(g), g) for g in best.values()]
 
 
+def require_h200_compiler() -> None:
+  """Raises unless XLA's GPU compiler and ptxas can run here: the H200 compile tests are
+  never skipped, since `make test` installs the compiler packages."""
+  problems = h200_env.check()
+  if problems:
+    raise RuntimeError(
+        "the H200 compile tests cannot run: " + "; ".join(problems) + ". They need "
+        "the CUDA compiler packages of the test extra (`make test` installs them; by "
+        "hand: .venv/bin/pip install -e '.[tests]') and tests/conftest.py's "
+        "environment (pallas_kernels.h200.env.prepare() before jax is imported)")
+
+
+class H200CompilerTest(parameterized.TestCase):
+  """A TestCase that compiles for an H200: fails at once where the compiler is missing."""
+
+  @classmethod
+  def setUpClass(cls):
+    super().setUpClass()
+    require_h200_compiler()
+
+
 def make_test_case(module_file: str, groups: list[kc.Group]) -> type:
   """A parameterized TestCase class over ``groups``.
 
@@ -75,19 +96,8 @@ def make_test_case(module_file: str, groups: list[kc.Group]) -> type:
   out_path = os.path.join(RECORDS_DIR, os.path.basename(module_file).removesuffix(".py")
                           + ".json")
 
-  class H200CompileTest(parameterized.TestCase):
+  class H200CompileTest(H200CompilerTest):
     """Every distinct kernel of the module compiles for an H200 with zero spills."""
-
-    @classmethod
-    def setUpClass(cls):
-      super().setUpClass()
-      problems = h200_env.check()
-      if problems:  # never skip: `make test` installs the compiler packages
-        raise RuntimeError(
-            "the H200 compile tests cannot run: " + "; ".join(problems) + ". They need "
-            "the CUDA compiler packages of the test extra (`make test` installs them; by "
-            "hand: .venv/bin/pip install -e '.[tests]') and tests/conftest.py's "
-            "environment (pallas_kernels.h200.env.prepare() before jax is imported)")
 
     @parameterized.named_parameters((_test_name(g), g) for g in groups)
     def test_compiles_without_spills(self, group):

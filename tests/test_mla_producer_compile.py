@@ -26,7 +26,7 @@ from unittest import mock
 from absl.testing import absltest
 from absl.testing import parameterized
 
-from pallas_kernels.h200 import env as h200_env
+import h200_compile_cases
 from pallas_kernels.h200 import kernel_readings as kc
 from pallas_kernels.paged_attention import mla_mgpu
 
@@ -70,14 +70,8 @@ class RegisterSplitTest(absltest.TestCase):
         mla_mgpu.mla_decode_mgpu(*args, scale=1.0, producer=True)
 
 
-class H200Test(parameterized.TestCase):
+class H200Test(h200_compile_cases.H200CompilerTest):
   """Compiles for an H200; never skipped (`make test` installs the compiler packages)."""
-
-  def setUp(self):
-    super().setUp()
-    problems = h200_env.check()
-    if problems:  # never skip: `make test` installs the compiler packages
-      raise RuntimeError("the H200 compile tests cannot run: " + "; ".join(problems))
 
 
 class ProducerRegisterLimitTest(H200Test):
