@@ -478,8 +478,9 @@ def grouped_kernel(meta_gmem, *refs, pipeline, x_refs, tile_n, tile_m, n_tiles,
   """Grouped kernel body (both weight layouts): a persistent CTA walks (tile, n
   tile) work items.
 
-  meta_gmem: [5, T] int32 from grouped_schedule; refs: the x_refs x operands
-  ([grouped_x_rows(M, tile_m), ..] bf16, padded so a tile's box never leaves them), the
+  meta_gmem: [5, T] int32 from grouped_meta (grouped_schedule's table); refs: the
+  x_refs x operands ([grouped_x_rows(M, tile_m), ..] bf16, padded so a tile's box
+  never leaves them), the
   experts' weights and scales ([E, ..]), o_gmem [M, N] (every row written by
   exactly one tile, in place), then the pipeline's scratch and the output tile
   o_smem [tile_m, tile_n]. pipeline(acc_ref, ins, work, m_block=None, n_block=,
