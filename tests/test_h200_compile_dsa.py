@@ -5,7 +5,7 @@ after it (k = index_topk), batch 1-64, 32K and 128K contexts, bf16 and fp8 pages
 memory of a block (see h200_compile_cases and docs/h200_compile.md).
 
 A module of its own (22 compiles of about a second each) rather than part of the
-attention module (about 100 s): under `pytest -n 2 --dist loadscope` (one class a module) one worker can take
+attention module (about 100 s): under `pytest -n 2 --dist loadfile` (one file a worker) one worker can take
 it and then the INT4 module (about 80 s) while the other compiles attention.
 """
 
