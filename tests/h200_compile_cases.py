@@ -85,6 +85,16 @@ class H200CompilerTest(parameterized.TestCase):
     super().setUpClass()
     require_h200_compiler()
 
+  def assert_one_launch_without_spills(self, fn, *specs, kernel: str):
+    """Compiles ``fn(*specs)`` for an H200: ``kernel`` spills nothing, stays within the
+    register limit, and is the program's only launch."""
+    from pallas_kernels.h200 import compile as hc
+    rep = hc.compile_for_h200(fn, *specs)
+    st = rep.kernels[kernel]
+    self.assertEqual(st.spills, 0, st)
+    self.assertLessEqual(st.registers, hc.MAX_REGISTERS)
+    self.assertEqual(len(rep.launches), 1, rep.launches)
+
 
 def make_test_case(module_file: str, groups: list[kc.Group]) -> type:
   """A parameterized TestCase class over ``groups``.

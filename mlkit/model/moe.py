@@ -16,48 +16,62 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mlkit.config import ModelConfig
 from mlkit.model.layers import swiglu
 from mlkit.quant import grouped_matmul
+from pallas_kernels import dispatch as kernel_dispatch
+from pallas_kernels.moe_router import select_experts
 
 
-def route(p: dict, x: jax.Array, cfg: ModelConfig):
+# The router's matmul on the kernel backends, for a decode step's few tokens (at most
+# ROUTER_SPLIT_MAX_N) of a wide model (D from ROUTER_SPLIT_MIN_D): ROUTER_SPLITS partial
+# sums over slices of D, which the expert-choice kernel adds. At N = 64 and D = 7,168
+# XLA's GPU compiler (with its default configs, no autotuning) splits the matmul's K
+# itself and adds the parts in a launch of their own; it still does at 8 slices (896
+# each), not at 16. A prefill's matmul has rows enough not to be split, and its
+# partials would be 16 [N, E] f32 arrays.
+ROUTER_SPLITS = 16
+ROUTER_SPLIT_MIN_D = 2048
+ROUTER_SPLIT_MAX_N = 1024
+
+
+def route(p: dict, x: jax.Array, cfg: ModelConfig, *, backend: str | None = None):
   """Chooses top-k experts per token.
 
   Sigmoid routers (DeepSeek-V3) pick experts by score + ``router_bias`` (the
   auxiliary-loss-free balancing bias) but weight them by the unbiased score;
   with ``n_group > 1`` only the ``topk_group`` best groups (scored by the sum of
   their two best experts) are eligible. Softmax routers pick by probability.
+  After the logits' matmul, the choice is ``pallas_kernels.moe_router``'s: one
+  Pallas launch on the kernel backends, its jnp reference on "xla".
 
   Args:
     p: MoE params (``router`` [D, E], optional ``router_bias`` [E]).
     x: tokens [N, D].
+    backend: kernel backend ("pallas" | "interpret" | "xla" | None: the platform's).
 
   Returns:
     (expert_ids [N, k] int32, weights [N, k] f32 including routed_scaling_factor,
      scores [N, E] f32: the router's sigmoid scores or softmax probabilities).
   """
-  logits = jnp.dot(x.astype(jnp.float32), p["router"].astype(jnp.float32))  # [N, E]
-  N, E = logits.shape
-  if cfg.router == "sigmoid":
-    # The bias is tied to this layer's logits: broadcast to [N, E] from the params alone,
-    # XLA would build every layer's at the start of the step and hold them all (12 MiB a
-    # layer in Kimi K2.6's 8192-token prefill; docs/serving_step_memory.md). Tied to the
-    # logits rather than the scores, the sigmoid and the bias add fuse into one kernel.
-    logits, bias = jax.lax.optimization_barrier((logits, p["router_bias"].astype(jnp.float32)))
-    scores = jax.nn.sigmoid(logits)
-    choice = scores + bias
+  xf, w = x.astype(jnp.float32), p["router"].astype(jnp.float32)
+  kernels = kernel_dispatch.resolve_backend(backend) != "xla"
+  n, d = xf.shape
+  if kernels and n <= ROUTER_SPLIT_MAX_N and d >= ROUTER_SPLIT_MIN_D and d % ROUTER_SPLITS == 0:
+    logits = jnp.einsum("nsd,sde->sne", xf.reshape(n, ROUTER_SPLITS, d // ROUTER_SPLITS),
+                        w.reshape(ROUTER_SPLITS, d // ROUTER_SPLITS, -1))  # [S, N, E]
   else:
-    scores = jax.nn.softmax(logits, axis=-1)
-    choice = scores
-  if cfg.n_group > 1:
-    grouped = choice.reshape(N, cfg.n_group, E // cfg.n_group)
-    group_score = jnp.sum(jax.lax.top_k(grouped, min(2, E // cfg.n_group))[0], axis=-1)  # [N, G]
-    _, keep = jax.lax.top_k(group_score, cfg.topk_group)
-    group_mask = jnp.zeros((N, cfg.n_group), bool).at[jnp.arange(N)[:, None], keep].set(True)
-    choice = jnp.where(jnp.repeat(group_mask, E // cfg.n_group, axis=1), choice, -jnp.inf)
-  _, expert_ids = jax.lax.top_k(choice, cfg.top_k)  # [N, k]
-  weights = jnp.take_along_axis(scores, expert_ids, axis=-1)
-  if cfg.norm_topk_prob:
-    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-  return expert_ids.astype(jnp.int32), weights * cfg.routed_scaling_factor, scores
+    logits = jnp.dot(xf, w)  # [N, E]
+  bias = None
+  if cfg.router == "sigmoid":
+    bias = p["router_bias"].astype(jnp.float32)
+    if not kernels:
+      # The bias is tied to this layer's logits: broadcast to [N, E] from the params
+      # alone, XLA would build every layer's at the start of the step and hold them all
+      # (12 MiB a layer in Kimi K2.6's 8192-token prefill; docs/serving_step_memory.md).
+      # Tied to the logits rather than the scores, the sigmoid and the bias add fuse
+      # into one kernel. The kernel reads the [E] bias as it is.
+      logits, bias = jax.lax.optimization_barrier((logits, bias))
+  return select_experts(logits, bias, top_k=cfg.top_k, router=cfg.router, n_group=cfg.n_group,
+                        topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
+                        scaling=cfg.routed_scaling_factor, backend=backend)
 
 
 def _run_experts(p: dict, x: jax.Array, token_of: jax.Array, group_sizes: jax.Array,
@@ -241,7 +255,7 @@ def moe_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, backend: str | None = No
   """
   shape = x.shape
   xf = x.reshape(-1, shape[-1])  # [N, D]
-  expert_ids, weights, scores = route(p, xf, cfg)
+  expert_ids, weights, scores = route(p, xf, cfg, backend=backend)
   out = dispatch_experts(p, xf, expert_ids, weights, cfg.n_routed_experts, backend=backend,
                          expert_sharding=expert_sharding)
   if "shared" in p:

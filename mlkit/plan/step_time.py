@@ -182,8 +182,8 @@ def pallas_cost(launch: Launch, data: StepData) -> tuple[float, float, str]:
   Attention reads each row's context (MLA decode) or its top index_topk tokens
   (sparse decode), not the pool its operands span; the indexer scores every
   context token; the grouped INT4 matmul reads the experts the batch picks.
-  Others (the tag check, merges of attention pieces, the grouped matmuls' schedule) move
-  their operands and results.
+  Others (the tag check, merges of attention pieces, the grouped matmuls' schedule, the
+  router's expert choice) move their operands and results.
   """
   from pallas_kernels.indexer import bench as indexer_bench
   from pallas_kernels.paged_attention import bench as attn_bench

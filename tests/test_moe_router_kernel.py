@@ -1,0 +1,189 @@
+"""The router's expert choice in one Pallas Triton launch (``pallas_kernels.moe_router``).
+
+Interpret mode against ``select_experts_reference`` (the same experts, weights and scores)
+and against an independent numpy choice (a stable sort), at Kimi K2.6's, GLM 5.2's and
+DeepSeek-V3's routing (384 and 256 experts, 8 groups keeping 4), the tiny presets', a
+softmax router, N that is no power of two, k and E that are none, split-K partial logits,
+and ties; bad input; ``mlkit.model.moe.route`` on the kernel backends against "xla"; and
+compiles for an H200 at the decode and prefill shapes: one launch, no spills.
+"""
+
+import dataclasses
+
+from absl.testing import absltest
+from absl.testing import parameterized
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import h200_compile_cases
+from configs import TINY_MLA
+from mlkit.model import moe
+from pallas_kernels.moe_router import select_experts
+from pallas_kernels.moe_router import select_experts_reference
+
+
+def _inputs(n, e, seed, *, bias=True, splits=0):
+  rng = np.random.default_rng(seed)
+  shape = (n, e) if not splits else (splits, n, e)
+  logits = jnp.asarray(rng.normal(size=shape), jnp.float32)
+  b = jnp.asarray(rng.normal(size=(e,)) * 0.3, jnp.float32) if bias else None
+  return logits, b
+
+
+def _numpy_choice(logits, bias, *, top_k, router, n_group, topk_group, norm_topk_prob,
+                  scaling):
+  """float64 numpy: what the routing means, written without lax.top_k."""
+  x = np.asarray(logits, np.float64)
+  if x.ndim == 3:
+    x = x.sum(0)
+  n, e = x.shape
+  if router == "sigmoid":
+    scores = 1 / (1 + np.exp(-x))
+    choice = scores + (0 if bias is None else np.asarray(bias, np.float64))
+  else:
+    ex = np.exp(x - x.max(1, keepdims=True))
+    scores = choice = ex / ex.sum(1, keepdims=True)
+  if n_group > 1:
+    g = choice.reshape(n, n_group, e // n_group)
+    top2 = -np.sort(-g, axis=-1)[..., :min(2, e // n_group)].sum(-1)  # [N, G]
+    keep = np.argsort(-top2, axis=-1, kind="stable")[:, :topk_group]
+    mask = np.zeros((n, n_group), bool)
+    np.put_along_axis(mask, keep, True, axis=1)
+    choice = np.where(np.repeat(mask, e // n_group, axis=1), choice, -np.inf)
+  ids = np.argsort(-choice, axis=-1, kind="stable")[:, :top_k]
+  w = np.take_along_axis(scores, ids, axis=-1)
+  if norm_topk_prob:
+    w = w / w.sum(-1, keepdims=True)
+  return ids, w * scaling, scores
+
+
+CASES = dict(
+    # name: (N, E, routing)
+    kimi_decode=(64, 384, dict(top_k=8, scaling=2.827)),
+    glm_decode=(64, 256, dict(top_k=8, scaling=2.5)),
+    deepseek_v3_groups=(24, 256, dict(top_k=8, n_group=8, topk_group=4, scaling=2.5)),
+    tiny_groups=(5, 8, dict(top_k=2, n_group=2, topk_group=1)),
+    softmax_no_bias=(17, 16, dict(top_k=2, router="softmax", norm_topk_prob=False)),
+    k_and_e_not_powers_of_two=(6, 48, dict(top_k=6, n_group=4, topk_group=3)),
+    one_token_one_expert=(1, 1, dict(top_k=1)),
+    prefill_rows=(1536, 160, dict(top_k=6, scaling=16.0)),
+)
+
+
+class SelectExpertsInterpretTest(parameterized.TestCase):
+
+  @parameterized.named_parameters((name, *case) for name, case in CASES.items())
+  def test_matches_the_reference(self, n, e, routing):
+    routing = dict(dict(router="sigmoid", n_group=1, topk_group=1, norm_topk_prob=True,
+                        scaling=1.0), **routing)
+    logits, bias = _inputs(n, e, seed=n * 1000 + e, bias=routing["router"] == "sigmoid")
+    ids, w, scores = select_experts(logits, bias, backend="interpret", **routing)
+    rids, rw, rscores = select_experts_reference(logits, bias, **routing)
+    self.assertEqual((ids.shape, ids.dtype), ((n, routing["top_k"]), jnp.int32))
+    self.assertEqual((w.shape, scores.shape), ((n, routing["top_k"]), (n, e)))
+    np.testing.assert_array_equal(ids, rids)
+    np.testing.assert_allclose(w, rw, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(scores, rscores, rtol=1e-6, atol=1e-7)
+    # What the routing means, in float64 numpy: the same experts, close weights.
+    nids, nw, nscores = _numpy_choice(logits, bias, **routing)
+    np.testing.assert_array_equal(ids, nids)
+    np.testing.assert_allclose(w, nw, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(scores, nscores, rtol=1e-5, atol=1e-6)
+
+  def test_split_k_partials_are_added(self):
+    parts, bias = _inputs(64, 384, seed=7, splits=16)
+    kw = dict(top_k=8, scaling=2.827)
+    got = select_experts(parts, bias, backend="interpret", **kw)
+    want = select_experts_reference(parts, bias, **kw)
+    for g, r in zip(got, want):
+      np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-7)
+    # The same as the summed logits (the sum in the reference's order).
+    summed = select_experts_reference(jnp.sum(parts, axis=0), bias, **kw)
+    np.testing.assert_array_equal(got[0], summed[0])
+    np.testing.assert_allclose(got[1], summed[1], rtol=1e-5)
+
+  def test_ties_go_to_the_lower_expert(self):
+    # Every token's scores repeat in pairs: the lower expert of a tied pair comes first,
+    # and a tied group sum keeps the lower group.
+    base = np.random.default_rng(3).normal(size=(8, 16)).astype(np.float32)
+    logits = jnp.asarray(np.repeat(base, 2, axis=1))  # [8, 32]: experts 2i and 2i+1 tie
+    for routing in (dict(top_k=5), dict(top_k=4, n_group=4, topk_group=2)):
+      ids, _, _ = select_experts(logits, None, backend="interpret", **routing)
+      rids, _, _ = select_experts_reference(logits, None, **routing)
+      np.testing.assert_array_equal(ids, rids)
+      ids = np.asarray(ids)
+      for row in ids:
+        for a, b in zip(row, row[1:]):
+          if a // 2 == b // 2:
+            self.assertLess(a, b, ids)
+    # The weights of a tie are equal: a bias that breaks it moves only the choice.
+    bias = jnp.zeros((32,), jnp.float32).at[1].set(1.0)
+    ids, w, _ = select_experts(logits, bias, top_k=1, norm_topk_prob=False,
+                               backend="interpret")
+    np.testing.assert_array_equal(ids[:, 0], 1)
+    np.testing.assert_allclose(w[:, 0], jax.nn.sigmoid(logits[:, 1]), rtol=1e-6)
+
+  def test_bad_input_raises(self):
+    logits, bias = _inputs(4, 8, seed=1)
+    for bad, kw, msg in (
+        (logits.astype(jnp.bfloat16), {}, "logits must be float32"),
+        (logits[0], {}, "logits must be float32"),
+        (logits[:0], {}, "logits must be float32"),
+        (logits, dict(bias=bias[:4]), r"bias must be float32 \[8\]"),
+        (logits, dict(bias=bias.astype(jnp.bfloat16)), r"bias must be float32 \[8\]"),
+        (logits, dict(router="relu"), "router must be one of"),
+        (logits, dict(n_group=3), "n_group"),
+        (logits, dict(n_group=2, topk_group=3), "topk_group"),
+        (logits, dict(top_k=9), r"top_k must be in \[1, 8\]"),
+        (logits, dict(top_k=5, n_group=2, topk_group=1), r"top_k must be in \[1, 4\]"),
+        (jnp.zeros((2, 4096), jnp.float32), dict(backend="interpret"), "E must be at most"),
+    ):
+      kw = dict(dict(bias=None, top_k=2, backend="interpret"), **kw)
+      with self.assertRaisesRegex(ValueError, msg):
+        select_experts(bad, **kw)
+    # The reference takes any E.
+    ids, _, _ = select_experts(jnp.zeros((2, 4096), jnp.float32), top_k=2, backend="xla")
+    self.assertEqual(ids.shape, (2, 2))
+
+
+class RouteTest(parameterized.TestCase):
+  """``mlkit.model.moe.route`` on the kernel backend equals its "xla" routing."""
+
+  @parameterized.named_parameters(("tiny_groups", 64, 10), ("wide_split_k", 2048, 64))
+  def test_kernel_backend_routes_as_xla(self, d, n):
+    cfg = dataclasses.replace(TINY_MLA, d_model=d)
+    rng = np.random.default_rng(d)
+    p = {"router": jnp.asarray(rng.normal(size=(d, cfg.n_routed_experts)) / np.sqrt(d),
+                               jnp.float32),
+         "router_bias": jnp.asarray(rng.normal(size=(cfg.n_routed_experts,)) * 0.1,
+                                    jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(n, d)), jnp.bfloat16)
+    got = jax.jit(lambda p, x: moe.route(p, x, cfg, backend="interpret"))(p, x)
+    want = jax.jit(lambda p, x: moe.route(p, x, cfg, backend="xla"))(p, x)
+    np.testing.assert_array_equal(got[0], want[0])
+    # Split-K adds the logits' parts in another order: f32 rounding only.
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-6)
+    lowered = jax.jit(lambda p, x: moe.route(p, x, cfg, backend="interpret")).lower(p, x)
+    self.assertEqual("sne" in lowered.as_text(debug_info=True),
+                     d >= moe.ROUTER_SPLIT_MIN_D)
+
+
+class SelectExpertsH200Test(h200_compile_cases.H200CompilerTest):
+  """Compiles for sm_90a at the routers' decode and prefill shapes."""
+
+  @parameterized.named_parameters(
+      ("kimi_decode_split_k", (16, 64, 384), 8, 1, 1), ("glm_decode", (64, 256), 8, 1, 1),
+      ("kimi_prefill", (8192, 384), 8, 1, 1), ("deepseek_v3_groups", (64, 256), 8, 8, 4))
+  def test_one_launch_without_spills(self, shape, top_k, n_group, topk_group):
+    from pallas_kernels.h200 import compile as hc
+    # The experts and weights need no slice (k = 8); the unread scores are dropped.
+    self.assert_one_launch_without_spills(
+        lambda logits, bias: select_experts(logits, bias, top_k=top_k, n_group=n_group,
+                                            topk_group=topk_group, backend="pallas")[:2],
+        hc.spec(shape, jnp.float32), hc.spec((shape[-1],), jnp.float32),
+        kernel="select_experts")
+
+if __name__ == "__main__":
+  absltest.main()
