@@ -1,11 +1,17 @@
-"""The router's expert choice in one Pallas Triton launch (``pallas_kernels.moe_router``).
+"""The router's kernels (``pallas_kernels.moe_router``): the expert choice, and the rows
+sorted by expert, each in one Pallas Triton launch.
 
+Expert choice:
 Interpret mode against ``select_experts_reference`` (the same experts, weights and scores)
 and against an independent numpy choice (a stable sort), at Kimi K2.6's, GLM 5.2's and
 DeepSeek-V3's routing (384 and 256 experts, 8 groups keeping 4), the tiny presets', a
 softmax router, N that is no power of two, k and E that are none, split-K partial logits,
 and ties; bad input; ``mlkit.model.moe.route`` on the kernel backends against "xla"; and
 compiles for an H200 at the decode and prefill shapes: one launch, no spills.
+
+Sort by expert: interpret mode equals the jnp sort bit for bit (ragged routings, every
+row to one expert, empty experts, N x k that is no power of two, up to MAX_ROWS); bad
+input; and H200 compiles.
 """
 
 import dataclasses
@@ -21,6 +27,9 @@ from configs import TINY_MLA
 from mlkit.model import moe
 from pallas_kernels.moe_router import select_experts
 from pallas_kernels.moe_router import select_experts_reference
+from pallas_kernels.moe_router import sort_by_expert
+from pallas_kernels.moe_router import sort_by_expert_reference
+from pallas_kernels.moe_router.sort import MAX_ROWS
 
 
 def _inputs(n, e, seed, *, bias=True, splits=0):
@@ -170,7 +179,55 @@ class RouteTest(parameterized.TestCase):
                      d >= moe.ROUTER_SPLIT_MIN_D)
 
 
-class SelectExpertsH200Test(h200_compile_cases.H200CompilerTest):
+class SortByExpertInterpretTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("kimi_decode", 64, 8, 384, "ragged"), ("glm_decode", 64, 8, 256, "ragged"),
+      ("one_expert_takes_all", 16, 4, 8, "one"), ("most_experts_empty", 9, 3, 64, "few"),
+      ("odd_rows", 7, 3, 5, "ragged"), ("one_row", 1, 1, 1, "ragged"),
+      ("max_rows", MAX_ROWS // 8, 8, 48, "ragged"))
+  def test_equals_the_jnp_sort(self, n, k, e, kind):
+    rng = np.random.default_rng(n * k + e)
+    if kind == "one":
+      ids = np.full((n, k), e - 1)
+    elif kind == "few":
+      ids = rng.choice([0, 17, 63], size=(n, k))
+    else:  # skewed, as a router's choices are
+      ids = rng.choice(e, size=(n, k), p=rng.dirichlet(np.ones(e) * 0.3))
+    ids = jnp.asarray(ids, jnp.int32)
+    w = jnp.asarray(rng.random((n, k)), jnp.float32)
+    got = sort_by_expert(ids, w, e, backend="interpret")
+    want = sort_by_expert_reference(ids, w, e)
+    for name, g, r in zip(("token_of", "row_weights", "slot", "cum"), got, want):
+      self.assertEqual((g.shape, g.dtype), (r.shape, r.dtype), name)
+      np.testing.assert_array_equal(g, r, err_msg=name)
+    # What the rows mean: sorted by expert, each (token, choice) once, at its slot.
+    token_of, row_w, slot, cum = map(np.asarray, got)
+    flat = np.asarray(ids).reshape(-1)
+    np.testing.assert_array_equal(np.sort(np.asarray(slot).reshape(-1)), np.arange(n * k))
+    np.testing.assert_array_equal(token_of[slot.reshape(-1)], np.arange(n * k) // k)
+    np.testing.assert_array_equal(row_w[slot.reshape(-1)], np.asarray(w).reshape(-1))
+    np.testing.assert_array_equal(np.diff(cum), np.bincount(flat, minlength=e))
+    self.assertEqual(cum[0], 0)
+
+  def test_bad_input_raises(self):
+    ids, w = jnp.zeros((4, 2), jnp.int32), jnp.zeros((4, 2), jnp.float32)
+    for args, msg in (((ids.astype(jnp.float32), w, 8), "expert_ids must be int32"),
+                      ((ids[0], w, 8), "expert_ids must be int32"),
+                      ((ids, w[:3], 8), r"weights must be float32 \(4, 2\)"),
+                      ((ids, w.astype(jnp.bfloat16), 8), "weights must be float32"),
+                      ((ids, w, 0), "n_experts must be positive")):
+      with self.assertRaisesRegex(ValueError, msg):
+        sort_by_expert(*args, backend="interpret")
+    big = jnp.zeros((MAX_ROWS // 8 + 1, 8), jnp.int32)
+    with self.assertRaisesRegex(ValueError, "at most 4096 rows"):
+      sort_by_expert(big, big.astype(jnp.float32), 8, backend="interpret")
+    # The reference serves any number of rows.
+    out = sort_by_expert(big, big.astype(jnp.float32), 8, backend="xla")
+    self.assertEqual(out[0].shape, (big.size,))
+
+
+class RouterKernelsH200Test(h200_compile_cases.H200CompilerTest):
   """Compiles for sm_90a at the routers' decode and prefill shapes."""
 
   @parameterized.named_parameters(
@@ -184,6 +241,14 @@ class SelectExpertsH200Test(h200_compile_cases.H200CompilerTest):
                                             topk_group=topk_group, backend="pallas")[:2],
         hc.spec(shape, jnp.float32), hc.spec((shape[-1],), jnp.float32),
         kernel="select_experts")
+
+  @parameterized.named_parameters(("kimi_decode", 64, 384), ("glm_decode", 64, 256),
+                                  ("max_rows", MAX_ROWS // 8, 384))
+  def test_sort_one_launch_without_spills(self, n, e):
+    from pallas_kernels.h200 import compile as hc
+    self.assert_one_launch_without_spills(
+        lambda ids, w: sort_by_expert(ids, w, e, backend="pallas"),
+        hc.spec((n, 8), jnp.int32), hc.spec((n, 8), jnp.float32), kernel="sort_by_expert")
 
 if __name__ == "__main__":
   absltest.main()

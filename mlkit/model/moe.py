@@ -17,7 +17,8 @@ from mlkit.config import ModelConfig
 from mlkit.model.layers import swiglu
 from mlkit.quant import grouped_matmul
 from pallas_kernels import dispatch as kernel_dispatch
-from pallas_kernels.moe_router import select_experts
+from pallas_kernels.moe_router import select_experts, sort_by_expert
+from pallas_kernels.moe_router.sort import MAX_ROWS as SORT_KERNEL_MAX_ROWS
 
 
 # The router's matmul on the kernel backends, for a decode step's few tokens (at most
@@ -174,21 +175,14 @@ def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
   Raises:
     ValueError: if the expert axes do not split E into whole experts.
   """
-  k = expert_ids.shape[1]
-  flat = expert_ids.reshape(-1)  # [N*k]
-  order = jnp.argsort(flat, stable=True)  # assignments sorted by expert
-  token_of = order // k  # [N*k]
-  # Row of each (token, choice) in the sorted order: the inverse permutation.
-  slot = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-  slot = slot.reshape(expert_ids.shape)  # [N, k]
-  # Rows of the experts up to each one: one reduction (one GPU kernel) gives the group
-  # sizes and, under expert parallelism, every device's row offsets, where a bincount's
-  # scatter-add gave the sizes alone (docs/step_time.md, "Launches per MoE layer").
-  ends = jnp.sum(flat[None, :] <= jnp.arange(n_experts, dtype=flat.dtype)[:, None], axis=1,
-                 dtype=jnp.int32)  # [E]
-  cum = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])  # [E + 1] row offsets
+  # The rows sorted by expert, and every expert's row offsets (cum [E + 1]): one Pallas
+  # launch for a decode step's few rows on the kernel backends (docs/moe_router.md), the
+  # jnp sort above that and on "xla".
+  sort_backend = backend if expert_ids.size <= SORT_KERNEL_MAX_ROWS else "xla"
+  token_of, row_weights, slot, cum = sort_by_expert(
+      expert_ids.astype(jnp.int32), weights.astype(jnp.float32), n_experts,
+      backend=sort_backend)
   group_sizes = cum[1:] - cum[:-1]  # [E]
-  row_weights = weights.reshape(-1)[order]  # [N*k]
   experts = {name: p[name] for name in ("w_gate", "w_up", "w_down")}
   axes = _expert_axes(expert_sharding)
   if axes is None:

@@ -1,7 +1,11 @@
 """The MoE router's expert choice (sigmoid or softmax scores, group-limited top-k,
-weights) from its logits: Pallas Triton kernel, op and jnp reference."""
+weights) from its logits, and the rows sorted by expert: Pallas Triton kernels, ops and
+jnp references."""
 
 from pallas_kernels.moe_router.ops import select_experts
 from pallas_kernels.moe_router.reference import select_experts_reference
+from pallas_kernels.moe_router.reference import sort_by_expert_reference
+from pallas_kernels.moe_router.sort import sort_by_expert
 
-__all__ = ["select_experts", "select_experts_reference"]
+__all__ = ["select_experts", "select_experts_reference", "sort_by_expert",
+           "sort_by_expert_reference"]

@@ -52,3 +52,29 @@ def select_experts_reference(logits: jax.Array, bias: jax.Array | None, *, top_k
   if norm_topk_prob:
     weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
   return expert_ids.astype(jnp.int32), weights * scaling, scores
+
+
+def sort_by_expert_reference(expert_ids: jax.Array, weights: jax.Array, n_experts: int):
+  """The (token, choice) pairs sorted by expert, stably: the rows of the grouped matmuls.
+
+  Args:
+    expert_ids: [N, k] int32 in [0, n_experts).
+    weights: [N, k] f32 combine weights.
+    n_experts: E.
+
+  Returns:
+    (token_of [N*k] int32: each row's token; row_weights [N*k] f32: each row's
+    weight; slot [N, k] int32: the row of each (token, choice), the inverse
+    permutation; cum [E + 1] int32: the row offsets, cum[e] rows before expert e).
+  """
+  k = expert_ids.shape[1]
+  flat = expert_ids.reshape(-1)  # [N*k]
+  order = jnp.argsort(flat, stable=True)  # assignments sorted by expert
+  token_of = order // k  # [N*k]
+  slot = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+  # Rows of the experts before each one: one reduction (one GPU kernel) for every offset,
+  # where a bincount's scatter-add and a cumsum took two.
+  cum = jnp.sum(flat[None, :] < jnp.arange(n_experts + 1, dtype=flat.dtype)[:, None], axis=1,
+                dtype=jnp.int32)  # [E + 1]
+  return (token_of.astype(jnp.int32), weights.reshape(-1)[order], slot.reshape(expert_ids.shape),
+          cum)
