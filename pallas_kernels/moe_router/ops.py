@@ -206,9 +206,30 @@ def select_experts(logits: jax.Array, bias: jax.Array | None = None, *, top_k: i
   backend = dispatch.resolve_backend(backend)
   if backend == "xla":
     return select_experts_reference(logits, bias, **kw)
-  if logits.ndim == 2:
-    logits = logits[None]
   if pow2_at_least(e) > _BLOCK_ELEMENTS:
     raise ValueError(f"E must be at most {_BLOCK_ELEMENTS} on the kernel backends (one "
                      f"token's scores a block), got {e}")
-  return _select_experts_pallas(logits, bias, interpret=backend == "interpret", **kw)
+  return _differentiable(functools.partial(_select_experts_pallas,
+                                           interpret=backend == "interpret", **kw),
+                         functools.partial(select_experts_reference, **kw))(logits, bias)
+
+
+def _differentiable(kernel, reference):
+  """``kernel(logits, bias)`` with the reference's gradients (the expert ids are integers;
+  the weights and scores are differentiable in the logits and, through the choice, not in
+  the bias), so that training runs the same routing on the kernel backends."""
+
+  @jax.custom_vjp
+  def f(logits, bias):
+    return kernel(logits[None] if logits.ndim == 2 else logits, bias)
+
+  def fwd(logits, bias):
+    return f(logits, bias), (logits, bias)
+
+  def bwd(res, grads):
+    _, vjp = jax.vjp(reference, *res)
+    ids_grad = jnp.zeros(grads[0].shape, jax.dtypes.float0)
+    return vjp((ids_grad, grads[1], grads[2]))
+
+  f.defvjp(fwd, bwd)
+  return f

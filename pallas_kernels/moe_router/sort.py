@@ -120,5 +120,25 @@ def sort_by_expert(expert_ids: jax.Array, weights: jax.Array, n_experts: int, *,
   if expert_ids.size > MAX_ROWS:
     raise ValueError(f"sort_by_expert's kernel takes at most {MAX_ROWS} rows (N x k), got "
                      f"{expert_ids.size}: the reference serves more")
-  return _sort_pallas(expert_ids, weights, n_experts=n_experts,
-                      interpret=backend == "interpret")
+  return _sort_differentiable(expert_ids, weights, n_experts, backend == "interpret")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _sort_differentiable(expert_ids, weights, n_experts, interpret):
+  """The kernel, differentiable in the weights: row slot[i] holds pair i's weight, so
+  its gradient is the rows' gradient read at the slots."""
+  return _sort_pallas(expert_ids, weights, n_experts=n_experts, interpret=interpret)
+
+
+def _sort_fwd(expert_ids, weights, n_experts, interpret):
+  out = _sort_differentiable(expert_ids, weights, n_experts, interpret)
+  return out, (expert_ids, out[2])
+
+
+def _sort_bwd(n_experts, interpret, res, grads):
+  expert_ids, slot = res
+  return (jnp.zeros(expert_ids.shape, jax.dtypes.float0),
+          grads[1][slot.reshape(-1)].reshape(slot.shape))
+
+
+_sort_differentiable.defvjp(_sort_fwd, _sort_bwd)
