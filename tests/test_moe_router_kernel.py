@@ -11,7 +11,7 @@ compiles for an H200 at the decode and prefill shapes: one launch, no spills.
 
 Sort by expert: interpret mode equals the jnp sort bit for bit (ragged routings, every
 row to one expert, empty experts, N x k that is no power of two, up to MAX_ROWS); bad
-input; and H200 compiles.
+input; the reference past MAX_ROWS pairs or MAX_EXPERTS experts; and H200 compiles.
 """
 
 import dataclasses
@@ -30,6 +30,7 @@ from pallas_kernels.moe_router import select_experts
 from pallas_kernels.moe_router import select_experts_reference
 from pallas_kernels.moe_router import sort_by_expert
 from pallas_kernels.moe_router import sort_by_expert_reference
+from pallas_kernels.moe_router.sort import MAX_EXPERTS
 from pallas_kernels.moe_router.sort import MAX_ROWS
 
 
@@ -258,12 +259,19 @@ class SortByExpertInterpretTest(parameterized.TestCase):
                       ((ids, w, 0), "n_experts must be positive")):
       with self.assertRaisesRegex(ValueError, msg):
         sort_by_expert(*args, backend="interpret")
-    big = jnp.zeros((MAX_ROWS // 8 + 1, 8), jnp.int32)
-    with self.assertRaisesRegex(ValueError, "at most 4096 rows"):
-      sort_by_expert(big, big.astype(jnp.float32), 8, backend="interpret")
-    # The reference serves any number of rows.
-    out = sort_by_expert(big, big.astype(jnp.float32), 8, backend="xla")
-    self.assertEqual(out[0].shape, (big.size,))
+    # Past MAX_ROWS pairs (a prefill's) or MAX_EXPERTS, the kernel backends run the
+    # reference: no Pallas call, the same rows.
+    rng = np.random.default_rng(2)
+    for n, e in ((MAX_ROWS // 8 + 1, 8), (4, MAX_EXPERTS + 1)):
+      ids = jnp.asarray(rng.integers(0, e, (n, 8)), jnp.int32)
+      w = jnp.asarray(rng.random((n, 8)), jnp.float32)
+      run = lambda ids, w, e=e: sort_by_expert(ids, w, e, backend="interpret")  # noqa: E731
+      self.assertNotIn("pallas_call", str(jax.make_jaxpr(run)(ids, w)))
+      for g, r in zip(run(ids, w), sort_by_expert_reference(ids, w, e)):
+        np.testing.assert_array_equal(g, r)
+    small = jnp.zeros((4, 8), jnp.int32)
+    self.assertIn("pallas_call", str(jax.make_jaxpr(
+        lambda i, w: sort_by_expert(i, w, 8, backend="interpret"))(small, small + 0.0)))
 
 
 class RouterKernelsH200Test(h200_compile_cases.H200CompilerTest):

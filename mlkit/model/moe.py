@@ -18,7 +18,6 @@ from mlkit.model.layers import swiglu
 from mlkit.quant import grouped_matmul
 from pallas_kernels import dispatch as kernel_dispatch
 from pallas_kernels.moe_router import select_experts, sort_by_expert
-from pallas_kernels.moe_router.sort import MAX_ROWS as SORT_KERNEL_MAX_ROWS
 
 
 # The router's matmul on the kernel backends, for a decode step's few tokens (at most
@@ -177,11 +176,9 @@ def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
   """
   # The rows sorted by expert, and every expert's row offsets (cum [E + 1]): one Pallas
   # launch for a decode step's few rows on the kernel backends (docs/moe_router.md), the
-  # jnp sort above that and on "xla".
-  sort_backend = backend if expert_ids.size <= SORT_KERNEL_MAX_ROWS else "xla"
+  # jnp sort for a prefill's and on "xla".
   token_of, row_weights, slot, cum = sort_by_expert(
-      expert_ids.astype(jnp.int32), weights.astype(jnp.float32), n_experts,
-      backend=sort_backend)
+      expert_ids.astype(jnp.int32), weights.astype(jnp.float32), n_experts, backend=backend)
   group_sizes = cum[1:] - cum[:-1]  # [E]
   experts = {name: p[name] for name in ("w_gate", "w_up", "w_down")}
   axes = _expert_axes(expert_sharding)

@@ -44,9 +44,9 @@ def _kernel(*refs, has_bias: bool, splits: int, n: int, e: int, ep: int, k: int,
   """One block of ``bn`` tokens.
 
   Refs: logits [splits * N * E] f32 (split-K partial sums, added here), bias [E] f32
-  (when has_bias), then the outputs ids
-  [N * kp] int32, weights [N * kp] f32 and scores [N * ep] f32, all flat (2-D
-  offsets index them; k and E padded to powers of two kp and ep).
+  (when has_bias), then the outputs ids [N * kp] int32, weights [N * kp] f32 and
+  scores [N * ep] f32, all flat (2-D offsets index them; k and E padded to powers of
+  two kp and ep).
   """
   if has_bias:
     logits_ref, bias_ref, ids_ref, w_ref, scores_ref = refs
@@ -131,7 +131,7 @@ def _kernel(*refs, has_bias: bool, splits: int, n: int, e: int, ep: int, k: int,
 
 def block_rows(n: int, e: int) -> int:
   """Tokens per program: the largest power of two that divides N and keeps a block at
-  <= 4,096 scores."""
+  <= 2,048 scores."""
   return min(n & -n, _BLOCK_ELEMENTS // pow2_at_least(e))
 
 

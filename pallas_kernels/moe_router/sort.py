@@ -8,8 +8,8 @@ number of pairs with a smaller expert, plus those with its expert and a smaller
 index (a stable sort), found in [block, chunk] comparisons against every pair. Each
 program places a block of pairs and scatters their token and weight to their rows
 (every row once: no two lanes share an address); program 0 also counts the row
-offsets of every expert. The comparisons grow with the square of the rows, so
-``mlkit.model.moe`` runs it up to ``MAX_ROWS`` and the jnp reference
+offsets of every expert. The comparisons grow with the square of the rows, so the
+op runs it up to ``MAX_ROWS`` pairs and the jnp reference
 (``sort_by_expert_reference``) above. docs/moe_router.md has the design.
 """
 
@@ -30,6 +30,7 @@ from pallas_kernels.schedule import pow2_at_least
 MAX_ROWS = 4096  # N x k up to which the kernel runs (the comparisons are (N x k)^2)
 _BLOCK = 32  # pairs a program places
 _CHUNK_ELEMENTS = 4096  # comparisons a [block, chunk] step holds
+MAX_EXPERTS = _CHUNK_ELEMENTS - 1  # the row offsets' [E + 1, chunk] step fits one
 _NUM_WARPS = 4
 
 
@@ -93,18 +94,19 @@ def sort_by_expert(expert_ids: jax.Array, weights: jax.Array, n_experts: int, *,
   """The (token, choice) pairs sorted by expert (stably), as the grouped matmuls read them.
 
   Args:
-    expert_ids: [N, k] int32 experts in [0, n_experts) (N x k <= MAX_ROWS on the
-      kernel backends).
+    expert_ids: [N, k] int32 experts in [0, n_experts).
     weights: [N, k] f32 combine weights.
     n_experts: E.
-    backend: "pallas" | "interpret" (this kernel) | "xla" (the reference) | None.
+    backend: "pallas" | "interpret" (this kernel, up to MAX_ROWS pairs and
+      MAX_EXPERTS experts; the reference past them, such as a prefill's rows) | "xla"
+      (the reference) | None.
 
   Returns:
     (token_of [N*k] int32, row_weights [N*k] f32, slot [N, k] int32, cum [E + 1]
     int32), as :func:`sort_by_expert_reference`.
 
   Raises:
-    ValueError: bad shapes or dtypes, or more rows than MAX_ROWS on the kernel backends.
+    ValueError: bad shapes or dtypes.
   """
   if expert_ids.ndim != 2 or expert_ids.dtype != jnp.int32 or not expert_ids.size:
     raise ValueError(f"expert_ids must be int32 [N >= 1, k >= 1], got {expert_ids.dtype} "
@@ -115,11 +117,8 @@ def sort_by_expert(expert_ids: jax.Array, weights: jax.Array, n_experts: int, *,
   if n_experts < 1:
     raise ValueError(f"n_experts must be positive, got {n_experts}")
   backend = dispatch.resolve_backend(backend)
-  if backend == "xla":
+  if backend == "xla" or expert_ids.size > MAX_ROWS or n_experts > MAX_EXPERTS:
     return sort_by_expert_reference(expert_ids, weights, n_experts)
-  if expert_ids.size > MAX_ROWS:
-    raise ValueError(f"sort_by_expert's kernel takes at most {MAX_ROWS} rows (N x k), got "
-                     f"{expert_ids.size}: the reference serves more")
   return _sort_differentiable(expert_ids, weights, n_experts, backend == "interpret")
 
 
