@@ -159,6 +159,65 @@ class HttpColocatedTest(_Server):
     with self.assertRaisesRegex(KeyError, "no histogram"):
       local_load.served_histogram(self.base, "mlkit:no_such_histogram", api_key=self.key)
 
+  def test_arrival_window_prefills_a_burst_in_one_step(self):
+    """The front door's arrival window (mlkit.serve.decode.ArrivalWindow), on the server's
+    engine here: requests that arrive less than its gap apart are all in the turn's one step;
+    with the window off the first steps alone; it does not wait once the engine is full, and
+    it closes at its max however many keep arriving."""
+    import asyncio
+
+    from mlkit.serve.decode import ArrivalWindow, ColocatedServer
+    from mlkit.serve.http.calls import HTTP, Call
+    loop = asyncio.new_event_loop()  # the calls' updates are queued there, never read
+    self.addCleanup(loop.close)
+    prompt, s = self.tok.encode("one two three"), SamplingParams(max_new_tokens=2)
+    max_running = self.engine.config.max_running
+
+    def turn(window, at_once: int, later: int = 0, spacing_s: float = 0.1):
+      """One turn of a fresh front door: ``at_once`` requests queued before it, ``later`` more
+      ``spacing_s`` apart while it runs. Returns (requests in its step, its seconds)."""
+      server = ColocatedServer(self.engine, None, model_name="t", arrival_window=window)
+      submit = lambda: server.inbox.queue.put(  # noqa: E731
+          (HTTP, {"kind": "http_submit", "call": Call([prompt], [s], loop)}))
+      for _ in range(at_once):
+        submit()
+      stop = threading.Event()
+
+      def trickle():
+        for _ in range(later):
+          if stop.wait(spacing_s):
+            return
+          submit()
+      thread = threading.Thread(target=trickle)
+      thread.start()
+      steps, t0 = self.engine.metrics()["steps"], time.monotonic()
+      server.poll(0.0)
+      took = time.monotonic() - t0
+      taken = len(self.engine.running_ids()) + self.engine.num_waiting()
+      self.assertEqual(self.engine.metrics()["steps"], steps + 1)
+      stop.set()
+      thread.join()
+      while self.engine.has_unfinished() or not server.inbox.queue.empty():
+        server.poll(0.0)  # the rest served, so the next turn starts from an idle engine
+      return taken, took
+
+    # Four arrivals 0.1 s apart: one step for all of them with a 2 s gap, the first alone
+    # without the window.
+    self.assertEqual(turn(ArrivalWindow(2.0, 30.0), 1, later=3)[0], 4)
+    self.assertEqual(turn(ArrivalWindow(0.0, 0.0), 1, later=3)[0], 1)
+    # A full engine steps at once: a 30 s gap would otherwise hold the turn.
+    taken, took = turn(ArrivalWindow(30.0, 60.0), max_running)
+    self.assertEqual(taken, max_running)
+    self.assertLess(took, 20.0)
+    # The window's max closes it: 0.5 s of arrivals 0.1 s apart, fewer than the engine takes.
+    taken, took = turn(ArrivalWindow(0.4, 0.5), 1, later=max_running + 4)
+    self.assertGreaterEqual(taken, 2)
+    self.assertLess(taken, max_running)
+    self.assertLess(took, 20.0)
+    for bad in (dict(gap_s=-1.0), dict(max_s=-1.0), dict(gap_s=0.01, max_s=0.001)):
+      with self.assertRaises(ValueError, msg=str(bad)):
+        ArrivalWindow(**bad)
+
   def test_health_models_metrics_and_auth(self):
     self.assertEqual(httpx.get(self.base + "/health").status_code, 200)  # no key needed
     r = httpx.get(self.base + "/v1/models")

@@ -481,6 +481,11 @@ class CliTest(absltest.TestCase):
     res = self._run("--role", "prefill", "--model", "tiny-mla", "--speculative-tokens", "-1")
     self.assertEqual(res.returncode, 2)
     self.assertIn("--speculative-tokens) must be a non-negative int, got -1", res.stderr)
+    res = self._run("--role", "colocated", "--model", "tiny-mla", "--arrival-gap-ms", "5",
+                    "--arrival-max-ms", "1")
+    self.assertEqual(res.returncode, 2)
+    self.assertIn("--arrival-gap-ms 5.0 / --arrival-max-ms 1.0: both must be >= 0, the max at "
+                  "least the gap", res.stderr)
 
   def test_keys(self):
     # Any address other than loopback needs a key given; none is ever a constant.

@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a directory with the tokenizer files (default: the checkpoint's)")
   web.add_argument("--max-waiting", type=int, default=1024,
                    help="requests that may wait; beyond, HTTP answers 503 with Retry-After")
+  p.add_argument("--arrival-gap-ms", type=float, default=None,
+                 help="decode and colocated: after new requests arrive, wait this long for "
+                      "more before stepping, so a burst prefills in one step (default 1; 0: "
+                      "off; docs/http.md)")
+  p.add_argument("--arrival-max-ms", type=float, default=None,
+                 help="the longest a burst of arrivals holds a step (default 30)")
   p.add_argument("--batch-buckets", default=None, metavar="B1,B2,...",
                  help="batch sizes a step pads to, ascending, the last at least --max-running "
                       "(default: --max-running only: the fewest compiles)")
@@ -113,6 +119,19 @@ def build_parser() -> argparse.ArgumentParser:
                  help="accept test-only fault messages (prefill: corruption, a delayed offer; "
                       "decode: a delayed pull; decode and colocated: page faults)")
   return p
+
+
+def _arrival_window(args):
+  """--arrival-gap-ms / --arrival-max-ms as an ArrivalWindow (unset: its defaults)."""
+  from mlkit.serve.decode import ArrivalWindow
+  default = ArrivalWindow()
+  gap = default.gap_s if args.arrival_gap_ms is None else args.arrival_gap_ms / 1e3
+  most = default.max_s if args.arrival_max_ms is None else args.arrival_max_ms / 1e3
+  try:
+    return ArrivalWindow(gap, max(most, gap) if args.arrival_max_ms is None else most)
+  except ValueError as e:
+    raise ValueError(f"--arrival-gap-ms {args.arrival_gap_ms} / --arrival-max-ms "
+                     f"{args.arrival_max_ms}: both must be >= 0, the max at least the gap") from e
 
 
 def _fail(msg: str) -> None:
@@ -163,6 +182,7 @@ def main(argv=None) -> int:
                        "decode server)")
     if args.max_waiting < 1:
       raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    window = _arrival_window(args)
     api_key = _api_key(args)
   except ValueError as e:
     _fail(str(e))
@@ -239,11 +259,12 @@ def main(argv=None) -> int:
   elif cfg.role == "decode":
     from mlkit.serve.decode import DecodeServer
     server = DecodeServer(engine, listener, tserver, args.prefill, key=key.value,
-                          model_name=mcfg.name, options=options, max_waiting=args.max_waiting)
+                          model_name=mcfg.name, options=options, max_waiting=args.max_waiting,
+                          arrival_window=window)
   else:
     from mlkit.serve.decode import ColocatedServer
     server = ColocatedServer(engine, listener, model_name=mcfg.name,
-                             max_waiting=args.max_waiting)
+                             max_waiting=args.max_waiting, arrival_window=window)
   door = None
   if http_sock is not None:  # up during warm-up: /health answers 503 until it is done
     door = _start_http(args, cfg, server, engine, http_sock, api_key)

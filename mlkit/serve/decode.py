@@ -145,10 +145,44 @@ class DecodeStats:
   aborted: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
+@dataclasses.dataclass(frozen=True)
+class ArrivalWindow:
+  """How long a server's turn goes on taking new requests before it steps.
+
+  Clients in a closed loop send their next request as their last one ends, so the
+  requests that ended in one step come back as a burst, a fraction of a millisecond
+  to a few milliseconds apart (an HTTP client's reaction, then the server's parse).
+  A turn that stepped at the first of them would prefill it alone, and the rest
+  would wait out that step: the burst splits into groups that stay split, because
+  each group now ends in a different step. So after a message that queued new
+  requests, the turn keeps taking messages while each comes within ``gap_s`` of the
+  last, until ``max_s`` after the window opened, or until the engine has no room
+  for more (running and waiting requests at ``max_running``). A request that comes
+  alone waits ``gap_s`` more for its first token. docs/http.md, "Bursts of arrivals",
+  has the measurements.
+
+  Attributes:
+    gap_s: the longest wait for the next message (0 turns the window off).
+    max_s: the longest the window stays open.
+  """
+
+  gap_s: float = 0.001
+  max_s: float = 0.03
+
+  def __post_init__(self):
+    if not (self.gap_s >= 0 and self.max_s >= 0):
+      raise ValueError(f"ArrivalWindow: gap_s and max_s must be >= 0 seconds, got "
+                       f"gap_s={self.gap_s}, max_s={self.max_s}")
+    if self.max_s < self.gap_s:
+      raise ValueError(f"ArrivalWindow: max_s ({self.max_s}) must be at least gap_s "
+                       f"({self.gap_s})")
+
+
 class FrontDoor:
   """What the decode and colocated servers share: clients, batches, request ends."""
 
-  def __init__(self, engine, listener, model_name: str, *, max_waiting: int = 1024):
+  def __init__(self, engine, listener, model_name: str, *, max_waiting: int = 1024,
+               arrival_window: ArrivalWindow = ArrivalWindow()):
     self.engine = engine
     self.listener = listener
     self.model_name = model_name
@@ -161,6 +195,8 @@ class FrontDoor:
     # are refused (HTTP 503).
     self.http_streams = Streams()
     self.max_waiting = max_waiting
+    self.arrival_window = arrival_window
+    self._arrivals = 0  # requests queued so far (opens the arrival window)
     # Prometheus metrics (mlkit.serve.http.metrics.ServeMetrics) when serving HTTP, and when
     # they last got a snapshot of the engine.
     self.serve_metrics = None
@@ -190,6 +226,31 @@ class FrontDoor:
   def poll(self, wait_s: float) -> None:
     raise NotImplementedError
 
+  def _handle(self, conn, msg: dict) -> None:
+    raise NotImplementedError
+
+  def _take_messages(self, wait_s: float) -> None:
+    """Handles the inbox's messages, waiting up to ``wait_s`` for the first; after one that
+    queued new requests, keeps taking them as :class:`ArrivalWindow` says."""
+    window, until = self.arrival_window, None
+    item = self.inbox.get(wait_s)
+    while item is not None:
+      arrivals = self._arrivals
+      self._handle(*item)
+      if until is None and self._arrivals != arrivals and window.gap_s > 0:
+        until = time.monotonic() + window.max_s
+      item = self.inbox.get(0.0)
+      if item is None and until is not None and self._has_room():
+        left = until - time.monotonic()
+        if left > 0:
+          item = self.inbox.get(min(window.gap_s, left))
+
+  def _has_room(self) -> bool:
+    """Whether the engine could take another request now (running plus waiting below
+    ``max_running``)."""
+    return (len(self.engine.running_ids()) + self.waiting()
+            < self.engine.config.max_running)
+
   def _handle_client(self, conn, msg: dict) -> bool:
     """Handles a client's message; False when it is not a client message."""
     kind = msg["kind"]
@@ -204,6 +265,7 @@ class FrontDoor:
         self.inbox.send(conn, proto.message("error", error=f"generate: {e}"))
         return True
       ids = [self._new_request(p, s) for p, s in checked]
+      self._arrivals += len(ids)
       self._batches.append(_Batch(conn, ids, msg.get("batch")))
       self._answer_batches()
     elif kind == "cancel":  # from any connection: the batch's unfinished requests end now
@@ -302,6 +364,7 @@ class FrontDoor:
       call.deliver(Refusal(400, str(e).removeprefix("submit: ")))
       return
     call.request_ids = [self._new_request(p, s) for p, s in checked]
+    self._arrivals += len(checked)
     call.deliver(Accepted())
     for i, rid in enumerate(call.request_ids):
       self.http_streams.add(rid, call, i)
@@ -371,14 +434,13 @@ class ColocatedServer(FrontDoor):
     self.requests[rid] = self.engine.get(rid)
     return rid
 
+  def _handle(self, conn, msg: dict) -> None:
+    if not self._handle_client(conn, msg):
+      self.inbox.send(conn, proto.message("error", error=f"a colocated server does not take "
+                                          f"{msg['kind']!r}"))
+
   def poll(self, wait_s: float) -> None:
-    item = self.inbox.get(wait_s)
-    while item is not None:
-      conn, msg = item
-      if not self._handle_client(conn, msg):
-        self.inbox.send(conn, proto.message("error", error=f"a colocated server does not take "
-                                            f"{msg['kind']!r}"))
-      item = self.inbox.get(0.0)
+    self._take_messages(wait_s)
     if self.engine.has_unfinished():
       self.engine.step()
       self._answer_batches()
@@ -402,8 +464,9 @@ class DecodeServer(FrontDoor):
 
   def __init__(self, engine, listener, transfer_server, prefill_address: str, *, key: bytes,
                model_name: str, options: DecodeOptions = DecodeOptions(),
-               max_waiting: int = 1024):
-    super().__init__(engine, listener, model_name, max_waiting=max_waiting)
+               max_waiting: int = 1024, arrival_window: ArrivalWindow = ArrivalWindow()):
+    super().__init__(engine, listener, model_name, max_waiting=max_waiting,
+                     arrival_window=arrival_window)
     if engine.role != "serve":
       raise ValueError(f"DecodeServer needs an Engine with role 'serve', got {engine.role!r}")
     self.transfer = transfer_server
@@ -576,10 +639,7 @@ class DecodeServer(FrontDoor):
   # ------------------------------------------------------------------ the loop
   def poll(self, wait_s: float) -> None:
     """One turn: messages, reconnection, admission, pulls and landings, timeouts, a decode step."""
-    item = self.inbox.get(wait_s)
-    while item is not None:
-      self._handle(*item)
-      item = self.inbox.get(0.0)
+    self._take_messages(wait_s)
     self._maybe_reconnect()
     self._expire_queue()
     self._admit()
@@ -595,6 +655,11 @@ class DecodeServer(FrontDoor):
 
   def waiting(self) -> int:
     return len(self._queue) + self.engine.num_waiting()
+
+  def _has_room(self) -> bool:
+    # Requests whose prefill or pull is in flight will run here too.
+    return (len(self.engine.running_ids()) + self.waiting() + len(self._flights)
+            < self.engine.config.max_running)
 
   def snapshot(self) -> dict:
     snap = super().snapshot()

@@ -29,7 +29,7 @@ import numpy as np
 
 
 def drive(engine, prompts: list[list[int]], sampling, *, concurrency: int | None = None,
-          rate: float | None = None, seed: int = 0) -> dict:
+          rate: float | None = None, seed: int = 0, arrival_window=None) -> dict:
   """Serves ``prompts`` through a front door on ``engine`` in this process; returns figures.
 
   Args:
@@ -40,6 +40,7 @@ def drive(engine, prompts: list[list[int]], sampling, *, concurrency: int | None
     concurrency: closed loop with this many clients (give this or ``rate``).
     rate: open loop at this many requests per second (Poisson arrivals from ``seed``).
     seed: the arrivals' seed (open loop).
+    arrival_window: the front door's ``ArrivalWindow`` (default: a server's default).
 
   Returns:
     ``{"requests", "output_tokens", "duration_s", "output_tok_s", "median_ttft_ms",
@@ -53,7 +54,7 @@ def drive(engine, prompts: list[list[int]], sampling, *, concurrency: int | None
     RuntimeError: the front door refused or aborted a request.
   """
   from mlkit.serve.bench import arrival_times
-  from mlkit.serve.decode import ColocatedServer
+  from mlkit.serve.decode import ArrivalWindow, ColocatedServer
   from mlkit.serve.http.calls import HTTP, Accepted, Call
   if (concurrency is None) == (rate is None):
     raise ValueError("drive: give concurrency (closed loop) or rate (open loop), not both")
@@ -64,7 +65,8 @@ def drive(engine, prompts: list[list[int]], sampling, *, concurrency: int | None
   if rate is not None and not rate > 0:
     raise ValueError(f"drive: rate must be > 0 requests per second, got {rate}")
   n = len(prompts)
-  server = ColocatedServer(engine, None, model_name="in-process", max_waiting=4 * n)
+  server = ColocatedServer(engine, None, model_name="in-process", max_waiting=4 * n,
+                           arrival_window=arrival_window or ArrivalWindow())
   thread = threading.Thread(target=server.serve_forever, daemon=True, name="engine")
   ttft, tpot, engine_ttft, tokens = [], [], [], [0]
 
