@@ -280,8 +280,15 @@ class PagedMlaDecodeMgpuTest(OpTest):
 
   def test_full_and_partial_head_blocks(self):
     # 72 heads: a full 64-row block and an 8-row one, each writing only its
-    # real rows of the partials.
-    self._check(_seed("mgpu-72", "fp8"), "fp8", mla_m="heads", heads=72, batch=2)
+    # real rows of the partials. Interpreted (CTAs run in turn), one request of
+    # 150 tokens: 3 pages in two pieces, the second a partial page, beside an
+    # unused piece, so both blocks run full, partial and empty pieces in 6 CTAs
+    # where two "ragged" requests took 10; compiled, two "ragged" requests.
+    if self.IMPL == "interpret":
+      self._check(_seed("mgpu-72", "fp8"), "fp8", mla_m="heads", heads=72, batch=1,
+                  lengths=[150])
+    else:
+      self._check(_seed("mgpu-72", "fp8"), "fp8", mla_m="heads", heads=72, batch=2)
 
   @parameterized.parameters(
       ("bf16", "auto", "producer"), ("fp8", "auto", "producer"), ("fp8", "f16", "producer"),
@@ -676,7 +683,7 @@ class PagedGqaDecodeMgpuTest(OpTest):
   @parameterized.parameters(("bf16", "one", 1, 1.0), ("fp8", "ragged", 16, 1.0),
                             ("fp8", "boundary", 4, 1e5))
   def test_matches_reference(self, kv_dtype, length_kind, group, q_mul):
-    s = self.SHAPE
+    s = self.shape(kv_dtype)
     lengths = _lengths(length_kind, s["batch"], s["page_size"], s["max_pages"])
     args = make_gqa(_seed("mgpu", kv_dtype, length_kind, group),
                     batch=s["batch"], heads=s["kv_heads"] * group,
@@ -689,16 +696,35 @@ class PagedGqaDecodeMgpuTest(OpTest):
     ref = paged_gqa_decode_reference(*args, scale=scale)
     self.assert_matches(out, ref, TOL[kv_dtype])
 
+  def shape(self, kv_dtype):
+    """SHAPE, for a case on a ``kv_dtype`` cache."""
+    del kv_dtype
+    return self.SHAPE
+
+
+# KV heads of the interpreted bf16 cases: the kernel runs one CTA per (KV head, piece),
+# which the interpreter runs in turn, so 2 (each CTA still picks its head out of every
+# page) instead of the fp8 cases' 8 (an fp8 cache's [page, KV] scale rows need KV % 8).
+INTERPRET_BF16_KV_HEADS = 2
+
 
 class PagedGqaDecodeMgpuInterpretTest(PagedGqaDecodeMgpuTest):
   IMPL = "interpret"
   # 12 pages of 16 tokens = 3 of the kernel's 64-token blocks: "ragged" gives
-  # the first request two pieces (2 blocks, then 1).
+  # the first request two pieces (2 blocks, then 1). 8 KV heads on an fp8 cache,
+  # INTERPRET_BF16_KV_HEADS on a bf16 one.
   SHAPE = dict(kv_heads=8, hd=64, page_size=16, max_pages=12, batch=2)
 
-  def _ring(self, kv_dtype, gqa_loads, blocks, kv_heads=8, lengths=None):
+  def shape(self, kv_dtype):
+    if kv_dtype == "fp8":
+      return self.SHAPE
+    return dict(self.SHAPE, kv_heads=INTERPRET_BF16_KV_HEADS)
+
+  def _ring(self, kv_dtype, gqa_loads, blocks, kv_heads=None, lengths=None):
     """One piece per request, the first walking ``blocks`` 64-token blocks (its last
-    partial, its tail zeroed), against the reference, with race detection."""
+    partial, its tail zeroed), against the reference, with race detection; by default
+    on the class's KV heads for ``kv_dtype`` (``shape``)."""
+    kv_heads = kv_heads or self.shape(kv_dtype)["kv_heads"]
     lengths = lengths or [blocks * 64 - 7, 2 * 64 + 1]
     args = make_gqa(_seed("ring", kv_dtype, gqa_loads), batch=len(lengths),
                     heads=2 * kv_heads, kv_heads=kv_heads, hd=64, page_size=16,
