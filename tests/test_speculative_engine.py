@@ -5,10 +5,15 @@ emits (every draft rejected), and an "echo" checkpoint whose blocks add little t
 the residual stream and whose MTP layer passes the token's embedding straight to
 the shared head, so it drafts what the model will emit most of the time: verify
 rows accept 0 to k drafts. On both, greedy tokens with k = 1, 2, 3 equal the
-engine's without speculation: alone, on a mesh, in disaggregated pools, with the
-prefix cache, through preemption, with stop tokens and max_new_tokens ending a row
-inside its accepted drafts. Page tags, cancellation and the allocator's
-conservation hold as without it.
+engine's without speculation (run as a plain server runs: without the MTP layer, on a
+one-device mesh): alone, on a mesh, in disaggregated pools, with the prefix cache,
+through preemption, with stop tokens and max_new_tokens ending a row inside its
+accepted drafts. Page tags, cancellation and the allocator's conservation hold as
+without it.
+
+Most of the time here is XLA compiling the engines' steps, so the tests share them:
+engines of one k keep one pool shape, and the plain engines are placed as the served
+test's plain server, whose steps are then those already compiled.
 """
 
 import dataclasses
@@ -80,9 +85,21 @@ def params(kind: str):
   return _PARAMS[kind]
 
 
+def plain_server(kind: str) -> tuple[dict, object]:
+  """(params, mesh) of an engine without speculation: the params without their MTP layer on
+  a one-device mesh, as ``mlkit.serve``'s ``build_engine`` places a plain one-device server,
+  so that test_served_with_the_serve_config's plain server runs the steps compiled here."""
+  no_mtp = {name: v for name, v in params(kind).items() if name != "mtp"}
+  return no_mtp, make_mesh(MeshConfig(tensor=1), jax.devices()[:1])
+
+
 def serve(kind: str, k: int, prompts=PROMPTS, sampling=None, **kw):
-  """(engine, outputs) after serving ``prompts`` to completion."""
-  eng = Engine(params(kind), engine_config(k, **kw))
+  """(engine, outputs) after serving ``prompts`` to completion; k = 0 as a plain server."""
+  if k:
+    eng = Engine(params(kind), engine_config(k, **kw))
+  else:
+    p, mesh = plain_server(kind)
+    eng = Engine(p, engine_config(k, **kw), mesh=mesh)
   sampling = sampling or [SamplingParams(max_new_tokens=N_NEW)] * len(prompts)
   ids = [eng.submit(p, s) for p, s in zip(prompts, sampling)]
   eng.run_until_done(max_steps=500)
@@ -94,7 +111,10 @@ class SpeculativeEngineTest(parameterized.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.base = {kind: serve(kind, 0)[1] for kind in ("random", "echo")}
+    # The plain engine's tokens and decode steps, once per checkpoint (compared with below).
+    plain = {kind: serve(kind, 0) for kind in ("random", "echo")}
+    cls.base = {kind: outs for kind, (_, outs) in plain.items()}
+    cls.base_decode_steps = {kind: eng.stats.decode_steps for kind, (eng, _) in plain.items()}
 
   @parameterized.product(kind=("random", "echo"), k=(1, 2, 3))
   def test_greedy_tokens_equal_plain_decoding(self, kind, k):
@@ -111,17 +131,28 @@ class SpeculativeEngineTest(parameterized.TestCase):
       if k > 1:  # rows that accepted none, some and all of their drafts
         self.assertGreater(m["accepted_histogram"][0], 0)
         self.assertGreater(m["accepted_histogram"][k], 0)
-      self.assertLess(eng.stats.decode_steps, serve("echo", 0)[0].stats.decode_steps)
+      self.assertLess(eng.stats.decode_steps, self.base_decode_steps["echo"])
 
   def test_prefix_cache_and_preemption(self):
-    # A pool so small that the six requests preempt each other, with the prefix cache on.
-    cfg = dict(kv=KVCacheConfig(14, PAGE, "float32"), prefix_cache=True)
-    eng, outs = serve("echo", 3, **cfg)
-    self.assertEqual(outs, self.base["echo"])
+    # A pool so small that the six requests preempt each other, with the prefix cache on:
+    # SMALL free pages. The pool keeps the other engines' NUM_PAGES (its shape, so the k = 3
+    # steps compiled for them serve here: a 14-page pool compiled both again) and a holder
+    # the scheduler does not know keeps the rest; the scheduler admits, grows, evicts and
+    # preempts against the free pages alone, as in a pool of SMALL pages (the same 3
+    # preemptions and 16 prefix tokens saved).
+    SMALL = 14
+    eng = Engine(params("echo"), engine_config(3, prefix_cache=True))
+    self.assertIsNone(eng.allocator.admit("held", (NUM_PAGES - SMALL) * PAGE))
+    self.assertEqual(eng.allocator.num_free, SMALL)
+    ids = [eng.submit(p, SamplingParams(max_new_tokens=N_NEW)) for p in PROMPTS]
+    eng.run_until_done(max_steps=500)
+    self.assertEqual([list(eng.get(i).output) for i in ids], self.base["echo"])
     self.assertGreater(eng.stats.preemptions, 0)
     self.assertGreater(eng.prefix_cache.stats.tokens_saved, 0)
     eng.prefix_cache.evict(eng.prefix_cache.num_pages)
-    self.assertEqual(eng.allocator.num_free, 14)
+    self.assertEqual(eng.allocator.num_free, SMALL)
+    eng.allocator.release("held")
+    self.assertEqual(eng.allocator.num_free, NUM_PAGES)
 
   def test_overlap_runs_in_step(self):
     _, outs = serve("echo", 2, overlap=True)
@@ -224,11 +255,15 @@ class SpeculativeEngineTest(parameterized.TestCase):
   def test_served_with_the_serve_config(self):
     # What `python -m mlkit.serve --speculative-tokens 2` builds: the preset's MTP layer
     # is drawn, the engine speculates, and greedy tokens are those of the plain server.
+    # The pool's sizes are this file's engines' (prefill chunk, log-probabilities included):
+    # the plain server runs the steps setUpClass compiled (serve(..., 0): the same params
+    # and placement).
     from mlkit.serve.model import ServeConfig, build_engine, load_model
     outs = {}
     for k in (0, 2):
       cfg = ServeConfig(role="colocated", model="tiny-mla", n_layers=2, kv_dtype="float32",
-                        page_size=4, num_pages=64, max_pages_per_seq=16, speculative_tokens=k)
+                        page_size=PAGE, num_pages=NUM_PAGES, max_pages_per_seq=16,
+                        prefill_chunk=8, max_logprobs=3, speculative_tokens=k)
       params_k, mcfg = load_model(cfg)
       self.assertEqual("mtp" in params_k, k > 0)
       eng = build_engine(cfg, params_k, mcfg)
