@@ -366,7 +366,8 @@ def _read(state, pages, length):
   bt[0, :len(pages)] = pages
   meta = kvc.BatchMeta(jnp.asarray(bt), jnp.asarray([length], jnp.int32),
                        jnp.zeros((1, 8), jnp.int32), state.page_size)
-  return [{k: np.asarray(v[0, :length]) for k, v in kvc.read_layer(state, i, meta).items()}
+  # Sliced on the host: slicing the device array would compile one program per length.
+  return [{k: np.asarray(v)[0, :length] for k, v in kvc.read_layer(state, i, meta).items()}
           for i in range(state.n_layers)]
 
 
