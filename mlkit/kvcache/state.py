@@ -38,7 +38,8 @@ from flax import struct
 
 from mlkit.config import ModelConfig
 from mlkit.kvcache.config import KVCacheConfig
-from mlkit.kvcache.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8_many
+from mlkit.kvcache.fp8 import FP8_DTYPE, dequantize_fp8
+from pallas_kernels.page_write import write_pages
 from mlkit.model.masks import causal_mask
 
 # Block-table entry for "no page here" (past the request's pages, or a padded batch row).
@@ -166,11 +167,15 @@ class PagedKVState:
     S = view[self.names[0]].shape[1]
     return state, view, causal_mask(positions, S, lengths=batch_meta.lengths)
 
-  def write(self, layer: int, new: dict, positions: jax.Array, batch_meta: BatchMeta):
+  def write(self, layer: int, new: dict, positions: jax.Array, batch_meta: BatchMeta, *,
+            backend: str | None = "xla"):
     """Writes this step's entries [B, T, ...] through the block tables; returns the new state.
 
     Tokens whose position is >= their request's length are not written. Values
-    (block tables, lengths) are validated on the host when run eagerly.
+    (block tables, lengths) are validated on the host when run eagerly. ``backend``:
+    "pallas" / "interpret" write through the page-write kernel (one launch for the
+    layer's arrays; ``pallas_kernels.page_write``), "xla" (the default) with one
+    scatter per array, None the platform default.
 
     Raises:
       ValueError: on a page-size / shape mismatch, or (eagerly) a bad block table or length.
@@ -181,7 +186,7 @@ class PagedKVState:
       validate_batch(self, batch_meta, positions)
     else:
       _check_static(self, batch_meta, positions)
-    return write_layer(self, layer, new, positions, batch_meta)
+    return write_layer(self, layer, new, positions, batch_meta, backend=backend)
 
   def _pages_of(self, layer: int) -> tuple:
     """(name, array or None) of the page and scale arrays a decode kernel reads, in order."""
@@ -429,7 +434,7 @@ def token_slots(block_tables: jax.Array, positions: jax.Array, lengths: jax.Arra
 
 
 def write_layer(state: PagedKVState, layer: int, new: dict, positions: jax.Array,
-                meta: BatchMeta) -> PagedKVState:
+                meta: BatchMeta, *, backend: str | None = "xla") -> PagedKVState:
   """Writes one layer's entries through the block tables (quantising for fp8). Pure and jittable.
 
   Args:
@@ -438,6 +443,7 @@ def write_layer(state: PagedKVState, layer: int, new: dict, positions: jax.Array
     new: entries, each [B, T, *entry_shape].
     positions: [B, T] int32; tokens at positions >= lengths[b] are dropped.
     meta: batch metadata.
+    backend: the page write's kernel backend (see :meth:`PagedKVState.write`).
 
   Returns:
     The updated state (only layer ``layer`` changes).
@@ -450,14 +456,15 @@ def write_layer(state: PagedKVState, layer: int, new: dict, positions: jax.Array
     cur = state.layers[layer]
     upd = dict(cur)
     names = state.layer_names(layer)
-    if state.is_fp8:
-      for name, (q, s) in zip(names, quantize_fp8_many([new[n] for n in names])):
-        upd[name] = cur[name].at[page, slot].set(q, mode="drop")
-        sn = scale_name(name)
-        upd[sn] = cur[sn].at[page, slot].set(s, mode="drop")
-    else:
-      for name in names:
-        upd[name] = cur[name].at[page, slot].set(new[name].astype(cur[name].dtype), mode="drop")
+    # Every array of the layer, with its fp8 scales: one scatter each on "xla", one kernel
+    # launch for them all on the kernel backends (pallas_kernels.page_write), same bytes.
+    entries = [new[n].reshape(B * T, *new[n].shape[2:]) for n in names]
+    scales = [cur[scale_name(n)] for n in names] if state.is_fp8 else None
+    pages, scales = write_pages(entries, [cur[n] for n in names], scales, page.reshape(-1),
+                                slot.reshape(-1), backend=backend)
+    upd.update(zip(names, pages))
+    if scales is not None:
+      upd.update(zip(map(scale_name, names), scales))
   layers = list(state.layers)
   layers[layer] = upd
   return state.replace(layers=layers)

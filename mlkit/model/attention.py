@@ -315,7 +315,7 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: i
     q, new = gqa_project(p, x, positions, cfg, backend=backend)
   if T == 1 and cache is not None and hasattr(cache, "decode_attention"):
     with jax.named_scope("paged_decode_attention"):
-      cache = cache.write(layer, new, positions, batch_meta)
+      cache = cache.write(layer, new, positions, batch_meta, backend=backend)
       if mla:
         q_latent = mla_absorb_query(p, q_nope, cfg)  # [B, 1, H, C]
         out_latent = cache.decode_attention(layer, (q_latent[:, 0], q_rope[:, 0]), batch_meta,
