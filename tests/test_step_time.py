@@ -181,6 +181,18 @@ class StepTimeTest(absltest.TestCase):
                                            operands=fp8), DATA)
     self.assertLess(nbytes8, 0.6 * nbytes)
 
+  def test_the_page_write_moves_its_rows_not_the_pools(self):
+    # As the engine calls it: page and slot, the latent and rope rows, then the fp8 pools
+    # (flattened) and their scales, aliased to its results.
+    ops = ("s32[64]", "s32[64]", "bf16[64,512]", "bf16[64,64]", "f8e4m3fn[1048576,512]",
+           "f8e4m3fn[1048576,64]", "f32[1048576]", "f32[1048576]")
+    ln = _launch(kind="pallas", op="page_write", operands=ops, results=ops[4:],
+                 nbytes=2 * 1048576 * (576 + 8))
+    nbytes, flops, kind = st.pallas_cost(ln, DATA)
+    read = 2 * 64 * 4 + 64 * 576 * 2
+    self.assertEqual((nbytes, flops, kind), (float(read + 64 * (512 + 4) + 64 * (64 + 4)),
+                                              0.0, "fusion"))
+
   def test_grouped_int4_reads_the_experts_the_batch_picks(self):
     local = KIMI_K2_6.n_routed_experts // 8
     # As the engine's kernel is called: its schedule, the activations in two halves of K,

@@ -181,8 +181,9 @@ def pallas_cost(launch: Launch, data: StepData) -> tuple[float, float, str]:
 
   Attention reads each row's context (MLA decode) or its top index_topk tokens
   (sparse decode), not the pool its operands span; the indexer scores every
-  context token; the grouped INT4 matmul reads the experts the batch picks.
-  Others (the tag check, merges of attention pieces, the grouped matmuls' schedule, the
+  context token; the grouped INT4 matmul reads the experts the batch picks; the page
+  write reads its rows and writes them (e4m3 values and f32 scales) into the pools it
+  aliases, not the pools whole. Others (the tag check, merges of attention pieces, the grouped matmuls' schedule, the
   router's expert choice) move their operands and results.
   """
   from pallas_kernels.indexer import bench as indexer_bench
@@ -208,6 +209,13 @@ def pallas_cost(launch: Launch, data: StepData) -> tuple[float, float, str]:
             "max_pages": 1, "kv": kv}
     nbytes, flops = indexer_bench.job_cost(dims)
     return float(nbytes), float(flops), "index"
+  if "page_write" in name:
+    # Operands: page [R], slot [R], the entries [R, D_i], then the pool arrays.
+    _, (rows,) = _shape(ops[0])
+    small = [t for t in ops if _shape(t)[1][:1] == (rows,)]
+    widths = [s[1] for t in small for _, s in [_shape(t)] if len(s) == 2]
+    return float(sum(type_bytes(t) for t in small) + sum(rows * (d + 4) for d in widths)), \
+        0.0, "fusion"
   if "topk" in name:
     return float(data.rows * ctx * 4 + data.rows * (data.model.index_topk or ctx) * 4), 0.0, "fusion"
   if "matmul" in name and ("int4" in name or "fp8_grouped" in name):
