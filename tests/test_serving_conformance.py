@@ -95,6 +95,18 @@ def reference():
   return _REF
 
 
+GREEDY = [dataclasses.replace(s, temperature=0.0, top_k=0, top_p=1.0) for s in SAMPLINGS]
+_GREEDY_REF = None
+
+
+def greedy_reference():
+  """mlkit.generate's tokens for PROMPTS under GREEDY (one run shared by every kind)."""
+  global _GREEDY_REF
+  if _GREEDY_REF is None:
+    _GREEDY_REF = generate(ckpt(), CFG, PROMPTS, GREEDY).tokens
+  return _GREEDY_REF
+
+
 class ServingConformanceTest(parameterized.TestCase):
 
   def assert_pool_empty(self, eng):
@@ -212,8 +224,7 @@ class ServingConformanceTest(parameterized.TestCase):
     # Two MTP drafts per step (random weights: the drafts are mostly rejected; acceptance
     # itself is tested in test_speculative_engine): the greedy tokens stay generate's.
     eng = make(kind, speculative_tokens=2)
-    greedy = [dataclasses.replace(s, temperature=0.0, top_k=0, top_p=1.0) for s in SAMPLINGS]
-    self.assertEqual(eng.generate(PROMPTS, greedy), generate(ckpt(), CFG, PROMPTS, greedy).tokens)
+    self.assertEqual(eng.generate(PROMPTS, GREEDY), greedy_reference())
     self.assertGreater(eng.metrics()["speculative"]["verify_rows"], 0)
     self.assert_pool_empty(eng)
 
