@@ -10,6 +10,7 @@ shared by the tests (compiles dominate on the 2-core CPU).
 """
 
 import dataclasses
+import functools
 from unittest import mock
 
 import jax
@@ -96,15 +97,12 @@ def reference():
 
 
 GREEDY = [dataclasses.replace(s, temperature=0.0, top_k=0, top_p=1.0) for s in SAMPLINGS]
-_GREEDY_REF = None
 
 
+@functools.cache
 def greedy_reference():
   """mlkit.generate's tokens for PROMPTS under GREEDY (one run shared by every kind)."""
-  global _GREEDY_REF
-  if _GREEDY_REF is None:
-    _GREEDY_REF = generate(ckpt(), CFG, PROMPTS, GREEDY).tokens
-  return _GREEDY_REF
+  return generate(ckpt(), CFG, PROMPTS, GREEDY).tokens
 
 
 class ServingConformanceTest(parameterized.TestCase):
