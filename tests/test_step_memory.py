@@ -25,8 +25,17 @@ from mlkit.model import sparse_attention as dsa
 from mlkit.parallel import MeshConfig, ShardingRules, expert_sharding, make_mesh, shard_params
 from mlkit.quant import INT4_EXPERTS, quantize_params
 from mlkit.quant.dispatch import ragged_dot_f32
+from numpy_params import init_params_np
 
 CFG = dataclasses.replace(TINY_MLA, n_routed_experts=8)
+# Jitted: each runs as one compiled program per shape instead of op by op.
+route = jax.jit(moe.route, static_argnums=2)
+dispatch = jax.jit(moe.dispatch_experts, static_argnums=4, static_argnames="backend")
+
+
+def _normal(seed, shape):
+  # numpy draws: jax.random would compile a threefry program per shape.
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
 
 
 def _rel(a, b) -> float:
@@ -39,7 +48,9 @@ class ExpertParallelTest(parameterized.TestCase):
   @classmethod
   def setUpClass(cls):
     super().setUpClass()
-    cls.params = quantize_params(init_params(CFG, jax.random.key(0)), INT4_EXPERTS)
+    # numpy params (init_params would compile a threefry program for the config),
+    # quantised in one compiled program rather than op by op.
+    cls.params = jax.jit(lambda p: quantize_params(p, INT4_EXPERTS))(init_params_np(CFG))
 
   @parameterized.named_parameters(
       ("expert_axis", MeshConfig(tensor=2, expert=4), ShardingRules()),
@@ -52,16 +63,17 @@ class ExpertParallelTest(parameterized.TestCase):
     self.assertEqual(es.mesh.shape[es.spec[0]],
                      mesh_cfg.tensor if rules.experts == "tensor" else mesh_cfg.expert)
     p, ps = self.params["layers"][1]["ffn"], placed["layers"][1]["ffn"]
-    x = jax.random.normal(jax.random.key(1), (37, CFG.d_model), jnp.float32)
-    ids, w, _ = moe.route(p, x, CFG)
-    ref = moe.dispatch_experts(p, x, ids, w, CFG.n_routed_experts, backend="xla")
+    x = _normal(1, (37, CFG.d_model))
+    ids, w, _ = route(p, x, CFG)
+    ref = dispatch(p, x, ids, w, CFG.n_routed_experts, backend="xla")
     fn = jax.jit(lambda p, x, ids, w: moe.dispatch_experts(
         p, x, ids, w, CFG.n_routed_experts, backend="xla", expert_sharding=es))
-    out = fn(ps, x, ids, w)
+    compiled = fn.lower(ps, x, ids, w).compile()  # run and read: one compile, not two
+    out = compiled(ps, x, ids, w)
     self.assertTrue(np.all(np.isfinite(np.asarray(out))))
     self.assertLess(_rel(out, ref), 1e-6)
     # Each device runs its own experts: no expert weight is gathered.
-    self.assertEqual(fn.lower(ps, x, ids, w).compile().as_text().count("all-gather"), 0)
+    self.assertEqual(compiled.as_text().count("all-gather"), 0)
 
   def test_passes_over_the_rows_equal_one_pass(self):
     # 400 tokens x 2 choices = 800 rows over 8 devices: passes of 128 rows (1.25 x 800 / 8,
@@ -73,8 +85,8 @@ class ExpertParallelTest(parameterized.TestCase):
     placed = shard_params(self.params, mesh, ShardingRules(experts="tensor"), CFG)
     es = expert_sharding(placed)
     p, ps = self.params["layers"][1]["ffn"], placed["layers"][1]["ffn"]
-    x = jax.random.normal(jax.random.key(4), (400, CFG.d_model), jnp.float32)
-    ids, w, _ = moe.route(p, x, CFG)
+    x = _normal(4, (400, CFG.d_model))
+    ids, w, _ = route(p, x, CFG)
     skewed = jnp.broadcast_to(jnp.arange(CFG.top_k, dtype=jnp.int32), ids.shape)
     self.assertEqual(moe.ep_pass_rows(800, 8), 800)  # decode-sized: one pass of every row
     ref = jax.jit(lambda p, x, ids, w: moe.dispatch_experts(
@@ -110,7 +122,9 @@ class ExpertParallelTest(parameterized.TestCase):
     es = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("tensor"))
     p = self.params["layers"][1]["ffn"]
     x = jnp.ones((4, CFG.d_model), jnp.float32)
-    ids, w, _ = moe.route(p, x, CFG)
+    # Any routing: the split is refused before anything is computed.
+    ids = jnp.asarray(np.arange(4 * CFG.top_k).reshape(4, CFG.top_k) % 8, jnp.int32)
+    w = jnp.full((4, CFG.top_k), 0.5, jnp.float32)
     with self.assertRaisesRegex(ValueError, "do not split into whole experts"):
       moe.dispatch_experts(p, x, ids, w, 12, expert_sharding=es)
 
@@ -119,16 +133,17 @@ class QueryBlockTest(absltest.TestCase):
 
   def test_blocked_mla_and_gqa_equal_whole_chunk(self):
     block = 8  # 37 queries: four whole blocks and a padded one
-    keys = jax.random.split(jax.random.key(2), 8)
     B, T, S, H = 2, 37, 50, 4
-    mask = jax.random.bernoulli(keys[0], 0.7, (B, T, S)).at[:, 3].set(False)  # a masked row
-    q_lat = jax.random.normal(keys[1], (B, T, H, 16))
-    q_rope = jax.random.normal(keys[2], (B, T, H, 8))
-    latent = jax.random.normal(keys[3], (B, S, 16))
-    k_rope = jax.random.normal(keys[4], (B, S, 8))
-    q = jax.random.normal(keys[5], (B, T, H, 16))
-    k = jax.random.normal(keys[6], (B, S, 2, 16))
-    v = jax.random.normal(keys[7], (B, S, 2, 16))
+    mask = np.random.default_rng(20).random((B, T, S)) < 0.7
+    mask[:, 3] = False  # a masked row
+    mask = jnp.asarray(mask)
+    q_lat = _normal(21, (B, T, H, 16))
+    q_rope = _normal(22, (B, T, H, 8))
+    latent = _normal(23, (B, S, 16))
+    k_rope = _normal(24, (B, S, 8))
+    q = _normal(25, (B, T, H, 16))
+    k = _normal(26, (B, S, 2, 16))
+    v = _normal(27, (B, S, 2, 16))
 
     def both(*args):  # jitted, so each variant compiles once instead of op by op
       q_lat, q_rope, latent, k_rope, q, k, v, mask = args
@@ -162,12 +177,12 @@ class QueryBlockTest(absltest.TestCase):
       seen.append(q.shape[1])
       return q
 
-    q = jax.random.normal(jax.random.key(5), (1, 100, 2, 4))
+    q = _normal(5, (1, 100, 2, 4))
     mask = jnp.ones((1, 100, 64), bool)
     saved = attention.SCORE_BLOCK_BYTES
     attention.SCORE_BLOCK_BYTES = 2 * 64 * 4 * 16  # the scores of 16 queries
-    try:
-      out = attention.attend_in_query_blocks(attend, (q,), mask)
+    try:  # jitted (traced here, while the budget is set): one compile, not one per op
+      out = jax.jit(lambda q, m: attention.attend_in_query_blocks(attend, (q,), m))(q, mask)
     finally:
       attention.SCORE_BLOCK_BYTES = saved
     self.assertEqual(set(seen), {16})  # 7 blocks of 16 queries, the last one padded
@@ -225,20 +240,24 @@ class QueryBlockTest(absltest.TestCase):
 class KeyMaskTest(absltest.TestCase):
   """The factored mask equals the dense one, blocked or not, and no step builds it whole."""
 
-  def _mask(self, key, B=2, T=37, S=50):
-    keys = jax.random.split(key, 4)
-    query_pos = jax.random.randint(keys[0], (B, T), 0, S)
-    lengths = jnp.array([S - 7, 23])[:B]
-    segs = jax.random.randint(keys[1], (B, S), 0, 3)
-    also = jax.random.bernoulli(keys[2], 0.8, (B, T, S))
-    mask = masks.causal_mask(query_pos, S, lengths=lengths, query_seg=segs[:, :T], key_seg=segs)
-    slot = jnp.arange(S)[None, None, :]
+  def _mask(self, seed, B=2, T=37, S=50):
+    # Inputs drawn and the formula computed with numpy; the factored mask built in one
+    # compiled program (op by op, each op would compile on its own).
+    rng = np.random.default_rng(seed)
+    query_pos = rng.integers(0, S, (B, T)).astype(np.int32)
+    lengths = np.array([S - 7, 23], np.int32)[:B]
+    segs = rng.integers(0, 3, (B, S)).astype(np.int32)
+    also = rng.random((B, T, S)) < 0.8
+    build = jax.jit(lambda qp, ln, sg, a: masks.causal_mask(
+        qp, S, lengths=ln, query_seg=sg[:, :T], key_seg=sg) & a)
+    mask = build(query_pos, lengths, segs, also)
+    slot = np.arange(S)[None, None, :]
     want = ((slot <= query_pos[:, :, None]) & (slot < lengths[:, None, None])
             & (segs[:, None, :] == segs[:, :T, None]))
-    return mask & also, want & also
+    return mask, jnp.asarray(want & also)
 
   def test_dense_is_the_formula(self):
-    mask, want = self._mask(jax.random.key(0))
+    mask, want = self._mask(0)
     self.assertEqual(mask.shape, want.shape)
     np.testing.assert_array_equal(np.asarray(mask.dense()), np.asarray(want))
     self.assertGreater(int(want.sum()), 0)
@@ -247,13 +266,12 @@ class KeyMaskTest(absltest.TestCase):
       mask & want[:, :3]
 
   def test_blocked_attention_and_selection_equal_the_dense_mask(self):
-    mask, want = self._mask(jax.random.key(1))
+    mask, want = self._mask(1)
     B, T, S = want.shape
-    keys = jax.random.split(jax.random.key(2), 5)
-    q_lat = jax.random.normal(keys[0], (B, T, 4, 16))
-    q_rope = jax.random.normal(keys[1], (B, T, 4, 8))
-    latent = jax.random.normal(keys[2], (B, S, 16))
-    k_rope = jax.random.normal(keys[3], (B, S, 8))
+    q_lat = _normal(30, (B, T, 4, 16))
+    q_rope = _normal(31, (B, T, 4, 8))
+    latent = _normal(32, (B, S, 16))
+    k_rope = _normal(33, (B, S, 8))
     iq, iw = q_lat[..., :2, :], q_rope[..., 0, :2]  # indexer query [B, T, 2, 16], weights [B, T, 2]
 
     def run(mask, block):
@@ -277,9 +295,9 @@ class KeyMaskTest(absltest.TestCase):
     # broadcast int32 operands) may appear in the compiled step; each block's
     # [1, 16, 192] mask is built inside its loop.
     cfg = dataclasses.replace(TINY_MLA, max_seq_len=192)
-    params = init_params(cfg, jax.random.key(3))
+    params = init_params_np(cfg, seed=3)
     T, S = 128, 192
-    tokens = jax.random.randint(jax.random.key(4), (1, T), 0, cfg.vocab_size)
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (1, T)), jnp.int32)
     positions = jnp.arange(T, dtype=jnp.int32)[None]
     saved = attention.QUERY_BLOCK
     attention.QUERY_BLOCK = 16
@@ -327,7 +345,7 @@ class QueryBlockBufferTest(parameterized.TestCase):
         out.append(o)
       return out
 
-    q = jax.random.normal(jax.random.key(0), (B, T, 8), jnp.float32)
+    q = _normal(0, (B, T, 8))
     hlo = jax.jit(step).lower(q).compile().as_text()
     name = {"bool": "pred", "bfloat16": "bf16"}[jnp.dtype(dtype).name]
     buffer = f"{name}[{n},{B},{block},{S}]"  # the loop's [n, B, block, S] output buffer
@@ -338,9 +356,8 @@ class BlockedRaggedDotTest(parameterized.TestCase):
 
   @parameterized.parameters(False, True)
   def test_blocked_forms_equal_ragged_dot(self, per_block):
-    kx, kw = jax.random.split(jax.random.key(3))
-    x = jax.random.normal(kx, (300, 64))
-    w = jax.random.normal(kw, (7, 64, 48))
+    x = _normal(40, (300, 64))
+    w = _normal(41, (7, 64, 48))
     sizes = jnp.array([50, 0, 77, 3, 100, 0, 40], jnp.int32)  # 270 of 300 rows, two empty
     ref = jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
     out = jax.jit(lambda x, w, s: ragged_dot_f32(x, w, s, blocked=True, per_block=per_block))(
@@ -352,8 +369,7 @@ class BlockedRaggedDotTest(parameterized.TestCase):
     # Three chained block loops (three layers' expert matmuls): no [blocks, block, N] f32
     # output buffer may be computed from constants, shared by every layer and live
     # through the step (the zeros behind an optimization_barrier were).
-    kx, kw = jax.random.split(jax.random.key(4))
-    w = jax.random.normal(kw, (7, 48, 48))
+    w = _normal(42, (7, 48, 48))
     sizes = jnp.array([50, 0, 77, 3, 100, 0, 40], jnp.int32)
 
     def layers(x):
@@ -361,7 +377,7 @@ class BlockedRaggedDotTest(parameterized.TestCase):
         x = ragged_dot_f32(x, w, sizes, blocked=True, per_block=True)
       return x
 
-    hlo = jax.jit(layers).lower(jax.random.normal(kx, (300, 48))).compile().as_text()
+    hlo = jax.jit(layers).lower(_normal(43, (300, 48))).compile().as_text()
     buffers = set(re.findall(r"f32\[(\d+),(\d+),48\]", hlo))
     self.assertTrue(buffers)  # the blocked buffer is in the program
     for n, block in buffers:
