@@ -1,6 +1,6 @@
 """Kernel launches one MoE layer adds to Kimi K2.6's decode step on 8x H200, by kind.
 
-Compiles the decode step (fp8 KV, the h200_compile experiment's quick plan: its
+Compiles the decode step (fp8 KV unless ``--kv-dtype bfloat16``, the h200_compile experiment's quick plan: its
 concurrency, pool and INT4 experts) with the dense prefix and 1, then 2 MoE layers, reads
 every launch from XLA's thunk sequences (``pallas_kernels.h200.compile.launches_in_dump``)
 and prints the difference by kind: XLA's fusions by their emitter's name (loop_*,
@@ -8,7 +8,7 @@ input_*, gemm_fusion_*, ...), sorts, and custom calls (the Pallas kernels); then
 jax op each launch comes from (the optimised HLO's op names). Launch names
 carry a per-program number, which is dropped. Runs on a CPU in under a minute.
 
-  python scripts/launches_per_moe_layer.py [--json OUT]
+  python scripts/launches_per_moe_layer.py [--kv-dtype bfloat16] [--json OUT]
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ def kind_of(name: str) -> str:
   return re.sub(r"[._\d]+$", "", re.sub(r"(\.\d+)+", "", name)).rstrip("_")
 
 
-def launches(n_moe: int) -> list[str]:
+def launches(n_moe: int, kv_dtype: str = "float8_e4m3fn") -> list[tuple[str, str]]:
   plan = dataclasses.replace(sc.plan_for(quick=True, smoke=False), moe_depths=(n_moe,),
-                             kinds=("decode",), kv_dtypes=("float8_e4m3fn",),
+                             kinds=("decode",), kv_dtypes=(kv_dtype,),
                              variants=(sc.KIMI,))
   mesh = sc.h200_mesh()
   _, jobs = sc.plan_jobs(plan, mesh)
@@ -93,8 +93,10 @@ def what(op_name: str) -> str:
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--json", help="also write {n_moe: [launch names]} here")
+  p.add_argument("--kv-dtype", default="float8_e4m3fn", choices=("float8_e4m3fn", "bfloat16"),
+                 help="the KV pool's dtype (default: %(default)s)")
   args = p.parse_args(argv)
-  found = {n: launches(n) for n in (1, 2)}
+  found = {n: launches(n, args.kv_dtype) for n in (1, 2)}
   names = {n: [name for name, _ in v] for n, v in found.items()}
   per_layer = collections.Counter(map(kind_of, names[2]))
   per_layer.subtract(collections.Counter(map(kind_of, names[1])))

@@ -121,6 +121,14 @@ def mla_project(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, *
   return q_nope, q_rope, new
 
 
+def _wkv_b_whole(p: dict, cfg: ModelConfig, dtype, tie: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """wkv_b as [C, H, nope + v] in ``dtype``, and ``tie`` (see :func:`_wkv_b`)."""
+  wkv_b, tie = jax.lax.optimization_barrier((p["wkv_b"], tie))
+  w = dequantize(wkv_b, dtype).reshape(cfg.kv_lora_rank, cfg.n_heads,
+                                       cfg.qk_nope_head_dim + cfg.v_head_dim)
+  return w, tie
+
+
 def _wkv_b(p: dict, cfg: ModelConfig, dtype, tie: jax.Array
            ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """wkv_b split into its key [C, H, nope] and value [C, H, v] halves, and ``tie``.
@@ -132,9 +140,7 @@ def _wkv_b(p: dict, cfg: ModelConfig, dtype, tie: jax.Array
   the returned ``tie``: XLA drops a barrier operand whose result is unused, and the
   barrier with it (docs/serving_step_memory.md, item 11).
   """
-  wkv_b, tie = jax.lax.optimization_barrier((p["wkv_b"], tie))
-  w = dequantize(wkv_b, dtype).reshape(cfg.kv_lora_rank, cfg.n_heads,
-                                       cfg.qk_nope_head_dim + cfg.v_head_dim)
+  w, tie = _wkv_b_whole(p, cfg, dtype, tie)
   return w[..., :cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim:], tie
 
 
@@ -168,17 +174,29 @@ def mla_attention_naive(p, q_nope, q_rope, view, mask, cfg: ModelConfig, *,
 
 
 def mla_absorb_query(p, q_nope: jax.Array, cfg: ModelConfig) -> jax.Array:
-  """Projects q_nope [B, T, H, nope] into latent space [B, T, H, C] (absorbing wkv_b's key half)."""
-  w_k, _, q_nope = _wkv_b(p, cfg, q_nope.dtype, q_nope)
-  return jnp.einsum("bthd,chd->bthc", q_nope, w_k,
+  """Projects q_nope [B, T, H, nope] into latent space [B, T, H, C] (absorbing wkv_b's key half).
+
+  The product reads wkv_b [C, H, nope + v] whole, with the query zero-padded over the
+  value half, rather than a copy of the key half: each half is a strided slice of every
+  row, which XLA's GPU compiler copies in a kernel of its own (a launch, and the half's
+  bytes read and written) before the product (docs/step_time.md, "Launches per MoE layer").
+  """
+  # Padded before the barrier, so that the pad fuses with the query's producer.
+  q = jnp.pad(q_nope, ((0, 0),) * 3 + ((0, cfg.v_head_dim),))  # [B, T, H, nope + v]
+  w, q = _wkv_b_whole(p, cfg, q_nope.dtype, q)
+  return jnp.einsum("bthd,chd->bthc", q, w,
                     preferred_element_type=jnp.float32).astype(q_nope.dtype)
 
 
 def mla_absorb_output(p, out_latent: jax.Array, cfg: ModelConfig) -> jax.Array:
-  """Projects latent-space outputs [B, T, H, C] back to per-head values [B, T, H, v]."""
-  _, w_v, out_latent = _wkv_b(p, cfg, out_latent.dtype, out_latent)
-  return jnp.einsum("bthc,chd->bthd", out_latent, w_v,
-                    preferred_element_type=jnp.float32).astype(out_latent.dtype)
+  """Projects latent-space outputs [B, T, H, C] back to per-head values [B, T, H, v].
+
+  As in :func:`mla_absorb_query`, the product runs over wkv_b whole and keeps the value
+  half of its result: a slice of the small result fuses into its consumer.
+  """
+  w, out_latent = _wkv_b_whole(p, cfg, out_latent.dtype, out_latent)
+  out = jnp.einsum("bthc,chd->bthd", out_latent, w, preferred_element_type=jnp.float32)
+  return out[..., cfg.qk_nope_head_dim:].astype(out_latent.dtype)
 
 
 def mla_latent_attention(q_latent, q_rope, latent, k_rope, mask, scale, *,
