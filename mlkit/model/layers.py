@@ -15,8 +15,9 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
   return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def swiglu(p: dict, x: jax.Array, *, backend: str | None = None) -> jax.Array:
-  """Dense SwiGLU FFN: w_down(silu(w_gate x) * w_up x). x [..., D] -> [..., D]."""
+def swiglu(p: dict, x: jax.Array, *, backend: str | None = None, out_dtype=None) -> jax.Array:
+  """Dense SwiGLU FFN: w_down(silu(w_gate x) * w_up x). x [..., D] -> [..., D] in
+  ``out_dtype`` (default x's)."""
   h = (jax.nn.silu(matmul(x, p["w_gate"], backend=backend))
        * matmul(x, p["w_up"], backend=backend))
-  return matmul(h, p["w_down"], backend=backend)
+  return matmul(h, p["w_down"], backend=backend, out_dtype=out_dtype)

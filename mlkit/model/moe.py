@@ -144,7 +144,7 @@ def _expert_axes(expert_sharding) -> tuple[str, ...] | None:
 
 def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
                      n_experts: int, *, backend: str | None = None,
-                     expert_sharding: NamedSharding | None = None) -> jax.Array:
+                     expert_sharding: NamedSharding | None = None, out_dtype=None) -> jax.Array:
   """Runs each token through its chosen experts and combines the results.
 
   With ``expert_sharding`` (experts split over mesh axes), the expert FFNs run
@@ -167,9 +167,13 @@ def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
     backend: kernel backend for quantised expert weights.
     expert_sharding: None, or a NamedSharding whose spec's first entry names the
       mesh axes the experts' leading axis is split over (as the params are placed).
+    out_dtype: the result's dtype (default x's). ``moe_ffn`` takes f32, so that the
+      shared expert's output adds to it before any cast: XLA's GPU compiler then sums the
+      two partial sums on each device and all-reduces once, where it combined two
+      all-reduces into one over their concatenation (a launch, and twice the bytes).
 
   Returns:
-    [N, D] in x's dtype: sum_k weights[n, k] * expert_{ids[n, k]}(x[n]).
+    [N, D] in ``out_dtype``: sum_k weights[n, k] * expert_{ids[n, k]}(x[n]).
 
   Raises:
     ValueError: if the expert axes do not split E into whole experts.
@@ -184,7 +188,7 @@ def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
   axes = _expert_axes(expert_sharding)
   if axes is None:
     out = _run_experts(experts, x, token_of, group_sizes, row_weights, slot, backend)
-    return out.astype(x.dtype)
+    return out.astype(out_dtype or x.dtype)
   mesh = expert_sharding.mesh
   shards = math.prod(mesh.shape[a] for a in axes)
   if n_experts % shards:
@@ -230,7 +234,7 @@ def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
   in_specs = (jax.tree_util.tree_map(expert_spec, experts),) + (PartitionSpec(),) * 5
   run = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(),
                       check_vma=False)
-  return run(experts, x, token_of, cum, row_weights, slot).astype(x.dtype)
+  return run(experts, x, token_of, cum, row_weights, slot).astype(out_dtype or x.dtype)
 
 
 def moe_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, backend: str | None = None,
@@ -248,9 +252,10 @@ def moe_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, backend: str | None = No
   xf = x.reshape(-1, shape[-1])  # [N, D]
   expert_ids, weights, scores = route(p, xf, cfg, backend=backend)
   out = dispatch_experts(p, xf, expert_ids, weights, cfg.n_routed_experts, backend=backend,
-                         expert_sharding=expert_sharding)
+                         expert_sharding=expert_sharding, out_dtype=jnp.float32)
   if "shared" in p:
-    out = out + swiglu(p["shared"], xf, backend=backend)
+    out = out + swiglu(p["shared"], xf, backend=backend, out_dtype=jnp.float32)
+  out = out.astype(x.dtype)
   load = jnp.bincount(expert_ids.reshape(-1), length=cfg.n_routed_experts) / expert_ids.size
   aux = {"expert_load": load.astype(jnp.float32), "router_prob": jnp.mean(scores, axis=0)}
   return out.reshape(shape), aux
