@@ -9,7 +9,6 @@ their stored entries with the tolerance table's bounds (docs/testing.md), and
 on tokens and logits only where f32 makes that exact.
 """
 
-import dataclasses
 import functools
 import os
 
@@ -26,9 +25,13 @@ from mlkit.engine import transfer as tr
 from mlkit.engine.disagg import DisaggConfig, DisaggEngine, PoolConfig
 from mlkit.quant import BF16, INT4_EXPERTS
 from mlkit.sampling import SamplingParams
+from numpy_params import init_params_np
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "glm_moe_dsa")
 RTOL_L2 = 1e-4  # as tests/test_hf_parity.py: f32 against transformers' f32 logits
+# The f32 disaggregated decode pool's mesh (devices 2 and 3, after the prefill pool's two),
+# and the f32 Engine's.
+F32_DECODE_MESH = parallel.MeshConfig(expert=2)
 
 
 def _rel(a, b) -> float:
@@ -54,9 +57,12 @@ class GlmServingTest(parameterized.TestCase):
     cls.greedy = cls.ref["greedy"]  # [B, N]
     cls.prompts = [cls.ref["tokens"][i, :cls.n].tolist() for i in range(cls.greedy.shape[0])]
     # The f32 engine, with the prefix cache and fault injection on for the tests that
-    # reuse it after this first run.
+    # reuse it after this first run. It is placed as test_disaggregated_f32_gives_the_greedy_
+    # tokens's decode pool (expert-parallel on devices 2 and 3), whose decode step is then
+    # this one (the lossy engines below run without a mesh).
     cls.f32 = Engine(cls.params, cls._engine_config("float32", 8, enable_fault_injection=True,
-                                                    prefix_cache=True))
+                                                    prefix_cache=True),
+                     mesh=parallel.make_mesh(F32_DECODE_MESH, jax.devices()[2:4]))
     cls.f32_out = cls._drive(cls.f32)
 
   @classmethod
@@ -224,8 +230,8 @@ class GlmServingTest(parameterized.TestCase):
     # re-paged transfer of latent, rope and index keys is exact.
     cfg = DisaggConfig(
         prefill=PoolConfig(self._engine_config("float32", 4), BF16, parallel.MeshConfig(tensor=2)),
-        decode=PoolConfig(self._engine_config("float32", 8), BF16, parallel.MeshConfig(expert=2)))
-    eng = DisaggEngine(self.params, cfg)
+        decode=PoolConfig(self._engine_config("float32", 8), BF16, F32_DECODE_MESH))
+    eng = DisaggEngine(self.params, cfg, devices=jax.devices()[:4])
     for i, (out, logits) in enumerate(self._drive(eng)):
       self.assertEqual(out, self.greedy[i].tolist())
       self.assertLess(_rel(logits, self.ref["greedy_logits"][i]), RTOL_L2)
@@ -263,7 +269,9 @@ class TinyGlmPresetTest(absltest.TestCase):
 
   def test_serves_through_disaggregated_pools(self):
     from configs import TINY_GLM
-    params = model.init_params(TINY_GLM, jax.random.key(3))
+    # Drawn with numpy (tests/numpy_params.py): the initialiser's threefry program would be
+    # this test's largest compile, and nothing here is about it.
+    params = init_params_np(TINY_GLM, seed=3)
     rng = np.random.default_rng(3)
     # One prompt longer than index_topk (8), so its selection is sparse, one shorter.
     prompts = [rng.integers(0, TINY_GLM.vocab_size, n).tolist() for n in (21, 5)]
