@@ -72,18 +72,21 @@ class BalancingTest(absltest.TestCase):
     load[0, 0] += 0.2  # overloaded
     load[0, 1] -= 0.1  # underloaded
     load[0, 2] -= 0.1
-    new = update_router_bias(params, jnp.asarray(load), cfg, rate=0.05)
+    # Jitted: op by op, the update compiles a program per op and leaf shape.
+    new = jax.jit(update_router_bias, static_argnums=(2, 3))(params, jnp.asarray(load), cfg, 0.05)
     b = np.asarray(new["layers"][1]["ffn"]["router_bias"])
     self.assertAlmostEqual(b[0], -0.05, places=6)
     self.assertAlmostEqual(b[1], 0.05, places=6)
     self.assertAlmostEqual(b[3], 0.0, places=6)  # exactly at the mean: no move
     # A large enough bias steers selection away from expert 0 without changing the combine weights.
     x = _normal(1, (64, cfg.d_model))
-    ffn = dict(new["layers"][1]["ffn"], router_bias=jnp.zeros(E).at[0].set(-10.0))
+    bias = np.zeros(E, np.float32)
+    bias[0] = -10.0
+    ffn = dict(new["layers"][1]["ffn"], router_bias=jnp.asarray(bias))
     route_jit = jax.jit(route, static_argnums=2)
     ids, w, _ = route_jit(ffn, x, cfg)
     self.assertFalse(np.any(np.asarray(ids) == 0))
-    ids0, w0, _ = route_jit(dict(ffn, router_bias=jnp.zeros(E)), x, cfg)
+    ids0, w0, _ = route_jit(dict(ffn, router_bias=jnp.asarray(np.zeros(E, np.float32))), x, cfg)
     self.assertTrue(np.any(np.asarray(ids0) == 0))
 
 
@@ -118,6 +121,14 @@ class AuxLossTest(absltest.TestCase):
     np.testing.assert_array_equal(np.asarray(g_total["layers"][1]["ffn"]["router_bias"]), 0.0)
 
 
+# The capacity matmul and its ragged_dot reference, jitted: one compile per shape and
+# capacity factor instead of one per op.
+_capacity_matmul = jax.jit(lambda x, w, gs, factor: grouped_matmul(
+    x, CapacityExperts(w, capacity_factor=factor), gs, out_dtype=jnp.float32),
+    static_argnums=3)
+_ragged_dot = jax.jit(jax.lax.ragged_dot)
+
+
 class CapacityExpertsTest(parameterized.TestCase):
 
   def _inputs(self, sizes, K=8, N=4):
@@ -129,8 +140,8 @@ class CapacityExpertsTest(parameterized.TestCase):
 
   def test_matches_ragged_dot_with_enough_capacity(self):
     x, w, gs = self._inputs([3, 0, 7, 2])
-    ref = jax.lax.ragged_dot(x, w, gs)
-    got = grouped_matmul(x, CapacityExperts(w, capacity_factor=4.0), gs, out_dtype=jnp.float32)
+    ref = _ragged_dot(x, w, gs)
+    got = _capacity_matmul(x, w, gs, 4.0)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
     self.assertTrue(np.all(np.asarray(got)[12:] == 0))
 
@@ -138,17 +149,16 @@ class CapacityExpertsTest(parameterized.TestCase):
     x, w, gs = self._inputs([12, 1, 1, 1])
     C = expert_capacity(x.shape[0], 4, 1.0)  # ceil(18 / 4) = 5
     self.assertEqual(C, 5)
-    ref = np.asarray(jax.lax.ragged_dot(x, w, gs))
-    got = np.asarray(grouped_matmul(x, CapacityExperts(w, capacity_factor=1.0), gs,
-                                    out_dtype=jnp.float32))
+    ref = np.asarray(_ragged_dot(x, w, gs))
+    got = np.asarray(_capacity_matmul(x, w, gs, 1.0))
     np.testing.assert_allclose(got[:C], ref[:C], rtol=1e-5, atol=1e-5)
     self.assertTrue(np.all(got[C:12] == 0))  # expert 0's rows past its capacity
     np.testing.assert_allclose(got[12:15], ref[12:15], rtol=1e-5, atol=1e-5)
 
   def test_gradient_flows_to_weight(self):
     x, w, gs = self._inputs([3, 2, 2, 2])
-    g = jax.grad(lambda w: jnp.sum(grouped_matmul(x, CapacityExperts(w, 4.0), gs)))(w)
-    g_ref = jax.grad(lambda w: jnp.sum(jax.lax.ragged_dot(x, w, gs)))(w)
+    g = jax.jit(jax.grad(lambda w: jnp.sum(grouped_matmul(x, CapacityExperts(w, 4.0), gs))))(w)
+    g_ref = jax.jit(jax.grad(lambda w: jnp.sum(jax.lax.ragged_dot(x, w, gs))))(w)
     np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-5, atol=1e-5)
 
   def test_dropless_loss_equals_roomy_capacity_loss(self):
