@@ -423,16 +423,19 @@ class ExportTest(absltest.TestCase):
     # RTN INT4 at group 128 (K = 128 for the experts' gate and up projections; their down
     # projection, K = 64, at group 32) and one GPTQ weight, written as compressed-tensors
     # with two config groups.
+    # Each step jitted (op by op they compiled ~60 small programs); activations from numpy.
     params, cfg = load_hf_checkpoint(FP8)
-    dense = jax.tree_util.tree_map(lambda w: dequantize(w, jnp.float32), params,
-                                   is_leaf=lambda x: isinstance(x, (Int4Weight, Fp8Weight)))
-    q = quantize_params(dense, int4_experts(group_size=32))
+    dense = jax.jit(lambda p: jax.tree_util.tree_map(
+        lambda w: dequantize(w, jnp.float32), p,
+        is_leaf=lambda x: isinstance(x, (Int4Weight, Fp8Weight))))(params)
+    q = jax.jit(lambda d: quantize_params(d, int4_experts(group_size=32)))(dense)
+    quantize_128 = jax.jit(lambda w: quantize_int4(w, 128))
     for i in (1, 2):
       for w in ("w_gate", "w_up"):
-        q["layers"][i]["ffn"][w] = quantize_int4(dense["layers"][i]["ffn"][w], 128)
+        q["layers"][i]["ffn"][w] = quantize_128(dense["layers"][i]["ffn"][w])
     wo = dense["layers"][1]["attn"]["wo"]  # [64, 128]
-    acts = jax.random.normal(jax.random.key(0), (256, wo.shape[0]))
-    q["layers"][1]["attn"]["wo"] = gptq_quantize_int4(wo, acts, 32)
+    acts = jnp.asarray(np.random.default_rng(0).standard_normal((256, wo.shape[0])), jnp.float32)
+    q["layers"][1]["attn"]["wo"] = jax.jit(lambda w, a: gptq_quantize_int4(w, a, 32))(wo, acts)
     _, qc = self._round_trip(q, cfg, "compressed-tensors", "rtn")
     groups = sorted((g["weights"]["group_size"], len(g["targets"])) for g in qc["config_groups"].values())
     self.assertEqual(groups, [(32, 17), (128, 32)])
