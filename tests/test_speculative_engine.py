@@ -12,8 +12,9 @@ accepted drafts. Page tags, cancellation and the allocator's conservation hold a
 without it.
 
 Most of the time here is XLA compiling the engines' steps, so the tests share them:
-engines of one k keep one pool shape, and the plain engines are placed as the served
-test's plain server, whose steps are then those already compiled.
+engines of one k keep one pool shape, the one-device engines are placed as the served
+test's servers (whose steps are then those already compiled), and the mesh engine's
+mesh is the disaggregated decode pool's.
 """
 
 import dataclasses
@@ -57,7 +58,8 @@ def engine_config(k: int, **kw) -> EngineConfig:
 def echo_params(params, eps: float = 0.1):
   """Blocks scaled by ``eps`` (the residual stream stays near the token's embedding); the MTP
   layer's block silenced and its eh_proj passing the next token's normalised embedding, so
-  its head predicts what the model predicts after that token, nearly."""
+  its head predicts what the model predicts after that token, nearly. On host (numpy)
+  params: eager jnp arithmetic would compile a program per operation and shape."""
   params = jax.tree.map(lambda x: x, params)
 
   def scale(lp, f):
@@ -71,7 +73,7 @@ def echo_params(params, eps: float = 0.1):
   mtp = params["mtp"][0]
   scale(mtp, 0.0)
   D = CFG.d_model
-  mtp["eh_proj"] = jnp.concatenate([jnp.eye(D), jnp.zeros((D, D))]).astype(mtp["eh_proj"].dtype)
+  mtp["eh_proj"] = np.concatenate([np.eye(D), np.zeros((D, D))]).astype(mtp["eh_proj"].dtype)
   return params
 
 
@@ -80,26 +82,29 @@ _PARAMS: dict = {}
 
 def params(kind: str):
   if kind not in _PARAMS:
-    p = jax.tree.map(jnp.asarray, init_params_np(CFG, seed=3, mtp=()))
-    _PARAMS[kind] = p if kind == "random" else echo_params(p)
+    p = jax.tree.map(np.asarray, init_params_np(CFG, seed=3, mtp=()))
+    _PARAMS[kind] = jax.tree.map(jnp.asarray, p if kind == "random" else echo_params(p))
   return _PARAMS[kind]
 
 
-def plain_server(kind: str) -> tuple[dict, object]:
-  """(params, mesh) of an engine without speculation: the params without their MTP layer on
-  a one-device mesh, as ``mlkit.serve``'s ``build_engine`` places a plain one-device server,
-  so that test_served_with_the_serve_config's plain server runs the steps compiled here."""
-  no_mtp = {name: v for name, v in params(kind).items() if name != "mtp"}
-  return no_mtp, make_mesh(MeshConfig(tensor=1), jax.devices()[:1])
+def one_device_mesh():
+  """The mesh ``mlkit.serve``'s ``build_engine`` places a one-device server on. Every
+  one-device engine here is placed on it, so that test_served_with_the_serve_config's
+  servers (plain and k = 2) run the steps compiled here (an engine without a mesh compiles
+  its own: the speculative step without a mesh is served in test_serving_conformance)."""
+  return make_mesh(MeshConfig(tensor=1), jax.devices()[:1])
+
+
+def engine(kind: str, k: int, **kw) -> Engine:
+  """A one-device engine as a server builds it; k = 0 as a plain server, whose params have
+  no MTP layer."""
+  p = params(kind) if k else {name: v for name, v in params(kind).items() if name != "mtp"}
+  return Engine(p, engine_config(k, **kw), mesh=one_device_mesh())
 
 
 def serve(kind: str, k: int, prompts=PROMPTS, sampling=None, **kw):
   """(engine, outputs) after serving ``prompts`` to completion; k = 0 as a plain server."""
-  if k:
-    eng = Engine(params(kind), engine_config(k, **kw))
-  else:
-    p, mesh = plain_server(kind)
-    eng = Engine(p, engine_config(k, **kw), mesh=mesh)
+  eng = engine(kind, k, **kw)
   sampling = sampling or [SamplingParams(max_new_tokens=N_NEW)] * len(prompts)
   ids = [eng.submit(p, s) for p, s in zip(prompts, sampling)]
   eng.run_until_done(max_steps=500)
@@ -141,7 +146,7 @@ class SpeculativeEngineTest(parameterized.TestCase):
     # preempts against the free pages alone, as in a pool of SMALL pages (the same 3
     # preemptions and 16 prefix tokens saved).
     SMALL = 14
-    eng = Engine(params("echo"), engine_config(3, prefix_cache=True))
+    eng = engine("echo", 3, prefix_cache=True)
     self.assertIsNone(eng.allocator.admit("held", (NUM_PAGES - SMALL) * PAGE))
     self.assertEqual(eng.allocator.num_free, SMALL)
     ids = [eng.submit(p, SamplingParams(max_new_tokens=N_NEW)) for p in PROMPTS]
@@ -170,7 +175,7 @@ class SpeculativeEngineTest(parameterized.TestCase):
     self.assertEqual(outs, [b[:s.max_new_tokens] for b, s in zip(self.base["echo"], lengths)])
 
   def test_cancel_mid_decode_returns_every_page(self):
-    eng = Engine(params("echo"), engine_config(2))
+    eng = engine("echo", 2)
     ids = [eng.submit(p, SamplingParams(max_new_tokens=N_NEW)) for p in PROMPTS[:4]]
     for _ in range(4):
       eng.step()
@@ -182,7 +187,7 @@ class SpeculativeEngineTest(parameterized.TestCase):
     self.assertEqual(eng.allocator.num_free, NUM_PAGES)
 
   def test_integrity_fault_in_a_verify_step_aborts_only_its_request(self):
-    eng = Engine(params("echo"), engine_config(3))
+    eng = engine("echo", 3)
     ids = [eng.submit(p, SamplingParams(max_new_tokens=N_NEW)) for p in PROMPTS[:4]]
     victim = ids[2]
     while eng.get(victim).status is not RequestStatus.DECODING:
@@ -231,7 +236,9 @@ class SpeculativeEngineTest(parameterized.TestCase):
         np.testing.assert_allclose(top_b, top_a, atol=1e-5)
 
   def test_on_a_mesh(self):
-    mesh = make_mesh(MeshConfig(tensor=2, expert=2), jax.devices()[:4])
+    # The devices and mesh of test_disaggregated_pools's decode pool, whose verify step is
+    # then this engine's (compiled once).
+    mesh = make_mesh(MeshConfig(tensor=2, expert=2), jax.devices()[4:8])
     eng = Engine(params("echo"), engine_config(2), mesh=mesh)
     ids = [eng.submit(p, SamplingParams(max_new_tokens=N_NEW)) for p in PROMPTS]
     eng.run_until_done(max_steps=500)
@@ -240,11 +247,12 @@ class SpeculativeEngineTest(parameterized.TestCase):
 
   def test_disaggregated_pools(self):
     # The prefill pool writes the prompt's drafter KV and the first drafts; the transfer
-    # carries the drafter layer with the model's; the (overlapped) decode pool verifies.
+    # carries the drafter layer with the model's; the (overlapped) decode pool verifies, on
+    # test_on_a_mesh's mesh (tensor and expert parallel, devices 4 to 7): the same steps.
     cfg = DisaggConfig(prefill=PoolConfig(engine_config(2), BF16, MeshConfig(tensor=2)),
                        decode=PoolConfig(engine_config(2, overlap=True), BF16,
-                                         MeshConfig(tensor=2)))
-    eng = DisaggEngine(params("echo"), cfg, devices=jax.devices()[4:8])
+                                         MeshConfig(tensor=2, expert=2)))
+    eng = DisaggEngine(params("echo"), cfg, devices=jax.devices()[2:8])
     ids = [eng.submit(p, SamplingParams(max_new_tokens=N_NEW)) for p in PROMPTS]
     eng.run_until_done(max_steps=500)
     self.assertEqual([list(eng.get(i).output) for i in ids], self.base["echo"])
@@ -272,7 +280,7 @@ class SpeculativeEngineTest(parameterized.TestCase):
     self.assertEqual(outs[2], outs[0])
 
   def test_sequences_keep_look_ahead_room(self):
-    eng = Engine(params("random"), engine_config(3))
+    eng = engine("random", 3)
     room = 16 * PAGE - 5  # max_pages_per_seq pages less 2k - 1 look-ahead positions
     self.assertEqual(eng.max_seq_tokens, room)
     with self.assertRaisesRegex(ValueError, "can never fit"):
