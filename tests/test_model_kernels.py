@@ -41,7 +41,7 @@ def _prefilled(cfg, kv_dtype):
     alloc.admit(rid, n)
   state = sync_tags(init_paged_state(cfg, KVCacheConfig(16, 4, kv_dtype)), alloc.device_tags())
   toks = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
-  pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+  pos = jnp.asarray(np.broadcast_to(np.arange(5, dtype=np.int32), (2, 5)))
   _, state = apply_jit(params, toks, pos, state, cfg=cfg, batch_meta=alloc.batch_meta([0, 1], 4))
   for rid, n in enumerate([6, 4]):
     alloc.extend(rid, n)
@@ -55,7 +55,8 @@ class PagedDecodeBackendTest(parameterized.TestCase):
   def test_interpret_matches_xla(self, cfg, kv_dtype):
     params, state, meta = _prefilled(cfg, kv_dtype)
     tokens, positions = jnp.array([[7], [9]]), jnp.array([[5], [3]])
-    copy = jax.tree.map(jnp.copy, state)
+    # Copied through the host: an eager jnp.copy compiles a program per leaf shape.
+    copy = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), state)
     op = "paged_mla_decode" if cfg.attention == "mla" else "paged_gqa_decode"
     spy = mock.Mock(wraps=getattr(paged_attention, op))
     with mock.patch.object(paged_attention, op, spy):
@@ -79,7 +80,8 @@ class Int4ModelBackendTest(absltest.TestCase):
 
   def test_int4_experts_interpret_matches_xla(self):
     cfg = MLA
-    qparams = quantize_params(init_params_np(cfg), INT4_EXPERTS)
+    # Quantised in one compiled program rather than op by op.
+    qparams = jax.jit(lambda p: quantize_params(p, INT4_EXPERTS))(init_params_np(cfg))
     self.assertIsInstance(qparams["layers"][1]["ffn"]["w_gate"], Int4Weight)
     toks = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (1, 4)), jnp.int32)
     ref = forward(qparams, toks, cfg=cfg, backend="xla")
