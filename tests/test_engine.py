@@ -32,9 +32,11 @@ NUM_PAGES, PAGE = 12, 8
 
 
 def engine_config(**kw) -> EngineConfig:
+  # Every engine computes log-probabilities (a request returns them only when it asks): one
+  # compiled step serves LogprobsTest and the rest alike.
   base = dict(model=CFG, kv=KVCacheConfig(num_pages=NUM_PAGES, page_size=PAGE, dtype="float32"),
               max_running=4, batch_buckets=(4,), prefill_buckets=(16,), prefill_token_budget=32,
-              max_pages_per_seq=8, record_logits=True, enable_fault_injection=True)
+              max_pages_per_seq=8, record_logits=True, enable_fault_injection=True, logprobs=5)
   base.update(kw)
   return EngineConfig(**base)
 
@@ -500,7 +502,7 @@ class LogprobsTest(absltest.TestCase):
     # record_logits gives each emitted token's logits: the log-probabilities must be their
     # log-softmax (raw, before temperature), the top ids the most likely ones, for greedy
     # and sampled rows, prefill (first token) and decode alike.
-    eng = Engine(params(), engine_config(logprobs=5))
+    eng = Engine(params(), engine_config())  # logprobs=5
     samplings = [SamplingParams(max_new_tokens=4, logprobs=3),
                  SamplingParams(max_new_tokens=4, temperature=0.9, seed=7, logprobs=0),
                  SamplingParams(max_new_tokens=4)]
@@ -522,7 +524,7 @@ class LogprobsTest(absltest.TestCase):
     with self.assertRaisesRegex(ValueError, "at most 5 top log-probabilities"):
       eng.submit([1, 2], SamplingParams(logprobs=6))
     with self.assertRaisesRegex(ValueError, "computes no log-probabilities"):
-      Engine(params(), engine_config()).submit([1, 2], SamplingParams(logprobs=0))
+      Engine(params(), engine_config(logprobs=0)).submit([1, 2], SamplingParams(logprobs=0))
     with self.assertRaisesRegex(ValueError, "logprobs must be None or an int in"):
       SamplingParams(logprobs=21)
 
@@ -665,7 +667,8 @@ class GqaEngineTest(absltest.TestCase):
     prompts = [prompt(n, 500 + i) for i, n in enumerate((5, 20, 9))]
     sps = [SamplingParams(max_new_tokens=6, seed=i, temperature=0.7 * (i == 1)) for i in range(3)]
     want = generate(gparams, cfg, prompts, sps).tokens
-    eng = Engine(gparams, engine_config(model=cfg, record_logits=False))
+    # Without log-probabilities or logits: the step that computes neither.
+    eng = Engine(gparams, engine_config(model=cfg, record_logits=False, logprobs=0))
     self.assertEqual(eng.generate(prompts, sps), want)
     # A wrong block-table entry on request 2 aborts it and nobody else.
     ids = [eng.submit(p, s) for p, s in zip(prompts, sps)]
