@@ -6,6 +6,13 @@ request (no write); the written rows dequantise to the entries within the fp8 bo
 no other row changes; float pools and shapes the kernel does not take run the reference;
 bad input; ``PagedKVState.write`` on the kernel backends equals "xla"; and compiles for
 an H200 at Kimi K2.6's decode shapes: one launch, no spills.
+
+MLA's write with its entries' RMSNorm and rope in the same launch (``write_mla_pages``):
+interpret mode stores the reference's bytes for fp8 and float pools, both rope pairings;
+the reference's entries are the model's own ops bit for bit; the stored rows hold the
+norm and rope computed in float64 within the fp8 bound; the reference where the kernel
+does not fit; bad input; ``PagedKVState.write`` of an ``MlaProjection`` equals the write
+of its entries; and one launch without spills on an H200, for fp8 and bf16 pools.
 """
 
 from absl.testing import absltest
@@ -18,7 +25,11 @@ import h200_compile_cases
 from configs import TINY_MLA
 from mlkit.kvcache import BatchMeta, KVCacheConfig
 from mlkit.kvcache.state import init_paged_state
-from pallas_kernels.page_write import kernel_takes, write_pages, write_pages_reference
+from mlkit.model import rope
+from mlkit.model.layers import rms_norm
+from pallas_kernels.page_write import (MlaProjection, kernel_takes, mla_entries_reference,
+                                       mla_kernel_takes, write_mla_pages, write_pages,
+                                       write_pages_reference)
 
 F8 = jnp.float8_e4m3fn
 
@@ -150,6 +161,151 @@ class PageWriteTest(parameterized.TestCase):
                                          jax.tree.leaves(state.layers[1]))))
 
 
+def _mla_case(seed, *, n=12, p=8, c=128, r=32, rows=10, pool=F8, kv_dtype=jnp.bfloat16):
+  """Random pools, a projection kv [rows, c + r] over several magnitudes (one row all
+  zeros), norm weight, rope tables, and (page, slot) targets as ``_case``'s."""
+  rng = np.random.default_rng(seed)
+  (_, _), pages, scales, page, slot = _case(seed, n=n, p=p, widths=(c, r), rows=rows,
+                                            pool=pool, dropped=(3,) if rows > 3 else ())
+  kv = rng.normal(size=(rows, c + r)) * rng.choice([1e-3, 1.0, 300.0], (rows, 1))
+  kv[min(1, rows - 1)] = 0.0
+  kv = jnp.asarray(kv, jnp.float32).astype(kv_dtype)
+  norm = jnp.asarray(rng.uniform(0.5, 1.5, c), jnp.float32).astype(kv_dtype)
+  angles = rng.uniform(-20, 20, (rows, r // 2))
+  cos, sin = (jnp.asarray(f(angles), jnp.float32) for f in (np.cos, np.sin))
+  return kv, norm, cos, sin, pages, scales, page, slot
+
+
+class MlaPageWriteTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ("fp8_kimi", dict(c=512, r=64), True),
+      ("fp8_small_half_split", dict(), False),
+      ("fp8_f32_kv", dict(kv_dtype=jnp.float32), True),
+      ("bf16_pool", dict(pool=jnp.bfloat16), True),
+      ("f32_pool_half_split", dict(pool=jnp.float32, kv_dtype=jnp.float32), False),
+      ("one_row", dict(rows=1), True))
+  def test_interpret_stores_the_reference_bytes(self, kw, interleave):
+    kv, norm, cos, sin, pages, scales, page, slot = _mla_case(0, **kw)
+    self.assertTrue(mla_kernel_takes(kv, norm, pages, scales))
+    run = jax.jit(lambda *a: write_mla_pages(*a, eps=1e-6, interleave=interleave,
+                                             backend="interpret"))
+    got = run(kv, norm, cos, sin, pages, scales, page, slot)
+    entries = mla_entries_reference(kv, norm, cos, sin, eps=1e-6, interleave=interleave)
+    _equal(self, got, write_pages_reference(entries, pages, scales, page, slot))
+
+  @parameterized.parameters(True, False)
+  def test_reference_entries_are_the_models_ops(self, interleave):
+    # MlaProjection.entries is what mla_project stores; the model's rms_norm and
+    # apply_rope are what the rest of the model uses: the same bits.
+    kv, norm, cos, sin, *_ = _mla_case(1, c=512, r=64)
+    latent, k_rope = mla_entries_reference(kv, norm, cos, sin, eps=1e-6,
+                                           interleave=interleave)
+    _equal(self, (latent, k_rope),
+           (rms_norm(kv[:, :512], norm, 1e-6),
+            rope.apply_rope(kv[:, 512:], cos, sin, interleave=interleave)))
+
+  @parameterized.parameters(True, False)
+  def test_stored_rows_hold_the_normed_and_rotated_projection(self, interleave):
+    kv, norm, cos, sin, pages, scales, page, slot = _mla_case(2, c=512, r=64, rows=16)
+    new_pages, new_scales = write_mla_pages(kv, norm, cos, sin, pages, scales, page, slot,
+                                            eps=1e-6, interleave=interleave,
+                                            backend="interpret")
+    # The entries in float64, from the bf16 projection.
+    x = np.asarray(kv.astype(jnp.float32), np.float64)
+    lat = x[:, :512]
+    lat = lat / np.sqrt((lat ** 2).mean(-1, keepdims=True) + 1e-6) * np.asarray(
+        norm.astype(jnp.float32), np.float64)
+    k = x[:, 512:]
+    c64, s64 = np.asarray(cos, np.float64), np.asarray(sin, np.float64)
+    if interleave:
+      x1, x2 = k[:, 0::2], k[:, 1::2]
+      k_rope = np.stack([x1 * c64 - x2 * s64, x1 * s64 + x2 * c64], -1).reshape(k.shape)
+    else:
+      x1, x2 = k[:, :32], k[:, 32:]
+      k_rope = np.concatenate([x1 * c64 - x2 * s64, x1 * s64 + x2 * c64], -1)
+    page_np, slot_np = np.asarray(page), np.asarray(slot)
+    written = np.zeros(pages[0].shape[:2], bool)
+    for want_all, old, new, old_s, new_s in zip((lat, k_rope), pages, new_pages, scales,
+                                                new_scales):
+      deq = np.asarray(new.astype(jnp.float32)) * np.asarray(new_s)[..., None]
+      for i in range(len(page_np)):
+        if not 0 <= page_np[i] < old.shape[0]:
+          continue
+        written[page_np[i], slot_np[i]] = True
+        want, got = want_all[i], deq[page_np[i], slot_np[i]]
+        if not want.any():  # the all-zero row: zeros under scale 1
+          np.testing.assert_array_equal(got, 0.0)
+          continue
+        self.assertLessEqual(np.linalg.norm(got - want) / np.linalg.norm(want), 5e-2)
+      np.testing.assert_array_equal(np.asarray(new.astype(jnp.float32))[~written],
+                                    np.asarray(old.astype(jnp.float32))[~written])
+      np.testing.assert_array_equal(np.asarray(new_s)[~written], np.asarray(old_s)[~written])
+    self.assertEqual(written.sum(), 16 - 2)  # row 3 past the pool, row 5 a negative page
+
+  def test_shapes_the_kernel_does_not_take_run_the_reference(self):
+    for kw in (dict(c=96), dict(r=24)):  # widths that are no powers of two
+      kv, norm, cos, sin, pages, scales, page, slot = _mla_case(3, **kw)
+      self.assertFalse(mla_kernel_takes(kv, norm, pages, scales))
+      fn = lambda *a: write_mla_pages(*a, eps=1e-6, interleave=True,  # noqa: E731
+                                      backend="interpret")
+      args = (kv, norm, cos, sin, pages, scales, page, slot)
+      self.assertNotIn("pallas_call", str(jax.make_jaxpr(fn)(*args)))
+      entries = mla_entries_reference(kv, norm, cos, sin, eps=1e-6, interleave=True)
+      _equal(self, fn(*args), write_pages_reference(entries, pages, scales, page, slot))
+    kv, norm, cos, sin, pages, scales, page, slot = _mla_case(3)
+    self.assertFalse(mla_kernel_takes(kv, norm, pages, None))  # fp8 pools without scales
+    self.assertFalse(mla_kernel_takes(kv, norm, pages[:1], scales))
+    self.assertFalse(mla_kernel_takes(kv, norm, (pages[0], pages[1].astype(jnp.bfloat16)),
+                                      scales))
+
+  def test_bad_input(self):
+    kv, norm, cos, sin, pages, scales, page, slot = _mla_case(4)
+    args = dict(eps=1e-6, interleave=True, backend="interpret")
+    with self.assertRaisesRegex(ValueError, "kv must be"):
+      write_mla_pages(kv[:, :100], norm, cos, sin, pages, scales, page, slot, **args)
+    with self.assertRaisesRegex(ValueError, "rope width 31 is odd"):
+      write_mla_pages(kv[:, :-1], norm, cos, sin, pages, scales, page, slot, **args)
+    with self.assertRaisesRegex(ValueError, "cos must be"):
+      write_mla_pages(kv, norm, cos[:, :4], sin, pages, scales, page, slot, **args)
+    with self.assertRaisesRegex(ValueError, "page must be int32"):
+      write_mla_pages(kv, norm, cos, sin, pages, scales, page[:2], slot, **args)
+    with self.assertRaisesRegex(ValueError, "backend must be one of"):
+      write_mla_pages(kv, norm, cos, sin, pages, scales, page, slot, eps=1e-6,
+                      interleave=True, backend="cuda")
+
+  @parameterized.parameters("float8_e4m3fn", "bfloat16")
+  def test_state_write_of_a_projection_equals_its_entries(self, kv_dtype):
+    cfg = TINY_MLA
+    state = init_paged_state(cfg, KVCacheConfig(num_pages=16, page_size=4, dtype=kv_dtype))
+    rng = np.random.default_rng(6)
+    B, T, c, r = 3, 1, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    angles = rng.uniform(-5, 5, (B, T, r // 2))
+    proj = MlaProjection(
+        kv=jnp.asarray(rng.normal(size=(B, T, c + r)), jnp.bfloat16),
+        norm_scale=jnp.asarray(rng.uniform(0.5, 1.5, c), jnp.bfloat16),
+        cos=jnp.asarray(np.cos(angles), jnp.float32), sin=jnp.asarray(np.sin(angles),
+                                                                      jnp.float32),
+        eps=cfg.latent_eps, interleave=cfg.rope_interleave)
+    tables = jnp.asarray([[3, 7, -1, -1], [1, -1, -1, -1], [9, 2, 4, -1]], jnp.int32)
+    lengths = jnp.asarray([6, 2, 9], jnp.int32)
+    positions = jnp.asarray([[5], [1], [11]], jnp.int32)  # the third row: padding
+    meta = BatchMeta(block_tables=tables, lengths=lengths,
+                     expected_tags=jnp.zeros_like(tables), page_size=4)
+    want = state.write(1, proj.entries(), positions, meta, backend="xla")
+    for backend in ("xla", "interpret"):
+      _equal(self, state.write(1, proj, positions, meta, backend=backend).layers, want.layers)
+    # A projection that does not fit the pool, or a pool that is not MLA's.
+    bad = MlaProjection(kv=proj.kv[..., :-2], norm_scale=proj.norm_scale, cos=proj.cos,
+                        sin=proj.sin, eps=proj.eps, interleave=True)
+    with self.assertRaisesRegex(ValueError, "does not match"):
+      state.write(1, bad, positions, meta)
+    bad = MlaProjection(kv=proj.kv, norm_scale=proj.norm_scale, cos=proj.cos[..., :2],
+                        sin=proj.sin, eps=proj.eps, interleave=True)
+    with self.assertRaisesRegex(ValueError, "cos has shape"):
+      state.write(1, bad, positions, meta)
+
+
 class PageWriteH200Test(h200_compile_cases.H200CompilerTest):
 
   def test_one_launch_without_spills(self):
@@ -189,6 +345,24 @@ class PageWriteH200Test(h200_compile_cases.H200CompilerTest):
     self.assertIn("page_write", rep.launches)
     self.assertEqual([n for n in rep.launches if "scatter" in n], [], rep.launches)
     self.assertEqual(rep.kernels["page_write"].spills, 0)
+
+  @parameterized.parameters(F8, jnp.bfloat16)
+  def test_mla_write_is_one_launch_without_spills(self, pool):
+    from pallas_kernels.h200 import compile as hc
+    # Kimi K2.6's decode step on one H200, as above, from the wkv_a projection: the norm,
+    # the interleaved rope and the write in one launch, for fp8 and float pools.
+    n, p, rows, c, r = 16384, 64, 64, 512, 64
+    fp8 = pool == F8
+
+    def fn(kv, norm, cos, sin, pages, scales, page, slot):
+      return write_mla_pages(kv, norm, cos, sin, pages, scales if fp8 else None, page, slot,
+                             eps=1e-6, interleave=True, backend="pallas")
+    self.assert_one_launch_without_spills(
+        jax.jit(fn, donate_argnums=(4, 5)), hc.spec((rows, c + r), jnp.bfloat16),
+        hc.spec((c,), jnp.bfloat16), hc.spec((rows, r // 2), jnp.float32),
+        hc.spec((rows, r // 2), jnp.float32), (hc.spec((n, p, c), pool), hc.spec((n, p, r), pool)),
+        tuple(hc.spec((n, p), jnp.float32) for _ in range(2)),
+        hc.spec((rows,), jnp.int32), hc.spec((rows,), jnp.int32), kernel="page_write_mla")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from flax import struct
 from mlkit.config import ModelConfig
 from mlkit.kvcache.config import KVCacheConfig
 from mlkit.kvcache.fp8 import FP8_DTYPE, dequantize_fp8
-from pallas_kernels.page_write import write_pages
+from pallas_kernels.page_write import MlaProjection, write_mla_pages, write_pages
 from mlkit.model.masks import causal_mask
 
 # Block-table entry for "no page here" (past the request's pages, or a padded batch row).
@@ -167,10 +167,12 @@ class PagedKVState:
     S = view[self.names[0]].shape[1]
     return state, view, causal_mask(positions, S, lengths=batch_meta.lengths)
 
-  def write(self, layer: int, new: dict, positions: jax.Array, batch_meta: BatchMeta, *,
+  def write(self, layer: int, new, positions: jax.Array, batch_meta: BatchMeta, *,
             backend: str | None = "xla"):
     """Writes this step's entries [B, T, ...] through the block tables; returns the new state.
 
+    ``new``: {name: entries [B, T, ...]}, or for an MLA layer a
+    ``pallas_kernels.page_write.MlaProjection`` (see :func:`write_layer`).
     Tokens whose position is >= their request's length are not written. Values
     (block tables, lengths) are validated on the host when run eagerly. ``backend``:
     "pallas" / "interpret" write through the page-write kernel (one launch for the
@@ -400,10 +402,24 @@ def validate_batch(state: PagedKVState, meta: BatchMeta, positions=None) -> None
     raise ValueError("positions must be >= 0")
 
 
-def _check_entries(state: PagedKVState, layer: int, new: dict, B: int, T: int) -> None:
+def _check_entries(state: PagedKVState, layer: int, new, B: int, T: int) -> None:
   if not 0 <= layer < state.n_layers:
     raise ValueError(f"layer {layer} out of range for a state of {state.n_layers} layers")
   cur = state.layers[layer]
+  if isinstance(new, MlaProjection):
+    if state.layer_names(layer) != ("latent", "k_rope"):
+      raise ValueError(f"an MlaProjection writes MLA's latent and k_rope; layer {layer} "
+                       f"holds {state.layer_names(layer)}")
+    widths = (cur["latent"].shape[-1], cur["k_rope"].shape[-1])
+    if new.widths != widths or new.kv.shape[:2] != (B, T) or new.kv.ndim != 3:
+      raise ValueError(f"the MlaProjection's kv {new.kv.shape} (latent and rope widths "
+                       f"{new.widths}) does not match [{B}, {T}, C + Rr] with (C, Rr) = "
+                       f"{widths}, the pool's")
+    for name in ("cos", "sin"):
+      if getattr(new, name).shape != (B, T, widths[1] // 2):
+        raise ValueError(f"the MlaProjection's {name} has shape {getattr(new, name).shape}, "
+                         f"not [{B}, {T}, {widths[1] // 2}]")
+    return
   for name in state.layer_names(layer):
     if name not in new:
       raise ValueError(f"new entries lack {name!r} (layer {layer} of a {state.attention} pool)")
@@ -433,14 +449,16 @@ def token_slots(block_tables: jax.Array, positions: jax.Array, lengths: jax.Arra
   return page, (positions % page_size).astype(jnp.int32)
 
 
-def write_layer(state: PagedKVState, layer: int, new: dict, positions: jax.Array,
+def write_layer(state: PagedKVState, layer: int, new, positions: jax.Array,
                 meta: BatchMeta, *, backend: str | None = "xla") -> PagedKVState:
   """Writes one layer's entries through the block tables (quantising for fp8). Pure and jittable.
 
   Args:
     state: the pool.
     layer: layer index (static).
-    new: entries, each [B, T, *entry_shape].
+    new: entries, each [B, T, *entry_shape]; or, for an MLA layer, a
+      ``pallas_kernels.page_write.MlaProjection`` [B, T, ...], whose RMSNorm and rope the
+      write computes (in the page write's own launch on the kernel backends).
     positions: [B, T] int32; tokens at positions >= lengths[b] are dropped.
     meta: batch metadata.
     backend: the page write's kernel backend (see :meth:`PagedKVState.write`).
@@ -458,10 +476,17 @@ def write_layer(state: PagedKVState, layer: int, new: dict, positions: jax.Array
     names = state.layer_names(layer)
     # Every array of the layer, with its fp8 scales: one scatter each on "xla", one kernel
     # launch for them all on the kernel backends (pallas_kernels.page_write), same bytes.
-    entries = [new[n].reshape(B * T, *new[n].shape[2:]) for n in names]
     scales = [cur[scale_name(n)] for n in names] if state.is_fp8 else None
-    pages, scales = write_pages(entries, [cur[n] for n in names], scales, page.reshape(-1),
-                                slot.reshape(-1), backend=backend)
+    if isinstance(new, MlaProjection):
+      rows = lambda a: a.reshape(B * T, a.shape[-1])  # noqa: E731
+      pages, scales = write_mla_pages(rows(new.kv), new.norm_scale, rows(new.cos),
+                                      rows(new.sin), [cur[n] for n in names], scales,
+                                      page.reshape(-1), slot.reshape(-1), eps=new.eps,
+                                      interleave=new.interleave, backend=backend)
+    else:
+      entries = [new[n].reshape(B * T, *new[n].shape[2:]) for n in names]
+      pages, scales = write_pages(entries, [cur[n] for n in names], scales, page.reshape(-1),
+                                  slot.reshape(-1), backend=backend)
     upd.update(zip(names, pages))
     if scales is not None:
       upd.update(zip(map(scale_name, names), scales))

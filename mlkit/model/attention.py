@@ -16,6 +16,7 @@ from mlkit.model import rope
 from mlkit.model.layers import rms_norm
 from mlkit.model.masks import KeyMask, map_query_blocks
 from mlkit.quant import dequantize, matmul
+from pallas_kernels.page_write import MlaProjection
 
 _NEG_INF = -1e30
 # Queries attended at once, at most. A long prefill chunk attends in query blocks
@@ -84,7 +85,8 @@ def attend_in_query_blocks(attend, queries: tuple, mask: KeyMask | jax.Array,
 # ----------------------------------------------------------------------------- MLA
 
 def mla_project(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, *,
-                backend: str | None = None, return_q_latent: bool = False):
+                backend: str | None = None, return_q_latent: bool = False,
+                projection: bool = False):
   """Query heads and this step's cache entries for MLA.
 
   Args:
@@ -93,11 +95,14 @@ def mla_project(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, *
     positions: [B, T] int32.
     return_q_latent: also return the normed query latent [B, T, q_lora] (the
       sparse-attention indexer's input; needs q_lora_rank > 0).
+    projection: return the entries as a ``pallas_kernels.page_write.MlaProjection``
+      (before their RMSNorm and rope), which a paged cache's write computes in the page
+      write's own launch.
 
   Returns:
     (q_nope [B, T, H, nope], q_rope [B, T, H, R], new) where new = {latent [B, T, C], k_rope [B, T, R]}
-    holds the RMS-normed latent and the rotated shared rope key, exactly what the cache stores;
-    plus q_latent last with ``return_q_latent``.
+    holds the RMS-normed latent and the rotated shared rope key, exactly what the cache stores
+    (``MlaProjection.entries``); plus q_latent last with ``return_q_latent``.
   """
   B, T, _ = x.shape
   H, nope, R = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
@@ -110,12 +115,12 @@ def mla_project(p: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, *
     q = mm(x, p["wq"])
   q = q.reshape(B, T, H, nope + R)
   q_nope, q_rope = q[..., :nope], q[..., nope:]
-  kv = mm(x, p["wkv_a"])  # [B, T, C + R]
-  latent = rms_norm(kv[..., :cfg.kv_lora_rank], p["kv_norm"], cfg.latent_eps)
   cos, sin = rope.cos_sin(cfg, positions)
   q_rope = rope.apply_rope(q_rope, cos, sin, interleave=cfg.rope_interleave)
-  k_rope = rope.apply_rope(kv[..., cfg.kv_lora_rank:], cos, sin, interleave=cfg.rope_interleave)
-  new = {"latent": latent, "k_rope": k_rope}
+  new = MlaProjection(kv=mm(x, p["wkv_a"]), norm_scale=p["kv_norm"], cos=cos, sin=sin,
+                      eps=cfg.latent_eps, interleave=cfg.rope_interleave)  # kv [B, T, C + R]
+  if not projection:
+    new = new.entries()
   if return_q_latent:
     return q_nope, q_rope, new, q_latent
   return q_nope, q_rope, new
@@ -327,11 +332,15 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: i
     return _sparse_mla_block(p, x, positions, cache, layer, cfg, batch_meta=batch_meta,
                              mla_mode=mla_mode, backend=backend, segment_ids=segment_ids,
                              selection=selection, decode_sharding=decode_sharding)
+  paged_decode = T == 1 and cache is not None and hasattr(cache, "decode_attention")
   if mla:
-    q_nope, q_rope, new = mla_project(p, x, positions, cfg, backend=backend)
+    # A paged decode step's write norms and rotates the entries itself, in the page
+    # write's launch (pallas_kernels.page_write.write_mla_pages).
+    q_nope, q_rope, new = mla_project(p, x, positions, cfg, backend=backend,
+                                      projection=paged_decode)
   else:
     q, new = gqa_project(p, x, positions, cfg, backend=backend)
-  if T == 1 and cache is not None and hasattr(cache, "decode_attention"):
+  if paged_decode:
     with jax.named_scope("paged_decode_attention"):
       cache = cache.write(layer, new, positions, batch_meta, backend=backend)
       if mla:

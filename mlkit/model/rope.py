@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from mlkit.config import ModelConfig, yarn_mscale
+from pallas_kernels.page_write.reference import rotate
 
 
 def _correction_dim(n_rot: float, dim: int, base: float, max_pos: int) -> float:
@@ -49,16 +50,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, interleave: bool
   interleave=True rotates pairs (2i, 2i+1), as DeepSeek/Kimi checkpoints expect;
   False rotates (i, i + R/2), as Llama-style GQA checkpoints expect.
   """
-  dtype = x.dtype
-  x = x.astype(jnp.float32)
   if x.ndim == cos.ndim + 1:  # has a head axis
     cos, sin = cos[..., None, :], sin[..., None, :]
-  if interleave:
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    y1, y2 = x1 * cos - x2 * sin, x1 * sin + x2 * cos
-    y = jnp.stack([y1, y2], axis=-1).reshape(x.shape)
-  else:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    y = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
-  return y.astype(dtype)
+  # The cache's rope keys rotate with the same function (pallas_kernels.page_write).
+  return rotate(x.astype(jnp.float32), cos, sin, interleave=interleave).astype(x.dtype)

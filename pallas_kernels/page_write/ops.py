@@ -5,14 +5,13 @@ reduction for the per-token scales and one scatter per array, values and
 scales: five launches per layer. Here one program per token row reads its rows,
 quantises each (``quantize_rows``, the same rounding as the reference), and
 stores values and scales at its (page, slot) in pool arrays aliased to the
-outputs, so under a donated state nothing is copied. XLA still computes the
-entries (the latent's RMSNorm and the key's rope) in a fusion before it: two
-launches. Rows whose page is outside the pool (padding, tokens past their
-request's length) write nothing.
+outputs, so under a donated state nothing is copied. Rows whose page is outside
+the pool (padding, tokens past their request's length) write nothing.
 
-Float pools keep XLA's scatters: there the norm and rope fuse into the two
-scatters themselves, and the kernel plus that fusion would be as many launches
-(one more at one row, in the tiny model's compiled step).
+Float pools keep XLA's scatters here: computed entries fuse into the scatters
+themselves. A decode step's MLA write goes through ``mla.py`` instead, which also
+computes the entries (the latent's RMSNorm and the key's rope), for fp8 and float
+pools.
 """
 
 from __future__ import annotations

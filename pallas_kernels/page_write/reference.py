@@ -79,3 +79,41 @@ def write_pages_reference(entries, pages, scales, page: jax.Array, slot: jax.Arr
     new_pages.append(p.at[page, slot].set(q, mode="drop"))
     new_scales.append(s.at[page, slot].set(sc, mode="drop"))
   return tuple(new_pages), tuple(new_scales)
+
+
+def mla_entries_reference(kv: jax.Array, norm_scale: jax.Array, cos: jax.Array, sin: jax.Array,
+                          *, eps: float, interleave: bool) -> tuple[jax.Array, jax.Array]:
+  """MLA's cache entries from the ``wkv_a`` projection: the RMS-normed latent and the
+  rotated rope key, each rounded to kv's dtype (the same ops, in the same order, as
+  ``mlkit.model.layers.rms_norm`` and ``mlkit.model.rope.apply_rope``, which
+  tests/test_page_write_kernel.py checks bit for bit).
+
+  Args:
+    kv: [..., C + R] the projection (any float dtype).
+    norm_scale: [C] the latent's RMSNorm weight.
+    cos, sin: [..., R/2] f32 rope tables.
+    eps: the RMSNorm's epsilon.
+    interleave: rotate pairs (2i, 2i+1) (DeepSeek-style checkpoints), else (i, i + R/2).
+
+  Returns:
+    (latent [..., C], k_rope [..., R]) in kv's dtype.
+  """
+  c = norm_scale.shape[-1]
+  xf = kv[..., :c].astype(jnp.float32)
+  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  latent = (y * norm_scale.astype(jnp.float32)).astype(kv.dtype)
+  k_rope = rotate(kv[..., c:].astype(jnp.float32), cos, sin, interleave=interleave)
+  return latent, k_rope.astype(kv.dtype)
+
+
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, *, interleave: bool) -> jax.Array:
+  """The rope rotation of x [..., R] (f32) by cos/sin [..., R/2], which broadcast against
+  x's leading axes: pairs (2i, 2i+1) when ``interleave``, else (i, i + R/2). The one
+  definition: ``mlkit.model.rope.apply_rope`` rotates with it too."""
+  if interleave:
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    y1, y2 = x1 * cos - x2 * sin, x1 * sin + x2 * cos
+    return jnp.stack([y1, y2], axis=-1).reshape(x.shape)
+  half = x.shape[-1] // 2
+  x1, x2 = x[..., :half], x[..., half:]
+  return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
