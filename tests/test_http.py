@@ -16,7 +16,6 @@ import threading
 import time
 
 import httpx
-import jax
 import numpy as np
 import openai
 from absl.testing import absltest
@@ -39,8 +38,8 @@ def write_checkpoint(d: str, tokenizer: str, mtp: bool = False) -> str:
   MTP layer when ``mtp``) with the tokenizer files of ``tokenizer`` ("bpe" or "kimi");
   returns its directory."""
   from mlkit.checkpoint import save_hf_checkpoint
-  from mlkit.model import init_params
   from mlkit.text import copy_tokenizer_files
+  from numpy_params import init_params_np
   tok_dir, ckpt = os.path.join(d, "tokenizer"), os.path.join(d, "ckpt")
   os.makedirs(tok_dir)
   if tokenizer == "bpe":
@@ -53,7 +52,9 @@ def write_checkpoint(d: str, tokenizer: str, mtp: bool = False) -> str:
                          {"eos_token_id": list(tok.eos_token_ids)})
   tok = load_tokenizer(tok_dir)
   cfg = dataclasses.replace(TINY_MLA, vocab_size=tok.vocab_size, n_layers=2)
-  save_hf_checkpoint(ckpt, init_params(cfg, jax.random.key(0), mtp=() if mtp else None), cfg)
+  # Drawn with numpy: the library's initialiser would compile a program per vocabulary size
+  # (one per test class), and the server and the reference engine both load the saved file.
+  save_hf_checkpoint(ckpt, init_params_np(cfg, mtp=() if mtp else None), cfg)
   copy_tokenizer_files(tok_dir, ckpt)
   return ckpt
 
