@@ -115,7 +115,7 @@ class NkKernelTest(_KernelTestBase):
                                         backend=self.backend,
                                         block_sizes=None if bs is None else BlockSizes(*bs))
         self.assert_close(out, int4_grouped_matmul_reference(x, p, s, gs, group_size=g))
-        np.testing.assert_array_equal(np.asarray(out[int(gs.sum()):], np.float32), 0)
+        np.testing.assert_array_equal(np.asarray(out, np.float32)[int(np.asarray(gs).sum()):], 0)
 
 
 class NkKernelInterpretTest(NkKernelTest):
