@@ -17,7 +17,7 @@ from mlkit.config import ModelConfig
 from mlkit.model.layers import swiglu
 from mlkit.quant import grouped_matmul
 from pallas_kernels import dispatch as kernel_dispatch
-from pallas_kernels.moe_router import select_experts, sort_by_expert
+from pallas_kernels.moe_router import select_experts, sort_by_expert, sort_by_expert_local
 
 
 # The router's matmul on the kernel backends, for a decode step's few tokens (at most
@@ -178,26 +178,49 @@ def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
   Raises:
     ValueError: if the expert axes do not split E into whole experts.
   """
+  expert_ids, weights = expert_ids.astype(jnp.int32), weights.astype(jnp.float32)
+  experts = {name: p[name] for name in ("w_gate", "w_up", "w_down")}
+  axes = _expert_axes(expert_sharding)
+  out_dtype = out_dtype or x.dtype
+
+  def expert_spec(a):
+    return PartitionSpec(axes, *(None,) * (a.ndim - 1))
+
+  if axes is not None:
+    mesh = expert_sharding.mesh
+    shards = math.prod(mesh.shape[a] for a in axes)
+    if n_experts % shards:
+      raise ValueError(f"dispatch_experts: {n_experts} experts do not split into whole "
+                       f"experts over mesh axes {axes} of size {shards}")
+    local_experts = n_experts // shards
+    R = expert_ids.size
+    pass_rows = ep_pass_rows(R, shards)
+    if pass_rows == R and kernel_dispatch.resolve_backend(backend) != "xla":
+      # One pass (a decode step's rows) on the kernel backends: each device sorts the
+      # rows with its own experts' first and their row counts (sort_by_expert_local, one
+      # Pallas launch), where slicing them out of the global sort took launches of its
+      # own (docs/moe_router.md, "One device's rows").
+      def local_sorted(experts, x, expert_ids, weights):
+        first = jax.lax.axis_index(axes) * local_experts
+        token_of, row_weights, slot, sizes = sort_by_expert_local(
+            expert_ids, weights, n_experts, first.astype(jnp.int32), local_experts,
+            backend=backend)
+        out = _run_experts(experts, x, token_of, sizes, row_weights, slot, backend)
+        return jax.lax.psum(out, axes)  # [N, D] f32
+
+      in_specs = (jax.tree_util.tree_map(expert_spec, experts),) + (PartitionSpec(),) * 3
+      run = jax.shard_map(local_sorted, mesh=mesh, in_specs=in_specs,
+                          out_specs=PartitionSpec(), check_vma=False)
+      return run(experts, x, expert_ids, weights).astype(out_dtype)
+
   # The rows sorted by expert, and every expert's row offsets (cum [E + 1]): one Pallas
   # launch for a decode step's few rows on the kernel backends (docs/moe_router.md), the
   # jnp sort for a prefill's and on "xla".
-  token_of, row_weights, slot, cum = sort_by_expert(
-      expert_ids.astype(jnp.int32), weights.astype(jnp.float32), n_experts, backend=backend)
-  group_sizes = cum[1:] - cum[:-1]  # [E]
-  experts = {name: p[name] for name in ("w_gate", "w_up", "w_down")}
-  axes = _expert_axes(expert_sharding)
+  token_of, row_weights, slot, cum = sort_by_expert(expert_ids, weights, n_experts,
+                                                    backend=backend)
   if axes is None:
-    out = _run_experts(experts, x, token_of, group_sizes, row_weights, slot, backend)
-    return out.astype(out_dtype or x.dtype)
-  mesh = expert_sharding.mesh
-  shards = math.prod(mesh.shape[a] for a in axes)
-  if n_experts % shards:
-    raise ValueError(f"dispatch_experts: {n_experts} experts do not split into whole experts "
-                     f"over mesh axes {axes} of size {shards}")
-  local_experts = n_experts // shards
-
-  R = token_of.shape[0]
-  pass_rows = ep_pass_rows(R, shards)
+    out = _run_experts(experts, x, token_of, cum[1:] - cum[:-1], row_weights, slot, backend)
+    return out.astype(out_dtype)
 
   def local(experts, x, token_of, cum, row_weights, slot):
     first = jax.lax.axis_index(axes) * local_experts
@@ -228,13 +251,10 @@ def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
       out = jax.lax.fori_loop(1, passes, lambda i, acc: acc + run_pass(i * pass_rows), out)
     return jax.lax.psum(out, axes)  # [N, D] f32
 
-  def expert_spec(a):
-    return PartitionSpec(axes, *(None,) * (a.ndim - 1))
-
   in_specs = (jax.tree_util.tree_map(expert_spec, experts),) + (PartitionSpec(),) * 5
   run = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=PartitionSpec(),
                       check_vma=False)
-  return run(experts, x, token_of, cum, row_weights, slot).astype(out_dtype or x.dtype)
+  return run(experts, x, token_of, cum, row_weights, slot).astype(out_dtype)
 
 
 def moe_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, backend: str | None = None,

@@ -4,8 +4,9 @@ jnp references."""
 
 from pallas_kernels.moe_router.ops import select_experts
 from pallas_kernels.moe_router.reference import select_experts_reference
-from pallas_kernels.moe_router.reference import sort_by_expert_reference
-from pallas_kernels.moe_router.sort import sort_by_expert
+from pallas_kernels.moe_router.reference import (sort_by_expert_local_reference,
+                                                 sort_by_expert_reference)
+from pallas_kernels.moe_router.sort import sort_by_expert, sort_by_expert_local
 
 __all__ = ["select_experts", "select_experts_reference", "sort_by_expert",
-           "sort_by_expert_reference"]
+           "sort_by_expert_local", "sort_by_expert_local_reference", "sort_by_expert_reference"]

@@ -78,3 +78,30 @@ def sort_by_expert_reference(expert_ids: jax.Array, weights: jax.Array, n_expert
                 dtype=jnp.int32)  # [E + 1]
   return (token_of.astype(jnp.int32), weights.reshape(-1)[order], slot.reshape(expert_ids.shape),
           cum)
+
+
+def sort_by_expert_local_reference(expert_ids: jax.Array, weights: jax.Array, n_experts: int,
+                                   first: jax.Array, n_local: int):
+  """:func:`sort_by_expert_reference` renumbered for the device holding experts
+  [first, first + n_local): its pairs' rows first, [0, count), then the rows before them,
+  then those after (every row once); slots of the other pairs -1; and the local experts'
+  row counts.
+
+  Args:
+    expert_ids, weights, n_experts: as :func:`sort_by_expert_reference`.
+    first: int32 scalar, the first local expert.
+    n_local: the local experts.
+
+  Returns:
+    (token_of [N*k] int32, row_weights [N*k] f32, slot [N, k] int32, sizes [n_local] int32).
+  """
+  token_of, row_weights, slot, cum = sort_by_expert_reference(expert_ids, weights, n_experts)
+  start, end = cum[first], cum[first + n_local]
+  rows = jnp.arange(token_of.shape[0], dtype=jnp.int32)
+  here = (rows >= start) & (rows < end)
+  new = jnp.where(here, rows - start, jnp.where(rows < start, rows + (end - start), rows))
+  token_of = jnp.zeros_like(token_of).at[new].set(token_of)
+  row_weights = jnp.zeros_like(row_weights).at[new].set(row_weights)
+  slot = jnp.where((slot >= start) & (slot < end), slot - start, -1)
+  sizes = jax.lax.dynamic_slice_in_dim(cum[1:] - cum[:-1], first, n_local)
+  return token_of, row_weights, slot, sizes

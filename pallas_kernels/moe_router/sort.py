@@ -24,7 +24,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import dispatch
-from pallas_kernels.moe_router.reference import sort_by_expert_reference
+from pallas_kernels.moe_router.reference import (sort_by_expert_local_reference,
+                                                 sort_by_expert_reference)
 from pallas_kernels.schedule import pow2_at_least
 
 MAX_ROWS = 4096  # N x k up to which the kernel runs (the comparisons are (N x k)^2)
@@ -34,49 +35,70 @@ MAX_EXPERTS = _CHUNK_ELEMENTS - 1  # the row offsets' [E + 1, chunk] step fits o
 _NUM_WARPS = 4
 
 
-def _kernel(ids_ref, w_ref, token_ref, roww_ref, slot_ref, cum_ref, *, p: int, k: int, e: int,
-            bi: int, bj: int, be: int, bje: int):
-  """Refs: the flat [P] experts and weights; out: token_of [P], row_weights [P], slot
-  [P] and cum [be] (experts 0..E, then padding)."""
+def _kernel(ids_ref, w_ref, first_ref, token_ref, roww_ref, slot_ref, cum_ref, *, p: int, k: int,
+            e: int, local: int, bi: int, bj: int, be: int, bje: int):
+  """Refs: the flat [P] experts and weights, and [1] the first local expert (read when
+  ``local``); out: token_of [P], row_weights [P], slot [P] and cum [be]. With ``local``
+  experts [first, first + local), rows are numbered from the first local expert's
+  (rows of other experts after them), slot is -1 for other experts' pairs, and cum
+  holds the local experts' row counts instead of every expert's offsets."""
   i = pl.program_id(0) * bi + lax.broadcasted_iota(jnp.int32, (bi,), 0)  # [bi] pairs
   e_i = pltriton.load(ids_ref.at[i])
+  first = first_ref[0] if local else 0
+  last = first + local
 
   def chunk(c, size):  # experts of pairs [c * size, c * size + size); past P: E (before none)
     j = c * size + lax.broadcasted_iota(jnp.int32, (size,), 0)
     return j, pltriton.load(ids_ref.at[jnp.minimum(j, p - 1)], mask=j < p, other=e)
 
-  def before(c, count):  # pairs placed before each of ours: smaller expert, or same and earlier
+  def before(c, counts):  # pairs placed before each of ours: smaller expert, or same and earlier
+    count, start, end = counts
     j, e_j = chunk(c, bj)
-    first = ((e_j[None, :] < e_i[:, None])
-             | ((e_j[None, :] == e_i[:, None]) & (j[None, :] < i[:, None])))
-    return count + jnp.sum(first.astype(jnp.int32), axis=1)
+    first_ = ((e_j[None, :] < e_i[:, None])
+              | ((e_j[None, :] == e_i[:, None]) & (j[None, :] < i[:, None])))
+    count = count + jnp.sum(first_.astype(jnp.int32), axis=1)
+    if local:  # pairs before the local experts, and before the experts after them
+      start = start + jnp.sum((e_j < first).astype(jnp.int32))
+      end = end + jnp.sum((e_j < last).astype(jnp.int32))
+    return count, start, end
 
-  row = lax.fori_loop(0, pl.cdiv(p, bj), before, jnp.zeros((bi,), jnp.int32))
-  pltriton.store(slot_ref.at[i], row)
+  zero = jnp.int32(0)
+  row, start, end = lax.fori_loop(0, pl.cdiv(p, bj), before,
+                                  (jnp.zeros((bi,), jnp.int32), zero, zero))
+  if local:
+    # Local rows [0, end - start), then the rows before them, then those after: every row
+    # once. Only local pairs have a slot.
+    here = (e_i >= first) & (e_i < last)
+    pltriton.store(slot_ref.at[i], jnp.where(here, row - start, -1))
+    row = jnp.where(here, row - start, jnp.where(row < start, row + (end - start), row))
+  else:
+    pltriton.store(slot_ref.at[i], row)
   pltriton.store(token_ref.at[row], i // k)
   pltriton.store(roww_ref.at[row], pltriton.load(w_ref.at[i]))
 
   @pl.when(pl.program_id(0) == 0)
   def _():
-    ee = lax.broadcasted_iota(jnp.int32, (be,), 0)
+    ee = first + lax.broadcasted_iota(jnp.int32, (be,), 0)
 
-    def below(c, cum):  # pairs with an expert below each e
+    def below(c, cum):  # pairs with an expert below each e (local: equal to each e)
       _, e_j = chunk(c, bje)
-      return cum + jnp.sum((e_j[None, :] < ee[:, None]).astype(jnp.int32), axis=1)
+      hit = (e_j[None, :] == ee[:, None]) if local else (e_j[None, :] < ee[:, None])
+      return cum + jnp.sum(hit.astype(jnp.int32), axis=1)
 
-    pltriton.store(cum_ref.at[ee], lax.fori_loop(0, pl.cdiv(p, bje), below,
-                                                 jnp.zeros((be,), jnp.int32)))
+    pltriton.store(cum_ref.at[ee - first], lax.fori_loop(0, pl.cdiv(p, bje), below,
+                                                         jnp.zeros((be,), jnp.int32)))
 
 
-@functools.partial(jax.jit, static_argnames=("n_experts", "interpret"))
-def _sort_pallas(expert_ids, weights, *, n_experts, interpret):
+@functools.partial(jax.jit, static_argnames=("n_experts", "local", "interpret"))
+def _sort_pallas(expert_ids, weights, first, *, n_experts, local, interpret):
   n, k = expert_ids.shape
   p = n * k
   bi = min(p & -p, _BLOCK)  # divides P: every store is whole, unmasked
-  be = pow2_at_least(n_experts + 1)
+  be = pow2_at_least(local or n_experts + 1)
   bj = min(pow2_at_least(p), _CHUNK_ELEMENTS // bi)
   bje = max(1, min(pow2_at_least(p), _CHUNK_ELEMENTS // be))
-  kernel = functools.partial(_kernel, p=p, k=k, e=n_experts, bi=bi, bj=bj, be=be, bje=bje)
+  kernel = functools.partial(_kernel, p=p, k=k, e=n_experts, local=local, bi=bi, bj=bj,
+                             be=be, bje=bje)
   token_of, row_weights, slot, cum = pl.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((p,), jnp.int32), jax.ShapeDtypeStruct((p,), jnp.float32),
@@ -85,8 +107,17 @@ def _sort_pallas(expert_ids, weights, *, n_experts, interpret):
       compiler_params=pltriton.CompilerParams(num_warps=_NUM_WARPS, num_stages=1),
       interpret=interpret,
       name="sort_by_expert",
-  )(expert_ids.reshape(p), weights.reshape(p))
-  return token_of, row_weights, slot.reshape(n, k), cum[:n_experts + 1]
+  )(expert_ids.reshape(p), weights.reshape(p), first.reshape(1))
+  return token_of, row_weights, slot.reshape(n, k), cum[:local or n_experts + 1]
+
+
+def _check_pairs(expert_ids: jax.Array, weights: jax.Array) -> None:
+  if expert_ids.ndim != 2 or expert_ids.dtype != jnp.int32 or not expert_ids.size:
+    raise ValueError(f"expert_ids must be int32 [N >= 1, k >= 1], got {expert_ids.dtype} "
+                     f"{expert_ids.shape}")
+  if weights.shape != expert_ids.shape or weights.dtype != jnp.float32:
+    raise ValueError(f"weights must be float32 {expert_ids.shape}, got {weights.dtype} "
+                     f"{weights.shape}")
 
 
 def sort_by_expert(expert_ids: jax.Array, weights: jax.Array, n_experts: int, *,
@@ -108,12 +139,7 @@ def sort_by_expert(expert_ids: jax.Array, weights: jax.Array, n_experts: int, *,
   Raises:
     ValueError: bad shapes or dtypes.
   """
-  if expert_ids.ndim != 2 or expert_ids.dtype != jnp.int32 or not expert_ids.size:
-    raise ValueError(f"expert_ids must be int32 [N >= 1, k >= 1], got {expert_ids.dtype} "
-                     f"{expert_ids.shape}")
-  if weights.shape != expert_ids.shape or weights.dtype != jnp.float32:
-    raise ValueError(f"weights must be float32 {expert_ids.shape}, got {weights.dtype} "
-                     f"{weights.shape}")
+  _check_pairs(expert_ids, weights)
   if n_experts < 1:
     raise ValueError(f"n_experts must be positive, got {n_experts}")
   backend = dispatch.resolve_backend(backend)
@@ -126,7 +152,8 @@ def sort_by_expert(expert_ids: jax.Array, weights: jax.Array, n_experts: int, *,
 def _sort_differentiable(expert_ids, weights, n_experts, interpret):
   """The kernel, differentiable in the weights: row slot[i] holds pair i's weight, so
   its gradient is the rows' gradient read at the slots."""
-  return _sort_pallas(expert_ids, weights, n_experts=n_experts, interpret=interpret)
+  return _sort_pallas(expert_ids, weights, jnp.zeros((), jnp.int32), n_experts=n_experts,
+                      local=0, interpret=interpret)
 
 
 def _sort_fwd(expert_ids, weights, n_experts, interpret):
@@ -141,3 +168,71 @@ def _sort_bwd(n_experts, interpret, res, grads):
 
 
 _sort_differentiable.defvjp(_sort_fwd, _sort_bwd)
+
+
+def sort_by_expert_local(expert_ids: jax.Array, weights: jax.Array, n_experts: int,
+                         first: jax.Array, n_local: int, *, backend: str | None = None):
+  """:func:`sort_by_expert` as one device of expert parallelism reads it: its own
+  experts' rows first.
+
+  A device that holds experts [first, first + n_local) runs the rows of those experts
+  only. Sorted globally, it would slice them out of the sorted rows, shift the slots of
+  its pairs and mark the others', and difference the offsets into its experts' row
+  counts: launches of their own on a GPU, per layer. Here the sort numbers the rows
+  that way itself (docs/moe_router.md).
+
+  Args:
+    expert_ids: [N, k] int32 experts in [0, n_experts).
+    weights: [N, k] f32 combine weights.
+    n_experts: E.
+    first: int32 scalar, the device's first expert (a traced value, e.g. from
+      ``lax.axis_index``).
+    n_local: the device's experts, 1 <= n_local <= E.
+    backend: as :func:`sort_by_expert`.
+
+  Returns:
+    (token_of [N*k] int32: rows [0, count) are the local experts' pairs sorted by
+    expert (stably), the other rows hold the other pairs; row_weights [N*k] f32, each
+    row's weight; slot [N, k] int32: the row of each local pair, -1 for the others';
+    sizes [n_local] int32: each local expert's rows), as
+    :func:`sort_by_expert_local_reference`.
+
+  Raises:
+    ValueError: bad shapes or dtypes, or n_local outside [1, E].
+  """
+  _check_pairs(expert_ids, weights)
+  if not 1 <= n_local <= n_experts:
+    raise ValueError(f"n_local must be in [1, n_experts={n_experts}], got {n_local}")
+  first = jnp.asarray(first)
+  if first.shape != () or first.dtype != jnp.int32:
+    raise ValueError(f"first must be an int32 scalar, got {first.dtype} {first.shape}")
+  backend = dispatch.resolve_backend(backend)
+  if backend == "xla" or expert_ids.size > MAX_ROWS or n_local > MAX_EXPERTS:
+    return sort_by_expert_local_reference(expert_ids, weights, n_experts, first, n_local)
+  return _local_differentiable(expert_ids, weights, first, n_experts, n_local,
+                               backend == "interpret")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _local_differentiable(expert_ids, weights, first, n_experts, n_local, interpret):
+  """The kernel, differentiable in the weights as the reference is."""
+  return _sort_pallas(expert_ids, weights, first, n_experts=n_experts, local=n_local,
+                      interpret=interpret)
+
+
+def _local_fwd(expert_ids, weights, first, n_experts, n_local, interpret):
+  out = _local_differentiable(expert_ids, weights, first, n_experts, n_local, interpret)
+  return out, (expert_ids, weights, first)
+
+
+def _local_bwd(n_experts, n_local, interpret, res, grads):
+  # The reference's rows are the kernel's, so its VJP in the weights is the kernel's.
+  expert_ids, weights, first = res
+  _, vjp = jax.vjp(lambda w: sort_by_expert_local_reference(expert_ids, w, n_experts, first,
+                                                            n_local), weights)
+  (g,) = vjp(grads)
+  zeros = lambda a: jnp.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
+  return zeros(expert_ids), g, zeros(first)
+
+
+_local_differentiable.defvjp(_local_fwd, _local_bwd)
