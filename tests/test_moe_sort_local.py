@@ -34,21 +34,22 @@ class SortLocalTest(parameterized.TestCase):
                                   ("one_expert_each", 5, 2, 8, 1), ("one_pair", 1, 1, 4, 2))
   def test_interpret_equals_the_reference_on_every_device(self, n, k, e, n_local):
     ids, w = _pairs(0, n, k, e)
-    run = jax.jit(lambda i, w, f: sort_by_expert_local(i, w, e, f, n_local,
+    run = jax.jit(lambda i, w, d: sort_by_expert_local(i, w, e, d, e // n_local,
                                                        backend="interpret"))
-    for first in range(0, e, n_local):
-      f = jnp.int32(first)
-      got, want = run(ids, w, f), sort_by_expert_local_reference(ids, w, e, f, n_local)
+    for shard in range(e // n_local):
+      d = jnp.int32(shard)
+      got, want = run(ids, w, d), sort_by_expert_local_reference(ids, w, e, d, e // n_local)
       for g, r in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(r), err_msg=f"first={first}")
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(r), err_msg=f"shard={shard}")
 
   def test_local_rows_come_first_in_stable_expert_order(self):
     n, k, e, n_local = 16, 4, 32, 8
     ids, w = _pairs(1, n, k, e)
     ids_np, w_np = np.asarray(ids).reshape(-1), np.asarray(w).reshape(-1)
-    for first in (0, 8, 24):
+    for shard in (0, 1, 3):
+      first = shard * n_local
       token_of, row_w, slot, sizes = (np.asarray(a) for a in sort_by_expert_local(
-          ids, w, e, jnp.int32(first), n_local, backend="interpret"))
+          ids, w, e, jnp.int32(shard), e // n_local, backend="interpret"))
       mine = [i for i in sorted(range(n * k), key=lambda i: (ids_np[i], i))
               if first <= ids_np[i] < first + n_local]
       count = len(mine)
@@ -70,18 +71,18 @@ class SortLocalTest(parameterized.TestCase):
 
     def loss(fn):
       return jax.grad(lambda w: jnp.sum(fn(w)[1] * cot))(w)
-    got = loss(lambda w: sort_by_expert_local(ids, w, 16, jnp.int32(4), 4, backend="interpret"))
-    want = loss(lambda w: sort_by_expert_local_reference(ids, w, 16, jnp.int32(4), 4))
+    got = loss(lambda w: sort_by_expert_local(ids, w, 16, jnp.int32(1), 4, backend="interpret"))
+    want = loss(lambda w: sort_by_expert_local_reference(ids, w, 16, jnp.int32(1), 4))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     self.assertTrue(np.asarray(got).any())
 
   def test_bad_input(self):
     ids, w = _pairs(4, 4, 2, 8)
-    with self.assertRaisesRegex(ValueError, "n_local must be in"):
+    with self.assertRaisesRegex(ValueError, "n_shards must divide"):
       sort_by_expert_local(ids, w, 8, jnp.int32(0), 0, backend="interpret")
-    with self.assertRaisesRegex(ValueError, "n_local must be in"):
-      sort_by_expert_local(ids, w, 8, jnp.int32(0), 9, backend="interpret")
-    with self.assertRaisesRegex(ValueError, "first must be an int32 scalar"):
+    with self.assertRaisesRegex(ValueError, "n_shards must divide"):
+      sort_by_expert_local(ids, w, 8, jnp.int32(0), 3, backend="interpret")
+    with self.assertRaisesRegex(ValueError, "shard must be an int32 scalar"):
       sort_by_expert_local(ids, w, 8, jnp.zeros((2,), jnp.int32), 4, backend="interpret")
     with self.assertRaisesRegex(ValueError, "weights must be float32"):
       sort_by_expert_local(ids, w.astype(jnp.bfloat16), 8, jnp.int32(0), 4)
@@ -134,7 +135,7 @@ class SortLocalH200Test(h200_compile_cases.H200CompilerTest):
     from pallas_kernels.h200 import compile as hc
     # Kimi K2.6's decode step on one of 8 H200s: 64 tokens x top-8, 48 of 384 experts.
     self.assert_one_launch_without_spills(
-        jax.jit(lambda i, w, f: sort_by_expert_local(i, w, 384, f, 48, backend="pallas")),
+        jax.jit(lambda i, w, d: sort_by_expert_local(i, w, 384, d, 8, backend="pallas")),
         hc.spec((64, 8), jnp.int32), hc.spec((64, 8), jnp.float32), hc.spec((), jnp.int32),
         kernel="sort_by_expert")
 

@@ -201,10 +201,9 @@ def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
       # Pallas launch), where slicing them out of the global sort took launches of its
       # own (docs/moe_router.md, "One device's rows").
       def local_sorted(experts, x, expert_ids, weights):
-        first = jax.lax.axis_index(axes) * local_experts
         token_of, row_weights, slot, sizes = sort_by_expert_local(
-            expert_ids, weights, n_experts, first.astype(jnp.int32), local_experts,
-            backend=backend)
+            expert_ids, weights, n_experts, jax.lax.axis_index(axes).astype(jnp.int32),
+            shards, backend=backend)
         out = _run_experts(experts, x, token_of, sizes, row_weights, slot, backend)
         return jax.lax.psum(out, axes)  # [N, D] f32
 

@@ -81,20 +81,22 @@ def sort_by_expert_reference(expert_ids: jax.Array, weights: jax.Array, n_expert
 
 
 def sort_by_expert_local_reference(expert_ids: jax.Array, weights: jax.Array, n_experts: int,
-                                   first: jax.Array, n_local: int):
-  """:func:`sort_by_expert_reference` renumbered for the device holding experts
-  [first, first + n_local): its pairs' rows first, [0, count), then the rows before them,
-  then those after (every row once); slots of the other pairs -1; and the local experts'
-  row counts.
+                                   shard: jax.Array, n_shards: int):
+  """:func:`sort_by_expert_reference` renumbered for device ``shard`` of ``n_shards``,
+  which holds experts [first, first + n_local) (n_local = E / n_shards, first = shard x
+  n_local): its pairs' rows first, [0, count), then the rows before them, then those
+  after (every row once); slots of the other pairs -1; and the local experts' row counts.
 
   Args:
     expert_ids, weights, n_experts: as :func:`sort_by_expert_reference`.
-    first: int32 scalar, the first local expert.
-    n_local: the local experts.
+    shard: int32 scalar, the device's index along the expert axes.
+    n_shards: the devices the experts split over (divides E).
 
   Returns:
     (token_of [N*k] int32, row_weights [N*k] f32, slot [N, k] int32, sizes [n_local] int32).
   """
+  n_local = n_experts // n_shards
+  first = shard * n_local
   token_of, row_weights, slot, cum = sort_by_expert_reference(expert_ids, weights, n_experts)
   start, end = cum[first], cum[first + n_local]
   rows = jnp.arange(token_of.shape[0], dtype=jnp.int32)

@@ -35,16 +35,17 @@ MAX_EXPERTS = _CHUNK_ELEMENTS - 1  # the row offsets' [E + 1, chunk] step fits o
 _NUM_WARPS = 4
 
 
-def _kernel(ids_ref, w_ref, first_ref, token_ref, roww_ref, slot_ref, cum_ref, *, p: int, k: int,
+def _kernel(ids_ref, w_ref, shard_ref, token_ref, roww_ref, slot_ref, cum_ref, *, p: int, k: int,
             e: int, local: int, bi: int, bj: int, be: int, bje: int):
-  """Refs: the flat [P] experts and weights, and [1] the first local expert (read when
+  """Refs: the flat [P] experts and weights, and [1] the device's shard index (read when
   ``local``); out: token_of [P], row_weights [P], slot [P] and cum [be]. With ``local``
-  experts [first, first + local), rows are numbered from the first local expert's
+  experts [first, first + local), first = shard x local, rows are numbered from the first local expert's
   (rows of other experts after them), slot is -1 for other experts' pairs, and cum
   holds the local experts' row counts instead of every expert's offsets."""
   i = pl.program_id(0) * bi + lax.broadcasted_iota(jnp.int32, (bi,), 0)  # [bi] pairs
   e_i = pltriton.load(ids_ref.at[i])
-  first = first_ref[0] if local else 0
+  # The multiply is the kernel's: done by XLA, it is a launch of its own.
+  first = shard_ref[0] * local if local else 0
   last = first + local
 
   def chunk(c, size):  # experts of pairs [c * size, c * size + size); past P: E (before none)
@@ -90,7 +91,7 @@ def _kernel(ids_ref, w_ref, first_ref, token_ref, roww_ref, slot_ref, cum_ref, *
 
 
 @functools.partial(jax.jit, static_argnames=("n_experts", "local", "interpret"))
-def _sort_pallas(expert_ids, weights, first, *, n_experts, local, interpret):
+def _sort_pallas(expert_ids, weights, shard, *, n_experts, local, interpret):
   n, k = expert_ids.shape
   p = n * k
   bi = min(p & -p, _BLOCK)  # divides P: every store is whole, unmasked
@@ -107,7 +108,7 @@ def _sort_pallas(expert_ids, weights, first, *, n_experts, local, interpret):
       compiler_params=pltriton.CompilerParams(num_warps=_NUM_WARPS, num_stages=1),
       interpret=interpret,
       name="sort_by_expert",
-  )(expert_ids.reshape(p), weights.reshape(p), first.reshape(1))
+  )(expert_ids.reshape(p), weights.reshape(p), shard.reshape(1))
   return token_of, row_weights, slot.reshape(n, k), cum[:local or n_experts + 1]
 
 
@@ -171,23 +172,24 @@ _sort_differentiable.defvjp(_sort_fwd, _sort_bwd)
 
 
 def sort_by_expert_local(expert_ids: jax.Array, weights: jax.Array, n_experts: int,
-                         first: jax.Array, n_local: int, *, backend: str | None = None):
+                         shard: jax.Array, n_shards: int, *, backend: str | None = None):
   """:func:`sort_by_expert` as one device of expert parallelism reads it: its own
   experts' rows first.
 
-  A device that holds experts [first, first + n_local) runs the rows of those experts
-  only. Sorted globally, it would slice them out of the sorted rows, shift the slots of
-  its pairs and mark the others', and difference the offsets into its experts' row
-  counts: launches of their own on a GPU, per layer. Here the sort numbers the rows
-  that way itself (docs/moe_router.md).
+  The experts split into ``n_shards`` runs of E / n_shards; device ``shard`` holds
+  experts [first, first + n_local) with n_local = E / n_shards and first = shard x
+  n_local, and runs the rows of those experts only. Sorted globally, it would slice them
+  out of the sorted rows, shift the slots of its pairs and mark the others', and
+  difference the offsets into its experts' row counts: launches of their own on a GPU,
+  per layer. Here the sort numbers the rows that way itself (docs/moe_router.md).
 
   Args:
     expert_ids: [N, k] int32 experts in [0, n_experts).
     weights: [N, k] f32 combine weights.
     n_experts: E.
-    first: int32 scalar, the device's first expert (a traced value, e.g. from
+    shard: int32 scalar, the device's index along the expert axes (a traced value:
       ``lax.axis_index``).
-    n_local: the device's experts, 1 <= n_local <= E.
+    n_shards: the devices the experts split over; it divides E.
     backend: as :func:`sort_by_expert`.
 
   Returns:
@@ -198,41 +200,42 @@ def sort_by_expert_local(expert_ids: jax.Array, weights: jax.Array, n_experts: i
     :func:`sort_by_expert_local_reference`.
 
   Raises:
-    ValueError: bad shapes or dtypes, or n_local outside [1, E].
+    ValueError: bad shapes or dtypes, or n_shards that does not divide E.
   """
   _check_pairs(expert_ids, weights)
-  if not 1 <= n_local <= n_experts:
-    raise ValueError(f"n_local must be in [1, n_experts={n_experts}], got {n_local}")
-  first = jnp.asarray(first)
-  if first.shape != () or first.dtype != jnp.int32:
-    raise ValueError(f"first must be an int32 scalar, got {first.dtype} {first.shape}")
+  if n_shards < 1 or n_experts % n_shards:
+    raise ValueError(f"n_shards must divide n_experts={n_experts}, got {n_shards}")
+  shard = jnp.asarray(shard)
+  if shard.shape != () or shard.dtype != jnp.int32:
+    raise ValueError(f"shard must be an int32 scalar, got {shard.dtype} {shard.shape}")
   backend = dispatch.resolve_backend(backend)
+  n_local = n_experts // n_shards
   if backend == "xla" or expert_ids.size > MAX_ROWS or n_local > MAX_EXPERTS:
-    return sort_by_expert_local_reference(expert_ids, weights, n_experts, first, n_local)
-  return _local_differentiable(expert_ids, weights, first, n_experts, n_local,
+    return sort_by_expert_local_reference(expert_ids, weights, n_experts, shard, n_shards)
+  return _local_differentiable(expert_ids, weights, shard, n_experts, n_shards,
                                backend == "interpret")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _local_differentiable(expert_ids, weights, first, n_experts, n_local, interpret):
+def _local_differentiable(expert_ids, weights, shard, n_experts, n_shards, interpret):
   """The kernel, differentiable in the weights as the reference is."""
-  return _sort_pallas(expert_ids, weights, first, n_experts=n_experts, local=n_local,
-                      interpret=interpret)
+  return _sort_pallas(expert_ids, weights, shard, n_experts=n_experts,
+                      local=n_experts // n_shards, interpret=interpret)
 
 
-def _local_fwd(expert_ids, weights, first, n_experts, n_local, interpret):
-  out = _local_differentiable(expert_ids, weights, first, n_experts, n_local, interpret)
-  return out, (expert_ids, weights, first)
+def _local_fwd(expert_ids, weights, shard, n_experts, n_shards, interpret):
+  out = _local_differentiable(expert_ids, weights, shard, n_experts, n_shards, interpret)
+  return out, (expert_ids, weights, shard)
 
 
-def _local_bwd(n_experts, n_local, interpret, res, grads):
+def _local_bwd(n_experts, n_shards, interpret, res, grads):
   # The reference's rows are the kernel's, so its VJP in the weights is the kernel's.
-  expert_ids, weights, first = res
-  _, vjp = jax.vjp(lambda w: sort_by_expert_local_reference(expert_ids, w, n_experts, first,
-                                                            n_local), weights)
+  expert_ids, weights, shard = res
+  _, vjp = jax.vjp(lambda w: sort_by_expert_local_reference(expert_ids, w, n_experts, shard,
+                                                            n_shards), weights)
   (g,) = vjp(grads)
   zeros = lambda a: jnp.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
-  return zeros(expert_ids), g, zeros(first)
+  return zeros(expert_ids), g, zeros(shard)
 
 
 _local_differentiable.defvjp(_local_fwd, _local_bwd)
