@@ -46,6 +46,15 @@ def _spec_of(x):
   return x.sharding.spec
 
 
+# The quantisers and their inverse as one program each (per shape): run eagerly, each of
+# their operations compiles on its own. The tests compare what they place and read back
+# against these same results.
+_quantize_int4 = jax.jit(quantize_int4, static_argnums=1)
+_quantize_fp8 = jax.jit(quantize_fp8, static_argnums=1)
+_dequantize = jax.jit(dequantize, static_argnums=1)
+_quantize_params = jax.jit(quantize_params, static_argnums=1)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "decode_sharding"),
                    donate_argnames=("state",))
 def _prefill_decode(params, state, tokens, positions, meta1, dec_tokens, dec_positions, meta2, *,
@@ -70,7 +79,7 @@ def _run_paged(params, cfg, kv_dtype, mesh=None, data_parallel=False):
   state = kvc.init_paged_state(cfg, kvc.KVCacheConfig(NUM_PAGES, PAGE, kv_dtype))
   rng = np.random.default_rng(1)
   tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, T)), jnp.int32)
-  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
+  positions = jnp.asarray(np.broadcast_to(np.arange(T, dtype=np.int32), (2, T)))
   dec_tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 1)), jnp.int32)
   dec_positions = jnp.asarray([[T], [T - 2]], jnp.int32)
   if mesh is not None:
@@ -183,14 +192,14 @@ class ParamSpecTest(parameterized.TestCase):
     mesh = parallel.make_mesh(parallel.MeshConfig(tensor=tensor), jax.devices()[:tensor])
     rules = parallel.ShardingRules(expert_mlp="tensor")
     w = jnp.asarray(np.random.default_rng(0).standard_normal((2, 128, 16)), jnp.float32)
-    q = quantize_int4(w, 32)
+    q = _quantize_int4(w, 32)
     spec = parallel.leaf_partition_spec(q, ("experts", "expert_mlp", None), rules, mesh)
     self.assertIsInstance(spec, Int4Weight)
     self.assertEqual(spec.packed, spec.scales)
     self.assertEqual(spec.packed, P(None, want, None))
     placed = jax.device_put(q, jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), spec,
                                                       is_leaf=lambda s: isinstance(s, P)))
-    dense = np.asarray(dequantize(q, jnp.float32))
+    dense = np.asarray(_dequantize(q, jnp.float32))
     rows = 128 // (tensor if want else 1)
     for ps, ss in zip(placed.packed.addressable_shards, placed.scales.addressable_shards):
       # The scale shard starts at the group the packed shard starts in.
@@ -205,13 +214,13 @@ class ParamSpecTest(parameterized.TestCase):
   def test_fp8_block_scales_split_with_values(self):
     mesh = parallel.make_mesh(parallel.MeshConfig(tensor=4), jax.devices()[:4])
     w = jnp.asarray(np.random.default_rng(0).standard_normal((256, 512)), jnp.float32)
-    q = quantize_fp8(w, 128)
+    q = _quantize_fp8(w, 128)
     spec = parallel.leaf_partition_spec(q, (None, "heads"), parallel.DEFAULT_RULES, mesh)
     self.assertEqual((spec.values, spec.scales), (P(None, "tensor"), P(None, "tensor")))
     shard = jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), spec,
                                    is_leaf=lambda s: isinstance(s, P))
     placed = jax.device_put(q, shard)
-    dense = np.asarray(dequantize(q, jnp.float32))
+    dense = np.asarray(_dequantize(q, jnp.float32))
     for vs, ss in zip(placed.values.addressable_shards, placed.scales.addressable_shards):
       self.assertEqual(vs.data.shape, (256, 128))
       self.assertEqual(ss.data.shape, (2, 1))
@@ -225,7 +234,7 @@ class ParamSpecTest(parameterized.TestCase):
 
   def test_fp8_per_channel_scales_follow_columns(self):
     mesh = parallel.make_mesh(parallel.MeshConfig(tensor=8))
-    q = quantize_fp8(jnp.ones((16, 64), jnp.float32), None)
+    q = _quantize_fp8(np.ones((16, 64), np.float32), None)
     spec = parallel.leaf_partition_spec(q, ("heads", None), parallel.DEFAULT_RULES, mesh)
     self.assertEqual((spec.values, spec.scales), (P("tensor", None), P(None)))
     spec = parallel.leaf_partition_spec(q, (None, "heads"), parallel.DEFAULT_RULES, mesh)
@@ -286,7 +295,7 @@ class ShardedEqualsUnshardedTest(parameterized.TestCase):
   def test_prefill_and_decode_match(self, cfg, recipe, kv_dtype, shape, data_parallel):
     params = init_params_np(cfg)
     if recipe is not None:
-      params = quantize_params(params, recipe)
+      params = _quantize_params(params, recipe)
     mesh = parallel.make_mesh(parallel.MeshConfig(*shape))
     ref1, ref2, _, none = _run_paged(params, cfg, kv_dtype)
     got1, got2, state, ds = _run_paged(params, cfg, kv_dtype, mesh, data_parallel)
