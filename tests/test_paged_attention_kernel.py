@@ -8,6 +8,7 @@ kernel that reads past a request's length, or leaves an output element
 unwritten (interpret mode fills fresh outputs with NaN), fails.
 """
 
+import functools
 import itertools
 import math
 import time
@@ -87,15 +88,25 @@ def _pad_unused(block_tables, lengths, page_size):
   return bt
 
 
+def _dev(x, dtype=None):
+  """x on the device as ``dtype``: cast by numpy (f64 through f32, as jnp.asarray
+  rounds it) and placed with device_put, which compiles nothing, where jnp.asarray
+  compiles a staging program and a conversion per shape and dtype."""
+  x = np.asarray(x)
+  if x.dtype == np.float64:
+    x = x.astype(np.float32)
+  return jax.device_put(x if dtype is None else x.astype(dtype))
+
+
 def _cast(x, kv_dtype):
-  return jnp.asarray(x, jnp.bfloat16 if kv_dtype == "bf16" else FP8)
+  return _dev(x, jnp.bfloat16 if kv_dtype == "bf16" else FP8)
 
 
 def make_mla(seed, *, batch, heads, c, r, page_size, max_pages, lengths, kv_dtype):
   rng = np.random.default_rng(seed)
   num_pages = batch * max_pages + 3
-  q_lat = jnp.asarray(rng.standard_normal((batch, heads, c)), jnp.bfloat16)
-  q_rope = jnp.asarray(rng.standard_normal((batch, heads, r)), jnp.bfloat16)
+  q_lat = _dev(rng.standard_normal((batch, heads, c)), jnp.bfloat16)
+  q_rope = _dev(rng.standard_normal((batch, heads, r)), jnp.bfloat16)
   lat = rng.standard_normal((num_pages, page_size, c)).astype(np.float32)
   rope = rng.standard_normal((num_pages, page_size, r)).astype(np.float32)
   lat, lat_s = _quantise(lat, rng, kv_dtype, (num_pages, page_size))
@@ -104,17 +115,16 @@ def make_mla(seed, *, batch, heads, c, r, page_size, max_pages, lengths, kv_dtyp
   lat, lat_s = _poison(lat, lat_s, bt, lengths, page_size)
   rope, rope_s = _poison(rope, rope_s, bt, lengths, page_size)
   bt = _pad_unused(bt, lengths, page_size)
-  sc = lambda s: None if s is None else jnp.asarray(s)
+  sc = lambda s: None if s is None else _dev(s)
   return (q_lat, q_rope, _cast(lat, kv_dtype), _cast(rope, kv_dtype),
-          sc(lat_s), sc(rope_s), jnp.asarray(bt),
-          jnp.asarray(lengths, jnp.int32))
+          sc(lat_s), sc(rope_s), _dev(bt), _dev(lengths, np.int32))
 
 
 def make_gqa(seed, *, batch, heads, kv_heads, hd, page_size, max_pages, lengths,
              kv_dtype):
   rng = np.random.default_rng(seed)
   num_pages = batch * max_pages + 3
-  q = jnp.asarray(rng.standard_normal((batch, heads, hd)), jnp.bfloat16)
+  q = _dev(rng.standard_normal((batch, heads, hd)), jnp.bfloat16)
   shape = (num_pages, page_size, kv_heads, hd)
   k, k_s = _quantise(rng.standard_normal(shape).astype(np.float32), rng,
                      kv_dtype, shape[:3])
@@ -124,9 +134,9 @@ def make_gqa(seed, *, batch, heads, kv_heads, hd, page_size, max_pages, lengths,
   k, k_s = _poison(k, k_s, bt, lengths, page_size)
   v, v_s = _poison(v, v_s, bt, lengths, page_size)
   bt = _pad_unused(bt, lengths, page_size)
-  sc = lambda s: None if s is None else jnp.asarray(s)
+  sc = lambda s: None if s is None else _dev(s)
   return (q, _cast(k, kv_dtype), _cast(v, kv_dtype), sc(k_s), sc(v_s),
-          jnp.asarray(bt), jnp.asarray(lengths, jnp.int32))
+          _dev(bt), _dev(lengths, np.int32))
 
 
 def _seed(*case):
@@ -164,6 +174,15 @@ def _lengths(kind, batch, page_size, max_pages):
   return lengths
 
 
+@functools.partial(jax.jit, static_argnames="scale")
+def _reference_e4m3_query(q_latent, q_rope, *rest, scale):
+  """The reference given the heads-in-M kernel's e4m3 query (ops.fp8_query),
+  dequantised; jitted, one compile where the eager ops took one each."""
+  ql8, qr8, q_scale = attn_ops.fp8_query(q_latent, q_rope)
+  deq = lambda x: x.astype(jnp.float32) * q_scale[..., None]  # noqa: E731
+  return paged_mla_decode_reference(deq(ql8), deq(qr8), *rest, scale=scale)
+
+
 class OpTest(parameterized.TestCase):
   """One implementation of an op against the op's jnp reference, as tokamax's
   ``test_base`` runs each implementation of an op: a subclass per implementation
@@ -191,7 +210,8 @@ class OpTest(parameterized.TestCase):
     """out against ref: shape, every element written and finite, the relative-norm
     tolerance, and (an interpreted Mosaic GPU kernel) no data race."""
     self.assertEqual(out.shape, ref.shape)
-    self.assertTrue(bool(jnp.all(jnp.isfinite(out))), "non-finite or unwritten output")
+    self.assertTrue(np.isfinite(np.asarray(out, np.float32)).all(),
+                    "non-finite or unwritten output")
     self.assertLessEqual(_rel_err(out, ref), tol)
     if self.IMPL == "interpret" and self.MOSAIC_GPU:
       self.assertFalse(gpu_interpret.get_races().races_found, "data race")
@@ -265,9 +285,7 @@ class PagedMlaDecodeMgpuTest(OpTest):
     self.assert_matches(out, ref, TOL[kv_dtype])
     tokens = attn_ops.mla_tokens_in_m(bs, args[0], args[2], args[3])
     if attn_ops.mla_qk_fp8(bs, tokens, args[2]):
-      ql8, qr8, q_scale = attn_ops.fp8_query(args[0], args[1])
-      deq = lambda x: x.astype(jnp.float32) * q_scale[..., None]  # noqa: E731
-      ref8 = paged_mla_decode_reference(deq(ql8), deq(qr8), *args[2:], scale=scale)
+      ref8 = _reference_e4m3_query(*args, scale=scale)
       self.assertLessEqual(_rel_err(out, ref8), TOL["bf16"])
 
   # The kernel runs a balanced schedule of pieces (schedule.schedule_pieces)
@@ -306,8 +324,13 @@ class PagedMlaDecodeMgpuTest(OpTest):
     one_piece_each = lambda batch, heads, max_pages, kind=None: batch  # noqa: E731
     with mock.patch.object(attn_ops, "mla_mgpu_pieces", one_piece_each):
       self._check(_seed("ring", kv_dtype, mla_qk), kv_dtype, mla_qk=mla_qk, loads=loads,
-                  lengths=[5 * 64 - 7, 2 * 64 + 1],
-                  batch=2, heads=20, c=256, r=64, page_size=64, max_pages=6)
+                  **self.RING)
+
+  # The staging-slot tests' shape: one piece per request (mla_mgpu_pieces mocked), the
+  # first walking 5 pages, its last partial. test_a_late_producer_misses_no_phase runs
+  # the same, so its kernels are those of the producer cases above, compiled once.
+  RING = dict(lengths=[5 * 64 - 7, 2 * 64 + 1], batch=2, heads=20, c=256, r=64,
+              page_size=64, max_pages=6)
 
   @parameterized.parameters("bf16", "fp8")
   def test_a_late_producer_misses_no_phase(self, kv_dtype):
@@ -330,8 +353,7 @@ class PagedMlaDecodeMgpuTest(OpTest):
     one_piece_each = lambda batch, heads, max_pages, kind=None: batch  # noqa: E731
     with mock.patch.object(attn_ops, "mla_mgpu_pieces", one_piece_each), \
          mock.patch.object(shared_memory.Barrier, "wait", late_producer):
-      self._check(_seed("late", kv_dtype), kv_dtype, lengths=[4 * 64 - 7], batch=1,
-                  heads=20, c=256, r=64, page_size=64, max_pages=4)
+      self._check(_seed("late", kv_dtype), kv_dtype, **self.RING)
 
   def test_too_few_interpreter_threads_raise_instead_of_hanging(self):
     """Three warpgroups hang the interpreter on a client with too few threads
@@ -689,7 +711,7 @@ class PagedGqaDecodeMgpuTest(OpTest):
                     batch=s["batch"], heads=s["kv_heads"] * group,
                     kv_heads=s["kv_heads"], hd=s["hd"], page_size=s["page_size"],
                     max_pages=s["max_pages"], lengths=lengths, kv_dtype=kv_dtype)
-    args = ((args[0].astype(jnp.float32) * q_mul).astype(args[0].dtype), *args[1:])
+    args = (_dev(np.asarray(args[0], np.float32) * q_mul, args[0].dtype), *args[1:])
     scale = 1.0 / math.sqrt(s["hd"]) / q_mul
     out = paged_gqa_decode(*args, scale=scale, backend=self.backend,
                            block_sizes=BlockSizes(impl="mgpu"))
