@@ -3,6 +3,7 @@ interpret mode against reference.combine_pieces on real schedules, its errors, i
 tiles, the ops' merge choice, and an H200 compile of every configuration the engine
 builds at the attention target shapes."""
 
+import functools
 import glob
 import os
 import tempfile
@@ -10,6 +11,7 @@ from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -28,16 +30,23 @@ from pallas_kernels.paged_attention import reference
 
 H200 = "NVIDIA H200"
 
+
+def _jitted(merge):
+  """``merge`` under one jit: a program per configuration, where the eager call
+  compiled each of its wrapper's operations on its own."""
+  return jax.jit(merge, static_argnums=3, static_argnames=("rows", "out_dtype"))
+
+
 # Both merge kernels, interpreted: the Triton one and the Mosaic GPU one (with race
 # detection; the interpreter ignores the programmatic launch), the latter at its
 # largest tiles (fewest CTAs, as the ops interpret it: the interpreter runs CTAs one
 # after another) and at an H200's (two CTAs per SM: many small tiles, slow here).
 MERGES = {
-    "triton": lambda *a, **kw: mp.merge_pieces(*a, interpret=True, **kw),
-    "mgpu": lambda *a, **kw: mm.merge_pieces_mgpu(*a, interpret=mgpu_shim.interpret_params(),
-                                                  ctas=1, **kw),
-    "mgpu_h200_tiles": lambda *a, **kw: mm.merge_pieces_mgpu(
-        *a, interpret=mgpu_shim.interpret_params(), **kw),
+    "triton": _jitted(lambda *a, **kw: mp.merge_pieces(*a, interpret=True, **kw)),
+    "mgpu": _jitted(lambda *a, **kw: mm.merge_pieces_mgpu(
+        *a, interpret=mgpu_shim.interpret_params(), ctas=1, **kw)),
+    "mgpu_h200_tiles": _jitted(lambda *a, **kw: mm.merge_pieces_mgpu(
+        *a, interpret=mgpu_shim.interpret_params(), **kw)),
 }
 
 
@@ -48,18 +57,25 @@ def _partials(seed, lengths, *, pieces, x, r, d, dtype, rl=None, page_size=64, m
                                    max_pages=max_pages, pieces=pieces)
   g = sched.shape[1]
   rng = np.random.default_rng(seed)
-  empty = np.asarray(sched[2] == 0)
+  empty = np.asarray(sched)[2] == 0
   o = rng.standard_normal((g, x, r, d)).astype(np.float32)
   lse = (rng.standard_normal((g, x, rl or r)) * 4).astype(np.float32)
   o[empty], lse[empty] = 0.0, mla_mgpu.NEG
-  return jnp.asarray(o, dtype), jnp.asarray(lse), sched
+  # Cast by numpy and placed by device_put: no compile (jnp.asarray compiles two).
+  return jax.device_put(o.astype(dtype)), jax.device_put(lse), sched
 
 
-def _reference(o, lse, request, batch, rows):
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _reference_jit(o, lse, request, batch, rows):
   g, x, _, d = o.shape
   out = reference.combine_pieces(o[:, :, :rows].astype(jnp.float32).reshape(g, x * rows, d),
                                  lse[:, :, :rows].reshape(g, x * rows), request, batch)
-  return np.asarray(out.reshape(batch, x, rows, d))
+  return out.reshape(batch, x, rows, d)
+
+
+def _reference(o, lse, request, batch, rows):
+  """reference.combine_pieces on the real rows, jitted (one compile, not one per op)."""
+  return np.asarray(_reference_jit(o, lse, request, batch, rows))
 
 
 class MergeMatchesReferenceTest(parameterized.TestCase):
@@ -106,7 +122,7 @@ class MergeMatchesReferenceTest(parameterized.TestCase):
           np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
         else:  # the f32 result rounded once: within a bf16 step of the rounded reference
           np.testing.assert_allclose(np.asarray(got, np.float32),
-                                     np.asarray(jnp.asarray(want, jnp.bfloat16), np.float32),
+                                     want.astype(jnp.bfloat16).astype(np.float32),
                                      rtol=8e-3, atol=1e-6)
         if 0 in lengths:  # a request with no tokens: its one empty piece gives zeros
           np.testing.assert_array_equal(np.asarray(got, np.float32)[lengths.index(0)], 0.0)
@@ -220,6 +236,12 @@ class MgpuTilesTest(absltest.TestCase):
     self.assertEqual(mm.tiles(1, 1, 64, 512, 132, kind=H200, ctas=1), (8, 512, 2))
 
 
+# The ops' merge step under one jit, as the ops run it (inside theirs): a program per
+# configuration, not a compile per eager operation.
+_ops_merge = jax.jit(ops._merge, static_argnums=3,
+                     static_argnames=("rows", "out_dtype", "merge", "interpret"))
+
+
 class OpsMergeChoiceTest(absltest.TestCase):
 
   def test_every_merge_agrees(self):
@@ -227,7 +249,7 @@ class OpsMergeChoiceTest(absltest.TestCase):
     # GQA-shaped f32 partials, 3 real rows of each KV head's 64, bf16 out.
     o, lse, sched = _partials(7, [300, 2000, 0], pieces=16, x=2, r=64, d=128,
                               dtype=jnp.float32)
-    outs = {m: ops._merge(o, lse, sched, 3, rows=3, out_dtype=jnp.bfloat16, merge=m,
+    outs = {m: _ops_merge(o, lse, sched, 3, rows=3, out_dtype=jnp.bfloat16, merge=m,
                           interpret=True) for m in MERGE_CHOICES}
     self.assertEqual(BlockSizes().merge, "mgpu")
     for m, out in outs.items():
@@ -255,7 +277,7 @@ class OpsMergeChoiceTest(absltest.TestCase):
                               dtype=jnp.float32)
     request = sched[0]
     with mock.patch.object(mm, "merge_pieces_mgpu", side_effect=AssertionError("mgpu ran")):
-      got = ops._merge(o, lse, sched, 2, rows=4, out_dtype=jnp.float32, merge="mgpu",
+      got = _ops_merge(o, lse, sched, 2, rows=4, out_dtype=jnp.float32, merge="mgpu",
                        interpret=True)
     np.testing.assert_allclose(np.asarray(got), _reference(o, lse, request, 2, 4),
                                rtol=1e-5, atol=1e-5)
