@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _arrival_window(args):
   """--arrival-gap-ms / --arrival-max-ms as an ArrivalWindow (unset: its defaults)."""
-  from mlkit.serve.decode import ArrivalWindow
+  from mlkit.serve.arrival import ArrivalWindow  # no jax: checked before jax's import
   default = ArrivalWindow()
   gap = default.gap_s if args.arrival_gap_ms is None else args.arrival_gap_ms / 1e3
   most = default.max_s if args.arrival_max_ms is None else args.arrival_max_ms / 1e3
