@@ -16,6 +16,7 @@ from pallas_kernels.paged_attention import merge_pieces
 from pallas_kernels.paged_attention import merge_pieces_mgpu
 from pallas_kernels.paged_attention import mla_mgpu
 from pallas_kernels.paged_attention import mla_tokens_mgpu
+from pallas_kernels.paged_attention import query
 from pallas_kernels.paged_attention import reference
 from pallas_kernels.paged_attention import triton_kernels
 from pallas_kernels.paged_attention.block_sizes import BlockSizes
@@ -366,10 +367,6 @@ def _mla_split_k_call(kernel, name, q_latent, q_rope, operands, *, block_h,
   return out.astype(q_latent.dtype)
 
 
-# f16_query keeps each row's largest |value| in [2^13, 2^14).
-_F16_ROW_MAX_LOG2 = 14
-
-
 def f16_query(*parts):
   """The f16 query of an fp8 cache's Mosaic GPU kernels: rows divided by a power of two.
 
@@ -377,7 +374,8 @@ def f16_query(*parts):
   MLA's latent and rope) in [2^13, 2^14): far from f16's overflow at 65504 and
   from its subnormals, so the cast keeps 11 significant bits and nothing
   overflows. A power of two divides exactly. An all-zero row keeps factor 1.
-  The kernels multiply the factor back into the logits.
+  The kernels multiply the factor back into the logits. (``query.f16_row_scale``;
+  the MLA kernels' query runs through ``query.scaled_query``, one launch.)
 
   Args:
     *parts: [..., D_i] float arrays with the same leading shape.
@@ -386,11 +384,8 @@ def f16_query(*parts):
     (each part as f16, ..., q_scale [...] f32) with part = part16 * q_scale[..., None].
   """
   parts = [x.astype(jnp.float32) for x in parts]
-  amax = _row_amax(parts)
-  _, exp = jnp.frexp(amax)  # amax < 2^exp
-  q_scale = jnp.where(amax > 0, jnp.ldexp(jnp.float32(1), exp - _F16_ROW_MAX_LOG2), 1.0)
-  inv = (1.0 / q_scale)[..., None]  # a power of two: exact
-  return (*[(x * inv).astype(jnp.float16) for x in parts], q_scale.astype(jnp.float32))
+  q_scale = query.f16_row_scale(_row_amax(parts))
+  return (*query.scale_rows(parts, q_scale, "f16"), q_scale.astype(jnp.float32))
 
 
 def _row_amax(parts) -> jax.Array:
@@ -400,10 +395,6 @@ def _row_amax(parts) -> jax.Array:
   return jnp.max(jnp.abs(jnp.concatenate(parts, axis=-1)), axis=-1)
 
 
-# e4m3's largest finite value: fp8_query maps each row's largest |value| to it.
-_E4M3_MAX = 448.0
-
-
 def fp8_query(*parts):
   """The e4m3 query of the heads-in-M MLA kernel's fp8 QK: rows scaled to e4m3's range.
 
@@ -411,7 +402,7 @@ def fp8_query(*parts):
   by its largest |value| / 448, so that value maps to e4m3's largest and the
   others keep 4 significant bits down to 2^-6 of it (subnormals below). An
   all-zero row keeps factor 1. The kernel multiplies the factor back into the
-  logits.
+  logits. (``query.fp8_row_scale``.)
 
   Args:
     *parts: [..., D_i] float arrays with the same leading shape.
@@ -420,13 +411,8 @@ def fp8_query(*parts):
     (each part as float8_e4m3fn, ..., q_scale [...] f32), part ~= part8 * q_scale[..., None].
   """
   parts = [x.astype(jnp.float32) for x in parts]
-  amax = _row_amax(parts)
-  q_scale = jnp.where(amax > 0, amax / _E4M3_MAX, 1.0)
-  inv = (1.0 / q_scale)[..., None]
-  # Clipped: amax * (448 / amax) may round a hair above 448, and e4m3fn has
-  # no infinity (an overflow is NaN).
-  return (*[jnp.clip(x * inv, -_E4M3_MAX, _E4M3_MAX).astype(FP8) for x in parts],
-          q_scale.astype(jnp.float32))
+  q_scale = query.fp8_row_scale(_row_amax(parts))
+  return (*query.scale_rows(parts, q_scale, "fp8"), q_scale.astype(jnp.float32))
 
 
 def mla_mgpu_pieces(batch: int, heads: int, max_pages: int, kind: str | None = None) -> int:
@@ -486,17 +472,17 @@ def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
   pads the heads, casts q, schedules the pieces, merges them."""
   b, h, _ = q_latent.shape
   h_pad = -h % (8 if tokens_in_m else mla_mgpu.BLOCK_H)
-  ql = jnp.pad(q_latent, ((0, 0), (0, h_pad), (0, 0)))
-  qr = jnp.pad(q_rope, ((0, 0), (0, h_pad), (0, 0)))
-  if qk_fp8:
-    # QK as fp8 wgmmas on the staged fp8 pages (mla_mgpu): an e4m3 query.
-    ql, qr, q_scale = fp8_query(ql, qr)
-  elif latent.dtype == FP8:
-    # fp8 pages become f16 in the kernel (see mla_mgpu), and wgmma wants equal
-    # operand types: an f16 query, rows divided by a power of two.
-    ql, qr, q_scale = f16_query(ql, qr)
+  if qk_fp8 or latent.dtype == FP8:
+    # QK as fp8 wgmmas on the staged fp8 pages (mla_mgpu): an e4m3 query. Else fp8 pages
+    # become f16 in the kernel (see mla_mgpu), and wgmma wants equal operand types: an
+    # f16 query, rows divided by a power of two. Padded and scaled in one launch.
+    ql, qr, q_scale = query.scaled_query(q_latent, q_rope, heads=h + h_pad,
+                                         kind="fp8" if qk_fp8 else "f16",
+                                         interpret=interpret)
   else:
-    ql, qr, q_scale = ql.astype(latent.dtype), qr.astype(latent.dtype), None
+    pad = ((0, 0), (0, h_pad), (0, 0))
+    ql, qr, q_scale = (jnp.pad(q_latent, pad).astype(latent.dtype),
+                       jnp.pad(q_rope, pad).astype(latent.dtype), None)
   bt = block_tables.astype(jnp.int32)
   lengths = lengths.astype(jnp.int32)
   pieces = schedule.schedule_pieces(
