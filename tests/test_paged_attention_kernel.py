@@ -344,9 +344,13 @@ class PagedMlaDecodeMgpuTest(OpTest):
     producer (warpgroup 1 of 2) is held to the same."""
     late = 2 if self.MLA_M == "heads" else 1  # the producer's warpgroup
     wait = shared_memory.Barrier.wait
+    slept = []
 
     def late_producer(barrier, thread, *args, **kwargs):
-      if getattr(thread, "warpgroup_id", None) == late:
+      # Only the first CTA's producer (request 0's one piece of 5 pages) sleeps: the
+      # second request's CTA runs on time instead of adding its sleeps.
+      if thread.warpgroup_id == late and thread.block_id == 0:
+        slept.append(thread)
         time.sleep(0.3)
       return wait(barrier, thread, *args, **kwargs)
 
@@ -354,6 +358,7 @@ class PagedMlaDecodeMgpuTest(OpTest):
     with mock.patch.object(attn_ops, "mla_mgpu_pieces", one_piece_each), \
          mock.patch.object(shared_memory.Barrier, "wait", late_producer):
       self._check(_seed("late", kv_dtype), kv_dtype, **self.RING)
+    self.assertGreaterEqual(len(slept), 5, "the producer was not held back at every page")
 
   def test_too_few_interpreter_threads_raise_instead_of_hanging(self):
     """Three warpgroups hang the interpreter on a client with too few threads
