@@ -41,6 +41,7 @@ import functools
 import time
 from typing import Callable, Sequence
 
+import jax
 import numpy as np
 from absl import logging
 
@@ -140,6 +141,13 @@ class Engine(ServingLoop):
     else:
       state = init_paged_state(config.model, config.kv,
                                draft_layers=1 if config.speculative_tokens else 0)
+      # A fresh pool is uncommitted, and the pool a step returns is committed when the
+      # params are (a loaded checkpoint): two jit signatures, two compiles, of each step.
+      # Placed where the params are, the first step compiles what every later one runs.
+      devices = {d for x in jax.tree_util.tree_leaves(params)
+                 if isinstance(x, jax.Array) and x.committed for d in x.devices()}
+      if len(devices) == 1:
+        state = jax.device_put(state, devices.pop())
     self.runner = Runner(params, config, state)
     # Every device operation goes through this (lockstep.Leader when the pool spans
     # processes and this one decides: each operation is then repeated by the others).
