@@ -30,7 +30,9 @@ from mlkit.plan import step_compile as sc
 from mlkit.plan import step_memory as sm
 
 SHAPES = {
-    "smoke": dict(setup="smoke", items=3, ks=(2,), concurrency=(2,), accept_concurrency=2),
+    # The speed runs reuse the acceptance runs' engine configuration: no compiles of their own.
+    "smoke": dict(setup="smoke", items=3, ks=(2,), concurrency=(2,), accept_concurrency=2,
+                  one_engine_size=True),
     "quick": dict(setup="main", items=24, ks=(1, 2, 3), concurrency=(1, 8, 32),
                   accept_concurrency=8),
     "full": dict(setup="main", items=64, ks=(1, 2, 3), concurrency=(1, 8, 32),

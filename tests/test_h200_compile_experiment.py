@@ -88,11 +88,12 @@ class H200CompileSmokeChecks:
     where = {}
     for k in c["kernels"]:
       where.setdefault(k["name"], []).append(k["layer"])
-    # The tag check before the layers, attention in both layers, the MoE layer's expert
-    # choice and its rows sorted by expert, and its gate, up and down projections as
-    # grouped INT4 calls (run per GPU inside the experts' shard_map) after their one
-    # schedule (the three share its table).
+    # The tag check before the layers, the page write (with the entries' norm and rope)
+    # and attention in both layers, the MoE layer's expert choice and its rows sorted by
+    # expert, and its gate, up and down projections as grouped INT4 calls (run per GPU
+    # inside the experts' shard_map) after their one schedule (the three share its table).
     self.assertEqual(where, {"tag_check": ["-"], "paged_mla_decode": ["layer_0", "layer_1"],
+                             "page_write_mla": ["layer_0", "layer_1"],
                              "select_experts": ["layer_1"], "sort_by_expert": ["layer_1"],
                              "grouped_schedule": ["layer_1"],
                              "int4_grouped_matmul": ["layer_1"] * 3})

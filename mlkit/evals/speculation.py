@@ -130,7 +130,8 @@ VLLM_GLM5_ACCEPTANCE = 1.64
 
 
 def measure(setup: str, *, items: int, ks: Sequence[int], concurrency: Sequence[int],
-            accept_concurrency: int, backend: str | None = None, progress=print) -> dict:
+            accept_concurrency: int, backend: str | None = None, progress=print,
+            one_engine_size: bool = False) -> dict:
   """Acceptance by task, decode speed with and without, and the modelled H200 speedup.
 
   The trained model of ``mlkit.evals.setups.TRAIN_SETUPS[setup]`` (trained first if not
@@ -142,6 +143,10 @@ def measure(setup: str, *, items: int, ks: Sequence[int], concurrency: Sequence[
     the k with the highest mean acceptance length, output tok/s;
   * ``mlkit.perfmodel.speculative_decode_step`` at the report's GLM 5.2 deployment with
     the acceptance measured here (mean over tasks) and with vLLM's GLM 5 figure.
+
+  ``one_engine_size``: the speed runs take the acceptance runs' engine configuration (sized
+  for every task's prompts) instead of one sized for the tool-call prompts, so they compile
+  no step of their own (the smoke run).
 
   Returns:
     {"model", "acceptance": {task: {k: Run.to_json() + identical, base_decode_steps}},
@@ -196,7 +201,8 @@ def measure(setup: str, *, items: int, ks: Sequence[int], concurrency: Sequence[
   for conc in concurrency:
     n = max(len(prompts[task]), 2 * conc)
     ps = (prompts[task] * (-(-n // len(prompts[task]))))[:n]
-    runs = {k: serve(params, cfg, ps, samplings[task], k=k, concurrency=conc, backend=backend)
+    runs = {k: serve(params, cfg, ps, samplings[task], k=k, concurrency=conc, backend=backend,
+                     sized_for=every if one_engine_size else None)
             for k in (0, best_k)}
     row = {"concurrency": conc, "k": best_k, "prompts": n, "tok_s_off": runs[0].tok_s,
            "tok_s_on": runs[best_k].tok_s, "speedup": runs[best_k].tok_s / runs[0].tok_s,

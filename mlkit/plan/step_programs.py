@@ -82,7 +82,7 @@ def compile_job(job: Job, mesh) -> str:
   else:
     pages = 4096  # the prefill step's program does not depend on the pool's size
   lowered, _ = sc.lower(job.variant, job.kv_dtype, job.kind, 1, pages, plan, mesh)
-  return lowered.compile(sc.COMPILE_OPTIONS).as_text()
+  return sc.compile_cached(lowered)[0].as_text()
 
 
 def compile_all(jobs: list[Job], progress: Progress | None = None) -> dict[str, str]:
