@@ -89,8 +89,10 @@ SPARSE_LONG_LOOP_STEPS = 4
 # or merge_pieces.py on the Triton backend), whose own target configurations
 # tests/test_merge_pieces_kernel.py compiles; and the grouped matmuls' schedule
 # (int4_matmul/schedule_kernel.py, compiled at its own shapes by
-# tests/test_grouped_schedule_kernel.py).
-COMPANION_KERNELS = ("merge_pieces_mgpu_mosaic_gpu_kernel", "merge_pieces", "grouped_schedule")
+# tests/test_grouped_schedule_kernel.py); and the MLA decode kernels' scaled query over an
+# fp8 cache (paged_attention/query.py, tests/test_scaled_query_kernel.py).
+COMPANION_KERNELS = ("merge_pieces_mgpu_mosaic_gpu_kernel", "merge_pieces", "grouped_schedule",
+                     "scaled_query")
 # A shared compile covers its other cases only with this much headroom below the
 # register limit; closer to 255 every case of the group is compiled on its own,
 # so "zero spills" never rests on a neighbour's reading.
