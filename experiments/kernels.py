@@ -49,9 +49,14 @@ SKIP_REASON = ("kernels needs an NVIDIA GPU (the Pallas kernels are compiled and
 FULL_BUDGET_S = 1800.0  # --full: every tier the half hour allows
 
 
+# A folder of compile records to read instead of the default (the test suite points its
+# smoke run at a snapshot, so that compile tests writing records beside it do not race it).
+COMPILE_RECORDS_ENV = "MLKIT_H200_COMPILE_RECORDS"
+
+
 def compile_section(path: str | None = None) -> str:
   """Markdown of the deviceless H200 compile readings (the compile tests' and
-  experiments.kernel_compile's records).
+  experiments.kernel_compile's records; $MLKIT_H200_COMPILE_RECORDS names another folder).
 
   Args:
     path: folder or file of compile records; None for kernel_compile.DEFAULT_DIR.
@@ -67,7 +72,8 @@ def compile_section(path: str | None = None) -> str:
   except ImportError as e:
     return head + f"Compile readings unavailable: {e}.\n"
   try:
-    records = kernel_readings.load_records(path or kernel_compile.DEFAULT_DIR)
+    records = kernel_readings.load_records(
+        path or os.environ.get(COMPILE_RECORDS_ENV) or kernel_compile.DEFAULT_DIR)
     return head + kernel_readings.markdown(records)
   except (OSError, ValueError, KeyError) as e:
     return head + f"Compile records could not be read: {type(e).__name__}: {e}.\n"
