@@ -6,7 +6,6 @@ projection, so no [tokens, experts, hidden] tensor is ever built.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -15,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mlkit.config import ModelConfig
 from mlkit.model.layers import swiglu
-from mlkit.quant import grouped_matmul
+from mlkit.quant import grouped_matmul, grouped_matmuls
 from pallas_kernels import dispatch as kernel_dispatch
 from pallas_kernels.moe_router import select_experts, sort_by_expert, sort_by_expert_local
 
@@ -96,9 +95,14 @@ def _run_experts(p: dict, x: jax.Array, token_of: jax.Array, group_sizes: jax.Ar
     [N, D] f32: sum over the rows r of token n of row_weights[r] * expert(x[n]).
   """
   xs = x[token_of]  # [R, D]
-  gmm = functools.partial(grouped_matmul, group_sizes=group_sizes, backend=backend)
-  h = jax.nn.silu(gmm(xs, p["w_gate"])) * gmm(xs, p["w_up"])  # [R, F]
-  ys = gmm(h, p["w_down"], out_dtype=jnp.float32)  # [R, D]
+  # Gate and up read the same rows: int4 experts on the kernel backends run both in one
+  # launch (docs/int4_matmul.md, "Gate and up in one launch"); other formats, and "xla",
+  # one grouped matmul each.
+  gate, up = grouped_matmuls(xs, (p["w_gate"], p["w_up"]), group_sizes,
+                             backend=backend)  # [R, F] each
+  h = jax.nn.silu(gate) * up  # [R, F]
+  ys = grouped_matmul(h, p["w_down"], group_sizes, out_dtype=jnp.float32,
+                      backend=backend)  # [R, D]
   ys = ys * row_weights[:, None].astype(jnp.float32)
   R = ys.shape[0]
   out = None

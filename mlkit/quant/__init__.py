@@ -1,12 +1,13 @@
 """Weight formats, quantisers, recipes and the matmuls that dispatch on formats.
 
-Model code calls :func:`matmul`, :func:`grouped_matmul` and :func:`dequantize`
+Model code calls :func:`matmul`, :func:`grouped_matmul`, :func:`grouped_matmuls` and
+:func:`dequantize`
 and never branches on precision: a weight's format lives in its type.
 Importing this package registers the int4 and fp8 formats on those functions.
 """
 
 from mlkit.quant.accounting import GB, GIB, WeightBytes, checkpoint_specs, weight_bytes
-from mlkit.quant.dispatch import dequantize, grouped_matmul, matmul
+from mlkit.quant.dispatch import dequantize, grouped_matmul, grouped_matmuls, matmul
 from mlkit.quant.formats import (Fp8Weight, Int4Weight, pack_int4, quantize_fp8, quantize_int4,
                                  relaid_int4, unpack_int4)
 from mlkit.quant.gptq import (CalibrationStats, calibration_stats, collect_calibration,
@@ -26,7 +27,7 @@ __all__ = [
     "KEEP", "RECIPES", "CalibrationStats", "Fp8Spec", "Fp8Weight", "Int4Spec", "Int4Weight", "Keep",
     "Recipe", "Rule", "WeightBytes", "apply_recipe", "assign_formats", "calibration_paths", "calibration_stats",
     "checkpoint_specs", "collect_calibration", "dequantize", "dequantize_params", "fp8_all",
-    "fp8_grouped_matmul_reference", "fp8_matmul_reference", "gptq_quantize_int4", "grouped_matmul",
+    "fp8_grouped_matmul_reference", "fp8_matmul_reference", "gptq_quantize_int4", "grouped_matmul", "grouped_matmuls",
     "int4_all", "int4_experts", "int4_grouped_matmul_reference", "int4_matmul_reference",
     "kernel_int4_layout", "kernel_layout", "matmul",
     "merge_calibration", "pack_int4", "published_conversion", "quantize_fp8", "quantize_int4", "quantize_params",

@@ -19,13 +19,14 @@ import jax.numpy as jnp
 from pallas_kernels import device
 
 
-def _dispatch_on_weight(fn):
-  """Like ``functools.singledispatch`` but keyed on argument 1 (the weight), not 0."""
+def _dispatch_on_weight(fn, key=type):
+  """Like ``functools.singledispatch`` but keyed on argument 1 (the weight), not 0:
+  on ``key(w)``, the weight's type unless told otherwise."""
   registry = functools.singledispatch(fn)
 
   @functools.wraps(fn)
   def wrapper(x, w, *args, **kwargs):
-    return registry.dispatch(type(w))(x, w, *args, **kwargs)
+    return registry.dispatch(key(w))(x, w, *args, **kwargs)
 
   wrapper.register = registry.register
   wrapper.dispatch = registry.dispatch
@@ -305,6 +306,38 @@ def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *, out_dtype=None,
   del backend
   out_dtype = out_dtype or x.dtype
   return ragged_dot_f32(x, w.astype(x.dtype), group_sizes).astype(out_dtype)
+
+
+def _shared_type(ws) -> type:
+  """The type every weight of ``ws`` has, or ``object`` (the default case) when they differ."""
+  types = {type(w) for w in ws}
+  return types.pop() if len(types) == 1 else object
+
+
+@functools.partial(_dispatch_on_weight, key=_shared_type)
+def grouped_matmuls(x: jax.Array, ws, group_sizes: jax.Array, *, out_dtype=None,
+                    backend: str | None = None) -> tuple[jax.Array, ...]:
+  """Several grouped matmuls over the same rows: ``grouped_matmul(x, w, group_sizes)``
+  for each weight of ``ws`` (an expert FFN's gate and up).
+
+  Dispatch keys on the weights' type when they all share one (else this default). The
+  default runs them one by one, so plain arrays, FP8 and mixed formats compute exactly
+  what separate calls do; a format registered here may run them together, e.g. the
+  int4 kernels' one launch for both projections (docs/int4_matmul.md, "Gate and up in
+  one launch").
+
+  Args:
+    x: rows sorted by group [M, K].
+    ws: a sequence of per-group weights [G, K, N_i] (plain arrays or registered formats).
+    group_sizes: rows per group [G] int32, summing to at most M.
+    out_dtype: the results' dtype (default: ``x.dtype``).
+    backend: kernel backend, as for :func:`matmul`.
+
+  Returns:
+    A tuple of [M, N_i], one per weight; rows past ``sum(group_sizes)`` are zero.
+  """
+  return tuple(grouped_matmul(x, w, group_sizes, out_dtype=out_dtype, backend=backend)
+               for w in ws)
 
 
 @functools.singledispatch

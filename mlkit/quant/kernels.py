@@ -1,4 +1,4 @@
-"""Registers the quantised formats on ``matmul`` / ``grouped_matmul``.
+"""Registers the quantised formats on ``matmul`` / ``grouped_matmul`` / ``grouped_matmuls``.
 
 Each registration chooses by backend: "xla" runs the XLA reference in
 ``mlkit.quant.reference``; "pallas" and "interpret" run the Pallas W4A16 kernels
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import jax
 
-from mlkit.quant.dispatch import grouped_matmul, matmul
+from mlkit.quant.dispatch import grouped_matmul, grouped_matmuls, matmul
 from mlkit.quant.formats import Fp8Weight, Int4Weight, relaid_int4
 from mlkit.quant.reference import (fp8_grouped_matmul_reference, fp8_matmul_reference,
                                    int4_grouped_matmul_reference, int4_matmul_reference)
@@ -74,14 +74,42 @@ def _matmul_int4(x, w: Int4Weight, *, out_dtype=None, backend=None):
   return y.reshape(*lead, y.shape[-1]).astype(out_dtype or x.dtype)
 
 
+def _int4_grouped_kernel(layout: str):
+  """The grouped int4 kernel op that reads ``layout``'s weights."""
+  return int4_kernels.int4_grouped_matmul_nk if layout == "nk" else int4_kernels.int4_grouped_matmul
+
+
 @grouped_matmul.register(Int4Weight)
 def _grouped_matmul_int4(x, w: Int4Weight, group_sizes, *, out_dtype=None, backend=None):
   if kernel_dispatch.resolve_backend(backend) == "xla":
     return int4_grouped_matmul_reference(x, w, group_sizes, out_dtype=out_dtype)
-  op = int4_kernels.int4_grouped_matmul_nk if w.layout == "nk" else int4_kernels.int4_grouped_matmul
-  y = op(x, w.packed, w.scales, group_sizes.astype(jax.numpy.int32), group_size=w.group_size,
-         backend=backend)  # [M, N]
+  y = _int4_grouped_kernel(w.layout)(x, w.packed, w.scales, group_sizes.astype(jax.numpy.int32),
+                                     group_size=w.group_size, backend=backend)  # [M, N]
   return y.astype(out_dtype or x.dtype)
+
+
+@grouped_matmuls.register(Int4Weight)
+def _grouped_matmuls_int4(x, ws, group_sizes, *, out_dtype=None, backend=None):
+  """Int4 weights of one layout, group size, shape and scale dtype (an expert FFN's gate
+  and up) on the kernel backends: one launch over all of them, its [M, W * N] result
+  sliced per weight (docs/int4_matmul.md, "Gate and up in one launch"); anything else
+  (the "xla" reference included) one call per weight, as the default does."""
+  first = ws[0]
+
+  def sig(w):
+    return (w.layout, w.group_size, w.packed.shape, w.packed.dtype, w.scales.shape,
+            w.scales.dtype)
+
+  if (len(ws) == 1 or kernel_dispatch.resolve_backend(backend) == "xla"
+      or any(sig(w) != sig(first) for w in ws)):
+    return grouped_matmuls.dispatch(object)(x, ws, group_sizes, out_dtype=out_dtype,
+                                            backend=backend)
+  y = _int4_grouped_kernel(first.layout)(
+      x, tuple(w.packed for w in ws), tuple(w.scales for w in ws),
+      group_sizes.astype(jax.numpy.int32), group_size=first.group_size,
+      backend=backend)  # [M, W * N]
+  n = y.shape[1] // len(ws)
+  return tuple(y[:, i * n:(i + 1) * n].astype(out_dtype or x.dtype) for i in range(len(ws)))
 
 
 @matmul.register(Fp8Weight)

@@ -474,31 +474,39 @@ def _store_rows(o_smem, o_gmem, src_first, dst_first, cols, rows, *, max_rows):
 
 
 def grouped_kernel(meta_gmem, *refs, pipeline, x_refs, tile_n, tile_m, n_tiles,
-                   num_ctas):
+                   num_ctas, weights=1):
   """Grouped kernel body (both weight layouts): a persistent CTA walks (tile, n
   tile) work items.
 
   meta_gmem: [5, T] int32 from grouped_meta (grouped_schedule's table); refs: the
   x_refs x operands ([grouped_x_rows(M, tile_m), ..] bf16, padded so a tile's box
-  never leaves them), the
-  experts' weights and scales ([E, ..]), o_gmem [M, N] (every row written by
+  never leaves them), then ``weights`` pairs of experts' weights and scales ([E, ..],
+  one shape: several projections of the same rows, e.g. gate and up), o_gmem
+  [M, weights * N] (weight i's columns [i * N, (i + 1) * N); every row written by
   exactly one tile, in place), then the pipeline's scratch and the output tile
   o_smem [tile_m, tile_n]. pipeline(acc_ref, ins, work, m_block=None, n_block=,
   k_offset=0, first_row=) accumulates a tile's K steps.
 
-  Item w is tile w // n_tiles, n tile w % n_tiles: neighbouring CTAs share a
-  tile's token rows (read once from HBM, then from L2).
+  Item w is tile w // (weights * n_tiles) and output n tile w % (weights *
+  n_tiles), so weight n tile // n_tiles's n tile n tile % n_tiles: neighbouring
+  CTAs share a tile's token rows (read once from HBM, then from L2), over every
+  weight's columns in turn. Each weight runs its own K pipeline under a
+  ``pl.when``, as a TMA reads one fixed operand (docs/int4_matmul.md, "Gate and up
+  in one launch").
   """
-  xs, (w_gmem, s_gmem), o_gmem = refs[:x_refs], refs[x_refs:x_refs + 2], refs[x_refs + 2]
-  work, o_smem = refs[x_refs + 3:-1], refs[-1]
+  xs, w_refs = refs[:x_refs], refs[x_refs:x_refs + 2 * weights]
+  o_gmem = refs[x_refs + 2 * weights]
+  work, o_smem = refs[x_refs + 2 * weights + 1:-1], refs[-1]
   cta = lax.axis_index("c")
-  work_items = meta_gmem[4, 0] * n_tiles
+  out_tiles = weights * n_tiles  # n tiles of the [M, weights * N] output
+  work_items = meta_gmem[4, 0] * out_tiles
   trips = lax.div(jnp.maximum(work_items - cta, 0) + (num_ctas - 1), num_ctas)
 
   def item(i, carry):
     w = cta + i * num_ctas
-    t = lax.div(w, n_tiles)
-    ni = lax.rem(w, n_tiles)
+    t = lax.div(w, out_tiles)
+    oi = lax.rem(w, out_tiles)  # the output's n tile
+    ni = lax.rem(oi, n_tiles) if weights > 1 else oi  # the weight's n tile
     expert = meta_gmem[0, t]
     # div * mul: the window start is a multiple of _ROW_ALIGN, and Mosaic GPU
     # must see it to lower the x TMAs.
@@ -506,23 +514,29 @@ def grouped_kernel(meta_gmem, *refs, pipeline, x_refs, tile_n, tile_m, n_tiles,
     offset = meta_gmem[2, t]
     rows = meta_gmem[3, t]
 
-    @pl.when(expert >= 0)
-    def _():
-      def acc_scope(acc_ref):
-        pipeline(acc_ref, (*xs, w_gmem.at[expert], s_gmem.at[expert]), work,
-                 m_block=None, n_block=ni, k_offset=0, first_row=window)
-        return acc_ref[...]
+    for wi in range(weights):
+      w_gmem, s_gmem = w_refs[2 * wi], w_refs[2 * wi + 1]
+      run = expert >= 0
+      if weights > 1:
+        run = run & (lax.div(oi, n_tiles) == wi)
 
-      acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, tile_m), jnp.float32))
-      # out^T [tile_n, tile_m] in registers -> token-major rows in SMEM.
-      o_smem.T[...] = acc.astype(o_smem.dtype)
+      @pl.when(run)
+      def _():
+        def acc_scope(acc_ref):
+          pipeline(acc_ref, (*xs, w_gmem.at[expert], s_gmem.at[expert]), work,
+                   m_block=None, n_block=ni, k_offset=0, first_row=window)
+          return acc_ref[...]
+
+        acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, tile_m), jnp.float32))
+        # out^T [tile_n, tile_m] in registers -> token-major rows in SMEM.
+        o_smem.T[...] = acc.astype(o_smem.dtype)
 
     @pl.when(expert < 0)  # rows past sum(group_sizes)
     def _():
       o_smem[...] = jnp.zeros(o_smem.shape, o_smem.dtype)
 
     plgpu.commit_smem()
-    _store_rows(o_smem, o_gmem, offset, window + offset, pl.ds(ni * tile_n, tile_n), rows,
+    _store_rows(o_smem, o_gmem, offset, window + offset, pl.ds(oi * tile_n, tile_n), rows,
                 max_rows=tile_m)
     # The next item rewrites o_smem: its copies must have read it.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -531,11 +545,62 @@ def grouped_kernel(meta_gmem, *refs, pipeline, x_refs, tile_n, tile_m, n_tiles,
   lax.fori_loop(0, trips, item, None)
 
 
+def grouped_weights(x, packed, scales, group_sizes, group_size, check):
+  """Validates a grouped call's arguments: one weight, or several of one shape.
+
+  ``packed`` and ``scales`` are arrays (one weight) or equally long tuples of arrays
+  of one shape and dtype each (several projections of the same rows, run in one
+  launch: the result holds their columns side by side).
+
+  Args:
+    check: the layout's argument check (``reference.check_int4_args`` or
+      ``check_int4_nk_args``), applied to the first weight.
+
+  Returns:
+    (M, K, N, E, pairs): N per weight, pairs a tuple of (packed, scales).
+
+  Raises:
+    ValueError: on any shape, dtype or count mismatch.
+  """
+  several = isinstance(packed, (tuple, list))
+  if several != isinstance(scales, (tuple, list)):
+    kinds = ["a tuple" if isinstance(a, (tuple, list)) else "an array" for a in (packed, scales)]
+    raise ValueError("packed and scales must both be arrays or both tuples of arrays, got "
+                     f"{kinds[0]} and {kinds[1]}")
+  pairs = tuple(zip(packed, scales)) if several else ((packed, scales),)
+  if several and (not pairs or len(packed) != len(scales)):
+    raise ValueError(f"need as many weights as scales, at least one: got {len(packed)} "
+                     f"and {len(scales)}")
+  m, k, n, e = check(x, *pairs[0], group_size, experts=True)
+  for p, s in pairs[1:]:
+    if (p.shape, p.dtype, s.shape, s.dtype) != (pairs[0][0].shape, pairs[0][0].dtype,
+                                                pairs[0][1].shape, pairs[0][1].dtype):
+      raise ValueError("the weights of one grouped call must share shapes and dtypes: got "
+                       f"{[(p.shape, str(p.dtype), s.shape, str(s.dtype)) for p, s in pairs]}")
+  if group_sizes.shape != (e,):
+    raise ValueError(f"group_sizes must be [{e}], got {group_sizes.shape}")
+  return m, k, n, e, pairs
+
+
+def grouped_reference(reference_fn, x, pairs, group_sizes, group_size):
+  """The "xla" backend of a grouped call: each weight's reference, columns side by side."""
+  outs = [reference_fn(x, p, s, group_sizes, group_size=group_size) for p, s in pairs]
+  return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+
+
+def grouped_result(out, weights: int, n: int, out_dtype):
+  """[M, weights * n] in ``out_dtype`` from the kernel's [M, weights * Np] (N padded to
+  Np >= n; each weight's padded columns dropped)."""
+  m, n_pad = out.shape[0], out.shape[1] // weights
+  if weights > 1 and n_pad != n:
+    out = out.reshape(m, weights, n_pad)[:, :, :n].reshape(m, weights * n)
+  return out[:, :weights * n].astype(out_dtype)
+
+
 @functools.partial(jax.jit,
                    static_argnames=("group_size", "backend", "block_sizes"))
-def int4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
-                        group_sizes: jax.Array, *, group_size: int,
-                        backend: str | None = None,
+def int4_grouped_matmul(x: jax.Array, packed, scales, group_sizes: jax.Array, *,
+                        group_size: int, backend: str | None = None,
                         block_sizes: BlockSizes | None = None) -> jax.Array:
   """Grouped (MoE) W4A16 matmul, like `jax.lax.ragged_dot` with int4 experts.
 
@@ -548,34 +613,42 @@ def int4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
   are cut into tiles of their own, and each tile writes its rows of the output
   in place (docs/int4_matmul.md).
 
+  Several weights of one shape (tuples ``packed`` and ``scales``, e.g. an expert
+  FFN's gate and up) run in one launch over the same rows, schedule and block
+  sizes as one of them: the work items cover every weight's n tiles, and the
+  result holds their columns side by side (docs/int4_matmul.md, "Gate and up in
+  one launch").
+
   Args:
     x: [M, K] activations (bf16; f32 is rounded to bf16 by the kernels),
       sorted by expert.
-    packed: [E, K//2, N] uint8, two int4 per byte along K.
-    scales: [E, K//group_size, N] bf16 or f32.
+    packed: [E, K//2, N] uint8, two int4 per byte along K; or a tuple of W such
+      arrays.
+    scales: [E, K//group_size, N] bf16 or f32; or a tuple of W such arrays (the
+      same dtype), one per weight.
     group_sizes: [E] int32, rows per expert; sum(group_sizes) <= M.
     group_size: 32, 64 or 128 (quantisation group along K).
     backend: "pallas", "interpret" or "xla"; None picks by platform.
-    block_sizes: tiles (k_splits is ignored); None uses the tuned default,
-      whose tile_m follows the mean rows per expert.
+    block_sizes: tiles (k_splits is ignored; tile_n divides N); None uses the
+      tuned default for one weight, whose tile_m follows the mean rows per expert.
 
   Returns:
-    [M, N] in x's dtype.
+    [M, N] in x's dtype; [M, W * N] for W weights (weight i in columns
+    [i * N, (i + 1) * N)).
 
   Raises:
-    ValueError: on shape, dtype, group-size or backend mismatch.
+    ValueError: on shape, dtype, group-size, weight-count or backend mismatch.
   """
-  m, k, n, e = reference.check_int4_args(x, packed, scales, group_size,
-                                         experts=True)
-  if group_sizes.shape != (e,):
-    raise ValueError(f"group_sizes must be [{e}], got {group_sizes.shape}")
+  m, k, n, e, pairs = grouped_weights(x, packed, scales, group_sizes, group_size,
+                                      reference.check_int4_args)
   backend = resolve_backend(backend)
   if backend == "xla":
-    return reference.int4_grouped_matmul_reference(
-        x, packed, scales, group_sizes, group_size=group_size)
+    return grouped_reference(reference.int4_grouped_matmul_reference, x, pairs, group_sizes,
+                             group_size)
   out_dtype, n_out = x.dtype, n
-  x, packed, scales = _kernel_operands(x, packed, scales, group_size)
-  k, n = x.shape[1], packed.shape[-1]
+  operands = [_kernel_operands(x, p, s, group_size) for p, s in pairs]
+  x = operands[0][0]
+  k, n = x.shape[1], operands[0][1].shape[-1]
   bs = (block_sizes or BlockSizes.get_default(m, n, k, grouped=True, experts=e)).fit(
       m, n, k)
   tile_n, tile_m, tile_k = bs.tile_n, bs.tile_m, bs.tile_k
@@ -584,21 +657,22 @@ def int4_grouped_matmul(x: jax.Array, packed: jax.Array, scales: jax.Array,
   x_even, x_odd = _split_even_odd(x, grouped_x_rows(m, tile_m))
   k_steps = k // tile_k
   n_tiles = n // tile_n
-  num_ctas = min(n_tiles * num_tiles, bs.max_ctas or grouped_ctas(bs, group_size))
+  num_ctas = min(len(pairs) * n_tiles * num_tiles,
+                 bs.max_ctas or grouped_ctas(bs, group_size))
   kernel = functools.partial(grouped_kernel, pipeline=_kn_pipeline(bs, group_size, k_steps),
                              x_refs=2, tile_n=tile_n, tile_m=tile_m, n_tiles=n_tiles,
-                             num_ctas=num_ctas)
+                             num_ctas=num_ctas, weights=len(pairs))
   out = mgpu_shim.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
+      out_type=jax.ShapeDtypeStruct((m, len(pairs) * n), x.dtype),
       grid=(num_ctas,),
       grid_names=("c",),
       kernel_name="int4_grouped_matmul",
       scratch_types=_scratch(bs, plgpu.SMEM((tile_m, tile_n), x.dtype), _overlap(bs, k_steps)),
       compiler_params=compiler_params(),
       interpret=mgpu_shim.interpret_params(backend == "interpret"),
-  )(meta, x_even, x_odd, packed, scales)
-  return out[:, :n_out].astype(out_dtype)
+  )(meta, x_even, x_odd, *(a for _, p, s in operands for a in (p, s)))
+  return grouped_result(out, len(pairs), n_out, out_dtype)
 
 
 def grouped_ctas(bs: BlockSizes, group_size: int, layout: str = "kn") -> int:

@@ -47,7 +47,10 @@ from pallas_kernels.int4_matmul.int4_matmul import dense_result
 from pallas_kernels.int4_matmul.int4_matmul import grouped_ctas
 from pallas_kernels.int4_matmul.int4_matmul import grouped_kernel
 from pallas_kernels.int4_matmul.int4_matmul import grouped_meta
+from pallas_kernels.int4_matmul.int4_matmul import grouped_reference
+from pallas_kernels.int4_matmul.int4_matmul import grouped_result
 from pallas_kernels.int4_matmul.int4_matmul import grouped_tile_bound
+from pallas_kernels.int4_matmul.int4_matmul import grouped_weights
 from pallas_kernels.int4_matmul.int4_matmul import grouped_x_rows
 from pallas_kernels.int4_matmul.int4_matmul import resolve_backend
 from pallas_kernels.int4_matmul import reference
@@ -231,42 +234,44 @@ def int4_matmul_nk(x: jax.Array, w_nk: jax.Array, scales: jax.Array, *,
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "backend", "block_sizes"))
-def int4_grouped_matmul_nk(x: jax.Array, w_nk: jax.Array, scales: jax.Array,
-                           group_sizes: jax.Array, *, group_size: int,
-                           backend: str | None = None,
+def int4_grouped_matmul_nk(x: jax.Array, w_nk, scales, group_sizes: jax.Array, *,
+                           group_size: int, backend: str | None = None,
                            block_sizes: BlockSizes | None = None) -> jax.Array:
   """Grouped (MoE) W4A16 matmul on [E, N, K] int4 weights, like `lax.ragged_dot`.
 
   Rows of x are sorted by expert (``group_sizes`` rows each); rows past
   sum(group_sizes) are zero. The schedule is ``int4_grouped_matmul``'s: a
-  persistent grid over the tiles in use, each writing its rows in place.
+  persistent grid over the tiles in use, each writing its rows in place; so is
+  running several weights of one shape (tuples ``w_nk`` and ``scales``) in one
+  launch, their columns side by side.
 
   Args:
     x: [M, K] activations (bf16; f32 is rounded to bf16), sorted by expert.
-    w_nk: [E, N, K] int4.
-    scales: [E, K//group_size, N] bf16 or f32.
+    w_nk: [E, N, K] int4; or a tuple of W such arrays.
+    scales: [E, K//group_size, N] bf16 or f32; or a tuple of W such arrays.
     group_sizes: [E] int32; sum(group_sizes) <= M.
     group_size: 32, 64 or 128.
     backend: "pallas", "interpret" or "xla"; None picks by platform.
     block_sizes: tiles (k_splits and overlap_dequant are ignored); None uses the
-      tuned default (BlockSizes.get_default(layout="nk")).
+      tuned default (BlockSizes.get_default(layout="nk")) for one weight.
 
   Returns:
-    [M, N] in x's dtype.
+    [M, N] in x's dtype; [M, W * N] for W weights (weight i in columns
+    [i * N, (i + 1) * N)).
 
   Raises:
-    ValueError: on shape, dtype, group-size or backend mismatch.
+    ValueError: on shape, dtype, group-size, weight-count or backend mismatch.
   """
-  m, k, n, e = reference.check_int4_nk_args(x, w_nk, scales, group_size, experts=True)
-  if group_sizes.shape != (e,):
-    raise ValueError(f"group_sizes must be [{e}], got {group_sizes.shape}")
+  m, k, n, e, pairs = grouped_weights(x, w_nk, scales, group_sizes, group_size,
+                                      reference.check_int4_nk_args)
   backend = resolve_backend(backend)
   if backend == "xla":
-    return reference.int4_grouped_matmul_nk_reference(x, w_nk, scales, group_sizes,
-                                                      group_size=group_size)
+    return grouped_reference(reference.int4_grouped_matmul_nk_reference, x, pairs,
+                             group_sizes, group_size)
   out_dtype, n_out = x.dtype, n
-  x, w_nk, scales = _kernel_operands(x, w_nk, scales, group_size)
-  k, n = x.shape[1], w_nk.shape[-2]
+  operands = [_kernel_operands(x, w, s, group_size) for w, s in pairs]
+  x = operands[0][0]
+  k, n = x.shape[1], operands[0][1].shape[-2]
   bs = (block_sizes or BlockSizes.get_default(m, n, k, grouped=True, experts=e,
                                               layout="nk")).fit(
       m, n, k)
@@ -275,19 +280,20 @@ def int4_grouped_matmul_nk(x: jax.Array, w_nk: jax.Array, scales: jax.Array,
   x = jnp.pad(x, ((0, grouped_x_rows(m, bs.tile_m) - m), (0, 0)))  # a tile's box stays in x
   k_steps = k // bs.tile_k
   n_tiles = n // bs.tile_n
-  num_ctas = min(n_tiles * num_tiles,
+  num_ctas = min(len(pairs) * n_tiles * num_tiles,
                  bs.max_ctas or grouped_ctas(bs, group_size, layout="nk"))
   interpret = mgpu_shim.interpret_params(backend == "interpret")
   run = _pipeline(bs, group_size, k_steps)
   out = mgpu_shim.kernel(
       functools.partial(grouped_kernel, pipeline=run, x_refs=1, tile_n=bs.tile_n,
-                        tile_m=bs.tile_m, n_tiles=n_tiles, num_ctas=num_ctas),
-      out_type=jax.ShapeDtypeStruct((m, n), x.dtype),
+                        tile_m=bs.tile_m, n_tiles=n_tiles, num_ctas=num_ctas,
+                        weights=len(pairs)),
+      out_type=jax.ShapeDtypeStruct((m, len(pairs) * n), x.dtype),
       grid=(num_ctas,),
       grid_names=("c",),
       kernel_name="int4_grouped_matmul_nk",
       scratch_types=_scratch(bs, plgpu.SMEM((bs.tile_m, bs.tile_n), x.dtype), interpret),
       compiler_params=compiler_params(),
       interpret=interpret,
-  )(meta, x, w_nk, scales)
-  return out[:, :n_out].astype(out_dtype)
+  )(meta, x, *(a for _, w, s in operands for a in (w, s)))
+  return grouped_result(out, len(pairs), n_out, out_dtype)
