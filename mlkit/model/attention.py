@@ -297,7 +297,8 @@ def _head_shards(decode_sharding) -> int:
 def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: int,
                     cfg: ModelConfig, *, batch_meta=None, mla_mode: str = "auto",
                     backend: str | None = None, segment_ids: jax.Array | None = None,
-                    selection: jax.Array | None = None, decode_sharding=None):
+                    selection: jax.Array | None = None, decode_sharding=None,
+                    out_dtype=None):
   """One attention sub-layer: project, write the cache, attend, project out.
 
   Decode steps (T == 1) on a cache that offers ``decode_attention`` (the paged
@@ -320,6 +321,8 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: i
       paged decode step the selected positions [B, K] int32.
     decode_sharding: None, or an ``mlkit.parallel.DecodeSharding``: paged decode
       attention then runs per device on its own heads.
+    out_dtype: the output's dtype (default x's): f32 hands on the output projection
+      as accumulated (and all-reduced), for a consumer that rounds it itself.
 
   Returns:
     (out [B, T, D], cache), plus this layer's selection (as above) third when
@@ -331,7 +334,8 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: i
   if cfg.sparse_attention:
     return _sparse_mla_block(p, x, positions, cache, layer, cfg, batch_meta=batch_meta,
                              mla_mode=mla_mode, backend=backend, segment_ids=segment_ids,
-                             selection=selection, decode_sharding=decode_sharding)
+                             selection=selection, decode_sharding=decode_sharding,
+                             out_dtype=out_dtype)
   paged_decode = T == 1 and cache is not None and hasattr(cache, "decode_attention")
   if mla:
     # A paged decode step's write norms and rotates the entries itself, in the page
@@ -366,14 +370,14 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: i
     else:
       heads = gqa_attention(q, view["k"], view["v"], mask, cfg.softmax_scale,
                             head_shards=_head_shards(decode_sharding))
-  out = matmul(heads.reshape(B, T, -1), p["wo"], backend=backend)
+  out = matmul(heads.reshape(B, T, -1), p["wo"], backend=backend, out_dtype=out_dtype)
   return out, cache
 
 
 def _sparse_mla_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: int,
                       cfg: ModelConfig, *, batch_meta, mla_mode: str, backend: str | None,
                       segment_ids: jax.Array | None, selection: jax.Array | None,
-                      decode_sharding=None):
+                      decode_sharding=None, out_dtype=None):
   """MLA over the keys the sparse-attention indexer selects (``attention_block``'s sparse form).
 
   A full layer computes its indexer keys, stores them in the cache beside the
@@ -429,5 +433,5 @@ def _sparse_mla_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer:
     fn = mla_attention_absorbed if absorbed else mla_attention_naive
     heads = fn(p, q_nope, q_rope, view, mask & selection, cfg,
                head_shards=_head_shards(decode_sharding))  # [B, T, H, v]
-  out = matmul(heads.reshape(B, T, -1), p["wo"], backend=backend)
+  out = matmul(heads.reshape(B, T, -1), p["wo"], backend=backend, out_dtype=out_dtype)
   return out, cache, selection

@@ -261,10 +261,11 @@ def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
 
 
 def moe_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, backend: str | None = None,
-            expert_sharding: NamedSharding | None = None):
+            expert_sharding: NamedSharding | None = None, out_dtype=None):
   """MoE FFN over tokens x [..., D]: routed experts plus shared expert(s).
 
   ``expert_sharding``: see :func:`dispatch_experts` (expert-parallel routed experts).
+  ``out_dtype``: the output's dtype (default x's); f32 hands on the f32 sum.
 
   Returns:
     (out [..., D], aux) where aux holds ``expert_load`` [E] (fraction of routed
@@ -278,7 +279,7 @@ def moe_ffn(p: dict, x: jax.Array, cfg: ModelConfig, *, backend: str | None = No
                          expert_sharding=expert_sharding, out_dtype=jnp.float32)
   if "shared" in p:
     out = out + swiglu(p["shared"], xf, backend=backend, out_dtype=jnp.float32)
-  out = out.astype(x.dtype)
+  out = out.astype(out_dtype or x.dtype)
   load = jnp.bincount(expert_ids.reshape(-1), length=cfg.n_routed_experts) / expert_ids.size
   aux = {"expert_load": load.astype(jnp.float32), "router_prob": jnp.mean(scores, axis=0)}
   return out.reshape(shape), aux
