@@ -12,6 +12,8 @@ from mlkit.model.attention import attention_block
 from mlkit.model.layers import rms_norm, swiglu
 from mlkit.model.moe import moe_ffn
 from mlkit.quant import matmul
+from pallas_kernels import dispatch as kernel_dispatch
+from pallas_kernels.residual_norm import add_deltas, add_residual, residual_norm
 
 
 def _check_inputs(params: dict, tokens, positions, cfg: ModelConfig) -> None:
@@ -32,8 +34,9 @@ def decoder_layer(lp: dict, x: jax.Array, positions: jax.Array, cache, layer: in
                   decode_sharding=None):
   """One decoder block: pre-norm attention and pre-norm FFN, each added to the residual.
 
-  The main model's layers and the multi-token-prediction layers (``mlkit.model.mtp``)
-  both run through here.
+  The multi-token-prediction layers (``mlkit.model.mtp``) run through here; the main
+  model's layers run :func:`_decoder_layer`, which leaves its residual add to the next
+  layer's norm.
 
   Args:
     lp: the layer's params {attn_norm, ffn_norm, attn, ffn}.
@@ -51,30 +54,59 @@ def decoder_layer(lp: dict, x: jax.Array, positions: jax.Array, cache, layer: in
     (x [B, T, D], cache, selection, aux): aux is the MoE router statistics
     {expert_load, router_prob: [E]} or None for a dense FFN.
   """
-  h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+  x, deltas, cache, selection, aux = _decoder_layer(
+      lp, x, (), positions, cache, layer, cfg, moe=moe, selection=selection,
+      batch_meta=batch_meta, mla_mode=mla_mode, backend=backend, segment_ids=segment_ids,
+      expert_sharding=expert_sharding, decode_sharding=decode_sharding)
+  return add_residual(x, deltas), cache, selection, aux
+
+
+def _decoder_layer(lp: dict, x: jax.Array, deltas: tuple, positions: jax.Array, cache,
+                   layer: int, cfg: ModelConfig, *, moe: bool, selection=None,
+                   batch_meta=None, mla_mode: str = "auto", backend: str | None = None,
+                   segment_ids: jax.Array | None = None, expert_sharding=None,
+                   decode_sharding=None):
+  """:func:`decoder_layer` on the residual stream ``x`` plus the previous layer's
+  un-added ``deltas``, returning its own deltas un-added.
+
+  The residual add at a layer's end is materialised once per layer (see
+  ``add_residual``); XLA runs it as a launch of its own, and the next layer's RMSNorm
+  as another. Handed on un-added, the add and that norm run as one kernel on the kernel
+  backends (``residual_norm``, docs/residual_norm.md), whose new stream is the
+  materialised one; on "xla" they are today's ops.
+
+  Returns:
+    (x [B, T, D] the stream after ``deltas``, (attn_out, ffn_out) [B, T, D] this layer's
+    deltas, cache, selection, aux).
+  """
+  eps = cfg.rms_norm_eps
+  # The kernel rounds each delta to x's dtype itself: handed the output projections' f32
+  # sums (all-reduced under tensor parallelism), it reads them as they come, where a
+  # rounded copy would be a launch of its own. On "xla" the outputs are rounded where
+  # they are made, as always.
+  out_dtype = None if kernel_dispatch.resolve_backend(backend) == "xla" else jnp.float32
+  if deltas:
+    x, h = residual_norm(x, deltas, lp["attn_norm"], eps, backend=backend)
+  else:
+    h = rms_norm(x, lp["attn_norm"], eps)
   if cfg.sparse_attention:
     attn_out, cache, selection = attention_block(
         lp["attn"], h, positions, cache, layer, cfg, batch_meta=batch_meta, mla_mode=mla_mode,
         backend=backend, segment_ids=segment_ids, selection=selection,
-        decode_sharding=decode_sharding)
+        decode_sharding=decode_sharding, out_dtype=out_dtype)
   else:
     attn_out, cache = attention_block(lp["attn"], h, positions, cache, layer, cfg,
                                       batch_meta=batch_meta, mla_mode=mla_mode,
                                       backend=backend, segment_ids=segment_ids,
-                                      decode_sharding=decode_sharding)
-  x = x + attn_out
-  h = rms_norm(x, lp["ffn_norm"], cfg.rms_norm_eps)
+                                      decode_sharding=decode_sharding, out_dtype=out_dtype)
+  h = rms_norm(add_deltas(x, (attn_out,)), lp["ffn_norm"], eps)
   aux = None
   if moe:
-    ffn_out, aux = moe_ffn(lp["ffn"], h, cfg, backend=backend, expert_sharding=expert_sharding)
+    ffn_out, aux = moe_ffn(lp["ffn"], h, cfg, backend=backend, expert_sharding=expert_sharding,
+                           out_dtype=out_dtype)
   else:
-    ffn_out = swiglu(lp["ffn"], h, backend=backend)
-  # Materialise the residual stream once per layer. Without the barrier XLA fuses the
-  # chain of residual adds into every consumer, recomputing x from all earlier layers'
-  # all-reduced outputs, which then all stay live to the end of the step (two [T, D]
-  # f32 buffers per layer: 0.47 GB per layer for an 8192-token Kimi prefill chunk).
-  x = jax.lax.optimization_barrier(x + ffn_out)
-  return x, cache, selection, aux
+    ffn_out = swiglu(lp["ffn"], h, backend=backend, out_dtype=out_dtype)
+  return x, (attn_out, ffn_out), cache, selection, aux
 
 
 def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
@@ -136,15 +168,18 @@ def apply(params: dict, tokens: jax.Array, positions: jax.Array, cache=None, *,
     x = embed_tokens(params["embed"], tokens).astype(dtype)  # [B, T, D]
   loads, probs = [], []
   selection = None  # sparse attention: the last full layer's selection (attention_block)
+  deltas = ()  # the last layer's outputs, added by the next layer's first norm
   for i, lp in enumerate(params["layers"]):
     with jax.named_scope(f"layer_{i}"):
-      x, cache, selection, aux = decoder_layer(
-          lp, x, positions, cache, i, cfg, moe=cfg.is_moe_layer(i), selection=selection,
-          batch_meta=batch_meta, mla_mode=mla_mode, backend=backend, segment_ids=segment_ids,
-          expert_sharding=expert_sharding, decode_sharding=decode_sharding)
+      x, deltas, cache, selection, aux = _decoder_layer(
+          lp, x, deltas, positions, cache, i, cfg, moe=cfg.is_moe_layer(i),
+          selection=selection, batch_meta=batch_meta, mla_mode=mla_mode, backend=backend,
+          segment_ids=segment_ids, expert_sharding=expert_sharding,
+          decode_sharding=decode_sharding)
       if aux is not None:
         loads.append(aux["expert_load"])
         probs.append(aux["router_prob"])
+  x = add_residual(x, deltas)
   pre_norm = x  # [B, T, D]: what the first multi-token-prediction layer reads, every position
   if logits_index is not None:
     x = jnp.take_along_axis(x, logits_index.astype(jnp.int32)[:, None, None], axis=1)  # [B, 1, D]
