@@ -12,7 +12,7 @@ import unittest
 from mlkit.plan import launch_count as lc
 
 # Launches one MoE layer adds to the decode step with an fp8 KV pool.
-MAX_LAUNCHES_PER_MOE_LAYER = 31
+MAX_LAUNCHES_PER_MOE_LAYER = 28
 # The Pallas kernels a layer runs once each (by their launch names).
 LAYER_KERNELS = ("page_write_mla", "scaled_query", "select_experts", "sort_by_expert",
                  "grouped_schedule")
