@@ -35,12 +35,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.custom_partitioning import SdyShardingRule
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.experimental.pallas import triton as pltriton
-from jax.extend.core import Primitive
-from jax.interpreters import mlir
 from jax.sharding import NamedSharding
 
 from pallas_kernels import dispatch
 from pallas_kernels.int4_matmul.partitioned import _axes, _spec
+from pallas_kernels.on_mesh import lower_on_mesh
 from pallas_kernels.swiglu.reference import silu_times, swiglu_parts_reference
 
 _BLOCK = 256  # output elements a program computes
@@ -86,33 +85,9 @@ def _swiglu_parts_pallas(gate_parts, up_parts, *, dtype, interpret):
   return out.reshape(m, f)
 
 
-# The kernel as one device of a mesh runs it. XLA's partitioner lowers the per-device
-# function of ``_partition`` while it compiles, with no abstract mesh active, and Pallas'
-# Triton lowering reads the GPU it targets from the abstract mesh or else from the
-# default device: compiled ahead of time for an H200 from a CPU host
-# (docs/h200_compile.md), it would find a CPU. This primitive lowers the kernel under
-# the mesh's abstract mesh, whose devices are the target's.
-_on_mesh_p = Primitive("swiglu_parts_on_mesh")
-
-
-@_on_mesh_p.def_abstract_eval
-def _on_mesh_shape(gate_parts, up_parts, *, dtype, abstract_mesh):
-  del up_parts, abstract_mesh
-  return jax.core.ShapedArray(gate_parts.shape[1:], dtype)
-
-
-def _on_mesh_lowering(ctx, gate_parts, up_parts, *, dtype, abstract_mesh):
-  with jax.sharding.use_abstract_mesh(abstract_mesh):
-    return mlir.lower_fun(functools.partial(_swiglu_parts_pallas, dtype=dtype, interpret=False),
-                          multiple_results=False)(ctx, gate_parts, up_parts)
-
-
-mlir.register_lowering(_on_mesh_p, _on_mesh_lowering)
-
-
 def _op(gate_parts, up_parts, dtype, backend):
-  """The reference on "xla", else the kernel: what custom partitioning runs on one device
-  (or within a shard_map); over a mesh each device runs ``_partition``'s."""
+  """The reference on "xla", else the kernel, on the shapes it is given (over a mesh, one
+  device's: ``_partition``)."""
   if backend == "xla":
     return swiglu_parts_reference(gate_parts, up_parts, dtype=dtype)
   return _swiglu_parts_pallas(gate_parts, up_parts, dtype=dtype, interpret=False)
@@ -129,11 +104,12 @@ def _partition(dtype, backend, mesh, arg_shapes, result_shape):
   parts_sharding = NamedSharding(mesh, _spec((), m_axes, f_axes))
 
   def per_device(gate_parts, up_parts):
-    if backend == "xla":
-      return _op(gate_parts, up_parts, dtype, backend)
-    return _on_mesh_p.bind(gate_parts, up_parts, dtype=dtype, abstract_mesh=mesh.abstract_mesh)
-  return (mesh, per_device, NamedSharding(mesh, _spec(m_axes, f_axes)),
-          (parts_sharding, parts_sharding))
+    return (_op(gate_parts, up_parts, dtype, backend),)
+
+  if backend == "pallas":  # lowered for the mesh's devices (pallas_kernels.on_mesh)
+    per_device = lower_on_mesh(per_device, mesh.abstract_mesh)
+  return (mesh, lambda gate_parts, up_parts: per_device(gate_parts, up_parts)[0],
+          NamedSharding(mesh, _spec(m_axes, f_axes)), (parts_sharding, parts_sharding))
 
 
 def _rule(dtype, backend, mesh, operand_types, result_types):
