@@ -10,6 +10,7 @@ import numpy as np
 
 from mlkit.quant import matmul
 from pallas_kernels import dispatch as kernel_dispatch
+from pallas_kernels.residual_norm.reference import rms_norm  # noqa: F401  (the one definition)
 from pallas_kernels.swiglu import swiglu_parts
 
 # The widest FFN (F, the gate's and the up's columns) whose gate and up matmuls run as
@@ -18,13 +19,6 @@ from pallas_kernels.swiglu import swiglu_parts
 # Kimi's dense FFN (F = 18,432: 2,304 a device) is not, and as parts it would write 16 x
 # 64 x 2 x 2,304 f32 per device (19 MB) where its GEMM writes 0.6 MB of bf16.
 SWIGLU_SPLIT_MAX_F = 4096
-
-
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-  """RMSNorm over the last axis, computed in f32, returned in x's dtype."""
-  xf = x.astype(jnp.float32)
-  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-  return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 def _gate_up_splits(p: dict, x: jax.Array, backend: str | None) -> int:

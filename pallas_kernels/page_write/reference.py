@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.residual_norm.reference import rms_norm
+
 # Largest finite e4m3fn value.
 FP8_MAX = 448.0
 
@@ -85,7 +87,8 @@ def mla_entries_reference(kv: jax.Array, norm_scale: jax.Array, cos: jax.Array, 
                           *, eps: float, interleave: bool) -> tuple[jax.Array, jax.Array]:
   """MLA's cache entries from the ``wkv_a`` projection: the RMS-normed latent and the
   rotated rope key, each rounded to kv's dtype (the same ops, in the same order, as
-  ``mlkit.model.layers.rms_norm`` and ``mlkit.model.rope.apply_rope``, which
+  the model's ``rms_norm`` (``pallas_kernels.residual_norm.reference``) and
+  ``mlkit.model.rope.apply_rope``, which
   tests/test_page_write_kernel.py checks bit for bit).
 
   Args:
@@ -99,9 +102,7 @@ def mla_entries_reference(kv: jax.Array, norm_scale: jax.Array, cos: jax.Array, 
     (latent [..., C], k_rope [..., R]) in kv's dtype.
   """
   c = norm_scale.shape[-1]
-  xf = kv[..., :c].astype(jnp.float32)
-  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-  latent = (y * norm_scale.astype(jnp.float32)).astype(kv.dtype)
+  latent = rms_norm(kv[..., :c], norm_scale, eps)
   k_rope = rotate(kv[..., c:].astype(jnp.float32), cos, sin, interleave=interleave)
   return latent, k_rope.astype(kv.dtype)
 

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-  """RMSNorm over the last axis, computed in f32, returned in x's dtype (the model's
-  ``mlkit.model.layers.rms_norm``, op for op)."""
+  """RMSNorm over the last axis, computed in f32, returned in x's dtype: the model's
+  (``mlkit.model.layers`` imports it from here)."""
   xf = x.astype(jnp.float32)
   y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
   return (y * scale.astype(jnp.float32)).astype(x.dtype)
