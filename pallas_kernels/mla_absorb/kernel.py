@@ -49,7 +49,7 @@ BLOCK_V = 32  # value columns a program computes (at most)
 BLOCK_K = 128  # latent channels a dot step reads (at most)
 _MIN_BLOCK = 16  # Triton's dot takes no operand side below 16
 _NUM_WARPS = 4
-_NUM_STAGES = 2  # the next K chunk loads while this one multiplies
+_NUM_STAGES = 3  # two K chunk buffers in shared memory: the next chunk loads while one multiplies
 _DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
