@@ -250,6 +250,27 @@ class PagedMlaDecodeTest(OpTest):
     self.assert_matches(out, ref, TOL["fp8"])
 
 
+  def test_rope_columns_read_in_place(self):
+    """The query's rope part at block 2 of a wider array (NaN elsewhere): the kernel's
+    BlockSpec reads it there, to the plain form's bits."""
+    s = self.SHAPE
+    lengths = _lengths("ragged", s["batch"], s["page_size"], s["max_pages"])
+    args = make_mla(8, batch=s["batch"], heads=s["heads"], c=s["c"], r=s["r"],
+                    page_size=s["page_size"], max_pages=s["max_pages"],
+                    lengths=lengths, kv_dtype="bf16")
+    bs = BlockSizes(block_h=64 if s["heads"] >= 64 else 16, impl="triton")
+    q_rope = np.asarray(args[1], np.float32)
+    wide = np.full(q_rope.shape[:2] + (3 * s["r"],), np.nan, np.float32)
+    wide[..., 2 * s["r"]:] = q_rope
+    out = paged_mla_decode(*args, scale=0.05, backend=self.backend, block_sizes=bs)
+    out_wide = paged_mla_decode(args[0], _dev(wide, jnp.bfloat16), *args[2:], scale=0.05,
+                                backend=self.backend, block_sizes=bs, rope_offset=2 * s["r"])
+    np.testing.assert_array_equal(np.asarray(out_wide, np.float32), np.asarray(out, np.float32))
+    with self.assertRaisesRegex(ValueError, "shape mismatch"):
+      paged_mla_decode(args[0], args[1], *args[2:], scale=0.05, backend=self.backend,
+                       rope_offset=1)
+
+
 class PagedMlaDecodeInterpretTest(PagedMlaDecodeTest):
   IMPL = "interpret"
   # 20 heads: not a multiple of block_h, so head padding is exercised.
@@ -265,13 +286,15 @@ class PagedMlaDecodeMgpuTest(OpTest):
   SHAPE = dict(heads=128, c=512, r=64, page_size=64, max_pages=40, batch=4)
 
   def _check(self, seed, kv_dtype, *, mla_m=None, mla_qk="auto", loads="producer",
-             lengths=None, length_kind="ragged", **shape):
+             lengths=None, length_kind="ragged", rope_offset=None, **shape):
     """Runs the kernel (mla_m, default the class's; mla_qk; loads) on make_mla inputs of
     SHAPE updated by ``shape``, and checks it against the reference: shape,
     every element written and finite, the tolerance, and (interpreted) no race.
     Where QK runs in fp8, also against the reference given the kernel's e4m3
     query: then only the f32 accumulation and bf16 roundings differ, so the
-    bf16 tolerance, which the query's rounding alone would exceed."""
+    bf16 tolerance, which the query's rounding alone would exceed. With
+    ``rope_offset``, also with the query's rope part read from that column on of
+    a wider array, NaN elsewhere (a decode step's query array): the same bits."""
     s = dict(self.SHAPE, **shape)
     if lengths is None:
       lengths = _lengths(length_kind, s["batch"], s["page_size"], s["max_pages"])
@@ -287,14 +310,24 @@ class PagedMlaDecodeMgpuTest(OpTest):
     if attn_ops.mla_qk_fp8(bs, tokens, args[2]):
       ref8 = _reference_e4m3_query(*args, scale=scale)
       self.assertLessEqual(_rel_err(out, ref8), TOL["bf16"])
+    if rope_offset is not None:
+      q_rope = np.asarray(args[1], np.float32)
+      wide = np.full(q_rope.shape[:2] + (rope_offset + q_rope.shape[2],), np.nan, np.float32)
+      wide[..., rope_offset:] = q_rope
+      out_wide = paged_mla_decode(args[0], _dev(wide, jnp.bfloat16), *args[2:], scale=scale,
+                                  backend=self.backend, block_sizes=bs, rope_offset=rope_offset)
+      np.testing.assert_array_equal(np.asarray(out_wide, np.float32), np.asarray(out, np.float32))
 
   # The kernel runs a balanced schedule of pieces (schedule.schedule_pieces)
   # and ignores num_splits; "ragged" gives the long request several pieces.
   @parameterized.parameters(
       ("bf16", "ragged", "auto"), ("fp8", "boundary", "auto"), ("fp8", "one", "f16"))
   def test_matches_reference(self, kv_dtype, length_kind, mla_qk):
+    # A bf16 cache's kernel reads the rope part in place at a column offset (a TMA box):
+    # checked compiled for both kernels, interpreted for the tokens-in-M one (Kimi K2.6's).
+    in_place = kv_dtype == "bf16" and (self.IMPL != "interpret" or self.MLA_M == "tokens")
     self._check(_seed("mgpu", kv_dtype, length_kind), kv_dtype, length_kind=length_kind,
-                mla_qk=mla_qk)
+                mla_qk=mla_qk, rope_offset=256 if in_place else None)
 
   def test_full_and_partial_head_blocks(self):
     # 72 heads: a full 64-row block and an 8-row one, each writing only its

@@ -4,8 +4,9 @@ Interpret mode returns the reference's bytes (f16 and e4m3, padded heads, rows f
 to 3e3 and all-zero rows) at Kimi K2.6's per-GPU shapes and small ones; the f16 factors
 are frexp's powers of two for every normal row maximum, and the scaled rows round-trip
 within f16's and e4m3's precision; shapes the kernel does not take run the reference;
-bad input; ``paged_mla_decode`` over an fp8 cache takes its query from this kernel; and
-an H200 compile: one launch, no spills.
+bad input; the rope part read at a column offset of a wider array (bit for bit the plain
+form's, and bad offsets refused); ``paged_mla_decode`` over an fp8 cache takes its query
+from this kernel; and H200 compiles: one launch, no spills.
 """
 
 from absl.testing import absltest
@@ -95,6 +96,33 @@ class ScaledQueryTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "kind must be"):
       query.scaled_query(ql, qr, heads=8, kind="bf16")
 
+  def test_rope_columns_of_a_wider_array(self):
+    """The decode step's query array [B, H, nope + v + R]: the kernel reads its rope part at
+    block (nope + v) / R and returns the plain form's bytes; columns it must not read are
+    NaN. An offset that is not a multiple of R runs the reference on those columns."""
+    b, h, c, r, off = 2, 8, 512, 64, 256
+    ql, qr = _parts(5, b, h, c, r)
+    wide = jnp.full((b, h, off + r), jnp.nan, qr.dtype).at[..., off:].set(qr)
+    for kind in ("f16", "fp8"):
+      got = query.scaled_query(ql, wide, heads=16, kind=kind, rope_cols=(off, r),
+                               interpret=True)
+      _equal(self, got, query.scaled_query(ql, qr, heads=16, kind=kind, interpret=True))
+    # The kernel's operand is the wide array itself, not a copy of its rope columns.
+    (call,) = [e for e in jax.make_jaxpr(lambda a, q: query.scaled_query(
+        a, q, heads=8, kind="f16", rope_cols=(off, r)))(ql, wide).eqns[0].params["jaxpr"].eqns
+               if e.primitive.name == "pallas_call"]
+    self.assertEqual(call.invars[1].aval.shape, (b, h, off + r))
+    odd = jnp.concatenate([wide[..., :1], wide], -1)  # the rope part at column 257
+    self.assertFalse(query.kernel_takes(ql, odd, (off + 1, r)))
+    _equal(self, query.scaled_query(ql, odd, heads=8, kind="fp8", rope_cols=(off + 1, r)),
+           query.scaled_query_reference(ql, qr, heads=8, kind="fp8"))
+
+  def test_bad_rope_columns(self):
+    ql, qr = _parts(6, 2, 8, 64, 16)
+    for cols in ((-16, 16), (8, 16), (0, 0)):
+      with self.assertRaisesRegex(ValueError, "do not lie within"):
+        query.scaled_query(ql, qr, heads=8, kind="f16", rope_cols=cols)
+
   def test_paged_mla_decode_over_fp8_takes_the_kernels_query(self):
     from pallas_kernels.paged_attention import ops
     # Kimi's per-GPU heads and widths over an fp8 cache, as the decode step runs it.
@@ -121,6 +149,15 @@ class ScaledQueryH200Test(h200_compile_cases.H200CompilerTest):
                                                                 kind=kind)),
           hc.spec((64, h, 512), jnp.bfloat16), hc.spec((64, h, 64), jnp.bfloat16),
           kernel="scaled_query")
+
+  def test_rope_read_at_an_offset_one_launch_without_spills(self):
+    from pallas_kernels.h200 import compile as hc
+    # The decode step's query array [64, 8, 320]: the rope part from column 256 on.
+    self.assert_one_launch_without_spills(
+        jax.jit(lambda ql, qq: query.scaled_query(ql, qq, heads=8, kind="f16",
+                                                  rope_cols=(256, 64))),
+        hc.spec((64, 8, 512), jnp.bfloat16), hc.spec((64, 8, 320), jnp.bfloat16),
+        kernel="scaled_query")
 
 
 if __name__ == "__main__":

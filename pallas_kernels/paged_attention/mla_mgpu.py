@@ -210,6 +210,36 @@ def copy_rows(src, dst, valid_tokens=None):
       dst[:, pl.ds(j * load_w + h * _STAGE_CHUNK, _STAGE_CHUNK)] = x.astype(dst.dtype)
 
 
+def tma_reads_rope_at(q_rope, r: int, rope_offset: int) -> bool:
+  """Whether a TMA box can read q_rope [B, N, W]'s R columns from ``rope_offset`` on: they
+  lie within W, and their start and the rows' stride are multiples of 16 bytes (the
+  decode step's query array: bf16 [B, N, 320] read from column 256;
+  docs/paged_attention.md, "The query's rope part in place")."""
+  w = q_rope.shape[-1]
+  item = jnp.dtype(q_rope.dtype).itemsize
+  return 0 <= rope_offset <= w - r and not (rope_offset * item) % 16 and not (w * item) % 16
+
+
+def rope_start(q_rope, r: int, rope_offset: int | None) -> int:
+  """The first of the R columns of q_rope [B, N, W] that hold the query's rope part, where
+  its TMA box starts: 0 (``rope_offset`` None: W == R) or ``rope_offset``.
+
+  Raises:
+    ValueError: W != R without an offset, or columns :func:`tma_reads_rope_at` refuses.
+  """
+  w = q_rope.shape[-1]
+  if rope_offset is None:
+    if w != r:
+      raise ValueError(f"q_rope has {w} columns but the rope keys {r}: pass rope_offset "
+                       "for a query whose rope part lies in a wider array")
+    return 0
+  if not tma_reads_rope_at(q_rope, r, rope_offset):
+    raise ValueError(f"rope columns [{rope_offset}, {rope_offset + r}) of a {w}-column "
+                     f"{jnp.dtype(q_rope.dtype).name} query: they must lie within it, "
+                     "and their start and the rows' stride be multiples of 16 bytes (TMA)")
+  return rope_offset
+
+
 def partial_rows(heads: int) -> int:
   """Rows of the partial outputs for ``heads`` real heads: rounded up to 8, since
   the bf16 staging tile is in 8-row tiles and a partial head block writes whole ones."""
@@ -217,14 +247,15 @@ def partial_rows(heads: int) -> int:
 
 def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
                     k_rope_scale, block_tables, lengths, pieces, *, scale,
-                    heads=None, producer=False, interpret=False):
+                    heads=None, producer=False, rope_offset=None, interpret=False):
   """Paged MLA decode partials over a balanced schedule of pieces, on Mosaic GPU.
 
   Args:
     q_latent: [B, Hp, C] query: for an fp8 cache float8_e4m3fn (QK in fp8) or
       f16 (QK in f16), divided by q_scale; else the cache dtype. Hp a
       multiple of 64.
-    q_rope: [B, Hp, R] same dtype and row scale.
+    q_rope: [B, Hp, R] same dtype and row scale; or [B, Hp, W] holding it at
+      columns [rope_offset, rope_offset + R) (:func:`rope_start`).
     q_scale: [B, Hp] f32 per-row factors of an fp8 cache's query (see
       ``ops.fp8_query``, ``ops.f16_query``), or None for a bf16/f16 cache.
     latent, k_rope: [N, ps, C], [N, ps, R] pages (bf16/f16 or fp8 e4m3).
@@ -239,6 +270,7 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
       warpgroup (setmaxnreg: COMPUTE_REGS for the two compute warpgroups,
       PRODUCER_REGS for it) instead of from compute warpgroup 0 between its
       MMAs. The slots and what frees them are the same either way.
+    rope_offset: None, or the first of q_rope's columns that hold the rope part.
     interpret: False, or a plgpu.InterpretGPUParams.
 
   Returns:
@@ -253,12 +285,13 @@ def mla_decode_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
   num_g = pieces.shape[1]
   heads = hp if heads is None else heads
   _check_args(q_latent, q_rope, q_scale, latent, k_rope, heads)
+  rope_col = rope_start(q_rope, r, rope_offset)
   if producer:
     check_register_split(COMPUTE_REGS, PRODUCER_REGS)
   full_blocks = heads // BLOCK_H
   out_rows = partial_rows(heads)
-  build = _Build(pages=n, ps=ps, c=c, r=r, qdt=q_latent.dtype, cache_dt=latent.dtype,
-                 scale=scale, producer=producer, interpret=interpret,
+  build = _Build(pages=n, ps=ps, c=c, r=r, rope_col=rope_col, qdt=q_latent.dtype,
+                 cache_dt=latent.dtype, scale=scale, producer=producer, interpret=interpret,
                  full_blocks=full_blocks, tail_rows=out_rows - full_blocks * BLOCK_H)
   variant = _variant(latent.dtype, q_latent.dtype)
 
@@ -288,6 +321,8 @@ def _check_args(q_latent, q_rope, q_scale, latent, k_rope, heads) -> None:
   _, ps, r = k_rope.shape
   fp8 = latent.dtype == FP8
   qdt = q_latent.dtype
+  if q_rope.ndim != 3 or q_rope.shape[:2] != (b, hp):
+    raise ValueError(f"q_rope {q_rope.shape} does not match q_latent {q_latent.shape}")
   if not 0 < heads <= hp or hp - heads >= BLOCK_H:
     raise ValueError(f"heads {heads} must be in ({hp - BLOCK_H}, {hp}] for {hp} query rows")
   if hp % BLOCK_H or c % 128 or ps != 64 or r % 64:
@@ -323,6 +358,7 @@ class _Build:
   ps: int  # tokens per page
   c: int  # latent columns
   r: int  # rope columns
+  rope_col: int  # the first of q_rope's columns that hold them
   qdt: Any  # the query's dtype
   cache_dt: Any  # the pages' dtype
   scale: float  # the softmax scale
@@ -495,7 +531,9 @@ class _Cta:
   def load_query(self) -> None:
     s = self.s
     plgpu.copy_gmem_to_smem(self.ql_ref.at[self.bi, self.rows_h], s.ql_smem.at[0], s.q_bar)
-    plgpu.copy_gmem_to_smem(self.qr_ref.at[self.bi, self.rows_h], s.qr_smem.at[0], s.q_bar)
+    rope = pl.ds(self.b.rope_col, self.b.r)  # the query's rope columns
+    plgpu.copy_gmem_to_smem(self.qr_ref.at[self.bi, self.rows_h, rope], s.qr_smem.at[0],
+                            s.q_bar)
     if self.FP8:
       plgpu.copy_gmem_to_smem(self.qs_ref.at[self.bi, self.rows_h], s.qs_smem, s.q_bar)
 

@@ -53,6 +53,7 @@ from pallas_kernels.paged_attention.mla_mgpu import MIN_SCALE
 from pallas_kernels.paged_attention.mla_mgpu import NEG
 from pallas_kernels.paged_attention.mla_mgpu import PARTIAL_DTYPE
 from pallas_kernels.paged_attention.mla_mgpu import copy_rows
+from pallas_kernels.paged_attention.mla_mgpu import rope_start
 from pallas_kernels.paged_attention.mla_mgpu import stage_rows
 from pallas_kernels.paged_attention.mla_mgpu import transforms
 from pallas_kernels import mgpu_shim
@@ -69,14 +70,15 @@ def _smem(shape, dtype):
 
 def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_scale,
                            k_rope_scale, block_tables, lengths, pieces, *, scale,
-                           producer=False, interpret=False):
+                           producer=False, rope_offset=None, interpret=False):
   """Paged MLA decode partials for at most MAX_HEADS heads, tokens in wgmma's M.
 
   Args:
     q_latent: [B, N, C] query in the compute dtype (f16 for an fp8 cache,
       divided by q_scale; else the cache dtype); N a multiple of 8 (padding
       heads are computed and sliced off by the caller).
-    q_rope: [B, N, R] same dtype and row scale.
+    q_rope: [B, N, R] same dtype and row scale; or [B, N, W] holding it at columns
+      [rope_offset, rope_offset + R) (``mla_mgpu.rope_start``).
     q_scale: [B, N] f32 per-head factors of an fp8 cache's f16 query
       (``ops.f16_query``), or None for a bf16/f16 cache.
     latent, k_rope: [P, ps, C], [P, ps, R] pages (bf16/f16 or fp8 e4m3).
@@ -110,6 +112,10 @@ def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_sca
                      f"{None if q_scale is None else q_scale.shape}")
   if not fp8 and latent.dtype != cdt:
     raise ValueError(f"query {cdt} and cache {latent.dtype} dtypes differ")
+  if q_rope.ndim != 3 or q_rope.shape[:2] != (b, nh) or q_rope.dtype != cdt:
+    raise ValueError(f"q_rope {q_rope.shape} {q_rope.dtype} does not match q_latent "
+                     f"{q_latent.shape} {cdt}")
+  rope_col = rope_start(q_rope, r, rope_offset)
   # Staging slots, used in turn: while a step waits for its page, slots - 1
   # pages are in flight. An SM's share of 4.3 TB/s over ~1-2 us of latency is
   # 33-65 KB: one 72 KiB bf16 page covers it (and three do not fit); an fp8
@@ -142,7 +148,7 @@ def mla_decode_tokens_mgpu(q_latent, q_rope, q_scale, latent, k_rope, latent_sca
 
     def load_query():
       plgpu.copy_gmem_to_smem(ql_ref.at[bi], ql_smem.at[0], q_bar)
-      plgpu.copy_gmem_to_smem(qr_ref.at[bi], qr_smem.at[0], q_bar)
+      plgpu.copy_gmem_to_smem(qr_ref.at[bi, :, pl.ds(rope_col, r)], qr_smem.at[0], q_bar)
       if fp8:
         plgpu.copy_gmem_to_smem(qs_ref.at[bi], qs_smem, q_bar)
 

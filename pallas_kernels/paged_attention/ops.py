@@ -35,13 +35,17 @@ def _check_cache(name, pages, scales, scale_shape):
 
 
 def _check_mla_inputs(q_latent, q_rope, latent, k_rope, latent_scale,
-                      k_rope_scale, block_tables, lengths):
-  """ValueError unless the MLA decode inputs agree in shape and dtype."""
+                      k_rope_scale, block_tables, lengths, rope_offset=None):
+  """ValueError unless the MLA decode inputs agree in shape and dtype (q_rope [B, H, R],
+  or [B, H, W] with its rope part at ``rope_offset``)."""
   b, h, c = q_latent.shape
   n, ps, r = k_rope.shape
-  if latent.shape != (n, ps, c) or q_rope.shape != (b, h, r):
+  width_ok = (q_rope.shape[-1] == r if rope_offset is None
+              else 0 <= rope_offset <= q_rope.shape[-1] - r)
+  if latent.shape != (n, ps, c) or q_rope.shape[:2] != (b, h) or not width_ok:
     raise ValueError(f"shape mismatch: q_latent {q_latent.shape}, q_rope "
-                     f"{q_rope.shape}, latent {latent.shape}, k_rope {k_rope.shape}")
+                     f"{q_rope.shape}{'' if rope_offset is None else f' at {rope_offset}'}, "
+                     f"latent {latent.shape}, k_rope {k_rope.shape}")
   if latent.dtype != k_rope.dtype:
     raise ValueError(f"latent and k_rope dtypes differ: {latent.dtype}, {k_rope.dtype}")
   _check_cache("latent", latent, latent_scale, (n, ps))
@@ -158,10 +162,10 @@ def _full_spec(x):
   return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "backend", "block_sizes"))
+@functools.partial(jax.jit, static_argnames=("scale", "backend", "block_sizes", "rope_offset"))
 def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
                      k_rope_scale, block_tables, lengths, *, scale,
-                     backend=None, block_sizes=None):
+                     backend=None, block_sizes=None, rope_offset=None):
   """MLA decode attention (absorbed form) over a paged latent cache.
 
   out[b, h] = sum_t softmax_t(scale * (q_latent[b,h].latent_t + q_rope[b,h].k_rope_t))
@@ -175,7 +179,8 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
 
   Args:
     q_latent: [B, H, C] absorbed query (bf16 or f32).
-    q_rope: [B, H, R] rope part of the query.
+    q_rope: [B, H, R] rope part of the query; or, with ``rope_offset``, [B, H, W]
+      holding it at columns [rope_offset, rope_offset + R).
     latent: [N, page_size, C] latent pages, bf16 or float8_e4m3fn.
     k_rope: [N, page_size, R] rope-key pages, same dtype as latent.
     latent_scale: [N, page_size] f32 per-token scales when fp8, else None.
@@ -187,6 +192,11 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
     scale: softmax scale.
     backend: "pallas" | "interpret" | "xla" | None (pallas on GPU, else xla).
     block_sizes: BlockSizes, or None for BlockSizes.get_default.
+    rope_offset: None, or where q_rope's rope part starts. The kernels read it in place
+      (the Triton kernel and the scaled query at block rope_offset / R, the bf16 Mosaic
+      GPU kernels through a TMA box at that column; a copy of the columns where neither
+      can), so a caller may hand over the array it computes the rope part in beside
+      other columns (docs/paged_attention.md, "The query's rope part in place").
 
   Returns:
     [B, H, C] in q_latent's dtype.
@@ -196,11 +206,12 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
   """
   backend = dispatch.resolve_backend(backend)
   _check_mla_inputs(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
-                    block_tables, lengths)
+                    block_tables, lengths, rope_offset)
+  rope_cols = None if rope_offset is None else (rope_offset, k_rope.shape[-1])
   if backend == "xla":
     return reference.paged_mla_decode_reference(
-        q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
-        block_tables, lengths, scale=scale)
+        q_latent, query.rope_part(q_rope, rope_cols), latent, k_rope, latent_scale,
+        k_rope_scale, block_tables, lengths, scale=scale)
 
   bs, impl = mla_kernel_choice(q_latent, latent, k_rope, block_tables, block_sizes)
   if impl == "mgpu":
@@ -209,7 +220,7 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
                      k_rope_scale, block_tables, lengths, scale=scale,
                      tokens_in_m=tokens_in_m,
                      qk_fp8=mla_qk_fp8(bs, tokens_in_m, latent), merge=bs.merge,
-                     producer=bs.loads == "producer",
+                     producer=bs.loads == "producer", rope_cols=rope_cols,
                      interpret=backend == "interpret")
   ppb = bs.pages_per_block
   splits = bs.num_splits
@@ -226,7 +237,7 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
        (block_tables, _full_spec(block_tables)),
        (lengths.astype(jnp.int32), _full_spec(lengths))],
       block_h=bs.block_h, splits=splits, num_warps=bs.num_warps,
-      num_stages=bs.num_stages, interpret=backend == "interpret")
+      num_stages=bs.num_stages, rope_cols=rope_cols, interpret=backend == "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "backend", "block_sizes"))
@@ -317,7 +328,7 @@ def paged_mla_sparse_decode(q_latent, q_rope, latent, k_rope, latent_scale,
 
 
 def _mla_split_k_call(kernel, name, q_latent, q_rope, operands, *, block_h,
-                      splits, num_warps, num_stages, interpret):
+                      splits, num_warps, num_stages, interpret, rope_cols=None):
   """Runs a split-K MLA decode kernel on the Triton backend and merges its splits.
 
   Args:
@@ -329,12 +340,17 @@ def _mla_split_k_call(kernel, name, q_latent, q_rope, operands, *, block_h,
     operands: (array or None, BlockSpec or None) pairs after the query.
     block_h, splits, num_warps, num_stages: the launch's tiling.
     interpret: run in interpret mode.
+    rope_cols: None, or (offset, R): q_rope is [B, H, W] with the rope part at columns
+      [offset, offset + R), read in place at block offset / R (copied where R does not
+      divide the offset).
 
   Returns:
     [B, H, C] in q_latent's dtype.
   """
   b, h, c = q_latent.shape
-  r = q_rope.shape[-1]
+  if rope_cols is not None and rope_cols[0] % rope_cols[1]:
+    q_rope, rope_cols = query.rope_part(q_rope, rope_cols), None
+  offset, r = rope_cols or (0, q_rope.shape[-1])
   bh = block_h
   h_pad = -h % bh
   if h_pad:
@@ -346,7 +362,7 @@ def _mla_split_k_call(kernel, name, q_latent, q_rope, operands, *, block_h,
       grid=(b, hp // bh, splits),
       in_specs=[
           pl.BlockSpec((None, bh, c), lambda i, j, k: (i, j, 0)),
-          pl.BlockSpec((None, bh, r), lambda i, j, k: (i, j, 0)),
+          pl.BlockSpec((None, bh, r), lambda i, j, k: (i, j, offset // r)),
           *(spec for _, spec in operands),
       ],
       out_specs=[
@@ -467,9 +483,10 @@ def mla_qk_fp8(bs, tokens_in_m: bool, latent) -> bool:
 
 def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
               block_tables, lengths, *, scale, tokens_in_m, qk_fp8, merge, interpret,
-              producer=False):
+              producer=False, rope_cols=None):
   """Runs mla_mgpu (heads padded to 64) or mla_tokens_mgpu (heads padded to 8):
-  pads the heads, casts q, schedules the pieces, merges them."""
+  pads the heads, casts q, schedules the pieces, merges them. ``rope_cols``: None, or
+  (offset, R) where q_rope [B, H, W] holds the rope part (read in place)."""
   b, h, _ = q_latent.shape
   h_pad = -h % (8 if tokens_in_m else mla_mgpu.BLOCK_H)
   if qk_fp8 or latent.dtype == FP8:
@@ -478,8 +495,13 @@ def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
     # f16 query, rows divided by a power of two. Padded and scaled in one launch.
     ql, qr, q_scale = query.scaled_query(q_latent, q_rope, heads=h + h_pad,
                                          kind="fp8" if qk_fp8 else "f16",
-                                         interpret=interpret)
+                                         rope_cols=rope_cols, interpret=interpret)
+    rope_offset = None
   else:
+    # The kernels read the rope columns in place with a TMA box where it can.
+    if rope_cols is not None and not mla_mgpu.tma_reads_rope_at(q_rope, *rope_cols):
+      q_rope, rope_cols = query.rope_part(q_rope, rope_cols), None
+    rope_offset = None if rope_cols is None else rope_cols[0]
     pad = ((0, 0), (0, h_pad), (0, 0))
     ql, qr, q_scale = (jnp.pad(q_latent, pad).astype(latent.dtype),
                        jnp.pad(q_rope, pad).astype(latent.dtype), None)
@@ -494,11 +516,12 @@ def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
   if tokens_in_m:
     o, lse = mla_tokens_mgpu.mla_decode_tokens_mgpu(
         ql, qr, q_scale, latent, k_rope, latent_scale, k_rope_scale, bt, lengths,
-        pieces, scale=float(scale), producer=producer, interpret=mgpu_interpret)
+        pieces, scale=float(scale), producer=producer, rope_offset=rope_offset,
+        interpret=mgpu_interpret)
   else:
     o, lse = mla_mgpu.mla_decode_mgpu(
         ql, qr, q_scale, latent, k_rope, latent_scale, k_rope_scale, bt, lengths,
-        pieces, scale=float(scale), heads=h, producer=producer,
+        pieces, scale=float(scale), heads=h, producer=producer, rope_offset=rope_offset,
         interpret=mgpu_interpret)
   # o [G, H8, C], lse [G, Hp]: one row group of the H real heads.
   return _merge(o[:, None], lse[:, None], pieces, b, rows=h, out_dtype=q_latent.dtype,

@@ -11,6 +11,11 @@ factor 1): one launch (docs/step_time.md, "Launches per MoE layer").
 
 The factors are the references' to the bit: ``f16_row_scale`` and ``fp8_row_scale``
 are used by both.
+
+The rope part may also be read from a wider array at a static column offset
+(``rope_cols``), such as a decode step's query array holding the zero-padded q_nope and
+the rotated q_rope side by side, with no copy of its rope columns
+(docs/paged_attention.md, "The query's rope part in place").
 """
 
 from __future__ import annotations
@@ -61,33 +66,58 @@ def scale_rows(parts, scale: jax.Array, kind: str):
   return [jnp.clip(x * inv, -E4M3_MAX, E4M3_MAX).astype(FP8) for x in parts]
 
 
+def rope_part(q_rope: jax.Array, rope_cols: tuple[int, int] | None) -> jax.Array:
+  """The rope part [B, H, R] of ``q_rope``: the array itself (``rope_cols`` None) or its
+  columns [offset, offset + R) for ``rope_cols`` = (offset, R)."""
+  if rope_cols is None:
+    return q_rope
+  offset, width = rope_cols
+  return q_rope[..., offset:offset + width]
+
+
+def check_rope_cols(name: str, width: int, rope_cols: tuple[int, int] | None) -> None:
+  """ValueError unless ``rope_cols`` (offset, R) lies within ``width`` columns (None:
+  the whole array is the rope part)."""
+  if rope_cols is None:
+    return
+  offset, r = rope_cols
+  if offset < 0 or r < 1 or offset + r > width:
+    raise ValueError(f"{name}: rope columns [{offset}, {offset + r}) do not lie within "
+                     f"the query's {width} columns")
+
+
 def scaled_query_reference(q_latent: jax.Array, q_rope: jax.Array, *, heads: int,
-                           kind: str):
+                           kind: str, rope_cols: tuple[int, int] | None = None):
   """The query padded to ``heads`` heads (zeros) and scaled per row.
 
   Args:
-    q_latent: [B, H, C]; q_rope: [B, H, R] (any float dtype).
+    q_latent: [B, H, C]; q_rope: [B, H, R] (any float dtype), or [B, H, W] holding the
+      rope part at ``rope_cols``.
     heads: the padded head count, >= H.
     kind: "f16" (factors powers of two, ``f16_row_scale``) or "fp8" (``fp8_row_scale``).
+    rope_cols: None, or (offset, R): the rope part is q_rope's columns
+      [offset, offset + R).
 
   Returns:
     (latent [B, heads, C], rope [B, heads, R] in f16 or e4m3, q_scale [B, heads] f32), with
     part ~= scaled part * q_scale[..., None].
   """
   pad = ((0, 0), (0, heads - q_latent.shape[1]), (0, 0))
-  parts = [jnp.pad(x, pad).astype(jnp.float32) for x in (q_latent, q_rope)]
+  parts = [jnp.pad(x, pad).astype(jnp.float32)
+           for x in (q_latent, rope_part(q_rope, rope_cols))]
   # One reduction over both parts: XLA fuses the concatenation into its input.
   amax = jnp.max(jnp.abs(jnp.concatenate(parts, axis=-1)), axis=-1)
   scale = (f16_row_scale if kind == "f16" else fp8_row_scale)(amax)
   return (*scale_rows(parts, scale, kind), scale.astype(jnp.float32))
 
 
-def kernel_takes(q_latent: jax.Array, q_rope: jax.Array) -> bool:
-  """Whether the kernel takes these parts: heads a multiple of 8 and widths powers of two
-  (Triton's blocks)."""
+def kernel_takes(q_latent: jax.Array, q_rope: jax.Array,
+                 rope_cols: tuple[int, int] | None = None) -> bool:
+  """Whether the kernel takes these parts: heads a multiple of 8, widths powers of two
+  (Triton's blocks) and the rope part at a multiple of its width (a block index)."""
   _, h, c = q_latent.shape
-  r = q_rope.shape[-1]
-  return (h % _BLOCK_H == 0 and not c & (c - 1) and not r & (r - 1)
+  offset, r = rope_cols or (0, q_rope.shape[-1])
+  return (h % _BLOCK_H == 0 and not c & (c - 1) and not r & (r - 1) and offset % r == 0
           and q_rope.shape[:2] == q_latent.shape[:2])
 
 
@@ -109,33 +139,39 @@ def _kernel(ql_ref, qr_ref, ql_out, qr_out, scale_out, *, real_blocks: int, kind
     scale_out[...] = jnp.ones(scale_out.shape, f32)
 
 
-@functools.partial(jax.jit, static_argnames=("heads", "kind", "interpret"))
+@functools.partial(jax.jit, static_argnames=("heads", "kind", "rope_cols", "interpret"))
 def scaled_query(q_latent: jax.Array, q_rope: jax.Array, *, heads: int, kind: str,
-                 interpret: bool = False):
+                 rope_cols: tuple[int, int] | None = None, interpret: bool = False):
   """:func:`scaled_query_reference` in one Pallas Triton launch where
   :func:`kernel_takes` the parts (else the reference).
 
+  With ``rope_cols`` = (offset, R), each program reads its rows' rope part from q_rope
+  [B, H, W] at block offset // R of width R: no copy of those columns is made.
+
   Raises:
-    ValueError: on mismatched parts, heads below H or not a multiple of 8, or a kind that
-      is neither "f16" nor "fp8".
+    ValueError: on mismatched parts, rope columns outside q_rope, heads below H or not a
+      multiple of 8, or a kind that is neither "f16" nor "fp8".
   """
   b, h, c = q_latent.shape
-  r = q_rope.shape[-1]
   if q_rope.ndim != 3 or q_rope.shape[:2] != (b, h):
     raise ValueError(f"scaled_query: q_rope {q_rope.shape} does not match q_latent "
                      f"{q_latent.shape}")
+  check_rope_cols("scaled_query", q_rope.shape[-1], rope_cols)
+  offset, r = rope_cols or (0, q_rope.shape[-1])
   if heads < h or heads % _BLOCK_H:
     raise ValueError(f"scaled_query: heads={heads} must be a multiple of {_BLOCK_H} and "
                      f">= H={h}")
   if kind not in ("f16", "fp8"):
     raise ValueError(f"scaled_query: kind must be 'f16' or 'fp8', got {kind!r}")
-  if not kernel_takes(q_latent, q_rope):
-    return scaled_query_reference(q_latent, q_rope, heads=heads, kind=kind)
+  if not kernel_takes(q_latent, q_rope, rope_cols):
+    return scaled_query_reference(q_latent, q_rope, heads=heads, kind=kind,
+                                  rope_cols=rope_cols)
   real = h // _BLOCK_H
   dtype = jnp.float16 if kind == "f16" else FP8
 
-  def block(width):  # this program's heads; padding programs read the last real block
-    return pl.BlockSpec((None, _BLOCK_H, width), lambda i, j: (i, jnp.minimum(j, real - 1), 0))
+  def block(width, col=0):  # this program's heads; padding programs read the last real block
+    return pl.BlockSpec((None, _BLOCK_H, width),
+                        lambda i, j: (i, jnp.minimum(j, real - 1), col))
 
   def out(width):
     return pl.BlockSpec((None, _BLOCK_H, width), lambda i, j: (i, j, 0))
@@ -143,7 +179,7 @@ def scaled_query(q_latent: jax.Array, q_rope: jax.Array, *, heads: int, kind: st
   return pl.pallas_call(
       functools.partial(_kernel, real_blocks=real, kind=kind),
       grid=(b, heads // _BLOCK_H),
-      in_specs=[block(c), block(r)],
+      in_specs=[block(c), block(r, offset // r)],
       out_specs=[out(c), out(r), pl.BlockSpec((None, _BLOCK_H), lambda i, j: (i, j))],
       out_shape=[jax.ShapeDtypeStruct((b, heads, c), dtype),
                  jax.ShapeDtypeStruct((b, heads, r), dtype),
