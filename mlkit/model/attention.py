@@ -16,6 +16,7 @@ from mlkit.model import rope
 from mlkit.model.layers import rms_norm
 from mlkit.model.masks import KeyMask, map_query_blocks
 from mlkit.quant import dequantize, matmul
+from pallas_kernels.mla_absorb import absorbed_values
 from pallas_kernels.page_write import MlaProjection
 
 _NEG_INF = -1e30
@@ -193,15 +194,18 @@ def mla_absorb_query(p, q_nope: jax.Array, cfg: ModelConfig) -> jax.Array:
                     preferred_element_type=jnp.float32).astype(q_nope.dtype)
 
 
-def mla_absorb_output(p, out_latent: jax.Array, cfg: ModelConfig) -> jax.Array:
+def mla_absorb_output(p, out_latent: jax.Array, cfg: ModelConfig, *,
+                      backend: str | None = None) -> jax.Array:
   """Projects latent-space outputs [B, T, H, C] back to per-head values [B, T, H, v].
 
-  As in :func:`mla_absorb_query`, the product runs over wkv_b whole and keeps the value
-  half of its result: a slice of the small result fuses into its consumer.
+  As in :func:`mla_absorb_query`, the product reads wkv_b whole, never a copy of its
+  value half. On "xla" it keeps the value half of the product's result (a slice of the
+  small result fuses into its consumer); on the kernel backends one Pallas launch reads
+  the value half in place and writes the values in wo's layout, where XLA ran a split-K
+  GEMM and a fusion adding its parts (docs/mla_absorb.md).
   """
   w, out_latent = _wkv_b_whole(p, cfg, out_latent.dtype, out_latent)
-  out = jnp.einsum("bthc,chd->bthd", out_latent, w, preferred_element_type=jnp.float32)
-  return out[..., cfg.qk_nope_head_dim:].astype(out_latent.dtype)
+  return absorbed_values(out_latent, w, cfg.qk_nope_head_dim, backend=backend)
 
 
 def mla_latent_attention(q_latent, q_rope, latent, k_rope, mask, scale, *,
@@ -352,7 +356,7 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: i
         out_latent = cache.decode_attention(layer, (q_latent[:, 0], q_rope[:, 0]), batch_meta,
                                             scale=cfg.softmax_scale, backend=backend,
                                             sharding=decode_sharding)
-        heads = mla_absorb_output(p, out_latent[:, None], cfg)  # [B, 1, H, v]
+        heads = mla_absorb_output(p, out_latent[:, None], cfg, backend=backend)  # [B, 1, H, v]
       else:
         heads = cache.decode_attention(layer, (q[:, 0],), batch_meta, scale=cfg.softmax_scale,
                                        backend=backend,
@@ -418,7 +422,7 @@ def _sparse_mla_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer:
       out_latent = cache.sparse_decode_attention(
           layer, (q_latent[:, 0], q_rope[:, 0]), selection, batch_meta,
           scale=cfg.softmax_scale, backend=backend, sharding=decode_sharding)
-      heads = mla_absorb_output(p, out_latent[:, None], cfg)  # [B, 1, H, v]
+      heads = mla_absorb_output(p, out_latent[:, None], cfg, backend=backend)  # [B, 1, H, v]
   else:
     if cache is None:
       view, mask = no_cache_view(new, positions, segment_ids)
