@@ -1,4 +1,5 @@
-"""A Pallas Triton kernel as one device of a mesh runs it: :func:`lower_on_mesh`.
+"""A Pallas Triton kernel as one device of a mesh runs it: :func:`lower_on_mesh`, and the
+shardings a custom partitioning rule reads and writes (:func:`mesh_axes`, :func:`partition_spec`).
 
 A kernel under ``jax.experimental.custom_partitioning`` is traced and lowered by XLA's
 partitioner, while XLA compiles the program, with no abstract mesh active. Pallas'
@@ -12,6 +13,7 @@ whose devices are the target's. On a GPU host it lowers as the plain function do
 from __future__ import annotations
 
 import jax
+from jax.sharding import PartitionSpec
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
@@ -46,3 +48,19 @@ def lower_on_mesh(fn, abstract_mesh):
                                        out_avals=avals))
 
   return call
+
+
+# The custom partitioning rules' shardings, from and to PartitionSpecs.
+
+
+def mesh_axes(spec: PartitionSpec, dim: int) -> tuple:
+  """The mesh axes that split dimension ``dim`` of a PartitionSpec (() if none)."""
+  entry = spec[dim] if dim < len(spec) else None
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def partition_spec(*dims) -> PartitionSpec:
+  """A PartitionSpec from per-dimension axis tuples (an empty tuple: not split)."""
+  return PartitionSpec(*(d if d else None for d in dims))

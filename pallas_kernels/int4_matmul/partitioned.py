@@ -33,9 +33,9 @@ from jax.experimental.custom_partitioning import CompoundFactor
 from jax.experimental.custom_partitioning import SdyShardingRule
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec
 
 from pallas_kernels import device
+from pallas_kernels.on_mesh import mesh_axes, partition_spec
 from pallas_kernels.int4_matmul.int4_matmul import int4_matmul
 from pallas_kernels.int4_matmul.nk import int4_matmul_nk
 
@@ -52,18 +52,6 @@ def _op(x, w, scales, group_size, layout, backend, block_sizes, device_kind):
 _partitioned = custom_partitioning(_op, static_argnums=(3, 4, 5, 6, 7))
 
 
-def _axes(spec, dim: int) -> tuple:
-  """The mesh axes that split dimension ``dim`` of a PartitionSpec (() if none)."""
-  entry = spec[dim] if dim < len(spec) else None
-  if entry is None:
-    return ()
-  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-
-
-def _spec(*dims) -> PartitionSpec:
-  return PartitionSpec(*(d if d else None for d in dims))
-
-
 def _partition(group_size, layout, backend, block_sizes, device_kind, mesh, arg_shapes,
                result_shape):
   """Per-device computation and shardings from the operands' (Shardy's choice)."""
@@ -71,14 +59,14 @@ def _partition(group_size, layout, backend, block_sizes, device_kind, mesh, arg_
   x_shape, w_shape, _ = arg_shapes
   w_spec = w_shape.sharding.spec
   # The weight's N and K axes: [N, K] for "nk", [K/2, N] for "kn".
-  n_axes, k_axes = ((_axes(w_spec, 0), _axes(w_spec, 1)) if layout == "nk"
-                    else (_axes(w_spec, 1), _axes(w_spec, 0)))
-  m_axes = tuple(a for a in _axes(x_shape.sharding.spec, 0) if a not in n_axes + k_axes)
-  x_sharding = NamedSharding(mesh, _spec(m_axes, k_axes))
-  w_sharding = NamedSharding(mesh, _spec(n_axes, k_axes) if layout == "nk"
-                             else _spec(k_axes, n_axes))
-  s_sharding = NamedSharding(mesh, _spec(k_axes, n_axes))
-  out_sharding = NamedSharding(mesh, _spec(m_axes, n_axes))
+  n_axes, k_axes = ((mesh_axes(w_spec, 0), mesh_axes(w_spec, 1)) if layout == "nk"
+                    else (mesh_axes(w_spec, 1), mesh_axes(w_spec, 0)))
+  m_axes = tuple(a for a in mesh_axes(x_shape.sharding.spec, 0) if a not in n_axes + k_axes)
+  x_sharding = NamedSharding(mesh, partition_spec(m_axes, k_axes))
+  w_sharding = NamedSharding(mesh, partition_spec(n_axes, k_axes) if layout == "nk"
+                             else partition_spec(k_axes, n_axes))
+  s_sharding = NamedSharding(mesh, partition_spec(k_axes, n_axes))
+  out_sharding = NamedSharding(mesh, partition_spec(m_axes, n_axes))
 
   def per_device(x, w, scales):
     y = _op(x, w, scales, group_size, layout, backend, block_sizes, device_kind)

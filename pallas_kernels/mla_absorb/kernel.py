@@ -40,7 +40,7 @@ from jax.experimental.pallas import triton as pltriton
 from jax.sharding import NamedSharding
 
 from pallas_kernels import dispatch
-from pallas_kernels.int4_matmul.partitioned import _axes, _spec
+from pallas_kernels.on_mesh import mesh_axes, partition_spec
 from pallas_kernels.mla_absorb.reference import absorbed_values_reference
 from pallas_kernels.on_mesh import lower_on_mesh
 
@@ -130,9 +130,9 @@ def _partition(nope, backend, mesh, arg_shapes, result_shape):
   and row shardings, C and the head width whole."""
   del result_shape
   spec = arg_shapes[0].sharding.spec
-  b_axes, t_axes, h_axes = _axes(spec, 0), _axes(spec, 1), _axes(spec, 2)
-  rows = NamedSharding(mesh, _spec(b_axes, t_axes, h_axes, ()))
-  weight = NamedSharding(mesh, _spec((), h_axes, ()))
+  b_axes, t_axes, h_axes = mesh_axes(spec, 0), mesh_axes(spec, 1), mesh_axes(spec, 2)
+  rows = NamedSharding(mesh, partition_spec(b_axes, t_axes, h_axes, ()))
+  weight = NamedSharding(mesh, partition_spec((), h_axes, ()))
 
   def per_device(out_latent, wkv_b):
     if backend != "pallas":

@@ -38,7 +38,7 @@ from jax.experimental.pallas import triton as pltriton
 from jax.sharding import NamedSharding
 
 from pallas_kernels import dispatch
-from pallas_kernels.int4_matmul.partitioned import _axes, _spec
+from pallas_kernels.on_mesh import mesh_axes, partition_spec
 from pallas_kernels.on_mesh import lower_on_mesh
 from pallas_kernels.swiglu.reference import silu_times, swiglu_parts_reference
 
@@ -100,8 +100,8 @@ def _partition(dtype, backend, mesh, arg_shapes, result_shape):
   """Each device runs the op on its own rows and columns of the parts."""
   del result_shape
   spec = arg_shapes[0].sharding.spec
-  m_axes, f_axes = _axes(spec, 1), _axes(spec, 2)
-  parts_sharding = NamedSharding(mesh, _spec((), m_axes, f_axes))
+  m_axes, f_axes = mesh_axes(spec, 1), mesh_axes(spec, 2)
+  parts_sharding = NamedSharding(mesh, partition_spec((), m_axes, f_axes))
 
   def per_device(gate_parts, up_parts):
     return (_op(gate_parts, up_parts, dtype, backend),)
@@ -109,7 +109,7 @@ def _partition(dtype, backend, mesh, arg_shapes, result_shape):
   if backend == "pallas":  # lowered for the mesh's devices (pallas_kernels.on_mesh)
     per_device = lower_on_mesh(per_device, mesh.abstract_mesh)
   return (mesh, lambda gate_parts, up_parts: per_device(gate_parts, up_parts)[0],
-          NamedSharding(mesh, _spec(m_axes, f_axes)), (parts_sharding, parts_sharding))
+          NamedSharding(mesh, partition_spec(m_axes, f_axes)), (parts_sharding, parts_sharding))
 
 
 def _rule(dtype, backend, mesh, operand_types, result_types):
