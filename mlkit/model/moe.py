@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mlkit.config import ModelConfig
 from mlkit.model.layers import swiglu
 from mlkit.quant import grouped_matmul, grouped_matmuls
+from mlkit.quant.dispatch import schedule_spec
 from pallas_kernels import dispatch as kernel_dispatch
 from pallas_kernels.moe_router import select_experts, sort_by_expert, sort_by_expert_local
 
@@ -74,7 +75,8 @@ def route(p: dict, x: jax.Array, cfg: ModelConfig, *, backend: str | None = None
 
 
 def _run_experts(p: dict, x: jax.Array, token_of: jax.Array, group_sizes: jax.Array,
-                 row_weights: jax.Array, slot: jax.Array, backend: str | None) -> jax.Array:
+                 row_weights: jax.Array, slot: jax.Array, backend: str | None,
+                 schedule=None) -> jax.Array:
   """Expert FFNs over token rows sorted by expert, combined back into their tokens.
 
   The combine gathers each token's k rows and adds them, rather than scatter-adding
@@ -90,6 +92,8 @@ def _run_experts(p: dict, x: jax.Array, token_of: jax.Array, group_sizes: jax.Ar
     group_sizes: rows per expert [G].
     row_weights: [R] combine weight of each row.
     slot: [N, k] the row holding each (token, choice), -1 where no row here does.
+    schedule: None, or the grouped matmuls' tile schedule table for ``group_sizes``
+      (written by the sort; ``mlkit.quant.dispatch.schedule_spec``), handed to all three.
 
   Returns:
     [N, D] f32: sum over the rows r of token n of row_weights[r] * expert(x[n]).
@@ -99,10 +103,10 @@ def _run_experts(p: dict, x: jax.Array, token_of: jax.Array, group_sizes: jax.Ar
   # launch (docs/int4_matmul.md, "Gate and up in one launch"); other formats, and "xla",
   # one grouped matmul each.
   gate, up = grouped_matmuls(xs, (p["w_gate"], p["w_up"]), group_sizes,
-                             backend=backend)  # [R, F] each
+                             backend=backend, schedule=schedule)  # [R, F] each
   h = jax.nn.silu(gate) * up  # [R, F]
   ys = grouped_matmul(h, p["w_down"], group_sizes, out_dtype=jnp.float32,
-                      backend=backend)  # [R, D]
+                      backend=backend, schedule=schedule)  # [R, D]
   ys = ys * row_weights[:, None].astype(jnp.float32)
   R = ys.shape[0]
   out = None
@@ -144,6 +148,34 @@ def _expert_axes(expert_sharding) -> tuple[str, ...] | None:
     return None
   axes = (lead,) if isinstance(lead, str) else tuple(lead)
   return axes if math.prod(expert_sharding.mesh.shape[a] for a in axes) > 1 else None
+
+
+def _local_experts(experts: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
+                   shard: jax.Array, n_experts: int, shards: int,
+                   backend: str | None) -> jax.Array:
+  """Device ``shard``'s part of the expert-parallel routed experts in one pass (a decode
+  step's rows, on the kernel backends): its own rows sorted by expert
+  (``sort_by_expert_local``, one Pallas launch) through its local experts.
+
+  Args:
+    experts: the device's ``w_gate``/``w_up`` [E / shards, D, F] and ``w_down``
+      [E / shards, F, D] (any format).
+    x: tokens [N, D]; expert_ids, weights: [N, k] int32 and f32.
+    shard: int32 scalar, the device's index along the expert axes.
+
+  Returns:
+    [N, D] f32: the sum over this device's experts, before the all-reduce.
+  """
+  # Int4 experts: the sort also writes the tile schedule that the three grouped matmuls
+  # share (their tile_m agree), in its own launch, where the grouped calls computed it in
+  # one more (docs/moe_router.md, "The sort writes the schedule"). Other formats, or
+  # calls that would not share one, get None.
+  spec = schedule_spec(expert_ids.size, (experts["w_gate"], experts["w_up"], experts["w_down"]),
+                       backend=backend)
+  token_of, row_weights, slot, sizes, *table = sort_by_expert_local(
+      expert_ids, weights, n_experts, shard, shards, backend=backend, schedule=spec)
+  return _run_experts(experts, x, token_of, sizes, row_weights, slot, backend,
+                      schedule=table[0] if table else None)
 
 
 def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
@@ -205,10 +237,9 @@ def dispatch_experts(p: dict, x: jax.Array, expert_ids: jax.Array, weights: jax.
       # Pallas launch), where slicing them out of the global sort took launches of its
       # own (docs/moe_router.md, "One device's rows").
       def local_sorted(experts, x, expert_ids, weights):
-        token_of, row_weights, slot, sizes = sort_by_expert_local(
-            expert_ids, weights, n_experts, jax.lax.axis_index(axes).astype(jnp.int32),
-            shards, backend=backend)
-        out = _run_experts(experts, x, token_of, sizes, row_weights, slot, backend)
+        out = _local_experts(experts, x, expert_ids, weights,
+                             jax.lax.axis_index(axes).astype(jnp.int32), n_experts, shards,
+                             backend)
         return jax.lax.psum(out, axes)  # [N, D] f32
 
       in_specs = (jax.tree_util.tree_map(expert_spec, experts),) + (PartitionSpec(),) * 3

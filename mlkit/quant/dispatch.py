@@ -19,13 +19,16 @@ import jax.numpy as jnp
 from pallas_kernels import device
 
 
-def _dispatch_on_weight(fn, key=type):
+def _dispatch_on_weight(fn, key=type, optional=()):
   """Like ``functools.singledispatch`` but keyed on argument 1 (the weight), not 0:
-  on ``key(w)``, the weight's type unless told otherwise."""
+  on ``key(w)``, the weight's type unless told otherwise. The keywords named in
+  ``optional`` reach an implementation only when they are not None, so that the
+  implementations registered before a keyword existed need not accept it."""
   registry = functools.singledispatch(fn)
 
   @functools.wraps(fn)
   def wrapper(x, w, *args, **kwargs):
+    kwargs = {name: v for name, v in kwargs.items() if v is not None or name not in optional}
     return registry.dispatch(key(w))(x, w, *args, **kwargs)
 
   wrapper.register = registry.register
@@ -288,9 +291,9 @@ def _cpu_grouped_bwd(_, res, ct):
 _cpu_grouped.defvjp(_cpu_grouped_fwd, _cpu_grouped_bwd)
 
 
-@_dispatch_on_weight
+@functools.partial(_dispatch_on_weight, optional=("schedule",))
 def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *, out_dtype=None,
-                   backend: str | None = None) -> jax.Array:
+                   backend: str | None = None, schedule=None) -> jax.Array:
   """Ragged grouped matmul for experts, like ``jax.lax.ragged_dot``.
 
   Args:
@@ -299,11 +302,14 @@ def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, *, out_dtype=None,
     group_sizes: rows per group [G] int32, summing to at most M.
     out_dtype: result dtype (default: ``x.dtype``).
     backend: kernel backend, as for :func:`matmul`.
+    schedule: None, or the tile schedule table computed ahead for these group sizes
+      (for the :func:`schedule_spec` of this call's weights); formats whose kernels
+      read no schedule ignore it.
 
   Returns:
     [M, N]; rows past ``sum(group_sizes)`` are zero.
   """
-  del backend
+  del backend, schedule
   out_dtype = out_dtype or x.dtype
   return ragged_dot_f32(x, w.astype(x.dtype), group_sizes).astype(out_dtype)
 
@@ -314,9 +320,9 @@ def _shared_type(ws) -> type:
   return types.pop() if len(types) == 1 else object
 
 
-@functools.partial(_dispatch_on_weight, key=_shared_type)
+@functools.partial(_dispatch_on_weight, key=_shared_type, optional=("schedule",))
 def grouped_matmuls(x: jax.Array, ws, group_sizes: jax.Array, *, out_dtype=None,
-                    backend: str | None = None) -> tuple[jax.Array, ...]:
+                    backend: str | None = None, schedule=None) -> tuple[jax.Array, ...]:
   """Several grouped matmuls over the same rows: ``grouped_matmul(x, w, group_sizes)``
   for each weight of ``ws`` (an expert FFN's gate and up).
 
@@ -332,12 +338,37 @@ def grouped_matmuls(x: jax.Array, ws, group_sizes: jax.Array, *, out_dtype=None,
     group_sizes: rows per group [G] int32, summing to at most M.
     out_dtype: the results' dtype (default: ``x.dtype``).
     backend: kernel backend, as for :func:`matmul`.
+    schedule: as for :func:`grouped_matmul`, handed to each.
 
   Returns:
     A tuple of [M, N_i], one per weight; rows past ``sum(group_sizes)`` are zero.
   """
-  return tuple(grouped_matmul(x, w, group_sizes, out_dtype=out_dtype, backend=backend)
-               for w in ws)
+  return tuple(grouped_matmul(x, w, group_sizes, out_dtype=out_dtype, backend=backend,
+                              schedule=schedule) for w in ws)
+
+
+@functools.partial(_dispatch_on_weight, key=_shared_type)
+def schedule_spec(m: int, ws, *, backend: str | None = None):
+  """The tile schedule that the grouped matmuls of every weight of ``ws`` over ``m`` rows
+  would each compute from the group sizes, when they share one; else None.
+
+  A caller that knows the group sizes first (the MoE layer's sort kernel) can write the
+  table once for this spec and hand it to each call (``schedule=``), saving the calls'
+  own schedule launch. Dispatch keys on the weights' shared type; the default (plain
+  arrays, FP8, mixed formats) has no schedule: None.
+
+  Args:
+    m: rows of the grouped matmuls' x.
+    ws: the per-group weights [G, K_i, N_i] of the calls (e.g. an expert FFN's gate, up
+      and down).
+    backend: kernel backend, as for :func:`matmul`.
+
+  Returns:
+    A static spec (for int4 weights ``pallas_kernels.int4_matmul.GroupedSchedule``) or
+    None.
+  """
+  del m, ws, backend
+  return None
 
 
 @functools.singledispatch

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import jax
 
-from mlkit.quant.dispatch import grouped_matmul, grouped_matmuls, matmul
+from mlkit.quant.dispatch import grouped_matmul, grouped_matmuls, matmul, schedule_spec
 from mlkit.quant.formats import Fp8Weight, Int4Weight, relaid_int4
 from mlkit.quant.reference import (fp8_grouped_matmul_reference, fp8_matmul_reference,
                                    int4_grouped_matmul_reference, int4_matmul_reference)
@@ -80,16 +80,31 @@ def _int4_grouped_kernel(layout: str):
 
 
 @grouped_matmul.register(Int4Weight)
-def _grouped_matmul_int4(x, w: Int4Weight, group_sizes, *, out_dtype=None, backend=None):
+def _grouped_matmul_int4(x, w: Int4Weight, group_sizes, *, out_dtype=None, backend=None,
+                         schedule=None):
   if kernel_dispatch.resolve_backend(backend) == "xla":
     return int4_grouped_matmul_reference(x, w, group_sizes, out_dtype=out_dtype)
   y = _int4_grouped_kernel(w.layout)(x, w.packed, w.scales, group_sizes.astype(jax.numpy.int32),
-                                     group_size=w.group_size, backend=backend)  # [M, N]
+                                     group_size=w.group_size, backend=backend,
+                                     schedule=schedule)  # [M, N]
   return y.astype(out_dtype or x.dtype)
 
 
+@schedule_spec.register(Int4Weight)
+def _schedule_spec_int4(m, ws, *, backend=None):
+  """The kernels' schedule (``int4_matmul.grouped_schedule_spec``: its tile_m and tile
+  count follow M, E and the tuned tiles of each weight's layout) when every weight's
+  grouped call reads the same one, on the kernel backends; None on "xla" (the reference
+  reads none) or when the calls' tile_m differ."""
+  if kernel_dispatch.resolve_backend(backend) == "xla" or any(w.ndim != 3 for w in ws):
+    return None
+  specs = {int4_kernels.grouped_schedule_spec(m, w.shape[0], w.shape[2], w.shape[1],
+                                              layout=w.layout) for w in ws}  # [E, K, N]
+  return specs.pop() if len(specs) == 1 else None
+
+
 @grouped_matmuls.register(Int4Weight)
-def _grouped_matmuls_int4(x, ws, group_sizes, *, out_dtype=None, backend=None):
+def _grouped_matmuls_int4(x, ws, group_sizes, *, out_dtype=None, backend=None, schedule=None):
   """Int4 weights of one layout, group size, shape and scale dtype (an expert FFN's gate
   and up) on the kernel backends: one launch over all of them, its [M, W * N] result
   sliced per weight (docs/int4_matmul.md, "Gate and up in one launch"); anything else
@@ -103,11 +118,11 @@ def _grouped_matmuls_int4(x, ws, group_sizes, *, out_dtype=None, backend=None):
   if (len(ws) == 1 or kernel_dispatch.resolve_backend(backend) == "xla"
       or any(sig(w) != sig(first) for w in ws)):
     return grouped_matmuls.dispatch(object)(x, ws, group_sizes, out_dtype=out_dtype,
-                                            backend=backend)
+                                            backend=backend, schedule=schedule)
   y = _int4_grouped_kernel(first.layout)(
       x, tuple(w.packed for w in ws), tuple(w.scales for w in ws),
       group_sizes.astype(jax.numpy.int32), group_size=first.group_size,
-      backend=backend)  # [M, W * N]
+      backend=backend, schedule=schedule)  # [M, W * N]
   n = y.shape[1] // len(ws)
   return tuple(y[:, i * n:(i + 1) * n].astype(out_dtype or x.dtype) for i in range(len(ws)))
 
@@ -119,7 +134,9 @@ def _matmul_fp8(x, w: Fp8Weight, *, out_dtype=None, backend=None):
 
 
 @grouped_matmul.register(Fp8Weight)
-def _grouped_matmul_fp8(x, w: Fp8Weight, group_sizes, *, out_dtype=None, backend=None):
+def _grouped_matmul_fp8(x, w: Fp8Weight, group_sizes, *, out_dtype=None, backend=None,
+                        schedule=None):
+  del schedule  # the FP8 kernel computes its own
   backend = kernel_dispatch.resolve_backend(backend)
   if backend == "xla" or w.block_size is None or w.values.ndim != 3:
     return fp8_grouped_matmul_reference(x, w, group_sizes, out_dtype=out_dtype)

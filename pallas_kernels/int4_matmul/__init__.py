@@ -8,6 +8,7 @@ HARDWARE_LAYOUT = "kn"
 
 from pallas_kernels.int4_matmul.block_sizes import BlockSizes
 from pallas_kernels.int4_matmul.int4_matmul import BACKENDS
+from pallas_kernels.int4_matmul.int4_matmul import grouped_schedule_spec
 from pallas_kernels.int4_matmul.int4_matmul import int4_grouped_matmul
 from pallas_kernels.int4_matmul.int4_matmul import int4_matmul
 from pallas_kernels.int4_matmul.int4_matmul import resolve_backend
@@ -20,3 +21,5 @@ from pallas_kernels.int4_matmul.reference import int4_grouped_matmul_reference
 from pallas_kernels.int4_matmul.reference import int4_matmul_reference
 from pallas_kernels.int4_matmul.reference import pack_int4
 from pallas_kernels.int4_matmul.reference import unpack_int4
+from pallas_kernels.int4_matmul.schedule_kernel import GroupedSchedule
+from pallas_kernels.int4_matmul.schedule_kernel import ScheduleTable

@@ -275,6 +275,11 @@ def compiler_params():
       lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 
 
+def kernel_dims(n: int, k: int) -> tuple[int, int]:
+  """(N, K) as the kernels run them: N padded to a multiple of 64, K of 128."""
+  return -(-n // 64) * 64, -(-k // 128) * 128
+
+
 def _kernel_operands(x, packed, scales, group_size):
   """Casts x to bf16 and zero-pads K to a multiple of 128 and N of 64.
 
@@ -287,8 +292,7 @@ def _kernel_operands(x, packed, scales, group_size):
     (x bf16 [M, Kp], packed [..., Kp/2, Np], scales [..., Kp/g, Np]).
   """
   k, n = x.shape[1], packed.shape[-1]
-  k_pad = -(-k // 128) * 128 - k  # a multiple of group_size, since g | 128
-  n_pad = -(-n // 64) * 64 - n
+  n_pad, k_pad = (a - b for a, b in zip(kernel_dims(n, k), (n, k)))  # k_pad: a multiple of g | 128
   x = x.astype(jnp.bfloat16)  # W4A16: activations enter the MMA as bf16
   if k_pad or n_pad:
     lead = ((0, 0),) * (packed.ndim - 2)
@@ -452,6 +456,65 @@ def grouped_tile_bound(m: int, e: int, tile_m: int) -> int:
   return (m + (min(e, m) + 1) * (tile_m + _ROW_ALIGN - 2)) // tile_m
 
 
+def grouped_block_sizes(m: int, e: int, n: int, k: int, *, layout: str = "kn",
+                        block_sizes: BlockSizes | None = None,
+                        device_kind: str | None = None) -> BlockSizes:
+  """The tiles a grouped call over x [M, K] and E experts' [K, N] weights (layout
+  ``layout``) runs: ``block_sizes`` or the tuned default for one weight (on
+  ``device_kind``, None: the one the trace targets), fitted to N and K as the kernels pad
+  them (:func:`kernel_dims`)."""
+  n, k = kernel_dims(n, k)
+  return (block_sizes or BlockSizes.get_default(m, n, k, grouped=True, experts=e,
+                                                layout=layout, device_kind=device_kind)
+          ).fit(m, n, k)
+
+
+def schedule_for(m: int, e: int, tile_m: int) -> schedule_kernel.GroupedSchedule:
+  """The schedule a grouped call over M rows, E experts and tiles of tile_m rows reads."""
+  return schedule_kernel.GroupedSchedule(m=m, experts=e, tile_m=tile_m,
+                                         num_tiles=grouped_tile_bound(m, e, tile_m),
+                                         row_align=_ROW_ALIGN)
+
+
+def grouped_schedule_spec(m: int, e: int, n: int, k: int, *, layout: str = "kn",
+                          block_sizes: BlockSizes | None = None,
+                          device_kind: str | None = None) -> schedule_kernel.GroupedSchedule:
+  """The schedule ``int4_grouped_matmul`` (layout "kn") or ``int4_grouped_matmul_nk``
+  ("nk") reads for x [M, K] over E experts' [K, N] weights: its tile_m (the
+  :func:`grouped_block_sizes` it runs) and :func:`grouped_tile_bound`'s tiles.
+
+  A caller that computes the table ahead (``moe_router.sort_by_expert_local``'s
+  ``schedule``) asks for this one and hands the table to every grouped call it matches:
+  gate/up (N = F, K = D) and down (N = D, K = F) share it when their tile_m agree.
+  """
+  return schedule_for(m, e, grouped_block_sizes(m, e, n, k, layout=layout,
+                                                block_sizes=block_sizes,
+                                                device_kind=device_kind).tile_m)
+
+
+def grouped_table(group_sizes, spec: schedule_kernel.GroupedSchedule, schedule, *,
+                  interpret: bool):
+  """The table a grouped call made for ``spec`` reads: ``schedule``'s, computed ahead
+  (a :class:`schedule_kernel.ScheduleTable`), or else :func:`grouped_meta`'s (a launch).
+
+  Raises:
+    ValueError: ``schedule`` is not a ScheduleTable, was made for another M, E, tile_m,
+      tile count or alignment, or holds a table of another shape or dtype: its tiles
+      would be wrong for this call.
+  """
+  if schedule is None:
+    return grouped_meta(group_sizes, spec.m, spec.tile_m, spec.num_tiles, interpret=interpret)
+  if not isinstance(schedule, schedule_kernel.ScheduleTable):
+    raise ValueError(f"schedule must be a ScheduleTable or None, got {type(schedule).__name__}")
+  if schedule.spec != spec:
+    raise ValueError(f"schedule was made for {schedule.spec}, but this call needs {spec}")
+  table = schedule.table
+  if table.shape != (5, spec.width) or table.dtype != jnp.int32:
+    raise ValueError(f"schedule table must be int32 [5, {spec.width}], got {table.dtype} "
+                     f"{table.shape}")
+  return table
+
+
 def _store_rows(o_smem, o_gmem, src_first, dst_first, cols, rows, *, max_rows):
   """Copies o_smem[src_first:src_first + rows] to o_gmem[dst_first:dst_first + rows, cols].
 
@@ -601,7 +664,8 @@ def grouped_result(out, weights: int, n: int, out_dtype):
                    static_argnames=("group_size", "backend", "block_sizes"))
 def int4_grouped_matmul(x: jax.Array, packed, scales, group_sizes: jax.Array, *,
                         group_size: int, backend: str | None = None,
-                        block_sizes: BlockSizes | None = None) -> jax.Array:
+                        block_sizes: BlockSizes | None = None,
+                        schedule: schedule_kernel.ScheduleTable | None = None) -> jax.Array:
   """Grouped (MoE) W4A16 matmul, like `jax.lax.ragged_dot` with int4 experts.
 
   Rows of x are sorted by expert: rows [sum(gs[:e]), sum(gs[:e+1])) use
@@ -631,13 +695,18 @@ def int4_grouped_matmul(x: jax.Array, packed, scales, group_sizes: jax.Array, *,
     backend: "pallas", "interpret" or "xla"; None picks by platform.
     block_sizes: tiles (k_splits is ignored; tile_n divides N); None uses the
       tuned default for one weight, whose tile_m follows the mean rows per expert.
+    schedule: the tile schedule computed ahead for these group sizes (made for
+      ``grouped_schedule_spec(M, E, N, K, block_sizes=block_sizes)``, e.g. by the MoE
+      sort kernel); None computes it (``grouped_meta``, a launch of its own). The
+      "xla" backend ignores it.
 
   Returns:
     [M, N] in x's dtype; [M, W * N] for W weights (weight i in columns
     [i * N, (i + 1) * N)).
 
   Raises:
-    ValueError: on shape, dtype, group-size, weight-count or backend mismatch.
+    ValueError: on shape, dtype, group-size, weight-count or backend mismatch, or a
+      schedule made for another call.
   """
   m, k, n, e, pairs = grouped_weights(x, packed, scales, group_sizes, group_size,
                                       reference.check_int4_args)
@@ -649,11 +718,11 @@ def int4_grouped_matmul(x: jax.Array, packed, scales, group_sizes: jax.Array, *,
   operands = [_kernel_operands(x, p, s, group_size) for p, s in pairs]
   x = operands[0][0]
   k, n = x.shape[1], operands[0][1].shape[-1]
-  bs = (block_sizes or BlockSizes.get_default(m, n, k, grouped=True, experts=e)).fit(
-      m, n, k)
+  bs = grouped_block_sizes(m, e, n, k, block_sizes=block_sizes)
   tile_n, tile_m, tile_k = bs.tile_n, bs.tile_m, bs.tile_k
-  num_tiles = grouped_tile_bound(m, e, tile_m)
-  meta = grouped_meta(group_sizes, m, tile_m, num_tiles, interpret=backend == "interpret")
+  spec = schedule_for(m, e, tile_m)
+  num_tiles = spec.num_tiles
+  meta = grouped_table(group_sizes, spec, schedule, interpret=backend == "interpret")
   x_even, x_odd = _split_even_odd(x, grouped_x_rows(m, tile_m))
   k_steps = k // tile_k
   n_tiles = n // tile_n

@@ -46,15 +46,18 @@ from pallas_kernels.int4_matmul.int4_matmul import dense_out
 from pallas_kernels.int4_matmul.int4_matmul import dense_result
 from pallas_kernels.int4_matmul.int4_matmul import grouped_ctas
 from pallas_kernels.int4_matmul.int4_matmul import grouped_kernel
-from pallas_kernels.int4_matmul.int4_matmul import grouped_meta
+from pallas_kernels.int4_matmul.int4_matmul import grouped_block_sizes
 from pallas_kernels.int4_matmul.int4_matmul import grouped_reference
 from pallas_kernels.int4_matmul.int4_matmul import grouped_result
-from pallas_kernels.int4_matmul.int4_matmul import grouped_tile_bound
+from pallas_kernels.int4_matmul.int4_matmul import grouped_table
 from pallas_kernels.int4_matmul.int4_matmul import grouped_weights
 from pallas_kernels.int4_matmul.int4_matmul import grouped_x_rows
+from pallas_kernels.int4_matmul.int4_matmul import kernel_dims
 from pallas_kernels.int4_matmul.int4_matmul import resolve_backend
+from pallas_kernels.int4_matmul.int4_matmul import schedule_for
 from pallas_kernels.int4_matmul import reference
 from pallas_kernels.int4_matmul.block_sizes import BlockSizes
+from pallas_kernels.int4_matmul.schedule_kernel import ScheduleTable
 
 
 def to_nk(packed: jax.Array) -> jax.Array:
@@ -168,8 +171,7 @@ def _kernel_operands(x, w_nk, scales, group_size):
   """Casts x to bf16 and zero-pads K to a multiple of 128 and N of 64 (a weight
   copy, for small test models only; Kimi K2.6 / GLM 5.2 shapes need none)."""
   k, n = x.shape[1], w_nk.shape[-2]
-  k_pad = -(-k // 128) * 128 - k
-  n_pad = -(-n // 64) * 64 - n
+  n_pad, k_pad = (a - b for a, b in zip(kernel_dims(n, k), (n, k)))
   x = x.astype(jnp.bfloat16)
   if k_pad or n_pad:
     lead = ((0, 0),) * (w_nk.ndim - 2)
@@ -236,7 +238,8 @@ def int4_matmul_nk(x: jax.Array, w_nk: jax.Array, scales: jax.Array, *,
 @functools.partial(jax.jit, static_argnames=("group_size", "backend", "block_sizes"))
 def int4_grouped_matmul_nk(x: jax.Array, w_nk, scales, group_sizes: jax.Array, *,
                            group_size: int, backend: str | None = None,
-                           block_sizes: BlockSizes | None = None) -> jax.Array:
+                           block_sizes: BlockSizes | None = None,
+                           schedule: ScheduleTable | None = None) -> jax.Array:
   """Grouped (MoE) W4A16 matmul on [E, N, K] int4 weights, like `lax.ragged_dot`.
 
   Rows of x are sorted by expert (``group_sizes`` rows each); rows past
@@ -254,13 +257,16 @@ def int4_grouped_matmul_nk(x: jax.Array, w_nk, scales, group_sizes: jax.Array, *
     backend: "pallas", "interpret" or "xla"; None picks by platform.
     block_sizes: tiles (k_splits and overlap_dequant are ignored); None uses the
       tuned default (BlockSizes.get_default(layout="nk")) for one weight.
+    schedule: the tile schedule computed ahead, made for ``grouped_schedule_spec(M, E,
+      N, K, layout="nk", block_sizes=block_sizes)``; None computes it. Ignored on "xla".
 
   Returns:
     [M, N] in x's dtype; [M, W * N] for W weights (weight i in columns
     [i * N, (i + 1) * N)).
 
   Raises:
-    ValueError: on shape, dtype, group-size, weight-count or backend mismatch.
+    ValueError: on shape, dtype, group-size, weight-count or backend mismatch, or a
+      schedule made for another call.
   """
   m, k, n, e, pairs = grouped_weights(x, w_nk, scales, group_sizes, group_size,
                                       reference.check_int4_nk_args)
@@ -272,11 +278,10 @@ def int4_grouped_matmul_nk(x: jax.Array, w_nk, scales, group_sizes: jax.Array, *
   operands = [_kernel_operands(x, w, s, group_size) for w, s in pairs]
   x = operands[0][0]
   k, n = x.shape[1], operands[0][1].shape[-2]
-  bs = (block_sizes or BlockSizes.get_default(m, n, k, grouped=True, experts=e,
-                                              layout="nk")).fit(
-      m, n, k)
-  num_tiles = grouped_tile_bound(m, e, bs.tile_m)
-  meta = grouped_meta(group_sizes, m, bs.tile_m, num_tiles, interpret=backend == "interpret")
+  bs = grouped_block_sizes(m, e, n, k, layout="nk", block_sizes=block_sizes)
+  spec = schedule_for(m, e, bs.tile_m)
+  num_tiles = spec.num_tiles
+  meta = grouped_table(group_sizes, spec, schedule, interpret=backend == "interpret")
   x = jnp.pad(x, ((0, grouped_x_rows(m, bs.tile_m) - m), (0, 0)))  # a tile's box stays in x
   k_steps = k // bs.tile_k
   n_tiles = n // bs.tile_n

@@ -10,10 +10,15 @@ program: the group sizes are read once, the prefix sums are Triton scans, and
 each tile's segment and its row values come from [tiles, segments] comparisons
 and one-hot sums over blocks of tiles. docs/int4_matmul.md ("The schedule in
 one launch") has the design; ``grouped_schedule`` is its reference.
+
+The body (``write_schedule``) also runs on group sizes already in registers: the MoE
+sort kernel (``moe_router.sort_by_expert_local``) counts them and writes the table in
+its own launch, a ``ScheduleTable`` the grouped calls take instead of computing one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -35,12 +40,75 @@ def schedule_width(num_tiles: int) -> int:
   return pow2_at_least(num_tiles)
 
 
-def _kernel(gs_ref, meta_ref, *, e: int, m: int, tile_m: int, row_align: int, ep: int,
-            tp: int, block_t: int):
+def schedule_segments(experts: int) -> int:
+  """Length of the group-size vector :func:`write_schedule` reads for E experts: the E
+  experts and the rows past them (segment E), padded to a power of two."""
+  return pow2_at_least(experts + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedSchedule:
+  """What a grouped kernel's tile schedule is made for (static).
+
+  Attributes:
+    m: rows M of the grouped matmul's x.
+    experts: E, the group sizes' length.
+    tile_m: rows per tile.
+    num_tiles: at least ``grouped_tile_bound(m, experts, tile_m)``.
+    row_align: the windows' alignment (the grouped kernels' _ROW_ALIGN).
+  """
+
+  m: int
+  experts: int
+  tile_m: int
+  num_tiles: int
+  row_align: int
+
+  def __post_init__(self):
+    for name, least in (("m", 0), ("experts", 1), ("tile_m", 1), ("num_tiles", 1),
+                        ("row_align", 1)):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < least:
+        raise ValueError(f"GroupedSchedule.{name} must be an int >= {least}, got {value!r}")
+
+  @property
+  def width(self) -> int:
+    """Columns of its table: ``schedule_width(num_tiles)``."""
+    return schedule_width(self.num_tiles)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["table"],
+                   meta_fields=["spec"])
+@dataclasses.dataclass(frozen=True)
+class ScheduleTable:
+  """A grouped kernels' schedule table computed ahead of their call (a pytree).
+
+  Attributes:
+    table: [5, spec.width] int32, :func:`grouped_schedule_pallas`'s table.
+    spec: the GroupedSchedule it was made for (static), which the grouped calls check
+      against their own.
+  """
+
+  table: jax.Array
+  spec: GroupedSchedule
+
+
+def write_schedule(gs: jax.Array, meta_ref, spec: GroupedSchedule) -> None:
+  """Writes ``spec``'s schedule table for the group sizes ``gs`` into ``meta_ref``.
+
+  The body of :func:`grouped_schedule_pallas`, on a vector already in registers, so that a
+  kernel which has just counted the group sizes (``moe_router``'s sort) writes the table
+  in its own launch.
+
+  Args:
+    gs: [schedule_segments(spec.experts)] int32 group sizes, zero past spec.experts.
+    meta_ref: [5, spec.width] int32 output ref.
+    spec: the schedule's shape.
+  """
+  e, m, tile_m, row_align = spec.experts, spec.m, spec.tile_m, spec.row_align
+  ep, tp = gs.shape[0], spec.width
+  block_t = max(1, min(tp, _BLOCK_ELEMENTS // ep))
   seg_ids = lax.broadcasted_iota(jnp.int32, (ep,), 0)
-  # The E group sizes as an [ep] vector (segment E, the rows past them, and the padding
-  # past it read 0): one masked gather-load, whatever E.
-  gs = pltriton.load(gs_ref.at[jnp.minimum(seg_ids, e - 1)], mask=seg_ids < e, other=0)
   cum = jnp.cumsum(gs)  # inclusive
   ends = jnp.minimum(cum, m)  # rows past M are never computed
   starts = jnp.minimum(cum - gs, m)
@@ -78,6 +146,15 @@ def _kernel(gs_ref, meta_ref, *, e: int, m: int, tile_m: int, row_align: int, ep
   lax.fori_loop(0, tp // block_t, block, 0)
 
 
+def _kernel(gs_ref, meta_ref, *, spec: GroupedSchedule):
+  e = spec.experts
+  seg_ids = lax.broadcasted_iota(jnp.int32, (schedule_segments(e),), 0)
+  # The E group sizes as an [ep] vector (segment E, the rows past them, and the padding
+  # past it read 0): one masked gather-load, whatever E.
+  gs = pltriton.load(gs_ref.at[jnp.minimum(seg_ids, e - 1)], mask=seg_ids < e, other=0)
+  write_schedule(gs, meta_ref, spec)
+
+
 @functools.partial(jax.jit, static_argnames=("m", "tile_m", "num_tiles", "row_align",
                                              "interpret"))
 def grouped_schedule_pallas(group_sizes: jax.Array, *, m: int, tile_m: int, num_tiles: int,
@@ -104,15 +181,11 @@ def grouped_schedule_pallas(group_sizes: jax.Array, *, m: int, tile_m: int, num_
   if group_sizes.ndim != 1 or group_sizes.dtype != jnp.int32 or not group_sizes.shape[0]:
     raise ValueError(f"group_sizes must be int32 [E >= 1], got {group_sizes.dtype} "
                      f"{group_sizes.shape}")
-  e = group_sizes.shape[0]
-  ep = pow2_at_least(e + 1)  # the E experts and the rows past them
-  tp = schedule_width(num_tiles)
-  block_t = max(1, min(tp, _BLOCK_ELEMENTS // ep))
-  kernel = functools.partial(_kernel, e=e, m=m, tile_m=tile_m, row_align=row_align, ep=ep,
-                             tp=tp, block_t=block_t)
+  spec = GroupedSchedule(m=m, experts=group_sizes.shape[0], tile_m=tile_m,
+                         num_tiles=num_tiles, row_align=row_align)
   return pl.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct((5, tp), jnp.int32),
+      functools.partial(_kernel, spec=spec),
+      out_shape=jax.ShapeDtypeStruct((5, spec.width), jnp.int32),
       compiler_params=pltriton.CompilerParams(num_warps=_NUM_WARPS, num_stages=1),
       interpret=interpret,
       name="grouped_schedule",
