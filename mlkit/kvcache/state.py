@@ -204,7 +204,10 @@ class PagedKVState:
 
     Args:
       layer: layer index.
-      queries: MLA (q_latent [B, H, C], q_rope [B, H, R]); GQA (q [B, H, hd],).
+      queries: MLA (q_latent [B, H, C], q_rope [B, H, R]), or a
+        ``pallas_kernels.mla_absorb.AbsorbQuery`` (q_all [B, H, nope + R], wkv_b
+        [C, H, nope + v], nope), whose absorbed product the decode op runs per device
+        on its heads (``paged_mla_decode``); GQA (q [B, H, hd],).
       batch_meta: block tables and lengths (tokens in the cache, the current one included).
       scale: softmax scale.
       backend: "pallas" | "interpret" | "xla" | None (platform default).
@@ -215,9 +218,16 @@ class PagedKVState:
     Returns:
       MLA out_latent [B, H, C]; GQA [B, H, hd]; rows of length 0 give zeros.
     """
+    from pallas_kernels import mla_absorb
     from pallas_kernels import paged_attention as kernels
     op = kernels.paged_mla_decode if self.attention == "mla" else kernels.paged_gqa_decode
     fn = functools.partial(op, scale=float(scale), backend=backend)
+    if isinstance(queries, mla_absorb.AbsorbQuery):
+      # Its arrays split over the heads on axis 1 alike (wkv_b's H), rebuilt per device.
+      nope, absorbed = queries.nope, fn
+      fn = lambda q_all, w, *rest: absorbed(  # noqa: E731
+          mla_absorb.AbsorbQuery(q_all, w, nope), None, *rest)
+      queries = (queries.q_all, queries.wkv_b)
     pages = self._pages_of(layer)
     others = (batch_meta.block_tables, batch_meta.lengths)
     if sharding is not None:

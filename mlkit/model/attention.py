@@ -16,7 +16,8 @@ from mlkit.model import rope
 from mlkit.model.layers import rms_norm
 from mlkit.model.masks import KeyMask, map_query_blocks
 from mlkit.quant import dequantize, matmul
-from pallas_kernels.mla_absorb import absorbed_values
+from pallas_kernels import dispatch
+from pallas_kernels.mla_absorb import AbsorbQuery, absorbed_values
 from pallas_kernels.page_write import MlaProjection
 
 _NEG_INF = -1e30
@@ -352,10 +353,9 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: i
     with jax.named_scope("paged_decode_attention"):
       cache = cache.write(layer, new, positions, batch_meta, backend=backend)
       if mla:
-        q_latent = mla_absorb_query(p, q_nope, cfg)  # [B, 1, H, C]
-        out_latent = cache.decode_attention(layer, (q_latent[:, 0], q_rope[:, 0]), batch_meta,
-                                            scale=cfg.softmax_scale, backend=backend,
-                                            sharding=decode_sharding)
+        out_latent = cache.decode_attention(layer, _decode_query(p, q_nope, q_rope, cfg, backend),
+                                            batch_meta, scale=cfg.softmax_scale,
+                                            backend=backend, sharding=decode_sharding)
         heads = mla_absorb_output(p, out_latent[:, None], cfg, backend=backend)  # [B, 1, H, v]
       else:
         heads = cache.decode_attention(layer, (q[:, 0],), batch_meta, scale=cfg.softmax_scale,
@@ -376,6 +376,25 @@ def attention_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: i
                             head_shards=_head_shards(decode_sharding))
   out = matmul(heads.reshape(B, T, -1), p["wo"], backend=backend, out_dtype=out_dtype)
   return out, cache
+
+
+def _decode_query(p: dict, q_nope: jax.Array, q_rope: jax.Array, cfg: ModelConfig,
+                  backend: str | None):
+  """A paged MLA decode step's query for ``cache.decode_attention``, from q_nope
+  [B, 1, H, nope] and q_rope [B, 1, H, R].
+
+  On "xla" (q_latent [B, H, C], q_rope [B, H, R]) (:func:`mla_absorb_query`). On the
+  kernel backends an ``AbsorbQuery``: q_all = [q_nope | q_rope] [B, H, nope + R] (one
+  XLA fusion with the rope) and wkv_b [C, H, nope + v], whose absorbed product (and,
+  over an fp8 cache, the query's scaling) the decode op runs per device in one launch,
+  the decode kernels reading the rope part in place from q_all (docs/mla_absorb.md,
+  "The query side").
+  """
+  if dispatch.resolve_backend(backend) == "xla":
+    return mla_absorb_query(p, q_nope, cfg)[:, 0], q_rope[:, 0]
+  q_all = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1)[:, 0]
+  w, q_all = _wkv_b_whole(p, cfg, q_nope.dtype, q_all)
+  return AbsorbQuery(q_all, w, cfg.qk_nope_head_dim)
 
 
 def _sparse_mla_block(p: dict, x: jax.Array, positions: jax.Array, cache, layer: int,

@@ -17,7 +17,9 @@ A cache may also offer ``write(layer, new, positions, batch_meta) -> cache`` and
 None or an ``mlkit.parallel.DecodeSharding``, how to run it per device); the model then
 runs decode steps (T == 1) through them, which is how the paged cache routes
 decode attention to the Pallas kernels (MLA queries: (q_latent [B, H, C],
-q_rope [B, H, R]) -> [B, H, C]; GQA: (q [B, H, hd],) -> [B, H, hd]).
+q_rope [B, H, R]) -> [B, H, C], or on the kernel backends a
+``pallas_kernels.mla_absorb.AbsorbQuery`` whose absorbed product the decode op runs;
+GQA: (q [B, H, hd],) -> [B, H, hd]).
 
 The model only talks to this interface, so the paged cache can stand in for the
 contiguous one with no change to model code.

@@ -178,7 +178,12 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
   ignores num_splits). Both merge their partial (max, sum, acc) afterwards.
 
   Args:
-    q_latent: [B, H, C] absorbed query (bf16 or f32).
+    q_latent: [B, H, C] absorbed query (bf16 or f32); or a
+      ``pallas_kernels.mla_absorb.AbsorbQuery`` (q_all [B, H, nope + R], wkv_b
+      [C, H, nope + v], nope), q_rope then None: the absorbed product runs here, in
+      one Pallas launch with the fp8 cache's query scaling where the kernel takes the
+      shapes (``mla_absorb.absorbed_query``), and the kernels read the rope part
+      from q_all's columns nope on (docs/mla_absorb.md, "The query side").
     q_rope: [B, H, R] rope part of the query; or, with ``rope_offset``, [B, H, W]
       holding it at columns [rope_offset, rope_offset + R).
     latent: [N, page_size, C] latent pages, bf16 or float8_e4m3fn.
@@ -204,11 +209,22 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
   Raises:
     ValueError: on inconsistent shapes or dtypes, or an unknown backend.
   """
+  from pallas_kernels.mla_absorb import AbsorbQuery  # it imports this package's query
   backend = dispatch.resolve_backend(backend)
+  absorb = q_latent if isinstance(q_latent, AbsorbQuery) else None
+  if absorb is not None:
+    if q_rope is not None or rope_offset is not None:
+      raise ValueError("an AbsorbQuery holds the rope part: q_rope and rope_offset must "
+                       "be None")
+    q_latent, q_rope, rope_offset = absorb.latent_shape, absorb.q_all, absorb.nope
   _check_mla_inputs(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
                     block_tables, lengths, rope_offset)
   rope_cols = None if rope_offset is None else (rope_offset, k_rope.shape[-1])
+  interpret = backend == "interpret"
   if backend == "xla":
+    if absorb is not None:
+      from pallas_kernels.mla_absorb import absorbed_query_reference
+      q_latent = absorbed_query_reference(absorb.q_all, absorb.wkv_b, absorb.nope)
     return reference.paged_mla_decode_reference(
         q_latent, query.rope_part(q_rope, rope_cols), latent, k_rope, latent_scale,
         k_rope_scale, block_tables, lengths, scale=scale)
@@ -221,7 +237,9 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
                      tokens_in_m=tokens_in_m,
                      qk_fp8=mla_qk_fp8(bs, tokens_in_m, latent), merge=bs.merge,
                      producer=bs.loads == "producer", rope_cols=rope_cols,
-                     interpret=backend == "interpret")
+                     absorb=absorb, interpret=interpret)
+  if absorb is not None:
+    q_latent = absorb.product(interpret=interpret)
   ppb = bs.pages_per_block
   splits = bs.num_splits
   block_tables = _pad_tables(block_tables.astype(jnp.int32), splits * ppb)
@@ -237,7 +255,7 @@ def paged_mla_decode(q_latent, q_rope, latent, k_rope, latent_scale,
        (block_tables, _full_spec(block_tables)),
        (lengths.astype(jnp.int32), _full_spec(lengths))],
       block_h=bs.block_h, splits=splits, num_warps=bs.num_warps,
-      num_stages=bs.num_stages, rope_cols=rope_cols, interpret=backend == "interpret")
+      num_stages=bs.num_stages, rope_cols=rope_cols, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "backend", "block_sizes"))
@@ -483,19 +501,29 @@ def mla_qk_fp8(bs, tokens_in_m: bool, latent) -> bool:
 
 def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
               block_tables, lengths, *, scale, tokens_in_m, qk_fp8, merge, interpret,
-              producer=False, rope_cols=None):
+              producer=False, rope_cols=None, absorb=None):
   """Runs mla_mgpu (heads padded to 64) or mla_tokens_mgpu (heads padded to 8):
   pads the heads, casts q, schedules the pieces, merges them. ``rope_cols``: None, or
-  (offset, R) where q_rope [B, H, W] holds the rope part (read in place)."""
+  (offset, R) where q_rope [B, H, W] holds the rope part (read in place). ``absorb``:
+  None, or the ``AbsorbQuery`` whose product runs here (q_latent is then its
+  latent_shape and q_rope its q_all)."""
   b, h, _ = q_latent.shape
+  out_dtype = q_latent.dtype
   h_pad = -h % (8 if tokens_in_m else mla_mgpu.BLOCK_H)
-  if qk_fp8 or latent.dtype == FP8:
+  scaled = qk_fp8 or latent.dtype == FP8
+  if absorb is not None and not (scaled and absorb.kernel_takes()):
+    q_latent, absorb = absorb.product(interpret=interpret), None
+  if scaled:
     # QK as fp8 wgmmas on the staged fp8 pages (mla_mgpu): an e4m3 query. Else fp8 pages
     # become f16 in the kernel (see mla_mgpu), and wgmma wants equal operand types: an
-    # f16 query, rows divided by a power of two. Padded and scaled in one launch.
-    ql, qr, q_scale = query.scaled_query(q_latent, q_rope, heads=h + h_pad,
-                                         kind="fp8" if qk_fp8 else "f16",
-                                         rope_cols=rope_cols, interpret=interpret)
+    # f16 query, rows divided by a power of two. Padded and scaled in one launch: with
+    # the absorbed product where it is still to run (mla_absorb.absorbed_query).
+    kind = "fp8" if qk_fp8 else "f16"
+    if absorb is not None:
+      ql, qr, q_scale = absorb.product(kind=kind, heads=h + h_pad, interpret=interpret)
+    else:
+      ql, qr, q_scale = query.scaled_query(q_latent, q_rope, heads=h + h_pad, kind=kind,
+                                           rope_cols=rope_cols, interpret=interpret)
     rope_offset = None
   else:
     # The kernels read the rope columns in place with a TMA box where it can.
@@ -524,7 +552,7 @@ def _mla_mgpu(q_latent, q_rope, latent, k_rope, latent_scale, k_rope_scale,
         pieces, scale=float(scale), heads=h, producer=producer, rope_offset=rope_offset,
         interpret=mgpu_interpret)
   # o [G, H8, C], lse [G, Hp]: one row group of the H real heads.
-  return _merge(o[:, None], lse[:, None], pieces, b, rows=h, out_dtype=q_latent.dtype,
+  return _merge(o[:, None], lse[:, None], pieces, b, rows=h, out_dtype=out_dtype,
                 merge=merge, interpret=interpret)[:, 0]
 
 
