@@ -88,15 +88,18 @@ class H200CompileSmokeChecks:
     where = {}
     for k in c["kernels"]:
       where.setdefault(k["name"], []).append(k["layer"])
-    # The tag check before the layers, the page write (with the entries' norm and rope)
-    # and attention in both layers, the MoE layer's expert choice and its rows sorted by
-    # expert, and its gate, up and down projections as grouped INT4 calls (run per GPU
-    # inside the experts' shard_map) after their one schedule (the three share its table).
-    self.assertEqual(where, {"tag_check": ["-"], "paged_mla_decode": ["layer_0", "layer_1"],
-                             "page_write_mla": ["layer_0", "layer_1"],
+    # The tag check before the layers; in both layers the absorbed query, the page write
+    # (with the entries' norm and rope), attention and the absorbed values; before the MoE
+    # layer's norm the residual add with it (the dense layer's outputs); the MoE layer's
+    # expert choice and its rows sorted by expert (the sort also writes the grouped calls'
+    # tile schedule), then gate with up and down as two grouped INT4 calls (run per GPU
+    # inside the experts' shard_map).
+    both = ["layer_0", "layer_1"]
+    self.assertEqual(where, {"tag_check": ["-"], "mla_absorbed_query": both,
+                             "page_write_mla": both, "paged_mla_decode": both,
+                             "mla_absorbed_values": both, "residual_norm": ["layer_1"],
                              "select_experts": ["layer_1"], "sort_by_expert": ["layer_1"],
-                             "grouped_schedule": ["layer_1"],
-                             "int4_grouped_matmul": ["layer_1"] * 3})
+                             "int4_grouped_matmul": ["layer_1"] * 2})
     # What XLA gathers is the MoE dispatch's per-token routing values ([rows, 8]), no weight.
     self.assertNotEmpty(c["all_gathers"])
     for g in c["all_gathers"]:
@@ -127,7 +130,7 @@ class H200CompileSmokeChecks:
     self.assertIn("**NO (out of memory)**", md)
     self.assertIn("not instantiated", md)
     self.assertIn("## Kernels each GPU runs", md)
-    self.assertIn("| int4_grouped_matmul | mosaic_gpu_v2 | `bf16[128,64]` | layer_1 | 3 |", md)
+    self.assertIn("| int4_grouped_matmul | mosaic_gpu_v2 | `bf16[128,64]` | layer_1 | 1 |", md)
     with open(os.path.join(self.out, "h200_compile.png"), "rb") as f:
       self.assertEqual(f.read(8), PNG_MAGIC)
 
