@@ -270,8 +270,9 @@ class SmokeRunsTest(AccuracySmokeChecks, H200CompileSmokeChecks, RetrievalLearni
       # No loop in a decode step: the top-p filter's cumsum over the vocabulary shard once
       # compiled into two sequential loops (158 launches here; 41K for Kimi K2.6).
       self.assertEqual(r["loop_launches"], 0)
-      # Kernels per MoE layer (docs/step_time.md lists them), held so they do not creep.
-      self.assertLessEqual(r["layer_launches"], 38)
+      # The tiny model's launches per MoE layer, held so they do not creep (Kimi K2.6's
+      # are held by tests/test_launches_per_moe_layer.py; docs/step_time.md lists them).
+      self.assertLessEqual(r["layer_launches"], 36)
       self.assertGreater(r["moe_layer"]["int4"]["launches"], 0)
       self.assertAlmostEqual(sum(v["seconds"] for v in r["by_kind"].values()),
                              r["step_ms"] / 1e3, delta=1e-9)
