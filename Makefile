@@ -12,7 +12,7 @@ run: venv
 	$(PY) -m experiments
 
 test: venv
-	$(PY) -m pytest -n 2 --dist loadfile --max-worker-restart=0 tests
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 tests
 
 # Not part of `make test`: a long randomised search of the allocator and engine state
 # machines, then a served checkpoint under concurrent load, disconnects, cancels, page faults

@@ -56,8 +56,24 @@ settings.register_profile("soak", max_examples=400, deadline=None, suppress_heal
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# The longest test files, longest first. `make test` hands whole files to two workers as
+# they free up (`--dist loadfile --no-loadscope-reorder`), in collection order: these
+# first, then the rest in name order, so that the run ends on short files rather than one
+# worker finishing a long file while the other idles (pytest-xdist's own order is by
+# number of tests, which put long files with few tests last).
+LONGEST_FIRST = (
+    "test_experiments.py", "test_paged_attention_kernel.py", "test_h200_compile_int4.py",
+    "test_h200_compile_attention.py", "test_engine.py", "test_speculative_engine.py",
+    "test_serve_processes.py", "test_disagg.py", "test_serving_conformance.py",
+    "test_fp8_grouped_kernel.py", "test_train.py", "test_merge_pieces_kernel.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-  """Skips (and counts as skipped) tests marked `gpu` when no GPU backend is present."""
+  """Puts LONGEST_FIRST's files first; skips (and counts as skipped) tests marked `gpu`
+  when no GPU backend is present."""
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
   import jax
   if jax.default_backend() == "gpu":
     return
