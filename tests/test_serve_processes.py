@@ -430,6 +430,28 @@ class CliTest(absltest.TestCase):
     return subprocess.run([sys.executable, "-m", "mlkit.serve", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
 
+  def _main(self, *args):
+    """``mlkit.serve``'s main() in this process, for starts refused only after its imports
+    of jax and the model code (a process of its own would import them again): its exit
+    status and stderr, as ``_run`` returns them. The environment it sets for its own
+    devices is restored, and the listener a refused start leaves open closes as its
+    process's would (with its frames, quietly)."""
+    import contextlib
+    import io
+    import warnings
+    from unittest import mock
+
+    from mlkit.serve.__main__ import main
+    err = io.StringIO()
+    with (mock.patch.dict(os.environ), contextlib.redirect_stderr(err),
+          warnings.catch_warnings()):
+      warnings.simplefilter("ignore", ResourceWarning)
+      try:
+        code = main(list(args))
+      except SystemExit as e:
+        code = e.code
+    return subprocess.CompletedProcess(args, code, "", err.getvalue())
+
   def test_help(self):
     res = self._run("--help")
     self.assertEqual(res.returncode, 0, res.stderr)
@@ -453,9 +475,9 @@ class CliTest(absltest.TestCase):
     with socket.socket() as s:  # a port nothing listens on (bound, never listening)
       s.bind(("127.0.0.1", 0))
       dead = s.getsockname()[1]
-      res = self._run("--role", "decode", "--model", "tiny-mla", "--listen",
-                      f"127.0.0.1:{launch.free_port()}", "--prefill", f"127.0.0.1:{dead}",
-                      "--connect-timeout", "0.5")
+      res = self._main("--role", "decode", "--model", "tiny-mla", "--listen",
+                       f"127.0.0.1:{launch.free_port()}", "--prefill", f"127.0.0.1:{dead}",
+                       "--connect-timeout", "0.5")
     self.assertEqual(res.returncode, 2)
     self.assertIn(f"prefill server unreachable: no server reachable at 127.0.0.1:{dead}",
                   res.stderr)
@@ -472,13 +494,13 @@ class CliTest(absltest.TestCase):
     self.assertIn("--process-id 2 must be in [0, --num-processes 2)", res.stderr)
     # Speculative decoding drafts with the model's MTP layer: a model without one is refused
     # once loaded, a negative K before.
-    res = self._run("--role", "colocated", "--model", "tiny-gqa", "--speculative-tokens", "2",
-                    "--listen", f"127.0.0.1:{launch.free_port()}")
+    res = self._main("--role", "colocated", "--model", "tiny-gqa", "--speculative-tokens", "2",
+                     "--listen", f"127.0.0.1:{launch.free_port()}")
     self.assertEqual(res.returncode, 2, res.stderr)
     self.assertIn("cannot serve tiny-gqa as configured: EngineConfig.speculative_tokens=2 "
                   "needs a model with multi-token-prediction layers", res.stderr)
     self.assertNotIn("Traceback", res.stderr)
-    res = self._run("--role", "prefill", "--model", "tiny-mla", "--speculative-tokens", "-1")
+    res = self._main("--role", "prefill", "--model", "tiny-mla", "--speculative-tokens", "-1")
     self.assertEqual(res.returncode, 2)
     self.assertIn("--speculative-tokens) must be a non-negative int, got -1", res.stderr)
     res = self._run("--role", "colocated", "--model", "tiny-mla", "--arrival-gap-ms", "5",
