@@ -513,7 +513,8 @@ class F16QueryTest(absltest.TestCase):
     ql = rng.standard_normal((2, 6, 64)).astype(np.float32) * mags[:, None]
     qr = rng.standard_normal((2, 6, 16)).astype(np.float32) * mags[:, None]
     ql[1, 2, 5] = 7e4  # the row's largest value sits in the rope-free part
-    q16l, q16r, qs = attn_ops.f16_query(jnp.asarray(ql), jnp.asarray(qr))
+    # Jitted, as the ops call it: one compile where the eager ops took one each.
+    q16l, q16r, qs = jax.jit(attn_ops.f16_query)(_dev(ql), _dev(qr))
     self.assertEqual((q16l.dtype, q16r.dtype, qs.shape), (jnp.float16, jnp.float16, (2, 6)))
     q16 = np.concatenate([np.asarray(q16l, np.float32), np.asarray(q16r, np.float32)], -1)
     q = np.concatenate([ql, qr], -1)
@@ -538,7 +539,7 @@ class Fp8QueryTest(absltest.TestCase):
     ql = rng.standard_normal((2, 6, 64)).astype(np.float32) * mags[:, None]
     qr = rng.standard_normal((2, 6, 16)).astype(np.float32) * mags[:, None]
     qr[1, 2, 5] = 7e4  # the row's largest value sits in the rope part
-    q8l, q8r, qs = attn_ops.fp8_query(jnp.asarray(ql), jnp.asarray(qr))
+    q8l, q8r, qs = jax.jit(attn_ops.fp8_query)(_dev(ql), _dev(qr))
     self.assertEqual((q8l.dtype, q8r.dtype, qs.shape), (FP8, FP8, (2, 6)))
     q8 = np.concatenate([np.asarray(q8l, np.float32), np.asarray(q8r, np.float32)], -1)
     q = np.concatenate([ql, qr], -1)
@@ -655,7 +656,7 @@ class PieceScheduleTest(parameterized.TestCase):
       lengths = np.maximum(pages * 64 - rng.integers(0, 64, batch), 0)
       pages = -(-lengths // 64)
       req, first, steps, req_first, req_count = np.asarray(schedule.schedule_pieces(
-          jnp.asarray(lengths, jnp.int32), page_size=64, max_pages=max_pages, pieces=g))
+          _dev(lengths, np.int32), page_size=64, max_pages=max_pages, pieces=g))
       used = req >= 0
       # Per request: its run of pieces (the merge reads these), zeros past the batch.
       for b in range(batch):
@@ -698,11 +699,12 @@ class PieceScheduleTest(parameterized.TestCase):
     lse.append(np.full(4, -1e30))
     o.append(np.full((4, 5), 7.0))  # an unused piece: ignored
     lse.append(np.zeros(4))
-    out = reference.combine_pieces(jnp.asarray(np.stack(o), jnp.float32),
-                                   jnp.asarray(np.stack(lse), jnp.float32),
-                                   jnp.asarray([0, 0, 0, 1, -1], jnp.int32), 2)
-    np.testing.assert_allclose(np.asarray(out[0]), want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(out[1]), 0)
+    # Jitted, as the ops call it: one compile where the eager ops took one each.
+    combine = jax.jit(reference.combine_pieces, static_argnums=3)
+    out = np.asarray(combine(_dev(np.stack(o), np.float32), _dev(np.stack(lse), np.float32),
+                             _dev([0, 0, 0, 1, -1], np.int32), 2))
+    np.testing.assert_allclose(out[0], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(out[1], 0)
 
 
 class PagedGqaDecodeTest(OpTest):
