@@ -25,7 +25,7 @@ import numpy as np
 
 import h200_compile_cases
 from configs import TINY_MLA
-from mlkit.model import moe
+from mlkit.model import layers, moe
 from pallas_kernels.moe_router import select_experts
 from pallas_kernels.moe_router import select_experts_reference
 from pallas_kernels.moe_router import sort_by_expert
@@ -216,7 +216,7 @@ class RouteTest(parameterized.TestCase):
     np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-6)
     lowered = jax.jit(lambda p, x: moe.route(p, x, cfg, backend="interpret")).lower(p, x)
     self.assertEqual("sne" in lowered.as_text(debug_info=True),
-                     d >= moe.ROUTER_SPLIT_MIN_D)
+                     d >= layers.ROUTER_SPLIT_MIN_D)
 
 
 class SortByExpertInterpretTest(parameterized.TestCase):

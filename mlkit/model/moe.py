@@ -13,23 +13,11 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mlkit.config import ModelConfig
-from mlkit.model.layers import swiglu
+from mlkit.model.layers import decode_splits, swiglu
 from mlkit.quant import grouped_matmul, grouped_matmuls
 from mlkit.quant.dispatch import schedule_spec
 from pallas_kernels import dispatch as kernel_dispatch
 from pallas_kernels.moe_router import select_experts, sort_by_expert, sort_by_expert_local
-
-
-# The router's matmul on the kernel backends, for a decode step's few tokens (at most
-# ROUTER_SPLIT_MAX_N) of a wide model (D from ROUTER_SPLIT_MIN_D): ROUTER_SPLITS partial
-# sums over slices of D, which the expert-choice kernel adds. At N = 64 and D = 7,168
-# XLA's GPU compiler (with its default configs, no autotuning) splits the matmul's K
-# itself and adds the parts in a launch of their own; it still does at 8 slices (896
-# each), not at 16. A prefill's matmul has rows enough not to be split, and its
-# partials would be 16 [N, E] f32 arrays.
-ROUTER_SPLITS = 16
-ROUTER_SPLIT_MIN_D = 2048
-ROUTER_SPLIT_MAX_N = 1024
 
 
 def route(p: dict, x: jax.Array, cfg: ModelConfig, *, backend: str | None = None):
@@ -54,9 +42,10 @@ def route(p: dict, x: jax.Array, cfg: ModelConfig, *, backend: str | None = None
   xf, w = x.astype(jnp.float32), p["router"].astype(jnp.float32)
   kernels = kernel_dispatch.resolve_backend(backend) != "xla"
   n, d = xf.shape
-  if kernels and n <= ROUTER_SPLIT_MAX_N and d >= ROUTER_SPLIT_MIN_D and d % ROUTER_SPLITS == 0:
-    logits = jnp.einsum("nsd,sde->sne", xf.reshape(n, ROUTER_SPLITS, d // ROUTER_SPLITS),
-                        w.reshape(ROUTER_SPLITS, d // ROUTER_SPLITS, -1))  # [S, N, E]
+  splits = decode_splits(n, d, backend)
+  if splits:  # partial sums over slices of D, which the expert-choice kernel adds
+    logits = jnp.einsum("nsd,sde->sne", xf.reshape(n, splits, d // splits),
+                        w.reshape(splits, d // splits, -1))  # [S, N, E]
   else:
     logits = jnp.dot(xf, w)  # [N, E]
   bias = None
