@@ -2,7 +2,9 @@
 the k = 1 walk, the draft indexing against mtp_forward_all's own shift, skipped rows, errors."""
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
@@ -16,6 +18,21 @@ from numpy_params import init_params_np
 
 # One dense layer, one MoE layer, one MTP layer, f32.
 CFG = dataclasses.replace(TINY_MLA, n_layers=2)
+
+
+@functools.cache
+def _depth_one_argmax():
+  """(params, toks [B, T] int32) -> depth 1's argmax [B, T]: apply then mtp_forward_all in one
+  jitted program (op by op, each of their ops would be an XLA compile of its own)."""
+
+  @jax.jit
+  def f(params, toks):
+    pos = jnp.broadcast_to(jnp.arange(toks.shape[1], dtype=jnp.int32), toks.shape)
+    _, _, hidden = apply(params, toks, pos, cfg=CFG, return_pre_norm=True)
+    logits = mtp_forward_all(params, hidden, toks, cfg=CFG, positions=pos)
+    return jnp.argmax(logits[0], -1)
+
+  return f
 
 
 class WalkTest(parameterized.TestCase):
@@ -60,13 +77,11 @@ class MeasureTest(absltest.TestCase):
     self.assertEqual((r.rows_used, r.rows_skipped), (3, 0))
     # Independently: mtp_forward_all shifts the tokens itself; depth 1 at position i
     # predicts t_{i+2}, so the draft for s[j+1] is its argmax at j-1.
-    toks = jnp.asarray(self.seqs, jnp.int32)  # [3, T]
-    pos = jnp.broadcast_to(jnp.arange(toks.shape[1], dtype=jnp.int32), toks.shape)
-    _, _, hidden = apply(self.params, toks, pos, cfg=CFG, return_pre_norm=True)
-    logits = mtp_forward_all(self.params, hidden, toks, cfg=CFG, positions=pos)
+    toks = np.asarray(self.seqs, np.int32)  # [3, T]
+    argmax = np.asarray(_depth_one_argmax()(self.params, toks))  # [3, T]
     agreeing = drafts = 0
     for b, (seq, P) in enumerate(zip(self.seqs, map(len, self.prompts))):
-      d = np.asarray(jnp.argmax(logits[0, b], -1))
+      d = argmax[b]
       for j in range(P, len(seq) - 1):
         drafts += 1
         agreeing += int(d[j - 1] == seq[j + 1])
