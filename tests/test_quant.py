@@ -45,7 +45,7 @@ def _np_dequant_int4(w: Int4Weight) -> np.ndarray:
 
 
 def _np_dequant_fp8(w: Fp8Weight) -> np.ndarray:
-  v = np.asarray(w.values.astype(jnp.float32), np.float64)
+  v = np.asarray(w.values).astype(np.float64)  # e4m3 -> f64 on host: exact
   s = np.asarray(w.scales, np.float64)
   if w.block_size is None:
     return v * s[..., None, :]
@@ -54,9 +54,22 @@ def _np_dequant_fp8(w: Fp8Weight) -> np.ndarray:
   return v * s
 
 
-def _normal(seed, shape, dtype=jnp.float32):
-  # numpy draws: jax.random would compile a threefry program per shape on CPU.
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32).astype(dtype)
+def _np_normal(seed, shape, scale=1.0) -> np.ndarray:
+  """Standard normal f32 draws times ``scale``, on host."""
+  draws = np.random.default_rng(seed).standard_normal(shape)
+  return np.asarray(draws, np.float32) * np.float32(scale)
+
+
+def _normal(seed, shape, dtype=jnp.float32, scale=1.0):
+  # numpy draws, cast on host and placed on the device: jax.random would compile a threefry
+  # program per shape on CPU, and each eager cast or multiply a program of its own.
+  return _device(_np_normal(seed, shape, scale), dtype)
+
+
+def _device(a, dtype=None):
+  """A host array placed on the device as ``dtype``, cast by numpy and placed by device_put:
+  no XLA program (jnp.asarray compiles a `stage` program per shape and dtype)."""
+  return jax.device_put(np.asarray(a, dtype))
 
 
 class PackTest(parameterized.TestCase):
@@ -65,17 +78,17 @@ class PackTest(parameterized.TestCase):
     # Every (low, high) pair of int4 values: 16 x 16 columns, K = 2.
     lo, hi = np.meshgrid(np.arange(-8, 8), np.arange(-8, 8), indexing="ij")
     q = np.stack([lo.ravel(), hi.ravel()]).astype(np.int8)  # [2, 256]
-    packed = pack_int4(jnp.asarray(q))
+    packed = pack_int4(_device(q))
     self.assertEqual(packed.dtype, jnp.uint8)
     self.assertEqual(packed.shape, (1, 256))
     # Nibble order: row 0 in bits 0-3, row 1 in bits 4-7.
     expected = (q[0].astype(np.int32) & 15) | ((q[1].astype(np.int32) & 15) << 4)
-    np.testing.assert_array_equal(np.asarray(packed[0]), expected)
+    np.testing.assert_array_equal(np.asarray(packed)[0], expected)
     np.testing.assert_array_equal(np.asarray(unpack_int4(packed)), q)
     np.testing.assert_array_equal(_np_unpack(packed), q)
 
   def test_round_trip_experts(self):
-    q = jnp.asarray(np.random.default_rng(0).integers(-8, 8, (3, 8, 5)), jnp.int8)
+    q = _device(np.random.default_rng(0).integers(-8, 8, (3, 8, 5)), np.int8)
     packed = pack_int4(q)
     self.assertEqual(packed.shape, (3, 4, 5))
     np.testing.assert_array_equal(np.asarray(unpack_int4(packed)), np.asarray(q))
@@ -93,7 +106,7 @@ class PackTest(parameterized.TestCase):
 
   def test_pack_odd_k_raises(self):
     with self.assertRaisesRegex(ValueError, "K=3 must be even"):
-      pack_int4(jnp.zeros((3, 4), jnp.int8))
+      pack_int4(_device(np.zeros((3, 4), np.int8)))
 
 
 class Int4QuantTest(parameterized.TestCase):
@@ -102,7 +115,7 @@ class Int4QuantTest(parameterized.TestCase):
                             (128, "bfloat16", True), (128, "float32", False))
   def test_error_bound(self, group_size, scale_dtype, experts):
     shape = (2, 256, 24) if experts else (256, 24)
-    w = _normal(group_size, shape) * 0.05
+    w = _normal(group_size, shape, scale=0.05)
     qw = quantize_int4(w, group_size, scale_dtype=jnp.dtype(scale_dtype))
     self.assertEqual(qw.packed.shape, shape[:-2] + (128, 24))
     self.assertEqual(qw.scales.shape, shape[:-2] + (256 // group_size, 24))
@@ -121,9 +134,10 @@ class Int4QuantTest(parameterized.TestCase):
                                rtol=F32_TOL, atol=0)
 
   def test_zero_group_gives_zero_codes(self):
-    w = _normal(1, (64, 8)).at[:32, 3].set(0.0)
-    qw = quantize_int4(w, 32)
-    self.assertEqual(float(qw.scales[0, 3]), 0.0)
+    w = _np_normal(1, (64, 8))
+    w[:32, 3] = 0.0
+    qw = quantize_int4(_device(w), 32)
+    self.assertEqual(float(np.asarray(qw.scales)[0, 3]), 0.0)
     deq = np.asarray(dequantize(qw, jnp.float32))
     self.assertTrue(np.all(np.isfinite(deq)))
     np.testing.assert_array_equal(deq[:32, 3], 0.0)
@@ -143,7 +157,9 @@ class Int4QuantTest(parameterized.TestCase):
 
   @parameterized.parameters(float("nan"), float("inf"), -float("inf"))
   def test_non_finite_names_param(self, bad):
-    w = _normal(0, (64, 8)).at[5, 2].set(bad)
+    w = _np_normal(0, (64, 8))
+    w[5, 2] = bad
+    w = _device(w)
     with self.assertRaisesRegex(ValueError, r"layers/1/ffn/w_up: weight has non-finite"):
       quantize_int4(w, 32, name="layers/1/ffn/w_up")
     with self.assertRaisesRegex(ValueError, r"layers/1/ffn/w_up: weight has non-finite"):
@@ -155,7 +171,8 @@ class Int4QuantTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, r"norm: only 2-D"):
       quantize_int4(_normal(0, (64,)), 32, name="norm")
     with self.assertRaisesRegex(ValueError, r"Int4Weight.group_size"):
-      Int4Weight(packed=jnp.zeros((8, 2), jnp.uint8), scales=jnp.zeros((1, 2)), group_size=16)
+      Int4Weight(packed=_device(np.zeros((8, 2), np.uint8)), scales=_device(np.zeros((1, 2), np.float32)),
+                 group_size=16)
 
 
 class Fp8QuantTest(parameterized.TestCase):
@@ -163,7 +180,7 @@ class Fp8QuantTest(parameterized.TestCase):
   @parameterized.parameters((None, (200, 130)), (128, (200, 130)), (128, (2, 64, 40)),
                             (None, (2, 64, 40)))
   def test_error_bound(self, block_size, shape):
-    w = _normal(3, shape) * 0.02
+    w = _normal(3, shape, scale=0.02)
     qw = quantize_fp8(w, block_size)
     self.assertEqual(qw.values.dtype, jnp.float8_e4m3fn)
     self.assertEqual(qw.scales.dtype, jnp.float32)
@@ -172,27 +189,28 @@ class Fp8QuantTest(parameterized.TestCase):
     self.assertEqual(qw.scales.shape, expected)
     deq = _np_dequant_fp8(qw)
     w64 = np.asarray(w, np.float64)
-    s = np.asarray(dequantize(Fp8Weight(jnp.ones(shape, jnp.float8_e4m3fn), qw.scales, block_size)),
-                   np.float64)
+    s = np.asarray(dequantize(Fp8Weight(_device(np.ones(shape), jnp.float8_e4m3fn), qw.scales,
+                                        block_size)), np.float64)
     # e4m3: half-ulp relative error 2^-4 for normals, absolute 2^-10 * scale for subnormals.
     bound = 2.0 ** -4 * np.abs(w64) + 2.0 ** -10 * s
     self.assertTrue(np.all(np.abs(deq - w64) <= bound * (1 + 1e-6)))
     self.assertLessEqual(_rel(deq, w64), 5e-2)
     np.testing.assert_allclose(np.asarray(dequantize(qw)), deq, rtol=F32_TOL, atol=0)
     # No value saturates: every block/column's absmax maps to at most 448.
-    self.assertLessEqual(float(jnp.max(jnp.abs(qw.values.astype(jnp.float32)))), 448.0)
+    self.assertLessEqual(float(np.max(np.abs(np.asarray(qw.values).astype(np.float32)))), 448.0)
 
   def test_bad_block_size(self):
     with self.assertRaisesRegex(ValueError, r"wq: fp8 block_size must be None or 128"):
       quantize_fp8(_normal(0, (64, 8)), 64, name="wq")
     with self.assertRaisesRegex(ValueError, r"Fp8Weight.block_size"):
-      Fp8Weight(values=jnp.zeros((4, 4), jnp.float8_e4m3fn), scales=jnp.ones((4,)), block_size=64)
+      Fp8Weight(values=_device(np.zeros((4, 4)), jnp.float8_e4m3fn),
+                scales=_device(np.ones((4,), np.float32)), block_size=64)
 
 
 class ReferenceMatmulTest(parameterized.TestCase):
 
   def _weight(self, fmt, shape, group_size=32):
-    w = _normal(7, shape) * 0.1
+    w = _normal(7, shape, scale=0.1)
     if fmt == "int4":
       qw = quantize_int4(w, group_size)
       return qw, _np_dequant_int4(qw)
@@ -212,7 +230,7 @@ class ReferenceMatmulTest(parameterized.TestCase):
       self.assertLessEqual(_rel(out, expected), F32_REDUCTION_TOL)
     else:
       # The weight is rounded to bf16 once, then accumulated in f32.
-      w_bf16 = np.asarray(jnp.asarray(dense, jnp.float32).astype(jnp.bfloat16), np.float64)
+      w_bf16 = dense.astype(np.float32).astype(jnp.bfloat16).astype(np.float64)
       expected = np.asarray(x, np.float64) @ w_bf16
       self.assertLessEqual(_rel(out, expected), BF16_TOL)
     # The model's entry point dispatches on the weight's type to this reference.
@@ -234,7 +252,7 @@ class ReferenceMatmulTest(parameterized.TestCase):
     E, K, N, M = 4, 64, 24, 12  # M > sum(sizes): trailing rows must come back zero
     qw, dense = self._weight(fmt, (E, K, N))
     x = _normal(9, (M, K))
-    gs = jnp.asarray(sizes, jnp.int32)
+    gs = _device(sizes, np.int32)
     ref_fn = int4_grouped_matmul_reference if fmt == "int4" else fp8_grouped_matmul_reference
     out = np.asarray(ref_fn(x, qw, gs), np.float64)
     expected = np.zeros((M, N))
@@ -268,14 +286,14 @@ def _outlier_acts(seed, m, k):
   mix = rng.standard_normal((k, k)) / k ** 0.5 + np.eye(k)
   gain = np.where(rng.uniform(size=k) < 0.06, 20.0, 1.0)
   x = np.random.default_rng(seed).standard_normal((m, k))
-  return jnp.asarray((x @ mix) * gain, jnp.float32)
+  return _device((x @ mix) * gain, np.float32)
 
 
 class GptqTest(parameterized.TestCase):
 
   def test_reduces_output_error_vs_rtn_on_outliers(self):
     K, N = 128, 32
-    w = _normal(4, (K, N)) / K ** 0.5
+    w = _normal(4, (K, N), scale=1 / K ** 0.5)
     calib, held_out = _outlier_acts(1, 512, K), _outlier_acts(2, 256, K)
     rtn = quantize_int4(w, 32)
     gptq = gptq_quantize_int4(w, calibration_stats(calib), 32)
@@ -292,24 +310,26 @@ class GptqTest(parameterized.TestCase):
 
   def test_experts_and_empty_expert_falls_back_to_rtn(self):
     E, K, N = 3, 64, 16
-    w = _normal(5, (E, K, N)) / K ** 0.5
-    x = _outlier_acts(3, 64, K)
-    xtx = jnp.stack([x.T @ x, jnp.zeros((K, K)), x.T @ x])
-    stats = CalibrationStats(xtx=xtx, count=jnp.asarray([64.0, 0.0, 64.0]))
+    w = _np_normal(5, (E, K, N), scale=1 / K ** 0.5)
+    x = np.asarray(_outlier_acts(3, 64, K))
+    xtx = np.stack([x.T @ x, np.zeros((K, K), np.float32), x.T @ x])  # f32 [E, K, K]
+    stats = CalibrationStats(xtx=_device(xtx), count=_device([64.0, 0.0, 64.0], np.float32))
+    w0, w = _device(w[0]), _device(w)
     q = gptq_quantize_int4(w, stats, 32, scale_dtype=jnp.float32)
     rtn = quantize_int4(w, 32, scale_dtype=jnp.float32)
     self.assertEqual(q.scales.dtype, jnp.float32)
     # Expert 1 saw no tokens: identity Hessian, under which GPTQ is exactly RTN.
-    np.testing.assert_array_equal(np.asarray(q.packed[1]), np.asarray(rtn.packed[1]))
-    self.assertFalse(np.array_equal(np.asarray(q.packed[0]), np.asarray(rtn.packed[0])))
+    q_packed, rtn_packed = np.asarray(q.packed), np.asarray(rtn.packed)
+    np.testing.assert_array_equal(q_packed[1], rtn_packed[1])
+    self.assertFalse(np.array_equal(q_packed[0], rtn_packed[0]))
     # Expert 0 equals a 2-D GPTQ on its own stats.
-    q0 = gptq_quantize_int4(w[0], CalibrationStats(xtx[0], jnp.float32(64)), 32,
+    q0 = gptq_quantize_int4(w0, CalibrationStats(_device(xtx[0]), jnp.float32(64)), 32,
                             scale_dtype=jnp.float32)
-    np.testing.assert_array_equal(np.asarray(q.packed[0]), np.asarray(q0.packed))
+    np.testing.assert_array_equal(q_packed[0], np.asarray(q0.packed))
 
   def test_merge_calibration_sums(self):
     a, b = calibration_stats(_normal(1, (5, 8))), calibration_stats(_normal(2, (7, 8)))
-    both = calibration_stats(jnp.concatenate([_normal(1, (5, 8)), _normal(2, (7, 8))]))
+    both = calibration_stats(_device(np.concatenate([_np_normal(1, (5, 8)), _np_normal(2, (7, 8))])))
     m = merge_calibration({"w": a}, {"w": b}, {"v": a})
     np.testing.assert_allclose(np.asarray(m["w"].xtx), np.asarray(both.xtx), rtol=1e-5, atol=1e-5)
     self.assertEqual(float(m["w"].count), 12.0)
@@ -317,13 +337,15 @@ class GptqTest(parameterized.TestCase):
 
   def test_stats_shape_mismatch_names_param(self):
     with self.assertRaisesRegex(ValueError, r"w_gate: calibration xtx has shape \(32, 32\)"):
-      gptq_quantize_int4(_normal(0, (64, 8)), CalibrationStats(jnp.eye(32), jnp.float32(1)), 32,
+      gptq_quantize_int4(_normal(0, (64, 8)), CalibrationStats(_device(np.eye(32), np.float32), jnp.float32(1)), 32,
                          name="w_gate")
 
   def test_errors_match_rtn(self):
     with self.assertRaisesRegex(ValueError, r"wo: group_size 64 does not divide input dim K=96"):
       gptq_quantize_int4(_normal(0, (96, 8)), _normal(1, (10, 96)), 64, name="wo")
-    w = _normal(0, (64, 8)).at[0, 0].set(jnp.nan)
+    w = _np_normal(0, (64, 8))
+    w[0, 0] = np.nan
+    w = _device(w)
     with self.assertRaisesRegex(ValueError, r"wo: weight has non-finite"):
       gptq_quantize_int4(w, _normal(1, (10, 64)), 32, name="wo")
 
