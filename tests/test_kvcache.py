@@ -34,6 +34,18 @@ def rel_err(a, b) -> float:
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def device(a, dtype=None):
+  """A host array placed on the device as ``dtype``: cast by numpy and placed by device_put, no
+  XLA program (jnp.asarray compiles a `stage` program per shape and dtype; an eager cast, fill
+  or scatter one per op and shape)."""
+  return jax.device_put(np.asarray(a, dtype))
+
+
+def positions(B, T, start=0):
+  """[B, T] int32 positions start..start+T-1 for every row, on the device."""
+  return device(np.broadcast_to(np.arange(start, start + T, dtype=np.int32), (B, T)))
+
+
 def make_batch(lengths, page_size, num_pages, max_pages, seed=0):
   """BatchMeta with each request on distinct, scrambled pages (PAD_PAGE past its pages)."""
   rng = np.random.default_rng(seed)
@@ -44,17 +56,23 @@ def make_batch(lengths, page_size, num_pages, max_pages, seed=0):
     need = -(-n // page_size)
     bt[b, :need] = perm[k:k + need]
     k += need
-  return kvc.BatchMeta(block_tables=jnp.asarray(bt), lengths=jnp.asarray(lengths, jnp.int32),
-                       expected_tags=jnp.asarray(np.zeros(bt.shape, np.int32)), page_size=page_size)
+  return kvc.BatchMeta(block_tables=device(bt), lengths=device(lengths, np.int32),
+                       expected_tags=device(np.zeros(bt.shape, np.int32)), page_size=page_size)
 
 
-def randn(seed, shape, scale=1.0):
-  """Fresh normal data from numpy (no per-shape XLA compiles for the generator)."""
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * scale, jnp.float32)
+def randn_np(seed, shape, scale=1.0) -> np.ndarray:
+  """Fresh normal f32 data from numpy, on host."""
+  return np.asarray(np.random.default_rng(seed).standard_normal(shape) * scale, np.float32)
 
 
-def random_entries(cfg, B, T, seed):
-  return {name: randn(seed + i, (B, T) + shp)
+def randn(seed, shape, scale=1.0, dtype=np.float32):
+  """Fresh normal data from numpy, cast on host and placed on the device (no per-shape XLA
+  compiles for the generator or the cast)."""
+  return device(randn_np(seed, shape, scale), dtype)
+
+
+def random_entries(cfg, B, T, seed, dtype=np.float32):
+  return {name: randn(seed + i, (B, T) + shp, dtype=dtype)
           for i, (name, shp) in enumerate(kvc.state.entry_shapes(cfg).items())}
 
 
@@ -62,20 +80,20 @@ class Fp8Test(parameterized.TestCase):
 
   @parameterized.parameters("float32", "bfloat16")
   def test_random_error_within_tolerance(self, src_dtype):
-    x = randn(0, (64, 4, 128), 3.0).astype(src_dtype)
+    x = randn(0, (64, 4, 128), 3.0, dtype=jnp.dtype(src_dtype))
     q, s = kvc.quantize_fp8(x)
     self.assertEqual(q.dtype, jnp.float8_e4m3fn)
     self.assertEqual(s.shape, (64, 4))
     y = kvc.dequantize_fp8(q, s)
-    err = rel_err(y, x.astype(jnp.float32))
+    err = rel_err(y, np.asarray(x, np.float32))
     self.assertTrue(np.all(np.isfinite(np.asarray(y))))
     self.assertLessEqual(err, FP8_TOL)
     self.assertGreater(err, 1e-3)  # it really is 3-bit-mantissa storage
 
   def test_per_token_scale_is_absmax_over_448(self):
-    x = randn(1, (8, 32)) * jnp.logspace(-3, 3, 8)[:, None]
-    _, s = kvc.quantize_fp8(x)
-    np.testing.assert_allclose(s, np.abs(np.asarray(x)).max(-1) / 448.0, rtol=1e-6)
+    x = randn_np(1, (8, 32)) * np.logspace(-3, 3, 8, dtype=np.float32)[:, None]  # f32
+    _, s = kvc.quantize_fp8(device(x))
+    np.testing.assert_allclose(s, np.abs(x).max(-1) / 448.0, rtol=1e-6)
 
   def test_exact_for_e4m3_values(self):
     rng = np.random.default_rng(0)
@@ -85,11 +103,11 @@ class Fp8Test(parameterized.TestCase):
     vals = np.where(np.isfinite(vals), vals, 1.0)
     vals[:, 0] = 448.0 * rng.choice([-1, 1], size=16)
     x = vals * (2.0 ** rng.integers(-8, 8, size=(16, 1)))
-    q, s = kvc.quantize_fp8(jnp.asarray(x, jnp.float32))
+    q, s = kvc.quantize_fp8(device(x, np.float32))
     np.testing.assert_array_equal(np.asarray(kvc.dequantize_fp8(q, s)), x)
 
   def test_zero_token_guard(self):
-    q, s = kvc.quantize_fp8(jnp.zeros((3, 16)))
+    q, s = kvc.quantize_fp8(device(np.zeros((3, 16), np.float32)))
     np.testing.assert_array_equal(np.asarray(s), 1.0)
     np.testing.assert_array_equal(np.asarray(kvc.dequantize_fp8(q, s)), 0.0)
 
@@ -102,21 +120,21 @@ class Fp8Test(parameterized.TestCase):
     latent = rng.standard_normal((2, 3, 32)).astype(np.float32) * 7
     rope = rng.standard_normal((2, 3, 8)).astype(np.float32) * 1e-3
     latent[1, 2] = 0.0
-    k, v = (jnp.asarray(rng.standard_normal((2, 3, 2, 16)), jnp.bfloat16) for _ in range(2))
+    k, v = (device(rng.standard_normal((2, 3, 2, 16)), jnp.bfloat16) for _ in range(2))
     # Both jitted: op by op, each quantisation compiled a program per op and shape.
     one = jax.jit(kvc.quantize_fp8)
     outs = []
-    for xs in ([latent, rope], [k, v], [latent, rng.standard_normal((4, 8))]):
-      many = jax.jit(quantize_fp8_many)([jnp.asarray(x) for x in xs])
+    for xs in ([latent, rope], [k, v], [latent, rng.standard_normal((4, 8)).astype(np.float32)]):
+      many = jax.jit(quantize_fp8_many)([device(x) for x in xs])
       outs.append(many)
       self.assertLen(many, len(xs))
       for x, (q, s) in zip(xs, many):
-        q1, s1 = one(jnp.asarray(x))
+        q1, s1 = one(device(x))
         self.assertEqual(q.dtype, q1.dtype)
         np.testing.assert_array_equal(np.asarray(s), np.asarray(s1))
         np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(q1).view(np.uint8))
     _, s = outs[0][0]  # the latent's
-    self.assertEqual(float(s[1, 2]), 1.0)  # the all-zero token keeps scale 1
+    self.assertEqual(float(np.asarray(s)[1, 2]), 1.0)  # the all-zero token keeps scale 1
 
 
 class WriteReadTest(parameterized.TestCase):
@@ -129,25 +147,25 @@ class WriteReadTest(parameterized.TestCase):
     state = kvc.init_paged_state(cfg, kv_cfg)
     # Sentinel contents, so a stray write to any slot is visible (filled on the host: an eager
     # fill compiles a program per shape).
-    state = state.replace(layers=[{k: jnp.asarray(np.full(v.shape, 7, v.dtype)) for k, v in l.items()}
+    state = state.replace(layers=[{k: device(np.full(v.shape, 7, v.dtype)) for k, v in l.items()}
                                   for l in state.layers])
     lengths = [6, 1, 4]  # a chunk of T=6 with ragged valid prefixes; 4 = a page boundary
     meta = make_batch([7, 2, 5], P, N, M)  # room for one decode token each
-    meta_pf = meta.replace(lengths=jnp.asarray(lengths, jnp.int32))
+    meta_pf = meta.replace(lengths=device(lengths, np.int32))
     new = random_entries(cfg, 3, T, seed=1)
-    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (3, T))
+    pos = positions(3, T)
     old_leaf = state.layers[0][state.names[0]]
     state = kvc.write_prefill(state, [new], pos, meta_pf, kv_cfg=kv_cfg)
     self.assertTrue(old_leaf.is_deleted())  # the jitted write donated the state
     dec = {k: np.asarray(v) for k, v in random_entries(cfg, 3, 1, seed=2).items()}
-    state = kvc.write_decode(state, [{k: jnp.asarray(v[:, 0]) for k, v in dec.items()}], meta,
+    state = kvc.write_decode(state, [{k: device(v[:, 0]) for k, v in dec.items()}], meta,
                              kv_cfg=kv_cfg)
     view = READ(state, 0, meta)
     for name in state.names:
       got = np.asarray(view[name])
       both = np.concatenate([np.asarray(new[name]), dec[name]], axis=1)  # [B, T + 1, ...]
       if dtype == "float8_e4m3fn":
-        stored = np.asarray(FP8_ROUND_TRIP(jnp.asarray(both)))  # exactly what was stored
+        stored = np.asarray(FP8_ROUND_TRIP(device(both)))  # exactly what was stored
       else:
         stored = both.astype(jnp.dtype(dtype)).astype(np.float32)  # round to nearest even
       for b, L in enumerate(lengths):
@@ -170,16 +188,16 @@ class WriteReadTest(parameterized.TestCase):
     kv_cfg = kvc.KVCacheConfig(num_pages=4, page_size=4, dtype="float8_e4m3fn")
     state = kvc.init_paged_state(MLA1, kv_cfg)
     meta = make_batch([7, 3], 4, 4, 2)
-    new = {k: v.astype(jnp.bfloat16) for k, v in random_entries(MLA1, 2, 7, seed=4).items()}
-    pos = jnp.broadcast_to(jnp.arange(7, dtype=jnp.int32), (2, 7))
+    # f32 draws rounded to bf16 on host.
+    new = random_entries(MLA1, 2, 7, seed=4, dtype=jnp.bfloat16)
+    pos = positions(2, 7)
     state = kvc.write_prefill(state, [new], pos, meta, kv_cfg=kv_cfg)
     view = READ(state, 0, meta, dtype=jnp.bfloat16)
     for name in state.names:
       self.assertEqual(view[name].dtype, jnp.bfloat16)
-      got = np.concatenate([np.asarray(view[name][0, :7], np.float32),
-                            np.asarray(view[name][1, :3], np.float32)])
-      want = np.concatenate([np.asarray(new[name][0], np.float32),
-                             np.asarray(new[name][1, :3], np.float32)])
+      view_np, new_np = np.asarray(view[name], np.float32), np.asarray(new[name], np.float32)
+      got = np.concatenate([view_np[0, :7], view_np[1, :3]])
+      want = np.concatenate([new_np[0], new_np[1, :3]])
       self.assertLessEqual(rel_err(got, want), FP8_TOL)
 
   def test_copy_pages(self):
@@ -187,13 +205,13 @@ class WriteReadTest(parameterized.TestCase):
     state = kvc.init_paged_state(MLA1, kv_cfg)
     meta = make_batch([2], 2, 4, 1)
     state = kvc.write_prefill(state, [random_entries(MLA1, 1, 2, 3)],
-                              jnp.arange(2, dtype=jnp.int32)[None], meta)
-    src = int(meta.block_tables[0, 0])
+                              positions(1, 2), meta)
+    src = int(np.asarray(meta.block_tables)[0, 0])
     dst = (src + 1) % 4
     state = kvc.copy_pages(state, [(src, dst)])
     for k, v in state.layers[0].items():
-      np.testing.assert_array_equal(np.asarray(v[dst]).astype(np.float32),
-                                    np.asarray(v[src]).astype(np.float32))
+      v = np.asarray(v).astype(np.float32)
+      np.testing.assert_array_equal(v[dst], v[src])
     with self.assertRaisesRegex(ValueError, "outside the pool"):
       kvc.copy_pages(state, [(0, 4)])
 
@@ -229,7 +247,7 @@ class PagedAttentionTest(parameterized.TestCase):
     meta = make_batch(lengths, self.P, self.N, self.M, seed=seed)
     S = self.P * self.M
     dense = random_entries(cfg, len(lengths), S, seed=seed + 10)
-    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (len(lengths), S))
+    pos = positions(len(lengths), S)
     state = kvc.write_prefill(state, [dense], pos, meta, kv_cfg=kv_cfg)
     return state, meta, dense
 
@@ -252,9 +270,10 @@ class PagedAttentionTest(parameterized.TestCase):
                                          lay.get("latent_scale"), lay.get("k_rope_scale"),
                                          meta.block_tables, meta.lengths, scale=0.2)
     self.assertEqual(out.shape, (B, H, C))
-    q_pos = jnp.asarray([[L - 1] for L in self.LENGTHS])
-    ref = dense_mla(q_lat[:, None], q_rope[:, None], dense["latent"], dense["k_rope"], q_pos,
-                    lengths=tuple(self.LENGTHS), scale=0.2)[:, 0]
+    q_pos = np.asarray([[L - 1] for L in self.LENGTHS], np.int32)
+    q_lat, q_rope = np.asarray(q_lat), np.asarray(q_rope)
+    ref = np.asarray(dense_mla(q_lat[:, None], q_rope[:, None], dense["latent"], dense["k_rope"],
+                               q_pos, lengths=tuple(self.LENGTHS), scale=0.2))[:, 0]
     self._check(out, ref, dtype)
 
   @parameterized.parameters("float32", "bfloat16", "float8_e4m3fn")
@@ -267,16 +286,16 @@ class PagedAttentionTest(parameterized.TestCase):
                                          lay.get("v_scale"), meta.block_tables, meta.lengths,
                                          scale=0.25)
     self.assertEqual(out.shape, (B, H, hd))
-    q_pos = jnp.asarray([[L - 1] for L in self.LENGTHS])
-    ref = dense_gqa(q[:, None], dense["k"], dense["v"], q_pos, lengths=tuple(self.LENGTHS),
-                    scale=0.25)[:, 0]
+    q_pos = np.asarray([[L - 1] for L in self.LENGTHS], np.int32)
+    ref = np.asarray(dense_gqa(np.asarray(q)[:, None], dense["k"], dense["v"], q_pos,
+                               lengths=tuple(self.LENGTHS), scale=0.25))[:, 0]
     self._check(out, ref, dtype)
 
   @parameterized.parameters("float32", "float8_e4m3fn")
   def test_chunked_prefill(self, dtype):
     # Chunk of T=3 queries per request at positions [L-3, L): reads earlier pages and itself.
     lengths, T = [3, 5, 8, 12], 3
-    q_pos = jnp.asarray([[L - T + t for t in range(T)] for L in lengths], jnp.int32)
+    q_pos = device([[L - T + t for t in range(T)] for L in lengths], np.int32)
     for cfg in (MLA1, GQA1):
       state, meta, dense = self._pool(cfg, dtype, lengths, seed=2)
       lay = state.layers[0]
@@ -298,8 +317,10 @@ class PagedAttentionTest(parameterized.TestCase):
 
   def test_stale_nan_in_unused_slots_never_leaks(self):
     state, meta, dense = self._pool(GQA1, "float32", [5], seed=3)
-    page = int(meta.block_tables[0, 1])
-    k = state.layers[0]["k"].at[page, 1:].set(jnp.nan)  # slots past length 5
+    page = int(np.asarray(meta.block_tables)[0, 1])
+    k = np.array(state.layers[0]["k"])
+    k[page, 1:] = np.nan  # slots past length 5
+    k = device(k)
     q = randn(8, (1, GQA1.n_heads, GQA1.head_dim))
     out = GQA_DECODE(q, k, state.layers[0]["v"], None, None,
                                          meta.block_tables, meta.lengths, scale=0.25)
@@ -310,14 +331,14 @@ class PagedAttentionTest(parameterized.TestCase):
     from pallas_kernels.paged_attention import paged_mla_decode
     state, meta, _ = self._pool(MLA1, "float8_e4m3fn", [3], seed=4)
     lay = state.layers[0]
-    q = jnp.ones((1, 4, MLA1.kv_lora_rank))
-    qr = jnp.ones((1, 4, MLA1.qk_rope_head_dim))
+    q = device(np.ones((1, 4, MLA1.kv_lora_rank), np.float32))
+    qr = device(np.ones((1, 4, MLA1.qk_rope_head_dim), np.float32))
     with self.assertRaisesRegex(ValueError, "scales must be given exactly when the cache is fp8"):
       paged_mla_decode(q, qr, lay["latent"], lay["k_rope"], None, None,
                        meta.block_tables, meta.lengths, scale=1.0, backend="xla")
-    bf = lay["latent"].astype(jnp.bfloat16)
+    bf, bf_rope = (device(np.asarray(lay[n]), jnp.bfloat16) for n in ("latent", "k_rope"))
     with self.assertRaisesRegex(ValueError, "scales must be given exactly when the cache is fp8"):
-      paged_mla_decode(q, qr, bf, lay["k_rope"].astype(jnp.bfloat16),
+      paged_mla_decode(q, qr, bf, bf_rope,
                        lay["latent_scale"], lay["k_rope_scale"],
                        meta.block_tables, meta.lengths, scale=1.0, backend="xla")
 
@@ -346,7 +367,7 @@ class TagCheckTest(absltest.TestCase):
     np.testing.assert_array_equal(np.asarray(ok), [True, False, False, True])
     # c with a length that only reaches its first page uses no reallocated page.
     ok = kvc.tag_check_reference(state.page_tags, meta.block_tables, meta.expected_tags,
-                                 jnp.asarray([5, 4, 4, 1]), page_size=P)
+                                 device([5, 4, 4, 1], np.int32), page_size=P)
     np.testing.assert_array_equal(np.asarray(ok), [True, False, True, True])
 
   def test_tags_past_wrap_and_pad_entries(self):
@@ -356,13 +377,15 @@ class TagCheckTest(absltest.TestCase):
     meta = alloc.batch_meta(["a", None], max_pages=3)
     self.assertEqual(alloc.block_table("a"), [(0, 0xFFFFFFFF), (1, 1)])
     state = kvc.sync_tags(kvc.init_paged_state(MLA1, kvc.KVCacheConfig(3, 2)), alloc.device_tags())
-    self.assertEqual(int(state.page_tags[0]), -1)  # 0xFFFFFFFF bit-cast
-    self.assertEqual(int(meta.expected_tags[0, 0]), -1)
+    self.assertEqual(int(np.asarray(state.page_tags)[0]), -1)  # 0xFFFFFFFF bit-cast
+    self.assertEqual(int(np.asarray(meta.expected_tags)[0, 0]), -1)
     ok = kvc.tag_check_reference(state.page_tags, meta.block_tables, meta.expected_tags,
                                  meta.lengths, page_size=2)
     np.testing.assert_array_equal(np.asarray(ok), [True, True])
     # A used entry that is PAD_PAGE (a corrupt table) fails.
-    bad = meta.block_tables.at[0, 1].set(kvc.PAD_PAGE)
+    bad = np.array(meta.block_tables)
+    bad[0, 1] = kvc.PAD_PAGE
+    bad = device(bad)
     ok = kvc.tag_check_reference(state.page_tags, bad, meta.expected_tags, meta.lengths,
                                  page_size=2)
     np.testing.assert_array_equal(np.asarray(ok), [False, True])
@@ -377,8 +400,12 @@ class BadInputTest(parameterized.TestCase):
     self.state = kvc.init_paged_state(GQA1, self.kv_cfg)
     self.meta = make_batch([5, 3], 4, 6, 2)
     self.new = [random_entries(GQA1, 2, 5, seed=9)]
-    self.pos = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 5))
+    self.pos = positions(2, 5)
     self.before = jax.tree_util.tree_map(np.asarray, self.state)
+
+  def _first_token(self):
+    """self.new's position-0 entries {name: [B, ...]}, sliced on host."""
+    return {k: device(np.asarray(v)[:, 0]) for k, v in self.new[0].items()}
 
   def _assert_untouched(self):
     for leaf in jax.tree_util.tree_leaves(self.state):
@@ -388,19 +415,21 @@ class BadInputTest(parameterized.TestCase):
 
   def test_block_table_outside_pool(self):
     for bad_page in (6, -2):
-      meta = self.meta.replace(block_tables=self.meta.block_tables.at[1, 0].set(bad_page))
+      bt = np.array(self.meta.block_tables)
+      bt[1, 0] = bad_page
+      meta = self.meta.replace(block_tables=device(bt))
       with self.assertRaisesRegex(ValueError, rf"= {bad_page} points outside the pool of 6"):
         kvc.write_prefill(self.state, self.new, self.pos, meta, kv_cfg=self.kv_cfg)
     self._assert_untouched()
 
   def test_length_longer_than_pages(self):
-    meta = self.meta.replace(lengths=jnp.asarray([5, 6], jnp.int32))  # request 1 holds 1 page
+    meta = self.meta.replace(lengths=device([5, 6], np.int32))  # request 1 holds 1 page
     with self.assertRaisesRegex(ValueError, "request 1: length 6 is longer than its pages"):
       kvc.write_prefill(self.state, self.new, self.pos, meta)
-    meta = self.meta.replace(lengths=jnp.asarray([9, 3], jnp.int32))  # beyond the table width
+    meta = self.meta.replace(lengths=device([9, 3], np.int32))  # beyond the table width
     with self.assertRaisesRegex(ValueError, "request 0: length 9 is longer than its pages"):
-      kvc.write_decode(self.state, [{k: v[:, 0] for k, v in self.new[0].items()}], meta)
-    meta = self.meta.replace(lengths=jnp.asarray([-1, 3], jnp.int32))
+      kvc.write_decode(self.state, [self._first_token()], meta)
+    meta = self.meta.replace(lengths=device([-1, 3], np.int32))
     with self.assertRaisesRegex(ValueError, "lengths must be >= 0"):
       kvc.write_prefill(self.state, self.new, self.pos, meta)
     self._assert_untouched()
@@ -423,7 +452,7 @@ class BadInputTest(parameterized.TestCase):
     self._assert_untouched()
 
   def test_shape_mismatches(self):
-    bad = [{"k": self.new[0]["k"][..., :8], "v": self.new[0]["v"]}]
+    bad = [{"k": device(np.asarray(self.new[0]["k"])[..., :8]), "v": self.new[0]["v"]}]
     with self.assertRaisesRegex(ValueError, "new 'k' has shape"):
       kvc.write_prefill(self.state, bad, self.pos, self.meta)
     with self.assertRaisesRegex(ValueError, "lack 'v'"):
@@ -432,9 +461,9 @@ class BadInputTest(parameterized.TestCase):
       kvc.write_prefill(self.state, self.new * 2, self.pos, self.meta)
     with self.assertRaisesRegex(ValueError, "batch metadata shapes disagree"):
       kvc.write_prefill(self.state, self.new, self.pos,
-                        self.meta.replace(lengths=jnp.asarray([5], jnp.int32)))
+                        self.meta.replace(lengths=device([5], np.int32)))
     with self.assertRaisesRegex(ValueError, "positions must be >= 0"):
-      kvc.write_prefill(self.state, self.new, self.pos - 1, self.meta)
+      kvc.write_prefill(self.state, self.new, positions(2, 5, start=-1), self.meta)
     with self.assertRaisesRegex(ValueError, "does not match the model config"):
       kvc.validate_state(self.state, self.kv_cfg, MLA1)
     self._assert_untouched()
@@ -442,32 +471,33 @@ class BadInputTest(parameterized.TestCase):
   def test_metadata_and_layer_errors(self):
     with self.assertRaisesRegex(ValueError, "block_tables must be integers"):
       kvc.write_prefill(self.state, self.new, self.pos,
-                        self.meta.replace(block_tables=self.meta.block_tables.astype(jnp.float32)))
+                        self.meta.replace(block_tables=device(self.meta.block_tables, np.float32)))
     with self.assertRaisesRegex(ValueError, r"positions \(5,\) must be \[B, T\] with B = 2"):
-      kvc.validate_batch(self.state, self.meta, self.pos[0])
+      kvc.validate_batch(self.state, self.meta, device(np.asarray(self.pos)[0]))
     with self.assertRaisesRegex(ValueError, "layer 1 out of range for a state of 1 layers"):
       kvc.write_layer(self.state, 1, self.new[0], self.pos, self.meta)
     with self.assertRaisesRegex(ValueError, "state has 1 layers, model config says 2"):
       kvc.validate_state(self.state, self.kv_cfg, dataclasses.replace(GQA1, n_layers=2,
                                                                        first_k_dense=2))
     lay = self.state.layers[0]
-    q = jnp.ones((2, GQA1.n_heads, GQA1.head_dim))
+    q = device(np.ones((2, GQA1.n_heads, GQA1.head_dim), np.float32))
     # Decode attention validates in its public op (the kernels' dispatcher).
     from pallas_kernels.paged_attention import paged_gqa_decode
     with self.assertRaisesRegex(ValueError, r"k scales: expected shape \(6, 4, 2\), got \(6, 4\)"):
-      paged_gqa_decode(q, lay["k"], lay["v"], lay["k_scale"][..., 0], lay["v_scale"],
+      paged_gqa_decode(q, lay["k"], lay["v"], device(np.asarray(lay["k_scale"])[..., 0]),
+                       lay["v_scale"],
                        self.meta.block_tables, self.meta.lengths, scale=1.0, backend="xla")
     with self.assertRaisesRegex(ValueError, "do not match batch 2"):
       paged_gqa_decode(q, lay["k"], lay["v"], lay["k_scale"], lay["v_scale"],
-                       self.meta.block_tables[:1], self.meta.lengths, scale=1.0, backend="xla")
+                       device(np.asarray(self.meta.block_tables)[:1]), self.meta.lengths,
+                       scale=1.0, backend="xla")
     self._assert_untouched()
 
   def test_padded_row_writes_nothing(self):
-    meta = self.meta.replace(
-        block_tables=self.meta.block_tables.at[1].set(kvc.PAD_PAGE),
-        lengths=jnp.asarray([5, 0], jnp.int32))
-    dec = {k: v[:, 0] for k, v in self.new[0].items()}
-    state = kvc.write_decode(self.state, [dec], meta)
+    bt = np.array(self.meta.block_tables)
+    bt[1] = kvc.PAD_PAGE
+    meta = self.meta.replace(block_tables=device(bt), lengths=device([5, 0], np.int32))
+    state = kvc.write_decode(self.state, [self._first_token()], meta)
     pages = np.asarray(state.layers[0]["k"]).astype(np.float32)
     written = np.argwhere(np.any(pages != 0, axis=(-1, -2)))
     bt = np.asarray(self.meta.block_tables)
