@@ -50,7 +50,7 @@ def _params(cfg, seed=0):
         x = 0.1 * x
       elif kind == "normal":
         x = x * shape[-2] ** -0.5
-      return jnp.asarray(x.astype(dtype))
+      return jax.device_put(x.astype(dtype))  # no XLA program (jnp.asarray compiles one per shape)
     is_spec = lambda x: isinstance(x, tuple) and isinstance(x[0], tuple)
     _PARAMS[key] = jax.tree_util.tree_map(leaf, param_specs(cfg), is_leaf=is_spec)
   return _PARAMS[key]
@@ -60,7 +60,9 @@ _forward = jax.jit(forward, static_argnames="cfg")
 
 
 def _f32(x) -> np.ndarray:
-  return np.asarray(jnp.asarray(x).astype(jnp.float32))
+  """x as f32 on host (exact for every dtype the tests store); numpy's cast, not an XLA program
+  per shape and dtype."""
+  return np.asarray(x).astype(np.float32)
 
 
 def _flat_items(tree) -> list:
@@ -151,8 +153,8 @@ class OrbaxTest(TreeAssertions):
     rng = np.random.default_rng(0)
     w = params["layers"][1]["ffn"]["w_gate"]  # [E, K, N]
     params["layers"][1]["ffn"]["w_gate"] = Int4Weight(
-        packed=jnp.asarray(rng.integers(0, 256, (w.shape[0], w.shape[1] // 2, w.shape[2]), np.uint8)),
-        scales=jnp.asarray(rng.standard_normal((w.shape[0], w.shape[1] // 32, w.shape[2]), np.float32)),
+        packed=jax.device_put(rng.integers(0, 256, (w.shape[0], w.shape[1] // 2, w.shape[2]), np.uint8)),
+        scales=jax.device_put(rng.standard_normal((w.shape[0], w.shape[1] // 32, w.shape[2]), np.float32)),
         group_size=32)
     path = os.path.join(self.tmpdir(), "q")
     save_checkpoint(path, params, TINY_BF16)
@@ -258,7 +260,8 @@ class OrbaxTest(TreeAssertions):
     with self.assertRaisesRegex(ValueError, r"save_checkpoint: .*layers/1/ffn/router: expected "
                                             r"float32\[64, 8\], found bfloat16\[64, 8\]"):
       bad = jax.tree_util.tree_map(lambda x: x, _params(TINY_MLA))
-      bad["layers"][1]["ffn"]["router"] = _params(TINY_BF16)["layers"][1]["ffn"]["w_gate"][0, :, :8]
+      bad["layers"][1]["ffn"]["router"] = jax.device_put(
+          np.asarray(_params(TINY_BF16)["layers"][1]["ffn"]["w_gate"])[0, :, :8])
       save_checkpoint(gqa, bad, TINY_MLA)
     self.assertFalse(os.path.exists(gqa))
 
@@ -491,7 +494,7 @@ class HFImportTest(TreeAssertions):
     loaded, loaded_cfg = load_hf_checkpoint(path)
     self.assertEqual(loaded_cfg, cfg)
     self.assertTreesIdentical(params, loaded)
-    tokens = jax.random.randint(jax.random.key(1), (2, 6), 0, cfg.vocab_size)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 6), dtype=np.int32)
     want = _forward(params, tokens, cfg=cfg)
     got = _forward(loaded, tokens, cfg=loaded_cfg)
     self.assertTrue(np.all(np.isfinite(np.asarray(want))))
@@ -536,17 +539,17 @@ class HFImportTest(TreeAssertions):
       eq(f["router_bias"], hf(p + "mlp.gate.e_score_correction_bias"), "router_bias")
       for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
         for e in range(8):
-          eq(f[ours][e], hf(f"{p}mlp.experts.{e}.{theirs}.weight").T, f"{ours}[{e}]")
+          eq(_f32(f[ours])[e], hf(f"{p}mlp.experts.{e}.{theirs}.weight").T, f"{ours}[{e}]")
         eq(f["shared"][ours], hf(f"{p}mlp.shared_experts.{theirs}.weight").T, "shared." + ours)
     # Head-major: wkv_b's columns for head h are HF rows h*(nope+v) ... (h+1)*(nope+v).
     kv_b = hf("layers.1.self_attn.kv_b_proj.weight")
-    eq(params["layers"][1]["attn"]["wkv_b"][:, 20:40], kv_b[20:40].T, "wkv_b head 1")
+    eq(_f32(params["layers"][1]["attn"]["wkv_b"])[:, 20:40], kv_b[20:40].T, "wkv_b head 1")
     # The MTP layer: a MoE layer named as layer 2, plus its own parts.
     (mtp,) = params["mtp"]
     self.assertNotIn("embed", mtp)  # not shipped: the model's own are shared
     eq(mtp["eh_proj"], hf("layers.2.eh_proj.weight").T, "mtp eh_proj")
     eq(mtp["head_norm"], hf("layers.2.shared_head.norm.weight"), "mtp head_norm")
-    eq(mtp["ffn"]["w_down"][5], hf("layers.2.mlp.experts.5.down_proj.weight").T, "mtp w_down[5]")
+    eq(_f32(mtp["ffn"]["w_down"])[5], hf("layers.2.mlp.experts.5.down_proj.weight").T, "mtp w_down[5]")
     eq(mtp["attn"]["wkv_a"], hf("layers.2.self_attn.kv_a_proj_with_mqa.weight").T, "mtp wkv_a")
 
   def test_sharded_by_index_and_dtype_override(self):
@@ -561,7 +564,8 @@ class HFImportTest(TreeAssertions):
     self.assertEqual(params["layers"][1]["ffn"]["w_up"].dtype, jnp.bfloat16)
     self.assertEqual(params["layers"][1]["ffn"]["router"].dtype, jnp.float32)
     # Same values as the single-file f32 load, rounded to bf16 (router stays f32).
-    self.assertTreesIdentical(params, jax.tree_util.tree_map(lambda r, p: r.astype(p.dtype), ref, params))
+    self.assertTreesIdentical(params, jax.tree_util.tree_map(lambda r, p: np.asarray(r).astype(p.dtype),
+                                                             ref, params))
 
   def test_layers_beyond_the_config(self):
     """Only the multi-token-prediction layers config.json declares may be present, and whole."""
@@ -719,7 +723,7 @@ class HFImportTest(TreeAssertions):
     path = _write_hf(self.tmpdir(), config, tensors)
     params, _ = load_hf_checkpoint(path)
     np.testing.assert_array_equal(_f32(params["lm_head"]), want[names[0]].T)
-    np.testing.assert_array_equal(_f32(params["layers"][1]["ffn"]["w_down"][3]), want[names[1]].T)
+    np.testing.assert_array_equal(_f32(params["layers"][1]["ffn"]["w_down"])[3], want[names[1]].T)
     np.testing.assert_array_equal(_f32(params["layers"][0]["attn"]["wq_b"]), want[names[2]].T)
     ref = _hand_tensors(16)["lm_head.weight"]
     self.assertLess(np.linalg.norm(want[names[0]] - ref) / np.linalg.norm(ref), 5e-2)
@@ -888,7 +892,7 @@ class HFConfigTest(TreeAssertions):
     with self.assertRaisesRegex(ValueError, "shards must be an int"):
       save_hf_checkpoint(tmp, params, TINY_MLA, shards=0)
     bad = jax.tree_util.tree_map(lambda x: x, params)
-    bad["layers"][1]["attn"]["wkv_a"] = bad["layers"][1]["attn"]["wkv_a"].T
+    bad["layers"][1]["attn"]["wkv_a"] = jax.device_put(np.asarray(bad["layers"][1]["attn"]["wkv_a"]).T)
     with self.assertRaisesRegex(ValueError, r"^save_hf_checkpoint: params do not match config 'tiny-mla': "
                                             r"layers/1/attn/wkv_a: expected float32\[64, 40\], "
                                             r"found float32\[40, 64\]"):
