@@ -341,6 +341,9 @@ def train(cfg: ModelConfig, tcfg: TrainConfig, batch_fn: BatchFn, *,
       resumed = int(state["step"])
       if progress:
         progress(f"train: resumed from step {resumed} in {checkpoint_dir}")
+  # One placement for a fresh and a restored state: orbax restores committed arrays where
+  # init_train_state leaves them uncommitted, and jit compiles the step once per placement.
+  state = jax.device_put(state, jax.devices()[0])
   last = tcfg.steps if stop_at is None else min(stop_at, tcfg.steps)
   t_start, t_first = time.perf_counter(), None
   step = int(state["step"])
