@@ -15,6 +15,8 @@ does not fit; bad input; ``PagedKVState.write`` of an ``MlaProjection`` equals t
 of its entries; and one launch without spills on an H200, for fp8 and bf16 pools.
 """
 
+import functools
+
 from absl.testing import absltest
 from absl.testing import parameterized
 import jax
@@ -37,32 +39,94 @@ F8 = jnp.float8_e4m3fn
 def _case(seed, *, n=12, p=8, widths=(128, 32), rows=10, pool=F8, entry=jnp.bfloat16,
           dropped=(3,)):
   """Random pools (not zeros), entries, and distinct (page, slot) targets; rows in
-  ``dropped`` get page n (outside the pool: not written), and one a negative page."""
+  ``dropped`` get page n (outside the pool: not written), and one a negative page. Made
+  on the host and put on the device (no compiled program per dtype and shape)."""
   rng = np.random.default_rng(seed)
-  pages = tuple(jnp.asarray(rng.normal(size=(n, p, d)), jnp.float32).astype(pool)
-                for d in widths)
-  scales = (tuple(jnp.asarray(rng.uniform(0.5, 2, (n, p)), jnp.float32) for _ in widths)
+  pages = tuple(rng.normal(size=(n, p, d)).astype(np.float32).astype(pool) for d in widths)
+  scales = (tuple(rng.uniform(0.5, 2, (n, p)).astype(np.float32) for _ in widths)
             if pool == F8 else None)
   # Entries over several magnitudes, one row all zeros (scale 1).
   entries = [rng.normal(size=(rows, d)) * rng.choice([1e-3, 1.0, 300.0], (rows, 1))
              for d in widths]
   for e in entries:
     e[min(1, rows - 1)] = 0.0
-  entries = tuple(jnp.asarray(e, jnp.float32).astype(entry) for e in entries)
+  entries = tuple(e.astype(np.float32).astype(entry) for e in entries)
   flat = rng.permutation(n * p)[:rows]
   page, slot = (flat // p).astype(np.int32), (flat % p).astype(np.int32)
   for r in dropped:
     page[r] = n
   if rows > 5:
     page[5] = -1
-  return entries, pages, scales, jnp.asarray(page), jnp.asarray(slot)
+  return jax.device_put((entries, pages, scales, page, slot))
+
+
+def _host(x):
+  """x [...] as float32 numpy, converted on the host."""
+  return np.asarray(x).astype(np.float32)
+
+
+def _remade(f, xs):
+  """The arrays of ``xs`` with ``f`` applied to their host copies, back on the device: a
+  slice or a cast of a test input without a compiled program for it."""
+  return jax.device_put(jax.tree.map(lambda x: f(np.asarray(x)), xs))
 
 
 def _equal(test, got, want):
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     test.assertEqual(g.dtype, w.dtype)
-    np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)),
-                                  np.asarray(w.astype(jnp.float32)))
+    np.testing.assert_array_equal(_host(g), _host(w))
+
+
+# The kernel and the references jitted: one program per shape, where an eager call compiles
+# one per op.
+_write_interpret = jax.jit(functools.partial(write_pages, backend="interpret"))
+_write_reference = jax.jit(write_pages_reference)
+
+
+@functools.cache
+def _mla_write(interleave):
+  """``write_mla_pages`` on "interpret", eps 1e-6, jitted."""
+  return jax.jit(functools.partial(write_mla_pages, eps=1e-6, interleave=interleave,
+                                   backend="interpret"))
+
+
+@functools.cache
+def _mla_reference(interleave):
+  """``write_pages_reference`` of ``mla_entries_reference``'s entries (eps 1e-6), jitted."""
+  def ref(kv, norm, cos, sin, pages, scales, page, slot):
+    entries = mla_entries_reference(kv, norm, cos, sin, eps=1e-6, interleave=interleave)
+    return write_pages_reference(entries, pages, scales, page, slot)
+  return jax.jit(ref)
+
+
+@functools.cache
+def _empty_state(kv_dtype):
+  """TINY_MLA's empty pool, 16 pages of 4 tokens, made in one jitted program."""
+  return jax.jit(lambda: init_paged_state(
+      TINY_MLA, KVCacheConfig(num_pages=16, page_size=4, dtype=kv_dtype)))()
+
+
+@functools.cache
+def _state_write(backend, projection=None):
+  """``state.write(1, new, positions, meta, backend=backend)`` jitted; with ``projection``
+  = (eps, interleave), ``new`` is an ``MlaProjection``'s (kv, norm_scale, cos, sin)."""
+  def write(state, new, positions, meta):
+    if projection is not None:
+      new = MlaProjection(*new, *projection)
+    return state.write(1, new, positions, meta, backend=backend)
+  return jax.jit(write)
+
+
+def _meta():
+  """Three requests' block tables (4 tokens a page), lengths and positions [3, 1]; the
+  third row is padding past its request's length: not written."""
+  tables = np.asarray([[3, 7, -1, -1], [1, -1, -1, -1], [9, 2, 4, -1]], np.int32)
+  lengths = np.asarray([6, 2, 9], np.int32)
+  positions = np.asarray([[5], [1], [11]], np.int32)
+  tables, lengths, tags, positions = jax.device_put(
+      (tables, lengths, np.zeros_like(tables), positions))
+  return BatchMeta(block_tables=tables, lengths=lengths, expected_tags=tags,
+                   page_size=4), positions
 
 
 class PageWriteTest(parameterized.TestCase):
@@ -76,14 +140,12 @@ class PageWriteTest(parameterized.TestCase):
   def test_interpret_stores_the_reference_bytes(self, kw):
     entries, pages, scales, page, slot = _case(0, **kw)
     self.assertTrue(kernel_takes(entries, pages, scales))
-    run = jax.jit(lambda *a: write_pages(*a, backend="interpret"))
-    got = run(entries, pages, scales, page, slot)
-    _equal(self, got, write_pages_reference(entries, pages, scales, page, slot))
+    got = _write_interpret(entries, pages, scales, page, slot)
+    _equal(self, got, _write_reference(entries, pages, scales, page, slot))
 
   def test_written_rows_hold_the_entries_and_nothing_else_changes(self):
     entries, pages, scales, page, slot = _case(1, widths=(512, 64), rows=16)
-    new_pages, new_scales = write_pages(entries, pages, scales, page, slot,
-                                        backend="interpret")
+    new_pages, new_scales = _write_interpret(entries, pages, scales, page, slot)
     page_np, slot_np = np.asarray(page), np.asarray(slot)
     written = np.zeros(pages[0].shape[:2], bool)
     for r in range(len(page_np)):
@@ -91,11 +153,13 @@ class PageWriteTest(parameterized.TestCase):
         written[page_np[r], slot_np[r]] = True
     self.assertEqual(written.sum(), 16 - 2)  # row 3 past the pool, row 5 a negative page
     for e, old, new, old_s, new_s in zip(entries, pages, new_pages, scales, new_scales):
-      deq = np.asarray(new.astype(jnp.float32)) * np.asarray(new_s)[..., None]
+      e, old, new = _host(e), _host(old), _host(new)
+      old_s, new_s = np.asarray(old_s), np.asarray(new_s)
+      deq = new * new_s[..., None]
       for r in range(len(page_np)):
         if not 0 <= page_np[r] < old.shape[0]:
           continue
-        want = np.asarray(e[r].astype(jnp.float32))
+        want = e[r]
         got = deq[page_np[r], slot_np[r]]
         if not want.any():  # an all-zero row: zeros under scale 1
           np.testing.assert_array_equal(got, 0.0)
@@ -103,11 +167,9 @@ class PageWriteTest(parameterized.TestCase):
           continue
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
         self.assertLessEqual(err, 5e-2)
-        self.assertLessEqual(np.abs(np.asarray(new[page_np[r], slot_np[r]].astype(
-            jnp.float32))).max(), 448.0)
-      np.testing.assert_array_equal(np.asarray(new.astype(jnp.float32))[~written],
-                                    np.asarray(old.astype(jnp.float32))[~written])
-      np.testing.assert_array_equal(np.asarray(new_s)[~written], np.asarray(old_s)[~written])
+        self.assertLessEqual(np.abs(new[page_np[r], slot_np[r]]).max(), 448.0)
+      np.testing.assert_array_equal(new[~written], old[~written])
+      np.testing.assert_array_equal(new_s[~written], old_s[~written])
 
   def test_shapes_the_kernel_does_not_take_run_the_reference(self):
     for kw in (dict(widths=(96, 32)),  # a width that is no power of two
@@ -117,46 +179,43 @@ class PageWriteTest(parameterized.TestCase):
       fn = lambda *a: write_pages(*a, backend="interpret")  # noqa: E731
       self.assertNotIn("pallas_call", str(jax.make_jaxpr(fn)(entries, pages, scales, page,
                                                               slot)))
-      _equal(self, fn(entries, pages, scales, page, slot),
-             write_pages_reference(entries, pages, scales, page, slot))
+      _equal(self, _write_interpret(entries, pages, scales, page, slot),
+             _write_reference(entries, pages, scales, page, slot))
     # Per-head pools (GQA: [N, P, KV, hd]) and mismatched scales are not the kernel's.
     entries, pages, scales, page, slot = _case(3)
-    gqa = tuple(x.reshape(x.shape[0], x.shape[1], 2, -1) for x in pages)
-    self.assertFalse(kernel_takes([e.reshape(e.shape[0], 2, -1) for e in entries], gqa,
-                                  scales))
+    gqa = _remade(lambda x: x.reshape(x.shape[0], x.shape[1], 2, -1), pages)
+    self.assertFalse(kernel_takes(_remade(lambda e: e.reshape(e.shape[0], 2, -1),
+                                          list(entries)), gqa, scales))
     self.assertFalse(kernel_takes(entries, pages, scales[:1]))
-    self.assertFalse(kernel_takes(entries, pages, tuple(s.astype(jnp.bfloat16)
-                                                        for s in scales)))
+    self.assertFalse(kernel_takes(entries, pages, _remade(lambda s: s.astype(jnp.bfloat16),
+                                                          scales)))
     self.assertFalse(kernel_takes((), (), None))
 
   def test_bad_input(self):
     entries, pages, scales, page, slot = _case(4)
     with self.assertRaisesRegex(ValueError, "page must be int32"):
-      write_pages(entries, pages, scales, page.astype(jnp.float32), slot, backend="interpret")
+      write_pages(entries, pages, scales, _remade(lambda a: a.astype(np.float32), page), slot,
+                  backend="interpret")
     with self.assertRaisesRegex(ValueError, "slot must be int32"):
-      write_pages(entries, pages, scales, page, slot[:3], backend="interpret")
+      write_pages(entries, pages, scales, page, _remade(lambda a: a[:3], slot),
+                  backend="interpret")
     with self.assertRaisesRegex(ValueError, "backend must be one of"):
       write_pages(entries, pages, scales, page, slot, backend="cuda")
 
   @parameterized.parameters("float8_e4m3fn", "bfloat16")
   def test_state_write_on_the_kernel_backend_equals_xla(self, kv_dtype):
     cfg = TINY_MLA
-    state = init_paged_state(cfg, KVCacheConfig(num_pages=16, page_size=4, dtype=kv_dtype))
+    state = _empty_state(kv_dtype)
     rng = np.random.default_rng(5)
     B, T = 3, 1
-    new = {"latent": jnp.asarray(rng.normal(size=(B, T, cfg.kv_lora_rank)), jnp.bfloat16),
-           "k_rope": jnp.asarray(rng.normal(size=(B, T, cfg.qk_rope_head_dim)), jnp.bfloat16)}
-    tables = jnp.asarray([[3, 7, -1, -1], [1, -1, -1, -1], [9, 2, 4, -1]], jnp.int32)
-    lengths = jnp.asarray([6, 2, 9], jnp.int32)
-    # The third row is padding past its request's length: not written.
-    positions = jnp.asarray([[5], [1], [11]], jnp.int32)
-    meta = BatchMeta(block_tables=tables, lengths=lengths,
-                     expected_tags=jnp.zeros_like(tables), page_size=4)
-    want = state.write(1, new, positions, meta, backend="xla")
-    got = state.write(1, new, positions, meta, backend="interpret")
+    new = jax.device_put(
+        {"latent": rng.normal(size=(B, T, cfg.kv_lora_rank)).astype(jnp.bfloat16),
+         "k_rope": rng.normal(size=(B, T, cfg.qk_rope_head_dim)).astype(jnp.bfloat16)})
+    meta, positions = _meta()
+    want = _state_write("xla")(state, new, positions, meta)
+    got = _state_write("interpret")(state, new, positions, meta)
     _equal(self, got.layers, want.layers)
-    self.assertFalse(all(np.array_equal(np.asarray(a.astype(jnp.float32)),
-                                        np.asarray(b.astype(jnp.float32)))
+    self.assertFalse(all(np.array_equal(_host(a), _host(b))
                          for a, b in zip(jax.tree.leaves(got.layers[1]),
                                          jax.tree.leaves(state.layers[1]))))
 
@@ -169,10 +228,11 @@ def _mla_case(seed, *, n=12, p=8, c=128, r=32, rows=10, pool=F8, kv_dtype=jnp.bf
                                             pool=pool, dropped=(3,) if rows > 3 else ())
   kv = rng.normal(size=(rows, c + r)) * rng.choice([1e-3, 1.0, 300.0], (rows, 1))
   kv[min(1, rows - 1)] = 0.0
-  kv = jnp.asarray(kv, jnp.float32).astype(kv_dtype)
-  norm = jnp.asarray(rng.uniform(0.5, 1.5, c), jnp.float32).astype(kv_dtype)
+  kv = kv.astype(np.float32).astype(kv_dtype)
+  norm = rng.uniform(0.5, 1.5, c).astype(np.float32).astype(kv_dtype)
   angles = rng.uniform(-20, 20, (rows, r // 2))
-  cos, sin = (jnp.asarray(f(angles), jnp.float32) for f in (np.cos, np.sin))
+  cos, sin = (f(angles).astype(np.float32) for f in (np.cos, np.sin))
+  kv, norm, cos, sin = jax.device_put((kv, norm, cos, sin))
   return kv, norm, cos, sin, pages, scales, page, slot
 
 
@@ -186,36 +246,32 @@ class MlaPageWriteTest(parameterized.TestCase):
       ("f32_pool_half_split", dict(pool=jnp.float32, kv_dtype=jnp.float32), False),
       ("one_row", dict(rows=1), True))
   def test_interpret_stores_the_reference_bytes(self, kw, interleave):
-    kv, norm, cos, sin, pages, scales, page, slot = _mla_case(0, **kw)
-    self.assertTrue(mla_kernel_takes(kv, norm, pages, scales))
-    run = jax.jit(lambda *a: write_mla_pages(*a, eps=1e-6, interleave=interleave,
-                                             backend="interpret"))
-    got = run(kv, norm, cos, sin, pages, scales, page, slot)
-    entries = mla_entries_reference(kv, norm, cos, sin, eps=1e-6, interleave=interleave)
-    _equal(self, got, write_pages_reference(entries, pages, scales, page, slot))
+    args = _mla_case(0, **kw)  # kv, norm, cos, sin, pages, scales, page, slot
+    self.assertTrue(mla_kernel_takes(args[0], args[1], args[4], args[5]))
+    _equal(self, _mla_write(interleave)(*args), _mla_reference(interleave)(*args))
 
   @parameterized.parameters(True, False)
   def test_reference_entries_are_the_models_ops(self, interleave):
     # MlaProjection.entries is what mla_project stores; the model's rms_norm and
-    # apply_rope are what the rest of the model uses: the same bits.
+    # apply_rope are what the rest of the model uses: the same bits. Each side in a
+    # program of its own.
     kv, norm, cos, sin, *_ = _mla_case(1, c=512, r=64)
-    latent, k_rope = mla_entries_reference(kv, norm, cos, sin, eps=1e-6,
-                                           interleave=interleave)
-    _equal(self, (latent, k_rope),
-           (rms_norm(kv[:, :512], norm, 1e-6),
-            rope.apply_rope(kv[:, 512:], cos, sin, interleave=interleave)))
+    latent, k_rope = jax.jit(lambda *a: mla_entries_reference(
+        *a, eps=1e-6, interleave=interleave))(kv, norm, cos, sin)
+    _equal(self, (latent, k_rope), jax.jit(lambda kv, norm, cos, sin: (
+        rms_norm(kv[:, :512], norm, 1e-6),
+        rope.apply_rope(kv[:, 512:], cos, sin, interleave=interleave)))(kv, norm, cos, sin))
 
   @parameterized.parameters(True, False)
   def test_stored_rows_hold_the_normed_and_rotated_projection(self, interleave):
     kv, norm, cos, sin, pages, scales, page, slot = _mla_case(2, c=512, r=64, rows=16)
-    new_pages, new_scales = write_mla_pages(kv, norm, cos, sin, pages, scales, page, slot,
-                                            eps=1e-6, interleave=interleave,
-                                            backend="interpret")
+    new_pages, new_scales = _mla_write(interleave)(kv, norm, cos, sin, pages, scales, page,
+                                                   slot)
     # The entries in float64, from the bf16 projection.
-    x = np.asarray(kv.astype(jnp.float32), np.float64)
+    x = np.asarray(_host(kv), np.float64)
     lat = x[:, :512]
     lat = lat / np.sqrt((lat ** 2).mean(-1, keepdims=True) + 1e-6) * np.asarray(
-        norm.astype(jnp.float32), np.float64)
+        _host(norm), np.float64)
     k = x[:, 512:]
     c64, s64 = np.asarray(cos, np.float64), np.asarray(sin, np.float64)
     if interleave:
@@ -228,7 +284,9 @@ class MlaPageWriteTest(parameterized.TestCase):
     written = np.zeros(pages[0].shape[:2], bool)
     for want_all, old, new, old_s, new_s in zip((lat, k_rope), pages, new_pages, scales,
                                                 new_scales):
-      deq = np.asarray(new.astype(jnp.float32)) * np.asarray(new_s)[..., None]
+      old, new = _host(old), _host(new)
+      old_s, new_s = np.asarray(old_s), np.asarray(new_s)
+      deq = new * new_s[..., None]
       for i in range(len(page_np)):
         if not 0 <= page_np[i] < old.shape[0]:
           continue
@@ -238,9 +296,8 @@ class MlaPageWriteTest(parameterized.TestCase):
           np.testing.assert_array_equal(got, 0.0)
           continue
         self.assertLessEqual(np.linalg.norm(got - want) / np.linalg.norm(want), 5e-2)
-      np.testing.assert_array_equal(np.asarray(new.astype(jnp.float32))[~written],
-                                    np.asarray(old.astype(jnp.float32))[~written])
-      np.testing.assert_array_equal(np.asarray(new_s)[~written], np.asarray(old_s)[~written])
+      np.testing.assert_array_equal(new[~written], old[~written])
+      np.testing.assert_array_equal(new_s[~written], old_s[~written])
     self.assertEqual(written.sum(), 16 - 2)  # row 3 past the pool, row 5 a negative page
 
   def test_shapes_the_kernel_does_not_take_run_the_reference(self):
@@ -251,25 +308,28 @@ class MlaPageWriteTest(parameterized.TestCase):
                                       backend="interpret")
       args = (kv, norm, cos, sin, pages, scales, page, slot)
       self.assertNotIn("pallas_call", str(jax.make_jaxpr(fn)(*args)))
-      entries = mla_entries_reference(kv, norm, cos, sin, eps=1e-6, interleave=True)
-      _equal(self, fn(*args), write_pages_reference(entries, pages, scales, page, slot))
+      _equal(self, _mla_write(True)(*args), _mla_reference(True)(*args))
     kv, norm, cos, sin, pages, scales, page, slot = _mla_case(3)
     self.assertFalse(mla_kernel_takes(kv, norm, pages, None))  # fp8 pools without scales
     self.assertFalse(mla_kernel_takes(kv, norm, pages[:1], scales))
-    self.assertFalse(mla_kernel_takes(kv, norm, (pages[0], pages[1].astype(jnp.bfloat16)),
-                                      scales))
+    self.assertFalse(mla_kernel_takes(
+        kv, norm, (pages[0], _remade(lambda x: x.astype(jnp.bfloat16), pages[1])), scales))
 
   def test_bad_input(self):
     kv, norm, cos, sin, pages, scales, page, slot = _mla_case(4)
     args = dict(eps=1e-6, interleave=True, backend="interpret")
     with self.assertRaisesRegex(ValueError, "kv must be"):
-      write_mla_pages(kv[:, :100], norm, cos, sin, pages, scales, page, slot, **args)
+      write_mla_pages(_remade(lambda a: a[:, :100], kv), norm, cos, sin, pages, scales, page,
+                      slot, **args)
     with self.assertRaisesRegex(ValueError, "rope width 31 is odd"):
-      write_mla_pages(kv[:, :-1], norm, cos, sin, pages, scales, page, slot, **args)
+      write_mla_pages(_remade(lambda a: a[:, :-1], kv), norm, cos, sin, pages, scales, page,
+                      slot, **args)
     with self.assertRaisesRegex(ValueError, "cos must be"):
-      write_mla_pages(kv, norm, cos[:, :4], sin, pages, scales, page, slot, **args)
+      write_mla_pages(kv, norm, _remade(lambda a: a[:, :4], cos), sin, pages, scales, page,
+                      slot, **args)
     with self.assertRaisesRegex(ValueError, "page must be int32"):
-      write_mla_pages(kv, norm, cos, sin, pages, scales, page[:2], slot, **args)
+      write_mla_pages(kv, norm, cos, sin, pages, scales, _remade(lambda a: a[:2], page), slot,
+                      **args)
     with self.assertRaisesRegex(ValueError, "backend must be one of"):
       write_mla_pages(kv, norm, cos, sin, pages, scales, page, slot, eps=1e-6,
                       interleave=True, backend="cuda")
@@ -277,31 +337,32 @@ class MlaPageWriteTest(parameterized.TestCase):
   @parameterized.parameters("float8_e4m3fn", "bfloat16")
   def test_state_write_of_a_projection_equals_its_entries(self, kv_dtype):
     cfg = TINY_MLA
-    state = init_paged_state(cfg, KVCacheConfig(num_pages=16, page_size=4, dtype=kv_dtype))
+    state = _empty_state(kv_dtype)
     rng = np.random.default_rng(6)
     B, T, c, r = 3, 1, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     angles = rng.uniform(-5, 5, (B, T, r // 2))
-    proj = MlaProjection(
-        kv=jnp.asarray(rng.normal(size=(B, T, c + r)), jnp.bfloat16),
-        norm_scale=jnp.asarray(rng.uniform(0.5, 1.5, c), jnp.bfloat16),
-        cos=jnp.asarray(np.cos(angles), jnp.float32), sin=jnp.asarray(np.sin(angles),
-                                                                      jnp.float32),
-        eps=cfg.latent_eps, interleave=cfg.rope_interleave)
-    tables = jnp.asarray([[3, 7, -1, -1], [1, -1, -1, -1], [9, 2, 4, -1]], jnp.int32)
-    lengths = jnp.asarray([6, 2, 9], jnp.int32)
-    positions = jnp.asarray([[5], [1], [11]], jnp.int32)  # the third row: padding
-    meta = BatchMeta(block_tables=tables, lengths=lengths,
-                     expected_tags=jnp.zeros_like(tables), page_size=4)
-    want = state.write(1, proj.entries(), positions, meta, backend="xla")
+    kv, norm_scale, cos, sin = jax.device_put((
+        rng.normal(size=(B, T, c + r)).astype(jnp.bfloat16),
+        rng.uniform(0.5, 1.5, c).astype(jnp.bfloat16),
+        np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)))
+    proj = MlaProjection(kv=kv, norm_scale=norm_scale, cos=cos, sin=sin,
+                         eps=cfg.latent_eps, interleave=cfg.rope_interleave)
+    meta, positions = _meta()  # the third row: padding
+    arrays, static = (proj.kv, proj.norm_scale, proj.cos, proj.sin), (proj.eps,
+                                                                      proj.interleave)
+    entries = jax.jit(lambda *a: MlaProjection(*a, *static).entries())(*arrays)
+    want = _state_write("xla")(state, entries, positions, meta)
     for backend in ("xla", "interpret"):
-      _equal(self, state.write(1, proj, positions, meta, backend=backend).layers, want.layers)
+      _equal(self, _state_write(backend, static)(state, arrays, positions, meta).layers,
+             want.layers)
     # A projection that does not fit the pool, or a pool that is not MLA's.
-    bad = MlaProjection(kv=proj.kv[..., :-2], norm_scale=proj.norm_scale, cos=proj.cos,
-                        sin=proj.sin, eps=proj.eps, interleave=True)
+    bad = MlaProjection(kv=_remade(lambda a: a[..., :-2], proj.kv), norm_scale=proj.norm_scale,
+                        cos=proj.cos, sin=proj.sin, eps=proj.eps, interleave=True)
     with self.assertRaisesRegex(ValueError, "does not match"):
       state.write(1, bad, positions, meta)
-    bad = MlaProjection(kv=proj.kv, norm_scale=proj.norm_scale, cos=proj.cos[..., :2],
-                        sin=proj.sin, eps=proj.eps, interleave=True)
+    bad = MlaProjection(kv=proj.kv, norm_scale=proj.norm_scale,
+                        cos=_remade(lambda a: a[..., :2], proj.cos), sin=proj.sin, eps=proj.eps,
+                        interleave=True)
     with self.assertRaisesRegex(ValueError, "cos has shape"):
       state.write(1, bad, positions, meta)
 
