@@ -22,18 +22,29 @@ F8 = jnp.float8_e4m3fn
 
 
 def _parts(seed, b, h, c, r, dtype=jnp.bfloat16):
+  """(q_latent [b, h, c], q_rope [b, h, r]): rows of magnitudes 0 and 1e-7 to 3e3, made on
+  the host and put on the device (no compiled program per dtype and shape)."""
   rng = np.random.default_rng(seed)
   mags = rng.choice([1e-7, 1e-2, 1.0, 3e3, 0.0], size=(b, h, 1))
   mags[0, 0] = 0.0  # at least one all-zero row
-  return (jnp.asarray(rng.normal(size=(b, h, c)) * mags, dtype),
-          jnp.asarray(rng.normal(size=(b, h, r)) * mags, dtype))
+  return jax.device_put(((rng.normal(size=(b, h, c)) * mags).astype(dtype),
+                         (rng.normal(size=(b, h, r)) * mags).astype(dtype)))
+
+
+def _host(x):
+  """x [...] as float32 numpy, converted on the host."""
+  return np.asarray(x).astype(np.float32)
 
 
 def _equal(test, got, want):
   for g, w in zip(got, want):
     test.assertEqual(g.dtype, w.dtype)
-    np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)),
-                                  np.asarray(w.astype(jnp.float32)))
+    np.testing.assert_array_equal(_host(g), _host(w))
+
+
+# The reference jitted: one program per shape, where an eager call compiles one per op.
+_reference = jax.jit(query.scaled_query_reference, static_argnames=("heads", "kind",
+                                                                    "rope_cols"))
 
 
 class ScaledQueryTest(parameterized.TestCase):
@@ -45,19 +56,20 @@ class ScaledQueryTest(parameterized.TestCase):
     ql, qr = _parts(0, b, h, c, r)
     self.assertTrue(query.kernel_takes(ql, qr))
     got = query.scaled_query(ql, qr, heads=heads, kind=kind, interpret=True)
-    _equal(self, got, query.scaled_query_reference(ql, qr, heads=heads, kind=kind))
+    _equal(self, got, _reference(ql, qr, heads=heads, kind=kind))
     self.assertEqual(got[0].shape, (b, heads, c))
     # Padding heads: zeros under factor 1.
-    np.testing.assert_array_equal(np.asarray(got[0][:, h:].astype(jnp.float32)), 0.0)
-    np.testing.assert_array_equal(np.asarray(got[2][:, h:]), 1.0)
+    np.testing.assert_array_equal(_host(got[0])[:, h:], 0.0)
+    np.testing.assert_array_equal(np.asarray(got[2])[:, h:], 1.0)
 
   def test_f16_factors_are_frexps_powers_of_two(self):
     amax = np.array([1.0, 3.0, 0.75, 2.0**-120, 2.0**-113, 2.0**-112, 1e30, 3.4e38, 7e4],
                     np.float32)
     _, e = np.frexp(amax)
-    np.testing.assert_array_equal(np.asarray(query.f16_row_scale(jnp.asarray(amax))),
+    row_scale = jax.jit(query.f16_row_scale)  # one program per shape, not one per op
+    np.testing.assert_array_equal(np.asarray(row_scale(jax.device_put(amax))),
                                   np.ldexp(np.float32(1), e - query.F16_ROW_MAX_LOG2))
-    self.assertEqual(float(query.f16_row_scale(jnp.float32(0.0))), 1.0)
+    self.assertEqual(float(row_scale(jax.device_put(np.float32(0.0)))), 1.0)
 
   @parameterized.parameters(("f16", 2.0**-11), ("fp8", 2.0**-4))
   def test_scaled_rows_round_trip(self, kind, bits):
@@ -83,12 +95,12 @@ class ScaledQueryTest(parameterized.TestCase):
       fn = lambda a, q: query.scaled_query(a, q, heads=8, kind="f16",  # noqa: E731
                                            interpret=True)
       self.assertNotIn("pallas_call", str(jax.make_jaxpr(fn)(ql, qr)))
-      _equal(self, fn(ql, qr), query.scaled_query_reference(ql, qr, heads=8, kind="f16"))
+      _equal(self, fn(ql, qr), _reference(ql, qr, heads=8, kind="f16"))
 
   def test_bad_input(self):
     ql, qr = _parts(3, 2, 8, 64, 16)
     with self.assertRaisesRegex(ValueError, "does not match"):
-      query.scaled_query(ql, qr[:1], heads=8, kind="f16")
+      query.scaled_query(ql, jax.device_put(np.asarray(qr)[:1]), heads=8, kind="f16")
     with self.assertRaisesRegex(ValueError, "multiple of 8"):
       query.scaled_query(ql, qr, heads=12, kind="f16")
     with self.assertRaisesRegex(ValueError, "multiple of 8"):
@@ -102,7 +114,10 @@ class ScaledQueryTest(parameterized.TestCase):
     NaN. An offset that is not a multiple of R runs the reference on those columns."""
     b, h, c, r, off = 2, 8, 512, 64, 256
     ql, qr = _parts(5, b, h, c, r)
-    wide = jnp.full((b, h, off + r), jnp.nan, qr.dtype).at[..., off:].set(qr)
+    wide = np.full((b, h, off + r), np.nan, qr.dtype)
+    wide[..., off:] = np.asarray(qr)
+    # The rope part at column 257: the wide array behind one more column.
+    wide, odd = jax.device_put((wide, np.concatenate([wide[..., :1], wide], -1)))
     for kind in ("f16", "fp8"):
       got = query.scaled_query(ql, wide, heads=16, kind=kind, rope_cols=(off, r),
                                interpret=True)
@@ -112,10 +127,9 @@ class ScaledQueryTest(parameterized.TestCase):
         a, q, heads=8, kind="f16", rope_cols=(off, r)))(ql, wide).eqns[0].params["jaxpr"].eqns
                if e.primitive.name == "pallas_call"]
     self.assertEqual(call.invars[1].aval.shape, (b, h, off + r))
-    odd = jnp.concatenate([wide[..., :1], wide], -1)  # the rope part at column 257
     self.assertFalse(query.kernel_takes(ql, odd, (off + 1, r)))
     _equal(self, query.scaled_query(ql, odd, heads=8, kind="fp8", rope_cols=(off + 1, r)),
-           query.scaled_query_reference(ql, qr, heads=8, kind="fp8"))
+           _reference(ql, qr, heads=8, kind="fp8"))
 
   def test_bad_rope_columns(self):
     ql, qr = _parts(6, 2, 8, 64, 16)
