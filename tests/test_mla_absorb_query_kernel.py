@@ -31,16 +31,28 @@ SMALL = (16, 2, 64, 32, 16, 16)
 
 @functools.cache
 def _operands(seed, b, h, c, nope, r, v, dtype=BF16):
-  """q_all [B, H, nope + R] with rows of magnitudes 1e-2 to 3e3, wkv_b [C, H, nope + v]."""
+  """q_all [B, H, nope + R] with rows of magnitudes 1e-2 to 3e3, wkv_b [C, H, nope + v];
+  made on the host and put on the device (no compiled program per dtype and shape)."""
   rng = np.random.default_rng(seed)
   mags = rng.choice([1e-2, 1.0, 3e3], size=(b, h, 1))
-  q_all = jnp.asarray(rng.normal(size=(b, h, nope + r)) * mags, dtype)
-  w = jnp.asarray(rng.normal(size=(c, h, nope + v)) / np.sqrt(nope), dtype)
-  return q_all, w
+  q_all = (rng.normal(size=(b, h, nope + r)) * mags).astype(dtype)
+  w = (rng.normal(size=(c, h, nope + v)) / np.sqrt(nope)).astype(dtype)
+  return jax.device_put((q_all, w))
 
 
 def _f64(x):
-  return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+  """x [...] as float64 numpy (through float32, exact for every dtype here), on the host."""
+  return np.asarray(x).astype(np.float32).astype(np.float64)
+
+
+def _remade(f, x):
+  """``f`` of x's host copy, back on the device: a slice or cast of a test input without
+  a compiled program for it."""
+  return jax.device_put(f(np.asarray(x)))
+
+
+# The reference jitted: one program per shape, where an eager call compiles one per op.
+_reference = jax.jit(absorbed_query_reference, static_argnames=("nope", "kind", "heads"))
 
 
 def _exact(q_all, w, nope):
@@ -66,7 +78,7 @@ class AbsorbedQueryTest(parameterized.TestCase):
     self.assertTrue(absorb_query.kernel_takes(b, c, nope, r, BF16))
     got = absorbed_query(q_all, w, nope, interpret=True)
     self.assertEqual((got.shape, got.dtype), ((b, h, c), BF16))
-    _assert_near_reference(self, got, absorbed_query_reference(q_all, w, nope), 2.0**-7)
+    _assert_near_reference(self, got, _reference(q_all, w, nope=nope), 2.0**-7)
     exact, terms = _exact(q_all, w, nope)
     np.testing.assert_array_less(np.abs(_f64(got) - exact),
                                  2.0**-8 * np.abs(exact) + 2.0**-20 * terms + 1e-30)
@@ -77,7 +89,7 @@ class AbsorbedQueryTest(parameterized.TestCase):
     b, h, c, nope, r, v = shape
     q_all, w = _operands(1, *shape)
     got = absorbed_query(q_all, w, nope, kind=kind, heads=heads, interpret=True)
-    want = absorbed_query_reference(q_all, w, nope, kind=kind, heads=heads)
+    want = _reference(q_all, w, nope=nope, kind=kind, heads=heads)
     dtype = jnp.float16 if kind == "f16" else F8
     for g, wt, shp in zip(got, want, ((b, heads, c), (b, heads, r), (b, heads))):
       self.assertEqual((g.shape, g.dtype), (shp, wt.dtype))
@@ -119,9 +131,9 @@ class AbsorbedQueryTest(parameterized.TestCase):
     q_all, w = _operands(3, *SMALL)
     nope = SMALL[3]
     for args, kwargs, msg in (
-        ((q_all, w[:, :1], nope), {}, "wkv_b must be"),
-        ((q_all, w.astype(jnp.float32), nope), {}, "wkv_b must be"),
-        ((q_all[0], w, nope), {}, "q_all must be"),
+        ((q_all, _remade(lambda a: a[:, :1], w), nope), {}, "wkv_b must be"),
+        ((q_all, _remade(lambda a: a.astype(np.float32), w), nope), {}, "wkv_b must be"),
+        ((_remade(lambda a: a[0], q_all), w, nope), {}, "q_all must be"),
         ((q_all, w, 0), {}, "nope must leave"),
         ((q_all, w, q_all.shape[-1]), {}, "nope must leave"),
         ((q_all, w, nope), {"kind": "bf16"}, "kind must be"),
@@ -138,9 +150,9 @@ def _fp8_pool(seed, n, ps, c, r):
   for width in (c, r):
     x = rng.normal(size=(n, ps, width)).astype(np.float32)
     s = np.abs(x).max(-1) / 448.0
-    out.append((jnp.asarray(x / s[..., None], F8), jnp.asarray(s, jnp.float32)))
+    out.append(((x / s[..., None]).astype(F8), s.astype(np.float32)))
   (latent, ls), (k_rope, ks) = out
-  return latent, k_rope, ls, ks
+  return jax.device_put((latent, k_rope, ls, ks))
 
 
 class PagedDecodeTest(absltest.TestCase):
@@ -152,8 +164,9 @@ class PagedDecodeTest(absltest.TestCase):
     q_all, w = _operands(seed, self.B, self.H, self.C, self.NOPE, self.R, self.V)
     pool = _fp8_pool(seed, self.N, self.PS, self.C, self.R)
     rng = np.random.default_rng(seed)
-    tables = jnp.asarray(rng.integers(0, self.N, size=(self.B, 2)), jnp.int32)
-    lengths = jnp.asarray(rng.integers(0, 2 * self.PS + 1, size=(self.B,)), jnp.int32)
+    tables, lengths = jax.device_put((
+        rng.integers(0, self.N, size=(self.B, 2)).astype(np.int32),
+        rng.integers(0, 2 * self.PS + 1, size=(self.B,)).astype(np.int32)))
     return AbsorbQuery(q_all, w, self.NOPE), pool, tables, lengths
 
   def test_interpret_matches_xla_over_an_fp8_cache(self):
@@ -171,11 +184,12 @@ class PagedDecodeTest(absltest.TestCase):
   def test_xla_is_the_plain_querys_op_for_op(self):
     from pallas_kernels.paged_attention import ops
     query, pool, tables, lengths = self._args(5)
-    q_latent = absorbed_query_reference(query.q_all, query.wkv_b, self.NOPE)
+    q_latent = _reference(query.q_all, query.wkv_b, nope=self.NOPE)
     fn = functools.partial(ops.paged_mla_decode, scale=0.07, backend="xla")
     np.testing.assert_array_equal(
         _f64(fn(query, None, *pool, tables, lengths)),
-        _f64(fn(q_latent, query.q_all[..., self.NOPE:], *pool, tables, lengths)))
+        _f64(fn(q_latent, _remade(lambda a: a[..., self.NOPE:], query.q_all), *pool, tables,
+                lengths)))
     with self.assertRaisesRegex(ValueError, "AbsorbQuery holds the rope part"):
       fn(query, query.q_all, *pool, tables, lengths)
 
