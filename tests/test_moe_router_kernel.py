@@ -25,6 +25,7 @@ import numpy as np
 
 import h200_compile_cases
 from configs import TINY_MLA
+from router_sort_refs import put, select_ref, sort_ref
 from mlkit.model import layers, moe
 from pallas_kernels.moe_router import select_experts
 from pallas_kernels.moe_router import select_experts_reference
@@ -37,8 +38,8 @@ from pallas_kernels.moe_router.sort import MAX_ROWS
 def _inputs(n, e, seed, *, bias=True, splits=0):
   rng = np.random.default_rng(seed)
   shape = (n, e) if not splits else (splits, n, e)
-  logits = jnp.asarray(rng.normal(size=shape), jnp.float32)
-  b = jnp.asarray(rng.normal(size=(e,)) * 0.3, jnp.float32) if bias else None
+  logits = put(rng.normal(size=shape).astype(np.float32))
+  b = put((rng.normal(size=(e,)) * 0.3).astype(np.float32)) if bias else None
   return logits, b
 
 
@@ -90,7 +91,7 @@ class SelectExpertsInterpretTest(parameterized.TestCase):
                         scaling=1.0), **routing)
     logits, bias = _inputs(n, e, seed=n * 1000 + e, bias=routing["router"] == "sigmoid")
     ids, w, scores = select_experts(logits, bias, backend="interpret", **routing)
-    rids, rw, rscores = select_experts_reference(logits, bias, **routing)
+    rids, rw, rscores = select_ref(logits, bias, **routing)
     self.assertEqual((ids.shape, ids.dtype), ((n, routing["top_k"]), jnp.int32))
     self.assertEqual((w.shape, scores.shape), ((n, routing["top_k"]), (n, e)))
     np.testing.assert_array_equal(ids, rids)
@@ -106,11 +107,11 @@ class SelectExpertsInterpretTest(parameterized.TestCase):
     parts, bias = _inputs(64, 384, seed=7, splits=16)
     kw = dict(top_k=8, scaling=2.827)
     got = select_experts(parts, bias, backend="interpret", **kw)
-    want = select_experts_reference(parts, bias, **kw)
+    want = select_ref(parts, bias, **kw)
     for g, r in zip(got, want):
       np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-7)
     # The same as the summed logits (the sum in the reference's order).
-    summed = select_experts_reference(jnp.sum(parts, axis=0), bias, **kw)
+    summed = select_ref(put(np.asarray(parts).sum(0, dtype=np.float32)), bias, **kw)
     np.testing.assert_array_equal(got[0], summed[0])
     np.testing.assert_allclose(got[1], summed[1], rtol=1e-5)
 
@@ -118,10 +119,10 @@ class SelectExpertsInterpretTest(parameterized.TestCase):
     # Every token's scores repeat in pairs: the lower expert of a tied pair comes first,
     # and a tied group sum keeps the lower group.
     base = np.random.default_rng(3).normal(size=(8, 16)).astype(np.float32)
-    logits = jnp.asarray(np.repeat(base, 2, axis=1))  # [8, 32]: experts 2i and 2i+1 tie
+    logits = put(np.repeat(base, 2, axis=1))  # [8, 32]: experts 2i and 2i+1 tie
     for routing in (dict(top_k=5), dict(top_k=4, n_group=4, topk_group=2)):
       ids, _, _ = select_experts(logits, None, backend="interpret", **routing)
-      rids, _, _ = select_experts_reference(logits, None, **routing)
+      rids, _, _ = select_ref(logits, None, **routing)
       np.testing.assert_array_equal(ids, rids)
       ids = np.asarray(ids)
       for row in ids:
@@ -129,32 +130,39 @@ class SelectExpertsInterpretTest(parameterized.TestCase):
           if a // 2 == b // 2:
             self.assertLess(a, b, ids)
     # The weights of a tie are equal: a bias that breaks it moves only the choice.
-    bias = jnp.zeros((32,), jnp.float32).at[1].set(1.0)
-    ids, w, _ = select_experts(logits, bias, top_k=1, norm_topk_prob=False,
+    bias = np.zeros((32,), np.float32)
+    bias[1] = 1.0
+    ids, w, _ = select_experts(logits, put(bias), top_k=1, norm_topk_prob=False,
                                backend="interpret")
-    np.testing.assert_array_equal(ids[:, 0], 1)
-    np.testing.assert_allclose(w[:, 0], jax.nn.sigmoid(logits[:, 1]), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(ids)[:, 0], 1)
+    # The sigmoid of expert 1's logit, in float64.
+    np.testing.assert_allclose(np.asarray(w)[:, 0],
+                               1 / (1 + np.exp(-np.float64(base[:, 0]))), rtol=1e-6)
 
   def test_bad_input_raises(self):
     logits, bias = _inputs(4, 8, seed=1)
+    # The bad arrays are made in numpy and placed as they are: no program converts them.
+    host, bias_host = np.asarray(logits), np.asarray(bias)
+    wide = put(np.zeros((2, 4096), np.float32))
     for bad, kw, msg in (
-        (logits.astype(jnp.bfloat16), {}, "logits must be float32"),
-        (logits[0], {}, "logits must be float32"),
-        (logits[:0], {}, "logits must be float32"),
-        (logits, dict(bias=bias[:4]), r"bias must be float32 \[8\]"),
-        (logits, dict(bias=bias.astype(jnp.bfloat16)), r"bias must be float32 \[8\]"),
+        (put(host.astype(jnp.bfloat16)), {}, "logits must be float32"),
+        (put(host[0]), {}, "logits must be float32"),
+        (put(host[:0]), {}, "logits must be float32"),
+        (logits, dict(bias=put(bias_host[:4])), r"bias must be float32 \[8\]"),
+        (logits, dict(bias=put(bias_host.astype(jnp.bfloat16))),
+         r"bias must be float32 \[8\]"),
         (logits, dict(router="relu"), "router must be one of"),
         (logits, dict(n_group=3), "n_group"),
         (logits, dict(n_group=2, topk_group=3), "topk_group"),
         (logits, dict(top_k=9), r"top_k must be in \[1, 8\]"),
         (logits, dict(top_k=5, n_group=2, topk_group=1), r"top_k must be in \[1, 4\]"),
-        (jnp.zeros((2, 4096), jnp.float32), dict(backend="interpret"), "E must be at most"),
+        (wide, dict(backend="interpret"), "E must be at most"),
     ):
       kw = dict(dict(bias=None, top_k=2, backend="interpret"), **kw)
       with self.assertRaisesRegex(ValueError, msg):
         select_experts(bad, **kw)
-    # The reference takes any E.
-    ids, _, _ = select_experts(jnp.zeros((2, 4096), jnp.float32), top_k=2, backend="xla")
+    # The reference takes any E (run in one program).
+    ids, _, _ = jax.jit(lambda x: select_experts(x, top_k=2, backend="xla"))(wide)
     self.assertEqual(ids.shape, (2, 2))
 
 
@@ -168,7 +176,7 @@ class GradientTest(parameterized.TestCase):
     splits = 4 if self._testMethodName.endswith("split_k") else 0
     logits, bias = _inputs(12, 16, seed=5, bias=with_bias, splits=splits)
     rng = np.random.default_rng(6)
-    cw, cs = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((12, 4), (12, 16)))
+    cw, cs = (put(rng.normal(size=s).astype(np.float32)) for s in ((12, 4), (12, 16)))
     kw = dict(top_k=4, router=router, n_group=n_group, scaling=2.0)
 
     def loss(fn, logits, bias):
@@ -176,20 +184,21 @@ class GradientTest(parameterized.TestCase):
       return jnp.sum(w * cw) + jnp.sum(scores * cs)
 
     kernel = lambda l, b, **k: select_experts(l, b, backend="interpret", **k)  # noqa: E731
-    got = jax.grad(functools.partial(loss, kernel), argnums=(0, 1))(logits, bias)
-    want = jax.grad(functools.partial(loss, select_experts_reference), argnums=(0, 1))(
-        logits, bias)
-    self.assertGreater(float(jnp.max(jnp.abs(want[0]))), 0)
+    # Each gradient in one program, where eagerly every jnp operation is one.
+    got = jax.jit(jax.grad(functools.partial(loss, kernel), argnums=(0, 1)))(logits, bias)
+    want = jax.jit(jax.grad(functools.partial(loss, select_experts_reference),
+                            argnums=(0, 1)))(logits, bias)
+    self.assertGreater(np.abs(np.asarray(want[0])).max(), 0)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
     if with_bias:
       np.testing.assert_allclose(got[1], want[1], atol=1e-7)
 
   def test_sort_by_expert_gradients(self):
     rng = np.random.default_rng(8)
-    ids = jnp.asarray(rng.integers(0, 6, (10, 3)), jnp.int32)
-    w = jnp.asarray(rng.random((10, 3)), jnp.float32)
-    c = jnp.asarray(rng.normal(size=(30,)), jnp.float32)
-    grad = lambda fn: jax.grad(lambda w: jnp.sum(fn(ids, w)[1] * c))(w)  # noqa: E731
+    ids, w, c = put(rng.integers(0, 6, (10, 3)).astype(np.int32),
+                    rng.random((10, 3)).astype(np.float32),
+                    rng.normal(size=(30,)).astype(np.float32))
+    grad = lambda fn: jax.jit(jax.grad(lambda w: jnp.sum(fn(ids, w)[1] * c)))(w)  # noqa: E731
     got = grad(lambda i, w: sort_by_expert(i, w, 6, backend="interpret"))
     want = grad(lambda i, w: sort_by_expert_reference(i, w, 6))
     np.testing.assert_array_equal(got, want)
@@ -203,11 +212,11 @@ class RouteTest(parameterized.TestCase):
   def test_kernel_backend_routes_as_xla(self, d, n):
     cfg = dataclasses.replace(TINY_MLA, d_model=d)
     rng = np.random.default_rng(d)
-    p = {"router": jnp.asarray(rng.normal(size=(d, cfg.n_routed_experts)) / np.sqrt(d),
-                               jnp.float32),
-         "router_bias": jnp.asarray(rng.normal(size=(cfg.n_routed_experts,)) * 0.1,
-                                    jnp.float32)}
-    x = jnp.asarray(rng.normal(size=(n, d)), jnp.bfloat16)
+    p = {"router": put((rng.normal(size=(d, cfg.n_routed_experts)) / np.sqrt(d))
+                       .astype(np.float32)),
+         "router_bias": put((rng.normal(size=(cfg.n_routed_experts,)) * 0.1)
+                            .astype(np.float32))}
+    x = put(rng.normal(size=(n, d)).astype(jnp.bfloat16))
     got = jax.jit(lambda p, x: moe.route(p, x, cfg, backend="interpret"))(p, x)
     want = jax.jit(lambda p, x: moe.route(p, x, cfg, backend="xla"))(p, x)
     np.testing.assert_array_equal(got[0], want[0])
@@ -234,10 +243,9 @@ class SortByExpertInterpretTest(parameterized.TestCase):
       ids = rng.choice([0, 17, 63], size=(n, k))
     else:  # skewed, as a router's choices are
       ids = rng.choice(e, size=(n, k), p=rng.dirichlet(np.ones(e) * 0.3))
-    ids = jnp.asarray(ids, jnp.int32)
-    w = jnp.asarray(rng.random((n, k)), jnp.float32)
+    ids, w = put(np.asarray(ids, np.int32), rng.random((n, k)).astype(np.float32))
     got = sort_by_expert(ids, w, e, backend="interpret")
-    want = sort_by_expert_reference(ids, w, e)
+    want = sort_ref(ids, w, e)
     for name, g, r in zip(("token_of", "row_weights", "slot", "cum"), got, want):
       self.assertEqual((g.shape, g.dtype), (r.shape, r.dtype), name)
       np.testing.assert_array_equal(g, r, err_msg=name)
@@ -251,11 +259,12 @@ class SortByExpertInterpretTest(parameterized.TestCase):
     self.assertEqual(cum[0], 0)
 
   def test_bad_input_raises(self):
-    ids, w = jnp.zeros((4, 2), jnp.int32), jnp.zeros((4, 2), jnp.float32)
-    for args, msg in (((ids.astype(jnp.float32), w, 8), "expert_ids must be int32"),
-                      ((ids[0], w, 8), "expert_ids must be int32"),
-                      ((ids, w[:3], 8), r"weights must be float32 \(4, 2\)"),
-                      ((ids, w.astype(jnp.bfloat16), 8), "weights must be float32"),
+    ids_np, w_np = np.zeros((4, 2), np.int32), np.zeros((4, 2), np.float32)
+    ids, w = put(ids_np, w_np)
+    for args, msg in (((put(ids_np.astype(np.float32)), w, 8), "expert_ids must be int32"),
+                      ((put(ids_np[0]), w, 8), "expert_ids must be int32"),
+                      ((ids, put(w_np[:3]), 8), r"weights must be float32 \(4, 2\)"),
+                      ((ids, put(w_np.astype(jnp.bfloat16)), 8), "weights must be float32"),
                       ((ids, w, 0), "n_experts must be positive")):
       with self.assertRaisesRegex(ValueError, msg):
         sort_by_expert(*args, backend="interpret")
@@ -263,15 +272,17 @@ class SortByExpertInterpretTest(parameterized.TestCase):
     # reference: no Pallas call, the same rows.
     rng = np.random.default_rng(2)
     for n, e in ((MAX_ROWS // 8 + 1, 8), (4, MAX_EXPERTS + 1)):
-      ids = jnp.asarray(rng.integers(0, e, (n, 8)), jnp.int32)
-      w = jnp.asarray(rng.random((n, 8)), jnp.float32)
+      ids, w = put(rng.integers(0, e, (n, 8)).astype(np.int32),
+                   rng.random((n, 8)).astype(np.float32))
       run = lambda ids, w, e=e: sort_by_expert(ids, w, e, backend="interpret")  # noqa: E731
       self.assertNotIn("pallas_call", str(jax.make_jaxpr(run)(ids, w)))
-      for g, r in zip(run(ids, w), sort_by_expert_reference(ids, w, e)):
+      # Run in one program (no Pallas call: the reference's operations).
+      for g, r in zip(jax.jit(run)(ids, w), sort_ref(ids, w, e)):
         np.testing.assert_array_equal(g, r)
-    small = jnp.zeros((4, 8), jnp.int32)
+    small = np.zeros((4, 8), np.int32)
     self.assertIn("pallas_call", str(jax.make_jaxpr(
-        lambda i, w: sort_by_expert(i, w, 8, backend="interpret"))(small, small + 0.0)))
+        lambda i, w: sort_by_expert(i, w, 8, backend="interpret"))(
+            small, small.astype(np.float32))))
 
 
 class RouterKernelsH200Test(h200_compile_cases.H200CompilerTest):
