@@ -20,12 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import h200_compile_cases
 from mlkit.model.moe import dispatch_experts
 from pallas_kernels.moe_router import sort_by_expert_local, sort_by_expert_local_reference
-
-
-def _pairs(seed, n, k, e):
-  rng = np.random.default_rng(seed)
-  return (jnp.asarray(rng.integers(0, e, (n, k)), jnp.int32),
-          jnp.asarray(rng.uniform(0.1, 1.0, (n, k)), jnp.float32))
+from router_sort_refs import pairs as _pairs
+from router_sort_refs import put, sort_local_ref
 
 
 class SortLocalTest(parameterized.TestCase):
@@ -37,8 +33,8 @@ class SortLocalTest(parameterized.TestCase):
     run = jax.jit(lambda i, w, d: sort_by_expert_local(i, w, e, d, e // n_local,
                                                        backend="interpret"))
     for shard in range(e // n_local):
-      d = jnp.int32(shard)
-      got, want = run(ids, w, d), sort_by_expert_local_reference(ids, w, e, d, e // n_local)
+      d = put(np.int32(shard))
+      got, want = run(ids, w, d), sort_local_ref(ids, w, e, d, e // n_local)
       for g, r in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(r), err_msg=f"shard={shard}")
 
@@ -49,7 +45,7 @@ class SortLocalTest(parameterized.TestCase):
     for shard in (0, 1, 3):
       first = shard * n_local
       token_of, row_w, slot, sizes = (np.asarray(a) for a in sort_by_expert_local(
-          ids, w, e, jnp.int32(shard), e // n_local, backend="interpret"))
+          ids, w, e, put(np.int32(shard)), e // n_local, backend="interpret"))
       mine = [i for i in sorted(range(n * k), key=lambda i: (ids_np[i], i))
               if first <= ids_np[i] < first + n_local]
       count = len(mine)
@@ -67,27 +63,29 @@ class SortLocalTest(parameterized.TestCase):
 
   def test_weight_gradient_is_the_references(self):
     ids, w = _pairs(2, 9, 4, 16)
-    cot = jnp.asarray(np.random.default_rng(3).normal(size=36), jnp.float32)
+    cot, one = put(np.random.default_rng(3).normal(size=36).astype(np.float32), np.int32(1))
 
-    def loss(fn):
-      return jax.grad(lambda w: jnp.sum(fn(w)[1] * cot))(w)
-    got = loss(lambda w: sort_by_expert_local(ids, w, 16, jnp.int32(1), 4, backend="interpret"))
-    want = loss(lambda w: sort_by_expert_local_reference(ids, w, 16, jnp.int32(1), 4))
+    def loss(fn):  # one program per gradient, where eagerly each operation is one
+      return jax.jit(jax.grad(lambda w: jnp.sum(fn(w)[1] * cot)))(w)
+    got = loss(lambda w: sort_by_expert_local(ids, w, 16, one, 4, backend="interpret"))
+    want = loss(lambda w: sort_by_expert_local_reference(ids, w, 16, one, 4))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     self.assertTrue(np.asarray(got).any())
 
   def test_bad_input(self):
     ids, w = _pairs(4, 4, 2, 8)
+    # The bad arrays are made in numpy and placed as they are: no program converts them.
+    zero = put(np.int32(0))
     with self.assertRaisesRegex(ValueError, "n_shards must divide"):
-      sort_by_expert_local(ids, w, 8, jnp.int32(0), 0, backend="interpret")
+      sort_by_expert_local(ids, w, 8, zero, 0, backend="interpret")
     with self.assertRaisesRegex(ValueError, "n_shards must divide"):
-      sort_by_expert_local(ids, w, 8, jnp.int32(0), 3, backend="interpret")
+      sort_by_expert_local(ids, w, 8, zero, 3, backend="interpret")
     with self.assertRaisesRegex(ValueError, "shard must be an int32 scalar"):
-      sort_by_expert_local(ids, w, 8, jnp.zeros((2,), jnp.int32), 4, backend="interpret")
+      sort_by_expert_local(ids, w, 8, put(np.zeros((2,), np.int32)), 4, backend="interpret")
     with self.assertRaisesRegex(ValueError, "weights must be float32"):
-      sort_by_expert_local(ids, w.astype(jnp.bfloat16), 8, jnp.int32(0), 4)
+      sort_by_expert_local(ids, put(np.asarray(w).astype(jnp.bfloat16)), 8, zero, 4)
     with self.assertRaisesRegex(ValueError, "expert_ids must be int32"):
-      sort_by_expert_local(ids.astype(jnp.float32), w, 8, jnp.int32(0), 4)
+      sort_by_expert_local(put(np.asarray(ids).astype(np.float32)), w, 8, zero, 4)
 
 
 def _sorts(jaxpr, inside=False) -> list[bool]:
@@ -111,13 +109,13 @@ class ExpertParallelDispatchTest(absltest.TestCase):
     # sorts its own rows (one sort_by_expert inside the shard_map, none outside).
     n, k, e, d, f = 12, 4, 16, 32, 16
     rng = np.random.default_rng(5)
-    p = {name: jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[1]), jnp.float32)
+    p = {name: (rng.normal(size=shape) / np.sqrt(shape[1])).astype(np.float32)
          for name, shape in (("w_gate", (e, d, f)), ("w_up", (e, d, f)), ("w_down", (e, f, d)))}
-    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    x = put(rng.normal(size=(n, d)).astype(np.float32))
     ids, w = _pairs(6, n, k, e)
     mesh = Mesh(np.array(jax.devices()[:8]), ("ep",))
     sharding = NamedSharding(mesh, PartitionSpec("ep"))
-    p = jax.device_put(p, sharding)
+    p = jax.device_put(p, sharding)  # from the host: no program splits them
 
     def run(backend):
       return jax.jit(lambda p, x, i, w: dispatch_experts(p, x, i, w, e, backend=backend,
@@ -126,7 +124,7 @@ class ExpertParallelDispatchTest(absltest.TestCase):
     self.assertEqual(_sorts(closed.jaxpr), [True])  # one sort, inside the shard_map
     got, want = run("interpret")(p, x, ids, w), run("xla")(p, x, ids, w)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    self.assertGreater(float(jnp.abs(want).max()), 0.1)
+    self.assertGreater(np.abs(np.asarray(want)).max(), 0.1)
 
 
 class SortLocalH200Test(h200_compile_cases.H200CompilerTest):

@@ -36,7 +36,9 @@ from pallas_kernels.int4_matmul import pack_int4
 from pallas_kernels.int4_matmul.int4_matmul import grouped_meta
 from pallas_kernels.int4_matmul.int4_matmul import grouped_schedule
 from pallas_kernels.int4_matmul.int4_matmul import schedule_for
-from pallas_kernels.moe_router import sort_by_expert_local, sort_by_expert_local_reference
+from pallas_kernels.moe_router import sort_by_expert_local
+from router_sort_refs import pairs as _pairs
+from router_sort_refs import put, sort_local_ref
 
 # (N, k, E, devices): 48 local experts as Kimi K2.6's on 8 devices (not a power of two;
 # at tile_m 16 the table's 128 columns take two blocks of 64 tiles), and 8 local experts
@@ -74,31 +76,25 @@ def _routings(shape, seed, count):
     yield name, ids(), device
 
 
-def _pairs(seed, n, k, e):
-  rng = np.random.default_rng(seed)
-  return (jnp.asarray(rng.integers(0, e, (n, k)), jnp.int32),
-          jnp.asarray(rng.uniform(0.1, 1.0, (n, k)), jnp.float32))
-
-
 class SortScheduleTest(parameterized.TestCase):
 
   @parameterized.named_parameters(("48_local", "48_local", 16, 2), ("pow2", "pow2", 8, 4))
   def test_table_equals_the_schedule_kernels(self, shape, tile_m, routings):
     n, k, e, devices = SHAPES[shape]
     spec = schedule_for(n * k, e // devices, tile_m)
-    w = jnp.asarray(np.random.default_rng(1).uniform(0.1, 1.0, (n, k)), jnp.float32)
+    w = put(np.random.default_rng(1).uniform(0.1, 1.0, (n, k)).astype(np.float32))
     for name, ids, device in _routings(shape, n + tile_m, routings):
-      ids, d = jnp.asarray(ids, jnp.int32), jnp.int32(device)
+      ids, d = put(np.asarray(ids, np.int32), np.int32(device))
       *got, table = _sort(shape, spec)(ids, w, d)
       self.assertIsInstance(table, ScheduleTable)
       self.assertEqual(table.table.shape, (5, spec.width))
       self.assertEqual(table.spec, spec)
       # The sort itself is unchanged, bit for bit.
-      for g, r in zip(got, sort_by_expert_local_reference(ids, w, e, d, devices)):
+      for g, r in zip(got, sort_local_ref(ids, w, e, d, devices)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(r), err_msg=name)
       sizes = got[3]
       if name == "one_expert":
-        self.assertEqual(int(sizes[3]), n * k, name)
+        self.assertEqual(int(np.asarray(sizes)[3]), n * k, name)
       if name == "none_local":
         self.assertFalse(np.asarray(sizes).any(), name)
       want = np.asarray(_meta(spec)(sizes))
@@ -110,17 +106,21 @@ class SortScheduleTest(parameterized.TestCase):
   def test_the_reference_path_returns_no_table(self):
     ids, w = _pairs(2, 4, 2, 8)
     spec = schedule_for(8, 2, 8)
-    out = sort_by_expert_local(ids, w, 8, jnp.int32(1), 4, backend="xla", schedule=spec)
+    one = put(np.int32(1))
+    # In one program, where eagerly each of the reference's operations is one.
+    out = jax.jit(lambda i, w, d: sort_by_expert_local(i, w, 8, d, 4, backend="xla",
+                                                       schedule=spec))(ids, w, one)
     self.assertLen(out, 5)
     self.assertIsNone(out[4])
-    for g, r in zip(out[:4], sort_by_expert_local_reference(ids, w, 8, jnp.int32(1), 4)):
+    for g, r in zip(out[:4], sort_local_ref(ids, w, 8, one, 4)):
       np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
 
   def test_a_schedule_for_other_rows_or_experts_raises(self):
     ids, w = _pairs(3, 4, 2, 8)
+    zero = put(np.int32(0))
     for spec in (schedule_for(16, 2, 8), schedule_for(8, 4, 8), (8, 2, 8, 7, 8)):
       with self.assertRaisesRegex(ValueError, "schedule must be a GroupedSchedule for m=8"):
-        sort_by_expert_local(ids, w, 8, jnp.int32(0), 4, backend="interpret", schedule=spec)
+        sort_by_expert_local(ids, w, 8, zero, 4, backend="interpret", schedule=spec)
     with self.assertRaisesRegex(ValueError, "GroupedSchedule.tile_m must be an int >= 1"):
       GroupedSchedule(m=8, experts=2, tile_m=0, num_tiles=4, row_align=8)
 
@@ -135,9 +135,10 @@ GS = np.array([5, 0, 7, 4], np.int32)
 @functools.cache
 def _int4_case():
   rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
-  packed = pack_int4(jnp.asarray(rng.integers(-8, 8, (E, K, N)), jnp.int8))
-  scales = jnp.asarray(rng.uniform(0.25, 2.0, (E, K // G, N)) / 16, jnp.bfloat16)
+  x = put(rng.standard_normal((M, K)).astype(jnp.bfloat16))
+  # Packed in one program, where eagerly each of its operations is one.
+  packed = jax.jit(pack_int4)(put(rng.integers(-8, 8, (E, K, N)).astype(np.int8)))
+  scales = put((rng.uniform(0.25, 2.0, (E, K // G, N)) / 16).astype(jnp.bfloat16))
   return x, packed, scales
 
 
@@ -152,31 +153,33 @@ class GroupedMatmulScheduleTest(absltest.TestCase):
   def test_given_schedule_equals_its_own(self):
     gpu_interpret.reset_gpu_interpret_mode_state()
     x, packed, scales = _int4_case()
-    gs = jnp.asarray(GS)
+    gs = put(GS)
     spec = grouped_schedule_spec(M, E, N, K, block_sizes=BS)
     self.assertEqual(spec, schedule_for(M, E, 8))
     table = ScheduleTable(_meta(spec)(gs), spec)
     got = _int4_matmul()(x, packed, scales, gs, table)
     want = _int4_matmul()(x, packed, scales, gs, None)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    self.assertTrue(np.asarray(want[:16], np.float32).any())
-    np.testing.assert_array_equal(np.asarray(want[16:], np.float32), 0)  # past sum(gs)
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_array_equal(got, want)
+    self.assertTrue(want[:16].any())
+    np.testing.assert_array_equal(want[16:], 0)  # past sum(gs)
 
   def test_mismatched_schedule_raises(self):
     x, packed, scales = _int4_case()
-    gs = jnp.asarray(GS)
+    gs = put(GS)
     spec = grouped_schedule_spec(M, E, N, K, block_sizes=BS)
     other = schedule_for(M, E, 16)  # another tile_m: other tiles
     run = functools.partial(int4_grouped_matmul, x, packed, scales, gs, group_size=G,
                             backend="interpret", block_sizes=BS)
+    zeros = lambda width: put(np.zeros((5, width), np.int32))  # noqa: E731
     with self.assertRaisesRegex(ValueError, "schedule was made for .*tile_m=16"):
-      run(schedule=ScheduleTable(jnp.zeros((5, other.width), jnp.int32), other))
+      run(schedule=ScheduleTable(zeros(other.width), other))
     with self.assertRaisesRegex(ValueError, "schedule was made for .*m=20"):
-      run(schedule=ScheduleTable(jnp.zeros((5, spec.width), jnp.int32), schedule_for(20, E, 8)))
+      run(schedule=ScheduleTable(zeros(spec.width), schedule_for(20, E, 8)))
     with self.assertRaisesRegex(ValueError, r"schedule table must be int32 \[5, "):
-      run(schedule=ScheduleTable(jnp.zeros((5, spec.width // 2), jnp.int32), spec))
+      run(schedule=ScheduleTable(zeros(spec.width // 2), spec))
     with self.assertRaisesRegex(ValueError, "schedule must be a ScheduleTable or None"):
-      run(schedule=jnp.zeros((5, spec.width), jnp.int32))
+      run(schedule=zeros(spec.width))
 
 
 def _kernels(jaxpr) -> list[str]:
@@ -210,11 +213,10 @@ class ExpertParallelDispatchTest(absltest.TestCase):
     super().setUpClass()
     n, k, e, d, f = 6, 2, 16, 128, 64
     rng = np.random.default_rng(5)
-    cls.p = {name: quantize_int4(jnp.asarray(rng.standard_normal(shape) * 0.1, jnp.float32),
-                                 32)
+    cls.p = {name: quantize_int4(put((rng.standard_normal(shape) * 0.1).astype(np.float32)), 32)
              for name, shape in (("w_gate", (e, d, f)), ("w_up", (e, d, f)),
                                  ("w_down", (e, f, d)))}
-    cls.x = jnp.asarray(rng.normal(size=(n, d)), jnp.bfloat16)
+    cls.x = put(rng.normal(size=(n, d)).astype(jnp.bfloat16))
     cls.ids, cls.w = _pairs(6, n, k, e)
     mesh = Mesh(np.array(jax.devices()[:8]), ("ep",))
     cls.sharding = NamedSharding(mesh, PartitionSpec("ep"))
@@ -224,10 +226,13 @@ class ExpertParallelDispatchTest(absltest.TestCase):
         p, x, i, w, 16, backend=backend, expert_sharding=self.sharding, out_dtype=jnp.float32))
 
   def _device(self, shard):
-    return jax.tree_util.tree_map(lambda a: a[2 * shard:2 * shard + 2], self.p)
+    # Sliced on the host and placed: no program per slice.
+    return jax.tree_util.tree_map(lambda a: put(np.asarray(a)[2 * shard:2 * shard + 2]),
+                                  self.p)
 
   def test_the_sort_writes_the_only_schedule(self):
-    p = jax.device_put(self.p, self.sharding)
+    # Placed from host copies: no program splits them over the devices.
+    p = jax.device_put(jax.tree_util.tree_map(np.asarray, self.p), self.sharding)
     args = (p, self.x, self.ids, self.w)
     self.assertIsNotNone(schedule_spec(12, tuple(self._device(0).values()),
                                        backend="interpret"))
@@ -242,7 +247,7 @@ class ExpertParallelDispatchTest(absltest.TestCase):
     # The device with the most pairs (2 experts each).
     shard = int(np.argmax(np.bincount(np.asarray(self.ids).reshape(-1) // 2, minlength=8)))
     gpu_interpret.reset_gpu_interpret_mode_state()
-    args = (self._device(shard), self.x, self.ids, self.w, jnp.int32(shard))
+    args = (self._device(shard), self.x, self.ids, self.w, put(np.int32(shard)))
     got = np.asarray(_local_experts("interpret")(*args))
     self.assertFalse(gpu_interpret.get_races().races_found)
     with mock.patch.object(moe, "schedule_spec", lambda *a, **kw: None):
