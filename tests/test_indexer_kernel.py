@@ -9,6 +9,7 @@ indexer (mlkit.model.sparse_attention), and the top-k against its selection.
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -19,7 +20,12 @@ from pallas_kernels.indexer import paged_index_scores_reference
 from pallas_kernels.indexer import paged_index_topk
 from pallas_kernels.indexer import TopkBlockSizes
 from pallas_kernels.indexer import topk_positions as topk_kernel_op
-from pallas_kernels.indexer import topk_positions_reference as topk_positions
+from pallas_kernels.indexer import topk_positions_reference
+from router_sort_refs import put
+
+# The reference top-k in one program per (shape, k), where eagerly each of its operations
+# is one.
+topk_positions = jax.jit(topk_positions_reference, static_argnums=1)
 
 FP8 = jnp.float8_e4m3fn
 # Relative-norm tolerances over the visible scores (docs/testing.md): bf16 keys
@@ -31,10 +37,10 @@ def make_inputs(seed, *, batch, heads, di, page_size, max_pages, lengths, kv, po
   """Random inputs of paged_index_scores; slots no request may read are NaN if poison."""
   rng = np.random.default_rng(seed)
   n = batch * max_pages + 3
-  q_dt = jnp.float32 if kv == "f32" else jnp.bfloat16
-  q = jnp.asarray(rng.standard_normal((batch, heads, di)), q_dt)
+  q_dt = np.float32 if kv == "f32" else jnp.bfloat16
+  q = rng.standard_normal((batch, heads, di)).astype(q_dt)
   # Mixed-sign weights, as weights_proj gives: scores are not all positive.
-  w = jnp.asarray(rng.standard_normal((batch, heads)), jnp.float32)
+  w = rng.standard_normal((batch, heads)).astype(np.float32)
   k = rng.standard_normal((n, page_size, di)).astype(np.float32)
   scale = None
   if kv == "fp8":
@@ -51,9 +57,11 @@ def make_inputs(seed, *, batch, heads, di, page_size, max_pages, lengths, kv, po
       scale[~used] = np.nan
   for b, length in enumerate(lengths):  # PAD_PAGE past the used pages, as the cache
     bt[b, -(-length // page_size):] = -1
-  dt = {"f32": jnp.float32, "bf16": jnp.bfloat16, "fp8": FP8}[kv]
-  return (q, w, jnp.asarray(k, dt), None if scale is None else jnp.asarray(scale),
-          jnp.asarray(bt), jnp.asarray(lengths, jnp.int32))
+  dt = {"f32": np.float32, "bf16": jnp.bfloat16, "fp8": FP8}[kv]
+  # Cast on the host (numpy's bf16 and fp8 round to nearest even, as XLA's) and placed:
+  # no program converts them.
+  return (*put(q, w, k.astype(dt)), None if scale is None else put(scale),
+          *put(bt, np.asarray(lengths, np.int32)))
 
 
 def _rel_err(out, ref):
@@ -113,12 +121,19 @@ class IndexerReferenceTest(parameterized.TestCase):
     args = make_inputs(1, kv="f32", poison=False, **SHAPE)
     q, w, k, _, bt, lengths = args
     ref = paged_index_scores_reference(*args)
-    keys = k[jnp.clip(bt, 0, k.shape[0] - 1)].reshape(4, -1, SHAPE["di"])  # [B, S, Di]
-    mask = (jnp.arange(keys.shape[1])[None, :] < lengths[:, None])[:, None, :]
-    model = dsa.index_scores(q[:, None], w[:, None], keys, mask)[:, 0]
+    # The requests' keys gathered and masked on the host.
+    k_np, bt_np = np.asarray(k), np.asarray(bt)
+    keys = k_np[np.clip(bt_np, 0, k_np.shape[0] - 1)].reshape(4, -1, SHAPE["di"])  # [B, S, Di]
+    mask = (np.arange(keys.shape[1])[None, :] < np.asarray(lengths)[:, None])[:, None, :]
+
+    @jax.jit
+    def model_scores_and_choice(q, w, keys, mask):  # one program
+      model = dsa.index_scores(q[:, None], w[:, None], keys, mask)[:, 0]
+      return model, dsa.select_topk(model[:, None], mask, 10)[:, 0]
+    model, sel = model_scores_and_choice(q, w, *put(keys, mask))
     np.testing.assert_allclose(np.asarray(ref), np.asarray(model), rtol=1e-5, atol=1e-5)
     # ... and its top-k selects the positions select_topk does, ascending, -1 after them.
-    sel = np.asarray(dsa.select_topk(model[:, None], mask, 10)[:, 0])
+    sel = np.asarray(sel)
     want = np.full((4, 10), -1, np.int32)
     for b in range(4):
       pos = np.flatnonzero(sel[b])
@@ -127,8 +142,8 @@ class IndexerReferenceTest(parameterized.TestCase):
 
   def test_topk_ties_break_toward_the_earlier_position(self):
     # ReLU gives exact ties at 0; the earlier positions win, as in the model.
-    scores = jnp.asarray([[0.0, 2.0, 0.0, 0.0, 1.0, -jnp.inf],
-                          [-jnp.inf] * 6], jnp.float32)
+    scores = put(np.asarray([[0.0, 2.0, 0.0, 0.0, 1.0, -np.inf],
+                             [-np.inf] * 6], np.float32))
     np.testing.assert_array_equal(np.asarray(topk_positions(scores, 4)),
                                   [[0, 1, 2, 4], [-1, -1, -1, -1]])
     self.assertEqual(topk_positions(scores, 9).shape, (2, 6))  # k capped at S
@@ -152,7 +167,7 @@ def _topk_cases(seed):
   x[5] = np.round(x[5] * 2) / 2  # many ties everywhere
   x[6] = -np.abs(x[6]) - 1.0  # all negative (mixed-sign head weights)
   x[7, :] = 3.0  # all equal: the earliest k
-  return jnp.asarray(x)
+  return put(x)
 
 
 class TopkKernelInterpretTest(parameterized.TestCase):
@@ -173,11 +188,18 @@ class TopkKernelInterpretTest(parameterized.TestCase):
     np.testing.assert_array_equal(np.asarray(topk_kernel_op(scores, k=7, backend="xla")),
                                   np.asarray(topk_positions(scores, 7)))
     with self.assertRaisesRegex(ValueError, r"\[B, S\] float32"):
-      topk_kernel_op(scores.astype(jnp.bfloat16), k=3, backend="interpret")
+      topk_kernel_op(put(np.asarray(scores).astype(jnp.bfloat16)), k=3, backend="interpret")
     with self.assertRaisesRegex(ValueError, "k must be >= 1"):
       topk_kernel_op(scores, k=0, backend="interpret")
     with self.assertRaisesRegex(ValueError, "power of two"):
       TopkBlockSizes(block=100)
+
+
+# The model's selection, blocked and unblocked, each in one program (shared by the cases),
+# where eagerly each operation (and loop step) is one.
+_select_blocked = jax.jit(dsa.select, static_argnums=4, static_argnames="block")
+_select_unblocked = jax.jit(lambda q, w, keys, mask, k: dsa.select_topk(
+    dsa.index_scores(q, w, keys, mask), mask, k), static_argnums=4)
 
 
 class BlockedSelectionTest(parameterized.TestCase):
@@ -187,16 +209,16 @@ class BlockedSelectionTest(parameterized.TestCase):
   def test_blocked_equals_unblocked(self, block):
     rng = np.random.default_rng(block)
     B, T, S, Hi, Di = 2, 11, 19, 3, 8
-    q = jnp.asarray(rng.standard_normal((B, T, Hi, Di)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((B, T, Hi)), jnp.float32)
-    keys = jnp.asarray(rng.standard_normal((B, S, Di)), jnp.float32)
+    q, w, keys = put(rng.standard_normal((B, T, Hi, Di)).astype(np.float32),
+                     rng.standard_normal((B, T, Hi)).astype(np.float32),
+                     rng.standard_normal((B, S, Di)).astype(np.float32))
     # Causal with the queries at positions 8..18, a shorter second request.
     pos = np.arange(S - T, S)
     lengths = np.asarray([S, 15])
-    mask = jnp.asarray((np.arange(S)[None, None, :] <= pos[None, :, None])
-                       & (np.arange(S)[None, None, :] < lengths[:, None, None]))
-    want = dsa.select_topk(dsa.index_scores(q, w, keys, mask), mask, 5)
-    got = dsa.select(q, w, keys, mask, 5, block=block)
+    mask = put((np.arange(S)[None, None, :] <= pos[None, :, None])
+               & (np.arange(S)[None, None, :] < lengths[:, None, None]))
+    want = _select_unblocked(q, w, keys, mask, 5)
+    got = _select_blocked(q, w, keys, mask, 5, block=block)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     self.assertTrue((np.asarray(got).sum(-1) <= 5).all())
 
@@ -224,11 +246,11 @@ class IndexerBadInputTest(parameterized.TestCase):
 
   def test_weights_shape(self):
     with self.assertRaisesRegex(ValueError, r"weights must be \[B=2, Hi=4\]"):
-      self._call(a1=self.args[1][:, :3])
+      self._call(a1=put(np.asarray(self.args[1])[:, :3]))
 
   def test_key_width(self):
     with self.assertRaisesRegex(ValueError, r"index_k must be \[N, page_size, Di=16\]"):
-      self._call(a2=self.args[2][..., :8])
+      self._call(a2=put(np.asarray(self.args[2])[..., :8]))
 
   def test_fp8_without_scales(self):
     with self.assertRaisesRegex(ValueError, "index_k_scale"):
@@ -236,11 +258,11 @@ class IndexerBadInputTest(parameterized.TestCase):
 
   def test_int_keys(self):
     with self.assertRaisesRegex(ValueError, "bf16, f32 or float8"):
-      self._call(a2=self.args[2].astype(jnp.int8), a3=None)
+      self._call(a2=put(np.asarray(self.args[2]).astype(np.int8)), a3=None)
 
   def test_tables_do_not_match_batch(self):
     with self.assertRaisesRegex(ValueError, "do not match batch 2"):
-      self._call(a4=self.args[4][:1])
+      self._call(a4=put(np.asarray(self.args[4])[:1]))
 
   def test_head_dim_not_a_power_of_two(self):
     args = make_inputs(4, kv="bf16", batch=1, heads=4, di=24, page_size=4, max_pages=2,
