@@ -13,6 +13,8 @@ have exactly the shapes the real quantiser produces), the paged KV pool from
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax.sharding import Mesh, NamedSharding
 
@@ -108,10 +110,19 @@ def sharded_kv_state(cfg: ModelConfig, kv_cfg: KVCacheConfig, mesh: Mesh,
   Raises:
     ValueError: with data_parallel, if the page count does not split over the data axis.
   """
+  return _pool_builder(cfg, kv_cfg, mesh, rules, data_parallel, draft_layers)()
+
+
+@functools.lru_cache(maxsize=32)
+def _pool_builder(cfg: ModelConfig, kv_cfg: KVCacheConfig, mesh: Mesh, rules: ShardingRules,
+                  data_parallel: bool, draft_layers: int):
+  """The jitted pool constructor of one configuration and mesh, kept: every engine built
+  alike (a server's restarts, pools of one shape) runs the program compiled for the first
+  instead of compiling its own."""
   shardings = abstract_kv_state(cfg, kv_cfg, mesh, rules, data_parallel=data_parallel,
                                 draft_layers=draft_layers)
   out = jax.tree_util.tree_map(lambda s: s.sharding, shardings)
-  return jax.jit(lambda: init_paged_state(cfg, kv_cfg, draft_layers), out_shardings=out)()
+  return jax.jit(lambda: init_paged_state(cfg, kv_cfg, draft_layers), out_shardings=out)
 
 
 def replicated(shape, dtype, mesh: Mesh) -> jax.ShapeDtypeStruct:
