@@ -7,6 +7,8 @@ target distribution, computed here independently in numpy (temperature, top-k, t
 by a chi-squared test. Negative controls show that the same test rejects two wrong rules.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ from absl.testing import absltest, parameterized
 
 from mlkit.sampling import row_keys
 from mlkit.speculative import FILL_TOKEN, accept_drafts
+from router_sort_refs import put
 
 try:
   from scipy import stats
@@ -26,15 +29,24 @@ accept_jit = jax.jit(accept_drafts)
 P_MIN = 1e-3
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _keys(B, K1, seed=0):
-  """[B, K+1] keys as the engine would make them: row b's key for token index j."""
+  """[B, K+1] keys as the engine would make them: row b's key for token index j.
+
+  Jitted: one program per shape, where the eager ops would compile one each."""
   seeds = jnp.arange(B, dtype=jnp.uint32) + jnp.uint32(seed)
   return jax.vmap(lambda j: row_keys(seeds, j), out_axes=1)(jnp.arange(K1))
 
 
 def _rows(B, temperature, top_k=0, top_p=1.0):
-  return (jnp.full((B,), temperature, jnp.float32), jnp.full((B,), top_k, jnp.int32),
-          jnp.full((B,), top_p, jnp.float32))
+  return put(np.full((B,), temperature, np.float32), np.full((B,), top_k, np.int32),
+             np.full((B,), top_p, np.float32))
+
+
+def _softmax(x):
+  """numpy softmax over the last axis, in x's dtype (test data: draft distributions)."""
+  e = np.exp(x - x.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
 
 
 def _target_probs(logits, temperature, top_k, top_p):
@@ -93,15 +105,14 @@ class GreedyTest(parameterized.TestCase):
       want_n[b] = n
       want[b, :n] = argmax[b, :n]
       want[b, n] = argmax[b, n]
-    return (jnp.asarray(logits), jnp.asarray(drafts, jnp.int32), jnp.asarray(num_drafts),
-            want_n, want)
+    return (*put(logits, drafts.astype(np.int32), num_drafts), want_n, want)
 
   @parameterized.named_parameters(("one_hot_drafter", False), ("draft_probs", True))
   def test_accepts_the_argmax_prefix_then_emits_the_argmax(self, with_probs):
     B, K, V = self.B, self.K, self.V
     logits, drafts, num_drafts, want_n, want = self._batch(seed=1)
-    probs = (jax.nn.softmax(jnp.asarray(np.random.default_rng(2).standard_normal((B, K, V)),
-                                        jnp.float32)) if with_probs else None)
+    probs = (put(_softmax(np.random.default_rng(2).standard_normal((B, K, V)).astype(np.float32)))
+             if with_probs else None)
     n, tokens = accept_jit(logits, drafts, num_drafts, _keys(B, K + 1), *_rows(B, 0.0, 5, 0.5),
                            probs)
     np.testing.assert_array_equal(n, want_n)
@@ -117,7 +128,7 @@ class GreedyTest(parameterized.TestCase):
     # batch runs them, and must give greedy rows the same result.
     B, K = self.B, self.K
     logits, drafts, num_drafts, want_n, want = self._batch(seed=3)
-    temperature = jnp.asarray([0.0, 1.0] * (B // 2), jnp.float32)
+    temperature = put(np.asarray([0.0, 1.0] * (B // 2), np.float32))
     _, top_k, top_p = _rows(B, 0.0)
     n, tokens = accept_jit(logits, drafts, num_drafts, _keys(B, K + 1), temperature, top_k,
                            top_p, None)
@@ -125,7 +136,7 @@ class GreedyTest(parameterized.TestCase):
     np.testing.assert_array_equal(np.asarray(n)[greedy], want_n[greedy])
     np.testing.assert_array_equal(np.asarray(tokens)[greedy], want[greedy])
     # Sampled rows emit n+1 real tokens, then fill.
-    n, tokens = np.asarray(n), np.asarray(tokens)
+    n, tokens, num_drafts = np.asarray(n), np.asarray(tokens), np.asarray(num_drafts)
     for b in np.flatnonzero(~greedy):
       self.assertTrue(0 <= n[b] <= num_drafts[b])
       self.assertTrue(np.all(tokens[b, :n[b] + 1] >= 0))
@@ -134,11 +145,11 @@ class GreedyTest(parameterized.TestCase):
 
   def test_no_draft_positions(self):
     # K = 0: the target step is one ordinary decode step.
-    logits = jnp.asarray(np.random.default_rng(4).standard_normal((3, 1, 20)), jnp.float32)
-    n, tokens = accept_drafts(logits, jnp.zeros((3, 0), jnp.int32), jnp.zeros((3,), jnp.int32),
-                              _keys(3, 1), *_rows(3, 0.0), None)
+    logits = np.random.default_rng(4).standard_normal((3, 1, 20)).astype(np.float32)
+    n, tokens = accept_drafts(put(logits), put(np.zeros((3, 0), np.int32)),
+                              put(np.zeros((3,), np.int32)), _keys(3, 1), *_rows(3, 0.0), None)
     np.testing.assert_array_equal(n, [0, 0, 0])
-    np.testing.assert_array_equal(tokens[:, 0], np.asarray(logits)[:, 0].argmax(-1))
+    np.testing.assert_array_equal(np.asarray(tokens)[:, 0], logits[:, 0].argmax(-1))
 
 
 class SampledTest(parameterized.TestCase):
@@ -169,16 +180,17 @@ class SampledTest(parameterized.TestCase):
     cls.fixed_drafts = np.stack([np.full(B, order[0, -1]),
                                  np.where(np.arange(B) % 2 == 0, order[1, 0], order[1, -1])], 1)
     t, k, p = (np.array([s[i] for s in cls.SETTINGS])[cls.setting] for i in range(3))
-    cls.args = dict(target_logits=jnp.asarray(np.broadcast_to(cls.logits, (B, K + 1, V))),
-                    num_drafts=jnp.asarray(cls.num_drafts), keys=_keys(B, K + 1, seed=11),
-                    temperature=jnp.asarray(t, jnp.float32), top_k=jnp.asarray(k, jnp.int32),
-                    top_p=jnp.asarray(p, jnp.float32))
+    cls.args = dict(target_logits=put(np.ascontiguousarray(np.broadcast_to(cls.logits,
+                                                                           (B, K + 1, V)))),
+                    num_drafts=put(cls.num_drafts), keys=_keys(B, K + 1, 11),
+                    temperature=put(t.astype(np.float32)), top_k=put(k.astype(np.int32)),
+                    top_p=put(p.astype(np.float32)))
 
   def _run(self, with_probs):
     drafts = self.sampled_drafts if with_probs else self.fixed_drafts
-    probs = (jnp.asarray(np.broadcast_to(self.q, (self.B, self.K, self.V)), jnp.float32)
+    probs = (put(np.broadcast_to(self.q, (self.B, self.K, self.V)).astype(np.float32))
              if with_probs else None)
-    n, tokens = accept_jit(draft_tokens=jnp.asarray(drafts, jnp.int32), draft_probs=probs,
+    n, tokens = accept_jit(draft_tokens=put(drafts.astype(np.int32)), draft_probs=probs,
                            **self.args)
     return np.asarray(n), np.asarray(tokens)
 
@@ -215,10 +227,10 @@ class SampledTest(parameterized.TestCase):
   def test_one_hot_draft_probs_equal_the_one_hot_drafter(self):
     # draft_probs = None means q one-hot at the draft: passing that one-hot explicitly must
     # give the same decisions and tokens under the same keys.
-    drafts = jnp.asarray(self.sampled_drafts, jnp.int32)
-    n0, t0 = accept_jit(draft_tokens=drafts, draft_probs=None, **self.args)
-    n1, t1 = accept_jit(draft_tokens=drafts, draft_probs=jax.nn.one_hot(drafts, self.V),
-                        **self.args)
+    drafts = self.sampled_drafts.astype(np.int32)
+    one_hot = np.eye(self.V, dtype=np.float32)[drafts]  # as jax.nn.one_hot(drafts, V)
+    n0, t0 = accept_jit(draft_tokens=put(drafts), draft_probs=None, **self.args)
+    n1, t1 = accept_jit(draft_tokens=put(drafts), draft_probs=put(one_hot), **self.args)
     np.testing.assert_array_equal(n0, n1)
     np.testing.assert_array_equal(t0, t1)
 
@@ -243,26 +255,29 @@ class ValidationTest(parameterized.TestCase):
 
   def _args(self):
     B, K, V = self.B, self.K, self.V
-    return dict(target_logits=jnp.zeros((B, K + 1, V)), draft_tokens=jnp.zeros((B, K), jnp.int32),
-                num_drafts=jnp.full((B,), K, jnp.int32), keys=_keys(B, K + 1),
-                temperature=jnp.ones((B,)), top_k=jnp.zeros((B,), jnp.int32), top_p=jnp.ones((B,)),
-                draft_probs=None)
+    return dict(target_logits=put(np.zeros((B, K + 1, V), np.float32)),
+                draft_tokens=put(np.zeros((B, K), np.int32)),
+                num_drafts=put(np.full((B,), K, np.int32)), keys=_keys(B, K + 1),
+                temperature=put(np.ones((B,), np.float32)), top_k=put(np.zeros((B,), np.int32)),
+                top_p=put(np.ones((B,), np.float32)), draft_probs=None)
 
   @parameterized.named_parameters(
-      ("logits_rank", "target_logits", jnp.zeros((2, 11))),
-      ("logits_dtype", "target_logits", jnp.zeros((2, 4, 11), jnp.int32)),
-      ("drafts_K", "draft_tokens", jnp.zeros((2, 4), jnp.int32)),
-      ("drafts_B", "draft_tokens", jnp.zeros((3, 3), jnp.int32)),
-      ("drafts_dtype", "draft_tokens", jnp.zeros((2, 3), jnp.float32)),
-      ("num_drafts_shape", "num_drafts", jnp.zeros((3,), jnp.int32)),
-      ("num_drafts_dtype", "num_drafts", jnp.zeros((2,), jnp.float32)),
-      ("keys_raw", "keys", jnp.zeros((2, 4, 2), jnp.uint32)),
-      ("keys_shape", "keys", jax.random.split(jax.random.key(0), 8).reshape(2, 4)[:, :3]),
-      ("temperature_shape", "temperature", jnp.ones((3,))),
-      ("top_k_dtype", "top_k", jnp.zeros((2,), jnp.float32)),
-      ("top_p_shape", "top_p", jnp.ones((2, 1))),
-      ("draft_probs_V", "draft_probs", jnp.zeros((2, 3, 10))),
-      ("draft_probs_dtype", "draft_probs", jnp.zeros((2, 3, 11), jnp.int32)),
+      # Bad values made on the host and placed (an eager jnp fill compiles one program each).
+      ("logits_rank", "target_logits", put(np.zeros((2, 11), np.float32))),
+      ("logits_dtype", "target_logits", put(np.zeros((2, 4, 11), np.int32))),
+      ("drafts_K", "draft_tokens", put(np.zeros((2, 4), np.int32))),
+      ("drafts_B", "draft_tokens", put(np.zeros((3, 3), np.int32))),
+      ("drafts_dtype", "draft_tokens", put(np.zeros((2, 3), np.float32))),
+      ("num_drafts_shape", "num_drafts", put(np.zeros((3,), np.int32))),
+      ("num_drafts_dtype", "num_drafts", put(np.zeros((2,), np.float32))),
+      ("keys_raw", "keys", put(np.zeros((2, 4, 2), np.uint32))),
+      ("keys_shape", "keys", jax.jit(
+          lambda: jax.random.split(jax.random.key(0), 8).reshape(2, 4)[:, :3])()),
+      ("temperature_shape", "temperature", put(np.ones((3,), np.float32))),
+      ("top_k_dtype", "top_k", put(np.zeros((2,), np.float32))),
+      ("top_p_shape", "top_p", put(np.ones((2, 1), np.float32))),
+      ("draft_probs_V", "draft_probs", put(np.zeros((2, 3, 10), np.float32))),
+      ("draft_probs_dtype", "draft_probs", put(np.zeros((2, 3, 11), np.int32))),
   )
   def test_bad_argument_is_named(self, name, value):
     args = self._args()
@@ -272,7 +287,7 @@ class ValidationTest(parameterized.TestCase):
 
   def test_checked_at_trace_time(self):
     args = self._args()
-    args["draft_tokens"] = jnp.zeros((self.B, self.K + 1), jnp.int32)
+    args["draft_tokens"] = put(np.zeros((self.B, self.K + 1), np.int32))
     with self.assertRaisesRegex(ValueError, "draft_tokens"):
       jax.jit(accept_drafts).lower(**args)
 
