@@ -4,7 +4,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
@@ -12,6 +11,7 @@ from configs import TINY_GQA, TINY_MLA
 from mlkit import kvcache as kvc
 from mlkit import model
 from numpy_params import init_params_np
+from router_sort_refs import put
 
 PAGE = 4  # small pages so the tiny sequences cross page boundaries
 NUM_PAGES = 10
@@ -65,10 +65,12 @@ class PagedModelTest(parameterized.TestCase):
     rng = np.random.default_rng(0)
     B = len(PREFILL_LENGTHS)
     params = init_params_np(cfg)
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)), jnp.int32)
-    positions = jnp.asarray(np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)))
-    dec_tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, 1)), jnp.int32)
-    dec_positions = jnp.asarray(np.asarray(PREFILL_LENGTHS, np.int32)[:, None])
+    # Cast in numpy and placed with device_put: jnp.asarray compiles a program per shape.
+    tokens, positions, dec_tokens, dec_positions = put(
+        rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32),
+        np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
+        rng.integers(0, cfg.vocab_size, (B, 1)).astype(np.int32),
+        np.asarray(PREFILL_LENGTHS, np.int32)[:, None])
 
     alloc = kvc.PageAllocator(NUM_PAGES, PAGE)
     alloc.allocate(2)  # so requests do not start at page 0
@@ -122,11 +124,11 @@ class PagedModelTest(parameterized.TestCase):
     cfg = dataclasses.replace(TINY_GQA, n_layers=1)
     params = init_params_np(cfg)
     state = kvc.init_paged_state(cfg, kvc.KVCacheConfig(4, PAGE, "bfloat16"))
-    meta = kvc.BatchMeta(block_tables=jnp.asarray([[0, 9]], jnp.int32),
-                         lengths=jnp.asarray([6], jnp.int32),
-                         expected_tags=jnp.zeros((1, 2), jnp.int32), page_size=PAGE)
-    tokens = jnp.ones((1, 2), jnp.int32)
-    positions = jnp.asarray([[4, 5]], jnp.int32)
+    block_tables, lengths, expected_tags, tokens, positions = put(
+        np.asarray([[0, 9]], np.int32), np.asarray([6], np.int32), np.zeros((1, 2), np.int32),
+        np.ones((1, 2), np.int32), np.asarray([[4, 5]], np.int32))
+    meta = kvc.BatchMeta(block_tables=block_tables, lengths=lengths,
+                         expected_tags=expected_tags, page_size=PAGE)
     with self.assertRaisesRegex(ValueError, r"entry \[0, 1\] = 9 points outside the pool of 4"):
       model.apply(params, tokens, positions, state, cfg=cfg, batch_meta=meta)
     with self.assertRaisesRegex(ValueError, "needs batch_meta=BatchMeta"):
