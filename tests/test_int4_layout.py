@@ -4,6 +4,7 @@ platform's choice (mlkit.quant.kernel_int4_layout) and converting a tree.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +20,15 @@ from mlkit.quant import (INT4_EXPERTS, RECIPES, Int4Weight, dequantize, grouped_
                          kernel_int4_layout, kernel_layout, matmul, quantize_int4,
                          quantize_params, relaid_int4, weight_bytes)
 from numpy_params import init_params_np
+from router_sort_refs import put
 
 MLA = dataclasses.replace(TINY_MLA, n_layers=2)  # one dense and one MoE layer
+
+
+def _host_slice(w, i):
+  """w[i] of every leaf, sliced on the host and placed again: an eager device slice compiles
+  a program per shape."""
+  return jax.tree.map(lambda a: put(np.asarray(a)[i]), w)
 
 
 def _rel_err(a, b):
@@ -31,9 +39,11 @@ def _rel_err(a, b):
 class Int4LayoutTest(absltest.TestCase):
 
   @staticmethod
+  @functools.cache
   def weights():
-    """Int4 experts [4, 256, 64], layout "kn"."""
-    return quantize_int4(jax.random.normal(jax.random.key(0), (4, 256, 64), jnp.float32), 32)
+    """Int4 experts [4, 256, 64], layout "kn" (quantised once: Int4Weight is immutable)."""
+    w = np.random.default_rng(0).standard_normal((4, 256, 64)).astype(np.float32)
+    return quantize_int4(put(w), 32)
 
   def setUp(self):
     super().setUp()
@@ -56,12 +66,12 @@ class Int4LayoutTest(absltest.TestCase):
       self.kn.to_layout("t")
 
   def test_kernels_read_the_nk_layout(self):
-    x = jax.random.normal(jax.random.key(1), (5, 256), jnp.float32)
-    gs = jnp.array([2, 0, 3, 0], jnp.int32)
+    x, gs = put(np.random.default_rng(1).standard_normal((5, 256)).astype(np.float32),
+                np.asarray([2, 0, 3, 0], np.int32))
     ref = grouped_matmul(x, self.kn, gs, backend="xla")
     np.testing.assert_array_equal(grouped_matmul(x, self.nk, gs, backend="xla"), ref)
     self.assertLess(_rel_err(grouped_matmul(x, self.nk, gs, backend="interpret"), ref), 1e-2)
-    dense_kn, dense_nk = (jax.tree.map(lambda a: a[1], w) for w in (self.kn, self.nk))
+    dense_kn, dense_nk = (_host_slice(w, 1) for w in (self.kn, self.nk))
     self.assertLess(_rel_err(matmul(x, dense_nk, backend="interpret"),
                              matmul(x, dense_kn, backend="xla")), 1e-2)
 
@@ -79,7 +89,7 @@ class Int4LayoutTest(absltest.TestCase):
       kernel_int4_layout("cuda")
 
   def test_kernel_layout_converts_for_kernel_backends_only(self):
-    tree = {"w": self.kn, "norm": jnp.ones(4)}
+    tree = {"w": self.kn, "norm": put(np.ones(4, np.float32))}
     self.assertIs(kernel_layout(tree, "xla"), tree)
     nk_tree = {"w": self.nk, "norm": tree["norm"]}
     self.assertIs(kernel_layout(nk_tree, "xla"), nk_tree)
@@ -127,8 +137,9 @@ class Int4LayoutModelTest(absltest.TestCase):
     w = Int4LayoutTest.weights()  # experts [E, K, N]
     spec = parallel.leaf_partition_spec(w, ("experts", None, None), parallel.DEFAULT_RULES,
                                         mesh)
-    placed = Int4Weight(packed=jax.device_put(w.packed, NamedSharding(mesh, spec.packed)),
-                        scales=jax.device_put(w.scales, NamedSharding(mesh, spec.scales)),
+    # Placed from host copies: resharding a device array compiles a slicing program.
+    placed = Int4Weight(packed=jax.device_put(np.asarray(w.packed), NamedSharding(mesh, spec.packed)),
+                        scales=jax.device_put(np.asarray(w.scales), NamedSharding(mesh, spec.scales)),
                         group_size=w.group_size)
     nk = placed.to_layout("nk")
     want = parallel.leaf_partition_spec(nk, ("experts", None, None), parallel.DEFAULT_RULES,
@@ -148,7 +159,7 @@ class Int4LayoutModelTest(absltest.TestCase):
     # A dense-FFN down projection [mlp, embed] (K split over "tensor") and routed
     # experts [experts, .., ..] (split over "expert").
     w = Int4LayoutTest.weights()
-    for leaf, logical in ((jax.tree.map(lambda a: a[0], w), ("mlp", None)),
+    for leaf, logical in ((_host_slice(w, 0), ("mlp", None)),
                           (w, ("experts", None, None))):
       kn = parallel.leaf_partition_spec(leaf, logical, parallel.DEFAULT_RULES, mesh)
       nk = parallel.leaf_partition_spec(leaf.to_layout("nk"), logical, parallel.DEFAULT_RULES,
@@ -158,7 +169,7 @@ class Int4LayoutModelTest(absltest.TestCase):
       self.assertEqual(nk.packed, P(*kn.packed[:-2], kn.packed[-1], kn.packed[-2]))
 
   def test_model_runs_the_nk_kernels(self):
-    toks = jnp.asarray(np.random.default_rng(2).integers(0, MLA.vocab_size, (1, 4)), jnp.int32)
+    toks = put(np.random.default_rng(2).integers(0, MLA.vocab_size, (1, 4)).astype(np.int32))
     ref = forward(self.kn, toks, cfg=MLA, backend="xla")
     out = forward(self.nk, toks, cfg=MLA, backend="interpret")
     self.assertTrue(np.all(np.isfinite(np.asarray(out))))
