@@ -44,8 +44,9 @@ def init_params_np(cfg, seed: int = 0, mtp=None) -> dict:
     else:
       std = (cfg.d_model ** -0.5 if cfg.tie_embeddings else 1.0) if kind == "embed" else shape[-2] ** -0.5
       x = (rng.standard_normal(shape) * std).astype(np.float32)
-    # Cast on the host (ml_dtypes rounds to nearest even, as XLA does): an eager jnp cast
-    # or fill would compile a small program per shape.
-    return jnp.asarray(x.astype(dt))
+    # Cast on the host (ml_dtypes rounds to nearest even, as XLA does) and place with
+    # device_put: an eager jnp cast or fill, or jnp.asarray itself, compiles a small
+    # program per shape.
+    return jax.device_put(x.astype(dt))
 
   return jax.tree_util.tree_map(leaf, model.param_specs(cfg, mtp=mtp), is_leaf=_is_spec)
