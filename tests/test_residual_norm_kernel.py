@@ -25,6 +25,7 @@ import ml_dtypes
 import numpy as np
 
 import h200_compile_cases
+from router_sort_refs import put
 from pallas_kernels.residual_norm import ops
 from pallas_kernels.residual_norm import (kernel_takes, residual_norm,
                                           residual_norm_partitioned, residual_norm_reference)
@@ -34,13 +35,16 @@ EPS = 1e-6
 
 
 def _inputs(seed, shape, dtypes, x_dtype=BF16):
-  """x [..., D], deltas [..., D] of ``dtypes``, scale [D]: fresh normals of mixed size."""
+  """x [..., D], deltas [..., D] of ``dtypes``, scale [D]: fresh normals of mixed size.
+
+  Cast on the host and placed with device_put: ``jnp.asarray(a, dtype)`` compiles a
+  conversion per shape."""
   rng = np.random.default_rng(seed)
-  x = jnp.asarray(rng.normal(size=shape) * 4, x_dtype)
-  deltas = tuple(jnp.asarray(rng.normal(size=shape) * rng.choice([0.01, 1.0, 30.0]), t)
+  x = np.asarray(rng.normal(size=shape) * 4, x_dtype)
+  deltas = tuple(np.asarray(rng.normal(size=shape) * rng.choice([0.01, 1.0, 30.0]), t)
                  for t in dtypes)
-  scale = jnp.asarray(rng.uniform(0.5, 1.5, shape[-1:]), BF16)
-  return x, deltas, scale
+  scale = np.asarray(rng.uniform(0.5, 1.5, shape[-1:]), BF16)
+  return put(x), tuple(put(d) for d in deltas), put(scale)
 
 
 @functools.cache
@@ -52,7 +56,8 @@ _reference = jax.jit(lambda x, d, s: residual_norm_reference(x, d, s, EPS))
 
 
 def _f32(a):
-  return np.asarray(jnp.asarray(a).astype(F32))
+  """a as a float32 numpy array, converted on the host (bf16 -> f32 is exact)."""
+  return np.asarray(a).astype(np.float32)
 
 
 def _float64(x, deltas, scale, dtype):
@@ -60,7 +65,7 @@ def _float64(x, deltas, scale, dtype):
   rounded = np.float32 if dtype == F32 else ml_dtypes.bfloat16
   s = _f32(x).astype(np.float64)
   for d in deltas:
-    d = _f32(jnp.asarray(d).astype(dtype)).astype(np.float64)
+    d = np.asarray(d).astype(rounded).astype(np.float64)
     s = (s + d).astype(rounded).astype(np.float64)
   normed = s / np.sqrt(np.mean(s * s, axis=-1, keepdims=True) + EPS) * _f32(scale)
   return s, normed
@@ -119,14 +124,16 @@ class ResidualNormTest(parameterized.TestCase):
 
   def test_bad_input(self):
     x, (d,), scale = _inputs(5, (4, 64), (BF16,))
+    # Bad inputs sliced and cast on the host: eager slices and casts compile a program each.
+    h_x, h_d, h_scale = np.asarray(x), np.asarray(d), np.asarray(scale)
     with self.assertRaisesRegex(ValueError, "delta 0 must be"):
-      residual_norm(x, (d[:3],), scale, EPS)
+      residual_norm(x, (put(h_d[:3]),), scale, EPS)
     with self.assertRaisesRegex(ValueError, "delta 1 must be"):
-      residual_norm(x, (d, d.astype(jnp.int32)), scale, EPS)
+      residual_norm(x, (d, put(h_d.astype(np.int32))), scale, EPS)
     with self.assertRaisesRegex(ValueError, "scale must be"):
-      residual_norm(x, (d,), scale[:32], EPS)
+      residual_norm(x, (d,), put(h_scale[:32]), EPS)
     with self.assertRaisesRegex(ValueError, "x must be"):
-      residual_norm(x.astype(jnp.int32), (d,), scale, EPS)
+      residual_norm(put(h_x.astype(np.int32)), (d,), scale, EPS)
     with self.assertRaisesRegex(ValueError, "backend must be"):
       residual_norm(x, (d,), scale, EPS, backend="triton")
     with self.assertRaisesRegex(ValueError, "interpret"):
@@ -134,7 +141,7 @@ class ResidualNormTest(parameterized.TestCase):
 
   def test_gradient_is_the_references(self):
     x, deltas, scale = _inputs(6, (3, 192), (BF16, F32))
-    w_x, w_normed = (jnp.asarray(np.random.default_rng(s).normal(size=x.shape), F32)
+    w_x, w_normed = (put(np.random.default_rng(s).normal(size=x.shape).astype(np.float32))
                      for s in (10, 11))
 
     def loss(fn):
@@ -165,10 +172,12 @@ class PartitionTest(absltest.TestCase):
       shapes.append((x.shape, scale.shape) + tuple(d.shape for d in deltas))
       return op(eps, backend, x, scale, *deltas)
 
-    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+    # From host copies: resharding a device array compiles a slicing program.
+    place = lambda a, spec: jax.device_put(np.asarray(a), NamedSharding(mesh, spec))  # noqa: E731
     # Rows split over "data"; one delta arrives split over D, which the rule gathers.
-    args = (put(x, P("data")), (put(deltas[0], P("data")), put(deltas[1], P(None, None, "tensor"))),
-            put(scale, P("tensor")))
+    args = (place(x, P("data")),
+            (place(deltas[0], P("data")), place(deltas[1], P(None, None, "tensor"))),
+            place(scale, P("tensor")))
     with mock.patch.object(ops, "_op", recording):
       got = jax.jit(lambda x, d, s: residual_norm_partitioned(x, d, s, EPS, backend="xla"))(
           *args)
@@ -185,7 +194,7 @@ class ModelTest(absltest.TestCase):
     from numpy_params import init_params_np
     cfg = dataclasses.replace(TINY_MLA, n_layers=3, dtype="bfloat16")
     params = init_params_np(cfg)
-    toks = jnp.asarray(np.random.default_rng(8).integers(0, cfg.vocab_size, (1, 3)), jnp.int32)
+    toks = put(np.random.default_rng(8).integers(0, cfg.vocab_size, (1, 3)).astype(np.int32))
     fwd = lambda p, t, backend: forward(p, t, cfg=cfg, backend=backend)  # noqa: E731
     # Between every two layers: one kernel.
     spy = mock.Mock(wraps=ops._run)
@@ -207,8 +216,8 @@ class ModelTest(absltest.TestCase):
     from numpy_params import init_params_np
     cfg = dataclasses.replace(TINY_MLA, n_layers=2, dtype="bfloat16")  # dense, then MoE
     params = init_params_np(cfg)
-    toks = jnp.asarray(np.random.default_rng(9).integers(0, cfg.vocab_size, (2, 3)), jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(3, dtype=jnp.int32), toks.shape)
+    toks = put(np.random.default_rng(9).integers(0, cfg.vocab_size, (2, 3)).astype(np.int32))
+    pos = put(np.broadcast_to(np.arange(3, dtype=np.int32), toks.shape).copy())
 
     def layer_by_layer(params, toks, pos):
       x = embed_tokens(params["embed"], toks).astype(BF16)
