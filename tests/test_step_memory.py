@@ -11,6 +11,7 @@ See docs/serving_step_memory.md.
 """
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -26,6 +27,7 @@ from mlkit.parallel import MeshConfig, ShardingRules, expert_sharding, make_mesh
 from mlkit.quant import INT4_EXPERTS, quantize_params
 from mlkit.quant.dispatch import ragged_dot_f32
 from numpy_params import init_params_np
+from router_sort_refs import put
 
 CFG = dataclasses.replace(TINY_MLA, n_routed_experts=8)
 # Jitted: each runs as one compiled program per shape instead of op by op.
@@ -34,8 +36,13 @@ dispatch = jax.jit(moe.dispatch_experts, static_argnums=4, static_argnames="back
 
 
 def _normal(seed, shape):
-  # numpy draws: jax.random would compile a threefry program per shape.
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+  # numpy draws placed with device_put: jax.random would compile a threefry program per
+  # shape, jnp.asarray a conversion.
+  return put(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
+
+
+# The reference grouped matmul, one program (eagerly, its operations compile one by one).
+_ragged_dot = jax.jit(functools.partial(jax.lax.ragged_dot, preferred_element_type=jnp.float32))
 
 
 def _rel(a, b) -> float:
@@ -87,7 +94,7 @@ class ExpertParallelTest(parameterized.TestCase):
     p, ps = self.params["layers"][1]["ffn"], placed["layers"][1]["ffn"]
     x = _normal(4, (400, CFG.d_model))
     ids, w, _ = route(p, x, CFG)
-    skewed = jnp.broadcast_to(jnp.arange(CFG.top_k, dtype=jnp.int32), ids.shape)
+    skewed = put(np.broadcast_to(np.arange(CFG.top_k, dtype=np.int32), ids.shape).copy())
     self.assertEqual(moe.ep_pass_rows(800, 8), 800)  # decode-sized: one pass of every row
     ref = jax.jit(lambda p, x, ids, w: moe.dispatch_experts(
         p, x, ids, w, CFG.n_routed_experts, backend="xla"))
@@ -121,10 +128,10 @@ class ExpertParallelTest(parameterized.TestCase):
     mesh = make_mesh(MeshConfig(tensor=8))
     es = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("tensor"))
     p = self.params["layers"][1]["ffn"]
-    x = jnp.ones((4, CFG.d_model), jnp.float32)
     # Any routing: the split is refused before anything is computed.
-    ids = jnp.asarray(np.arange(4 * CFG.top_k).reshape(4, CFG.top_k) % 8, jnp.int32)
-    w = jnp.full((4, CFG.top_k), 0.5, jnp.float32)
+    x, ids, w = put(np.ones((4, CFG.d_model), np.float32),
+                    (np.arange(4 * CFG.top_k).reshape(4, CFG.top_k) % 8).astype(np.int32),
+                    np.full((4, CFG.top_k), 0.5, np.float32))
     with self.assertRaisesRegex(ValueError, "do not split into whole experts"):
       moe.dispatch_experts(p, x, ids, w, 12, expert_sharding=es)
 
@@ -136,7 +143,7 @@ class QueryBlockTest(absltest.TestCase):
     B, T, S, H = 2, 37, 50, 4
     mask = np.random.default_rng(20).random((B, T, S)) < 0.7
     mask[:, 3] = False  # a masked row
-    mask = jnp.asarray(mask)
+    mask = put(mask)
     q_lat = _normal(21, (B, T, H, 16))
     q_rope = _normal(22, (B, T, H, 8))
     latent = _normal(23, (B, S, 16))
@@ -161,7 +168,7 @@ class QueryBlockTest(absltest.TestCase):
     for blocked, whole in ((blocked_mla, whole_mla), (blocked_gqa, whole_gqa)):
       self.assertEqual(blocked.shape, whole.shape)
       self.assertLess(_rel(blocked, whole), 1e-6)
-      np.testing.assert_array_equal(np.asarray(blocked[:, 3]), 0)
+      np.testing.assert_array_equal(np.asarray(blocked)[:, 3], 0)
 
 
   def test_block_follows_the_score_budget(self):
@@ -178,7 +185,7 @@ class QueryBlockTest(absltest.TestCase):
       return q
 
     q = _normal(5, (1, 100, 2, 4))
-    mask = jnp.ones((1, 100, 64), bool)
+    mask = put(np.ones((1, 100, 64), bool))
     saved = attention.SCORE_BLOCK_BYTES
     attention.SCORE_BLOCK_BYTES = 2 * 64 * 4 * 16  # the scores of 16 queries
     try:  # jitted (traced here, while the budget is set): one compile, not one per op
@@ -254,7 +261,7 @@ class KeyMaskTest(absltest.TestCase):
     slot = np.arange(S)[None, None, :]
     want = ((slot <= query_pos[:, :, None]) & (slot < lengths[:, None, None])
             & (segs[:, None, :] == segs[:, :T, None]))
-    return mask, jnp.asarray(want & also)
+    return mask, want & also  # numpy
 
   def test_dense_is_the_formula(self):
     mask, want = self._mask(0)
@@ -263,16 +270,19 @@ class KeyMaskTest(absltest.TestCase):
     self.assertGreater(int(want.sum()), 0)
     self.assertLess(int(want.sum()), want.size)
     with self.assertRaisesRegex(ValueError, "cannot narrow"):
-      mask & want[:, :3]
+      mask & put(want[:, :3])
 
   def test_blocked_attention_and_selection_equal_the_dense_mask(self):
     mask, want = self._mask(1)
     B, T, S = want.shape
+    want = put(want)
     q_lat = _normal(30, (B, T, 4, 16))
     q_rope = _normal(31, (B, T, 4, 8))
     latent = _normal(32, (B, S, 16))
     k_rope = _normal(33, (B, S, 8))
-    iq, iw = q_lat[..., :2, :], q_rope[..., 0, :2]  # indexer query [B, T, 2, 16], weights [B, T, 2]
+    # Indexer query [B, T, 2, 16], weights [B, T, 2]: sliced on the host (an eager device
+    # slice compiles a program per shape).
+    iq, iw = put(np.asarray(q_lat)[..., :2, :], np.asarray(q_rope)[..., 0, :2])
 
     def run(mask, block):
       saved = attention.QUERY_BLOCK
@@ -297,8 +307,8 @@ class KeyMaskTest(absltest.TestCase):
     cfg = dataclasses.replace(TINY_MLA, max_seq_len=192)
     params = init_params_np(cfg, seed=3)
     T, S = 128, 192
-    tokens = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (1, T)), jnp.int32)
-    positions = jnp.arange(T, dtype=jnp.int32)[None]
+    tokens, positions = put(np.random.default_rng(4).integers(0, cfg.vocab_size, (1, T)).astype(np.int32),
+                            np.arange(T, dtype=np.int32)[None])
     saved = attention.QUERY_BLOCK
     attention.QUERY_BLOCK = 16
     try:
@@ -358,19 +368,19 @@ class BlockedRaggedDotTest(parameterized.TestCase):
   def test_blocked_forms_equal_ragged_dot(self, per_block):
     x = _normal(40, (300, 64))
     w = _normal(41, (7, 64, 48))
-    sizes = jnp.array([50, 0, 77, 3, 100, 0, 40], jnp.int32)  # 270 of 300 rows, two empty
-    ref = jax.lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+    sizes = put(np.asarray([50, 0, 77, 3, 100, 0, 40], np.int32))  # 270 of 300 rows, two empty
+    ref = _ragged_dot(x, w, sizes)
     out = jax.jit(lambda x, w, s: ragged_dot_f32(x, w, s, blocked=True, per_block=per_block))(
         x, w, sizes)
     self.assertLess(_rel(out, ref), 1e-6)
-    np.testing.assert_array_equal(np.asarray(out[270:]), 0)
+    np.testing.assert_array_equal(np.asarray(out)[270:], 0)
 
   def test_no_layer_output_buffer_is_a_constant(self):
     # Three chained block loops (three layers' expert matmuls): no [blocks, block, N] f32
     # output buffer may be computed from constants, shared by every layer and live
     # through the step (the zeros behind an optimization_barrier were).
     w = _normal(42, (7, 48, 48))
-    sizes = jnp.array([50, 0, 77, 3, 100, 0, 40], jnp.int32)
+    sizes = put(np.asarray([50, 0, 77, 3, 100, 0, 40], np.int32))
 
     def layers(x):
       for _ in range(3):
