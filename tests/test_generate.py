@@ -12,11 +12,18 @@ from mlkit.generate import generate
 from mlkit.model import forward
 from mlkit.sampling import SamplingParams, row_keys, sample_tokens
 from numpy_params import init_params_np
+from host_softmax import softmax
+from router_sort_refs import put
 
 
 def _normal(seed, shape):
-  # numpy draws: jax.random would compile a threefry program per shape.
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+  """f32 normals [shape] as a numpy array: jax.random would compile a threefry program per
+  shape. Placed with ``put``, they compile nothing."""
+  return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+# row_keys of a batch, jitted: one program, not one per eager op.
+_row_keys = jax.jit(row_keys)
 
 
 class SamplerTest(parameterized.TestCase):
@@ -24,13 +31,15 @@ class SamplerTest(parameterized.TestCase):
   def _sample(self, logits, temp, top_k, top_p, seed=0, n=400):
     B = logits.shape[0]
 
-    @jax.jit
+    logits = put(np.asarray(logits, np.float32))
+
     def draw(step):
       keys = row_keys(jnp.full((B,), seed, jnp.uint32), step)
       return sample_tokens(logits, keys, jnp.full((B,), temp), jnp.full((B,), top_k, jnp.int32),
                            jnp.full((B,), top_p))
 
-    return np.asarray(jax.vmap(draw, out_axes=1)(jnp.arange(n)))  # [B, n]
+    # The n draws and their stacking in one program.
+    return np.asarray(jax.jit(jax.vmap(draw, out_axes=1))(np.arange(n, dtype=np.int32)))
 
   def test_greedy_is_argmax(self):
     logits = _normal(0, (4, 50))
@@ -41,18 +50,21 @@ class SamplerTest(parameterized.TestCase):
     # sample_tokens only runs the sorting filters when some row samples; either branch must
     # give what the filtered path gives, row by row (greedy rows: the argmax).
     from mlkit.sampling import _sample_filtered
-    logits = _normal(2, (4, 300))
-    keys = row_keys(jnp.arange(4, dtype=jnp.uint32), 3)
-    top_k = jnp.asarray([0, 5, 0, 7], jnp.int32)
-    top_p = jnp.asarray([1.0, 0.9, 0.8, 1.0], jnp.float32)
-    greedy = jnp.argmax(logits, -1).astype(jnp.int32)
+    h_logits = _normal(2, (4, 300))
+    logits = put(h_logits)
+    keys = _row_keys(np.arange(4, dtype=np.uint32), 3)
+    top_k, top_p = put(np.asarray([0, 5, 0, 7], np.int32),
+                       np.asarray([1.0, 0.9, 0.8, 1.0], np.float32))
+    h_greedy = np.argmax(h_logits, -1).astype(np.int32)
+    greedy = put(h_greedy)
     sample = jax.jit(sample_tokens)
     filtered = jax.jit(lambda *a: _sample_filtered(*a, greedy))
     for temp in ([0.0, 0.0, 0.0, 0.0], [0.0, 0.7, 0.0, 1.3]):
-      t = jnp.asarray(temp, jnp.float32)
+      h_t = np.asarray(temp, np.float32)
+      t = put(h_t)
       out = sample(logits, keys, t, top_k, top_p)
       np.testing.assert_array_equal(out, filtered(logits, keys, t, top_k, top_p))
-      np.testing.assert_array_equal(np.asarray(out)[t == 0], np.asarray(greedy)[t == 0])
+      np.testing.assert_array_equal(np.asarray(out)[h_t == 0], h_greedy[h_t == 0])
 
   def test_top_k_restricts_support(self):
     logits = _normal(1, (2, 30))
@@ -64,7 +76,7 @@ class SamplerTest(parameterized.TestCase):
 
   def test_top_p_restricts_support(self):
     # probabilities 0.5, 0.3, 0.15, 0.05: top_p=0.7 keeps exactly the first two.
-    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    logits = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], np.float32))
     out = self._sample(logits, 1.0, 0, 0.7)
     self.assertEqual(set(out[0].tolist()), {0, 1})
 
@@ -73,8 +85,8 @@ class SamplerTest(parameterized.TestCase):
     # The top-p filter's prefix sums are two triangular matmuls (no sequential loop on a
     # GPU): within f32's 1e-6 of a float64 cumsum, on softmax rows as the filter sums.
     from mlkit.sampling import row_cumsum
-    x = jax.nn.softmax(_normal(vocab, (rows, vocab)) * 3.0, axis=-1)
-    got = np.asarray(jax.jit(row_cumsum)(x))
+    x = softmax(_normal(vocab, (rows, vocab)) * np.float32(3.0))
+    got = np.asarray(jax.jit(row_cumsum)(put(x)))
     want = np.cumsum(np.asarray(x, np.float64), axis=-1)
     self.assertEqual(got.shape, (rows, vocab))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
@@ -83,10 +95,10 @@ class SamplerTest(parameterized.TestCase):
     # filtered_logits against the same filter written with numpy in float64, on rows whose
     # top-p cut falls far from any tie: the same tokens survive.
     from mlkit.sampling import filtered_logits
-    logits = _normal(7, (3, 500)) * 2.0
+    logits = _normal(7, (3, 500)) * np.float32(2.0)
     top_p = np.asarray([0.5, 0.9, 0.97], np.float32)
     got = np.isfinite(np.asarray(jax.jit(filtered_logits)(
-        logits, jnp.ones((3,)), jnp.zeros((3,), jnp.int32), jnp.asarray(top_p))))
+        *put(logits, np.ones((3,), np.float32), np.zeros((3,), np.int32), top_p))))
     x = np.asarray(logits, np.float64)
     for b in range(3):
       order = np.argsort(-x[b])
@@ -97,7 +109,7 @@ class SamplerTest(parameterized.TestCase):
 
   def test_temperature_one_matches_distribution(self):
     probs = np.array([0.6, 0.3, 0.1])
-    out = self._sample(jnp.log(jnp.asarray([probs])), 1.0, 0, 1.0, n=1500)
+    out = self._sample(np.log(np.asarray([probs], np.float32)), 1.0, 0, 1.0, n=1500)
     freq = np.bincount(out[0], minlength=3) / out.shape[1]
     np.testing.assert_allclose(freq, probs, atol=0.05)
 
@@ -124,9 +136,9 @@ class GenerateTest(parameterized.TestCase):
     for prompt, new in zip(prompts, res.tokens):
       seq = list(prompt)
       for _ in range(5):  # greedy continuation by repeated full forwards (fixed padded length)
-        padded = jnp.array([seq + [0] * (16 - len(seq))])
-        logits = forward(self.params, padded, cfg=self.cfg)
-        seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
+        padded = put(np.array([seq + [0] * (16 - len(seq))], np.int32))
+        logits = np.asarray(forward(self.params, padded, cfg=self.cfg))
+        seq.append(int(np.argmax(logits[0, len(seq) - 1])))
       self.assertEqual(new, seq[len(prompt):])
 
   def test_deterministic_for_seed(self):

@@ -16,6 +16,7 @@ from absl.testing import absltest, parameterized
 
 from mlkit.sampling import row_keys
 from mlkit.speculative import FILL_TOKEN, accept_drafts
+from host_softmax import softmax
 from router_sort_refs import put
 
 try:
@@ -41,12 +42,6 @@ def _keys(B, K1, seed=0):
 def _rows(B, temperature, top_k=0, top_p=1.0):
   return put(np.full((B,), temperature, np.float32), np.full((B,), top_k, np.int32),
              np.full((B,), top_p, np.float32))
-
-
-def _softmax(x):
-  """numpy softmax over the last axis, in x's dtype (test data: draft distributions)."""
-  e = np.exp(x - x.max(-1, keepdims=True))
-  return e / e.sum(-1, keepdims=True)
 
 
 def _target_probs(logits, temperature, top_k, top_p):
@@ -111,7 +106,7 @@ class GreedyTest(parameterized.TestCase):
   def test_accepts_the_argmax_prefix_then_emits_the_argmax(self, with_probs):
     B, K, V = self.B, self.K, self.V
     logits, drafts, num_drafts, want_n, want = self._batch(seed=1)
-    probs = (put(_softmax(np.random.default_rng(2).standard_normal((B, K, V)).astype(np.float32)))
+    probs = (put(softmax(np.random.default_rng(2).standard_normal((B, K, V)).astype(np.float32)))
              if with_probs else None)
     n, tokens = accept_jit(logits, drafts, num_drafts, _keys(B, K + 1), *_rows(B, 0.0, 5, 0.5),
                            probs)
