@@ -17,6 +17,7 @@ from mlkit.engine.disagg import (ABORT_TRANSFER, DisaggConfig, DisaggEngine, Poo
                                  TransferFault, build_serving_engine, default_disagg_config)
 from mlkit.quant import BF16, FP8_ALL, INT4_EXPERTS
 from mlkit.sampling import SamplingParams
+from router_sort_refs import put
 from test_parallel import init_params_np
 
 # One MoE layer: the pools' logic does not depend on depth, and compiles scale with it.
@@ -353,21 +354,25 @@ def _filled_state(cfg, dtype, page_size, pages, length, seed=0, num_pages=12):
   state = kvc.init_paged_state(cfg, kvc.KVCacheConfig(num_pages, page_size, dtype))
   rng = np.random.default_rng(seed)
   shapes = kvc.state.entry_shapes(cfg)
-  entries = [{k: jnp.asarray(rng.standard_normal((1, length) + s) * (1 + 3 * (k == "k_rope")),
-                             jnp.float32) for k, s in shapes.items()} for _ in range(cfg.n_layers)]
+  # Drawn and cast in numpy, placed with device_put: jnp.asarray, zeros and arange each
+  # compile a program per shape.
+  entries = [{k: put((rng.standard_normal((1, length) + s) * (1 + 3 * (k == "k_rope"))
+                      ).astype(np.float32)) for k, s in shapes.items()}
+             for _ in range(cfg.n_layers)]
+  positions = put(np.arange(length, dtype=np.int32)[None])
+  return kvc.write_prefill(state, entries, positions, _meta(pages, length, page_size)), entries
+
+
+def _meta(pages, length, page_size):
+  """BatchMeta of one request holding ``length`` tokens in ``pages``, placed from numpy."""
   bt = np.full((1, 8), kvc.PAD_PAGE, np.int32)
   bt[0, :len(pages)] = pages
-  meta = kvc.BatchMeta(jnp.asarray(bt), jnp.asarray([length], jnp.int32),
-                       jnp.zeros((1, 8), jnp.int32), page_size)
-  positions = jnp.arange(length, dtype=jnp.int32)[None]
-  return kvc.write_prefill(state, entries, positions, meta), entries
+  return kvc.BatchMeta(*put(bt, np.asarray([length], np.int32), np.zeros((1, 8), np.int32)),
+                       page_size)
 
 
 def _read(state, pages, length):
-  bt = np.full((1, 8), kvc.PAD_PAGE, np.int32)
-  bt[0, :len(pages)] = pages
-  meta = kvc.BatchMeta(jnp.asarray(bt), jnp.asarray([length], jnp.int32),
-                       jnp.zeros((1, 8), jnp.int32), state.page_size)
+  meta = _meta(pages, length, state.page_size)
   # Sliced on the host: slicing the device array would compile one program per length.
   return [{k: np.asarray(v)[0, :length] for k, v in kvc.read_layer(state, i, meta).items()}
           for i in range(state.n_layers)]
@@ -398,7 +403,7 @@ class TransferTest(parameterized.TestCase):
     # every transfer still lands exactly.
     src = kvc.init_paged_state(TINY_MLA, kvc.KVCacheConfig(40, 2, "float32"))
     rng = np.random.default_rng(5)
-    src = src.replace(layers=[{k: jnp.asarray(rng.standard_normal(v.shape), v.dtype)
+    src = src.replace(layers=[{k: put(rng.standard_normal(v.shape).astype(v.dtype))
                                for k, v in layer.items()} for layer in src.layers])
     before = tr.extract_kv._cache_size(), tr.payload_checksum._cache_size()
     for m in range(9, 17):
@@ -446,7 +451,7 @@ class TransferTest(parameterized.TestCase):
     got = _read(dst, dst_pages, self.LENGTH)
     for i, layer in enumerate(entries):
       for k, x in layer.items():
-        np.testing.assert_array_equal(got[i][k], np.asarray(x[0]))
+        np.testing.assert_array_equal(got[i][k], np.asarray(x)[0])
     # Pages the request does not own are untouched (read on the host: no program per shape).
     other = [p for p in range(12) if p not in dst_pages]
     self.assertEqual(float(np.abs(np.asarray(dst.layers[0]["latent"])[other]).max()), 0.0)
@@ -465,11 +470,11 @@ class TransferTest(parameterized.TestCase):
     def sentinel(v):  # set on the host: a device scatter compiles a program per shape
       v = np.array(v)
       v[shared] = 7.0
-      return jnp.asarray(v)
+      return put(v)
 
     dst = dst.replace(layers=[{k: sentinel(v) for k, v in layer.items()} for layer in dst.layers])
     # The transfer donates its destination: a second one, copied through the host.
-    copy = jax.tree_util.tree_map(lambda v: jnp.asarray(np.asarray(v)), dst)
+    copy = jax.tree_util.tree_map(lambda v: put(np.asarray(v)), dst)
     _, whole = tr.transfer_kv(src, src_pages, copy, dst_pages, length)
     dst, res = tr.transfer_kv(src, src_pages, dst, dst_pages, length, start=start)
     self.assertTrue(res.ok, res.reason)
@@ -479,7 +484,7 @@ class TransferTest(parameterized.TestCase):
     got = _read(dst, dst_pages, length)
     for i, layer in enumerate(entries):
       for k, x in layer.items():
-        np.testing.assert_array_equal(got[i][k][start:], np.asarray(x[0])[start:])
+        np.testing.assert_array_equal(got[i][k][start:], np.asarray(x)[0][start:])
         np.testing.assert_array_equal(got[i][k][:start], 7.0)  # the shared page is untouched
     with self.assertRaisesRegex(ValueError, "transfer start"):
       tr.transfer_kv(src, src_pages, dst, dst_pages, length, start=start + 1)
@@ -515,7 +520,7 @@ class TransferTest(parameterized.TestCase):
     x = np.random.default_rng(3).standard_normal((16, 8)).astype(jnp.bfloat16)
 
     def checksum(a):
-      return int(tr.checksum(jnp.asarray(a)))
+      return int(tr.checksum(put(a)))
 
     base = checksum(x)
     signed = x.copy()
