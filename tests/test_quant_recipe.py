@@ -19,6 +19,7 @@ from mlkit.quant.recipe import (FP8_ALL, INT4_EXPERTS, INT4_EXPERTS_FP8_REST,
                                 int4_experts, quantize_params)
 from mlkit.quant.tree import flatten_params, is_quantised
 from numpy_params import init_params_np
+from router_sort_refs import put
 
 # TINY_MLA cut to one dense and one MoE layer (every kind of weight a recipe treats, at two
 # thirds of the compile time); TINY_GQA has those two layers already.
@@ -43,7 +44,7 @@ def _params(cfg_name):
 
 def _tokens(cfg):
   """The [2, 12] token batch the model tests share (numpy: no threefry program to compile)."""
-  return jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
+  return put(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12)).astype(np.int32))
 
 
 # One compiled program per tree structure, instead of one per eager op and leaf shape.
@@ -55,12 +56,18 @@ def _shapes(cfg_name):
   return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _params(cfg_name))
 
 
-def _toy_tree():
+def _toy_tree_np():
+  """The toy params as numpy f32 arrays (edited on the host by tests that break one)."""
   rng = np.random.default_rng(0)
-  n = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
-  return {"embed": n(16, 64), "final_norm": jnp.ones((64,)),
+  n = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+  return {"embed": n(16, 64), "final_norm": np.ones((64,), np.float32),
           "layers": [{"attn": {"wq": n(64, 32)},
                       "ffn": {"router": n(64, 4), "w_up": n(4, 64, 32)}}]}
+
+
+def _toy_tree(tree=None):
+  """The toy params (or ``tree``, numpy) on the device, placed without compiling."""
+  return jax.tree_util.tree_map(put, _toy_tree_np() if tree is None else tree)
 
 
 @functools.cache
@@ -76,7 +83,7 @@ def _gqa_calibration():
 
 def _toy_stats(params, path):
   w = dict(flatten_params(params)[0])[path]
-  return jnp.asarray(np.random.default_rng(7).standard_normal((64, w.shape[-2])), jnp.float32)  # raw activations are accepted as calibration
+  return put(np.random.default_rng(7).standard_normal((64, w.shape[-2])).astype(np.float32))  # raw activations are accepted as calibration
 
 
 class RuleTest(parameterized.TestCase):
@@ -160,7 +167,7 @@ class RecipeMatchTest(parameterized.TestCase):
 
   @parameterized.product(cfg_name=list(CONFIGS), recipe_name=list(RECIPES))
   def test_presets_cover_every_parameter_once(self, cfg_name, recipe_name):
-    cfg, recipe = CONFIGS[cfg_name], RECIPES[recipe_name]
+    recipe = RECIPES[recipe_name]
     params = _shapes(cfg_name)
     flat, _ = flatten_params(params)
     specs = assign_formats(params, recipe)
@@ -194,13 +201,14 @@ class QuantizeParamsErrorTest(parameterized.TestCase):
       quantize_params(params, int4_experts(128))
 
   def test_odd_k_names_param(self):
-    tree = {"layers": [{"w_odd": jnp.ones((33, 8))}]}
+    tree = {"layers": [{"w_odd": put(np.ones((33, 8), np.float32))}]}
     with self.assertRaisesRegex(ValueError, r"layers/0/w_odd: input dim K=33 is odd"):
       quantize_params(tree, Recipe("r", (Rule("**", Int4Spec(32)),)))
 
   def test_non_finite_names_param(self):
-    tree = _toy_tree()
-    tree["layers"][0]["ffn"]["w_up"] = tree["layers"][0]["ffn"]["w_up"].at[1, 2, 3].set(jnp.inf)
+    tree = _toy_tree_np()
+    tree["layers"][0]["ffn"]["w_up"][1, 2, 3] = np.inf  # on the host: no scatter to compile
+    tree = _toy_tree(tree)
     with self.assertRaisesRegex(ValueError, r"layers/0/ffn/w_up: weight has non-finite"):
       quantize_params(tree, Recipe("r", (Rule("layers/*/ffn/w_up", Fp8Spec()),
                                          Rule("re:(?!layers/0/ffn/w_up$).*", KEEP))))
@@ -222,7 +230,7 @@ class QuantizeParamsErrorTest(parameterized.TestCase):
       quantize_params(params, INT4_EXPERTS_GPTQ)
 
   def test_gptq_missing_path_warns_and_uses_rtn(self):
-    tree = {"wkv_b": jnp.asarray(np.random.default_rng(0).standard_normal((64, 16)), jnp.float32)}
+    tree = {"wkv_b": put(np.random.default_rng(0).standard_normal((64, 16)).astype(np.float32))}
     r = Recipe("r", (Rule("wkv_b", Int4Spec(32, method="gptq")),))
     with self.assertWarnsRegex(UserWarning, r"no calibration for \['wkv_b'\]"):
       out = quantize_params(tree, r, calibration={})
@@ -235,7 +243,7 @@ class QuantizeParamsErrorTest(parameterized.TestCase):
 
   def test_collect_calibration_errors(self):
     params = _params(TINY_GQA.name)
-    tok = jnp.zeros((1, 4), jnp.int32) + 3
+    tok = put(np.full((1, 4), 3, np.int32))
     with self.assertRaisesRegex(ValueError, r"no parameter named 'layers/9/ffn/w_up'"):
       collect_calibration(lambda p: M.forward(p, tok, cfg=TINY_GQA), params, ["layers/9/ffn/w_up"])
 
@@ -277,7 +285,7 @@ class QuantisedModelTest(parameterized.TestCase):
       if is_quantised(q):
         w = np.asarray(w)
         rms = np.sqrt(np.mean((np.asarray(dq) - w) ** 2))
-        w = jnp.asarray(w + rms * rng.standard_normal(w.shape).astype(w.dtype))
+        w = put(w + rms * rng.standard_normal(w.shape).astype(w.dtype))
       out.append(w)
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -344,7 +352,8 @@ class QuantisedModelTest(parameterized.TestCase):
     self.assertEqual(calib["layers/1/ffn/w_gate"].xtx.shape, (E, D, D))
     self.assertEqual(calib["layers/1/ffn/w_down"].xtx.shape, (E, F, F))
     # Every routed assignment is one calibration row of its expert.
-    self.assertEqual(float(jnp.sum(calib["layers/1/ffn/w_up"].count)), tokens.size * cfg.top_k)
+    self.assertEqual(float(np.sum(np.asarray(calib["layers/1/ffn/w_up"].count))),
+                     tokens.size * cfg.top_k)
     with warnings.catch_warnings():
       warnings.simplefilter("error")  # every GPTQ weight was calibrated
       q_gptq = quantize_params(params, INT4_EXPERTS_GPTQ, calibration=calib)
