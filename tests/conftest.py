@@ -78,6 +78,13 @@ LONGEST_FIRST = (
 )
 
 
+def pytest_configure(config):
+  """With COMPILE_LOG_DIR set, logs every XLA compile of the run there (tests/compile_log.py)."""
+  if os.environ.get("COMPILE_LOG_DIR"):
+    import compile_log  # tests/ is on sys.path, as for this file
+    config.pluginmanager.register(compile_log, "compile_log")
+
+
 def pytest_collection_modifyitems(config, items):
   """Puts LONGEST_FIRST's files first; skips (and counts as skipped) tests marked `gpu`
   when no GPU backend is present."""
