@@ -21,16 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import h200_compile_cases
+import int4_test_data
+from router_sort_refs import put
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gpu_interpret
 from mlkit.model import moe
 from mlkit.quant import Int4Weight, grouped_matmul, grouped_matmuls, quantize_fp8, quantize_int4
 from pallas_kernels.int4_matmul import BlockSizes
-from pallas_kernels.int4_matmul import dequantize_int4
-from pallas_kernels.int4_matmul import from_nk
 from pallas_kernels.int4_matmul import int4_grouped_matmul
 from pallas_kernels.int4_matmul import int4_grouped_matmul_nk
-from pallas_kernels.int4_matmul import pack_int4
-from pallas_kernels.int4_matmul import to_nk
 
 OPS = {"kn": int4_grouped_matmul, "nk": int4_grouped_matmul_nk}
 # layout: (M, K, N, E, group_size, scales dtype, block sizes). Three persistent CTAs walk
@@ -51,34 +49,42 @@ GROUP_SIZES = {
 
 
 def _weights(seed, e, k, n, group_size, scale_dtype, layout):
-  """A random [E, K, N] int4 weight in ``layout`` and its scales [E, K/g, N]."""
+  """A random [E, K, N] int4 weight in ``layout`` (numpy), its scales [E, K/g, N] and its
+  float64 dequantised values [E, K, N]."""
   rng = np.random.default_rng(seed)
   q = rng.integers(-8, 8, (e, k, n)).astype(np.int8)
-  s = rng.uniform(0.25, 2.0, (e, k // group_size, n)) / 16
-  packed = pack_int4(jnp.asarray(q))
-  return (to_nk(packed) if layout == "nk" else packed), jnp.asarray(s, scale_dtype)
+  s = np.asarray(rng.uniform(0.25, 2.0, (e, k // group_size, n)) / 16, scale_dtype)
+  w = int4_test_data.to_nk(q) if layout == "nk" else int4_test_data.pack(q)
+  return w, s, q * np.repeat(np.asarray(s, np.float64), group_size, axis=-2)
+
+
+@functools.cache
+def _case_np(layout):
+  """``layout``'s case in numpy: (x [M, K] bf16, (gate, up) weights, (gate, up) scales,
+  (gate, up) float64 dequantised weights)."""
+  m, k, n, e, g, sdt, _ = CASES[layout]
+  x = np.asarray(np.random.default_rng(0).standard_normal((m, k)), jnp.bfloat16)
+  (wg, sg, dg), (wu, su, du) = (_weights(seed, e, k, n, g, sdt, layout) for seed in (1, 2))
+  return x, (wg, wu), (sg, su), (dg, du)
 
 
 @functools.cache
 def _case(layout):
-  """(x [M, K] bf16, (gate, up) weights, (gate, up) scales) of ``layout``'s case."""
-  m, k, n, e, g, sdt, _ = CASES[layout]
-  x = jnp.asarray(np.random.default_rng(0).standard_normal((m, k)), jnp.bfloat16)
-  (wg, sg), (wu, su) = (_weights(seed, e, k, n, g, sdt, layout) for seed in (1, 2))
-  return x, (wg, wu), (sg, su)
+  """(x [M, K] bf16, (gate, up) weights, (gate, up) scales) of ``layout``'s case, on the
+  device."""
+  x, (wg, wu), (sg, su), _ = _case_np(layout)
+  return put(x), put(wg, wu), put(sg, su)
 
 
 def _run(layout, x, w, s, gs):
   *_, g, _, bs = CASES[layout]
-  return OPS[layout](x, w, s, jnp.asarray(gs, jnp.int32), group_size=g, backend="interpret",
-                     block_sizes=bs)
+  return OPS[layout](x, w, s, put(np.asarray(gs, np.int32)), group_size=g,
+                     backend="interpret", block_sizes=bs)
 
 
-def _f64_reference(layout, x, w, s, gs):
-  """x @ dequantize(w) per expert in float64, the bf16 x as the kernels read it."""
-  g = CASES[layout][4]
-  packed = w if layout == "kn" else from_nk(w)
-  dense = np.asarray(dequantize_int4(packed, s, g), np.float64)  # [E, K, N]
+def _f64_reference(x, dense, gs):
+  """x @ dense per expert in float64 (dense [E, K, N]: the dequantised weight), the bf16
+  x as the kernels read it."""
   xf = np.asarray(x, np.float64)
   out = np.zeros((x.shape[0], dense.shape[-1]))
   start = 0
@@ -98,6 +104,7 @@ class FusedGateUpInterpretTest(parameterized.TestCase):
   @parameterized.parameters("kn", "nk")
   def test_equals_separate_launches(self, layout):
     x, w, s = _case(layout)
+    dense = _case_np(layout)[3]
     n = CASES[layout][2]
     for gs in GROUP_SIZES[layout]:
       with self.subTest(group_sizes=gs):
@@ -108,7 +115,7 @@ class FusedGateUpInterpretTest(parameterized.TestCase):
         for i in range(2):
           alone = np.asarray(_run(layout, x, w[i], s[i], gs), np.float32)
           np.testing.assert_array_equal(fused[:, i * n:(i + 1) * n], alone)
-          ref = _f64_reference(layout, x, w[i], s[i], gs)
+          ref = _f64_reference(x, dense[i], gs)
           err = np.linalg.norm(fused[:, i * n:(i + 1) * n] - ref) / np.linalg.norm(ref)
           self.assertLessEqual(err, 1e-2)  # bf16 output
         np.testing.assert_array_equal(fused[sum(gs):], 0)
@@ -116,14 +123,16 @@ class FusedGateUpInterpretTest(parameterized.TestCase):
   @parameterized.parameters("kn", "nk")
   def test_bad_input(self, layout):
     x, (wg, wu), (sg, su) = _case(layout)
-    gs = jnp.asarray(GROUP_SIZES[layout][0], jnp.int32)
-    narrow_w = wu[..., :32] if layout == "kn" else wu[:, :16]  # a weight of another N
+    _, (_, wu_np), (_, su_np), _ = _case_np(layout)
+    gs = np.asarray(GROUP_SIZES[layout][0], np.int32)
+    narrow_w = wu_np[..., :32] if layout == "kn" else wu_np[:, :16]  # a weight of another N
+    narrow_s = su_np[..., :narrow_w.shape[-1 if layout == "kn" else -2]]
     bad = {
-        "share shapes": ((wg, narrow_w), (sg, su[..., :narrow_w.shape[-1 if layout == "kn" else -2]])),
+        "share shapes": ((wg, put(narrow_w)), (sg, put(narrow_s))),
         "as many weights as scales": ((wg, wu), (sg,)),
         "both be arrays or both tuples": ((wg, wu), sg),
-        "share shapes and dtypes": ((wg, wu), (sg, su.astype(jnp.float16 if su.dtype == jnp.float32
-                                                               else jnp.float32))),
+        "share shapes and dtypes": ((wg, wu), (sg, put(su_np.astype(
+            jnp.float16 if su.dtype == jnp.float32 else jnp.float32)))),
     }
     for msg, (w, s) in bad.items():
       with self.subTest(msg), self.assertRaisesRegex(ValueError, msg):
@@ -146,10 +155,11 @@ class GroupedMatmulsTest(parameterized.TestCase):
   def setUpClass(cls):
     super().setUpClass()
     rng = np.random.default_rng(3)
-    cls.x = jnp.asarray(rng.standard_normal((10, 128)), jnp.bfloat16)
-    cls.gs = jnp.asarray([2, 0, 5, 1], jnp.int32)
-    dense = [jnp.asarray(rng.standard_normal((4, 128, 64)) * 0.1, jnp.float32) for _ in range(2)]
-    cls.dense = [d.astype(jnp.bfloat16) for d in dense]
+    cls.x = put(np.asarray(rng.standard_normal((10, 128)), jnp.bfloat16))
+    cls.gs = put(np.array([2, 0, 5, 1], np.int32))
+    dense_np = [np.asarray(rng.standard_normal((4, 128, 64)) * 0.1, np.float32) for _ in range(2)]
+    cls.dense = [put(d.astype(jnp.bfloat16)) for d in dense_np]
+    dense = [put(d) for d in dense_np]
     cls.int4 = [quantize_int4(d, 32) for d in dense]
     cls.int4_g128 = quantize_int4(dense[1], 128)
     cls.fp8 = quantize_fp8(dense[1], None)  # per-channel scales: the XLA reference
@@ -204,18 +214,20 @@ class MoeExpertsTest(parameterized.TestCase):
     gpu_interpret.reset_gpu_interpret_mode_state()
     rng = np.random.default_rng(4)
     e, d, f, n, k = 4, 128, 64, 5, 2
-    p = {name: quantize_int4(jnp.asarray(rng.standard_normal(shape) * 0.1, jnp.float32), 32)
+    p = {name: quantize_int4(put(np.asarray(rng.standard_normal(shape) * 0.1, np.float32)), 32)
          for name, shape in (("w_gate", (e, d, f)), ("w_up", (e, d, f)), ("w_down", (e, f, d)))}
     self.assertIsInstance(p["w_gate"], Int4Weight)
-    x = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
-    ids = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(n)]), jnp.int32)
-    wts = jnp.asarray(rng.uniform(0.1, 1.0, (n, k)), jnp.float32)
-    order = jnp.argsort(ids.reshape(-1), stable=True)
-    token_of = (order // k).astype(jnp.int32)
-    slot = jnp.zeros((n * k,), jnp.int32).at[order].set(jnp.arange(n * k, dtype=jnp.int32))
+    x = np.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32)
+    wts = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)
+    # The routing's sort, in numpy: rows by expert (stable), each (token, choice)'s row.
+    order = np.argsort(ids.reshape(-1), kind="stable")
+    token_of = (order // k).astype(np.int32)
+    slot = np.zeros((n * k,), np.int32)
+    slot[order] = np.arange(n * k, dtype=np.int32)
     slot = slot.reshape(n, k)
-    gs = jnp.bincount(ids.reshape(-1), length=e).astype(jnp.int32)
-    args = (p, x, token_of, gs, wts.reshape(-1)[order], slot)
+    gs = np.bincount(ids.reshape(-1), minlength=e).astype(np.int32)
+    args = (p, *put(x, token_of, gs, wts.reshape(-1)[order], slot))
     got = jax.jit(moe._run_experts, static_argnums=6)(*args, backend)
     want = jax.jit(_experts_before, static_argnums=6)(*args, backend)
     self.assertTrue(np.isfinite(np.asarray(got)).all())

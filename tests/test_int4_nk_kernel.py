@@ -10,6 +10,7 @@ step fails too.
 
 from absl.testing import absltest
 from absl.testing import parameterized
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,49 +21,69 @@ from pallas_kernels.int4_matmul import int4_grouped_matmul_reference
 from pallas_kernels.int4_matmul import int4_matmul_reference
 from pallas_kernels.int4_matmul import nk
 from pallas_kernels.int4_matmul import reference
+import int4_test_data
+from router_sort_refs import put
 from test_int4_matmul_kernel import _KernelTestBase
-from test_int4_matmul_kernel import _make
+from test_int4_matmul_kernel import SCALE_DTYPES
+
+
+def _make(seed, m, k, n, group_size, *, experts=None, scale_dtype="bf16", x_dtype=jnp.bfloat16):
+  """Fresh random (x [M, K], packed [(E,) K//2, N], w_nk [(E,) N, K] int4, scales
+  [(E,) K//g, N]) on the device, laid out in numpy (no XLA program), and the int4
+  codes q [(E,) K, N] as numpy."""
+  x, q, s = int4_test_data.draw(seed, m, k, n, group_size, experts=experts,
+                                scale_dtype=SCALE_DTYPES[scale_dtype], x_dtype=x_dtype)
+  return (*put(x, int4_test_data.pack(q), int4_test_data.to_nk(q), s), q)
+
+
+@jax.jit
+def _layouts(p, s):
+  """to_nk, its round trip and both dequantisations (group 32), in one program."""
+  w_nk = nk.to_nk(p)
+  return (w_nk, nk.from_nk(w_nk), reference.dequantize_int4_nk(w_nk, s, 32),
+          reference.dequantize_int4(p, s, 32))
 
 
 class LayoutTest(parameterized.TestCase):
 
   def test_to_nk_is_the_transpose_and_round_trips(self):
-    _, p, s = _make(0, 1, 256, 64, 32, experts=3)
-    w_nk = nk.to_nk(p)
+    _, p, _, s, q = _make(0, 1, 256, 64, 32, experts=3)
+    w_nk, packed, deq_nk, deq = _layouts(p, s)
     self.assertEqual((w_nk.shape, w_nk.dtype), ((3, 64, 256), jnp.int4))
-    np.testing.assert_array_equal(
-        np.asarray(w_nk, np.int8), np.swapaxes(np.asarray(reference.unpack_int4(p)), 1, 2))
-    np.testing.assert_array_equal(nk.from_nk(w_nk), p)
-    np.testing.assert_array_equal(reference.dequantize_int4_nk(w_nk, s, 32),
-                                  reference.dequantize_int4(p, s, 32))
+    np.testing.assert_array_equal(np.asarray(w_nk, np.int8), np.swapaxes(q, 1, 2))
+    np.testing.assert_array_equal(packed, p)
+    np.testing.assert_array_equal(deq_nk, deq)
 
   def test_references_match_the_packed_layout(self):
-    x, p, s = _make(1, 5, 256, 64, 64, experts=4)
-    gs = jnp.array([2, 0, 2, 1], jnp.int32)
+    x, p, w_nk, s, q = _make(1, 5, 256, 64, 64, experts=4)
+    gs = put(np.array([2, 0, 2, 1], np.int32))
     np.testing.assert_array_equal(
-        reference.int4_grouped_matmul_nk_reference(x, nk.to_nk(p), s, gs, group_size=64),
+        reference.int4_grouped_matmul_nk_reference(x, w_nk, s, gs, group_size=64),
         int4_grouped_matmul_reference(x, p, s, gs, group_size=64))
+    p0, w_nk0, s0 = put(int4_test_data.pack(q[0]), int4_test_data.to_nk(q[0]),
+                        np.asarray(s)[0])
     np.testing.assert_array_equal(
-        nk.int4_matmul_nk(x, nk.to_nk(p[0]), s[0], group_size=64, backend="xla"),
-        int4_matmul_reference(x, p[0], s[0], group_size=64))
+        nk.int4_matmul_nk(x, w_nk0, s0, group_size=64, backend="xla"),
+        int4_matmul_reference(x, p0, s0, group_size=64))
 
   def test_bad_inputs_raise(self):
-    x, p, s = _make(2, 4, 128, 64, 32)
-    w_nk = nk.to_nk(p)
+    x, p, w_nk, s, q = _make(2, 4, 128, 64, 32)
+    xn, sn = np.asarray(x), np.asarray(s)
     with self.assertRaisesRegex(ValueError, "int4"):
       nk.int4_matmul_nk(x, p, s, group_size=32)  # the packed uint8 layout
     with self.assertRaisesRegex(ValueError, "2-D"):
-      nk.int4_matmul_nk(x, w_nk[None], s, group_size=32)
+      nk.int4_matmul_nk(x, put(int4_test_data.to_nk(q[None])), s, group_size=32)
     with self.assertRaisesRegex(ValueError, "x has K=64 but w_nk has K=128"):
-      nk.int4_matmul_nk(x[:, :64], w_nk, s, group_size=32)
+      nk.int4_matmul_nk(put(xn[:, :64]), w_nk, s, group_size=32)
     with self.assertRaisesRegex(ValueError, "group_size"):
       nk.int4_matmul_nk(x, w_nk, s, group_size=16)
     with self.assertRaisesRegex(ValueError, "scales"):
-      nk.int4_matmul_nk(x, w_nk, s[:, :32], group_size=32)
+      nk.int4_matmul_nk(x, w_nk, put(sn[:, :32]), group_size=32)
     with self.assertRaisesRegex(ValueError, "backend"):
       nk.int4_matmul_nk(x, w_nk, s, group_size=32, backend="triton")
     with self.assertRaisesRegex(ValueError, "group_sizes"):
-      nk.int4_grouped_matmul_nk(x, w_nk[None], s[None], jnp.array([1, 2], jnp.int32),
+      nk.int4_grouped_matmul_nk(x, *put(int4_test_data.to_nk(q[None]), sn[None],
+                                        np.array([1, 2], np.int32)),
                                 group_size=32, backend="xla")
 
 
@@ -100,18 +121,17 @@ class NkKernelTest(_KernelTestBase):
   def _dense(self):
     for m, k, n, g, sdt, xdt, bs in DENSE_CASES:
       with self.subTest(m=m, k=k, n=n, g=g):
-        x, p, s = _make(10 + m, m, k, n, g, scale_dtype=sdt)
-        x = x.astype(xdt)
-        out = nk.int4_matmul_nk(x, nk.to_nk(p), s, group_size=g, backend=self.backend,
+        x, p, w_nk, s, _ = _make(10 + m, m, k, n, g, scale_dtype=sdt, x_dtype=xdt)
+        out = nk.int4_matmul_nk(x, w_nk, s, group_size=g, backend=self.backend,
                                 block_sizes=None if bs is None else BlockSizes(*bs))
         self.assert_close(out, int4_matmul_reference(x, p, s, group_size=g))
 
   def _grouped(self):
     for m, k, n, gs, g, bs in GROUPED_CASES:
       with self.subTest(m=m, k=k, n=n, gs=gs):
-        x, p, s = _make(20 + m, m, k, n, g, experts=len(gs))
-        gs = jnp.asarray(gs, jnp.int32)
-        out = nk.int4_grouped_matmul_nk(x, nk.to_nk(p), s, gs, group_size=g,
+        x, p, w_nk, s, _ = _make(20 + m, m, k, n, g, experts=len(gs))
+        gs = put(np.asarray(gs, np.int32))
+        out = nk.int4_grouped_matmul_nk(x, w_nk, s, gs, group_size=g,
                                         backend=self.backend,
                                         block_sizes=None if bs is None else BlockSizes(*bs))
         self.assert_close(out, int4_grouped_matmul_reference(x, p, s, gs, group_size=g))
