@@ -7,7 +7,6 @@ buffers with NaN, so an output element the kernel never writes fails the
 finiteness check, and so does a grouped slab the wrapper should have dropped.
 """
 
-import functools
 import itertools
 import random
 
@@ -19,6 +18,8 @@ import numpy as np
 import pytest
 
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gpu_interpret
+import int4_test_data
+from router_sort_refs import put
 from pallas_kernels.int4_matmul import BlockSizes
 from pallas_kernels.int4_matmul import dequantize_int4
 from pallas_kernels.int4_matmul import int4_grouped_matmul
@@ -44,22 +45,13 @@ def _rel_err(out, ref):
   return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
-def _make(seed, m, k, n, group_size, *, experts=None, scale_dtype="bf16"):
-  """Fresh random x [M, K] bf16, packed [(E,) K//2, N], scales [(E,) K//g, N]."""
-  return _make_jit(seed, m, k, n, group_size, experts, scale_dtype)
-
-
-# Jitted: one compile per shape where the eager draws, packing and casts compiled one
-# program each.
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
-def _make_jit(seed, m, k, n, group_size, experts, scale_dtype):
-  kx, kq, ks = jax.random.split(jax.random.key(seed), 3)
-  lead = () if experts is None else (experts,)
-  x = jax.random.normal(kx, (m, k), jnp.bfloat16)
-  q = jax.random.randint(kq, lead + (k, n), -8, 8, jnp.int8)
-  # Scales that vary by group and column, so a misplaced scale row fails.
-  s = jax.random.uniform(ks, lead + (k // group_size, n), jnp.float32, 0.25, 2.0)
-  return x, pack_int4(q), (s / 16).astype(SCALE_DTYPES[scale_dtype])
+def _make(seed, m, k, n, group_size, *, experts=None, scale_dtype="bf16",
+          x_dtype=jnp.bfloat16):
+  """Fresh random x [M, K] (bf16 values in ``x_dtype``), packed [(E,) K//2, N], scales
+  [(E,) K//g, N], on the device (made in numpy: no XLA program)."""
+  x, q, s = int4_test_data.draw(seed, m, k, n, group_size, experts=experts,
+                                scale_dtype=SCALE_DTYPES[scale_dtype], x_dtype=x_dtype)
+  return put(x, int4_test_data.pack(q), s)
 
 
 def _sampled(cases, count, seed):
@@ -230,16 +222,14 @@ class Int4TinyModelShapesInterpretTest(_KernelTestBase):
   INTERPRET = True
 
   def test_dense_unaligned_f32(self):
-    x, p, s = _make(11, 3, 64, 32, 32)
-    x = x.astype(jnp.float32)
+    x, p, s = _make(11, 3, 64, 32, 32, x_dtype=jnp.float32)
     out = int4_matmul(x, p, s, group_size=32, backend=self.backend)
     self.assert_close(out, int4_matmul_reference(x, p, s, group_size=32))
 
   def test_grouped_unaligned_f32(self):
     # 5 tokens x top-2 over 8 experts (two empty), down projection 32 -> 64.
-    x, p, s = _make(12, 10, 32, 64, 32, experts=8)
-    x = x.astype(jnp.float32)
-    gs = jnp.array([2, 0, 3, 1, 0, 2, 1, 1], jnp.int32)
+    x, p, s = _make(12, 10, 32, 64, 32, experts=8, x_dtype=jnp.float32)
+    gs = put(np.array([2, 0, 3, 1, 0, 2, 1, 1], np.int32))
     out = int4_grouped_matmul(x, p, s, gs, group_size=32, backend=self.backend)
     self.assert_close(
         out, int4_grouped_matmul_reference(x, p, s, gs, group_size=32))
@@ -258,8 +248,7 @@ class GroupedScheduleTest(parameterized.TestCase):
       gs = rng.multinomial(m - trial % 3 * (m // 4), rng.dirichlet(np.ones(e) * 0.3))
       if trial == 19:
         gs[-1] += 7
-      meta = np.asarray(grouped_schedule(
-          jnp.asarray(gs, jnp.int32), m, tile_m, bound))
+      meta = np.asarray(grouped_schedule(put(gs.astype(np.int32)), m, tile_m, bound))
       expert, window, offset, rows, used = meta
       self.assertTrue((used == used[0]).all())
       self.assertLessEqual(used[0], bound)
@@ -279,36 +268,43 @@ class GroupedScheduleTest(parameterized.TestCase):
       np.testing.assert_array_equal(owner, want)
 
 
+# The helpers under test, jitted: one program per shape where eagerly each of their jnp
+# operations compiled one.
+_pack = jax.jit(pack_int4)
+_unpack = jax.jit(unpack_int4)
+_dequantize = jax.jit(dequantize_int4, static_argnums=(2, 3))
+
+
 class ReferenceTest(parameterized.TestCase):
   """The plain-jnp references and helpers the kernels are checked against."""
 
   def test_pack_roundtrip_and_nibble_order(self):
-    q = jax.random.randint(jax.random.key(1), (2, 64, 24), -8, 8, jnp.int8)
-    packed = pack_int4(q)
+    q = put(np.random.default_rng(1).integers(-8, 8, (2, 64, 24), dtype=np.int8))
+    packed = _pack(q)
     self.assertEqual(packed.shape, (2, 32, 24))
     self.assertEqual(packed.dtype, jnp.uint8)
-    np.testing.assert_array_equal(unpack_int4(packed), q)
+    np.testing.assert_array_equal(_unpack(packed), q)
     # Byte row i: row 2i in bits 0-3, row 2i+1 in bits 4-7, two's complement.
     p = np.asarray(packed, np.int32)
     qn = np.asarray(q, np.int32) & 0xF
     np.testing.assert_array_equal(p & 0xF, qn[:, 0::2])
     np.testing.assert_array_equal(p >> 4, qn[:, 1::2])
     np.testing.assert_array_equal(
-        pack_int4(jnp.array([[-8], [7]], jnp.int8)), [[0x78]])
+        _pack(put(np.array([[-8], [7]], np.int8))), [[0x78]])
 
   @parameterized.parameters(32, 64, 128)
   def test_dequantize_f32(self, g):
-    x, p, s = _make(3, 4, 256, 16, g, scale_dtype="f32")
-    del x
-    q = np.asarray(unpack_int4(p), np.float64)
+    _, q, s = int4_test_data.draw(3, 4, 256, 16, g, scale_dtype=jnp.float32)
     want = q * np.repeat(np.asarray(s, np.float64), g, axis=0)
-    got = dequantize_int4(p, s, g, jnp.float32)
+    p, s = put(int4_test_data.pack(q), s)
+    got = _dequantize(p, s, g, jnp.float32)
     np.testing.assert_allclose(np.asarray(got), want, rtol=TOL["f32"], atol=0)
 
   def test_matmul_reference_matches_numpy(self):
-    x, p, s = _make(4, 6, 256, 32, 64, scale_dtype="f32")
-    w = np.asarray(dequantize_int4(p, s, 64, jnp.float32), np.float64)
+    x, q, s = int4_test_data.draw(4, 6, 256, 32, 64, scale_dtype=jnp.float32)
+    w = q * np.repeat(np.asarray(s, np.float64), 64, axis=0)
     want = np.asarray(x, np.float64) @ w
+    x, p, s = put(x, int4_test_data.pack(q), s)
     got = int4_matmul_reference(x, p, s, group_size=64)
     self.assertEqual(got.dtype, jnp.bfloat16)
     self.assertLessEqual(_rel_err(got, want), TOL["bf16"])
@@ -317,10 +313,11 @@ class ReferenceTest(parameterized.TestCase):
     gs = [3, 0, 5, 2]
     x, p, s = _make(5, 12, 128, 32, 32, experts=4)
     out = np.asarray(int4_grouped_matmul_reference(
-        x, p, s, jnp.asarray(gs, jnp.int32), group_size=32), np.float32)
+        x, p, s, put(np.asarray(gs, np.int32)), group_size=32), np.float32)
+    xn, pn, sn = np.asarray(x), np.asarray(p), np.asarray(s)
     start = 0
     for e, size in enumerate(gs):
-      ref = int4_matmul_reference(x[start:start + size], p[e], s[e],
+      ref = int4_matmul_reference(*put(xn[start:start + size], pn[e], sn[e]),
                                   group_size=32)
       np.testing.assert_array_equal(out[start:start + size],
                                     np.asarray(ref, np.float32))
@@ -337,17 +334,18 @@ class ReferenceTest(parameterized.TestCase):
 
   def test_bad_inputs_raise(self):
     x, p, s = _make(8, 4, 128, 64, 32)
+    xn, pn, sn = np.asarray(x), np.asarray(p), np.asarray(s)
     with self.assertRaisesRegex(ValueError, "group_size"):
       int4_matmul(x, p, s, group_size=16)
     with self.assertRaisesRegex(ValueError, "backend"):
       int4_matmul(x, p, s, group_size=32, backend="triton")
     with self.assertRaisesRegex(ValueError, "K//2"):
-      int4_matmul(x[:, :64], p, s, group_size=32)
+      int4_matmul(put(xn[:, :64]), p, s, group_size=32)
     with self.assertRaisesRegex(ValueError, "floating point"):
-      int4_matmul(x.astype(jnp.int32), p, s, group_size=32,
+      int4_matmul(put(xn.astype(np.int32)), p, s, group_size=32,
                   backend="interpret")
     with self.assertRaisesRegex(ValueError, "group_sizes"):
-      int4_grouped_matmul(x, p[None], s[None], jnp.array([1, 2], jnp.int32),
+      int4_grouped_matmul(x, *put(pn[None], sn[None], np.array([1, 2], np.int32)),
                           group_size=32, backend="xla")
     with self.assertRaisesRegex(ValueError, "multiple of 64"):
       BlockSizes(tile_n=96)
