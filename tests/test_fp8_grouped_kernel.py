@@ -17,27 +17,33 @@ from pallas_kernels.fp8_matmul.grouped import smem_bytes
 from pallas_kernels.h200 import kernel_readings as kc
 
 import h200_compile_cases
+from router_sort_refs import put
 
 
-def _operands(e, k, n, group_sizes, m, seed, x_dtype=jnp.bfloat16):
+def _operands_np(e, k, n, group_sizes, m, seed, x_dtype=jnp.bfloat16):
   """Random x, fp8 values spanning e4m3's range and a distinct scale per 128 x 128 block
-  (so a wrong block index shows)."""
+  (so a wrong block index shows), in numpy."""
   rng = np.random.default_rng(seed)
-  x = jnp.asarray(rng.standard_normal((m, k)), x_dtype)
-  values = jnp.asarray(rng.standard_normal((e, k, n)) * 60, jnp.float32).astype(jnp.float8_e4m3fn)
-  scales = jnp.asarray(rng.uniform(0.25, 4.0, (e, -(-k // 128), -(-n // 128))) * 1e-2,
-                       jnp.float32)
-  return x, values, scales, jnp.asarray(group_sizes, jnp.int32)
+  x = np.asarray(rng.standard_normal((m, k)), x_dtype)
+  values = np.asarray(rng.standard_normal((e, k, n)) * 60, np.float32).astype(jnp.float8_e4m3fn)
+  scales = np.asarray(rng.uniform(0.25, 4.0, (e, -(-k // 128), -(-n // 128))) * 1e-2,
+                      np.float32)
+  return x, values, scales, np.asarray(group_sizes, np.int32)
+
+
+def _operands(*args, **kwargs):
+  """``_operands_np``'s arrays on the device (placed, no XLA program)."""
+  return put(*_operands_np(*args, **kwargs))
 
 
 def _ground_truth(x, values, scales, group_sizes):
   """float64, one expert at a time: x and each dequantised weight rounded to bf16 first,
-  as the kernel feeds its MMA."""
+  as the kernel feeds its MMA (numpy on the host)."""
   k, n = values.shape[1:]
-  xb = np.asarray(x.astype(jnp.bfloat16), np.float64)
+  xb = np.asarray(np.asarray(x).astype(jnp.bfloat16), np.float64)
   s = np.repeat(np.repeat(np.asarray(scales, np.float64), 128, 1), 128, 2)[:, :k, :n]
-  w = np.asarray(jnp.asarray(np.asarray(values, np.float64) * s, jnp.float32).astype(
-      jnp.bfloat16), np.float64)
+  w = np.asarray((np.asarray(values, np.float64) * s).astype(np.float32).astype(jnp.bfloat16),
+                 np.float64)
   out = np.zeros((x.shape[0], n))
   start = 0
   for e, g in enumerate(np.asarray(group_sizes)):
@@ -69,12 +75,12 @@ class Fp8GroupedInterpretTest(parameterized.TestCase):
     ref = fp8_grouped_matmul_reference(x, values, scales, gs)
     truth = _ground_truth(x, values, scales, gs)
     self.assertEqual((out.shape, out.dtype), ((m, n), jnp.bfloat16))
-    total = int(gs.sum())
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    total = int(np.asarray(gs).sum())
     self.assertTrue(np.all(np.asarray(out[total:], np.float32) == 0))
     self.assertLessEqual(_rel(out[:total], truth[:total]), 1e-2)
     self.assertLessEqual(_rel(ref[:total], truth[:total]), 1e-2)
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
-                               rtol=1e-2, atol=1e-2 * np.abs(truth).max())
+    np.testing.assert_allclose(out, ref, rtol=1e-2, atol=1e-2 * np.abs(truth).max())
 
   def test_f32_activations_come_back_f32(self):
     x, values, scales, gs = _operands(2, 128, 128, [3, 5], 8, seed=3, x_dtype=jnp.float32)
@@ -84,9 +90,11 @@ class Fp8GroupedInterpretTest(parameterized.TestCase):
 
   def test_a_wrong_scale_is_seen(self):
     """The test can fail: one block's scale doubled moves that block's columns only."""
-    x, values, scales, gs = _operands(2, 256, 256, [4, 4], 8, seed=5)
-    out = fp8_grouped_matmul(x, values, scales.at[1, 1, 0].multiply(2.0), gs,
-                             backend="interpret")
+    x, values, scales, gs = _operands_np(2, 256, 256, [4, 4], 8, seed=5)
+    wrong = scales.copy()
+    wrong[1, 1, 0] *= 2.0
+    out = fp8_grouped_matmul(*put(x, values, wrong, gs), backend="interpret")
+    out = np.asarray(out, np.float32)
     truth = _ground_truth(x, values, scales, gs)
     self.assertGreater(_rel(out[4:, :128], truth[4:, :128]), 0.1)
     self.assertLessEqual(_rel(out[:4], truth[:4]), 1e-2)
@@ -96,7 +104,7 @@ class Fp8GroupedInterpretTest(parameterized.TestCase):
 class Fp8GroupedErrorsTest(parameterized.TestCase):
 
   def test_bad_operands_raise_naming_them(self):
-    x, values, scales, gs = _operands(2, 128, 128, [2, 2], 4, seed=0)
+    x, values, scales, gs = _operands_np(2, 128, 128, [2, 2], 4, seed=0)
     for args, pattern in [
         ((x[0], values, scales, gs), "x must be"),
         ((x.astype(jnp.float8_e4m3fn), values, scales, gs), "x must be"),
@@ -105,8 +113,9 @@ class Fp8GroupedErrorsTest(parameterized.TestCase):
         ((x, values, scales[:, :, :0], gs), "scales must be"),
         ((x, values, scales.astype(jnp.bfloat16), gs), "scales must be"),
         ((x, values, scales, gs[:1]), "group_sizes must be"),
-        ((x, values, scales, gs.astype(jnp.float32)), "group_sizes must be"),
+        ((x, values, scales, gs.astype(np.float32)), "group_sizes must be"),
     ]:
+      args = put(*args)
       for backend in ("interpret", "xla"):
         with self.assertRaisesRegex(ValueError, pattern):
           fp8_grouped_matmul(*args, backend=backend)
@@ -127,14 +136,16 @@ class QuantGroupedMatmulTest(absltest.TestCase):
 
   def test_kernel_backend_matches_xla(self):
     rng = np.random.default_rng(7)
-    w = jnp.asarray(rng.standard_normal((3, 256, 128)) * 0.05, jnp.float32)
-    x = jnp.asarray(rng.standard_normal((10, 256)), jnp.bfloat16)
-    gs = jnp.array([4, 0, 5])
+    w = put(np.asarray(rng.standard_normal((3, 256, 128)) * 0.05, np.float32))
+    x = put(np.asarray(rng.standard_normal((10, 256)), jnp.bfloat16))
+    gs = put(np.array([4, 0, 5], np.int32))
+    # The reference in one program per weight format (eager, one per jnp operation).
+    xla = jax.jit(lambda x, fw, gs: grouped_matmul(x, fw, gs, backend="xla"))
     for block in (128, None):
       fw = quantize_fp8(w, block_size=block)
-      ref = grouped_matmul(x, fw, gs, backend="xla")
+      ref = xla(x, fw, gs)
       out = grouped_matmul(x, fw, gs, backend="interpret")
-      self.assertLessEqual(_rel(np.asarray(out[:9], np.float32), np.asarray(ref[:9], np.float32)),
+      self.assertLessEqual(_rel(np.asarray(out, np.float32)[:9], np.asarray(ref, np.float32)[:9]),
                            1e-2)
     text = jax.jit(lambda x, fw: grouped_matmul(x, fw, gs, backend="interpret")).lower(
         x, quantize_fp8(w)).as_text()
@@ -173,7 +184,7 @@ class ModelTest(absltest.TestCase):
     from mlkit.quant import FP8_ALL, quantize_params
     cfg = dataclasses.replace(TINY_MLA, n_layers=2, dtype="bfloat16")
     params = quantize_params(init_params(cfg, jax.random.key(1)), FP8_ALL)
-    tokens = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 6)), jnp.int32)
+    tokens = put(np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 6)).astype(np.int32))
     run = jax.jit(lambda p, t, backend: forward(p, t, cfg=cfg, backend=backend),
                   static_argnums=2)
     lowered = run.lower(params, tokens, "interpret")
