@@ -26,15 +26,6 @@ if "xla_backend_optimization_level" not in flags:
   flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = flags.strip()
 
-# No Python tracebacks in the MLIR locations of the programs the tests lower. By default jax
-# records up to 100 frames per operation, and under pytest every stack is deep: building
-# and carrying those locations through lowering and XLA's passes cost about 1.5% of the
-# engine modules' CPU time (docs/testing.md). Error messages keep their Python tracebacks;
-# only the source locations inside compiled programs' metadata go. The serving and
-# experiment processes the tests start inherit the setting.
-os.environ.setdefault("JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS", "false")
-os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")
-
 # No persistent compilation cache in the tests: while hunting a worker crash inside XLA
 # (see _release_compiled_programs below), one run died in the cache's write
 # (``executable.serialize()``); sharing it between the workers saved only about 2%.
