@@ -1,8 +1,8 @@
 """Random int4 test operands made on the host, for the int4 kernel tests.
 
 Packing, the [N, K] relayout and the casts are done in numpy and the results placed
-with ``device_put`` (``router_sort_refs.put``), which compiles no XLA program; made with eager jnp operations each
-would compile one program per operation and shape. The layouts are those of
+with ``host_data.put``, which compiles no XLA program; made with eager jnp operations,
+each would compile one program per operation and shape. The layouts are those of
 ``pallas_kernels.int4_matmul`` (docs/int4_matmul.md), whose own functions the
 reference tests check against these.
 """

@@ -1,9 +1,7 @@
-"""The MoE router's jnp references, jitted, and test inputs placed from numpy, for the
-router, sort and indexer tests.
+"""The MoE router's jnp references, jitted, and the routed pairs the sort tests draw.
 
 Called eagerly, each reference compiles one small XLA program per jnp operation (and per
-shape); jitted, it is one program per case. Inputs cast with numpy and placed with
-``device_put`` need no program, where ``jnp.asarray(x, dtype)`` compiles a conversion.
+shape); jitted, it is one program per case.
 """
 
 import jax
@@ -13,6 +11,8 @@ from pallas_kernels.moe_router import select_experts_reference
 from pallas_kernels.moe_router import sort_by_expert_local_reference
 from pallas_kernels.moe_router import sort_by_expert_reference
 
+from host_data import put
+
 # select_experts_reference(logits, bias, **routing), one compile per shape and routing.
 select_ref = jax.jit(select_experts_reference,
                      static_argnames=("top_k", "router", "n_group", "topk_group",
@@ -21,12 +21,6 @@ select_ref = jax.jit(select_experts_reference,
 sort_ref = jax.jit(sort_by_expert_reference, static_argnums=2)
 # sort_by_expert_local_reference(expert_ids, weights, n_experts, shard, n_shards).
 sort_local_ref = jax.jit(sort_by_expert_local_reference, static_argnums=(2, 4))
-
-
-def put(*arrays):
-  """``jax.device_put`` of numpy arrays (already in their dtypes): no XLA program."""
-  out = tuple(jax.device_put(a) for a in arrays)
-  return out[0] if len(out) == 1 else out
 
 
 def pairs(seed, n, k, e):

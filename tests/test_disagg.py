@@ -17,7 +17,7 @@ from mlkit.engine.disagg import (ABORT_TRANSFER, DisaggConfig, DisaggEngine, Poo
                                  TransferFault, build_serving_engine, default_disagg_config)
 from mlkit.quant import BF16, FP8_ALL, INT4_EXPERTS
 from mlkit.sampling import SamplingParams
-from router_sort_refs import put
+from host_data import put
 from test_parallel import init_params_np
 
 # One MoE layer: the pools' logic does not depend on depth, and compiles scale with it.

@@ -17,7 +17,7 @@ from pallas_kernels.fp8_matmul.grouped import smem_bytes
 from pallas_kernels.h200 import kernel_readings as kc
 
 import h200_compile_cases
-from router_sort_refs import put
+from host_data import put
 
 
 def _operands_np(e, k, n, group_sizes, m, seed, x_dtype=jnp.bfloat16):

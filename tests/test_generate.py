@@ -12,8 +12,8 @@ from mlkit.generate import generate
 from mlkit.model import forward
 from mlkit.sampling import SamplingParams, row_keys, sample_tokens
 from numpy_params import init_params_np
-from host_softmax import softmax
-from router_sort_refs import put
+from host_data import softmax
+from host_data import put
 
 
 def _normal(seed, shape):

@@ -21,7 +21,7 @@ from pallas_kernels.indexer import paged_index_topk
 from pallas_kernels.indexer import TopkBlockSizes
 from pallas_kernels.indexer import topk_positions as topk_kernel_op
 from pallas_kernels.indexer import topk_positions_reference
-from router_sort_refs import put
+from host_data import put
 
 # The reference top-k in one program per (shape, k), where eagerly each of its operations
 # is one.

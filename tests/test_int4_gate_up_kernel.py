@@ -22,7 +22,7 @@ import numpy as np
 
 import h200_compile_cases
 import int4_test_data
-from router_sort_refs import put
+from host_data import put
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gpu_interpret
 from mlkit.model import moe
 from mlkit.quant import Int4Weight, grouped_matmul, grouped_matmuls, quantize_fp8, quantize_int4

@@ -20,7 +20,7 @@ from mlkit.quant import (INT4_EXPERTS, RECIPES, Int4Weight, dequantize, grouped_
                          kernel_int4_layout, kernel_layout, matmul, quantize_int4,
                          quantize_params, relaid_int4, weight_bytes)
 from numpy_params import init_params_np
-from router_sort_refs import put
+from host_data import put
 
 MLA = dataclasses.replace(TINY_MLA, n_layers=2)  # one dense and one MoE layer
 

@@ -19,7 +19,7 @@ import pytest
 
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gpu_interpret
 import int4_test_data
-from router_sort_refs import put
+from host_data import put
 from pallas_kernels.int4_matmul import BlockSizes
 from pallas_kernels.int4_matmul import dequantize_int4
 from pallas_kernels.int4_matmul import int4_grouped_matmul

@@ -22,7 +22,7 @@ from pallas_kernels.int4_matmul import int4_matmul_reference
 from pallas_kernels.int4_matmul import nk
 from pallas_kernels.int4_matmul import reference
 import int4_test_data
-from router_sort_refs import put
+from host_data import put
 from test_int4_matmul_kernel import _KernelTestBase
 from test_int4_matmul_kernel import SCALE_DTYPES
 

@@ -11,7 +11,7 @@ from configs import TINY_GQA, TINY_MLA
 from mlkit import kvcache as kvc
 from mlkit import model
 from numpy_params import init_params_np
-from router_sort_refs import put
+from host_data import put
 
 PAGE = 4  # small pages so the tiny sequences cross page boundaries
 NUM_PAGES = 10

@@ -25,7 +25,8 @@ import numpy as np
 
 import h200_compile_cases
 from configs import TINY_MLA
-from router_sort_refs import put, select_ref, sort_ref
+from host_data import put
+from router_sort_refs import select_ref, sort_ref
 from mlkit.model import layers, moe
 from pallas_kernels.moe_router import select_experts
 from pallas_kernels.moe_router import select_experts_reference

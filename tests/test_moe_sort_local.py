@@ -21,7 +21,8 @@ import h200_compile_cases
 from mlkit.model.moe import dispatch_experts
 from pallas_kernels.moe_router import sort_by_expert_local, sort_by_expert_local_reference
 from router_sort_refs import pairs as _pairs
-from router_sort_refs import put, sort_local_ref
+from host_data import put
+from router_sort_refs import sort_local_ref
 
 
 class SortLocalTest(parameterized.TestCase):

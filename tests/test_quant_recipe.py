@@ -19,7 +19,7 @@ from mlkit.quant.recipe import (FP8_ALL, INT4_EXPERTS, INT4_EXPERTS_FP8_REST,
                                 int4_experts, quantize_params)
 from mlkit.quant.tree import flatten_params, is_quantised
 from numpy_params import init_params_np
-from router_sort_refs import put
+from host_data import put
 
 # TINY_MLA cut to one dense and one MoE layer (every kind of weight a recipe treats, at two
 # thirds of the compile time); TINY_GQA has those two layers already.

@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 
 import h200_compile_cases
-from router_sort_refs import put
+from host_data import put
 from pallas_kernels.residual_norm import ops
 from pallas_kernels.residual_norm import (kernel_takes, residual_norm,
                                           residual_norm_partitioned, residual_norm_reference)

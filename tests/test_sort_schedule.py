@@ -38,7 +38,8 @@ from pallas_kernels.int4_matmul.int4_matmul import grouped_schedule
 from pallas_kernels.int4_matmul.int4_matmul import schedule_for
 from pallas_kernels.moe_router import sort_by_expert_local
 from router_sort_refs import pairs as _pairs
-from router_sort_refs import put, sort_local_ref
+from host_data import put
+from router_sort_refs import sort_local_ref
 
 # (N, k, E, devices): 48 local experts as Kimi K2.6's on 8 devices (not a power of two;
 # at tile_m 16 the table's 128 columns take two blocks of 64 tiles), and 8 local experts

@@ -16,8 +16,8 @@ from absl.testing import absltest, parameterized
 
 from mlkit.sampling import row_keys
 from mlkit.speculative import FILL_TOKEN, accept_drafts
-from host_softmax import softmax
-from router_sort_refs import put
+from host_data import softmax
+from host_data import put
 
 try:
   from scipy import stats

@@ -27,7 +27,7 @@ from mlkit.parallel import MeshConfig, ShardingRules, expert_sharding, make_mesh
 from mlkit.quant import INT4_EXPERTS, quantize_params
 from mlkit.quant.dispatch import ragged_dot_f32
 from numpy_params import init_params_np
-from router_sort_refs import put
+from host_data import put
 
 CFG = dataclasses.replace(TINY_MLA, n_routed_experts=8)
 # Jitted: each runs as one compiled program per shape instead of op by op.
