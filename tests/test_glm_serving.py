@@ -13,7 +13,6 @@ import functools
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
@@ -25,6 +24,7 @@ from mlkit.engine import transfer as tr
 from mlkit.engine.disagg import DisaggConfig, DisaggEngine, PoolConfig
 from mlkit.quant import BF16, INT4_EXPERTS
 from mlkit.sampling import SamplingParams
+from host_data import put
 from numpy_params import init_params_np
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "glm_moe_dsa")
@@ -44,6 +44,27 @@ def _prefill(params, tokens, positions, cache, meta, *, cfg):
   """One prefill chunk through ``cache`` (contiguous when meta is None, else paged)."""
   _, cache = model.apply(params, tokens, positions, cache, cfg=cfg, batch_meta=meta)
   return cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kv"))
+def _empty_pool(*, cfg, kv):
+  """An empty paged pool (``kvc.init_paged_state``) in one program: built eagerly, each
+  entry's zeros and fp8 scales' ones compile a program of their own."""
+  return kvc.init_paged_state(cfg, kv)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "batch", "max_len"))
+def _empty_cache(*, cfg, batch, max_len):
+  """An empty contiguous cache (``model.init_cache``) in one program (as ``_empty_pool``)."""
+  return model.init_cache(cfg, batch, max_len)
+
+
+def _prompt_batch(prompts, n):
+  """(tokens, positions) [B, n] int32 of the prompts' one chunk, made on the host and placed
+  with device_put (no program)."""
+  tokens = np.asarray(prompts, np.int32)
+  positions = np.broadcast_to(np.arange(n, dtype=np.int32), tokens.shape).copy()
+  return put(tokens, positions)
 
 
 @jax.jit
@@ -150,15 +171,14 @@ class GlmServingTest(parameterized.TestCase):
     """
     cfg, n = cls.cfg, cls.n
     B = len(cls.prompts)
-    tokens = jnp.asarray(cls.prompts, jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (B, n))
+    tokens, positions = _prompt_batch(cls.prompts, n)
     page, num_pages = 4, 16
     alloc = kvc.PageAllocator(num_pages, page)
     alloc.allocate(3)
     for rid in range(B):
       assert alloc.admit(rid, n) is None
     meta = alloc.batch_meta(list(range(B)), max_pages=n // page)
-    pool = kvc.sync_tags(kvc.init_paged_state(cfg, kvc.KVCacheConfig(num_pages, page, "float32")),
+    pool = kvc.sync_tags(_empty_pool(cfg=cfg, kv=kvc.KVCacheConfig(num_pages, page, "float32")),
                          alloc.device_tags())
     return alloc, meta, _prefill(cls.params, tokens, positions, pool, meta, cfg=cfg)
 
@@ -172,15 +192,15 @@ class GlmServingTest(parameterized.TestCase):
     # deeper layers' inputs move with the selection and routing flips described above.
     cfg, n = self.cfg, self.n
     B = len(self.prompts)
-    tokens = jnp.asarray(self.prompts, jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (B, n))
-    contig = _prefill(self.params, tokens, positions, model.init_cache(cfg, B, 32), None, cfg=cfg)
+    tokens, positions = _prompt_batch(self.prompts, n)
+    contig = _prefill(self.params, tokens, positions, _empty_cache(cfg=cfg, batch=B, max_len=32),
+                      None, cfg=cfg)
     # Sliced on the host (here and below): a device slice compiles a program per shape.
     want = [{k: np.asarray(v)[:, :n] for k, v in layer.items()} for layer in contig.layers]
     alloc, meta, f32 = self._paged_f32()  # the requests do not start at page 0
 
     def pool(dtype):
-      return kvc.sync_tags(kvc.init_paged_state(cfg, kvc.KVCacheConfig(
+      return kvc.sync_tags(_empty_pool(cfg=cfg, kv=kvc.KVCacheConfig(
           alloc.num_pages, alloc.page_size, dtype)), alloc.device_tags())
 
     for dtype, state, bound in (
@@ -209,7 +229,7 @@ class GlmServingTest(parameterized.TestCase):
     dst_pages = [p for p, _ in dst_alloc.block_table(0)]
 
     def dst_pool():
-      return kvc.init_paged_state(cfg, kvc.KVCacheConfig(4, 8, "float8_e4m3fn"))
+      return _empty_pool(cfg=cfg, kv=kvc.KVCacheConfig(4, 8, "float8_e4m3fn"))
 
     def flip_index_k(state):
       layers = list(state.layers)
