@@ -4,9 +4,6 @@ tiles, the ops' merge choice, and an H200 compile of every configuration the eng
 builds at the attention target shapes."""
 
 import functools
-import glob
-import os
-import tempfile
 from unittest import mock
 
 from absl.testing import absltest
@@ -19,6 +16,8 @@ from pallas_kernels import mgpu_shim
 from pallas_kernels import schedule
 from pallas_kernels import targets as kt
 import h200_compile_cases
+from host_data import put
+import mosaic_ptx
 from pallas_kernels.paged_attention import BlockSizes
 from pallas_kernels.paged_attention.block_sizes import MERGES as MERGE_CHOICES
 from pallas_kernels.paged_attention import merge_pieces as mp
@@ -53,7 +52,7 @@ MERGES = {
 def _partials(seed, lengths, *, pieces, x, r, d, dtype, rl=None, page_size=64, max_pages=64):
   """(o, lse, schedule [5, G]): a real schedule over ``lengths`` and random partials
   on it: empty pieces carry o = 0 and a very negative lse, as the kernels write them."""
-  sched = schedule.schedule_pieces(jnp.asarray(lengths, jnp.int32), page_size=page_size,
+  sched = schedule.schedule_pieces(put(np.asarray(lengths, np.int32)), page_size=page_size,
                                    max_pages=max_pages, pieces=pieces)
   g = sched.shape[1]
   rng = np.random.default_rng(seed)
@@ -62,7 +61,12 @@ def _partials(seed, lengths, *, pieces, x, r, d, dtype, rl=None, page_size=64, m
   lse = (rng.standard_normal((g, x, rl or r)) * 4).astype(np.float32)
   o[empty], lse[empty] = 0.0, mla_mgpu.NEG
   # Cast by numpy and placed by device_put: no compile (jnp.asarray compiles two).
-  return jax.device_put(o.astype(dtype)), jax.device_put(lse), sched
+  return put(o.astype(dtype)), put(lse), sched
+
+
+def _request(sched):
+  """The schedule's request row [G], sliced on the host: no program."""
+  return put(np.asarray(sched)[0])
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4))
@@ -108,7 +112,7 @@ class MergeMatchesReferenceTest(parameterized.TestCase):
   )
   def test_matches_reference(self, lengths, kw, rows, kernels=("triton", "mgpu")):
     o, lse, sched = _partials(len(lengths) + rows, lengths, **kw)
-    request = sched[0]
+    request = _request(sched)
     b = len(lengths)
     # The kernel writes the output dtype: bf16 (the ops' case) for bf16 partials.
     out_dtype = kw["dtype"]
@@ -135,33 +139,37 @@ class MergeMatchesReferenceTest(parameterized.TestCase):
 
   def test_pieces_far_apart_in_lse_weigh_by_it(self):
     # One request, three pieces whose lse differ by 60: the largest dominates, no overflow.
-    o = jnp.asarray(np.random.default_rng(0).standard_normal((3, 1, 8, 128)), jnp.float32)
-    lse = jnp.asarray(np.array([-30.0, 30.0, 0.0], np.float32)[:, None, None]
-                      * np.ones((3, 1, 8), np.float32))
+    o = np.random.default_rng(0).standard_normal((3, 1, 8, 128)).astype(np.float32)
+    lse = (np.array([-30.0, 30.0, 0.0], np.float32)[:, None, None]
+           * np.ones((3, 1, 8), np.float32))
+    args = put(o, lse, np.zeros((3,), np.int32))
     for kernel, merge in MERGES.items():
       with self.subTest(kernel=kernel):
-        got = merge(o, lse, jnp.zeros((3,), jnp.int32), 1)
-        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(o[1]), rtol=1e-6, atol=1e-6)
+        got = merge(*args, 1)
+        np.testing.assert_allclose(np.asarray(got)[0], o[1], rtol=1e-6, atol=1e-6)
 
 
 class MergeErrorsTest(parameterized.TestCase):
 
+  # The bad operands are made on the host and placed as they are: no program makes them.
   def setUp(self):
     super().setUp()
-    self.o = jnp.zeros((4, 1, 8, 128), jnp.bfloat16)
-    self.lse = jnp.zeros((4, 1, 8), jnp.float32)
-    self.req = jnp.array([0, 0, 1, -1], jnp.int32)
+    self.o_h = np.zeros((4, 1, 8, 128), jnp.bfloat16)
+    self.lse_h = np.zeros((4, 1, 8), np.float32)
+    self.req_h = np.array([0, 0, 1, -1], np.int32)
+    self.o, self.lse, self.req = put(self.o_h, self.lse_h, self.req_h)
 
   @parameterized.named_parameters(
-      ("o_not_4d", lambda s: (s.o[:, 0], s.lse, s.req, {}), "must be"),
-      ("lse_pieces", lambda s: (s.o, s.lse[:3], s.req, {}), "disagree"),
-      ("request_pieces", lambda s: (s.o, s.lse, s.req[:3], {}), "disagree"),
+      ("o_not_4d", lambda s: (put(s.o_h[:, 0]), s.lse, s.req, {}), "must be"),
+      ("lse_pieces", lambda s: (s.o, put(s.lse_h[:3]), s.req, {}), "disagree"),
+      ("request_pieces", lambda s: (s.o, s.lse, put(s.req_h[:3]), {}), "disagree"),
       ("rows_too_many", lambda s: (s.o, s.lse, s.req, {"rows": 9}), "rows must be"),
       ("rows_zero", lambda s: (s.o, s.lse, s.req, {"rows": 0}), "rows must be"),
-      ("lse_bf16", lambda s: (s.o, s.lse.astype(jnp.bfloat16), s.req, {}), "lse f32"),
-      ("o_int", lambda s: (s.o.astype(jnp.int32), s.lse, s.req, {}), "floating"),
-      ("columns", lambda s: (jnp.zeros((4, 1, 8, 40)), s.lse, s.req, {}), "divisible by"),
-      ("lse_rows_short", lambda s: (s.o, s.lse[:, :, :4], s.req, {}), "must fit"),
+      ("lse_bf16", lambda s: (s.o, put(s.lse_h.astype(jnp.bfloat16)), s.req, {}), "lse f32"),
+      ("o_int", lambda s: (put(s.o_h.astype(np.int32)), s.lse, s.req, {}), "floating"),
+      ("columns", lambda s: (put(np.zeros((4, 1, 8, 40), np.float32)), s.lse, s.req, {}),
+       "divisible by"),
+      ("lse_rows_short", lambda s: (s.o, put(s.lse_h[:, :, :4]), s.req, {}), "must fit"),
   )
   def test_rejects(self, make, msg):
     o, lse, req, kw = make(self)
@@ -170,8 +178,8 @@ class MergeErrorsTest(parameterized.TestCase):
         merge(o, lse, req, 2, **kw)
 
   def test_refuses_ranges_it_cannot_read(self):
-    for bad in (jnp.zeros((1, 4), jnp.int32), jnp.zeros((5, 1), jnp.int32),
-                jnp.zeros((5, 4), jnp.float32), jnp.zeros((4,), jnp.int32)):
+    for bad in put(np.zeros((1, 4), np.int32), np.zeros((5, 1), np.int32),
+                   np.zeros((5, 4), np.float32), np.zeros((4,), np.int32)):
       for kernel, merge in MERGES.items():
         with self.subTest(kernel=kernel, shape=bad.shape, dtype=bad.dtype), \
              self.assertRaisesRegex(ValueError, "ranges must be int32"):
@@ -179,7 +187,7 @@ class MergeErrorsTest(parameterized.TestCase):
 
   def test_mgpu_needs_columns_in_128s(self):
     with self.assertRaisesRegex(ValueError, "divisible by 128; got 64"):
-      MERGES["mgpu"](jnp.zeros((4, 1, 8, 64)), self.lse, self.req, 2)
+      MERGES["mgpu"](put(np.zeros((4, 1, 8, 64), np.float32)), self.lse, self.req, 2)
     self.assertTrue(mm.supports(128) and mm.supports(512))
     self.assertFalse(mm.supports(64) or mm.supports(192))
 
@@ -275,7 +283,7 @@ class OpsMergeChoiceTest(absltest.TestCase):
   def test_columns_the_mgpu_merge_does_not_take_go_to_the_triton_one(self):
     o, lse, sched = _partials(8, [300, 2000], pieces=8, x=2, r=64, d=64,
                               dtype=jnp.float32)
-    request = sched[0]
+    request = _request(sched)
     with mock.patch.object(mm, "merge_pieces_mgpu", side_effect=AssertionError("mgpu ran")):
       got = _ops_merge(o, lse, sched, 2, rows=4, out_dtype=jnp.float32, merge="mgpu",
                        interpret=True)
@@ -326,15 +334,10 @@ def _compile_merge(merge, b, oshape, odt, lshape, rows, **kw):
 
 def _ptx(compile_fn) -> tuple[dict[str, str], object]:
   """({kernel name: PTX} of the Mosaic GPU kernels ``compile_fn()`` builds, what
-  ``compile_fn()`` returns)."""
-  with tempfile.TemporaryDirectory() as d:
-    with mock.patch.dict(os.environ, {"MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_TO": d}):
-      result = compile_fn()
-    out = {}
-    for path in glob.glob(os.path.join(d, "*.ptx")):
-      with open(path) as f:
-        out[os.path.basename(path).rsplit("_", 1)[0]] = f.read()
-  return out, result
+  ``compile_fn()`` returns): the PTX alone, not Mosaic GPU's whole dump
+  (tests/mosaic_ptx.py)."""
+  modules, result = mosaic_ptx.mosaic_ptx(compile_fn)
+  return dict(modules), result
 
 
 def pdl_problems(merge_ptx: str, decode_ptx: str | None = None) -> list[str]:

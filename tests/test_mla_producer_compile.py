@@ -17,17 +17,16 @@ one), compiled for an H200: what the interpreter cannot check.
 """
 
 import functools
-import glob
 import importlib.util
 import os
 import re
-import tempfile
 from unittest import mock
 
 from absl.testing import absltest
 from absl.testing import parameterized
 
 import h200_compile_cases
+import mosaic_ptx
 from pallas_kernels.h200 import kernel_readings as kc
 from pallas_kernels.paged_attention import mla_mgpu
 
@@ -61,11 +60,15 @@ class RegisterSplitTest(absltest.TestCase):
 
   def test_the_kernel_checks_its_split(self):
     import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    from host_data import put  # pylint: disable=g-import-not-at-top
     b, h, c, r, n, ps = 1, 64, 256, 64, 2, 64
-    args = (jnp.zeros((b, h, c), jnp.bfloat16), jnp.zeros((b, h, r), jnp.bfloat16), None,
-            jnp.zeros((n, ps, c), jnp.bfloat16), jnp.zeros((n, ps, r), jnp.bfloat16), None,
-            None, jnp.zeros((b, 2), jnp.int32), jnp.ones((b,), jnp.int32),
-            jnp.zeros((3, 4), jnp.int32))
+    # Made on the host and placed as they are (the kernel refuses before it reads them).
+    q, qr, kc_, kr, tables, lengths, pieces = put(
+        np.zeros((b, h, c), jnp.bfloat16), np.zeros((b, h, r), jnp.bfloat16),
+        np.zeros((n, ps, c), jnp.bfloat16), np.zeros((n, ps, r), jnp.bfloat16),
+        np.zeros((b, 2), np.int32), np.ones((b,), np.int32), np.zeros((3, 4), np.int32))
+    args = (q, qr, None, kc_, kr, None, None, tables, lengths, pieces)
     with mock.patch.object(mla_mgpu, "COMPUTE_REGS", 248):
       with self.assertRaisesRegex(ValueError, "wait forever"):
         mla_mgpu.mla_decode_mgpu(*args, scale=1.0, producer=True)
@@ -109,18 +112,12 @@ _QK8 = ("mla/dp/fp8/b8/ctx32768", "mgpu-heads-qk8")
 
 @functools.cache
 def _compiled_with_ptx(case: str, variant: str) -> tuple[kc.Build, dict, list[str]]:
-  """One H200 compile of a producer build with Mosaic GPU's PTX dumped: (the build, its
-  readings, the PTX of its decode kernel(s); the op also builds the merge of its pieces,
-  left out)."""
+  """One H200 compile of a producer build with Mosaic GPU's PTX read (tests/mosaic_ptx.py):
+  (the build, its readings, the PTX of its decode kernel(s); the op also builds the
+  merge of its pieces, left out)."""
   build = _producer_build(case, variant)
-  with tempfile.TemporaryDirectory() as d:
-    with mock.patch.dict(os.environ, {"MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_TO": d}):
-      readings = kc.compile_build(build)
-    ptx = []
-    for p in sorted(glob.glob(os.path.join(d, "*.ptx"))):
-      if not os.path.basename(p).startswith("merge_pieces"):
-        with open(p) as f:
-          ptx.append(f.read())
+  modules, readings = mosaic_ptx.mosaic_ptx(lambda: kc.compile_build(build))
+  ptx = [text for name, text in modules if not name.startswith("merge_pieces")]
   return build, readings, ptx
 
 
