@@ -84,12 +84,18 @@ CASES = dict(
 )
 
 
+def _routing(routing: dict) -> dict:
+  """``routing`` with select_experts' defaults spelled out, in one order: the jitted
+  reference is one program per shape and routing as written."""
+  return dict(dict(router="sigmoid", n_group=1, topk_group=1, norm_topk_prob=True,
+                   scaling=1.0), **routing)
+
+
 class SelectExpertsInterpretTest(parameterized.TestCase):
 
   @parameterized.named_parameters((name, *case) for name, case in CASES.items())
   def test_matches_the_reference(self, n, e, routing):
-    routing = dict(dict(router="sigmoid", n_group=1, topk_group=1, norm_topk_prob=True,
-                        scaling=1.0), **routing)
+    routing = _routing(routing)
     logits, bias = _inputs(n, e, seed=n * 1000 + e, bias=routing["router"] == "sigmoid")
     ids, w, scores = select_experts(logits, bias, backend="interpret", **routing)
     rids, rw, rscores = select_ref(logits, bias, **routing)
@@ -106,7 +112,10 @@ class SelectExpertsInterpretTest(parameterized.TestCase):
 
   def test_split_k_partials_are_added(self):
     parts, bias = _inputs(64, 384, seed=7, splits=16)
-    kw = dict(top_k=8, scaling=2.827)
+    # Kimi's decode routing, written as kimi_decode's case writes it: the summed logits'
+    # reference below is that case's program.
+    kw = _routing(CASES["kimi_decode"][2])
+    self.assertEqual(kw, _routing(dict(top_k=8, scaling=2.827)))
     got = select_experts(parts, bias, backend="interpret", **kw)
     want = select_ref(parts, bias, **kw)
     for g, r in zip(got, want):
@@ -218,13 +227,15 @@ class RouteTest(parameterized.TestCase):
          "router_bias": put((rng.normal(size=(cfg.n_routed_experts,)) * 0.1)
                             .astype(np.float32))}
     x = put(rng.normal(size=(n, d)).astype(jnp.bfloat16))
-    got = jax.jit(lambda p, x: moe.route(p, x, cfg, backend="interpret"))(p, x)
+    # One jitted kernel routing, run and then read: its trace and lowering are shared.
+    route_kernel = jax.jit(lambda p, x: moe.route(p, x, cfg, backend="interpret"))
+    got = route_kernel(p, x)
     want = jax.jit(lambda p, x: moe.route(p, x, cfg, backend="xla"))(p, x)
     np.testing.assert_array_equal(got[0], want[0])
     # Split-K adds the logits' parts in another order: f32 rounding only.
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-6)
-    lowered = jax.jit(lambda p, x: moe.route(p, x, cfg, backend="interpret")).lower(p, x)
+    lowered = route_kernel.lower(p, x)
     self.assertEqual("sne" in lowered.as_text(debug_info=True),
                      d >= layers.ROUTER_SPLIT_MIN_D)
 
