@@ -17,7 +17,6 @@ from pallas_kernels import schedule
 from pallas_kernels import targets as kt
 import h200_compile_cases
 from host_data import put
-import mosaic_ptx
 from pallas_kernels.paged_attention import BlockSizes
 from pallas_kernels.paged_attention.block_sizes import MERGES as MERGE_CHOICES
 from pallas_kernels.paged_attention import merge_pieces as mp
@@ -335,8 +334,9 @@ def _compile_merge(merge, b, oshape, odt, lshape, rows, **kw):
 def _ptx(compile_fn) -> tuple[dict[str, str], object]:
   """({kernel name: PTX} of the Mosaic GPU kernels ``compile_fn()`` builds, what
   ``compile_fn()`` returns): the PTX alone, not Mosaic GPU's whole dump
-  (tests/mosaic_ptx.py)."""
-  modules, result = mosaic_ptx.mosaic_ptx(compile_fn)
+  (pallas_kernels.h200.compile.read_mosaic_ptx)."""
+  from pallas_kernels.h200 import compile as hc
+  modules, result = hc.read_mosaic_ptx(compile_fn)
   return dict(modules), result
 
 

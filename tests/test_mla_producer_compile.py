@@ -26,7 +26,7 @@ from absl.testing import absltest
 from absl.testing import parameterized
 
 import h200_compile_cases
-import mosaic_ptx
+from pallas_kernels.h200 import compile as hc
 from pallas_kernels.h200 import kernel_readings as kc
 from pallas_kernels.paged_attention import mla_mgpu
 
@@ -112,11 +112,11 @@ _QK8 = ("mla/dp/fp8/b8/ctx32768", "mgpu-heads-qk8")
 
 @functools.cache
 def _compiled_with_ptx(case: str, variant: str) -> tuple[kc.Build, dict, list[str]]:
-  """One H200 compile of a producer build with Mosaic GPU's PTX read (tests/mosaic_ptx.py):
+  """One H200 compile of a producer build with Mosaic GPU's PTX read (read_mosaic_ptx):
   (the build, its readings, the PTX of its decode kernel(s); the op also builds the
   merge of its pieces, left out)."""
   build = _producer_build(case, variant)
-  modules, readings = mosaic_ptx.mosaic_ptx(lambda: kc.compile_build(build))
+  modules, readings = hc.read_mosaic_ptx(lambda: kc.compile_build(build))
   ptx = [text for name, text in modules if not name.startswith("merge_pieces")]
   return build, readings, ptx
 
