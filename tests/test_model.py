@@ -18,6 +18,7 @@ from configs import TINY_GQA, TINY_MLA
 from mlkit.model import apply, forward, init_cache, init_params, segment_positions
 from mlkit.model import moe, rope
 from mlkit.model.layers import swiglu
+from host_data import put
 from numpy_params import init_params_np
 
 BF16 = dict(dtype="bfloat16", param_dtype="bfloat16")
@@ -47,8 +48,13 @@ def _tokens(cfg, B, T, seed=1):
   return np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
 
 
+def _normal_np(seed, shape):
+  return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
 def _normal(seed, shape):
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+  # Drawn and cast on the host, placed without compiling (an eager cast is a program).
+  return put(_normal_np(seed, shape))
 
 
 class ForwardTest(parameterized.TestCase):
@@ -136,11 +142,16 @@ class ForwardTest(parameterized.TestCase):
     cfg = MLA
     params = init_params_np(cfg)
     a, b = [5, 6], [8, 9, 10]
-    toks = jnp.array([a + [0], b])
+    toks = np.array([a + [0], b], np.int32)
     pos = np.broadcast_to(np.arange(CHUNK, dtype=np.int32), (2, CHUNK))
     batched, _ = apply_jit(params, toks, pos, init_cache(cfg, 2, CACHE_LEN), cfg=cfg)
-    single = forward(params, jnp.array([a]), cfg=cfg)
-    np.testing.assert_allclose(np.asarray(batched)[0, :2], np.asarray(single)[0], rtol=1e-5,
+    # Row a without its padding and without b beside it: a's tokens, then other tokens
+    # (causal: never seen by a's positions), beside a random row, through the [2, 10]
+    # forward the prefill and logits-index tests compile for this config.
+    single_toks = _tokens(cfg, 2, 10, seed=5)
+    single_toks[0, :2] = a
+    single = forward(params, single_toks, cfg=cfg)
+    np.testing.assert_allclose(np.asarray(batched)[0, :2], np.asarray(single)[0, :2], rtol=1e-5,
                                atol=1e-5)
 
   @parameterized.parameters("mla", "gqa")
@@ -151,40 +162,42 @@ class ForwardTest(parameterized.TestCase):
     params = init_params_np(cfg)
     seqs = [list(_tokens(cfg, 1, n, seed=n)[0]) for n in (4, 6, 3)]
     row = sum(seqs, []) + [0, 0]
-    segs = jnp.array([sum(([i + 1] * len(q) for i, q in enumerate(seqs)), []) + [0, 0]])
+    # Host arrays (jnp.array of a list is an eager program per call).
+    segs = np.array([sum(([i + 1] * len(q) for i, q in enumerate(seqs)), []) + [0, 0]], np.int32)
     pos = segment_positions_jit(segs)
-    np.testing.assert_array_equal(pos[0], [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1])
-    packed, _ = apply_jit(params, jnp.array([row]), pos, None, cfg=cfg, segment_ids=segs)
+    np.testing.assert_array_equal(np.asarray(pos)[0], [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1])
+    packed, _ = apply_jit(params, np.array([row], np.int32), pos, None, cfg=cfg, segment_ids=segs)
     packed = np.asarray(packed)  # sliced on the host: no program per slice
     start = 0
-    arange = jnp.arange(len(row))[None]
+    arange = np.arange(len(row), dtype=np.int32)[None]
     for q in seqs:
       # Alone, right-padded to the row's length (causal, so the padding is never seen), through
       # the same compiled segment-free program as the unmasked row below.
-      alone, _ = apply_jit(params, jnp.array([q + [0] * (len(row) - len(q))]), arange, None,
+      alone, _ = apply_jit(params, np.array([q + [0] * (len(row) - len(q))], np.int32), arange, None,
                            cfg=cfg)
       np.testing.assert_allclose(packed[0, start:start + len(q)], np.asarray(alone)[0, :len(q)],
                                  rtol=1e-5, atol=1e-5)
       start += len(q)
     # Without segment ids the later sequences see the earlier ones, so their logits differ.
-    unmasked, _ = apply_jit(params, jnp.array([row]), pos, None, cfg=cfg)
+    unmasked, _ = apply_jit(params, np.array([row], np.int32), pos, None, cfg=cfg)
     self.assertGreater(rel_err(np.asarray(unmasked)[0, 4:10], packed[0, 4:10]), 1e-3)
 
   def test_bad_inputs(self):
     cfg = MLA
     params = init_params_np(cfg)
+    # Host inputs: every check raises before the model runs, so nothing compiles for them.
     with self.assertRaisesRegex(ValueError, r"tokens must be \[B, T\]"):
-      apply(params, jnp.zeros((3,), jnp.int32), jnp.zeros((3,), jnp.int32), cfg=cfg)
+      apply(params, np.zeros((3,), np.int32), np.zeros((3,), np.int32), cfg=cfg)
     with self.assertRaisesRegex(ValueError, "positions"):
-      apply(params, jnp.zeros((1, 3), jnp.int32), jnp.zeros((1, 4), jnp.int32), cfg=cfg)
+      apply(params, np.zeros((1, 3), np.int32), np.zeros((1, 4), np.int32), cfg=cfg)
     with self.assertRaisesRegex(ValueError, "integers"):
-      apply(params, jnp.zeros((1, 3)), jnp.zeros((1, 3), jnp.int32), cfg=cfg)
+      apply(params, np.zeros((1, 3), np.float32), np.zeros((1, 3), np.int32), cfg=cfg)
     with self.assertRaisesRegex(ValueError, "layers"):
-      apply(params, jnp.zeros((1, 3), jnp.int32), jnp.zeros((1, 3), jnp.int32),
+      apply(params, np.zeros((1, 3), np.int32), np.zeros((1, 3), np.int32),
             cfg=dataclasses.replace(cfg, n_layers=4))
-    z = jnp.zeros((1, 3), jnp.int32)
+    z = np.zeros((1, 3), np.int32)
     with self.assertRaisesRegex(ValueError, "segment_ids .* must match"):
-      apply(params, z, z, cfg=cfg, segment_ids=jnp.zeros((1, 4), jnp.int32))
+      apply(params, z, z, cfg=cfg, segment_ids=np.zeros((1, 4), np.int32))
     with self.assertRaisesRegex(ValueError, "cache-free"):
       apply(params, z, z, init_cache(cfg, 1, 8), cfg=cfg, segment_ids=z)
 
@@ -227,7 +240,7 @@ class MoETest(parameterized.TestCase):
     params = init_params_np(cfg)
     p = dict(params["layers"][1]["ffn"])
     if "router_bias" in p:
-      p["router_bias"] = _normal(7, p["router_bias"].shape) * 0.1
+      p["router_bias"] = put(_normal_np(7, p["router_bias"].shape) * np.float32(0.1))
     x = _normal(5, (17, cfg.d_model))
     ids, w, _ = jax.jit(moe.route, static_argnums=2)(p, x, cfg)
     ref_ids, ref_w = _route_naive(p, x, cfg)
@@ -243,28 +256,32 @@ class MoETest(parameterized.TestCase):
     p = params["layers"][1]["ffn"]
     x = _normal(2, (2, 9, cfg.d_model))
     out, aux = jax.jit(moe.moe_ffn, static_argnums=2)(p, x, cfg)
-    flat = np.asarray(x.reshape(-1, cfg.d_model), np.float64)
+    flat = np.asarray(x, np.float64).reshape(-1, cfg.d_model)
     ids, w = _route_naive(p, flat, cfg)
+    # Expert weights on the host: indexing the device arrays is a program per index.
+    wg, wu, wd = (np.asarray(p[k], np.float64) for k in ("w_gate", "w_up", "w_down"))
     silu = lambda z: z / (1 + np.exp(-z))
     ref = np.zeros_like(flat)
     for n in range(flat.shape[0]):
       for e, we in zip(ids[n], w[n]):
-        g = flat[n] @ np.asarray(p["w_gate"][e], np.float64)
-        u = flat[n] @ np.asarray(p["w_up"][e], np.float64)
-        ref[n] += we * ((silu(g) * u) @ np.asarray(p["w_down"][e], np.float64))
-    shared = np.asarray(jax.jit(swiglu)(p["shared"], jnp.asarray(flat, jnp.float32)), np.float64)
+        g = flat[n] @ wg[e]
+        u = flat[n] @ wu[e]
+        ref[n] += we * ((silu(g) * u) @ wd[e])
+    shared = np.asarray(jax.jit(swiglu)(p["shared"], put(flat.astype(np.float32))), np.float64)
     ref += shared
-    self.assertLess(rel_err(out.reshape(-1, cfg.d_model), ref), 1e-5)
+    out = np.asarray(out).reshape(-1, cfg.d_model)
+    self.assertLess(rel_err(out, ref), 1e-5)
     # Shared expert contributes: without it the result differs.
-    self.assertGreater(rel_err(out.reshape(-1, cfg.d_model), ref - shared), 1e-2)
-    np.testing.assert_allclose(float(jnp.sum(aux["expert_load"])), 1.0, rtol=1e-6)
+    self.assertGreater(rel_err(out, ref - shared), 1e-2)
+    np.testing.assert_allclose(float(np.sum(np.asarray(aux["expert_load"], np.float64))), 1.0,
+                               rtol=1e-6)
 
   def test_empty_and_full_experts(self):
     cfg = TINY_GQA
     p = init_params_np(cfg, seed=1)["layers"][1]["ffn"]
     x = _normal(3, (6, cfg.d_model))
-    ids = jnp.tile(jnp.array([[0, 3]], jnp.int32), (6, 1))  # experts 1, 2, 4.. get no tokens
-    w = jnp.full((6, 2), 0.5)
+    ids = put(np.tile(np.array([[0, 3]], np.int32), (6, 1)))  # experts 1, 2, 4.. get no tokens
+    w = put(np.full((6, 2), 0.5, np.float32))
     out = jax.jit(moe.dispatch_experts, static_argnums=4)(p, x, ids, w, cfg.n_routed_experts)
     # Each expert's weights taken on the host: one swiglu program serves both experts.
     ref = sum(0.5 * np.asarray(jax.jit(swiglu)({k: np.asarray(p[k])[e]
@@ -289,15 +306,15 @@ class RopeTest(parameterized.TestCase):
                      * rope.apply_rope(k, ck, sk, interleave=interleave))
 
     def dot(m, n):
-      return float(qk(jnp.array([[m]]), jnp.array([[n]])))
+      return float(qk(np.array([[m]], np.int32), np.array([[n]], np.int32)))
 
     self.assertAlmostEqual(dot(7, 3), dot(24, 20), places=4)
     self.assertNotAlmostEqual(dot(7, 3), dot(7, 4), places=3)
 
   def test_yarn_interpolates_low_frequencies_only(self):
     inv_frequencies = jax.jit(rope.inv_frequencies, static_argnums=0)
-    plain = inv_frequencies(dataclasses.replace(TINY_MLA, rope_scaling=None))
-    yarn = inv_frequencies(TINY_MLA)
+    plain = np.asarray(inv_frequencies(dataclasses.replace(TINY_MLA, rope_scaling=None)))
+    yarn = np.asarray(inv_frequencies(TINY_MLA))
     factor = TINY_MLA.rope_scaling.factor
     np.testing.assert_allclose(yarn[0], plain[0], rtol=1e-6)  # highest frequency kept
     np.testing.assert_allclose(yarn[-1], plain[-1] / factor, rtol=1e-6)  # lowest interpolated
