@@ -10,7 +10,6 @@ import dataclasses
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
@@ -19,16 +18,22 @@ from mlkit.checkpoint import load_hf_checkpoint
 from mlkit.model import apply, mtp_forward, mtp_forward_all
 from mlkit.model.mtp import shift_tokens
 from mlkit.train import TrainConfig, compute_config, loss_fn, train
+from host_data import put
 from numpy_params import init_params_np
 
 KIMI = os.path.join(os.path.dirname(__file__), "fixtures", "kimi_k2_int4")
 # One dense layer, one MoE layer, one MTP layer (MoE), f32.
 CFG = dataclasses.replace(TINY_MLA, n_layers=2)
+# The same with two MTP layers: the depth-chain test's config, which the step-by-step test
+# also checks its first layer on, so that its depth-1 program compiles once for both.
+CFG2 = dataclasses.replace(CFG, n_mtp_layers=2)
 B, T = 2, 12
 
 mtp_jit = jax.jit(mtp_forward, static_argnames=("cfg", "depth"))
 apply_jit = jax.jit(apply, static_argnames=("cfg", "return_pre_norm"))
 loss_jit = jax.jit(loss_fn, static_argnames=("cfg", "tcfg"))
+# One program per shift and shape: eagerly, each shift compiled a fill, a slice and a concat.
+shift_jit = jax.jit(shift_tokens, static_argnums=1)
 
 
 def rel_err(a, b):
@@ -37,7 +42,8 @@ def rel_err(a, b):
 
 
 def _tokens(cfg, shape, seed=1):
-  return jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, shape), jnp.int32)
+  # On the host: jnp.asarray (a cast) and slices of a device array each compile a program.
+  return np.random.default_rng(seed).integers(0, cfg.vocab_size, shape).astype(np.int32)
 
 
 def _log_softmax_np(x):
@@ -61,13 +67,13 @@ class MtpForwardTest(parameterized.TestCase):
   @parameterized.named_parameters(("shared_embed_and_head", ()),
                                   ("own_embed_and_head", ("embed", "lm_head")))
   def test_matches_step_by_step_reference(self, parts):
-    params = init_params_np(CFG, mtp=parts)
+    params = init_params_np(CFG2, mtp=parts)
     lp = params["mtp"][0]
     toks = _tokens(CFG, (B, T))
     # Fresh random hidden states of O(1) size, as the main model's pre-norm output.
-    hidden = jnp.asarray(np.random.default_rng(2).standard_normal((B, T, CFG.d_model)), jnp.float32)
-    ahead = shift_tokens(toks, 1)  # t_{i+1}
-    logits, h = mtp_jit(params, hidden, ahead, cfg=CFG, depth=1)
+    hidden = put(np.random.default_rng(2).standard_normal((B, T, CFG.d_model)).astype(np.float32))
+    ahead = shift_jit(toks, 1)  # t_{i+1}
+    logits, h = mtp_jit(params, hidden, ahead, cfg=CFG2, depth=1)
     self.assertEqual((logits.shape, h.shape), ((B, T, CFG.vocab_size), (B, T, CFG.d_model)))
 
     # Reference: embed (own or shared), enorm / hnorm, concat [embedding, hidden], eh_proj.
@@ -80,7 +86,7 @@ class MtpForwardTest(parameterized.TestCase):
     # MoE config whose embedding rows are x (token b*T+t looks up row b*T+t), whose final
     # norm is the head's norm and whose head is the MTP layer's own or the main one.
     one = dataclasses.replace(CFG, n_layers=1, first_k_dense=0)
-    ref_params = {"embed": jnp.asarray(x.reshape(B * T, -1), jnp.float32),
+    ref_params = {"embed": put(x.reshape(B * T, -1).astype(np.float32)),
                   "final_norm": lp["head_norm"],
                   "lm_head": lp["lm_head"] if "lm_head" in parts else params["lm_head"],
                   "layers": [{k: lp[k] for k in ("attn_norm", "ffn_norm", "attn", "ffn")}]}
@@ -93,12 +99,12 @@ class MtpForwardTest(parameterized.TestCase):
     # The layer must read the embedding it holds (or else the main one): swapping them moves
     # the logits, so the reference above can tell the two apart.
     if "embed" in parts:
-      wrong, _ = mtp_jit(dict(params, mtp=[{k: v for k, v in lp.items() if k != "embed"}]),
-                         hidden, ahead, cfg=CFG, depth=1)
+      wrong_mtp = [{k: v for k, v in lp.items() if k != "embed"}, *params["mtp"][1:]]
+      wrong, _ = mtp_jit(dict(params, mtp=wrong_mtp), hidden, ahead, cfg=CFG2, depth=1)
       self.assertGreater(rel_err(wrong, ref_logits), 1e-2)
 
   def test_depths_chain_and_padding_stays_causal(self):
-    cfg = dataclasses.replace(CFG, n_mtp_layers=2)
+    cfg = CFG2
     params = init_params_np(cfg, mtp=())
     toks = _tokens(cfg, (B, T))
     pos = _positions(B, T)
@@ -108,8 +114,8 @@ class MtpForwardTest(parameterized.TestCase):
     run_all = jax.jit(mtp_forward_all, static_argnames=("cfg",))
     logits = run_all(params, pre, toks, cfg=cfg)  # [2, B, T, V]
     self.assertEqual(logits.shape, (2, B, T, cfg.vocab_size))
-    l1, h1 = mtp_jit(params, pre, shift_tokens(toks, 1), cfg=cfg, depth=1)
-    l2, _ = mtp_jit(params, h1, shift_tokens(toks, 2), cfg=cfg, depth=2)
+    l1, h1 = mtp_jit(params, pre, shift_jit(toks, 1), cfg=cfg, depth=1)
+    l2, _ = mtp_jit(params, h1, shift_jit(toks, 2), cfg=cfg, depth=2)
     # (Results indexed on the host here and below: a device slice compiles a program.)
     np.testing.assert_allclose(np.asarray(logits)[0], np.asarray(l1), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(logits)[1], np.asarray(l2), rtol=1e-6, atol=1e-6)
@@ -122,7 +128,8 @@ class MtpForwardTest(parameterized.TestCase):
 
   def test_bad_calls(self):
     params = init_params_np(CFG)
-    hidden = jnp.zeros((B, T, CFG.d_model), jnp.float32)
+    # Host inputs: each call raises before the layer runs, so nothing compiles for them.
+    hidden = np.zeros((B, T, CFG.d_model), np.float32)
     toks = _tokens(CFG, (B, T))
     with self.assertRaisesRegex(ValueError, r"no multi-token-prediction layers"):
       mtp_forward(params, hidden, toks, cfg=CFG, depth=1)
@@ -146,7 +153,7 @@ class KimiCheckpointMtpTest(absltest.TestCase):
     # The reference holds no MTP logits: the main logits must still match transformers'
     # (the pre-norm output changes nothing), and the MTP layer must give finite logits.
     self.assertLess(rel_err(logits, ref["logits"]), 1e-4)
-    mtp_logits, h = mtp_jit(params, pre, shift_tokens(toks, 1), cfg=cfg, depth=1)
+    mtp_logits, h = mtp_jit(params, pre, shift_jit(toks, 1), cfg=cfg, depth=1)
     self.assertEqual(mtp_logits.shape, (*toks.shape, cfg.vocab_size))
     self.assertEqual(h.shape, (*toks.shape, cfg.d_model))
     self.assertTrue(np.all(np.isfinite(np.asarray(mtp_logits))))
