@@ -16,6 +16,7 @@ from mlkit.model.moe import route
 from mlkit.quant import grouped_matmul
 from mlkit.train import (CapacityExperts, TrainConfig, compute_config, expert_capacity, loss_fn,
                          lr_schedule, plot_loss, train, update_router_bias)
+from host_data import put
 from numpy_params import init_params_np
 
 # A 2-layer TINY_MLA (one dense, one MoE layer) keeps compilation short.
@@ -40,7 +41,8 @@ loss_jit = jax.jit(loss_fn, static_argnames=("cfg", "tcfg"))
 
 
 def _normal(seed, shape):
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+  # Drawn and cast on the host, placed without compiling (an eager cast is a program).
+  return put(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
 
 
 class TrainConfigTest(parameterized.TestCase):
@@ -54,7 +56,7 @@ class TrainConfigTest(parameterized.TestCase):
 
   def test_schedule_warmup_peak_and_floor(self):
     tc = TrainConfig(steps=100, warmup_steps=10, learning_rate=1e-3, min_lr_ratio=0.1)
-    s = lr_schedule(tc)
+    s = jax.jit(lr_schedule(tc))  # one program for every step, not one per op and call
     self.assertEqual(float(s(0)), 0.0)
     self.assertAlmostEqual(float(s(5)), 5e-4, places=8)
     self.assertAlmostEqual(float(s(10)), 1e-3, places=8)
@@ -73,7 +75,7 @@ class BalancingTest(absltest.TestCase):
     load[0, 1] -= 0.1  # underloaded
     load[0, 2] -= 0.1
     # Jitted: op by op, the update compiles a program per op and leaf shape.
-    new = jax.jit(update_router_bias, static_argnums=(2, 3))(params, jnp.asarray(load), cfg, 0.05)
+    new = jax.jit(update_router_bias, static_argnums=(2, 3))(params, put(load), cfg, 0.05)
     b = np.asarray(new["layers"][1]["ffn"]["router_bias"])
     self.assertAlmostEqual(b[0], -0.05, places=6)
     self.assertAlmostEqual(b[1], 0.05, places=6)
@@ -82,11 +84,11 @@ class BalancingTest(absltest.TestCase):
     x = _normal(1, (64, cfg.d_model))
     bias = np.zeros(E, np.float32)
     bias[0] = -10.0
-    ffn = dict(new["layers"][1]["ffn"], router_bias=jnp.asarray(bias))
+    ffn = dict(new["layers"][1]["ffn"], router_bias=put(bias))
     route_jit = jax.jit(route, static_argnums=2)
     ids, w, _ = route_jit(ffn, x, cfg)
     self.assertFalse(np.any(np.asarray(ids) == 0))
-    ids0, w0, _ = route_jit(dict(ffn, router_bias=jnp.asarray(np.zeros(E, np.float32))), x, cfg)
+    ids0, w0, _ = route_jit(dict(ffn, router_bias=put(np.zeros(E, np.float32))), x, cfg)
     self.assertTrue(np.any(np.asarray(ids0) == 0))
 
 
@@ -97,7 +99,7 @@ class AuxLossTest(absltest.TestCase):
     cfg = compute_config(CFG, tc)
     params = init()  # f32 params either way
     tokens, weights = packed_batch(np.random.default_rng(0), 2, 40, tc=TASKS, tasks=("arithmetic",))
-    tokens, weights = jnp.asarray(tokens), jnp.asarray(weights)
+    tokens, weights = put(tokens, weights)
 
     def losses(p):
       total, m = loss_fn(p, tokens, weights, cfg=cfg, tcfg=tc)
@@ -112,7 +114,7 @@ class AuxLossTest(absltest.TestCase):
       return total, ce, m, g_total, g_ce
 
     total, ce, m, g_total, g_ce = both(params)
-    self.assertAlmostEqual(float(total - ce), float(m["balance_loss"]), places=4)
+    self.assertAlmostEqual(float(total) - float(ce), float(m["balance_loss"]), places=4)
     self.assertGreaterEqual(float(m["balance_loss"]), 0.5)  # E * sum f_i P_i ~ 1 when balanced
     gr_total = np.asarray(g_total["layers"][1]["ffn"]["router"])
     gr_ce = np.asarray(g_ce["layers"][1]["ffn"]["router"])
@@ -136,7 +138,7 @@ class CapacityExpertsTest(parameterized.TestCase):
     M = sum(sizes) + 3  # trailing rows past sum(group_sizes) must come out zero
     x = _normal(0, (M, K))
     w = _normal(1, (E, K, N))
-    return x, w, jnp.asarray(sizes, jnp.int32)
+    return x, w, put(np.asarray(sizes, np.int32))
 
   def test_matches_ragged_dot_with_enough_capacity(self):
     x, w, gs = self._inputs([3, 0, 7, 2])
@@ -166,7 +168,7 @@ class CapacityExpertsTest(parameterized.TestCase):
     from mlkit.train import init_train_state
     tcfg32 = dataclasses.replace(TCFG, compute_dtype="float32")
     params = init_train_state(CFG, tcfg32, init())["params"]
-    tokens, weights = map(jnp.asarray, batch_fn(0))
+    tokens, weights = put(*batch_fn(0))
     ccfg = compute_config(CFG, tcfg32)
     dropless, _ = loss_jit(params, tokens, weights, cfg=ccfg, tcfg=tcfg32)
     roomy = dataclasses.replace(tcfg32, capacity_factor=float(CFG.n_routed_experts))
