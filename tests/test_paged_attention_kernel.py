@@ -183,6 +183,30 @@ def _reference_e4m3_query(q_latent, q_rope, *rest, scale):
   return paged_mla_decode_reference(deq(ql8), deq(qr8), *rest, scale=scale)
 
 
+def _mla_scale(c, r):
+  return 1.0 / math.sqrt(c + r)
+
+
+@functools.cache
+def _mla_case(seed, kv_dtype, lengths, **dims):
+  """make_mla's inputs for a case and the reference's output on them, made once: the
+  heads- and tokens-in-M classes run their kernels on the same cases, and a
+  staging-slot test's producer and compute warpgroups on the same inputs."""
+  args = make_mla(seed, lengths=list(lengths), kv_dtype=kv_dtype, **dims)
+  return args, paged_mla_decode_reference(*args, scale=_mla_scale(dims["c"], dims["r"]))
+
+
+@functools.cache
+def _mla_ref8(seed, kv_dtype, lengths, **dims):
+  """The reference given the heads-in-M kernel's e4m3 query on ``_mla_case``'s inputs."""
+  args, _ = _mla_case(seed, kv_dtype, lengths, **dims)
+  return _reference_e4m3_query(*args, scale=_mla_scale(dims["c"], dims["r"]))
+
+
+# _late_ring's runs, by class and cache dtype.
+_LATE_RINGS = {}
+
+
 class OpTest(parameterized.TestCase):
   """One implementation of an op against the op's jnp reference, as tokamax's
   ``test_base`` runs each implementation of an op: a subclass per implementation
@@ -206,15 +230,26 @@ class OpTest(parameterized.TestCase):
   def backend(self):
     return self.IMPL
 
-  def assert_matches(self, out, ref, tol):
+  def races_found(self):
+    """Whether the interpreter found a data race in the last interpreted Mosaic GPU
+    kernel; None where nothing is interpreted (no race to look for)."""
+    if self.IMPL == "interpret" and self.MOSAIC_GPU:
+      return bool(gpu_interpret.get_races().races_found)
+    return None
+
+  def assert_matches(self, out, ref, tol, races=None):
     """out against ref: shape, every element written and finite, the relative-norm
-    tolerance, and (an interpreted Mosaic GPU kernel) no data race."""
+    tolerance, and (an interpreted Mosaic GPU kernel) no data race: ``races`` as
+    races_found() read right after the run that gave ``out`` (a run shared by
+    several tests), or by default read now."""
     self.assertEqual(out.shape, ref.shape)
     self.assertTrue(np.isfinite(np.asarray(out, np.float32)).all(),
                     "non-finite or unwritten output")
     self.assertLessEqual(_rel_err(out, ref), tol)
     if self.IMPL == "interpret" and self.MOSAIC_GPU:
-      self.assertFalse(gpu_interpret.get_races().races_found, "data race")
+      if races is None:
+        races = self.races_found()
+      self.assertFalse(races, "data race")
 
 
 class PagedMlaDecodeTest(OpTest):
@@ -285,38 +320,57 @@ class PagedMlaDecodeMgpuTest(OpTest):
   MLA_M = "heads"
   SHAPE = dict(heads=128, c=512, r=64, page_size=64, max_pages=40, batch=4)
 
-  def _check(self, seed, kv_dtype, *, mla_m=None, mla_qk="auto", loads="producer",
-             lengths=None, length_kind="ragged", rope_offset=None, **shape):
+  def _check(self, seed, kv_dtype, **kwargs):
+    """Runs the kernel (``_run``) and checks it (``_assert_run``)."""
+    self._assert_run(self._run(seed, kv_dtype, **kwargs))
+
+  def _run(self, seed, kv_dtype, *, mla_m=None, mla_qk="auto", loads="producer",
+           lengths=None, length_kind="ragged", rope_offset=None, **shape):
     """Runs the kernel (mla_m, default the class's; mla_qk; loads) on make_mla inputs of
-    SHAPE updated by ``shape``, and checks it against the reference: shape,
-    every element written and finite, the tolerance, and (interpreted) no race.
-    Where QK runs in fp8, also against the reference given the kernel's e4m3
-    query: then only the f32 accumulation and bf16 roundings differ, so the
-    bf16 tolerance, which the query's rounding alone would exceed. With
-    ``rope_offset``, also with the query's rope part read from that column on of
-    a wider array, NaN elsewhere (a decode step's query array): the same bits."""
+    SHAPE updated by ``shape``; returns what ``_assert_run`` checks: the output, the
+    reference's (and where QK runs in fp8, the reference's given the kernel's e4m3
+    query), whether the interpreter found a race, and with ``rope_offset`` the output
+    with the query's rope part read from that column on of a wider array, NaN
+    elsewhere (a decode step's query array), and that run's race flag."""
     s = dict(self.SHAPE, **shape)
     if lengths is None:
       lengths = _lengths(length_kind, s["batch"], s["page_size"], s["max_pages"])
-    args = make_mla(seed, batch=s["batch"], heads=s["heads"], c=s["c"], r=s["r"],
-                    page_size=s["page_size"], max_pages=s["max_pages"],
-                    lengths=lengths, kv_dtype=kv_dtype)
-    scale = 1.0 / math.sqrt(s["c"] + s["r"])
+    dims = {k: s[k] for k in ("batch", "heads", "c", "r", "page_size", "max_pages")}
+    args, ref = _mla_case(seed, kv_dtype, tuple(lengths), **dims)
+    scale = _mla_scale(s["c"], s["r"])
     bs = BlockSizes(impl="mgpu", mla_m=mla_m or self.MLA_M, mla_qk=mla_qk, loads=loads)
-    out = paged_mla_decode(*args, scale=scale, backend=self.backend, block_sizes=bs)
-    ref = paged_mla_decode_reference(*args, scale=scale)
-    self.assert_matches(out, ref, TOL[kv_dtype])
+    run = dict(kv_dtype=kv_dtype, ref=ref, ref8=None, out_wide=None)
+    run["out"] = paged_mla_decode(*args, scale=scale, backend=self.backend, block_sizes=bs)
+    run["races"] = self.races_found()
     tokens = attn_ops.mla_tokens_in_m(bs, args[0], args[2], args[3])
     if attn_ops.mla_qk_fp8(bs, tokens, args[2]):
-      ref8 = _reference_e4m3_query(*args, scale=scale)
-      self.assertLessEqual(_rel_err(out, ref8), TOL["bf16"])
+      run["ref8"] = _mla_ref8(seed, kv_dtype, tuple(lengths), **dims)
     if rope_offset is not None:
       q_rope = np.asarray(args[1], np.float32)
       wide = np.full(q_rope.shape[:2] + (rope_offset + q_rope.shape[2],), np.nan, np.float32)
       wide[..., rope_offset:] = q_rope
-      out_wide = paged_mla_decode(args[0], _dev(wide, jnp.bfloat16), *args[2:], scale=scale,
-                                  backend=self.backend, block_sizes=bs, rope_offset=rope_offset)
-      np.testing.assert_array_equal(np.asarray(out_wide, np.float32), np.asarray(out, np.float32))
+      run["out_wide"] = paged_mla_decode(args[0], _dev(wide, jnp.bfloat16), *args[2:],
+                                         scale=scale, backend=self.backend, block_sizes=bs,
+                                         rope_offset=rope_offset)
+      run["races_wide"] = self.races_found()
+    return run
+
+  def _assert_run(self, run):
+    """A ``_run``'s output against the reference: shape, every element written and
+    finite, the tolerance, and (interpreted) no race. Where QK runs in fp8, also
+    against the reference given the kernel's e4m3 query: then only the f32
+    accumulation and bf16 roundings differ, so the bf16 tolerance, which the query's
+    rounding alone would exceed. With a rope offset, the wide query's output has the
+    same bits, and its run no race either."""
+    out = run["out"]
+    self.assert_matches(out, run["ref"], TOL[run["kv_dtype"]], races=run["races"])
+    if run["ref8"] is not None:
+      self.assertLessEqual(_rel_err(out, run["ref8"]), TOL["bf16"])
+    if run["out_wide"] is not None:
+      np.testing.assert_array_equal(np.asarray(run["out_wide"], np.float32),
+                                    np.asarray(out, np.float32))
+      if run["races_wide"] is not None:
+        self.assertFalse(run["races_wide"], "data race")
 
   # The kernel runs a balanced schedule of pieces (schedule.schedule_pieces)
   # and ignores num_splits; "ragged" gives the long request several pieces.
@@ -351,19 +405,49 @@ class PagedMlaDecodeMgpuTest(OpTest):
     slots and three scale slots (fp8 QK) or one staging buffer and two scale
     slots (f16 QK); tokens in M, two slots (bf16) or three (fp8). The gathers
     are issued by a producer warpgroup or by a compute warpgroup (loads). The
-    last page is partial (its tail zeroed / masked)."""
+    last page is partial (its tail zeroed / masked). The producer cases of the
+    default QK are the run test_a_late_producer_misses_no_phase checks (_late_ring):
+    the same kernel on the same inputs, its producer held back."""
     if self.MLA_M == "tokens" and mla_qk == "f16":
       self.skipTest("the tokens-in-M kernel's QK is f16 either way: the 'auto' case runs it")
+    if loads == "producer" and mla_qk == "auto":
+      self._assert_run(self._late_ring(kv_dtype)[0])
+      return
     one_piece_each = lambda batch, heads, max_pages, kind=None: batch  # noqa: E731
     with mock.patch.object(attn_ops, "mla_mgpu_pieces", one_piece_each):
-      self._check(_seed("ring", kv_dtype, mla_qk), kv_dtype, mla_qk=mla_qk, loads=loads,
-                  **self.RING)
+      self._assert_run(self._run(_seed("ring", kv_dtype, mla_qk), kv_dtype, mla_qk=mla_qk,
+                                 loads=loads, **self.RING))
 
   # The staging-slot tests' shape: one piece per request (mla_mgpu_pieces mocked), the
   # first walking 5 pages, its last partial. test_a_late_producer_misses_no_phase runs
-  # the same, so its kernels are those of the producer cases above, compiled once.
+  # the same kernels as the producer cases above, on the same inputs: one run for both.
   RING = dict(lengths=[5 * 64 - 7, 2 * 64 + 1], batch=2, heads=20, c=256, r=64,
               page_size=64, max_pages=6)
+
+  def _late_ring(self, kv_dtype):
+    """The staging-slot test's producer case (default QK) on its inputs, run once per
+    class and cache dtype with only the first CTA's producer warpgroup sleeping 0.3 s
+    before each of its barrier waits (the second request's CTA runs on time instead
+    of adding its sleeps): (``_run``'s result, how many waits slept). Shared by that
+    case and test_a_late_producer_misses_no_phase, which both check the run."""
+    key = (type(self).__name__, kv_dtype)
+    if key not in _LATE_RINGS:
+      late = 2 if self.MLA_M == "heads" else 1  # the producer's warpgroup
+      wait = shared_memory.Barrier.wait
+      slept = []
+
+      def late_producer(barrier, thread, *args, **kwargs):
+        if thread.warpgroup_id == late and thread.block_id == 0:
+          slept.append(thread)
+          time.sleep(0.3)
+        return wait(barrier, thread, *args, **kwargs)
+
+      one_piece_each = lambda batch, heads, max_pages, kind=None: batch  # noqa: E731
+      with mock.patch.object(attn_ops, "mla_mgpu_pieces", one_piece_each), \
+           mock.patch.object(shared_memory.Barrier, "wait", late_producer):
+        run = self._run(_seed("ring", kv_dtype, "auto"), kv_dtype, **self.RING)
+      _LATE_RINGS[key] = (run, len(slept))
+    return _LATE_RINGS[key]
 
   @parameterized.parameters("bf16", "fp8")
   def test_a_late_producer_misses_no_phase(self, kv_dtype):
@@ -371,27 +455,13 @@ class PagedMlaDecodeMgpuTest(OpTest):
     i+1 are in flight before it waits for step i-2's slot): a barrier that
     completes twice before its waiter looks is never seen to complete on an
     H200 (mbarrier waits test the phase's parity), so each slot has its own.
-    Here the producer sleeps before each wait, so the compute warpgroups run as
-    far ahead as the slots let them; one free barrier for both slots fails
-    (the interpreter raises on a missed phase). The tokens-in-M kernel's
-    producer (warpgroup 1 of 2) is held to the same."""
-    late = 2 if self.MLA_M == "heads" else 1  # the producer's warpgroup
-    wait = shared_memory.Barrier.wait
-    slept = []
-
-    def late_producer(barrier, thread, *args, **kwargs):
-      # Only the first CTA's producer (request 0's one piece of 5 pages) sleeps: the
-      # second request's CTA runs on time instead of adding its sleeps.
-      if thread.warpgroup_id == late and thread.block_id == 0:
-        slept.append(thread)
-        time.sleep(0.3)
-      return wait(barrier, thread, *args, **kwargs)
-
-    one_piece_each = lambda batch, heads, max_pages, kind=None: batch  # noqa: E731
-    with mock.patch.object(attn_ops, "mla_mgpu_pieces", one_piece_each), \
-         mock.patch.object(shared_memory.Barrier, "wait", late_producer):
-      self._check(_seed("late", kv_dtype), kv_dtype, **self.RING)
-    self.assertGreaterEqual(len(slept), 5, "the producer was not held back at every page")
+    Here the producer sleeps before each wait (``_late_ring``), so the compute
+    warpgroups run as far ahead as the slots let them; one free barrier for both
+    slots fails (the interpreter raises on a missed phase). The tokens-in-M
+    kernel's producer (warpgroup 1 of 2) is held to the same."""
+    run, slept = self._late_ring(kv_dtype)
+    self._assert_run(run)
+    self.assertGreaterEqual(slept, 5, "the producer was not held back at every page")
 
   def test_too_few_interpreter_threads_raise_instead_of_hanging(self):
     """Three warpgroups hang the interpreter on a client with too few threads
@@ -770,6 +840,21 @@ class PagedGqaDecodeMgpuTest(OpTest):
 INTERPRET_BF16_KV_HEADS = 2
 
 
+_GQA_RING_SCALE = 1.0 / math.sqrt(64)
+
+
+@functools.cache
+def _gqa_ring_case(kv_dtype, blocks, kv_heads, lengths):
+  """The GQA staging-slot inputs (head_dim 64, 16-token pages, ``blocks`` 64-token
+  blocks per request, twice as many query heads as KV heads) and the reference's
+  output on them, made once: the compute and producer warpgroups' cases run on the
+  same inputs."""
+  args = make_gqa(_seed("ring", kv_dtype, blocks, kv_heads, lengths), batch=len(lengths),
+                  heads=2 * kv_heads, kv_heads=kv_heads, hd=64, page_size=16,
+                  max_pages=4 * blocks, lengths=list(lengths), kv_dtype=kv_dtype)
+  return args, paged_gqa_decode_reference(*args, scale=_GQA_RING_SCALE)
+
+
 class PagedGqaDecodeMgpuInterpretTest(PagedGqaDecodeMgpuTest):
   IMPL = "interpret"
   # 12 pages of 16 tokens = 3 of the kernel's 64-token blocks: "ragged" gives
@@ -787,16 +872,12 @@ class PagedGqaDecodeMgpuInterpretTest(PagedGqaDecodeMgpuTest):
     partial, its tail zeroed), against the reference, with race detection; by default
     on the class's KV heads for ``kv_dtype`` (``shape``)."""
     kv_heads = kv_heads or self.shape(kv_dtype)["kv_heads"]
-    lengths = lengths or [blocks * 64 - 7, 2 * 64 + 1]
-    args = make_gqa(_seed("ring", kv_dtype, gqa_loads), batch=len(lengths),
-                    heads=2 * kv_heads, kv_heads=kv_heads, hd=64, page_size=16,
-                    max_pages=4 * blocks, lengths=lengths, kv_dtype=kv_dtype)
-    scale = 1.0 / math.sqrt(64)
+    lengths = tuple(lengths or [blocks * 64 - 7, 2 * 64 + 1])
+    args, ref = _gqa_ring_case(kv_dtype, blocks, kv_heads, lengths)
     one_piece_each = lambda batch, kv_heads, blocks, kind=None, ctas_per_sm=2: batch  # noqa: E731
     with mock.patch.object(attn_ops, "gqa_mgpu_pieces", one_piece_each):
-      out = paged_gqa_decode(*args, scale=scale, backend=self.backend,
+      out = paged_gqa_decode(*args, scale=_GQA_RING_SCALE, backend=self.backend,
                              block_sizes=BlockSizes(impl="mgpu", gqa_loads=gqa_loads))
-    ref = paged_gqa_decode_reference(*args, scale=scale)
     self.assert_matches(out, ref, TOL[kv_dtype])
 
   @parameterized.parameters(("bf16", "compute"), ("fp8", "compute"),
@@ -829,7 +910,7 @@ class ReferenceTest(parameterized.TestCase):
   def test_mla_reference_matches_dense(self):
     args = make_mla(3, batch=2, heads=4, c=16, r=8, page_size=4, max_pages=3,
                     lengths=[5, 12], kv_dtype="fp8")
-    ref = paged_mla_decode_reference(*args, scale=0.3)
+    ref = np.asarray(paged_mla_decode_reference(*args, scale=0.3), np.float32)
     q_lat, q_rope, lat, rope, lat_s, rope_s, bt, lengths = [
         np.asarray(a, np.float32) if a.dtype != jnp.int32 else np.asarray(a) for a in args]
     for b in range(2):
@@ -840,7 +921,7 @@ class ReferenceTest(parameterized.TestCase):
       logits = 0.3 * (q_lat[b] @ l.T + q_rope[b] @ kr.T)
       p = np.exp(logits - logits.max(-1, keepdims=True))
       p /= p.sum(-1, keepdims=True)
-      np.testing.assert_allclose(np.asarray(ref[b], np.float32), p @ l, rtol=1e-2, atol=1e-2)
+      np.testing.assert_allclose(ref[b], p @ l, rtol=1e-2, atol=1e-2)
 
   def test_unknown_backend_raises(self):
     args = make_gqa(4, batch=1, heads=2, kv_heads=1, hd=16, page_size=4,
