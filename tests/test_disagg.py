@@ -396,6 +396,7 @@ def _empty_pool(cfg, kv_cfg):
 # The fp8 round trip the transfer's conversion must give, as one program per shape (run
 # eagerly, each of its operations compiles on its own). Bit-equal to the eager ops.
 _fp8_round_trip = jax.jit(lambda x: kvc.dequantize_fp8(*kvc.quantize_fp8(x)))
+_checksum = jax.jit(tr.checksum)
 
 
 class TransferTest(parameterized.TestCase):
@@ -534,8 +535,8 @@ class TransferTest(parameterized.TestCase):
     # view): done on the device, each operation would compile a program of its own.
     x = np.random.default_rng(3).standard_normal((16, 8)).astype(jnp.bfloat16)
 
-    def checksum(a):
-      return int(tr.checksum(put(a)))
+    def checksum(a):  # jitted: run eagerly, each of its operations compiles a program
+      return int(_checksum(put(a)))
 
     base = checksum(x)
     signed = x.copy()
