@@ -9,7 +9,6 @@ import dataclasses
 from unittest import mock
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest, parameterized
 
@@ -17,6 +16,7 @@ from configs import TINY_GQA, TINY_MLA
 from mlkit.kvcache import KVCacheConfig, PageAllocator, init_paged_state, sync_tags
 from mlkit.model import apply, forward
 from mlkit.quant import INT4_EXPERTS, Int4Weight, quantize_params
+from host_data import put
 from numpy_params import init_params_np
 from pallas_kernels import paged_attention
 
@@ -40,8 +40,9 @@ def _prefilled(cfg, kv_dtype):
   for rid, n in enumerate([5, 3]):
     alloc.admit(rid, n)
   state = sync_tags(init_paged_state(cfg, KVCacheConfig(16, 4, kv_dtype)), alloc.device_tags())
-  toks = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
-  pos = jnp.asarray(np.broadcast_to(np.arange(5, dtype=np.int32), (2, 5)))
+  # Made on the host and placed with device_put: a jnp cast or jnp.asarray compiles a program.
+  toks = put(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 5)).astype(np.int32))
+  pos = put(np.broadcast_to(np.arange(5, dtype=np.int32), (2, 5)))
   _, state = apply_jit(params, toks, pos, state, cfg=cfg, batch_meta=alloc.batch_meta([0, 1], 4))
   for rid, n in enumerate([6, 4]):
     alloc.extend(rid, n)
@@ -54,9 +55,9 @@ class PagedDecodeBackendTest(parameterized.TestCase):
                             (MLA, "float32"))
   def test_interpret_matches_xla(self, cfg, kv_dtype):
     params, state, meta = _prefilled(cfg, kv_dtype)
-    tokens, positions = jnp.array([[7], [9]]), jnp.array([[5], [3]])
-    # Copied through the host: an eager jnp.copy compiles a program per leaf shape.
-    copy = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), state)
+    tokens, positions = put(np.array([[7], [9]], np.int32), np.array([[5], [3]], np.int32))
+    # Copied through the host: an eager jnp.copy (or jnp.asarray) compiles a program per leaf.
+    copy = jax.tree.map(lambda x: put(np.asarray(x)), state)
     op = "paged_mla_decode" if cfg.attention == "mla" else "paged_gqa_decode"
     spy = mock.Mock(wraps=getattr(paged_attention, op))
     with mock.patch.object(paged_attention, op, spy):
@@ -83,7 +84,7 @@ class Int4ModelBackendTest(absltest.TestCase):
     # Quantised in one compiled program rather than op by op.
     qparams = jax.jit(lambda p: quantize_params(p, INT4_EXPERTS))(init_params_np(cfg))
     self.assertIsInstance(qparams["layers"][1]["ffn"]["w_gate"], Int4Weight)
-    toks = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (1, 4)), jnp.int32)
+    toks = put(np.random.default_rng(2).integers(0, cfg.vocab_size, (1, 4)).astype(np.int32))
     ref = forward(qparams, toks, cfg=cfg, backend="xla")
     out = forward(qparams, toks, cfg=cfg, backend="interpret")
     self.assertTrue(np.all(np.isfinite(np.asarray(out))))
