@@ -18,6 +18,7 @@ from mlkit.engine.disagg import (ABORT_TRANSFER, DisaggConfig, DisaggEngine, Poo
 from mlkit.quant import BF16, FP8_ALL, INT4_EXPERTS
 from mlkit.sampling import SamplingParams
 from host_data import put
+from host_kv_pool import empty_pool
 from test_parallel import init_params_np
 
 # One MoE layer: the pools' logic does not depend on depth, and compiles scale with it.
@@ -351,7 +352,7 @@ class DisaggConfigTest(parameterized.TestCase):
 
 def _filled_state(cfg, dtype, page_size, pages, length, seed=0, num_pages=12):
   """A pool whose ``pages`` hold ``length`` tokens of random entries; returns (state, entries)."""
-  state = _empty_pool(cfg, kvc.KVCacheConfig(num_pages, page_size, dtype))
+  state = empty_pool(cfg, kvc.KVCacheConfig(num_pages, page_size, dtype))
   rng = np.random.default_rng(seed)
   shapes = kvc.state.entry_shapes(cfg)
   # Drawn and cast in numpy, placed with device_put: jnp.asarray, zeros and arange each
@@ -384,15 +385,6 @@ def _read(state, pages, length):
           for layer in _read_layers(state, meta)]
 
 
-def _empty_pool(cfg, kv_cfg):
-  """kvc.init_paged_state's empty pool (zero pages and tags, unit fp8 scales), made on the
-  host and placed with put: its jnp.zeros and ones compile a program per shape and dtype."""
-  shapes = jax.eval_shape(lambda: kvc.init_paged_state(cfg, kv_cfg))
-  fill = lambda k, s: put((np.ones if k.endswith("_scale") else np.zeros)(s.shape, s.dtype))  # noqa: E731
-  return shapes.replace(layers=[{k: fill(k, s) for k, s in layer.items()} for layer in shapes.layers],
-                        page_tags=fill("page_tags", shapes.page_tags))
-
-
 # The fp8 round trip the transfer's conversion must give, as one program per shape (run
 # eagerly, each of its operations compiles on its own). Bit-equal to the eager ops.
 _fp8_round_trip = jax.jit(lambda x: kvc.dequantize_fp8(*kvc.quantize_fp8(x)))
@@ -417,7 +409,7 @@ class TransferTest(parameterized.TestCase):
     # Requests of 9 to 16 source pages: four padded shapes, so the extract program compiles
     # four times, not eight (the checksum eight, not sixteen: once on each side), and
     # every transfer still lands exactly.
-    src = _empty_pool(TINY_MLA, kvc.KVCacheConfig(40, 2, "float32"))
+    src = empty_pool(TINY_MLA, kvc.KVCacheConfig(40, 2, "float32"))
     rng = np.random.default_rng(5)
     src = src.replace(layers=[{k: put(rng.standard_normal(v.shape).astype(v.dtype))
                                for k, v in layer.items()} for layer in src.layers])
@@ -426,7 +418,7 @@ class TransferTest(parameterized.TestCase):
       length = 2 * m - 1  # ends mid-page
       src_pages = list(rng.permutation(40)[:m])
       dst_pages = list(range(-(-length // 4)))
-      dst = _empty_pool(TINY_MLA, kvc.KVCacheConfig(12, 4, "float32"))
+      dst = empty_pool(TINY_MLA, kvc.KVCacheConfig(12, 4, "float32"))
       dst, res = tr.transfer_kv(src, src_pages, dst, dst_pages, length)
       self.assertTrue(res.ok, res.reason)
       got = _read(dst, dst_pages, length)
@@ -440,7 +432,7 @@ class TransferTest(parameterized.TestCase):
   @parameterized.named_parameters(("mla", TINY_MLA), ("gqa", TINY_GQA))
   def test_bf16_to_fp8_with_per_token_scales(self, cfg):
     src, entries = _filled_state(cfg, "bfloat16", 4, [5, 2, 9], self.LENGTH)
-    dst = _empty_pool(cfg, kvc.KVCacheConfig(12, 8, "float8_e4m3fn"))
+    dst = empty_pool(cfg, kvc.KVCacheConfig(12, 8, "float8_e4m3fn"))
     dst, res = tr.transfer_kv(src, [5, 2, 9], dst, [7, 3], self.LENGTH)
     self.assertTrue(res.ok, res.reason)
     got = _read(dst, [7, 3], self.LENGTH)
@@ -461,7 +453,7 @@ class TransferTest(parameterized.TestCase):
     src_pages = list(range(3, 3 + -(-self.LENGTH // src_page)))[::-1]
     dst_pages = list(range(10, 10 - -(-self.LENGTH // dst_page), -1))
     src, entries = _filled_state(TINY_MLA, "float32", src_page, src_pages, self.LENGTH)
-    dst = _empty_pool(TINY_MLA, kvc.KVCacheConfig(12, dst_page, "float32"))
+    dst = empty_pool(TINY_MLA, kvc.KVCacheConfig(12, dst_page, "float32"))
     dst, res = tr.transfer_kv(src, src_pages, dst, dst_pages, self.LENGTH)
     self.assertTrue(res.ok, res.reason)
     got = _read(dst, dst_pages, self.LENGTH)
@@ -480,7 +472,7 @@ class TransferTest(parameterized.TestCase):
     src_pages = list(range(2, 2 + -(-length // src_page)))
     dst_pages = list(range(9, 9 - -(-length // dst_page), -1))
     src, entries = _filled_state(TINY_MLA, "float32", src_page, src_pages, length)
-    dst = _empty_pool(TINY_MLA, kvc.KVCacheConfig(12, dst_page, "float32"))
+    dst = empty_pool(TINY_MLA, kvc.KVCacheConfig(12, dst_page, "float32"))
     shared = dst_pages[:start // dst_page]
 
     def sentinel(v):  # set on the host: a device scatter compiles a program per shape
@@ -507,7 +499,7 @@ class TransferTest(parameterized.TestCase):
 
   def test_checksum_catches_corrupted_page_in_transit(self):
     src, _ = _filled_state(TINY_MLA, "bfloat16", 4, [0, 1, 2], self.LENGTH)
-    dst = _empty_pool(TINY_MLA, kvc.KVCacheConfig(12, 8, "float8_e4m3fn"))
+    dst = empty_pool(TINY_MLA, kvc.KVCacheConfig(12, 8, "float8_e4m3fn"))
 
     def corrupt(payload):  # one token of layer 2's rope keys, slightly changed
       payload[2]["k_rope"] = payload[2]["k_rope"].at[9, 0].add(1.0)
@@ -519,7 +511,7 @@ class TransferTest(parameterized.TestCase):
 
   def test_checksum_catches_bad_landing(self):
     src, _ = _filled_state(TINY_GQA, "bfloat16", 4, [0, 1, 2], self.LENGTH)
-    dst = _empty_pool(TINY_GQA, kvc.KVCacheConfig(12, 8, "float8_e4m3fn"))
+    dst = empty_pool(TINY_GQA, kvc.KVCacheConfig(12, 8, "float8_e4m3fn"))
 
     def corrupt(state):  # a token's scale lands wrong
       layers = list(state.layers)
@@ -557,11 +549,11 @@ class TransferTest(parameterized.TestCase):
 
   def test_transfer_rejects_short_page_lists(self):
     src, _ = _filled_state(TINY_MLA, "float32", 4, [0, 1, 2], self.LENGTH)
-    dst = _empty_pool(TINY_MLA, kvc.KVCacheConfig(12, 4, "float32"))
+    dst = empty_pool(TINY_MLA, kvc.KVCacheConfig(12, 4, "float32"))
     with self.assertRaisesRegex(ValueError, "2 destination pages of 4 hold fewer than 11"):
       tr.transfer_kv(src, [0, 1, 2], dst, [4, 5], self.LENGTH)
     with self.assertRaisesRegex(ValueError, "incompatible pools"):
-      tr.transfer_kv(src, [0, 1, 2], _empty_pool(TINY_GQA, kvc.KVCacheConfig(12, 4)),
+      tr.transfer_kv(src, [0, 1, 2], empty_pool(TINY_GQA, kvc.KVCacheConfig(12, 4)),
                      [4, 5, 6], self.LENGTH)
 
 

@@ -17,6 +17,8 @@ from mlkit import model
 from mlkit import parallel
 from mlkit.quant import (INT4_EXPERTS, Int4Weight, dequantize, fp8_all, quantize_fp8,
                          quantize_int4, quantize_params)
+from host_data import put
+from host_kv_pool import empty_pool_np
 from two_processes import two_processes
 from numpy_params import init_params_np  # noqa: F401  (also imported from here by other tests)
 
@@ -76,20 +78,23 @@ def _run_paged(params, cfg, kv_dtype, mesh=None, data_parallel=False):
   alloc.extend("a", T + 1)
   alloc.extend("b", T - 1)
   meta2 = alloc.batch_meta(["a", "b"], max_pages=MAX_PAGES)
-  state = kvc.init_paged_state(cfg, kvc.KVCacheConfig(NUM_PAGES, PAGE, kv_dtype))
+  # The pool and the inputs made on the host (eager zeros and casts each compile a program).
+  state = empty_pool_np(cfg, kvc.KVCacheConfig(NUM_PAGES, PAGE, kv_dtype))
   rng = np.random.default_rng(1)
-  tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, T)), jnp.int32)
-  positions = jnp.asarray(np.broadcast_to(np.arange(T, dtype=np.int32), (2, T)))
-  dec_tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 1)), jnp.int32)
-  dec_positions = jnp.asarray([[T], [T - 2]], jnp.int32)
+  tokens = rng.integers(0, cfg.vocab_size, (2, T)).astype(np.int32)
+  positions = np.broadcast_to(np.arange(T, dtype=np.int32), (2, T)).copy()
+  dec_tokens = rng.integers(0, cfg.vocab_size, (2, 1)).astype(np.int32)
+  dec_positions = np.asarray([[T], [T - 2]], np.int32)
   if mesh is not None:
     # Placed from host copies: device_put slices numpy on the host, where a single-device
     # jax.Array would compile a slicing program per leaf shape.
     params = parallel.shard_params(jax.tree_util.tree_map(np.asarray, params), mesh)
-    state = parallel.shard_kv_state(jax.tree_util.tree_map(np.asarray, state), mesh,
-                                    data_parallel=data_parallel)
+    state = parallel.shard_kv_state(state, mesh, data_parallel=data_parallel)
     tokens, positions, dec_tokens, dec_positions, meta1, meta2 = parallel.replicate(
         (tokens, positions, dec_tokens, dec_positions, meta1, meta2), mesh)
+  else:
+    state, tokens, positions, dec_tokens, dec_positions = jax.tree_util.tree_map(
+        put, (state, tokens, positions, dec_tokens, dec_positions))
   ds = parallel.decode_sharding(params, state)
   l1, l2, state = _prefill_decode(params, state, tokens, positions, meta1, dec_tokens,
                                   dec_positions, meta2, cfg=cfg, decode_sharding=ds)
@@ -191,7 +196,7 @@ class ParamSpecTest(parameterized.TestCase):
     # Experts [E=2, K=128, N=16] with group 32: 4 groups split 4 ways, not 8 ways.
     mesh = parallel.make_mesh(parallel.MeshConfig(tensor=tensor), jax.devices()[:tensor])
     rules = parallel.ShardingRules(expert_mlp="tensor")
-    w = jnp.asarray(np.random.default_rng(0).standard_normal((2, 128, 16)), jnp.float32)
+    w = put(np.random.default_rng(0).standard_normal((2, 128, 16)).astype(np.float32))
     q = _quantize_int4(w, 32)
     spec = parallel.leaf_partition_spec(q, ("experts", "expert_mlp", None), rules, mesh)
     self.assertIsInstance(spec, Int4Weight)
@@ -213,7 +218,7 @@ class ParamSpecTest(parameterized.TestCase):
 
   def test_fp8_block_scales_split_with_values(self):
     mesh = parallel.make_mesh(parallel.MeshConfig(tensor=4), jax.devices()[:4])
-    w = jnp.asarray(np.random.default_rng(0).standard_normal((256, 512)), jnp.float32)
+    w = put(np.random.default_rng(0).standard_normal((256, 512)).astype(np.float32))
     q = _quantize_fp8(w, 128)
     spec = parallel.leaf_partition_spec(q, (None, "heads"), parallel.DEFAULT_RULES, mesh)
     self.assertEqual((spec.values, spec.scales), (P(None, "tensor"), P(None, "tensor")))
@@ -245,7 +250,7 @@ class KVStateSpecTest(parameterized.TestCase):
 
   def test_mla_pages_replicated_across_tensor(self):
     mesh = parallel.make_mesh(parallel.MeshConfig(data=2, tensor=4))
-    state = kvc.init_paged_state(TINY_MLA, kvc.KVCacheConfig(NUM_PAGES, PAGE, "float8_e4m3fn"))
+    state = empty_pool_np(TINY_MLA, kvc.KVCacheConfig(NUM_PAGES, PAGE, "float8_e4m3fn"))
     placed = parallel.shard_kv_state(state, mesh)
     for x in jax.tree_util.tree_leaves(placed):
       self.assertTrue(x.sharding.is_fully_replicated)
@@ -257,7 +262,7 @@ class KVStateSpecTest(parameterized.TestCase):
 
   def test_gqa_pages_split_over_kv_heads(self):
     mesh = parallel.make_mesh(parallel.MeshConfig(data=4, tensor=2))
-    state = kvc.init_paged_state(TINY_GQA, kvc.KVCacheConfig(NUM_PAGES, PAGE, "float8_e4m3fn"))
+    state = empty_pool_np(TINY_GQA, kvc.KVCacheConfig(NUM_PAGES, PAGE, "float8_e4m3fn"))
     placed = parallel.shard_kv_state(state, mesh)
     self.assertEqual(_spec_of(placed.layers[0]["k"]), P(None, None, "tensor", None))
     self.assertEqual(_spec_of(placed.layers[0]["v_scale"]), P(None, None, "tensor"))
@@ -267,7 +272,7 @@ class KVStateSpecTest(parameterized.TestCase):
 
   def test_data_parallel_indivisible_pages_raises(self):
     mesh = parallel.make_mesh(parallel.MeshConfig(data=8))
-    state = kvc.init_paged_state(TINY_MLA, kvc.KVCacheConfig(6, PAGE, "float32"))
+    state = empty_pool_np(TINY_MLA, kvc.KVCacheConfig(6, PAGE, "float32"))
     with self.assertRaisesRegex(ValueError, "6 pages do not split"):
       parallel.shard_kv_state(state, mesh, data_parallel=True)
 
@@ -373,15 +378,14 @@ class DataParallelAttentionWarningTest(absltest.TestCase):
     mesh = parallel.make_mesh(parallel.MeshConfig(data=8))
     pages, batch = 64, 8
     params = parallel.shard_params(init_params_np(cfg), mesh)
-    state = parallel.shard_kv_state(
-        jax.tree_util.tree_map(np.asarray, kvc.init_paged_state(
-            cfg, kvc.KVCacheConfig(pages, PAGE, "float32"))), mesh, data_parallel=True)
+    state = parallel.shard_kv_state(empty_pool_np(cfg, kvc.KVCacheConfig(pages, PAGE, "float32")),
+                                    mesh, data_parallel=True)
     alloc = kvc.PageAllocator(pages, PAGE)
     for i in range(batch):
       alloc.admit(i, 3 * PAGE)
     meta = alloc.batch_meta(list(range(batch)), max_pages=4)
-    tokens = jnp.zeros((batch, 1), jnp.int32)
-    positions = jnp.full((batch, 1), 3 * PAGE, jnp.int32)
+    tokens = np.zeros((batch, 1), np.int32)  # the test reads the compiled HLO only
+    positions = np.full((batch, 1), 3 * PAGE, np.int32)
     tokens, positions, meta = parallel.replicate((tokens, positions, meta), mesh)
     step = jax.jit(functools.partial(model.apply, cfg=cfg, backend="xla"))
     hlo = step.lower(params, tokens, positions, state, batch_meta=meta).compile().as_text()
