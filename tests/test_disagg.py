@@ -468,7 +468,9 @@ class TransferTest(parameterized.TestCase):
   def test_transfer_from_a_start_moves_and_writes_only_the_rest(self, src_page, dst_page, start):
     # The destination already holds tokens [0, start) in a shared page (sentinel values
     # here): the transfer must leave that page alone and deliver the rest exactly.
-    length = 14
+    # The repaging tests' length (ragged in every page size here): their pools and page counts,
+    # so the whole transfers and the source writes reuse their compiled programs.
+    length = self.LENGTH
     src_pages = list(range(2, 2 + -(-length // src_page)))
     dst_pages = list(range(9, 9 - -(-length // dst_page), -1))
     src, entries = _filled_state(TINY_MLA, "float32", src_page, src_pages, length)
