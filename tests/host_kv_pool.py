@@ -1,29 +1,25 @@
-"""An empty paged KV pool made on the host (tests/host_data.py says why).
+"""An empty paged KV pool (``kvc.init_paged_state``) built in one program per configuration.
 
-``kvc.init_paged_state`` builds each entry with ``jnp.zeros`` / ``jnp.ones``, and run
-eagerly each compiles a program per shape and dtype. The same pool is made here in numpy
-(zero pages and tags, unit fp8 scales), its shapes and dtypes read from the library's own
-``init_paged_state`` traced abstractly (``jax.eval_shape`` compiles nothing).
+Run eagerly, ``init_paged_state`` compiles a program for each entry's zeros and each fp8
+scale's ones, per shape and dtype; jitted whole, one program builds the pool. The values
+are the library's own (zero pages and tags, unit fp8 scales), not a copy of them here.
 """
 
+import functools
+
 import jax
-import numpy as np
 
 from mlkit import kvcache as kvc
-from host_data import put
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def empty_pool(cfg, kv_cfg) -> kvc.PagedKVState:
+  """``kvc.init_paged_state(cfg, kv_cfg)`` in one program (cached per configuration)."""
+  return kvc.init_paged_state(cfg, kv_cfg)
 
 
 def empty_pool_np(cfg, kv_cfg) -> kvc.PagedKVState:
-  """``kvc.init_paged_state(cfg, kv_cfg)``'s values as a PagedKVState of numpy arrays."""
-  shapes = jax.eval_shape(lambda: kvc.init_paged_state(cfg, kv_cfg))
-
-  def fill(name, s):
-    return (np.ones if name.endswith("_scale") else np.zeros)(s.shape, s.dtype)
-
-  return shapes.replace(layers=[{k: fill(k, s) for k, s in layer.items()} for layer in shapes.layers],
-                        page_tags=fill("page_tags", shapes.page_tags))
-
-
-def empty_pool(cfg, kv_cfg) -> kvc.PagedKVState:
-  """``kvc.init_paged_state(cfg, kv_cfg)`` made on the host and placed with put: no program."""
-  return jax.tree_util.tree_map(put, empty_pool_np(cfg, kv_cfg))
+  """:func:`empty_pool` copied to the host, for placing on a mesh: device_put slices numpy
+  on the host, where a single-device jax.Array would compile a slicing program per leaf
+  shape."""
+  return jax.device_get(empty_pool(cfg, kv_cfg))

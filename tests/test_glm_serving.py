@@ -25,6 +25,7 @@ from mlkit.engine.disagg import DisaggConfig, DisaggEngine, PoolConfig
 from mlkit.quant import BF16, INT4_EXPERTS
 from mlkit.sampling import SamplingParams
 from host_data import put
+from host_kv_pool import empty_pool
 from numpy_params import init_params_np
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "glm_moe_dsa")
@@ -46,16 +47,10 @@ def _prefill(params, tokens, positions, cache, meta, *, cfg):
   return cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kv"))
-def _empty_pool(*, cfg, kv):
-  """An empty paged pool (``kvc.init_paged_state``) in one program: built eagerly, each
-  entry's zeros and fp8 scales' ones compile a program of their own."""
-  return kvc.init_paged_state(cfg, kv)
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "batch", "max_len"))
 def _empty_cache(*, cfg, batch, max_len):
-  """An empty contiguous cache (``model.init_cache``) in one program (as ``_empty_pool``)."""
+  """An empty contiguous cache (``model.init_cache``) in one program (as
+  ``host_kv_pool.empty_pool``)."""
   return model.init_cache(cfg, batch, max_len)
 
 
@@ -178,7 +173,7 @@ class GlmServingTest(parameterized.TestCase):
     for rid in range(B):
       assert alloc.admit(rid, n) is None
     meta = alloc.batch_meta(list(range(B)), max_pages=n // page)
-    pool = kvc.sync_tags(_empty_pool(cfg=cfg, kv=kvc.KVCacheConfig(num_pages, page, "float32")),
+    pool = kvc.sync_tags(empty_pool(cfg, kvc.KVCacheConfig(num_pages, page, "float32")),
                          alloc.device_tags())
     return alloc, meta, _prefill(cls.params, tokens, positions, pool, meta, cfg=cfg)
 
@@ -200,7 +195,7 @@ class GlmServingTest(parameterized.TestCase):
     alloc, meta, f32 = self._paged_f32()  # the requests do not start at page 0
 
     def pool(dtype):
-      return kvc.sync_tags(_empty_pool(cfg=cfg, kv=kvc.KVCacheConfig(
+      return kvc.sync_tags(empty_pool(cfg, kvc.KVCacheConfig(
           alloc.num_pages, alloc.page_size, dtype)), alloc.device_tags())
 
     for dtype, state, bound in (
@@ -229,7 +224,7 @@ class GlmServingTest(parameterized.TestCase):
     dst_pages = [p for p, _ in dst_alloc.block_table(0)]
 
     def dst_pool():
-      return _empty_pool(cfg=cfg, kv=kvc.KVCacheConfig(4, 8, "float8_e4m3fn"))
+      return empty_pool(cfg, kvc.KVCacheConfig(4, 8, "float8_e4m3fn"))
 
     def flip_index_k(state):
       layers = list(state.layers)
