@@ -203,10 +203,6 @@ def _mla_ref8(seed, kv_dtype, lengths, **dims):
   return _reference_e4m3_query(*args, scale=_mla_scale(dims["c"], dims["r"]))
 
 
-# _late_ring's runs, by class and cache dtype.
-_LATE_RINGS = {}
-
-
 class OpTest(parameterized.TestCase):
   """One implementation of an op against the op's jnp reference, as tokamax's
   ``test_base`` runs each implementation of an op: a subclass per implementation
@@ -405,14 +401,11 @@ class PagedMlaDecodeMgpuTest(OpTest):
     slots and three scale slots (fp8 QK) or one staging buffer and two scale
     slots (f16 QK); tokens in M, two slots (bf16) or three (fp8). The gathers
     are issued by a producer warpgroup or by a compute warpgroup (loads). The
-    last page is partial (its tail zeroed / masked). The producer cases of the
-    default QK are the run test_a_late_producer_misses_no_phase checks (_late_ring):
-    the same kernel on the same inputs, its producer held back."""
+    last page is partial (its tail zeroed / masked). The producer cases run on time;
+    test_a_late_producer_misses_no_phase runs the default QK's on the same inputs
+    with its producer held back (_late_ring)."""
     if self.MLA_M == "tokens" and mla_qk == "f16":
       self.skipTest("the tokens-in-M kernel's QK is f16 either way: the 'auto' case runs it")
-    if loads == "producer" and mla_qk == "auto":
-      self._assert_run(self._late_ring(kv_dtype)[0])
-      return
     one_piece_each = lambda batch, heads, max_pages, kind=None: batch  # noqa: E731
     with mock.patch.object(attn_ops, "mla_mgpu_pieces", one_piece_each):
       self._assert_run(self._run(_seed("ring", kv_dtype, mla_qk), kv_dtype, mla_qk=mla_qk,
@@ -420,34 +413,30 @@ class PagedMlaDecodeMgpuTest(OpTest):
 
   # The staging-slot tests' shape: one piece per request (mla_mgpu_pieces mocked), the
   # first walking 5 pages, its last partial. test_a_late_producer_misses_no_phase runs
-  # the same kernels as the producer cases above, on the same inputs: one run for both.
+  # the same kernels as the producer cases above, on the same inputs.
   RING = dict(lengths=[5 * 64 - 7, 2 * 64 + 1], batch=2, heads=20, c=256, r=64,
               page_size=64, max_pages=6)
 
   def _late_ring(self, kv_dtype):
-    """The staging-slot test's producer case (default QK) on its inputs, run once per
-    class and cache dtype with only the first CTA's producer warpgroup sleeping 0.3 s
-    before each of its barrier waits (the second request's CTA runs on time instead
-    of adding its sleeps): (``_run``'s result, how many waits slept). Shared by that
-    case and test_a_late_producer_misses_no_phase, which both check the run."""
-    key = (type(self).__name__, kv_dtype)
-    if key not in _LATE_RINGS:
-      late = 2 if self.MLA_M == "heads" else 1  # the producer's warpgroup
-      wait = shared_memory.Barrier.wait
-      slept = []
+    """The staging-slot test's producer case (default QK) on its inputs, with only the
+    first CTA's producer warpgroup sleeping 0.3 s before each of its barrier waits (the
+    second request's CTA runs on time instead of adding its sleeps): (``_run``'s
+    result, how many waits slept)."""
+    late = 2 if self.MLA_M == "heads" else 1  # the producer's warpgroup
+    wait = shared_memory.Barrier.wait
+    slept = []
 
-      def late_producer(barrier, thread, *args, **kwargs):
-        if thread.warpgroup_id == late and thread.block_id == 0:
-          slept.append(thread)
-          time.sleep(0.3)
-        return wait(barrier, thread, *args, **kwargs)
+    def late_producer(barrier, thread, *args, **kwargs):
+      if thread.warpgroup_id == late and thread.block_id == 0:
+        slept.append(thread)
+        time.sleep(0.3)
+      return wait(barrier, thread, *args, **kwargs)
 
-      one_piece_each = lambda batch, heads, max_pages, kind=None: batch  # noqa: E731
-      with mock.patch.object(attn_ops, "mla_mgpu_pieces", one_piece_each), \
-           mock.patch.object(shared_memory.Barrier, "wait", late_producer):
-        run = self._run(_seed("ring", kv_dtype, "auto"), kv_dtype, **self.RING)
-      _LATE_RINGS[key] = (run, len(slept))
-    return _LATE_RINGS[key]
+    one_piece_each = lambda batch, heads, max_pages, kind=None: batch  # noqa: E731
+    with mock.patch.object(attn_ops, "mla_mgpu_pieces", one_piece_each), \
+         mock.patch.object(shared_memory.Barrier, "wait", late_producer):
+      run = self._run(_seed("ring", kv_dtype, "auto"), kv_dtype, **self.RING)
+    return run, len(slept)
 
   @parameterized.parameters("bf16", "fp8")
   def test_a_late_producer_misses_no_phase(self, kv_dtype):
