@@ -221,16 +221,34 @@ class OpTest(parameterized.TestCase):
     super().setUp()
     if self.IMPL == "pallas" and not ON_GPU:
       self.skipTest("compiled Pallas kernels need a GPU")
+    # The interpreter starts a fresh race record for every kernel it runs, and an op may
+    # run two (MLA decode: the decode kernel, then the merge of its pieces), so the record
+    # left after the op is only its last kernel's. Every record made is kept here instead.
+    self._race_records = []
+    if self.IMPL == "interpret" and self.MOSAIC_GPU:
+      new_record = gpu_interpret.GPURaceDetectionState
+
+      def kept(*args, **kwargs):
+        record = new_record(*args, **kwargs)
+        self._race_records.append(record)
+        return record
+
+      patcher = mock.patch.object(gpu_interpret, "GPURaceDetectionState", kept)
+      patcher.start()
+      self.addCleanup(patcher.stop)
 
   @property
   def backend(self):
     return self.IMPL
 
   def races_found(self):
-    """Whether the interpreter found a data race in the last interpreted Mosaic GPU
-    kernel; None where nothing is interpreted (no race to look for)."""
+    """Whether the interpreter found a data race in any interpreted Mosaic GPU kernel
+    run since the last call (every kernel of the op); None where nothing is
+    interpreted (no race to look for)."""
     if self.IMPL == "interpret" and self.MOSAIC_GPU:
-      return bool(gpu_interpret.get_races().races_found)
+      records, self._race_records = self._race_records, []
+      self.assertTrue(records, "no interpreted Mosaic GPU kernel ran since the last check")
+      return any(r.races_found for r in records)
     return None
 
   def assert_matches(self, out, ref, tol, races=None):
