@@ -23,6 +23,7 @@ import numpy as np
 import h200_compile_cases
 import int4_test_data
 from host_data import put
+from interpret_races import keep_race_records
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gpu_interpret
 from mlkit.model import moe
 from mlkit.quant import Int4Weight, grouped_matmul, grouped_matmuls, quantize_fp8, quantize_int4
@@ -100,6 +101,7 @@ class FusedGateUpInterpretTest(parameterized.TestCase):
   def setUp(self):
     super().setUp()
     gpu_interpret.reset_gpu_interpret_mode_state()
+    self.races = keep_race_records(self)
 
   @parameterized.parameters("kn", "nk")
   def test_equals_separate_launches(self, layout):
@@ -111,7 +113,7 @@ class FusedGateUpInterpretTest(parameterized.TestCase):
         fused = np.asarray(_run(layout, x, w, s, gs), np.float32)
         self.assertEqual(fused.shape, (x.shape[0], 2 * n))
         self.assertTrue(np.isfinite(fused).all(), "unwritten output")
-        self.assertFalse(gpu_interpret.get_races().races_found)
+        self.assertFalse(self.races.races_found())
         for i in range(2):
           alone = np.asarray(_run(layout, x, w[i], s[i], gs), np.float32)
           np.testing.assert_array_equal(fused[:, i * n:(i + 1) * n], alone)

@@ -20,6 +20,7 @@ import pytest
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gpu_interpret
 import int4_test_data
 from host_data import put
+from interpret_races import keep_race_records
 from pallas_kernels.int4_matmul import BlockSizes
 from pallas_kernels.int4_matmul import dequantize_int4
 from pallas_kernels.int4_matmul import int4_grouped_matmul
@@ -71,6 +72,7 @@ class _KernelTestBase(parameterized.TestCase):
     if self.INTERPRET:
       # A failed interpreted kernel leaves state behind; start clean.
       gpu_interpret.reset_gpu_interpret_mode_state()
+      self.races = keep_race_records(self)
 
   @property
   def backend(self):
@@ -83,8 +85,7 @@ class _KernelTestBase(parameterized.TestCase):
                     "non-finite or unwritten output")
     self.assertLessEqual(_rel_err(out, ref), tol)
     if self.INTERPRET:
-      self.assertFalse(gpu_interpret.get_races().races_found,
-                       "interpreter detected a shared-memory race")
+      self.assertFalse(self.races.races_found(), "interpreter detected a shared-memory race")
 
 
 # M (tokens), K, N, group size, scales dtype, block sizes (tile_n, tile_m,

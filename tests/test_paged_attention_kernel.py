@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as gpu_interpret
 from jax._src.pallas.mosaic_gpu.interpret import shared_memory
 from pallas_kernels.paged_attention import BlockSizes
 from pallas_kernels.paged_attention import paged_gqa_decode
@@ -32,6 +31,7 @@ from pallas_kernels import mgpu_shim
 from pallas_kernels import schedule
 from pallas_kernels.paged_attention import ops as attn_ops
 from pallas_kernels.paged_attention import reference
+from interpret_races import keep_race_records
 
 FP8 = jnp.float8_e4m3fn
 # Relative-norm tolerances (docs/testing.md): fp8 vs an f32 reference 5e-2; a
@@ -221,21 +221,9 @@ class OpTest(parameterized.TestCase):
     super().setUp()
     if self.IMPL == "pallas" and not ON_GPU:
       self.skipTest("compiled Pallas kernels need a GPU")
-    # The interpreter starts a fresh race record for every kernel it runs, and an op may
-    # run two (MLA decode: the decode kernel, then the merge of its pieces), so the record
-    # left after the op is only its last kernel's. Every record made is kept here instead.
-    self._race_records = []
+    # Every kernel's race record (tests/interpret_races.py): an MLA decode runs two.
     if self.IMPL == "interpret" and self.MOSAIC_GPU:
-      new_record = gpu_interpret.GPURaceDetectionState
-
-      def kept(*args, **kwargs):
-        record = new_record(*args, **kwargs)
-        self._race_records.append(record)
-        return record
-
-      patcher = mock.patch.object(gpu_interpret, "GPURaceDetectionState", kept)
-      patcher.start()
-      self.addCleanup(patcher.stop)
+      self._races = keep_race_records(self)
 
   @property
   def backend(self):
@@ -246,9 +234,7 @@ class OpTest(parameterized.TestCase):
     run since the last call (every kernel of the op); None where nothing is
     interpreted (no race to look for)."""
     if self.IMPL == "interpret" and self.MOSAIC_GPU:
-      records, self._race_records = self._race_records, []
-      self.assertTrue(records, "no interpreted Mosaic GPU kernel ran since the last check")
-      return any(r.races_found for r in records)
+      return self._races.races_found()
     return None
 
   def assert_matches(self, out, ref, tol, races=None):

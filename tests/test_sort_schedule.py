@@ -39,6 +39,7 @@ from pallas_kernels.int4_matmul.int4_matmul import schedule_for
 from pallas_kernels.moe_router import sort_by_expert_local
 from router_sort_refs import pairs as _pairs
 from host_data import put
+from interpret_races import keep_race_records
 from router_sort_refs import sort_local_ref
 
 # (N, k, E, devices): 48 local experts as Kimi K2.6's on 8 devices (not a power of two;
@@ -248,9 +249,10 @@ class ExpertParallelDispatchTest(absltest.TestCase):
     # The device with the most pairs (2 experts each).
     shard = int(np.argmax(np.bincount(np.asarray(self.ids).reshape(-1) // 2, minlength=8)))
     gpu_interpret.reset_gpu_interpret_mode_state()
+    races = keep_race_records(self)
     args = (self._device(shard), self.x, self.ids, self.w, put(np.int32(shard)))
     got = np.asarray(_local_experts("interpret")(*args))
-    self.assertFalse(gpu_interpret.get_races().races_found)
+    self.assertFalse(races.races_found())
     with mock.patch.object(moe, "schedule_spec", lambda *a, **kw: None):
       before = _local_experts.__wrapped__("interpret")(*args)  # traced afresh
     # The grouped calls' own schedules: the same bits.
