@@ -18,7 +18,7 @@ from mlkit.engine.disagg import (ABORT_TRANSFER, DisaggConfig, DisaggEngine, Poo
 from mlkit.quant import BF16, FP8_ALL, INT4_EXPERTS
 from mlkit.sampling import SamplingParams
 from host_data import put
-from host_kv_pool import empty_pool
+from empty_kv import empty_pool
 from test_parallel import init_params_np
 
 # One MoE layer: the pools' logic does not depend on depth, and compiles scale with it.

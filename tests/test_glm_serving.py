@@ -25,7 +25,7 @@ from mlkit.engine.disagg import DisaggConfig, DisaggEngine, PoolConfig
 from mlkit.quant import BF16, INT4_EXPERTS
 from mlkit.sampling import SamplingParams
 from host_data import put
-from host_kv_pool import empty_pool
+from empty_kv import empty_cache, empty_pool
 from numpy_params import init_params_np
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "glm_moe_dsa")
@@ -45,13 +45,6 @@ def _prefill(params, tokens, positions, cache, meta, *, cfg):
   """One prefill chunk through ``cache`` (contiguous when meta is None, else paged)."""
   _, cache = model.apply(params, tokens, positions, cache, cfg=cfg, batch_meta=meta)
   return cache
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "batch", "max_len"))
-def _empty_cache(*, cfg, batch, max_len):
-  """An empty contiguous cache (``model.init_cache``) in one program (as
-  ``host_kv_pool.empty_pool``)."""
-  return model.init_cache(cfg, batch, max_len)
 
 
 def _prompt_batch(prompts, n):
@@ -188,7 +181,7 @@ class GlmServingTest(parameterized.TestCase):
     cfg, n = self.cfg, self.n
     B = len(self.prompts)
     tokens, positions = _prompt_batch(self.prompts, n)
-    contig = _prefill(self.params, tokens, positions, _empty_cache(cfg=cfg, batch=B, max_len=32),
+    contig = _prefill(self.params, tokens, positions, empty_cache(cfg, B, 32),
                       None, cfg=cfg)
     # Sliced on the host (here and below): a device slice compiles a program per shape.
     want = [{k: np.asarray(v)[:, :n] for k, v in layer.items()} for layer in contig.layers]

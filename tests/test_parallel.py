@@ -18,7 +18,7 @@ from mlkit import parallel
 from mlkit.quant import (INT4_EXPERTS, Int4Weight, dequantize, fp8_all, quantize_fp8,
                          quantize_int4, quantize_params)
 from host_data import put
-from host_kv_pool import empty_pool_np
+from empty_kv import empty_pool_np
 from two_processes import two_processes
 from numpy_params import init_params_np  # noqa: F401  (also imported from here by other tests)
 
