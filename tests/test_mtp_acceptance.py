@@ -3,6 +3,7 @@ the k = 1 walk, the draft indexing against mtp_forward_all's own shift, skipped 
 
 import dataclasses
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +61,24 @@ class WalkTest(parameterized.TestCase):
       self.assertEqual(tokens, steps + accepted)
 
 
+class DraftIndexingTest(absltest.TestCase):
+  """measure's agreement indexing on drafts that agree where the test says: the forward
+  and the drafter are replaced by arrays laid out as ``_forward_and_drafts`` returns them."""
+
+  def test_the_draft_for_token_j_plus_1_comes_from_position_j_minus_1(self):
+    s = list(range(10, 20))  # [T = 10]: distinct tokens, so a shifted comparison never agrees
+    P, T = 3, len(s)
+    greedy = np.array(s[1:] + [0], np.int32)  # argmax at j is s[j + 1]: every row is used
+    drafts = np.full(T - 1, 99, np.int32)  # depth 1 at i drafts s[i + 2]; 99 never does
+    drafts[2], drafts[5] = s[4], s[7]  # the steps whose newest tokens are s[3] and s[6] agree
+    with mock.patch.object(ma, "_forward_and_drafts", lambda *_: (greedy, drafts)):
+      r = ma.measure({"mtp": [{}]}, CFG, [s], [P])
+    # Walk: s[3] emits s[4], s[5]; s[5] emits s[6]; s[6] emits s[7], s[8]; s[8] emits s[9].
+    self.assertEqual((r.drafts, r.drafts_agreeing), (T - 1 - P, 2))
+    self.assertEqual((r.steps, r.tokens, r.accepted_hist), (4, 6, (2, 2)))
+    self.assertEqual((r.rows_used, r.rows_skipped), (1, 0))
+
+
 class MeasureTest(absltest.TestCase):
 
   @classmethod
@@ -82,6 +101,11 @@ class MeasureTest(absltest.TestCase):
     agreeing = drafts = 0
     for b, (seq, P) in enumerate(zip(self.seqs, map(len, self.prompts))):
       d = argmax[b]
+      # The drafts measure reads are depth 1's argmax at the same positions, value by value
+      # (the random model's drafts rarely agree with its tokens, so the counts below alone
+      # would pass with most indexings; DraftIndexingTest pins the indexing of agreement).
+      _, measured = ma._forward_and_drafts(self.params, jnp.asarray([seq], jnp.int32), CFG)
+      np.testing.assert_array_equal(np.asarray(measured), d[:len(seq) - 1])
       for j in range(P, len(seq) - 1):
         drafts += 1
         agreeing += int(d[j - 1] == seq[j + 1])
