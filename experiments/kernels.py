@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import subprocess
 import sys
@@ -37,6 +36,7 @@ import jax
 from experiments import common
 from experiments.roofline import plot as plot_roofline
 from experiments.roofline import plot_measured
+from pallas_kernels import gpu_check_records as gcr
 from pallas_kernels import roofline
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,18 +77,6 @@ def compile_section(path: str | None = None) -> str:
     return head + kernel_readings.markdown(records)
   except (OSError, ValueError, KeyError) as e:
     return head + f"Compile records could not be read: {type(e).__name__}: {e}.\n"
-
-
-def load_jsonl(path: str) -> list[dict]:
-  """Records of a gpu_check JSONL; a line cut off by a killed run is skipped."""
-  records = []
-  with open(path) as f:
-    for line in f:
-      try:
-        records.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
-  return records
 
 
 def run_gpu_check(jsonl: str, *, smoke: bool, budget_s: float | None = None) -> int:
@@ -161,7 +149,7 @@ def case_rows(cases: list[dict]) -> list[list]:
   for r in cases:
     if r.get("group") == "ceiling":
       continue
-    wrong = {p["impl"] for p in _wrong_impls(r)}
+    wrong = {p["impl"] for p in gcr.wrong_impls(r)}
     peers = {k: v for k, v in (r.get("peer_time_s") or {}).items() if k not in wrong}
     best = min(peers.items(), key=lambda kv: kv[1]) if peers else None
     rows.append([r["kernel"], r["name"], r["status"], r.get("tier", "-"),
@@ -173,18 +161,6 @@ def case_rows(cases: list[dict]) -> list[list]:
                  _f(r["flops"] / r["time_s"] / 1e12 if r.get("time_s") and r.get("flops") else None),
                  _f(_us(r.get("roofline_s"))), _f(r.get("roofline_fraction"))])
   return rows
-
-
-def _wrong_impls(r: dict) -> list[dict]:
-  """The impls of case record ``r`` whose output failed the reference check."""
-  return [p for p in r.get("impls", []) if p.get("correct") is False]
-
-
-def _xla_time(r: dict) -> float | None:
-  for p in r.get("impls", []):
-    if p.get("impl") == "xla" and "timing" in p:
-      return p["timing"]["median_s"]
-  return None
 
 
 def committed_runs(folder: str = MEASUREMENTS) -> list[str]:
@@ -208,34 +184,19 @@ def report(jsonl: str | list[str], out_dir: str, *, record: dict | None = None,
     The record with ``cases`` (every case record, plus ``xla_time_s``), the
     header, summary and budget/aborted records of the run, and ``all_ok``.
   """
-  paths = [jsonl] if isinstance(jsonl, str) else list(jsonl)
+  runs = gcr.read_runs(jsonl)
+  paths, cases, header, summary, stops = (runs.paths, runs.cases, runs.header, runs.summary,
+                                          runs.stops)
   record = dict(record or {"experiment": "kernels"})
-  by_type: dict[str, list[dict]] = {}
-  latest: dict[str, dict] = {}
-  for path in paths:
-    for r in load_jsonl(path):
-      if r.get("type") == "case":
-        latest.pop(r.get("name"), None)  # re-inserted: a rerun's case sorts after the first run's
-        latest[r.get("name")] = r
-      else:
-        by_type.setdefault(r.get("type", "?"), []).append(r)
-  cases = list(latest.values())
   for r in cases:
-    r["xla_time_s"] = _xla_time(r)
-  header = (by_type.get("header") or [{}])[0]
-  summaries = by_type.get("summary") or []
-  summary = dict(summaries[0], fp8_vs_bf16=[t for s in summaries
-                                             for t in s.get("fp8_vs_bf16") or []]) if summaries else None
-  stops = by_type.get("budget", []) + by_type.get("aborted", [])
-  stop = stops[0] if stops else None
-  workers = by_type.get("worker", [])
-  real = [r for r in cases if r.get("group") != "fault"]
+    r["xla_time_s"] = gcr.xla_time(r)
+  real = runs.measured
   sheet = roofline.rows(measured={r["name"]: r for r in real})
-  record.update(skipped=skipped, source=paths[0] if len(paths) == 1 else paths, header=header,
-                summary=summary, stop=stop, workers=workers, cases=cases, roofline=sheet,
-                all_ok=bool(real) and all(r["status"] == "ok" for r in real))
+  record.update(skipped=skipped, source=paths[0] if len(paths) == 1 else list(paths),
+                header=header, summary=summary, stop=stops[0] if stops else None,
+                workers=runs.workers, cases=cases, roofline=sheet, all_ok=runs.all_ok)
   common.write_json(out_dir, "kernels", record)
-  device = next((w.get("device_kind") for w in workers if w.get("device_kind")), "?")
+  device = next((w.get("device_kind") for w in runs.workers if w.get("device_kind")), "?")
   names = ", ".join(f"`{os.path.basename(p)}`" for p in paths)
   lines = ["# kernels\n"]
   if skipped:
@@ -275,7 +236,7 @@ def report(jsonl: str | list[str], out_dir: str, *, record: dict | None = None,
       tail = (r.get("stderr_tail") or "").strip().splitlines()[-1:] if not why else []
       lines.append(f"- `{r['name']}`: {r['status']}" + (f": {why.splitlines()[0][:200]}" if why
                                                           else (f": `{tail[0][:200]}`" if tail else "")))
-  wrong = [(r["name"], p["impl"], p.get("rel_err")) for r in cases for p in _wrong_impls(r)
+  wrong = [(r["name"], p["impl"], p.get("rel_err")) for r in cases for p in gcr.wrong_impls(r)
            if p["impl"] != "pallas"]
   if wrong:
     lines.append("\n## Peers with wrong outputs (left out of \"best peer\")\n")

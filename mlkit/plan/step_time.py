@@ -30,6 +30,7 @@ import math
 from configs import H200
 from mlkit.config import HardwareConfig, ModelConfig
 from mlkit.perfmodel import distinct_experts
+from pallas_kernels import gpu_check_records
 from pallas_kernels.h200.program import Launch, arrays
 from pallas_kernels.h200.step_placement import type_bytes
 
@@ -122,13 +123,9 @@ class Efficiency:
 
 
 def gpu_check_cases(paths: list[str]) -> list[dict]:
-  """The "case" records of gpu_check JSONL files (docs/gpu_check.md), in file order."""
-  import json
-  cases = []
-  for path in paths:
-    with open(path) as f:
-      cases += [r for r in map(json.loads, filter(str.strip, f)) if r.get("type") == "case"]
-  return cases
+  """The "case" records of gpu_check JSONL files (docs/gpu_check.md), in file order; a
+  killed run's cut-off last line is skipped (``pallas_kernels.gpu_check_records``)."""
+  return gpu_check_records.read_cases(paths)
 
 
 @dataclasses.dataclass(frozen=True)
