@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 
 import numpy as np
 
@@ -57,27 +56,11 @@ def _prompts(n: int, seed: int) -> list[list[int]]:
 
 
 def in_process(engine, n: int, concurrency: int, seed: int) -> dict:
-  """Closed loop over ``engine``: ``concurrency`` requests in flight until ``n`` ended."""
+  """Closed loop over ``engine`` in this thread (``mlkit.serve.local_load.engine_loop``)."""
   from mlkit.sampling import SamplingParams
-  prompts = _prompts(n, seed)
-  sampling = SamplingParams(max_new_tokens=OUTPUT)
-  live, done, next_i = {}, [], 0
-  t0 = time.perf_counter()
-  while len(done) < n:
-    while len(live) < concurrency and next_i < n:
-      rid = engine.submit(prompts[next_i], sampling)
-      live[rid] = engine.get(rid)
-      next_i += 1
-    for o in engine.step():
-      if o.done and o.request_id in live:
-        done.append(live.pop(o.request_id))
-  wall = time.perf_counter() - t0
-  tokens = sum(len(r.output) for r in done)
-  ttft = [r.first_token_time - r.arrival_time for r in done]
-  tpot = [(r.finish_time - r.first_token_time) / (len(r.output) - 1) for r in done]
-  return {"requests": n, "output_tokens": tokens, "duration_s": wall,
-          "output_tok_s": tokens / wall, "median_ttft_ms": 1e3 * float(np.median(ttft)),
-          "median_tpot_ms": 1e3 * float(np.median(tpot))}
+  from mlkit.serve import local_load
+  return local_load.engine_loop(engine, _prompts(n, seed), SamplingParams(max_new_tokens=OUTPUT),
+                                concurrency=concurrency)
 
 
 def in_process_clients(engine, n: int, seed: int, *, concurrency=None, rate=None) -> dict:

@@ -147,6 +147,42 @@ class HttpColocatedTest(_Server):
       self.assertGreater(r["engine_mean_ttft_ms"], 0.0)
       self.assertLessEqual(r["engine_mean_ttft_ms"], r["mean_ttft_ms"])
     self.assertFalse(self.engine.has_unfinished())
+    # serve_http's third way, the engine's own loop on the same workload.
+
+    class Watched:  # the engine, counting requests in flight at each step; optionally the
+      # request submitted `cancel`-th is cancelled as it is submitted (a real abort)
+      def __init__(self, engine, cancel=None):
+        self.engine, self.cancel, self.ids, self.in_flight = engine, cancel, [], []
+
+      def submit(self, prompt, sampling):
+        self.ids.append(self.engine.submit(prompt, sampling))
+        if len(self.ids) == self.cancel:
+          self.engine.cancel(self.ids[-1])
+        return self.ids[-1]
+
+      def get(self, rid):
+        return self.engine.get(rid)
+
+      def step(self):
+        self.in_flight.append(sum(not self.engine.get(i).done for i in self.ids))
+        return self.engine.step()
+
+    # Three run together and end together; the fourth starts only then, and runs alone.
+    watched = Watched(self.engine)
+    r = local_load.engine_loop(watched, prompts, s, concurrency=3)
+    self.assertEqual((r["requests"], r["output_tokens"]), (4, 16))
+    self.assertEqual(max(watched.in_flight), 3)
+    self.assertEqual(watched.in_flight[-1], 1)
+    self.assertGreater(r["median_ttft_ms"], 0.0)
+    self.assertGreater(r["median_tpot_ms"], 0.0)
+    self.assertFalse(self.engine.has_unfinished())
+    for bad, msg in ((dict(concurrency=0), "concurrency"), (dict(concurrency=1, prompts=[]),
+                                                            "no prompts")):
+      with self.assertRaisesRegex(ValueError, msg):
+        local_load.engine_loop(self.engine, bad.pop("prompts", prompts), s, **bad)
+    with self.assertRaisesRegex(RuntimeError, "aborted request .*cancelled"):
+      local_load.engine_loop(Watched(self.engine, cancel=2), prompts, s, concurrency=2)
+    self.engine.run_until_done()
     for bad in (dict(), dict(concurrency=2, rate=1.0), dict(concurrency=0), dict(rate=0.0)):
       with self.assertRaises(ValueError, msg=str(bad)):
         local_load.drive(self.engine, prompts, s, **bad)

@@ -2,7 +2,8 @@
 
 What the front door costs is the difference between a workload sent through
 HTTP (``mlkit.serve.bench``) and the same workload handed straight to the
-server's engine thread. :func:`drive` is the second way. It runs
+server's engine thread. :func:`drive` is the second way; :func:`engine_loop`, a
+third, submits between the engine's own steps, with no front door at all. It runs
 ``ColocatedServer.serve_forever`` in a thread, as the server's main thread
 does, and asyncio clients submit :class:`~mlkit.serve.http.calls.Call`\\ s to
 its inbox and read their updates, as the handlers do
@@ -124,6 +125,56 @@ def drive(engine, prompts: list[list[int]], sampling, *, concurrency: int | None
           "median_tpot_ms": 1e3 * float(np.median(tpot)),
           "engine_mean_ttft_ms": 1e3 * float(np.mean(engine_ttft)) if engine_ttft else 0.0,
           **step_split(before, engine.metrics())}
+
+
+def engine_loop(engine, prompts: list[list[int]], sampling, *, concurrency: int) -> dict:
+  """Serves ``prompts`` by calling ``engine.submit`` and ``engine.step`` in this thread: a
+  closed loop of ``concurrency`` requests, the next submitted between steps, the moment one
+  ends. No front door, no client: what the engine alone does with the same workload.
+
+  Args:
+    engine: an ``Engine`` (or any ``ServingEngine``); its other requests are stepped too,
+      but not counted.
+    prompts: token ids per request.
+    sampling: one ``SamplingParams`` for every request.
+    concurrency: requests in flight (>= 1).
+
+  Returns:
+    ``{"requests", "output_tokens", "duration_s", "output_tok_s", "median_ttft_ms",
+    "median_tpot_ms"}``; TTFT runs from the request's submission to its first token, TPOT
+    over the requests that emitted more than one token (NaN where none did).
+
+  Raises:
+    ValueError: concurrency below 1, or no prompts.
+    RuntimeError: the engine aborted a request.
+  """
+  if not prompts:
+    raise ValueError("engine_loop: no prompts")
+  if concurrency < 1:
+    raise ValueError(f"engine_loop: concurrency must be >= 1, got {concurrency}")
+  n = len(prompts)
+  live, done, next_i = {}, [], 0
+  t0 = time.perf_counter()
+  while len(done) < n:
+    while len(live) < concurrency and next_i < n:
+      rid = engine.submit(prompts[next_i], sampling)
+      live[rid] = engine.get(rid)
+      next_i += 1
+    for o in engine.step():
+      if o.done and o.request_id in live:
+        r = live.pop(o.request_id)
+        if r.abort_reason is not None:
+          raise RuntimeError(f"engine_loop: the engine aborted request {o.request_id}: "
+                             f"{r.abort_reason}")
+        done.append(r)
+  wall = time.perf_counter() - t0
+  tokens = sum(len(r.output) for r in done)
+  ttft = [r.first_token_time - r.arrival_time for r in done]
+  tpot = [(r.finish_time - r.first_token_time) / (len(r.output) - 1) for r in done
+          if len(r.output) > 1]
+  return {"requests": n, "output_tokens": tokens, "duration_s": wall,
+          "output_tok_s": tokens / wall, "median_ttft_ms": 1e3 * float(np.median(ttft)),
+          "median_tpot_ms": 1e3 * float(np.median(tpot)) if tpot else float("nan")}
 
 
 def step_split(before: dict, after: dict) -> dict:
