@@ -79,21 +79,12 @@ def configs(cfg, shape: dict, n_devices: int) -> dict[str, DisaggConfig]:
 
 def _serve(eng, prompts, new_tokens: int) -> dict:
   """Half the prompts arrive at once, the rest one per step; runs to the end."""
-  first = len(prompts) // 2 or 1
   sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
   t0 = time.perf_counter()
-  ids = [eng.submit(p, sp) for p in prompts[:first]]
-  pending = list(prompts[first:])
-  steps = 0
-  while pending or eng.has_unfinished():
-    if pending:
-      ids.append(eng.submit(pending.pop(0), sp))
-    eng.step()
-    steps += 1
-    if steps > 100 * len(prompts) * new_tokens:
-      raise RuntimeError("disagg: the engine made no progress")
+  reqs, steps = eng.serve_arriving(prompts, sp, at_once=len(prompts) // 2 or 1,
+                                   max_steps=100 * len(prompts) * new_tokens)
   wall = time.perf_counter() - t0
-  ms = [request_metrics(eng.get(i)) for i in ids]
+  ms = [request_metrics(r) for r in reqs]
   done = [m for m in ms if m["status"] == "finished"]
   tokens = sum(m["output_tokens"] for m in ms)
   return {"wall_s": wall, "steps": steps, "output_tokens": tokens, "throughput_tok_s": tokens / wall,

@@ -52,20 +52,14 @@ def _config(cfg, shape: dict, *, prefix_cache: bool) -> EngineConfig:
 
 def _serve(eng: Engine, prompts, new_tokens: int) -> dict:
   """Two prompts at once, then one per step; runs to the end. Per-request numbers."""
-  first = min(2, len(prompts))
   sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
   before = eng.metrics()
   t0 = time.perf_counter()
-  ids = [eng.submit(p, sp) for p in prompts[:first]]
-  pending = list(prompts[first:])
-  while pending or eng.has_unfinished():
-    if pending:
-      ids.append(eng.submit(pending.pop(0), sp))
-    eng.step()
+  reqs, _ = eng.serve_arriving(prompts, sp, at_once=min(2, len(prompts)))
   wall = time.perf_counter() - t0
   after = eng.metrics()
-  ms = [request_metrics(eng.get(i)) for i in ids]
-  out = {"wall_s": wall, "outputs": [list(eng.get(i).output) for i in ids],
+  ms = [request_metrics(r) for r in reqs]
+  out = {"wall_s": wall, "outputs": [list(r.output) for r in reqs],
          "output_tokens": sum(m["output_tokens"] for m in ms),
          "ttft_ms": stats([1e3 * m["ttft_s"] for m in ms]),
          "prefill_tokens_computed": after["prefill_tokens"] - before["prefill_tokens"]}

@@ -149,6 +149,37 @@ class ServingConformanceTest(parameterized.TestCase):
     self.assert_pool_empty(eng)
 
   @parameterized.parameters(*KINDS)
+  def test_serve_arriving_queues_one_prompt_per_step(self, kind):
+    eng = engine(kind)
+    admitted, stepped = [], [0]
+    submit, step = eng.submit, eng.step
+
+    def counted_submit(*args, **kwargs):  # the steps taken so far, at each submission
+      admitted.append(stepped[0])
+      return submit(*args, **kwargs)
+
+    def counted_step():
+      stepped[0] += 1
+      return step()
+
+    with mock.patch.object(eng, "submit", counted_submit), \
+        mock.patch.object(eng, "step", counted_step):
+      reqs, steps = eng.serve_arriving(PROMPTS, SAMPLINGS, at_once=2)
+    self.assertEqual([r.output for r in reqs], reference())
+    self.assertEqual(admitted, [0, 0, 0, 1, 2])  # 2 at once, then one before each step
+    self.assertEqual(steps, stepped[0])
+    self.assert_pool_empty(eng)
+    with self.assertRaisesRegex(ValueError, "at_once must be >= 1"):
+      eng.serve_arriving(PROMPTS, SAMPLINGS, at_once=0)
+    with self.assertRaisesRegex(ValueError, "request 1 of the batch"):  # nothing queued
+      eng.serve_arriving([PROMPTS[0], []], SAMPLINGS[0], at_once=1)
+    self.assertFalse(eng.has_unfinished())
+    with self.assertRaisesRegex(EngineStalled, "unfinished after 2 steps"):
+      eng.serve_arriving(PROMPTS[:3], SAMPLINGS[:3], at_once=1, max_steps=2)
+    eng.run_until_done()
+    self.assert_pool_empty(eng)
+
+  @parameterized.parameters(*KINDS)
   def test_stream_and_stop_tokens(self, kind):
     eng = engine(kind)
     ref = reference()[0]

@@ -1,7 +1,7 @@
 """The serving interface every engine implements, and the loop logic they share.
 
 :class:`ServingEngine` is the protocol: ``submit / check_request / step /
-stream / cancel / generate / run_until_done / metrics / get /
+stream / cancel / generate / serve_arriving / run_until_done / metrics / get /
 has_unfinished``. ``Engine`` (one pool) and ``DisaggEngine`` (a prefill pool
 and a decode pool) both implement it, and one conformance suite
 (tests/test_serving_conformance.py) holds both to it. :class:`ServingLoop`
@@ -43,6 +43,9 @@ class ServingEngine(Protocol):
   def cancel(self, request_id: int) -> bool: ...
 
   def generate(self, prompts: Sequence[Sequence[int]], sampling=...) -> list[list[int]]: ...
+
+  def serve_arriving(self, prompts: Sequence[Sequence[int]], sampling=..., *, at_once: int,
+                     max_steps: int | None = None) -> tuple[list[Request], int]: ...
 
   def run_until_done(self, max_steps: int | None = None) -> dict[int, Request]: ...
 
@@ -136,6 +139,43 @@ class ServingLoop:
     reqs = [self.get(self.submit(p, s)) for p, s in checked]
     self.run_until_done()
     return [list(r.output) for r in reqs]
+
+  def serve_arriving(self, prompts: Sequence[Sequence[int]],
+                     sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(), *,
+                     at_once: int, max_steps: int | None = None) -> tuple[list[Request], int]:
+    """Serves prompts that arrive while others run: the first ``at_once`` together, then one
+    more before each step, stepping until every request has ended. The experiments replay
+    their workloads' arrivals with it.
+
+    Atomic as :meth:`generate`: every request is checked before any is queued.
+
+    Returns:
+      (the Request objects, in prompt order; the steps taken).
+
+    Raises:
+      ValueError: ``at_once`` below 1, or as :meth:`generate`.
+      EngineStalled: as :meth:`run_until_done`: a step changed nothing while requests
+        remain, or ``max_steps`` ran out first.
+    """
+    if at_once < 1:
+      raise ValueError(f"serve_arriving: at_once must be >= 1, got {at_once}")
+    checked = check_batch(self.check_request, prompts, sampling)
+    reqs = [self.get(self.submit(p, s)) for p, s in checked[:at_once]]
+    pending = checked[at_once:]
+    steps = 0
+    while pending or self.has_unfinished():
+      if pending:
+        reqs.append(self.get(self.submit(*pending.pop(0))))
+      before = self._progress_marker()
+      self.step()
+      steps += 1
+      if self._progress_marker() == before and self.has_unfinished():
+        raise EngineStalled(f"{type(self).__name__} made no progress in step {steps}: "
+                            f"{self._queue_summary()}")
+      if max_steps is not None and steps >= max_steps and (pending or self.has_unfinished()):
+        raise EngineStalled(f"requests still unfinished after {max_steps} steps: "
+                            f"{self._queue_summary()}")
+    return reqs, steps
 
   def _mean_latencies(self, requests) -> dict:
     """{"mean_ttft_s", "mean_tpot_s"} over ``requests`` that emitted a token (None if none)."""
