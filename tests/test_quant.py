@@ -348,6 +348,8 @@ class GptqTest(parameterized.TestCase):
     w = _device(w)
     with self.assertRaisesRegex(ValueError, r"wo: weight has non-finite"):
       gptq_quantize_int4(w, _normal(1, (10, 64)), 32, name="wo")
+    with self.assertRaisesRegex(ValueError, r"norm: only 2-D \[K, N\] or 3-D \[E, K, N\]"):
+      gptq_quantize_int4(_normal(0, (64,)), _normal(1, (10, 64)), 32, name="norm")
 
 
 if __name__ == "__main__":

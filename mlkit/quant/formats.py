@@ -81,7 +81,9 @@ def check_finite(w: jax.Array, name: str) -> None:
     raise ValueError(f"{name}: weight has non-finite values (NaN or inf); cannot quantise")
 
 
-def _check_rank(w, name: str) -> None:
+def check_rank(w, name: str) -> None:
+  """Raises ValueError unless ``w`` is a 2-D [K, N] or 3-D [E, K, N] weight (what the
+  quantisers take); ``name`` names it in the message."""
   if w.ndim not in (2, 3):
     raise ValueError(f"{name}: only 2-D [K, N] or 3-D [E, K, N] weights are quantised, "
                      f"got shape {tuple(w.shape)}")
@@ -226,7 +228,7 @@ def quantize_int4(w: jax.Array, group_size: int = 128, *, scale_dtype=jnp.bfloat
     ValueError: naming ``name`` for a rank other than 2/3, an odd K, a group size
       that does not divide K (or is not 32/64/128), or non-finite weights.
   """
-  _check_rank(w, name)
+  check_rank(w, name)
   check_int4_shape(w.shape, group_size, name)
   check_finite(w, name)
   packed, scales = _rtn_int4(w, group_size, jnp.dtype(scale_dtype))
@@ -323,7 +325,7 @@ def quantize_fp8(w: jax.Array, block_size: int | None = FP8_BLOCK, *,
     ValueError: naming ``name`` for a rank other than 2/3, a block size other than
       None/128, or non-finite weights.
   """
-  _check_rank(w, name)
+  check_rank(w, name)
   if block_size not in (None, FP8_BLOCK):
     raise ValueError(f"{name}: fp8 block_size must be None or {FP8_BLOCK}, got {block_size!r}")
   check_finite(w, name)

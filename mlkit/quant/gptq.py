@@ -27,7 +27,7 @@ from flax import struct
 
 from mlkit.quant.dispatch import dequantize, grouped_matmul, matmul
 from mlkit.quant.formats import (INT4_QMAX, Int4Weight, check_finite, check_int4_shape,
-                                 _check_rank, int4_group_scales, pack_int4)
+                                 check_rank, int4_group_scales, pack_int4)
 from mlkit.quant.tree import flatten_params
 
 
@@ -125,7 +125,7 @@ def gptq_quantize_int4(w: jax.Array, stats: CalibrationStats | jax.Array, group_
     ValueError: naming ``name`` for the same shape/finiteness errors as
       :func:`~mlkit.quant.formats.quantize_int4`, or stats whose shape does not match.
   """
-  _check_rank(w, name)
+  check_rank(w, name)
   check_int4_shape(w.shape, group_size, name)
   check_finite(w, name)
   if not isinstance(stats, CalibrationStats):
