@@ -215,6 +215,33 @@ class WriteReadTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, "outside the pool"):
       kvc.copy_pages(state, [(0, 4)])
 
+  def test_copy_pages_moves_only_the_named_pages_one_program_per_bucket(self):
+    # Every page of an fp8 pool (values and scales) holds its own random contents; each batch
+    # of copies lands its sources on its destinations, and nothing else changes, padding
+    # included. 1 to 5 copies share one padded program; 9 take the next bucket.
+    from mlkit.kvcache import state as state_lib
+    kv_cfg = kvc.KVCacheConfig(num_pages=12, page_size=2, dtype="float8_e4m3fn")
+    empty = kvc.init_paged_state(MLA1, kv_cfg)
+    rng = np.random.default_rng(3)
+    layers = [{k: device(rng.normal(size=v.shape).astype(np.float32), v.dtype)
+               for k, v in layer.items()} for layer in empty.layers]
+    state = empty.replace(layers=layers)
+    compiled = state_lib._copy_pages_jit._cache_size()
+    for copies in ([(0, 5)], [(3, 7), (9, 2)], [(1, 4), (6, 11), (10, 8), (11, 0), (2, 1)],
+                   [(s, (s + 3) % 12) for s in range(9)]):
+      before = [{k: np.asarray(v).astype(np.float32) for k, v in layer.items()}
+                for layer in state.layers]
+      state = kvc.copy_pages(state, copies)
+      want = [{k: v.copy() for k, v in layer.items()} for layer in before]
+      for w, b in zip(want, before):
+        for k in w:
+          for src, dst in copies:
+            w[k][dst] = b[k][src]
+      for w, layer in zip(want, state.layers):
+        for k, v in layer.items():
+          np.testing.assert_array_equal(np.asarray(v).astype(np.float32), w[k], err_msg=k)
+    self.assertEqual(state_lib._copy_pages_jit._cache_size() - compiled, 2)
+
 
 @functools.partial(jax.jit, static_argnames=("lengths", "scale"))
 def dense_mla(q_lat, q_rope, latent, k_rope, q_pos, *, lengths, scale):

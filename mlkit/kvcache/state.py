@@ -648,6 +648,12 @@ def sync_tags(state: PagedKVState, tags: np.ndarray) -> PagedKVState:
   return state.replace(page_tags=jnp.asarray(tags))
 
 
+def _bucket(n: int) -> int:
+  """The padded length of a host-built update of ``n`` pages: a power of two, at least 8, so
+  that the programs compiled for page updates are few whatever each step touches."""
+  return max(8, 1 << (int(n) - 1).bit_length())
+
+
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _update_tags_jit(page_tags: jax.Array, pages: jax.Array, tags: jax.Array) -> jax.Array:
   return page_tags.at[pages].set(tags, mode="drop")  # padded entries name no page: dropped
@@ -683,7 +689,7 @@ def update_tags(state: PagedKVState, pages: np.ndarray, tags: np.ndarray, *,
     return state
   if pages.min() < 0 or pages.max() >= state.num_pages:
     raise ValueError(f"update_tags: page ids outside the pool of {state.num_pages}")
-  k = max(8, 1 << (int(pages.size) - 1).bit_length())
+  k = _bucket(pages.size)
   padded_pages = np.full(k, state.num_pages, np.int32)
   padded_pages[:pages.size] = pages
   padded_tags = np.zeros(k, np.int32)
@@ -695,8 +701,10 @@ def update_tags(state: PagedKVState, pages: np.ndarray, tags: np.ndarray, *,
 
 @functools.partial(jax.jit, donate_argnums=(0,))
 def _copy_pages_jit(state: PagedKVState, src: jax.Array, dst: jax.Array) -> PagedKVState:
-  # Every array of a layer (pages, scales, index keys) is indexed by page id first.
-  layers = [{k: v.at[dst].set(v[src]) for k, v in layer.items()} for layer in state.layers]
+  # Every array of a layer (pages, scales, index keys) is indexed by page id first. Padded
+  # pairs name a destination past the pool, which the scatter drops.
+  layers = [{k: v.at[dst].set(v[src], mode="drop") for k, v in layer.items()}
+            for layer in state.layers]
   return state.replace(layers=layers)
 
 
@@ -705,7 +713,9 @@ def copy_pages(state: PagedKVState, copies: Sequence[tuple[int, int]], *,
   """Copies page contents src -> dst in every layer and entry (copy-on-write after a fork).
 
   Donates ``state``. Every page array moves: latent, rope key, sparse-attention
-  index keys and fp8 scales.
+  index keys and fp8 scales. The copies are padded to a power of two (at least 8) with
+  pairs the scatter drops, as :func:`update_tags` pads, so that a server copying a
+  different number of pages each step compiles one program per bucket, not per count.
 
   Args:
     copies: (src, dst) physical page pairs, e.g. from ``PageAllocator.fork``.
@@ -720,5 +730,9 @@ def copy_pages(state: PagedKVState, copies: Sequence[tuple[int, int]], *,
   arr = np.asarray(copies, np.int64).reshape(-1, 2)
   if (arr < 0).any() or (arr >= state.num_pages).any():
     raise ValueError(f"copy_pages: page ids {arr.tolist()} outside the pool of {state.num_pages}")
+  k = _bucket(len(arr))
+  src = np.zeros(k, np.int32)
+  dst = np.full(k, state.num_pages, np.int32)  # past the pool: dropped
+  src[:len(arr)], dst[:len(arr)] = arr[:, 0], arr[:, 1]
   place = place or jnp.asarray
-  return _copy_pages_jit(state, place(arr[:, 0].astype(np.int32)), place(arr[:, 1].astype(np.int32)))
+  return _copy_pages_jit(state, place(src), place(dst))
