@@ -81,6 +81,33 @@ def _mla_operands(ks, b, h, c, r, n, ps, p, ctx, kv) -> tuple:
           lengths)
 
 
+# Each input set is drawn by one program per case (op by op, every draw, split and
+# permutation would compile a program of its own: a few seconds of a device run's budget).
+@jax.jit(static_argnames=("dims",))
+def _mla_set(key, *, dims):
+  """``_mla_operands`` from one key: (b, h, c, r, n, ps, p, ctx, kv) = ``dims``."""
+  return _mla_operands(jax.random.split(key, 5), *dims)
+
+
+@jax.jit(static_argnames=("dims",))
+def _gqa_set(key, *, dims):
+  """Random GQA decode operands: queries [B, H, D], K and V pages (+ scales), a block table
+  of distinct pages and full lengths; (b, h, nkv, hd, n, ps, p, ctx, kv) = ``dims``."""
+  b, h, nkv, hd, n, ps, p, ctx, kv = dims
+  ks = jax.random.split(key, 4)
+  k, k_s = random_pages(ks[1], shape=(n, ps, nkv, hd), kv=kv)
+  v, v_s = random_pages(ks[2], shape=(n, ps, nkv, hd), kv=kv)
+  bt, lengths = _table(ks[3], b, p, n, ctx)
+  return (jax.random.normal(ks[0], (b, h, hd), jnp.bfloat16), k, v, k_s, v_s, bt, lengths)
+
+
+@jax.jit(static_argnames=("dims", "k"))
+def _sparse_mla_set(key, *, dims, k):
+  """``_mla_operands`` and a selection of ``k`` positions per request, from one key."""
+  ks = jax.random.split(key, 6)
+  return (*_mla_operands(ks, *dims), _selection(ks[5], b=dims[0], ctx=dims[7], k=k))
+
+
 def _table(key, b, p, n, ctx):
   bt = jax.random.permutation(key, n)[: b * p].reshape(b, p).astype(jnp.int32)
   return bt, jnp.full((b,), ctx, jnp.int32)
@@ -145,8 +172,7 @@ def _mla(dims, backend, peers, seed):
   set_bytes = n * ps * (c + r) * item + (8 * n * ps if kv == "fp8" else 0) + b * h * (c + r) * 2
 
   def make(i):
-    return _mla_operands(jax.random.split(jax.random.key(seed * 1000 + i), 5), b, h, c, r, n,
-                         ps, p, ctx, kv)
+    return _mla_set(jax.random.key(seed * 1000 + i), dims=(b, h, c, r, n, ps, p, ctx, kv))
 
   sets = bm.once(lambda: [make(i) for i in range(bm.rotation_sets(set_bytes))])
   q_bytes = b * h * (c + r) * 2 + b * h * c * 2 + b * p * 4
@@ -269,11 +295,7 @@ def _gqa(dims, backend, peers, seed):
   set_bytes = 2 * n * ps * nkv * (hd * item + (4 if kv == "fp8" else 0)) + b * h * hd * 2
 
   def make(i):
-    ks = jax.random.split(jax.random.key(seed * 1000 + i), 4)
-    k, k_s = random_pages(ks[1], shape=(n, ps, nkv, hd), kv=kv)
-    v, v_s = random_pages(ks[2], shape=(n, ps, nkv, hd), kv=kv)
-    bt, lengths = _table(ks[3], b, p, n, ctx)
-    return (jax.random.normal(ks[0], (b, h, hd), jnp.bfloat16), k, v, k_s, v_s, bt, lengths)
+    return _gqa_set(jax.random.key(seed * 1000 + i), dims=(b, h, nkv, hd, n, ps, p, ctx, kv))
 
   sets = bm.once(lambda: [make(i) for i in range(bm.rotation_sets(set_bytes))])
   nbytes, flops = job_cost("paged_gqa_decode", dims)
@@ -349,9 +371,8 @@ def _sparse_mla(dims, backend, peers, seed):
   touched = b * k * ((c + r) * item + (8 if kv == "fp8" else 0)) + b * h * (c + r) * 2
 
   def make(i):
-    ks = jax.random.split(jax.random.key(seed * 1000 + i), 6)
-    return (*_mla_operands(ks, b, h, c, r, n, ps, p, ctx, kv),
-            _selection(ks[5], b=b, ctx=ctx, k=k))
+    return _sparse_mla_set(jax.random.key(seed * 1000 + i),
+                           dims=(b, h, c, r, n, ps, p, ctx, kv), k=k)
 
   sets = bm.once(lambda: [make(i) for i in range(bm.rotation_sets(touched))])
   nbytes, flops = job_cost("paged_mla_sparse_decode", dims)
