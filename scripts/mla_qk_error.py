@@ -25,6 +25,7 @@ accuracy experiment with a trained checkpoint.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -67,34 +68,45 @@ def _data(key, batch, heads, context, outliers):
   return ql, qr, lat, rope
 
 
+@functools.partial(jax.jit, static_argnames=("heads", "outliers"))
+def _outputs(key, query_scale, tables, lengths, *, heads: int, outliers: bool):
+  """The decode outputs [B, H, C] on one data kind at one query scale, in one program: exact
+  (f32, unquantised cache), bf16 (cache and query), and the fp8 cache with the f16 query and
+  with the e4m3 query. tables [B, pages], lengths [B]."""
+  batch, pages = tables.shape
+  scale = 1.0 / math.sqrt(C + R)
+  ql, qr, lat, rope = _data(key, batch, heads, pages * PAGE, outliers)
+  ql, qr = ql * query_scale, qr * query_scale
+  lat8, lat_s = quantize_fp8(lat)
+  rope8, rope_s = quantize_fp8(rope)
+
+  def attend(q_latent, q_rope, latent, k_rope, latent_scale=None, rope_scale=None):
+    return reference.paged_mla_decode_reference(
+        q_latent, q_rope, latent, k_rope, latent_scale, rope_scale, tables, lengths,
+        scale=scale)
+
+  def rounded(fn):
+    *parts, q_scale = fn(ql, qr)
+    return [p.astype(jnp.float32) * q_scale[..., None] for p in parts]
+
+  exact = attend(ql, qr, lat, rope)
+  bf16 = attend(ql.astype(jnp.bfloat16), qr.astype(jnp.bfloat16),
+                lat.astype(jnp.bfloat16), rope.astype(jnp.bfloat16))
+  f16q = attend(*rounded(ops.f16_query), lat8, rope8, lat_s, rope_s)
+  e4m3q = attend(*rounded(ops.fp8_query), lat8, rope8, lat_s, rope_s)
+  return exact, bf16, f16q, e4m3q
+
+
 def measure(*, batch: int, heads: int, context: int, seed: int = 0) -> list[dict]:
   """One row per (data kind, query scale): the three errors described above."""
-  scale = 1.0 / math.sqrt(C + R)
   pages = context // PAGE
-  tables = jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages)
-  lengths = jnp.full((batch,), context, jnp.int32)
+  tables = np.arange(batch * pages, dtype=np.int32).reshape(batch, pages)
+  lengths = np.full((batch,), context, np.int32)
   rows = []
   for outliers in (False, True):
-    ql0, qr0, lat, rope = _data(jax.random.key(seed), batch, heads, context, outliers)
-    lat8, lat_s = quantize_fp8(lat)
-    rope8, rope_s = quantize_fp8(rope)
     for qs in QUERY_SCALES:
-      ql, qr = ql0 * qs, qr0 * qs
-
-      def attend(q_latent, q_rope, latent, k_rope, latent_scale=None, rope_scale=None):
-        return reference.paged_mla_decode_reference(
-            q_latent, q_rope, latent, k_rope, latent_scale, rope_scale, tables, lengths,
-            scale=scale)
-
-      def rounded(fn):
-        *parts, q_scale = fn(ql, qr)
-        return [p.astype(jnp.float32) * q_scale[..., None] for p in parts]
-
-      exact = attend(ql, qr, lat, rope)
-      bf16 = attend(ql.astype(jnp.bfloat16), qr.astype(jnp.bfloat16),
-                    lat.astype(jnp.bfloat16), rope.astype(jnp.bfloat16))
-      f16q = attend(*rounded(ops.f16_query), lat8, rope8, lat_s, rope_s)
-      e4m3q = attend(*rounded(ops.fp8_query), lat8, rope8, lat_s, rope_s)
+      exact, bf16, f16q, e4m3q = _outputs(jax.random.key(seed), np.float32(qs), tables,
+                                          lengths, heads=heads, outliers=outliers)
       rows.append({"data": "1% outlier channels" if outliers else "normal",
                    "query_scale": qs, "bf16_cache": _rel_err(bf16, exact),
                    "fp8_cache": _rel_err(f16q, exact), "fp8_cache_e4m3_query": _rel_err(e4m3q, exact),
