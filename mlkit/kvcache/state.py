@@ -311,13 +311,20 @@ def init_paged_state(cfg: ModelConfig, kv_cfg: KVCacheConfig, draft_layers: int 
     A :class:`PagedKVState`.
   """
   kv_cfg = kv_cfg.resolve(cfg)
-  N, P = kv_cfg.num_pages, kv_cfg.page_size
-  dtype = jnp.dtype(kv_cfg.dtype)
   if draft_layers < 0:
     raise ValueError(f"init_paged_state: draft_layers must be >= 0, got {draft_layers}")
   if draft_layers and cfg.sparse_attention:
     raise ValueError("init_paged_state: drafter layers on a sparse-attention model are not "
                      "supported (its MTP layer runs an indexer of its own)")
+  return _empty_pool(cfg, kv_cfg, draft_layers)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _empty_pool(cfg: ModelConfig, kv_cfg: KVCacheConfig, draft_layers: int) -> PagedKVState:
+  """The empty pool of a resolved ``kv_cfg``, in one program per configuration (op by op,
+  every entry's zeros and every fp8 scale's ones would compile a program of its own)."""
+  N, P = kv_cfg.num_pages, kv_cfg.page_size
+  dtype = jnp.dtype(kv_cfg.dtype)
   layers = []
   for i in range(cfg.n_layers + draft_layers):
     layer = {}

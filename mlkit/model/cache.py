@@ -27,6 +27,8 @@ contiguous one with no change to model code.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -92,9 +94,17 @@ class ContiguousKVCache:
 
 def init_cache(cfg: ModelConfig, batch_size: int, max_len: int | None = None,
                dtype=None) -> ContiguousKVCache:
-  """An empty contiguous cache [B, max_len, ...] per layer in ``dtype`` (default cfg.dtype)."""
-  max_len = max_len or cfg.max_seq_len
-  dtype = jnp.dtype(dtype or cfg.dtype)
+  """An empty contiguous cache [B, max_len, ...] per layer in ``dtype`` (default cfg.dtype).
+
+  Built by one program per configuration (op by op, every entry's zeros would compile a
+  program of its own).
+  """
+  return _empty_cache(cfg, batch_size, max_len or cfg.max_seq_len,
+                      jnp.dtype(dtype or cfg.dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _empty_cache(cfg: ModelConfig, batch_size: int, max_len: int, dtype) -> ContiguousKVCache:
   layers = [{name: jnp.zeros((batch_size, max_len) + shp, dtype)
              for name, shp in cache_entry_shapes(cfg, i).items()}
             for i in range(cfg.n_layers)]
