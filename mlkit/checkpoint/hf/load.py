@@ -658,11 +658,13 @@ class _LeafConverter:
   def __call__(self, i: int, arr: np.ndarray, box: tuple[tuple[int, int], ...]):
     """Leaf ``i`` from ``arr``, the dense values in ``box`` (see :meth:`box`)."""
     spec = self.specs[i]
+    # device_put, not jnp.asarray: the same uncommitted array on the default device, without
+    # the copy program jnp.asarray compiles for every leaf shape.
     if spec is None and not self.sharded:
-      return jnp.asarray(arr)
+      return jax.device_put(arr)
     if spec is not None:
       with jax.default_device(self._cpu):
-        leaf = self._quantize_leaf(jnp.asarray(arr), spec, name=self.names[i])
+        leaf = self._quantize_leaf(jax.device_put(arr), spec, name=self.names[i])
       if not self.sharded:
         return jax.device_put(leaf, jax.local_devices()[0])  # the default device
       host = jax.tree_util.tree_map(np.asarray, leaf)
