@@ -99,15 +99,17 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   tokens = np.zeros((B, T), np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
-  seeds = jnp.asarray([s.seed for s in samplings], jnp.uint32)
-  temp = jnp.asarray([s.temperature for s in samplings], jnp.float32)
-  top_k = jnp.asarray([s.top_k for s in samplings], jnp.int32)
-  top_p = jnp.asarray([s.top_p for s in samplings], jnp.float32)
+  # Host arrays placed with device_put (jnp.asarray of a host array compiles a copy program
+  # per shape); the per-step inputs go into the jitted steps as numpy.
+  seeds, temp, top_k, top_p = jax.device_put((
+      np.array([s.seed for s in samplings], np.uint32),
+      np.array([s.temperature for s in samplings], np.float32),
+      np.array([s.top_k for s in samplings], np.int32),
+      np.array([s.top_p for s in samplings], np.float32)))
 
   cache = init_cache(cfg, B, cache_len)
   t0 = time.perf_counter()
-  nxt, cache = _prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), cache, seeds, temp,
-                        top_k, top_p, cfg=cfg)
+  nxt, cache = _prefill(params, tokens, lengths, cache, seeds, temp, top_k, top_p, cfg=cfg)
   nxt = np.asarray(nxt)
   t1 = time.perf_counter()
   out: list[list[int]] = [[int(nxt[i])] for i in range(B)]
@@ -117,8 +119,8 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
   steps = 0
   while not done.all():
     steps += 1
-    nxt, cache = _decode(params, jnp.asarray(nxt), jnp.asarray(positions), cache, seeds,
-                         jnp.int32(steps), temp, top_k, top_p, cfg=cfg)
+    nxt, cache = _decode(params, nxt, positions, cache, seeds, np.int32(steps), temp, top_k,
+                         top_p, cfg=cfg)
     nxt = np.asarray(nxt)
     positions = positions + 1
     for i, s in enumerate(samplings):
