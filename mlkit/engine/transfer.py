@@ -393,8 +393,10 @@ def verify_payload(payload: Payload, sent: np.ndarray) -> str | None:
   return f"transfer checksum mismatch in transit at {where}"
 
 
+@jax.jit
 def flip_low_bit(x: jax.Array) -> jax.Array:
-  """x with the low bit of its first element flipped (a one-bit corruption, for fault tests)."""
+  """x with the low bit of its first element flipped (a one-bit corruption, for fault tests);
+  one program per shape, where its four operations run eagerly would compile four."""
   words = jax.lax.bitcast_convert_type(x, {1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
   flat = words.reshape(-1)
   flat = flat.at[0].set(flat[0] ^ flat.dtype.type(1))
