@@ -33,8 +33,9 @@ def measured_efficiency(folder: str = MEASUREMENTS):
   """``step_time.Efficiency`` with the shares gpu_check measured (every JSONL in
   ``folder``), or None when there is none."""
   from mlkit.plan import step_time as st
+  from pallas_kernels.gpu_check_records import read_cases
   paths = sorted(glob.glob(os.path.join(folder, "gpu_check_*.jsonl")))
-  return st.Efficiency.from_gpu_check(st.gpu_check_cases(paths)) if paths else None
+  return st.Efficiency.from_gpu_check(read_cases(paths)) if paths else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,6 @@ import math
 from configs import H200
 from mlkit.config import HardwareConfig, ModelConfig
 from mlkit.perfmodel import distinct_experts
-from pallas_kernels import gpu_check_records
 from pallas_kernels.h200.program import Launch, arrays
 from pallas_kernels.h200.step_placement import type_bytes
 
@@ -89,7 +88,7 @@ class Efficiency:
     """The anchors, with every share gpu_check measured on an H200 put in their place.
 
     Args:
-      cases: gpu_check's "case" records (:func:`gpu_check_cases`): each with its kernel,
+      cases: gpu_check's "case" records (``pallas_kernels.gpu_check_records.read_cases``): each with its kernel,
         dims, status, the job's bytes and FLOPs, and the kernel's median time.
       hw: the GPU whose peaks the shares are of.
 
@@ -120,12 +119,6 @@ class Efficiency:
                             and "prefill" not in c["name"]], bw)}
     values = {k: statistics.median(f(c) for c in found) for k, (found, f) in picks.items() if found}
     return dataclasses.replace(cls(), measured=tuple(sorted(values)), **values)
-
-
-def gpu_check_cases(paths: list[str]) -> list[dict]:
-  """The "case" records of gpu_check JSONL files (docs/gpu_check.md), in file order; a
-  killed run's cut-off last line is skipped (``pallas_kernels.gpu_check_records``)."""
-  return gpu_check_records.read_cases(paths)
 
 
 @dataclasses.dataclass(frozen=True)
