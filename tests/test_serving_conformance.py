@@ -177,6 +177,14 @@ class ServingConformanceTest(parameterized.TestCase):
     with self.assertRaisesRegex(EngineStalled, "unfinished after 2 steps"):
       eng.serve_arriving(PROMPTS[:3], SAMPLINGS[:3], at_once=1, max_steps=2)
     eng.run_until_done()
+    # Out of steps with a prompt still to come, also where the submitted requests have
+    # ended (the synchronous engine: a one-token prompt and one new token end in one step).
+    held = len(eng.requests)
+    with self.assertRaisesRegex(EngineStalled, "unfinished after 1 steps"):
+      eng.serve_arriving([PROMPTS[2]] * 3, SamplingParams(max_new_tokens=1), at_once=1,
+                         max_steps=1)
+    self.assertLen(eng.requests, held + 2)  # one at once, one before the step; one not queued
+    eng.run_until_done()
     self.assert_pool_empty(eng)
 
   @parameterized.parameters(*KINDS)

@@ -92,16 +92,23 @@ class ServingLoop:
     """
     steps = 0
     while self.has_unfinished():
-      before = self._progress_marker()
-      self.step()
       steps += 1
-      if self._progress_marker() == before:
-        raise EngineStalled(f"{type(self).__name__} made no progress in step {steps}: "
-                            f"{self._queue_summary()}")
-      if max_steps is not None and steps >= max_steps and self.has_unfinished():
-        raise EngineStalled(f"requests still unfinished after {max_steps} steps: "
-                            f"{self._queue_summary()}")
+      self._checked_step(steps, max_steps)
     return self.requests
+
+  def _checked_step(self, steps: int, max_steps: int | None, *, more_to_come: bool = False):
+    """Runs step number ``steps``; raises EngineStalled when it changed nothing while
+    requests remain, or when ``max_steps`` ran out with requests unfinished (or, with
+    ``more_to_come``, still to be submitted)."""
+    before = self._progress_marker()
+    self.step()
+    if self._progress_marker() == before and self.has_unfinished():
+      raise EngineStalled(f"{type(self).__name__} made no progress in step {steps}: "
+                          f"{self._queue_summary()}")
+    if (max_steps is not None and steps >= max_steps
+        and (more_to_come or self.has_unfinished())):
+      raise EngineStalled(f"requests still unfinished after {max_steps} steps: "
+                          f"{self._queue_summary()}")
 
   def stream(self, request_id: int) -> Iterator[int]:
     """Yields a request's tokens as they are generated, stepping the engine as needed.
@@ -166,15 +173,8 @@ class ServingLoop:
     while pending or self.has_unfinished():
       if pending:
         reqs.append(self.get(self.submit(*pending.pop(0))))
-      before = self._progress_marker()
-      self.step()
       steps += 1
-      if self._progress_marker() == before and self.has_unfinished():
-        raise EngineStalled(f"{type(self).__name__} made no progress in step {steps}: "
-                            f"{self._queue_summary()}")
-      if max_steps is not None and steps >= max_steps and (pending or self.has_unfinished()):
-        raise EngineStalled(f"requests still unfinished after {max_steps} steps: "
-                            f"{self._queue_summary()}")
+      self._checked_step(steps, max_steps, more_to_come=bool(pending))
     return reqs, steps
 
   def _mean_latencies(self, requests) -> dict:

@@ -2,8 +2,7 @@
 
 What the front door costs is the difference between a workload sent through
 HTTP (``mlkit.serve.bench``) and the same workload handed straight to the
-server's engine thread. :func:`drive` is the second way; :func:`engine_loop`, a
-third, submits between the engine's own steps, with no front door at all. It runs
+server's engine thread. :func:`drive` is the second way. It runs
 ``ColocatedServer.serve_forever`` in a thread, as the server's main thread
 does, and asyncio clients submit :class:`~mlkit.serve.http.calls.Call`\\ s to
 its inbox and read their updates, as the handlers do
@@ -14,6 +13,9 @@ its inbox and read their updates, as the handlers do
 * **open loop** (``rate``): requests are sent at Poisson arrival times
   (:func:`mlkit.serve.bench.arrival_times`), whatever is still running, so an
   in-process run and an HTTP run with the same seed see the same arrivals.
+
+:func:`engine_loop` is a third way, with no front door at all: a closed loop that
+submits between the engine's own steps.
 
 :func:`step_split` and :func:`served_histogram` read where the time went inside
 a server: its engine's step times, and its own histograms from ``/metrics``.
