@@ -33,7 +33,7 @@ from experiments import common
 from mlkit import kvcache as kvc
 from mlkit.engine import EngineConfig, request_metrics
 from mlkit.engine.disagg import DisaggConfig, PoolConfig, build_serving_engine
-from mlkit.measure import stats
+from mlkit.measure import median_range, stats
 from mlkit.parallel import MeshConfig
 from mlkit.quant import BF16, FP8_ALL, INT4_EXPERTS
 from mlkit.sampling import SamplingParams
@@ -162,11 +162,10 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
   common.write_json(out_dir, "disagg", record)
   _plot(os.path.join(out_dir, "disagg.png"), summary, record)
 
-  def fmt(s, d=1):
-    return "-" if s["median"] is None else f"{s['median']:,.{d}f} [{s['min']:,.{d}f}, {s['max']:,.{d}f}]"
-  rows = [[v, fmt(summary[v]["throughput_tok_s"], 0), fmt(summary[v]["ttft_ms_median"]),
-           fmt(summary[v]["ttft_ms_p95"]), fmt(summary[v]["tpot_ms_median"], 2),
-           fmt(summary[v]["tpot_ms_p95"], 2)] for v in VARIANTS]
+  rows = [[v, median_range(summary[v]["throughput_tok_s"], 0),
+           median_range(summary[v]["ttft_ms_median"]), median_range(summary[v]["ttft_ms_p95"]),
+           median_range(summary[v]["tpot_ms_median"], 2),
+           median_range(summary[v]["tpot_ms_p95"], 2)] for v in VARIANTS]
   md = [
       "# disagg (lever 3: disaggregated prefill/decode)\n\n",
       f"`{cfg.name}` on {n} `{record['machine']['device_kind']}` devices "
@@ -179,8 +178,10 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
       "- colocated_bf16: " + record["config"]["colocated_bf16"] + "\n\n",
       common.markdown_table(["setup", "output tok/s", "TTFT ms (median)", "TTFT ms (p95)",
                              "TPOT ms (median)", "TPOT ms (p95)"], rows),
-      f"\nDisaggregated / colocated (per pair): throughput {fmt(ratios['throughput_ratio'], 3)}, "
-      f"TTFT {fmt(ratios['ttft_ratio'], 3)}, TPOT {fmt(ratios['tpot_ratio'], 3)}.\n\n"
+      "\nDisaggregated / colocated (per pair): throughput "
+      f"{median_range(ratios['throughput_ratio'], 3)}, "
+      f"TTFT {median_range(ratios['ttft_ratio'], 3)}, "
+      f"TPOT {median_range(ratios['tpot_ratio'], 3)}.\n\n"
       f"KV transfers: {dm['transfers']} ({dm['transfer_bytes']:,} B, "
       f"{dm['transfer_seconds']:.3f} s), {dm['transfer_retries']} retries, "
       f"{dm['transfer_failures']} failures; {dm['overlapped_iterations']} of {dm['iterations']} "

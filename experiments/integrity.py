@@ -38,7 +38,7 @@ import numpy as np
 from experiments import common
 from mlkit import kvcache as kvc
 from mlkit.engine import ABORT_INTEGRITY, Engine, EngineConfig, Fault, FaultKind, RequestStatus
-from mlkit.measure import stats
+from mlkit.measure import median_range, stats
 from mlkit.model import init_params
 from mlkit.sampling import SamplingParams
 
@@ -225,12 +225,10 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
       xlabel="concurrency", ylabel="ratio, check on / off", logx=True,
       title=f"{cfg.name} on {record['machine']['device_kind']}: page-tag check cost")
 
-  def fmt(s, digits=3):
-    return "-" if s["median"] is None else (f"{s['median']:.{digits}f} "
-                                            f"[{s['min']:.{digits}f}, {s['max']:.{digits}f}]")
-  rows = [[t["concurrency"], fmt(t["throughput_on"], 1), fmt(t["throughput_off"], 1),
-           fmt(t["throughput_ratio"]), fmt(t["p95_ms_on"], 2), fmt(t["p95_ms_off"], 2),
-           fmt(t["p95_latency_ratio"])] for t in timing]
+  rows = [[t["concurrency"], median_range(t["throughput_on"]), median_range(t["throughput_off"]),
+           median_range(t["throughput_ratio"], 3), median_range(t["p95_ms_on"], 2),
+           median_range(t["p95_ms_off"], 2), median_range(t["p95_latency_ratio"], 3)]
+          for t in timing]
   frows = [[k, v["requests"], len(v["faults"]), v["detected"], v["aborted"],
             len(v["aborted_non_victims"]), v["contaminated"], v["finished_clean"]]
            for k, v in faults.items()]

@@ -38,6 +38,7 @@ from experiments.roofline import plot as plot_roofline
 from experiments.roofline import plot_measured
 from pallas_kernels import gpu_check_records as gcr
 from pallas_kernels import roofline
+from pallas_kernels.tables import cell
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(_REPO, "scripts", "gpu_check.py")
@@ -132,34 +133,21 @@ def _us(s):
   return None if s is None else s * 1e6
 
 
-def _f(v, digits=3):
-  if v is None:
-    return "-"
-  if isinstance(v, str):
-    return v
-  return f"{v:,.{digits}g}" if abs(v) < 1000 else f"{v:,.0f}"
-
-
 def case_rows(cases: list[dict]) -> list[list]:
-  """One table row per case record: status, kernel time, XLA, best peer, rates, roofline.
-
-  The best peer is the fastest one whose output was right: a peer that returned NaN
-  (the [N, K] INT4 kernels on an H200, say) is no bound on anything."""
+  """One table row per case record: status, kernel time, XLA, best peer
+  (``gpu_check_records.best_peer``), rates, roofline."""
   rows = []
   for r in cases:
     if r.get("group") == "ceiling":
       continue
-    wrong = {p["impl"] for p in gcr.wrong_impls(r)}
-    peers = {k: v for k, v in (r.get("peer_time_s") or {}).items() if k not in wrong}
-    best = min(peers.items(), key=lambda kv: kv[1]) if peers else None
-    rows.append([r["kernel"], r["name"], r["status"], r.get("tier", "-"),
-                 _f(_us(r.get("time_s"))), r.get("timing_source", "-"),
-                 _f(r.get("rel_err")), _f(_us(r.get("xla_time_s"))),
-                 _f(r.get("speedup_vs_xla")),
-                 f"{best[0]} {_f(_us(best[1]))}" if best else "-",
-                 _f(r["bytes"] / r["time_s"] / 1e9 if r.get("time_s") and r.get("bytes") else None),
-                 _f(r["flops"] / r["time_s"] / 1e12 if r.get("time_s") and r.get("flops") else None),
-                 _f(_us(r.get("roofline_s"))), _f(r.get("roofline_fraction"))])
+    best = gcr.best_peer(r)
+    def rate(k, scale):
+      return r[k] / r["time_s"] / scale if r.get("time_s") and r.get(k) else None
+    rows.append([r["kernel"], r["name"], r["status"], r.get("tier", "-"), _us(r.get("time_s")),
+                 r.get("timing_source", "-"), r.get("rel_err"), _us(r.get("xla_time_s")),
+                 r.get("speedup_vs_xla"), f"{best[0]} {cell(_us(best[1]))}" if best else "-",
+                 rate("bytes", 1e9), rate("flops", 1e12), _us(r.get("roofline_s")),
+                 r.get("roofline_fraction")])
   return rows
 
 
@@ -216,7 +204,7 @@ def report(jsonl: str | list[str], out_dir: str, *, record: dict | None = None,
   ceilings = [r for r in cases if r.get("group") == "ceiling"]
   if ceilings:
     lines.append("Measured ceilings: " + ", ".join(
-        f"{r['name']} {_ceiling(r)}" for r in ceilings) + "\n")
+        f"{r['name']} {gcr.ceiling_text(r)}" for r in ceilings) + "\n")
   lines.append(common.markdown_table(
       ["kernel", "case", "status", "tier", "time us", "source", "rel err", "XLA us",
        "x vs XLA", "best peer us", "GB/s", "TFLOP/s", "roofline us", "of roofline"],
@@ -226,8 +214,8 @@ def report(jsonl: str | list[str], out_dir: str, *, record: dict | None = None,
     lines.append("\n## fp8 pages vs their bf16 twins\n")
     lines.append(common.markdown_table(
         ["fp8 case", "fp8 us", "bf16 us", "speedup"],
-        [[t["fp8"], _f(_us(t["fp8_time_s"])), _f(_us(t["bf16_time_s"])),
-          _f(t["speedup_fp8_vs_bf16"])] for t in twins]))
+        [[t["fp8"], _us(t["fp8_time_s"]), _us(t["bf16_time_s"]), t["speedup_fp8_vs_bf16"]]
+         for t in twins]))
   bad = [r for r in cases if r["status"] != "ok"]
   if bad:
     lines.append("\n## Not ok\n")
@@ -240,7 +228,7 @@ def report(jsonl: str | list[str], out_dir: str, *, record: dict | None = None,
            if p["impl"] != "pallas"]
   if wrong:
     lines.append("\n## Peers with wrong outputs (left out of \"best peer\")\n")
-    lines += [f"- `{name}`: `{impl}`, rel err {_f(err)}" for name, impl, err in wrong]
+    lines += [f"- `{name}`: `{impl}`, rel err {cell(err)}" for name, impl, err in wrong]
   lines.append("\n![kernels](kernels.png)\n")
   lines.append(roofline.markdown(sheet))
   lines.append("\n![kernels_roofline](kernels_roofline.png)\n")
@@ -249,16 +237,6 @@ def report(jsonl: str | list[str], out_dir: str, *, record: dict | None = None,
   plot_measured(real, os.path.join(out_dir, "kernels.png"))
   plot_roofline(sheet, os.path.join(out_dir, "kernels_roofline.png"))
   return record
-
-
-def _ceiling(r: dict) -> str:
-  m = r.get("measured") or {}
-  if "copy_bytes_per_s" in m:
-    return f"{m['copy_bytes_per_s'] / 1e12:.2f} TB/s"
-  for k in ("matmul_flops_per_s", "matmul_fp8_flops_per_s"):
-    if k in m:
-      return f"{m[k] / 1e12:.0f} TFLOP/s"
-  return r["status"]
 
 
 def main(argv=None) -> int:

@@ -29,7 +29,7 @@ from configs import GLM_5_2, KIMI_K2_6
 from experiments import common
 from mlkit import kvcache as kvc
 from mlkit.engine import Engine, EngineConfig
-from mlkit.measure import stats
+from mlkit.measure import median_range, stats
 from mlkit.model import init_params
 from mlkit.quant import BF16, FP8_ALL, GIB, INT4_EXPERTS, checkpoint_specs, quantize_params
 from mlkit.quant import weight_bytes
@@ -154,9 +154,7 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
                     title=f"{cfg.name} on {record['machine']['device_kind']}: decode tok/s by "
                           "weight recipe")
 
-  def fmt(s):
-    return "-" if s["median"] is None else f"{s['median']:,.0f} [{s['min']:,.0f}, {s['max']:,.0f}]"
-  rows = [[d["concurrency"]] + [fmt(d[r.name]) for r in recipes]
+  rows = [[d["concurrency"]] + [median_range(d[r.name], 0) for r in recipes]
           + ["-" if d["int4_over_fp8"] is None else f"{d['int4_over_fp8']:.2f}",
              REPORT_FP8.get(d["concurrency"], "-")] for d in decode]
   md = [
@@ -168,7 +166,8 @@ def run(out_dir: str, *, quick: bool = True, smoke: bool = False) -> dict:
                             + ["INT4/FP8", "report fp8 (GLM, 8xH200)"], rows),
       f"\n## Prefill (one {shape['prompt']}-token chunk per step)\n\n",
       common.markdown_table(["recipe", "prefill tok/s", "weights on this device (B)"],
-                            [[r.name, fmt(prefill[r.name]), local_mem[r.name]] for r in recipes]),
+                            [[r.name, median_range(prefill[r.name], 0), local_mem[r.name]]
+                             for r in recipes]),
       f"\nINT4/FP8 prefill ratio: **{prefill_ratio:.3f}** (the report: INT4 prefill is slower, "
       "it pays for unpacking).\n",
       "\n## Weight memory per GPU at paper scale (TP 8, GiB)\n\n",

@@ -42,3 +42,11 @@ def stats(xs: Sequence[float]) -> dict:
   a = np.asarray(xs, np.float64)
   return {"median": float(np.median(a)), "min": float(a.min()), "max": float(a.max()),
           "p95": float(np.percentile(a, 95)), "n": int(a.size)}
+
+
+def median_range(s: dict, digits: int = 1) -> str:
+  """A :func:`stats` summary as a table cell: "median [min, max]" with ``digits`` decimals
+  and thousands separators; "-" for an empty sample."""
+  if s["median"] is None:
+    return "-"
+  return f"{s['median']:,.{digits}f} [{s['min']:,.{digits}f}, {s['max']:,.{digits}f}]"

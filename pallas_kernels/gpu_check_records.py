@@ -103,3 +103,23 @@ def xla_time(case: dict) -> float | None:
     if p.get("impl") == "xla" and "timing" in p:
       return p["timing"]["median_s"]
   return None
+
+
+def best_peer(case: dict) -> tuple[str, float] | None:
+  """(name, seconds) of a case's fastest peer whose output was right, None where it has none:
+  a peer that returned NaN (the [N, K] INT4 kernels on an H200, say) bounds nothing."""
+  wrong = {p["impl"] for p in wrong_impls(case)}
+  peers = [(k, v) for k, v in (case.get("peer_time_s") or {}).items() if k not in wrong]
+  return min(peers, key=lambda kv: kv[1]) if peers else None
+
+
+def ceiling_text(case: dict) -> str:
+  """What a ``ceiling`` case measured, as text ("4.31 TB/s", "812 TFLOP/s"), or its status
+  where it measured nothing."""
+  m = case.get("measured") or {}
+  if "copy_bytes_per_s" in m:
+    return f"{m['copy_bytes_per_s'] / 1e12:.2f} TB/s"
+  for k in ("matmul_flops_per_s", "matmul_fp8_flops_per_s"):
+    if k in m:
+      return f"{m[k] / 1e12:.0f} TFLOP/s"
+  return case["status"]

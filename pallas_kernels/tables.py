@@ -13,13 +13,18 @@ from __future__ import annotations
 from typing import Sequence
 
 
+def cell(v: object) -> str:
+  """One table cell: a float to 3 significant digits (whole from 1000 up), an int with
+  thousands separators, None (not measured) as "-", anything else as ``str``."""
+  if v is None:
+    return "-"
+  if isinstance(v, float):
+    return f"{v:,.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+  return f"{v:,}" if isinstance(v, int) else str(v)
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-  """A markdown table: floats to 3 significant digits (whole above 1000), ints with
-  thousands separators, anything else as ``str``."""
-  def fmt(v):
-    if isinstance(v, float):
-      return f"{v:,.3g}" if abs(v) < 1000 else f"{v:,.0f}"
-    return f"{v:,}" if isinstance(v, int) else str(v)
+  """A markdown table whose cells are formatted by :func:`cell`."""
   lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-  lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+  lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
   return "\n".join(lines) + "\n"

@@ -23,11 +23,12 @@ from absl.testing import absltest, parameterized
 from configs import GLM_5_2, H200, KIMI_K2_6, TINY_MLA
 from mlkit import kvcache as kvc
 from mlkit import perfmodel as pm
-from mlkit.measure import stats
+from mlkit.measure import median_range, stats
 from mlkit.peer import compare as peer_compare
 from mlkit.quant import FP8_ALL, INT4_EXPERTS
 from mlkit.report import comparison
 from pallas_kernels import targets
+from pallas_kernels.tables import cell, markdown_table
 from pallas_kernels.h200 import kernel_readings
 
 from experiment_runs import run_experiment
@@ -378,6 +379,15 @@ class MeasureTest(absltest.TestCase):
     s = stats([3.0, 1.0, 2.0])
     self.assertEqual((s["median"], s["min"], s["max"], s["n"]), (2.0, 1.0, 3.0, 3))
     self.assertIsNone(stats([])["median"])
+    self.assertEqual(median_range(stats([1234.5, 1000.0, 2000.25]), 1),
+                     "1,234.5 [1,000.0, 2,000.2]")
+    self.assertEqual(median_range(stats([0.5, 0.25]), 0), "0 [0, 0]")
+    self.assertEqual(median_range(stats([])), "-")
+
+  def test_table_cells(self):
+    self.assertEqual([cell(v) for v in (None, 0.012345, 1234.5, 12345, "x")],
+                     ["-", "0.0123", "1,234", "12,345", "x"])
+    self.assertEqual(markdown_table(["a", "b"], [[None, 2.0]]), "| a | b |\n|---|---|\n| - | 2 |\n")
 
   def test_separating_budget(self):
     cfg = dataclasses.replace(TINY_MLA, n_layers=1, first_k_dense=0)  # the smoke model

@@ -92,6 +92,20 @@ class GpuCheckRecordsTest(absltest.TestCase):
     self.assertEqual(gcr.xla_time(a), 3e-6)
     self.assertEqual((gcr.wrong_impls(b), gcr.xla_time(b)), ([], None))
 
+  def test_best_peer_is_the_fastest_right_one(self):
+    wrong = {"impl": "fastest", "correct": False}
+    case = _case("a", impls=[wrong, {"impl": "slow", "correct": True}],
+                 peer_time_s={"fastest": 1e-6, "slow": 5e-6, "mid": 2e-6})
+    self.assertEqual(gcr.best_peer(case), ("mid", 2e-6))
+    self.assertIsNone(gcr.best_peer(_case("b", impls=[wrong], peer_time_s={"fastest": 1e-6})))
+    self.assertIsNone(gcr.best_peer(_case("c")))
+
+  def test_ceiling_text(self):
+    copy = _case("copy", group="ceiling", measured={"copy_bytes_per_s": 4.3123e12})
+    fp8 = _case("mm8", group="ceiling", measured={"matmul_fp8_flops_per_s": 1.5e15})
+    self.assertEqual([gcr.ceiling_text(c) for c in (copy, fp8)], ["4.31 TB/s", "1500 TFLOP/s"])
+    self.assertEqual(gcr.ceiling_text(_case("mm", status="crashed", group="ceiling")), "crashed")
+
 
 if __name__ == "__main__":
   absltest.main()
