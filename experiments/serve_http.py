@@ -31,8 +31,6 @@ from __future__ import annotations
 import os
 import tempfile
 
-import numpy as np
-
 from experiments import common
 
 PROMPT, OUTPUT, PAGE = 32, 64, 16
@@ -51,57 +49,29 @@ def _flags(model: str, port: int) -> list[str]:
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
-  rng = np.random.default_rng(seed)
-  return [rng.integers(0, 256, PROMPT).tolist() for _ in range(n)]
-
-
-def in_process(engine, n: int, concurrency: int, seed: int) -> dict:
-  """Closed loop over ``engine`` in this thread (``mlkit.serve.local_load.engine_loop``)."""
-  from mlkit.sampling import SamplingParams
-  from mlkit.serve import local_load
-  return local_load.engine_loop(engine, _prompts(n, seed), SamplingParams(max_new_tokens=OUTPUT),
-                                concurrency=concurrency)
-
-
-def in_process_clients(engine, n: int, seed: int, *, concurrency=None, rate=None) -> dict:
-  """The server's own engine thread and hand-off, driven by asyncio clients in this process
-  (``mlkit.serve.local_load.drive``): a closed loop at ``concurrency`` or Poisson arrivals
-  at ``rate`` (seeded as ``mlkit.serve.bench``'s, so both ways see the same arrivals)."""
-  from mlkit.sampling import SamplingParams
-  from mlkit.serve import local_load
-  return local_load.drive(engine, _prompts(n, seed), SamplingParams(max_new_tokens=OUTPUT),
-                          concurrency=concurrency, rate=rate, seed=seed)
+  """The token ids ``mlkit.serve.bench`` sends with this seed: one workload every way."""
+  from mlkit.serve.bench import random_token_prompts
+  return [p.prompt for p in random_token_prompts(n, PROMPT, OUTPUT, 256, seed)]
 
 
 def over_http(base: str, n: int, seed: int, *, concurrency=None, rate=None,
               control=None) -> dict:
-  """``n`` streamed completions through ``mlkit.serve.bench``; with ``control`` (an
-  ``mlkit.serve.client.Client`` on the server's control channel), also the server's step
-  times and its engine's own mean TTFT (its /metrics histogram) over the run."""
+  """``n`` streamed completions through ``mlkit.serve.bench`` (``bench.summary``'s figures);
+  with ``control`` (an ``mlkit.serve.client.Client`` on the server's control channel), also
+  the server's own step times and mean TTFT over the run (``local_load.server_figures``)."""
   import math
 
   from mlkit.serve import bench
-  from mlkit.serve.local_load import served_histogram, step_split
-  ttft_name = "mlkit:time_to_first_token_seconds"
+  from mlkit.serve.local_load import server_figures, server_snapshot
   if control is not None:
-    before, ttft_before = control.metrics(), served_histogram(base, ttft_name)
-  r = bench.benchmark(bench.BenchConfig(
+    before = server_snapshot(base, control.metrics())
+  out = bench.summary(bench.benchmark(bench.BenchConfig(
       base_url=base, num_prompts=n, max_concurrency=concurrency,
       request_rate=math.inf if rate is None else rate, random_input_len=PROMPT,
       random_output_len=OUTPUT, random_vocab_size=256, ignore_eos=True, seed=seed,
-      progress_interval_s=0))
-  m = r["metrics"]
-  if m["failed"]:
-    raise RuntimeError(f"{m['failed']} HTTP requests failed: "
-                       f"{next(q['error'] for q in r['requests'] if not q['success'])}")
-  out = {"requests": m["completed"], "output_tokens": m["total_output_tokens"],
-         "duration_s": m["duration_s"], "output_tok_s": m["output_throughput"],
-         "median_ttft_ms": m["median_ttft_ms"], "mean_ttft_ms": m["mean_ttft_ms"],
-         "median_tpot_ms": m["median_tpot_ms"]}
+      progress_interval_s=0)))
   if control is not None:
-    total, count = served_histogram(base, ttft_name)
-    out.update(step_split(before, control.metrics()), engine_mean_ttft_ms=(
-        1e3 * (total - ttft_before[0]) / max(count - ttft_before[1], 1)))
+    out.update(server_figures(before, server_snapshot(base, control.metrics())))
   return out
 
 
@@ -134,7 +104,8 @@ def one_model(model: str, levels, per_level, loads, open_n: int) -> tuple[list, 
   in-process top level's request rate (``loads``), for one model: (closed rows, open rows)."""
   import jax
 
-  from mlkit.serve import launch
+  from mlkit.sampling import SamplingParams
+  from mlkit.serve import launch, local_load
   from mlkit.serve.client import Client
   from mlkit.serve.model import ServeConfig, build_engine, load_model, warm_up_colocated
   cfg = ServeConfig(role="colocated", model=model, **ARGS)
@@ -142,13 +113,20 @@ def one_model(model: str, levels, per_level, loads, open_n: int) -> tuple[list, 
   params, mcfg = load_model(cfg)
   engine = build_engine(cfg, params, mcfg)
   warm_up_colocated(engine)  # as the server does at start-up
+  # The engine loop submits between steps in this thread (local_load.engine_loop); in process,
+  # asyncio clients drive the server's own engine thread (local_load.drive), as HTTP does.
+  sampling = SamplingParams(max_new_tokens=OUTPUT)
   rows = [{"model": model, "concurrency": c,
-           "engine_loop": in_process(engine, per_level(c), c, seed=c),
-           "in_process": in_process_clients(engine, per_level(c), seed=c, concurrency=c)}
+           "engine_loop": local_load.engine_loop(engine, _prompts(per_level(c), c), sampling,
+                                                 concurrency=c),
+           "in_process": local_load.drive(engine, _prompts(per_level(c), c), sampling,
+                                          concurrency=c, seed=c)}
           for c in levels]
   capacity = rows[-1]["in_process"]["output_tok_s"] / OUTPUT  # requests per second
+  # Open loop: Poisson arrivals seeded as mlkit.serve.bench's, so both ways see the same ones.
   opened = [{"model": model, "load": f, "rate": f * capacity,
-             "in_process": in_process_clients(engine, open_n, seed=7, rate=f * capacity)}
+             "in_process": local_load.drive(engine, _prompts(open_n, 7), sampling,
+                                            rate=f * capacity, seed=7)}
             for f in loads]
   del engine, params
   jax.clear_caches()

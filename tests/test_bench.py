@@ -246,6 +246,23 @@ class MetricsTest(absltest.TestCase):
     json.dumps(result, allow_nan=False)
 
 
+  def test_summary_keys_as_the_in_process_loads(self):
+    records = [_record(0, ttft=0.1, itl=[0.01, 0.03], latency=0.2, out=3, prompt=10),
+               _record(1, ttft=0.3, itl=[0.02], latency=0.5, out=2, prompt=20)]
+    result = {"metrics": bench.compute_metrics(records, 2.0),
+              "requests": [r.to_json() for r in records]}
+    self.assertEqual(bench.summary(result), {
+        "requests": 2, "output_tokens": 5, "duration_s": 2.0, "output_tok_s": 2.5,
+        "median_ttft_ms": 200.0, "mean_ttft_ms": 200.0,
+        "median_tpot_ms": result["metrics"]["median_tpot_ms"]})
+    records.append(_record(2, error="HTTP 503: busy"))
+    records.append(_record(3, error="HTTP 400: no"))
+    failed = {"metrics": bench.compute_metrics(records, 2.0),
+              "requests": [r.to_json() for r in records]}
+    with self.assertRaisesRegex(RuntimeError, "2 of 4 HTTP requests failed; the first: "
+                                              "HTTP 503: busy"):
+      bench.summary(failed)
+
 class ArrivalsTest(absltest.TestCase):
 
   def test_poisson_mean_gap(self):

@@ -188,11 +188,22 @@ class HttpColocatedTest(_Server):
         local_load.drive(self.engine, prompts, s, **bad)
     with self.assertRaisesRegex(ValueError, "no prompts"):
       local_load.drive(self.engine, [], s, concurrency=1)
-    self.client.completions.create(model=self.model, prompt=[1, 2, 3], max_tokens=2)
-    total, count = local_load.served_histogram(self.base, "mlkit:time_to_first_token_seconds",
-                                               api_key=self.key)
-    self.assertGreaterEqual(count, 1)
-    self.assertGreater(total, 0.0)
+    # The server's own figures over a window (serve_http's HTTP way): its engine's steps
+    # through the control channel, its TTFT histogram from /metrics.
+    from mlkit.serve.client import Client
+    with Client(self.control) as control:
+      before = local_load.server_snapshot(self.base, control.metrics(), api_key=self.key)
+      for prompt in ([1, 2, 3], [4, 5]):
+        self.client.completions.create(model=self.model, prompt=prompt, max_tokens=2)
+      after = local_load.server_snapshot(self.base, control.metrics(), api_key=self.key)
+    self.assertEqual(after["ttft_count"] - before["ttft_count"], 2)
+    self.assertGreater(after["ttft_sum_s"], before["ttft_sum_s"])
+    figures = local_load.server_figures(before, after)
+    self.assertGreaterEqual(figures["steps"], 2)  # each request's prefill step at least
+    self.assertGreater(figures["device_ms_per_step"], 0.0)
+    self.assertAlmostEqual(figures["engine_mean_ttft_ms"], 1e3 * (
+        after["ttft_sum_s"] - before["ttft_sum_s"]) / 2)
+    self.assertEqual(local_load.server_figures(after, after)["engine_mean_ttft_ms"], 0.0)
     with self.assertRaisesRegex(KeyError, "no histogram"):
       local_load.served_histogram(self.base, "mlkit:no_such_histogram", api_key=self.key)
 

@@ -723,6 +723,32 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float) -> dict
   return m
 
 
+def summary(result: dict) -> dict:
+  """A run's headline figures, keyed as ``mlkit.serve.local_load``'s in-process loads key
+  theirs, so that an HTTP run and an in-process run of one workload compare key by key.
+
+  Args:
+    result: from :func:`benchmark` (or :func:`run_benchmark`).
+
+  Returns:
+    ``{"requests", "output_tokens", "duration_s", "output_tok_s", "median_ttft_ms",
+    "mean_ttft_ms", "median_tpot_ms"}`` over the run's requests.
+
+  Raises:
+    RuntimeError: a request failed: a figure over the others would pass for the whole
+      workload's (the message counts the failures and gives the first one's error).
+  """
+  m = result["metrics"]
+  if m["failed"]:
+    first = next(q["error"] for q in result["requests"] if not q["success"])
+    raise RuntimeError(f"{m['failed']} of {m['completed'] + m['failed']} HTTP requests "
+                       f"failed; the first: {first}")
+  return {"requests": m["completed"], "output_tokens": m["total_output_tokens"],
+          "duration_s": m["duration_s"], "output_tok_s": m["output_throughput"],
+          "median_ttft_ms": m["median_ttft_ms"], "mean_ttft_ms": m["mean_ttft_ms"],
+          "median_tpot_ms": m["median_tpot_ms"]}
+
+
 # --------------------------------------------------------------------------------------------
 # Running
 

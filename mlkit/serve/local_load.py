@@ -18,8 +18,9 @@ its inbox and read their updates, as the handlers do
 submits between the engine's own steps.
 
 :func:`step_split` and :func:`served_histogram` read where the time went inside
-a server: its engine's step times, and its own histograms from ``/metrics``.
-docs/http.md says how ``serve_http`` uses them.
+a server: its engine's step times, and its own histograms from ``/metrics``;
+:func:`server_figures` puts both together between two :func:`server_snapshot`\\ s,
+as :func:`drive` reports them. docs/http.md says how ``serve_http`` uses them.
 """
 
 from __future__ import annotations
@@ -215,3 +216,24 @@ def served_histogram(base_url: str, name: str, *, api_key: str | None = None,
       count = sum(int(s.value) for s in family.samples if s.name.endswith("_count"))
       return total, count
   raise KeyError(f"{base_url}/metrics has no histogram {name!r}")
+
+
+TTFT_HISTOGRAM = "mlkit:time_to_first_token_seconds"
+
+
+def server_snapshot(base_url: str, engine_metrics: dict, *, api_key: str | None = None) -> dict:
+  """What :func:`server_figures` compares: a server engine's ``metrics()`` (through the
+  server's control channel, ``mlkit.serve.client.Client.metrics``) and the sum and count of
+  the server's TTFT histogram (:data:`TTFT_HISTOGRAM`, read from ``/metrics`` by
+  :func:`served_histogram`, which says what it raises)."""
+  total, count = served_histogram(base_url, TTFT_HISTOGRAM, api_key=api_key)
+  return {"metrics": engine_metrics, "ttft_sum_s": total, "ttft_count": count}
+
+
+def server_figures(before: dict, after: dict) -> dict:
+  """A server's own figures between two :func:`server_snapshot`\\ s, keyed as
+  :func:`drive` keys them: :func:`step_split`'s, and ``engine_mean_ttft_ms``, its engine's
+  mean TTFT over the requests whose first token came in between (0.0 when none did)."""
+  count = after["ttft_count"] - before["ttft_count"]
+  ttft_s = (after["ttft_sum_s"] - before["ttft_sum_s"]) / count if count else 0.0
+  return {**step_split(before["metrics"], after["metrics"]), "engine_mean_ttft_ms": 1e3 * ttft_s}
