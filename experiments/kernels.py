@@ -133,6 +133,11 @@ def _us(s):
   return None if s is None else s * 1e6
 
 
+def _rate(case: dict, key: str, scale: float):
+  """The case's ``key`` (bytes or FLOPs) per second of its kernel time, over ``scale``."""
+  return case[key] / case["time_s"] / scale if case.get("time_s") and case.get(key) else None
+
+
 def case_rows(cases: list[dict]) -> list[list]:
   """One table row per case record: status, kernel time, XLA, best peer
   (``gpu_check_records.best_peer``), rates, roofline."""
@@ -141,12 +146,10 @@ def case_rows(cases: list[dict]) -> list[list]:
     if r.get("group") == "ceiling":
       continue
     best = gcr.best_peer(r)
-    def rate(k, scale):
-      return r[k] / r["time_s"] / scale if r.get("time_s") and r.get(k) else None
     rows.append([r["kernel"], r["name"], r["status"], r.get("tier", "-"), _us(r.get("time_s")),
                  r.get("timing_source", "-"), r.get("rel_err"), _us(r.get("xla_time_s")),
                  r.get("speedup_vs_xla"), f"{best[0]} {cell(_us(best[1]))}" if best else "-",
-                 rate("bytes", 1e9), rate("flops", 1e12), _us(r.get("roofline_s")),
+                 _rate(r, "bytes", 1e9), _rate(r, "flops", 1e12), _us(r.get("roofline_s")),
                  r.get("roofline_fraction")])
   return rows
 

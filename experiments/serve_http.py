@@ -34,6 +34,7 @@ import tempfile
 from experiments import common
 
 PROMPT, OUTPUT, PAGE = 32, 64, 16
+VOCAB = 256  # prompt token ids are drawn below it (every model here has at least 256)
 # SMALL_MLA's decode step at 32 rows takes ~20 ms on this CPU, TINY_MLA's ~2 ms: per output
 # token the front door's cost is the same, so TINY_MLA is its worst case.
 MODELS = ("small-mla", "tiny-mla")
@@ -51,7 +52,7 @@ def _flags(model: str, port: int) -> list[str]:
 def _prompts(n: int, seed: int) -> list[list[int]]:
   """The token ids ``mlkit.serve.bench`` sends with this seed: one workload every way."""
   from mlkit.serve.bench import random_token_prompts
-  return [p.prompt for p in random_token_prompts(n, PROMPT, OUTPUT, 256, seed)]
+  return [p.prompt for p in random_token_prompts(n, PROMPT, OUTPUT, VOCAB, seed)]
 
 
 def over_http(base: str, n: int, seed: int, *, concurrency=None, rate=None,
@@ -68,7 +69,7 @@ def over_http(base: str, n: int, seed: int, *, concurrency=None, rate=None,
   out = bench.summary(bench.benchmark(bench.BenchConfig(
       base_url=base, num_prompts=n, max_concurrency=concurrency,
       request_rate=math.inf if rate is None else rate, random_input_len=PROMPT,
-      random_output_len=OUTPUT, random_vocab_size=256, ignore_eos=True, seed=seed,
+      random_output_len=OUTPUT, random_vocab_size=VOCAB, ignore_eos=True, seed=seed,
       progress_interval_s=0)))
   if control is not None:
     out.update(server_figures(before, server_snapshot(base, control.metrics())))

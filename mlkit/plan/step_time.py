@@ -88,8 +88,9 @@ class Efficiency:
     """The anchors, with every share gpu_check measured on an H200 put in their place.
 
     Args:
-      cases: gpu_check's "case" records (``pallas_kernels.gpu_check_records.read_cases``): each with its kernel,
-        dims, status, the job's bytes and FLOPs, and the kernel's median time.
+      cases: gpu_check's "case" records (``pallas_kernels.gpu_check_records.read_cases``):
+        each with its kernel, dims, status, the job's bytes and FLOPs, and the kernel's
+        median time.
       hw: the GPU whose peaks the shares are of.
 
     Returns:
