@@ -11,8 +11,13 @@ venv:
 run: venv
 	$(PY) -m experiments
 
+# The suite starts more than fifty Python processes (two workers, servers, experiment and
+# multi-process children). Where PYTHONDONTWRITEBYTECODE is set, as on the development
+# machines, each one compiled the project's sources again and each worker rewrote every test
+# module's asserts again; here the first writes the .pyc files (in __pycache__, ignored by
+# git) and the rest read them.
 test: venv
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 tests
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder --max-worker-restart=0 tests
 
 # Not part of `make test`: a long randomised search of the allocator and engine state
 # machines, then a served checkpoint under concurrent load, disconnects, cancels, page faults

@@ -17,7 +17,6 @@ import time
 
 import httpx
 import numpy as np
-import openai
 from absl.testing import absltest
 
 from configs import TINY_MLA
@@ -119,6 +118,8 @@ class HttpColocatedTest(_Server):
     cls.engine = reference_engine(cls.ckpt)  # compiles while the server starts
     launch.wait_ready(cls.proc, cls.log)
     cls.base = f"http://127.0.0.1:{cls.port}"
+    # Imported where used: about a second, which each worker would pay collecting this file.
+    import openai
     cls.client = openai.OpenAI(base_url=cls.base + "/v1", api_key=cls.key, max_retries=0,
                                timeout=120)
     cls.http = httpx.Client(base_url=cls.base, timeout=120,
@@ -427,6 +428,7 @@ class HttpColocatedTest(_Server):
       self.assertEqual(err["param"], param, (body, err))
       if status == 503:
         self.assertEqual(r.headers["retry-after"], "1")
+    import openai
     with self.assertRaises(openai.BadRequestError):
       self.client.completions.create(model=self.model, prompt="x", top_p=0)
     # The server is unharmed: a normal request still works.
@@ -554,6 +556,7 @@ class HttpDisaggregatedTest(_Server):
       log = f.read()
     self.assertIn("tokenizer from", log)
     self.assertRegex(log, r"weights: .*attention")
+    import openai
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
     messages = [{"role": "user", "content": "Hello world 你好"}]
     ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))

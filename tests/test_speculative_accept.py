@@ -19,11 +19,6 @@ from mlkit.speculative import FILL_TOKEN, accept_drafts
 from host_data import softmax
 from host_data import put
 
-try:
-  from scipy import stats
-except ImportError:  # the venv has scipy; this keeps the test meaningful without it.
-  stats = None
-
 accept_jit = jax.jit(accept_drafts)
 
 # A chi-squared p-value below this fails. Seeds are fixed, so each check is deterministic.
@@ -68,6 +63,12 @@ def _chi2_pvalue(samples, p):
   assert counts[~support].sum() == 0, f"tokens outside the target's support: {counts}, p={p}"
   observed = counts[support]
   expected = p[support] / p[support].sum() * observed.sum()
+  # Imported here, not at the top: scipy.stats takes about a second to import, which each
+  # test worker would pay while collecting this file, whichever runs it.
+  try:
+    from scipy import stats
+  except ImportError:  # the venv has scipy; this keeps the test meaningful without it.
+    stats = None
   if stats is not None:
     return float(stats.chisquare(observed, expected).pvalue)
   # Without scipy: compare the statistic to the 1e-3 critical values (df 1..4) instead.
