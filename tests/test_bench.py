@@ -245,7 +245,6 @@ class MetricsTest(absltest.TestCase):
     self.assertEqual(result["requests"][0]["tpot_s"], 0.1)
     json.dumps(result, allow_nan=False)
 
-
   def test_summary_keys_as_the_in_process_loads(self):
     records = [_record(0, ttft=0.1, itl=[0.01, 0.03], latency=0.2, out=3, prompt=10),
                _record(1, ttft=0.3, itl=[0.02], latency=0.5, out=2, prompt=20)]
@@ -262,6 +261,7 @@ class MetricsTest(absltest.TestCase):
     with self.assertRaisesRegex(RuntimeError, "2 of 4 HTTP requests failed; the first: "
                                               "HTTP 503: busy"):
       bench.summary(failed)
+
 
 class ArrivalsTest(absltest.TestCase):
 

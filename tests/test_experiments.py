@@ -28,8 +28,8 @@ from mlkit.peer import compare as peer_compare
 from mlkit.quant import FP8_ALL, INT4_EXPERTS
 from mlkit.report import comparison
 from pallas_kernels import targets
-from pallas_kernels.tables import cell, markdown_table
 from pallas_kernels.h200 import kernel_readings
+from pallas_kernels.tables import cell, markdown_table
 
 from experiment_runs import run_experiment
 import h200_compile_cases
