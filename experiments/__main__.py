@@ -33,39 +33,39 @@ from absl import app, flags, logging  # noqa: E402
 # Modules expose run(out_dir, *, quick) -> dict (most also take smoke=True: tiny, for tests).
 EXPERIMENTS = {
     "generate": ("experiments.generate",
-                 "greedy generation from a tiny model; tokens/s (quick: ~20 s)"),
+                 "greedy generation from a tiny model; tokens/s (quick: ~10 s)"),
     "capacity": ("experiments.capacity",
                  "lever 1: tokens that fit a KV budget, bf16 vs fp8, local and paper scale "
-                 "(quick: ~10 s)"),
+                 "(quick: ~5 s)"),
     "engine_overhead": ("experiments.engine_overhead",
                         "host overhead per engine step, 64 running requests on SMALL_MLA, "
-                        "integrity check on/off (quick: ~1 min)"),
+                        "integrity check on/off (quick: ~25 s)"),
     "kv_dtype": ("experiments.kv_dtype",
                  "lever 1: decode tok/s at concurrency 1-64, bf16 vs fp8 KV at one KV budget, "
-                 "OOM points marked (quick: ~1.5 min)"),
+                 "OOM points marked (quick: ~40 s)"),
     "weight_quant": ("experiments.weight_quant",
                      "lever 2: decode tok/s vs concurrency and prefill tok/s for dense/FP8/INT4 "
-                     "weights; weight memory per device (quick: ~1.5 min)"),
+                     "weights; weight memory per device (quick: ~30 s)"),
     "disagg": ("experiments.disagg",
                "lever 3: disaggregated prefill/decode pools vs colocated bf16: throughput, TTFT, "
-               "TPOT (quick: ~1 min)"),
+               "TPOT (quick: ~20 s)"),
     "integrity": ("experiments.integrity",
                   "lever 4: page-tag check on vs off at concurrency 1-8 (paired, interleaved) and "
-                  "a fault-injection run (quick: ~1.5 min)"),
+                  "a fault-injection run (quick: ~40 s)"),
     "prefix_cache": ("experiments.prefix_cache",
                      "radix prefix cache on a shared-system-prompt workload, on vs off: TTFT, "
-                     "throughput, prefill tokens saved, hit rate, identical outputs (quick: ~1 min)"),
+                     "throughput, prefill tokens saved, hit rate, identical outputs (quick: ~15 s)"),
     "paper": ("experiments.paper",
               "analytic model of the report's Kimi K2.6 and GLM 5.2 deployments on 8x H200: "
               "calibrated, then predicted; and predicted from the steps compiled for 8x H200 with "
-              "one fitted launch gap (~4 min)"),
+              "one fitted launch gap (~5 min)"),
     "h200_compile": ("experiments.h200_compile",
                      "the report's decode and prefill steps compiled for 8x H200 without a GPU: "
                      "per-device weights, KV pool and temporaries from XLA, the largest pool that "
-                     "fits, beside the analytic model (quick: Kimi K2.6, ~3.5 min; --full adds "
+                     "fits, beside the analytic model (quick: Kimi K2.6, ~1.5 min; --full adds "
                      "GLM 5.2, ~20 min)"),
     "kernels": ("experiments.kernels",
-                "roofline sheet of every kernel at its target shapes (modelled; ~2 s); on a "
+                "roofline sheet of every kernel at its target shapes (modelled; ~5 s); on a "
                 "GPU also per-kernel time and bandwidth vs references and peers"),
     "accuracy": ("experiments.accuracy",
                  "train MINI_MLA on generated tasks (cached), evaluate every KV x weight recipe "
@@ -75,7 +75,7 @@ EXPERIMENTS = {
     "retrieval_learning": ("experiments.retrieval_learning",
                            "why retrieval is not learned: MINI_MLA vs the same width with GQA "
                            "attention, trained from scratch on key->value lookup alone; accuracy "
-                           "vs step (not in the default suite: quick ~8 min, --full ~20 min)"),
+                           "vs step (not in the default suite: quick ~5 min, --full ~20 min)"),
     "cpu_peer": ("experiments.cpu_peer",
                  "the Engine beside Hugging Face transformers on one 32.6M-param checkpoint, 8 and "
                  "32 requests x 128-token prompts x 64 greedy tokens: tok/s, ratio, identical "
@@ -84,7 +84,7 @@ EXPERIMENTS = {
     "host_scale": ("experiments.host_scale",
                    "host ms per engine step vs pool pages (1K-200K), running requests (16-256), "
                    "an empty or full prefix cache and requests served; RSS (not in the default "
-                   "suite: quick ~2 min with 20K requests served, --full ~2 min with 100K)"),
+                   "suite: quick ~1 min with 20K requests served, --full ~2 min with 100K)"),
     "speculative": ("experiments.speculative",
                     "MTP speculative decoding on the MTP-trained MINI_MLA: acceptance length by "
                     "task for k = 1-3, decode tok/s with and without at concurrency 1-32, "
@@ -97,12 +97,12 @@ EXPERIMENTS = {
                    "engine thread, and through the OpenAI-compatible HTTP API (mlkit.serve.bench) "
                    "on SMALL_MLA and TINY_MLA: output tok/s and TTFT at concurrency 1-32, where "
                    "the added TTFT goes, and TTFT under the same Poisson arrivals both ways (not "
-                   "in the default suite: quick ~6 min)"),
+                   "in the default suite: quick ~5 min)"),
     "serve_processes": ("experiments.serve_processes",
                         "prefill and decode as two server processes (mlkit.serve, KV over "
                         "jax.experimental.transfer) vs the in-process DisaggEngine: transfer MB/s, "
                         "added latency and TTFT per prompt length (not in the default suite: "
-                        "quick ~1.5 min)"),
+                        "quick ~30 s)"),
 }
 DEFAULT_SUITE = ("generate", "capacity", "engine_overhead", "kv_dtype", "weight_quant", "disagg",
                  "integrity", "prefix_cache", "paper", "h200_compile", "kernels")
