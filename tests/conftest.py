@@ -81,6 +81,10 @@ def pytest_collection_modifyitems(config, items):
   when no GPU backend is present."""
   rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
+  # Here rather than at configure time: this hook runs where tests run (each worker), not
+  # in pytest-xdist's controller, which never imports jax.
+  import host_callbacks  # tests/ is on sys.path, as for this file
+  host_callbacks.install()
   import jax
   if jax.default_backend() == "gpu":
     return
