@@ -8,6 +8,7 @@ kernel that reads past a request's length, or leaves an output element
 unwritten (interpret mode fills fresh outputs with NaN), fails.
 """
 
+import contextlib
 import functools
 import itertools
 import math
@@ -181,6 +182,67 @@ def _reference_e4m3_query(q_latent, q_rope, *rest, scale):
   ql8, qr8, q_scale = attn_ops.fp8_query(q_latent, q_rope)
   deq = lambda x: x.astype(jnp.float32) * q_scale[..., None]  # noqa: E731
   return paged_mla_decode_reference(deq(ql8), deq(qr8), *rest, scale=scale)
+
+
+@contextlib.contextmanager
+def _late_producer(producer_wg, block_id=None, hold_s=0.3):
+  """Holds a producer warpgroup back before each of its barrier waits, so that the
+  compute warpgroups run as far ahead of it as the kernel lets them.
+
+  Inside the context, before each wait of warpgroup ``producer_wg`` (of CTA
+  ``block_id``; of every CTA where None), the interpreter waits until every
+  lower-numbered warpgroup of that CTA has either finished the kernel or is blocked
+  on a barrier phase that has not completed (they can go no further without the
+  producer), or until ``hold_s`` seconds have passed (a compute warpgroup held up by
+  something other than a barrier). Yields a list that gets one entry per held wait.
+  """
+  wait = shared_memory.Barrier.wait
+  finished = shared_memory.GPUSharedMemory.kernel_thread_finished
+  waiting = {}  # (id of the kernel's shared memory, (CTA, warpgroup)) -> (barrier, thread)
+  # (the kernel's shared memory, (CTA, warpgroup)) of the threads that finished the kernel:
+  # the memory itself, not its id, which a later kernel's may reuse once it is freed.
+  done = []
+  held = []
+
+  def place(thread):
+    return getattr(thread, "block_id", None), getattr(thread, "warpgroup_id", None)
+
+  def cannot_go_on(memory, where):
+    if any(m is memory and w == where for m, w in done):
+      return True
+    entry = waiting.get((id(memory), where))
+    if entry is None:
+      return False
+    barrier, thread = entry
+    # The interpreter's own test of a wait that has to block (shared_memory.Barrier._wait):
+    # the thread last observed the barrier's current phase.
+    return barrier.last_observed_phase_by_thread.get(thread, 0) == barrier.phase
+
+  def held_wait(barrier, thread, *args, **kwargs):
+    block, wg = where = place(thread)
+    if wg is None or (block_id is not None and block != block_id):
+      return wait(barrier, thread, *args, **kwargs)
+    memory = barrier.shared_memory
+    if wg == producer_wg:
+      held.append(thread)
+      deadline = time.monotonic() + hold_s
+      while (time.monotonic() < deadline
+             and not all(cannot_go_on(memory, (block, i)) for i in range(producer_wg))):
+        time.sleep(0.001)
+      return wait(barrier, thread, *args, **kwargs)
+    waiting[id(memory), where] = (barrier, thread)
+    try:
+      return wait(barrier, thread, *args, **kwargs)
+    finally:
+      waiting.pop((id(memory), where), None)
+
+  def thread_finished(memory, thread):
+    done.append((memory, place(thread)))
+    return finished(memory, thread)
+
+  with mock.patch.object(shared_memory.Barrier, "wait", held_wait), \
+       mock.patch.object(shared_memory.GPUSharedMemory, "kernel_thread_finished", thread_finished):
+    yield held
 
 
 def _mla_scale(c, r):
@@ -423,24 +485,15 @@ class PagedMlaDecodeMgpuTest(OpTest):
 
   def _late_ring(self, kv_dtype):
     """The staging-slot test's producer case (default QK) on its inputs, with only the
-    first CTA's producer warpgroup sleeping 0.3 s before each of its barrier waits (the
-    second request's CTA runs on time instead of adding its sleeps): (``_run``'s
-    result, how many waits slept)."""
+    first CTA's producer warpgroup held back before each of its barrier waits
+    (``_late_producer``; the second request's CTA runs on time): (``_run``'s result,
+    how many waits were held)."""
     late = 2 if self.MLA_M == "heads" else 1  # the producer's warpgroup
-    wait = shared_memory.Barrier.wait
-    slept = []
-
-    def late_producer(barrier, thread, *args, **kwargs):
-      if thread.warpgroup_id == late and thread.block_id == 0:
-        slept.append(thread)
-        time.sleep(0.3)
-      return wait(barrier, thread, *args, **kwargs)
-
     one_piece_each = lambda batch, heads, max_pages, kind=None: batch  # noqa: E731
     with mock.patch.object(attn_ops, "mla_mgpu_pieces", one_piece_each), \
-         mock.patch.object(shared_memory.Barrier, "wait", late_producer):
+         _late_producer(late, block_id=0) as held:
       run = self._run(_seed("ring", kv_dtype, "auto"), kv_dtype, **self.RING)
-    return run, len(slept)
+    return run, len(held)
 
   @parameterized.parameters("bf16", "fp8")
   def test_a_late_producer_misses_no_phase(self, kv_dtype):
@@ -448,13 +501,13 @@ class PagedMlaDecodeMgpuTest(OpTest):
     i+1 are in flight before it waits for step i-2's slot): a barrier that
     completes twice before its waiter looks is never seen to complete on an
     H200 (mbarrier waits test the phase's parity), so each slot has its own.
-    Here the producer sleeps before each wait (``_late_ring``), so the compute
-    warpgroups run as far ahead as the slots let them; one free barrier for both
+    Here the producer is held back before each wait until the compute warpgroups
+    are blocked (``_late_ring``), so they run as far ahead as the slots let them; one free barrier for both
     slots fails (the interpreter raises on a missed phase). The tokens-in-M
     kernel's producer (warpgroup 1 of 2) is held to the same."""
-    run, slept = self._late_ring(kv_dtype)
+    run, held = self._late_ring(kv_dtype)
     self._assert_run(run)
-    self.assertGreaterEqual(slept, 5, "the producer was not held back at every page")
+    self.assertGreaterEqual(held, 5, "the producer was not held back at every page")
 
   def test_too_few_interpreter_threads_raise_instead_of_hanging(self):
     """Three warpgroups hang the interpreter on a client with too few threads
@@ -882,19 +935,14 @@ class PagedGqaDecodeMgpuInterpretTest(PagedGqaDecodeMgpuTest):
     self._ring(kv_dtype, gqa_loads, blocks=5)
 
   def test_a_late_producer_misses_no_phase(self):
-    """The GQA producer (gqa_loads="producer") sleeps before each of its waits, so
-    the compute warpgroup runs as far ahead as the four slots let it: one free
+    """The GQA producer (gqa_loads="producer") is held back before each of its waits
+    (``_late_producer``), so the compute warpgroup runs as far ahead as the four slots
+    let it: one free
     barrier for all slots fails (see the MLA kernel's test of the same name)."""
-    wait = shared_memory.Barrier.wait
-
-    def late_producer(barrier, thread, *args, **kwargs):
-      if getattr(thread, "warpgroup_id", None) == 1:
-        time.sleep(0.3)
-      return wait(barrier, thread, *args, **kwargs)
-
-    with mock.patch.object(shared_memory.Barrier, "wait", late_producer):
-      # One CTA (one request, one KV head), so the producer's sleeps add up to ~2 s.
+    with _late_producer(1) as held:
+      # One CTA (one request, one KV head).
       self._ring("bf16", "producer", blocks=7, kv_heads=1, lengths=[7 * 64 - 7])
+    self.assertGreaterEqual(len(held), 5, "the producer was not held back at every block")
 
 
 class ReferenceTest(parameterized.TestCase):
