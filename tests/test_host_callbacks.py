@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import absltest
 from jax.experimental import io_callback
+from jax._src import callback
 from jax._src.pallas.mosaic_gpu.interpret import shared_memory
 
 import host_callbacks
@@ -18,8 +19,10 @@ class HostCallbacksTest(absltest.TestCase):
     super().setUp()
     if os.environ.get("JAX_IO_CALLBACKS") == "jax":
       self.skipTest("JAX_IO_CALLBACKS=jax: jax's own io_callback runs")
-    # conftest installs it while collecting; installing again keeps it working.
+    # conftest installs it while collecting; installing again changes nothing.
+    installed = (callback.io_callback_impl, shared_memory._to_int)
     self.assertTrue(host_callbacks.install())
+    self.assertEqual((callback.io_callback_impl, shared_memory._to_int), installed)
 
   def test_callback_gets_numpy_copies_and_returns_the_same_values(self):
     seen = []
