@@ -17,10 +17,11 @@ import os
 import sys
 
 if __name__ == "__main__":
-  # Before jax is imported: 2 host devices per process, and CPU code compiled without
-  # LLVM optimisation, as in the suite's own processes (tests/conftest.py says why).
-  os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=2 "
-                             "--xla_backend_optimization_level=0")
+  # Before jax is imported: 2 host devices per process, and CPU programs compiled as in the
+  # suite's own processes (tests/cpu_compile_flags.py; this file's folder is on sys.path).
+  import cpu_compile_flags
+  os.environ["XLA_FLAGS"] = cpu_compile_flags.with_test_flags(
+      "--xla_force_host_platform_device_count=2")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -1,6 +1,6 @@
-"""Test-wide setup: 8 host CPU devices for sharding tests, CPU code compiled without LLVM
-optimisation, the H200 compile environment, the `gpu` marker, and no persistent compilation
-cache.
+"""Test-wide setup: 8 host CPU devices for sharding tests, CPU programs compiled fast
+(tests/cpu_compile_flags.py), the H200 compile environment, the `gpu` marker, and no
+persistent compilation cache.
 
 XLA_FLAGS and the compile environment must be set before jax is imported anywhere, so it
 happens at the top of this file, which pytest imports before any test module.
@@ -10,6 +10,8 @@ import os
 
 from pallas_kernels.h200 import env as h200_env
 
+import cpu_compile_flags  # tests/ is on sys.path, as for this file
+
 # JAX_PLATFORMS=cpu where there is no GPU (the CUDA compiler plugin is installed), and XLA's
 # ptxas report on, so that the kernel compile tests read registers and spills.
 h200_env.prepare()
@@ -17,14 +19,10 @@ h200_env.prepare()
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
   flags += " --xla_force_host_platform_device_count=8"
-# The tests compile hundreds of small CPU programs, and LLVM's optimisation of them is a
-# large share of the suite's time: at level 0 (no LLVM optimisation; float semantics are the
-# same, no fast-math at any level) it ran 446 s against 613 s (docs/testing.md). The H200 kernel
-# readings are unaffected: their compiles pin level 3 (pallas_kernels.h200.compile). Set
-# the flag in XLA_FLAGS to run the tests at another level.
-if "xla_backend_optimization_level" not in flags:
-  flags += " --xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = flags.strip()
+# CPU programs compiled faster, with the same semantics (tests/cpu_compile_flags.py says how
+# and why). A flag already in XLA_FLAGS is kept: set one there to run the tests another way.
+flags = cpu_compile_flags.with_test_flags(flags)
+os.environ["XLA_FLAGS"] = flags
 
 # No persistent compilation cache in the tests: while hunting a worker crash inside XLA
 # (see _release_compiled_programs below), one run died in the cache's write
