@@ -60,10 +60,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # worker finishing a long file while the other idles (pytest-xdist's own order is by
 # number of tests, which put long files with few tests last).
 LONGEST_FIRST = (
-    "test_experiments.py", "test_paged_attention_kernel.py", "test_h200_compile_int4.py",
-    "test_h200_compile_attention.py", "test_engine.py", "test_speculative_engine.py",
-    "test_serve_processes.py", "test_disagg.py", "test_serving_conformance.py",
-    "test_fp8_grouped_kernel.py", "test_train.py", "test_merge_pieces_kernel.py",
+    "test_experiments.py", "test_h200_compile_attention.py", "test_paged_attention_kernel.py",
+    "test_serve_processes.py", "test_h200_compile_int4.py", "test_merge_pieces_kernel.py",
+    "test_speculative_engine.py", "test_launches_per_moe_layer.py", "test_glm_serving.py",
+    "test_checkpoint_streaming.py", "test_gpu_check.py", "test_hf_parity.py",
 )
 
 
