@@ -9,27 +9,28 @@ from absl.testing import absltest
 import cpu_compile_flags
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
+_OURS = [cpu_compile_flags.LLVM_LEVEL, cpu_compile_flags.FUSION_EMITTER,
+         cpu_compile_flags.CODEGEN_SPLIT]
 
 
 class CpuCompileFlagsTest(absltest.TestCase):
 
-  def test_adds_both_flags_to_other_flags(self):
+  def test_adds_its_flags_to_other_flags(self):
     flags = cpu_compile_flags.with_test_flags("--xla_force_host_platform_device_count=2")
-    self.assertEqual(flags.split(), ["--xla_force_host_platform_device_count=2",
-                                     cpu_compile_flags.LLVM_LEVEL, cpu_compile_flags.FUSION_EMITTER])
+    self.assertEqual(flags.split(), ["--xla_force_host_platform_device_count=2", *_OURS])
 
   def test_keeps_a_setting_already_there(self):
-    mine = "--xla_backend_optimization_level=3 --xla_backend_extra_options=xla_cpu_fold_all=true"
+    mine = ("--xla_backend_optimization_level=3 --xla_backend_extra_options=xla_cpu_fold_all=true"
+            " --xla_cpu_parallel_codegen_split_count=4")
     self.assertEqual(cpu_compile_flags.with_test_flags(mine), mine)
-    self.assertEqual(cpu_compile_flags.with_test_flags(""),
-                     f"{cpu_compile_flags.LLVM_LEVEL} {cpu_compile_flags.FUSION_EMITTER}")
+    self.assertEqual(cpu_compile_flags.with_test_flags("--xla_backend_optimization_level=2"),
+                     " ".join(["--xla_backend_optimization_level=2", *_OURS[1:]]))
 
   def test_this_process_and_its_children_use_them(self):
     # conftest set XLA_FLAGS before jax started (these flags, or the same options set by
     # whoever ran the tests); processes the tests start inherit it.
     options = {f.split("=")[0] for f in os.environ["XLA_FLAGS"].split()}
-    self.assertLessEqual({"--xla_backend_optimization_level", "--xla_backend_extra_options"},
-                         options)
+    self.assertLessEqual({f.split("=")[0] for f in _OURS}, options)
     # XLA stops a process whose XLA_FLAGS it cannot parse, an unknown backend option too
     # ("xla: Unknown command line argument"): a jaxlib without the option fails here.
     code = "import jax, jax.numpy as jnp; print(float(jax.jit(lambda x: jnp.tanh(x).sum())(jnp.ones(4))))"
