@@ -502,9 +502,9 @@ class PagedMlaDecodeMgpuTest(OpTest):
     completes twice before its waiter looks is never seen to complete on an
     H200 (mbarrier waits test the phase's parity), so each slot has its own.
     Here the producer is held back before each wait until the compute warpgroups
-    are blocked (``_late_ring``), so they run as far ahead as the slots let them; one free barrier for both
-    slots fails (the interpreter raises on a missed phase). The tokens-in-M
-    kernel's producer (warpgroup 1 of 2) is held to the same."""
+    are blocked (``_late_ring``), so they run as far ahead as the slots let them;
+    one free barrier for both slots fails (the interpreter raises on a missed
+    phase). The tokens-in-M kernel's producer (warpgroup 1 of 2) is held to the same."""
     run, held = self._late_ring(kv_dtype)
     self._assert_run(run)
     self.assertGreaterEqual(held, 5, "the producer was not held back at every page")
@@ -937,8 +937,8 @@ class PagedGqaDecodeMgpuInterpretTest(PagedGqaDecodeMgpuTest):
   def test_a_late_producer_misses_no_phase(self):
     """The GQA producer (gqa_loads="producer") is held back before each of its waits
     (``_late_producer``), so the compute warpgroup runs as far ahead as the four slots
-    let it: one free
-    barrier for all slots fails (see the MLA kernel's test of the same name)."""
+    let it: one free barrier for all slots fails (see the MLA kernel's test of the
+    same name)."""
     with _late_producer(1) as held:
       # One CTA (one request, one KV head).
       self._ring("bf16", "producer", blocks=7, kv_heads=1, lengths=[7 * 64 - 7])
