@@ -19,8 +19,8 @@ h200_env.prepare()
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
   flags += " --xla_force_host_platform_device_count=8"
-# CPU programs compiled faster, with the same semantics (tests/cpu_compile_flags.py says how
-# and why). A flag already in XLA_FLAGS is kept: set one there to run the tests another way.
+# The same CPU programs, compiled faster (tests/cpu_compile_flags.py says how and why). A
+# setting already in XLA_FLAGS is kept: set one there to run the tests another way.
 flags = cpu_compile_flags.with_test_flags(flags)
 os.environ["XLA_FLAGS"] = flags
 

@@ -19,8 +19,8 @@ differently); the tests' tolerances are for that, and the suite passes with and 
 
 The H200 compiles are GPU compiles and read the same registers, spills and shared memory
 with these flags as without (their level is pinned by pallas_kernels.h200.compile).
-``make run`` and the library use XLA's defaults. Put any of these options in ``XLA_FLAGS`` to run the
-tests another way: a flag already there is kept.
+``make run`` and the library use XLA's defaults. Put any of these options in ``XLA_FLAGS``
+to run the tests another way: a setting already there is kept.
 
 tests/conftest.py applies this to the suite's processes; the multi-process workers, which set
 their own ``XLA_FLAGS`` before importing jax, call it too. It must not import jax.
