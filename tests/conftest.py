@@ -102,3 +102,20 @@ def _release_compiled_programs():
   yield
   import jax
   jax.clear_caches()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_log_levels():
+  """Puts the root and absl loggers' levels back after each test module. Both are
+  process-wide, and a worker runs many modules: a module that lowers them (mlkit.serve's
+  main() sets absl's verbosity to WARNING for its process) would otherwise silence the INFO
+  logs a later module asserts, and only in the runs whose file order puts the two in one
+  worker."""
+  import logging
+
+  from absl import logging as absl_logging
+  loggers = (logging.getLogger(), absl_logging.get_absl_logger())
+  levels = [lg.level for lg in loggers]
+  yield
+  for lg, level in zip(loggers, levels):
+    lg.setLevel(level)

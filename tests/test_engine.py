@@ -14,6 +14,7 @@ import logging as pylogging
 
 import jax
 import numpy as np
+from absl import logging as absl_logging
 from absl.testing import absltest, parameterized
 
 from configs import TINY_GQA, TINY_MLA
@@ -448,6 +449,11 @@ class MetricsTest(absltest.TestCase):
 
   def test_metrics_dict_and_log(self):
     eng = Engine(params(), engine_config(log_every=2))
+    # The engine logs through absl, whose verbosity is process-wide: this test states the
+    # level it reads rather than inherit whatever an earlier module in the worker left.
+    absl_logger = absl_logging.get_absl_logger()
+    self.addCleanup(absl_logger.setLevel, absl_logger.level)
+    absl_logger.setLevel(pylogging.INFO)
     with self.assertLogs(level=pylogging.INFO) as logs:
       ids = [eng.submit(prompt(12, i), SamplingParams(max_new_tokens=5)) for i in range(3)]
       eng.run_until_done()

@@ -434,15 +434,21 @@ class CliTest(absltest.TestCase):
     """``mlkit.serve``'s main() in this process, for starts refused only after its imports
     of jax and the model code (a process of its own would import them again): its exit
     status and stderr, as ``_run`` returns them. The environment it sets for its own
-    devices is restored, and the listener a refused start leaves open closes as its
-    process's would (with its frames, quietly)."""
+    devices is restored, and so is absl's logging verbosity (main() lowers it to WARNING
+    for its process; left lowered, a later module's INFO logs vanish). The listener a
+    refused start leaves open closes as its process's would (with its frames, quietly)."""
     import contextlib
     import io
     import warnings
     from unittest import mock
 
+    from absl import logging as absl_logging
+
     from mlkit.serve.__main__ import main
     err = io.StringIO()
+    # The absl logger's own level, not get_verbosity(): that reads the effective level,
+    # and setting it back would pin a logger that had inherited the root's.
+    absl_level = absl_logging.get_absl_logger().level
     with (mock.patch.dict(os.environ), contextlib.redirect_stderr(err),
           warnings.catch_warnings()):
       warnings.simplefilter("ignore", ResourceWarning)
@@ -450,6 +456,8 @@ class CliTest(absltest.TestCase):
         code = main(list(args))
       except SystemExit as e:
         code = e.code
+      finally:
+        absl_logging.get_absl_logger().setLevel(absl_level)
     return subprocess.CompletedProcess(args, code, "", err.getvalue())
 
   def test_help(self):
